@@ -1,0 +1,399 @@
+"""The event vocabulary and the bus that carries it.
+
+Everything the engine knows leaves it as one of these frozen dataclasses. Each one serialises to a
+single JSON line (``to_json``) and comes back with ``from_json``, so ``events.jsonl`` replays into
+any subscriber (the dashboard, tests, a post-mortem).
+
+The bus gives every subscriber its own bounded queue and thread: a slow or broken subscriber never
+blocks ``publish`` (the training loop) and never stops the others.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import queue
+import threading
+import time
+import traceback as tb
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar
+
+# Lifecycle states, in order. Terminal states end a run; the engine then waits for the operator.
+STATES = ("idle", "preflight", "loading", "warmup", "training", "finished", "aborted", "failed")
+TERMINAL_STATES = ("finished", "aborted", "failed")
+
+# Error kinds (DESIGN.md, robustness rules).
+ERROR_KINDS = ("oom", "config", "data", "wandb", "cuda", "io", "internal")
+
+
+def _now() -> float:
+    return time.time()
+
+
+@dataclass(frozen=True)
+class Event:
+    """Base class: every event carries the wall-clock time it was made."""
+
+    ts: float = field(default_factory=_now, kw_only=True)
+    kind: ClassVar[str] = "Event"
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["event"] = self.kind
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), separators=(",", ":"), default=_json_default)
+
+
+def _json_default(obj: Any) -> Any:
+    # numpy / torch scalars and paths sneak in; keep the line valid JSON.
+    if hasattr(obj, "item"):
+        return obj.item()
+    return str(obj)
+
+
+@dataclass(frozen=True)
+class RunStarted(Event):
+    run_name: str
+    run_dir: str
+    config: dict
+    targets: list  # device labels of target workers, e.g. ["cuda:0", ...] or ["cpu:0"]
+    drafters: list
+    resumed_from_step: int = 0
+    total_steps: int = 0
+    kind: ClassVar[str] = "RunStarted"
+
+
+@dataclass(frozen=True)
+class StateChanged(Event):
+    state: str
+    previous: str
+    reason: str = ""
+    kind: ClassVar[str] = "StateChanged"
+
+
+@dataclass(frozen=True)
+class WorkerStatus(Event):
+    """One worker's own phase: loading, warmup, running, waiting, stopped, failed."""
+
+    worker: str  # e.g. "target-0", "drafter-0", "loader-0", "telemetry"
+    role: str  # target | drafter | loader | telemetry | sink
+    device: str  # "cuda:3", "cpu"
+    status: str
+    detail: str = ""
+    kind: ClassVar[str] = "WorkerStatus"
+
+
+@dataclass(frozen=True)
+class LoadProgress(Event):
+    worker: str
+    device: str
+    bytes_loaded: int
+    bytes_total: int
+    shards_loaded: int
+    shards_total: int
+    seconds: float
+    done: bool = False
+    memory_after: int = 0  # bytes allocated on the device once loaded (0 until done)
+    kind: ClassVar[str] = "LoadProgress"
+
+
+@dataclass(frozen=True)
+class GpuSample(Event):
+    index: int
+    name: str
+    mem_used: int
+    mem_total: int
+    util: float = -1.0  # percent, -1 unknown
+    temperature: float = -1.0  # celsius, -1 unknown
+    power: float = -1.0  # watts, -1 unknown
+    torch_allocated: int = 0
+    torch_reserved: int = 0
+    role: str = ""  # target | drafter | target+drafter | "" unused
+    kind: ClassVar[str] = "GpuSample"
+
+
+@dataclass(frozen=True)
+class HostSample(Event):
+    ram_used: int
+    ram_total: int
+    cpu_percent: float
+    process_rss: int = 0
+    kind: ClassVar[str] = "HostSample"
+
+
+@dataclass(frozen=True)
+class QueueDepth(Event):
+    name: str  # "prefetch-0", "hs"
+    depth: int
+    capacity: int
+    kind: ClassVar[str] = "QueueDepth"
+
+
+@dataclass(frozen=True)
+class TargetMetrics(Event):
+    worker: str
+    device: str
+    batches: int
+    tokens_per_s: float
+    blocked_frac: float  # share of recent time spent waiting on a full HS queue
+    starved_frac: float = 0.0  # share of recent time spent waiting on an empty prefetch queue
+    kind: ClassVar[str] = "TargetMetrics"
+
+
+@dataclass(frozen=True)
+class StepMetrics(Event):
+    step: int
+    epoch: int
+    loss: float
+    lr: float
+    grad_norm: float
+    tokens_per_s: float
+    samples_per_s: float
+    tau_tf: float  # teacher-forced tau on this step's blocks
+    drafter_wait_frac: float = 0.0  # share of step time drafters waited on an empty HS queue
+    target_blocked_frac: float = 0.0  # share of time targets waited on a full HS queue
+    padding_frac: float = 0.0
+    samples: int = 0  # samples in this optimizer step
+    kind: ClassVar[str] = "StepMetrics"
+
+
+@dataclass(frozen=True)
+class EvalResult(Event):
+    step: int
+    tau: float
+    acceptance: list  # histogram: acceptance[k] = rounds that accepted k drafted tokens
+    prompts: int
+    kind: ClassVar[str] = "EvalResult"
+
+
+@dataclass(frozen=True)
+class MemoryPlan(Event):
+    """Preflight plan: one row per device with its components in bytes."""
+
+    rows: list  # [{"device", "role", "components": {name: bytes}, "total", "free", "fits"}]
+    fits: bool = True
+    kind: ClassVar[str] = "MemoryPlan"
+
+
+@dataclass(frozen=True)
+class Checkpoint(Event):
+    step: int
+    path: str
+    seconds: float
+    reason: str = "periodic"  # periodic | abort | final
+    kind: ClassVar[str] = "Checkpoint"
+
+
+@dataclass(frozen=True)
+class Log(Event):
+    level: str  # debug | info | warning | error
+    source: str
+    message: str
+    kind: ClassVar[str] = "Log"
+
+
+@dataclass(frozen=True)
+class Error(Event):
+    kind_: str  # one of ERROR_KINDS ("kind" is taken by the event type tag)
+    source: str  # worker or sink name, e.g. "target-3"
+    message: str
+    traceback: str = ""
+    hint: str = ""
+    fatal: bool = True
+    device: str = ""
+    phase: str = ""  # lifecycle state or worker phase when it happened
+    kind: ClassVar[str] = "Error"
+
+
+@dataclass(frozen=True)
+class SinkStatus(Event):
+    """A sink says where its output goes (wandb URL or offline folder, log paths)."""
+
+    sink: str
+    status: str  # ok | disabled | failed
+    detail: str = ""
+    kind: ClassVar[str] = "SinkStatus"
+
+
+@dataclass(frozen=True)
+class RunEnded(Event):
+    status: str  # finished | aborted | failed
+    step: int
+    seconds: float
+    reason: str = ""
+    kind: ClassVar[str] = "RunEnded"
+
+
+EVENT_TYPES: dict[str, type[Event]] = {
+    cls.kind: cls
+    for cls in (
+        RunStarted, StateChanged, WorkerStatus, LoadProgress, GpuSample, HostSample, QueueDepth,
+        TargetMetrics, StepMetrics, EvalResult, MemoryPlan, Checkpoint, Log, Error, SinkStatus,
+        RunEnded,
+    )
+}
+
+
+def from_dict(d: dict[str, Any]) -> Event:
+    d = dict(d)
+    name = d.pop("event")
+    cls = EVENT_TYPES[name]
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in d.items() if k in names})
+
+
+def from_json(line: str) -> Event:
+    return from_dict(json.loads(line))
+
+
+def read_jsonl(path) -> list[Event]:
+    """Read an events.jsonl file; a torn last line (process killed mid-write) is skipped."""
+    out: list[Event] = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                out.append(from_json(line))
+            except (ValueError, KeyError, TypeError):
+                continue
+    return out
+
+
+def error_from_exception(
+    exc: BaseException, *, kind: str, source: str, hint: str = "", fatal: bool = True,
+    device: str = "", phase: str = "",
+) -> Error:
+    return Error(
+        kind_=kind, source=source, message=f"{type(exc).__name__}: {exc}",
+        traceback="".join(tb.format_exception(exc)), hint=hint, fatal=fatal, device=device,
+        phase=phase,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# The bus
+# --------------------------------------------------------------------------------------------
+
+_STOP = object()
+
+
+class _Subscription:
+    def __init__(self, bus: "EventBus", name: str, callback: Callable[[Event], None],
+                 maxsize: int, critical: bool):
+        self.bus = bus
+        self.name = name
+        self.callback = callback
+        self.critical = critical  # a critical sink's failure is reported as fatal
+        self.queue: queue.Queue = queue.Queue(maxsize=maxsize)
+        self.dropped = 0
+        self.failed = False
+        self.thread = threading.Thread(target=self._run, name=f"sink-{name}", daemon=True)
+        self.thread.start()
+
+    def offer(self, event: Event) -> None:
+        if self.failed:
+            return
+        try:
+            self.queue.put_nowait(event)
+        except queue.Full:
+            # Never block the publisher: drop, and count what was dropped.
+            self.dropped += 1
+
+    def _run(self) -> None:
+        while True:
+            item = self.queue.get()
+            if item is _STOP:
+                self.queue.task_done()
+                return
+            try:
+                if not self.failed:
+                    self.callback(item)
+            except Exception as exc:  # a broken sink must not take the run down
+                self.failed = True
+                self.bus.publish(error_from_exception(
+                    exc, kind=getattr(exc, "error_kind", "io" if isinstance(exc, OSError) else "internal"),
+                    source=f"sink:{self.name}", fatal=self.critical,
+                    hint=getattr(exc, "hint", "")
+                    or f"the {self.name} subscriber stopped; the run goes on without it",
+                ))
+            finally:
+                self.queue.task_done()
+
+    def close(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self.queue.put(_STOP, timeout=0.05)
+                break
+            except queue.Full:
+                if time.monotonic() > deadline:
+                    return
+        self.thread.join(max(0.0, deadline - time.monotonic()))
+
+
+class EventBus:
+    """Fan-out of events to subscribers, each on its own thread with its own bounded queue."""
+
+    def __init__(self) -> None:
+        self._subs: list[_Subscription] = []
+        self._lock = threading.Lock()
+        self._taps: list[Callable[[Event], None]] = []
+
+    def subscribe(self, name: str, callback: Callable[[Event], None], *, maxsize: int = 100_000,
+                  critical: bool = False) -> _Subscription:
+        sub = _Subscription(self, name, callback, maxsize, critical)
+        with self._lock:
+            self._subs.append(sub)
+        return sub
+
+    def tap(self, callback: Callable[[Event], None]) -> None:
+        """Synchronous listener, called in the publisher's thread. Must be fast and non-blocking
+        (e.g. Textual's post_message, or appending to a list in tests)."""
+        with self._lock:
+            self._taps.append(callback)
+
+    def untap(self, callback: Callable[[Event], None]) -> None:
+        with self._lock:
+            if callback in self._taps:
+                self._taps.remove(callback)
+
+    def unsubscribe(self, sub: _Subscription, timeout: float = 5.0) -> None:
+        with self._lock:
+            if sub in self._subs:
+                self._subs.remove(sub)
+        sub.close(timeout)
+
+    def publish(self, event: Event) -> None:
+        with self._lock:
+            subs = list(self._subs)
+            taps = list(self._taps)
+        for sub in subs:
+            sub.offer(event)
+        for cb in taps:
+            try:
+                cb(event)
+            except Exception:
+                pass  # a tap is best-effort by contract
+
+    def drain(self, timeout: float = 5.0) -> bool:
+        """Wait until every subscriber has handled what was published so far."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            subs = list(self._subs)
+        for sub in subs:
+            while sub.queue.unfinished_tasks and not sub.failed:
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(0.01)
+        return True
+
+    def close(self, timeout: float = 5.0) -> None:
+        with self._lock:
+            subs, self._subs = self._subs, []
+        for sub in subs:
+            sub.close(timeout)
