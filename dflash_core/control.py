@@ -1,0 +1,37 @@
+"""The one small command interface between an operator (dashboard, signal handler, later a local
+socket) and a running engine. Anything that can abort, restart or shut down a run goes through it,
+so the same commands reach a headless engine and one owned by the dashboard."""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from .events import EventBus
+
+COMMANDS = ("abort", "restart", "shutdown")
+
+
+@runtime_checkable
+class Controller(Protocol):
+    bus: EventBus
+
+    @property
+    def state(self) -> str: ...
+
+    def start(self) -> None:
+        """Begin a run (preflight -> loading -> ...); returns at once, work happens on threads."""
+
+    def abort(self) -> None:
+        """Stop every worker (checkpoint first when training); returns at once."""
+
+    def restart(self) -> None:
+        """Abort, free memory, re-read the config file, resume from the latest checkpoint."""
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Abort if live, wait for every thread to end, close the sinks. Blocks up to timeout."""
+
+
+def dispatch(controller: Controller, command: str) -> None:
+    if command not in COMMANDS:
+        raise ValueError(f"unknown command {command!r}; known: {COMMANDS}")
+    getattr(controller, command)()
