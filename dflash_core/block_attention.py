@@ -1,0 +1,108 @@
+"""Attention of drafter blocks over the target context that precedes their anchor.
+
+Queries are A blocks of B tokens each; keys are the S context tokens followed by the same A*B block
+tokens. Block a sees context positions < anchor_a and the B tokens of its own block (bidirectional),
+nothing else. Never a dense S x S copy per block:
+- ``flex``: FlexAttention with a block-sparse mask (GPU; compiled once per process);
+- ``chunked``: SDPA over groups of blocks, each group's keys cut to the context it can see, so memory
+  is bounded by ``chunk_elems`` scores per head (any device; the reference for tests).
+Both compute the same function; tests check it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+# Upper bound on query x key scores materialised per head by the chunked path.
+CHUNK_ELEMS = 1 << 22
+
+
+def _expand_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
+
+
+def chunked_block_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, block_size, scale,
+                            chunk_elems: int = CHUNK_ELEMS):
+    """q, k_blk, v_blk: [n, h(kv), A*B, d]; k_ctx, v_ctx: [n, hkv, S, d]; anchors: [n, A] (-1 =
+    padding block, which then sees only itself)."""
+    n, h, Q, d = q.shape
+    rep = h // k_ctx.shape[1]
+    B = block_size
+    A = Q // B
+    out = torch.empty_like(q)
+    S = k_ctx.shape[2]
+    for b in range(n):
+        anc = anchors[b].tolist()
+        a0 = 0
+        while a0 < A:
+            # Grow the group while its scores stay within budget.
+            a1 = a0 + 1
+            ctx_end = max(0, min(S, anc[a0]))
+            while a1 < A:
+                end = max(ctx_end, min(S, anc[a1]))
+                if (a1 + 1 - a0) * B * (end + (a1 + 1 - a0) * B) > chunk_elems:
+                    break
+                ctx_end = end
+                a1 += 1
+            g = a1 - a0
+            rows = slice(a0 * B, a1 * B)
+            keys = torch.cat([k_ctx[b, :, :ctx_end], k_blk[b, :, rows]], dim=1)
+            vals = torch.cat([v_ctx[b, :, :ctx_end], v_blk[b, :, rows]], dim=1)
+            anc_t = torch.tensor(anc[a0:a1], device=q.device).clamp(min=0)
+            row_anchor = anc_t.repeat_interleave(B)[:, None]  # [g*B, 1]
+            ctx_pos = torch.arange(ctx_end, device=q.device)[None, :]
+            row_blk = torch.arange(g * B, device=q.device) // B
+            mask = torch.cat([ctx_pos < row_anchor, row_blk[:, None] == row_blk[None, :]], dim=1)
+            out[b, :, rows] = F.scaled_dot_product_attention(
+                q[b, :, rows], _expand_kv(keys[None], rep)[0], _expand_kv(vals[None], rep)[0],
+                attn_mask=mask, scale=scale,
+            )
+            a0 = a1
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=True)
+
+
+def flex_block_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, block_size, scale,
+                         compile: bool = True):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    n, h, Q, d = q.shape
+    S = k_ctx.shape[2]
+    B = block_size
+    anchors = anchors.to(q.device)
+
+    def mask_mod(b, hh, q_idx, kv_idx):
+        blk = q_idx // B
+        anchor = anchors[b, blk]
+        in_ctx = kv_idx < S
+        sees_ctx = in_ctx & (kv_idx < anchor)
+        sees_own = (~in_ctx) & (((kv_idx - S) // B) == blk)
+        return sees_ctx | sees_own
+
+    block_mask = create_block_mask(mask_mod, B=n, H=None, Q_LEN=Q, KV_LEN=S + Q,
+                                   device=q.device, _compile=compile)
+    keys = torch.cat([k_ctx, k_blk], dim=2)
+    vals = torch.cat([v_ctx, v_blk], dim=2)
+    fn = _compiled_flex() if compile else flex_attention
+    return fn(q, keys, vals, block_mask=block_mask, scale=scale,
+              enable_gqa=k_ctx.shape[1] != h)
+
+
+def block_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, block_size, scale, impl="auto"):
+    if impl == "auto":
+        impl = "flex" if q.is_cuda else "chunked"
+    if impl == "flex":
+        return flex_block_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, block_size, scale,
+                                    compile=q.is_cuda)
+    if impl == "chunked":
+        return chunked_block_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, block_size, scale)
+    raise ValueError(f"unknown block attention impl {impl!r}; use auto, flex or chunked")
