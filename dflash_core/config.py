@@ -57,6 +57,9 @@ class DrafterConfig:
     num_anchors: int = 512  # A, anchors drawn per sequence per epoch
     gamma: float = 0.0  # loss decay; 0 = 7 for B=16, 5 for B=10, 4 for B=8, else B/2.3
     loss_chunk: int = 4096  # block tokens per chunk of the chunked cross-entropy
+    # Block tokens (sequences x anchors x block) per drafter forward; a batch with more is split
+    # into sequence groups with gradients accumulated, bounding activation memory.
+    micro_block_tokens: int = 65536
     # Width overrides; 0 = same as the target (the usual choice).
     hidden_size: int = 0
     intermediate_size: int = 0
@@ -230,6 +233,7 @@ def _check(cfg: Config) -> None:
     positive("drafter.num_layers", cfg.drafter.num_layers)
     positive("drafter.num_anchors", cfg.drafter.num_anchors)
     positive("drafter.loss_chunk", cfg.drafter.loss_chunk)
+    positive("drafter.micro_block_tokens", cfg.drafter.micro_block_tokens)
     positive("optim.lr", cfg.optim.lr)
     positive("optim.grad_accum", cfg.optim.grad_accum)
     positive("optim.epochs", cfg.optim.epochs)

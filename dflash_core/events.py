@@ -319,7 +319,9 @@ class _Subscription:
                     exc, kind=getattr(exc, "error_kind", "io" if isinstance(exc, OSError) else "internal"),
                     source=f"sink:{self.name}", fatal=self.critical,
                     hint=getattr(exc, "hint", "")
-                    or f"the {self.name} subscriber stopped; the run goes on without it",
+                    or (f"the {self.name} log stopped: the run stops so no record is lost; "
+                        "check the run folder's disk and permissions" if self.critical else
+                        f"the {self.name} subscriber stopped; the run goes on without it"),
                 ))
             finally:
                 self.queue.task_done()

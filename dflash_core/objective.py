@@ -69,7 +69,7 @@ def slot_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:
 
 
 def _chunk_ce(hidden, weight, labels, w):
-    logits = F.linear(hidden, weight).float()
+    logits = F.linear(hidden.to(weight.dtype), weight).float()
     ce = F.cross_entropy(logits, labels, reduction="none")
     return (ce * w).sum(), logits.argmax(-1)
 

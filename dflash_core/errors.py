@@ -1,0 +1,62 @@
+"""Turn any exception of a worker into an Error event: classified, placed, with a hint.
+
+An exception may carry ``error_kind`` and ``hint`` attributes (ConfigError, DataError,
+TargetLoadError, CheckpointError do); otherwise the kind is inferred here.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from .events import Error, error_from_exception
+
+# What to change in config.yaml when a role runs out of memory.
+OOM_KEYS = {
+    "target": "data.token_budget (tokens per target batch) or data.max_seqs_per_batch",
+    "drafter": "drafter.micro_block_tokens (block tokens per drafter forward) or drafter.loss_chunk",
+    "loader": "data.prefetch_batches",
+}
+
+
+def _is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, torch.OutOfMemoryError) or (
+        isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower())
+
+
+def _free_memory(device: str) -> str:
+    if device.startswith("cuda") and torch.cuda.is_available():
+        try:
+            free, total = torch.cuda.mem_get_info(torch.device(device))
+            return f"{free / 2**30:.2f} GiB free of {total / 2**30:.1f} GiB"
+        except Exception:
+            return "free memory unknown"
+    return "host memory"
+
+
+def classify(exc: BaseException, *, role: str, device: str, phase: str) -> tuple[str, str]:
+    """(kind, hint) for an exception raised by a worker of ``role`` on ``device``."""
+    kind = getattr(exc, "error_kind", None)
+    hint = getattr(exc, "hint", "") or ""
+    if kind:
+        return kind, hint
+    if _is_oom(exc):
+        asked = re.search(r"[Tt]ried to allocate ([0-9.]+ [GMK]i?B)", str(exc))
+        size = asked.group(1) if asked else "unknown size"
+        key = OOM_KEYS.get(role, "data.token_budget")
+        return "oom", (f"out of memory on {device or 'cpu'} during {phase}: asked for {size}, "
+                       f"{_free_memory(device)}. Lower {key} in config.yaml.")
+    if isinstance(exc, OSError):
+        return "io", "check the path, permissions and free disk space named in the message"
+    text = str(exc)
+    if "CUDA" in text or "cuda" in type(exc).__module__ or "NCCL" in text:
+        return "cuda", "a CUDA error usually leaves the device unusable: restart the run (r)"
+    return "internal", "a bug in dflash: the traceback says where"
+
+
+def error_event(exc: BaseException, *, source: str, role: str, device: str, phase: str,
+                fatal: bool = True) -> Error:
+    kind, hint = classify(exc, role=role, device=device, phase=phase)
+    return error_from_exception(exc, kind=kind, source=source, hint=hint, fatal=fatal,
+                                device=device, phase=phase)

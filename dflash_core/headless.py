@@ -1,0 +1,66 @@
+"""Run the engine with no screen: readable lines on stdout, logs in the run folder.
+
+Exit codes: 0 finished, 1 failed, 130 aborted. SIGINT / SIGTERM abort gracefully (with a checkpoint
+when training). No terminal control codes, so it behaves under nohup and in pipes.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import time
+
+from .engine import Engine
+from .events import TERMINAL_STATES, Error, Event, RunEnded, StepMetrics
+from .sinks.textlog import format_event
+
+EXIT_CODES = {"finished": 0, "failed": 1, "aborted": 130}
+
+
+class ConsolePrinter:
+    """Prints what an operator needs, at most one progress line every ``every_s`` seconds."""
+
+    def __init__(self, out=None, every_s: float = 5.0):
+        self.out = out or sys.stdout
+        self.every_s = every_s
+        self._last_step_line = 0.0
+        self._lock = threading.Lock()
+
+    def __call__(self, ev: Event) -> None:
+        if isinstance(ev, StepMetrics):
+            now = time.monotonic()
+            if now - self._last_step_line < self.every_s and self._last_step_line:
+                return
+            self._last_step_line = now
+        line = format_event(ev)
+        if line is None:
+            return
+        with self._lock:
+            print(line, file=self.out, flush=True)
+
+
+def run_headless(engine: Engine, *, every_s: float = 5.0, out=None) -> int:
+    printer = ConsolePrinter(out=out, every_s=every_s)
+    sub = engine.bus.subscribe("console", printer)
+    ended = threading.Event()
+    engine.bus.tap(lambda ev: ended.set() if isinstance(ev, RunEnded) else None)
+
+    def on_signal(signum, frame):
+        print(f"signal {signal.Signals(signum).name}: aborting (checkpoint first)", flush=True,
+              file=printer.out)
+        engine.abort()
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        engine.start()
+        while not ended.wait(0.2):
+            pass
+        engine.join(timeout=30)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        engine.bus.drain(timeout=5)
+        engine.bus.unsubscribe(sub)
+        engine.shutdown(timeout=10)
+    return EXIT_CODES.get(engine.final_status or engine.state, 1)
