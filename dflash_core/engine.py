@@ -105,6 +105,13 @@ class Engine:
             return not sup.is_alive()
         return True
 
+    def run_dir(self) -> Path | None:
+        """The run folder the config names, if the config can be read (for post-mortems)."""
+        try:
+            return self._read_config().run_dir
+        except (ConfigError, OSError):
+            return None
+
     def wait(self, timeout: float | None = None) -> str:
         """Block until the run reaches a terminal state (or timeout); returns the state."""
         self.join(timeout)

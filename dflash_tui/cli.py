@@ -1,0 +1,72 @@
+"""`dflash-tui`: the dashboard that owns the engine, or the same engine headless.
+
+    dflash-tui --demo                  dashboard on the built-in tiny model
+    dflash-tui --config config.yaml    dashboard on a real run
+    dflash-tui --headless ...          no screen (no Textual import), logs in the run folder
+    dflash-tui --replay events.jsonl   replay a recorded run into the dashboard
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dflash-tui", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", type=Path, help="run config (YAML); restart re-reads it")
+    p.add_argument("--demo", action="store_true",
+                   help="train on the built-in tiny target and data made on the spot")
+    p.add_argument("--headless", action="store_true", help="no screen; progress lines on stdout")
+    p.add_argument("--resume", action="store_true", help="resume from the latest checkpoint")
+    p.add_argument("--max-steps", type=int, default=None, help="override run.max_steps")
+    p.add_argument("--output-dir", type=str, default=None, help="override run.output_dir")
+    p.add_argument("--replay", type=Path, help="replay an events.jsonl into the dashboard")
+    return p
+
+
+def make_engine(args):
+    from dflash_core.config import ConfigError
+    from dflash_core.engine import Engine
+
+    if args.config is not None:
+        if args.output_dir:
+            raise ConfigError("run.output_dir", "--output-dir cannot be combined with --config",
+                              hint="set run.output_dir in the config file")
+        return Engine(config_path=args.config, resume=args.resume, max_steps=args.max_steps)
+    if not args.demo:
+        raise ConfigError("", "nothing to run", hint="pass --config config.yaml or --demo")
+    from dflash_core.demo import demo_config
+
+    cfg = demo_config(output_dir=args.output_dir or "runs")
+    return Engine(cfg, resume=args.resume, max_steps=args.max_steps)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.replay is not None:
+        from dflash_tui.app import run_app
+        from dflash_tui.replay import ReplayController
+
+        return run_app(ReplayController.from_jsonl(args.replay), run_dir=args.replay.parent)
+    from dflash_core.config import ConfigError
+
+    try:
+        engine = make_engine(args)
+    except ConfigError as exc:
+        print(f"config error: {exc}\nhint: {exc.hint}" if exc.hint else f"config error: {exc}",
+              file=sys.stderr)
+        return 2
+    if args.headless:
+        from dflash_core.headless import run_headless
+
+        return run_headless(engine)
+    from dflash_tui.app import run_app
+
+    return run_app(engine, run_dir=engine.run_dir())
+
+
+if __name__ == "__main__":
+    sys.exit(main())
