@@ -1,0 +1,63 @@
+"""Strict config: every mistake names the key path, the bad value and what is allowed."""
+
+from pathlib import Path
+
+import pytest
+
+from dflash_core.config import ConfigError, config_from_dict, default_gamma, load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_real_node_config_loads():
+    cfg = load_config(ROOT / "config.yaml")
+    assert cfg.layout.targets == [0, 1, 2, 3, 4, 5, 6] and cfg.layout.drafters == [7]
+    assert cfg.data.token_budget == 65536
+
+
+def test_unknown_key_names_path_value_and_choices():
+    with pytest.raises(ConfigError) as e:
+        config_from_dict({"data": {"token_budgte": 100}})
+    msg = str(e.value)
+    assert e.value.key == "data.token_budgte"
+    assert "100" in msg and "token_budget" in msg and "Did you mean 'token_budget'" in msg
+
+
+def test_unknown_section():
+    with pytest.raises(ConfigError) as e:
+        config_from_dict({"optimiser": {}})
+    assert e.value.key == "optimiser" and "optim" in str(e.value)
+
+
+@pytest.mark.parametrize("data,key,fragment", [
+    ({"layout": {"device": "tpu"}}, "layout.device", "['auto', 'cuda', 'cpu']"),
+    ({"data": {"token_budget": "lots"}}, "data.token_budget", "expected an integer"),
+    ({"data": {"token_budget": 0}}, "data.token_budget", "must be > 0"),
+    ({"layout": {"targets": [0, "x"]}}, "layout.targets[1]", "expected an integer"),
+    ({"layout": {"drafters": []}}, "layout.drafters", "at least one"),
+    ({"wandb": {"enabled": "yes"}}, "wandb.enabled", "true or false"),
+    ({"data": {"max_length": 9000, "token_budget": 4096}}, "data.max_length", "exceeds"),
+    ({"optim": {"betas": [0.9]}}, "optim.betas", "two numbers"),
+])
+def test_bad_values_are_named(data, key, fragment):
+    with pytest.raises(ConfigError) as e:
+        config_from_dict(data)
+    assert e.value.key == key
+    assert fragment in str(e.value)
+
+
+def test_yaml_errors_and_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("run: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    evil = tmp_path / "evil.yaml"
+    evil.write_text("run: !!python/object/apply:os.system ['true']\n")
+    with pytest.raises(ConfigError):  # safe_load refuses python tags
+        load_config(evil)
+
+
+def test_gamma_defaults_from_the_paper():
+    assert (default_gamma(16), default_gamma(10), default_gamma(8)) == (7.0, 5.0, 4.0)

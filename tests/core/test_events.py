@@ -1,0 +1,66 @@
+"""Events round-trip through JSON; the bus never lets a subscriber block or break the publisher."""
+
+import threading
+import time
+
+from dflash_core import events as ev
+
+
+def sample_events():
+    return [
+        ev.RunStarted(run_name="r", run_dir="runs/r", config={"a": 1}, targets=["cuda:0"],
+                      drafters=["cuda:7"]),
+        ev.StateChanged(state="loading", previous="preflight"),
+        ev.LoadProgress(worker="target-0", device="cuda:0", bytes_loaded=5, bytes_total=10,
+                        shards_loaded=1, shards_total=2, seconds=1.5),
+        ev.StepMetrics(step=3, epoch=0, loss=2.5, lr=1e-4, grad_norm=0.3, tokens_per_s=1e4,
+                       samples_per_s=3.0, tau_tf=2.2),
+        ev.Error(kind_="oom", source="target-3", message="boom", traceback="tb", hint="lower x"),
+        ev.MemoryPlan(rows=[{"device": "cuda:0", "total": 1, "free": None}], fits=False),
+        ev.RunEnded(status="failed", step=3, seconds=10.0),
+    ]
+
+
+def test_every_event_type_round_trips(tmp_path):
+    path = tmp_path / "events.jsonl"
+    originals = sample_events()
+    path.write_text("\n".join(e.to_json() for e in originals) + "\n{\"event\": \"Sta")  # torn tail
+    back = ev.read_jsonl(path)
+    assert back == originals
+    assert {type(e) for e in originals} <= set(ev.EVENT_TYPES.values())
+
+
+def test_slow_subscriber_never_blocks_publish():
+    bus = ev.EventBus()
+    release = threading.Event()
+    got = []
+    bus.subscribe("slow", lambda e: (release.wait(5), got.append(e)), maxsize=10)
+    t = time.monotonic()
+    for i in range(1000):
+        bus.publish(ev.Log(level="info", source="t", message=str(i)))
+    assert time.monotonic() - t < 1.0  # 1000 publishes while the subscriber sleeps
+    release.set()
+    assert bus.drain(5)
+    assert 0 < len(got) <= 11  # bounded queue: the rest were dropped, not queued forever
+    bus.close()
+
+
+def test_broken_subscriber_reports_once_and_others_continue():
+    bus = ev.EventBus()
+    seen, errors = [], []
+    bus.tap(lambda e: errors.append(e) if isinstance(e, ev.Error) else None)
+
+    def broken(e):
+        raise OSError("disk gone")
+
+    bus.subscribe("jsonl", broken, critical=True)
+    bus.subscribe("ok", seen.append)
+    for i in range(5):
+        bus.publish(ev.Log(level="info", source="t", message=str(i)))
+    assert bus.drain(5)
+    time.sleep(0.1)
+    assert len(errors) == 1
+    assert errors[0].source == "sink:jsonl" and errors[0].kind_ == "io" and errors[0].fatal
+    assert len([e for e in seen if isinstance(e, ev.Log)]) == 5
+    bus.close()
+    assert not any(t.name.startswith("sink-") for t in threading.enumerate())
