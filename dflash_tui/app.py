@@ -1,0 +1,208 @@
+"""The dashboard: subscribes to the controller's bus, never touches engine internals.
+
+Engine threads -> `bus.tap` -> EventBuffer (an append, never a wait) -> a timer drains it ~8 times
+a second into one EngineEvents message -> DashboardState folds the batch and says which panels
+changed -> only those redraw. Commands go back through the Controller, on worker threads, so a
+slow abort or shutdown never freezes the screen.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from textual import work
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal
+from textual.screen import ModalScreen
+from textual.widgets import DataTable, Footer
+
+from dflash_core import events as ev
+from dflash_core.control import Controller, dispatch
+
+from . import postmortem
+from .commands import DashboardCommands
+from .messages import EngineEvents, EventBuffer
+from .screens import ConfirmScreen, HelpScreen
+from .state import DashboardState
+from .widgets.errors import ErrorsPanel
+from .widgets.gpus import GpusPanel
+from .widgets.header import HeaderBar
+from .widgets.log import LogPanel
+from .widgets.queues import QueuesPanel
+from .widgets.targets import TargetsPanel
+from .widgets.training import TrainingPanel
+
+REFRESH_HZ = 8
+QUIET_STATES = ("idle",) + ev.TERMINAL_STATES  # quitting in these needs no confirmation
+ACTIONS = ("restart", "abort", "quit", "focus_errors", "focus_log", "help")
+
+
+class DFlashApp(App[None]):
+    CSS_PATH = Path(__file__).with_name("dflash.tcss")  # absolute: subclasses live elsewhere
+    TITLE = "dflash"
+    # Below 120 columns or 40 rows the layout tightens (see dflash.tcss).
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (120, "-wide")]
+    VERTICAL_BREAKPOINTS = [(0, "-short"), (40, "-tall")]
+    COMMANDS = App.COMMANDS | {DashboardCommands}
+    BINDINGS = [
+        Binding("r", "restart", "Restart"),
+        Binding("a", "abort", "Abort"),
+        Binding("q", "quit", "Quit"),
+        Binding("e", "focus_errors", "Errors"),
+        Binding("l", "focus_log", "Log"),
+        Binding("question_mark", "help", "Help", key_display="?"),
+    ]
+
+    def __init__(self, controller: Controller, run_dir: Path | str | None = None,
+                 start: bool = True) -> None:
+        super().__init__()
+        self.controller = controller
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.start_run = start
+        self.state = DashboardState()
+        self.buffer = EventBuffer()
+        self.shutdown_done = False  # run_app shuts the controller down if the app did not
+        self._quitting = False
+
+    def compose(self) -> ComposeResult:
+        yield HeaderBar(id="header")
+        with Horizontal(id="row-hw", classes="row"):
+            yield GpusPanel(id="gpus")
+            yield TargetsPanel(id="targets")
+        with Horizontal(id="row-flow", classes="row"):
+            yield QueuesPanel(id="queues")
+            yield TrainingPanel(id="training")
+        with Horizontal(id="row-report", classes="row"):
+            yield ErrorsPanel(id="errors")
+            yield LogPanel(id="log")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.theme = "ansi-dark"  # terminal's own palette: reads in 256 colours over SSH/tmux
+        # Before start(), so nothing the engine publishes is missed.
+        self.controller.bus.tap(self.buffer.put)
+        changed = {"header"}
+        if self.run_dir is not None:
+            try:
+                pm = postmortem.load(self.run_dir)
+            except OSError as exc:
+                pm = None
+                self.state.add_log("warning", "post-mortem", f"cannot read {self.run_dir}: {exc}")
+                changed.add("log")
+            if pm is not None:
+                changed |= self.state.add_postmortem(pm)
+        self._show(changed)
+        self.set_interval(1 / REFRESH_HZ, self._drain)
+        if self.start_run:
+            self._command("start")
+
+    def on_unmount(self) -> None:
+        self.controller.bus.untap(self.buffer.put)
+
+    # ------------------------------------------------------------------ events in
+
+    def _drain(self) -> None:
+        batch = self.buffer.drain()
+        if batch:
+            self.post_message(EngineEvents(batch))
+
+    def on_engine_events(self, message: EngineEvents) -> None:
+        self._show(self.state.apply_all(message.events))
+
+    def _show(self, changed: set[str]) -> None:
+        for name in changed:
+            self.query_one(f"#{name}").show(self.state)
+
+    def _report(self, exc: BaseException, what: str) -> None:
+        """A failed command is an error in the pane, never a closed app."""
+        self._show(self.state.add_error(ev.error_from_exception(
+            exc, kind="internal", source="dashboard", phase=self.state.state,
+            hint=f"the {what} command failed; the dashboard is still running")))
+
+    # ------------------------------------------------------------------ commands out
+
+    @work(thread=True, exit_on_error=False, group="control")
+    def _command(self, name: str) -> None:
+        try:
+            if name == "start":
+                self.controller.start()
+            else:
+                dispatch(self.controller, name)
+        except Exception as exc:
+            self.call_from_thread(self._report, exc, name)
+
+    def _confirm(self, question: str, command: str) -> None:
+        def answered(yes: bool | None) -> None:
+            if yes:
+                self.notify(f"{command} requested", timeout=3)
+                self._command(command)
+        self.push_screen(ConfirmScreen(question), answered)
+
+    def action_restart(self) -> None:
+        self._confirm("Restart the run? Workers stop, config.yaml is read again and training "
+                      "resumes from the latest checkpoint.", "restart")
+
+    def action_abort(self) -> None:
+        self._confirm("Abort the run? Every worker stops (a checkpoint is written first "
+                      "when training).", "abort")
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        # While a dialog or the help is open, its own keys answer; no second dialog on top.
+        if action in ACTIONS and isinstance(self.screen, ModalScreen):
+            return False
+        return True
+
+    def _live(self) -> bool:
+        try:
+            state = self.controller.state
+        except Exception:
+            state = self.state.state
+        return state not in QUIET_STATES
+
+    async def action_quit(self) -> None:
+        if self._quitting:
+            self.notify("still shutting down the engine…", timeout=3)
+        elif not self._live():
+            self.exit()
+        else:
+            def answered(yes: bool | None) -> None:
+                if yes:
+                    self._quitting = True
+                    self.notify("shutting down: waiting for workers to stop…", timeout=30)
+                    self._stop_engine()
+            self.push_screen(ConfirmScreen("The run is live. Stop it and quit?"), answered)
+
+    @work(thread=True, exit_on_error=False, group="control")
+    def _stop_engine(self) -> None:
+        code = 0
+        try:
+            self.controller.shutdown()
+        except Exception as exc:
+            code = 1
+            self.call_from_thread(self._report, exc, "shutdown")
+        self.shutdown_done = True
+        self.call_from_thread(self.exit, None, code)
+
+    def action_focus_errors(self) -> None:
+        self.query_one("#errors", ErrorsPanel).query_one(DataTable).focus()
+
+    def action_focus_log(self) -> None:
+        self.query_one("#log", LogPanel).focus()
+
+    def action_help(self) -> None:
+        if not isinstance(self.screen, HelpScreen):
+            self.push_screen(HelpScreen())
+
+
+def run_app(controller: Controller, run_dir: Path | str | None = None) -> int:
+    """Run the dashboard until the operator quits; returns the process exit code (0 normal)."""
+    app = DFlashApp(controller, run_dir)
+    app.run()
+    code = app.return_code or 0
+    if not app.shutdown_done:
+        try:
+            controller.shutdown()
+        except Exception:
+            code = code or 1
+    return code

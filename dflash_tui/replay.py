@@ -1,0 +1,99 @@
+"""A Controller that plays back recorded events instead of running an engine.
+
+Used by the tests (scripted event lists) and by `dflash-tui --replay FILE` for post-mortems of an
+events.jsonl. abort / restart / shutdown are recorded in `calls` and answered with a StateChanged,
+so the dashboard's controls can be exercised without a GPU.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Iterable
+
+from dflash_core import events as ev
+
+
+class ReplayController:
+    def __init__(self, events: Iterable[ev.Event] | str | Path = (), *, delay: float = 0.0,
+                 speed: float = 0.0, shutdown_seconds: float = 0.0) -> None:
+        """`events`: a list of events or the path of an events.jsonl.
+        `delay`: seconds between events; `speed`: instead follow the recorded timestamps, sped up
+        this many times (gaps capped at 2 s). With neither, start() publishes everything at once.
+        `shutdown_seconds`: how long shutdown() blocks, to stand in for an engine winding down."""
+        if isinstance(events, (str, Path)):
+            events = ev.read_jsonl(events)
+        self.events: list[ev.Event] = list(events)
+        self.delay, self.speed, self.shutdown_seconds = delay, speed, shutdown_seconds
+        self.bus = ev.EventBus()
+        self.calls: list[str] = []
+        self._state = "idle"
+        self._last_ts: float | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @classmethod
+    def from_jsonl(cls, path: str | Path, **kwargs) -> "ReplayController":
+        return cls(path, **kwargs)
+
+    @property
+    def state(self) -> str:
+        return self._state
+
+    def publish(self, event: ev.Event) -> None:
+        if isinstance(event, ev.StateChanged):
+            self._state = event.state
+        elif isinstance(event, ev.RunEnded):
+            self._state = event.status
+        self._last_ts = event.ts
+        self.bus.publish(event)
+
+    def start(self) -> None:
+        self.calls.append("start")
+        self._stop.clear()
+        if not self.delay and not self.speed:
+            for e in self.events:
+                self.publish(e)
+            return
+        self._thread = threading.Thread(target=self._play, name="replay", daemon=True)
+        self._thread.start()
+
+    def _play(self) -> None:
+        prev = None
+        for e in self.events:
+            wait = self.delay or (min(2.0, max(0.0, e.ts - prev) / self.speed) if prev else 0.0)
+            if self._stop.wait(wait):
+                return
+            prev = e.ts
+            self.publish(e)
+
+    def _halt(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(5)
+
+    def _change(self, state: str, reason: str) -> None:
+        # Keep event time consistent with what was replayed, so elapsed does not jump to "now".
+        ts = self._last_ts if self._last_ts is not None else time.time()
+        self.publish(ev.StateChanged(state=state, previous=self._state, reason=reason, ts=ts))
+
+    def abort(self) -> None:
+        self.calls.append("abort")
+        self._halt()
+        if self._state not in ev.TERMINAL_STATES:
+            self._change("aborted", "abort requested")
+
+    def restart(self) -> None:
+        self.calls.append("restart")
+        self._halt()
+        self._change("preflight", "restart requested")
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        self.calls.append("shutdown")
+        self._halt()
+        if self.shutdown_seconds:
+            time.sleep(min(timeout, self.shutdown_seconds))
+        if self._state not in ev.TERMINAL_STATES and self._state != "idle":
+            self._change("aborted", "shutdown")
+        self.bus.close(timeout)

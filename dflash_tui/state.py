@@ -1,0 +1,393 @@
+"""What the dashboard shows, as plain data: events fold into it, panels read from it.
+
+No Textual here, so every rule of the screen (roles of GPUs, a target's load -> warmup -> running,
+which side is the bottleneck, elapsed and ETA) is testable by feeding a list of events.
+
+Time is event time: "now" is the timestamp of the newest event seen. A replayed post-mortem then
+shows the elapsed time of that run rather than the time since it died, and snapshots are stable.
+(The telemetry sampler publishes every second or so, which keeps a live clock moving.)
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field, replace
+from typing import Iterable
+
+from dflash_core import events as ev
+
+from . import fmt
+
+PANELS = ("header", "gpus", "targets", "queues", "training", "errors", "log")
+LIVE_STATES = ("preflight", "loading", "warmup", "training")
+# Below this share of waiting, neither side is called the bottleneck.
+BOTTLENECK_FRAC = 0.2
+
+
+@dataclass
+class GpuRow:
+    index: int
+    name: str = ""
+    role: str = ""
+    mem_used: int = 0
+    mem_total: int = 0
+    torch_allocated: int = 0
+    plan: int = 0  # preflight estimate of the peak, bytes (0 = no plan for this GPU)
+    plan_fits: bool = True
+    plan_role: str = ""
+    util: float = -1.0
+    temperature: float = -1.0
+    sampled: bool = False  # a GpuSample arrived (plan-only rows have none)
+
+
+@dataclass
+class TargetRow:
+    worker: str
+    device: str = ""
+    # pending | loading | loaded | warmup | running (or the engine's own: waiting, done, failed ...)
+    status: str = "pending"
+    detail: str = ""
+    bytes_loaded: int = 0
+    bytes_total: int = 0
+    shards_loaded: int = 0
+    shards_total: int = 0
+    seconds: float = 0.0
+    memory_after: int = 0
+    tokens_per_s: float = 0.0
+    batches: int = 0
+    blocked_frac: float = 0.0
+    starved_frac: float = 0.0
+    error: str = ""  # why it failed, from an Error whose source is this worker
+
+
+@dataclass
+class QueueRow:
+    name: str
+    depth: int = 0
+    capacity: int = 0
+    history: deque = field(default_factory=lambda: deque(maxlen=120))
+
+
+@dataclass
+class ErrorEntry:
+    event: ev.Error
+    previous: bool = False  # from the post-mortem of an earlier run, not counted in the header
+
+
+@dataclass
+class LogLine:
+    seq: int
+    ts: float
+    level: str  # debug | info | warning | error
+    source: str
+    text: str
+
+
+def _queue_order(name: str) -> tuple:
+    # prefetch-0, prefetch-1, ..., prefetch-10, then hs, then anything else by name
+    head, _, tail = name.rpartition("-")
+    if head == "prefetch" and tail.isdigit():
+        return (0, int(tail), name)
+    return (1 if name == "hs" else 2, 0, name)
+
+
+def _device_index(label: str) -> int | None:
+    """ "cuda:3" -> 3; anything else (cpu:0, cpu) -> None."""
+    kind, _, idx = str(label).partition(":")
+    return int(idx) if kind == "cuda" and idx.isdigit() else None
+
+
+class DashboardState:
+    def __init__(self, *, log_lines: int = 1000, loss_points: int = 600) -> None:
+        self.log: deque[LogLine] = deque(maxlen=log_lines)
+        self.log_seq = 0
+        self.errors: list[ErrorEntry] = []
+        self.gpus: dict[int, GpuRow] = {}
+        self.host: ev.HostSample | None = None
+        self.workers: dict[str, ev.WorkerStatus] = {}
+        self.sinks: dict[str, ev.SinkStatus] = {}
+        self.state = "idle"
+        self.reason = ""
+        self.now = 0.0
+        self._loss_points = loss_points
+        self._reset_run()
+        self.run_name = ""
+        self.run_dir = ""
+
+    def _reset_run(self) -> None:
+        """Per-run facts; a restart publishes a new RunStarted and these start again."""
+        self.started_ts: float | None = None
+        self.ended: ev.RunEnded | None = None
+        self.end_ts: float | None = None
+        self.total_steps = 0
+        self.resumed_from_step = 0
+        self.target_labels: list[str] = []
+        self.drafter_labels: list[str] = []
+        self.targets: dict[str, TargetRow] = {}
+        self.queues: dict[str, QueueRow] = {}
+        self.step: ev.StepMetrics | None = None
+        self.eval: ev.EvalResult | None = None
+        self.loss_history: deque[float] = deque(maxlen=self._loss_points)
+        self._step_window: deque[tuple[float, int]] = deque(maxlen=50)
+
+    # ---------------------------------------------------------------- folding
+
+    def apply_all(self, events: Iterable[ev.Event]) -> set[str]:
+        changed: set[str] = set()
+        for e in events:
+            changed |= self.apply(e)
+        return changed
+
+    def apply(self, e: ev.Event) -> set[str]:
+        """Fold one event; returns the names of the panels it changed."""
+        self.now = max(self.now, e.ts)
+        handler = getattr(self, "_on_" + e.kind, None)
+        if handler is None:
+            return set()
+        try:
+            return handler(e) | {"header"}
+        except Exception as exc:  # a malformed event must not take the dashboard down
+            return self.add_error(ev.error_from_exception(
+                exc, kind="internal", source="dashboard", fatal=False,
+                hint=f"the dashboard could not show a {e.kind} event; the run is not affected"))
+
+    def add_log(self, level: str, source: str, text: str, ts: float | None = None) -> None:
+        self.log_seq += 1
+        self.log.append(LogLine(self.log_seq, self.now if ts is None else ts, level, source, text))
+
+    def add_error(self, e: ev.Error, previous: bool = False) -> set[str]:
+        self.errors.append(ErrorEntry(e, previous))
+        if not previous:
+            self.add_log("error", e.source, f"[{e.kind_}] {e.message}", e.ts)
+        return {"errors", "header", "log"}
+
+    def _on_RunStarted(self, e: ev.RunStarted) -> set[str]:
+        self._reset_run()
+        self.run_name, self.run_dir = e.run_name, e.run_dir
+        self.started_ts = e.ts
+        self.total_steps = e.total_steps
+        self.resumed_from_step = e.resumed_from_step
+        self.target_labels = [str(x) for x in e.targets]
+        self.drafter_labels = [str(x) for x in e.drafters]
+        resumed = f", resumed from step {e.resumed_from_step}" if e.resumed_from_step else ""
+        self.add_log("info", "engine", f"run {e.run_name} started in {e.run_dir}{resumed}")
+        return set(PANELS)
+
+    def _on_StateChanged(self, e: ev.StateChanged) -> set[str]:
+        self.state, self.reason = e.state, e.reason
+        if e.state in ev.TERMINAL_STATES:
+            self.end_ts = e.ts
+        elif e.state in LIVE_STATES and self.end_ts is not None:
+            self.end_ts = None  # a restart without a new RunStarted: the clock runs again
+        reason = f" ({e.reason})" if e.reason else ""
+        level = {"failed": "error", "aborted": "warning"}.get(e.state, "info")
+        self.add_log(level, "engine", f"state {e.previous} -> {e.state}{reason}")
+        return {"header", "log", "targets"}
+
+    def _on_WorkerStatus(self, e: ev.WorkerStatus) -> set[str]:
+        self.workers[e.worker] = e
+        if e.role != "target":
+            return {"gpus"}
+        row = self._target(e.worker, e.device)
+        row.status, row.detail = e.status, e.detail
+        if e.status == "failed" and e.detail and not row.error:
+            row.error = e.detail
+        return {"targets", "gpus"}
+
+    def _target(self, worker: str, device: str = "") -> TargetRow:
+        row = self.targets.get(worker)
+        if row is None:
+            row = self.targets[worker] = TargetRow(worker)
+        if device:
+            row.device = device
+        return row
+
+    def _on_LoadProgress(self, e: ev.LoadProgress) -> set[str]:
+        row = self._target(e.worker, e.device)
+        row.bytes_loaded, row.bytes_total = e.bytes_loaded, e.bytes_total
+        row.shards_loaded, row.shards_total = e.shards_loaded, e.shards_total
+        row.seconds, row.memory_after = e.seconds, e.memory_after
+        if row.status in ("pending", "loading", "loaded"):
+            row.status = "loaded" if e.done else "loading"
+        return {"targets"}
+
+    def _on_TargetMetrics(self, e: ev.TargetMetrics) -> set[str]:
+        row = self._target(e.worker, e.device)
+        row.batches, row.tokens_per_s = e.batches, e.tokens_per_s
+        row.blocked_frac, row.starved_frac = e.blocked_frac, e.starved_frac
+        if row.status in ("pending", "loading", "loaded", "warmup"):
+            row.status = "running"  # metrics mean it runs, even if its WorkerStatus is late
+        return {"targets", "queues"}
+
+    def _on_GpuSample(self, e: ev.GpuSample) -> set[str]:
+        row = self.gpus.setdefault(e.index, GpuRow(e.index))
+        row.name, row.mem_used, row.mem_total = e.name, e.mem_used, e.mem_total
+        row.util, row.temperature, row.torch_allocated = e.util, e.temperature, e.torch_allocated
+        row.role = e.role
+        row.sampled = True
+        return {"gpus"}
+
+    def _on_HostSample(self, e: ev.HostSample) -> set[str]:
+        self.host = e
+        return {"gpus"}
+
+    def _on_MemoryPlan(self, e: ev.MemoryPlan) -> set[str]:
+        # A GPU shared by a target and a drafter may come as two rows: add them up.
+        plans: dict[int, list[dict]] = {}
+        for r in e.rows:
+            idx = _device_index(r.get("device", ""))
+            if idx is not None:
+                plans.setdefault(idx, []).append(r)
+        for idx, rows in plans.items():
+            row = self.gpus.setdefault(idx, GpuRow(idx))
+            row.plan = sum(int(r.get("total", 0)) for r in rows)
+            row.plan_fits = all(r.get("fits", True) for r in rows)
+            row.plan_role = "+".join(sorted({str(r.get("role", "")) for r in rows} - {""},
+                                            reverse=True))
+            if not row.plan_fits:
+                free = max(int(r.get("free", 0)) for r in rows)
+                self.add_log("warning", "preflight", f"memory plan: cuda:{idx} needs "
+                             f"{fmt.gib(row.plan)}, {fmt.gib(free)} free")
+        return {"gpus", "log"}
+
+    def _on_QueueDepth(self, e: ev.QueueDepth) -> set[str]:
+        row = self.queues.get(e.name)
+        if row is None:
+            row = self.queues[e.name] = QueueRow(e.name)
+            self.queues = dict(sorted(self.queues.items(), key=lambda kv: _queue_order(kv[0])))
+        row.depth, row.capacity = e.depth, e.capacity
+        row.history.append(e.depth)
+        return {"queues"}
+
+    def _on_StepMetrics(self, e: ev.StepMetrics) -> set[str]:
+        self.step = e
+        self.loss_history.append(e.loss)
+        self._step_window.append((e.ts, e.step))
+        return {"training", "queues"}
+
+    def _on_EvalResult(self, e: ev.EvalResult) -> set[str]:
+        self.eval = e
+        self.add_log("info", "eval", f"step {e.step}: tau {e.tau:.2f} on {e.prompts} prompts")
+        return {"training", "log"}
+
+    def _on_Checkpoint(self, e: ev.Checkpoint) -> set[str]:
+        self.add_log("info", "checkpoint",
+                     f"step {e.step} saved to {e.path} in {e.seconds:.1f}s ({e.reason})")
+        return {"log"}
+
+    def _on_Log(self, e: ev.Log) -> set[str]:
+        self.add_log(e.level, e.source, e.message)
+        return {"log"}
+
+    def _on_Error(self, e: ev.Error) -> set[str]:
+        row = self.targets.get(e.source)
+        if row is not None:
+            # "[oom] CUDA out of memory..." reads better than the exception's class name.
+            row.error = f"[{e.kind_}] {fmt.short_message(e.message)}"
+            if e.fatal:
+                row.status = "failed"
+        return self.add_error(e) | {"targets"}
+
+    def _on_SinkStatus(self, e: ev.SinkStatus) -> set[str]:
+        self.sinks[e.sink] = e
+        detail = f": {e.detail}" if e.detail else ""
+        self.add_log("warning" if e.status == "failed" else "info", e.sink,
+                     f"{e.sink} {e.status}{detail}")
+        return {"header", "log"}
+
+    def _on_RunEnded(self, e: ev.RunEnded) -> set[str]:
+        self.ended = e
+        self.end_ts = e.ts
+        if e.status in ev.TERMINAL_STATES:
+            self.state = e.status
+        reason = f" ({e.reason})" if e.reason else ""
+        self.add_log("error" if e.status == "failed" else "info", "engine",
+                     f"run ended: {e.status} at step {e.step} after {fmt.duration(e.seconds)}{reason}")
+        return {"header", "log"}
+
+    def add_postmortem(self, pm) -> set[str]:
+        """Show what a previous run left behind (see postmortem.py) before anything new arrives."""
+        for line in pm.lines():
+            self.add_log("warning", "post-mortem", line, pm.last_ts)
+        if pm.last_error is not None:
+            self.add_error(pm.last_error, previous=True)
+        return {"log", "errors"}
+
+    # ---------------------------------------------------------------- derived view
+
+    @property
+    def live(self) -> bool:
+        return self.state in LIVE_STATES
+
+    @property
+    def error_count(self) -> int:
+        return sum(1 for x in self.errors if not x.previous)
+
+    @property
+    def elapsed(self) -> float | None:
+        if self.started_ts is None:
+            return None
+        end = self.end_ts if self.end_ts is not None else self.now
+        return max(0.0, end - self.started_ts)
+
+    @property
+    def steps_per_s(self) -> float:
+        if len(self._step_window) < 2:
+            return 0.0
+        (t0, s0), (t1, s1) = self._step_window[0], self._step_window[-1]
+        return (s1 - s0) / (t1 - t0) if t1 > t0 and s1 > s0 else 0.0
+
+    @property
+    def eta(self) -> float | None:
+        if self.state != "training" or not self.total_steps or self.step is None:
+            return None
+        r = self.steps_per_s
+        return max(0, self.total_steps - self.step.step) / r if r > 0 else None
+
+    @property
+    def wandb(self) -> str:
+        s = self.sinks.get("wandb")
+        if s is None:
+            return ""
+        return s.detail if s.status == "ok" and s.detail else f"{s.status}{': ' + s.detail if s.detail else ''}"
+
+    @property
+    def cpu_only(self) -> bool:
+        labels = self.target_labels + self.drafter_labels
+        return not self.gpus and all(_device_index(x) is None for x in labels)
+
+    def gpu_rows(self) -> list[GpuRow]:
+        """GPU rows in index order. Role: the sample's own, else RunStarted's device labels, else
+        the memory plan's."""
+        roles: dict[int, set[str]] = {}
+        for role, labels in (("target", self.target_labels), ("drafter", self.drafter_labels)):
+            for label in labels:
+                idx = _device_index(label)
+                if idx is not None:
+                    roles.setdefault(idx, set()).add(role)
+        rows = []
+        for idx in sorted(set(self.gpus) | set(roles)):
+            row = self.gpus.get(idx) or GpuRow(idx)
+            if not row.role:
+                row = replace(row, role="+".join(r for r in ("target", "drafter") if r in roles[idx])
+                              if idx in roles else row.plan_role)
+            rows.append(row)
+        return rows
+
+    def bottleneck(self) -> str:
+        """Which side of the HS queue waits on the other, in words; "" before any flow data."""
+        running = [t for t in self.targets.values() if t.status == "running"]
+        if self.step is None and not running:
+            return ""
+        blocked = max([self.step.target_blocked_frac if self.step else 0.0]
+                      + ([sum(t.blocked_frac for t in running) / len(running)] if running else []))
+        starved = sum(t.starved_frac for t in running) / len(running) if running else 0.0
+        waited = self.step.drafter_wait_frac if self.step else 0.0
+        if blocked >= BOTTLENECK_FRAC and blocked >= waited:
+            return f"drafter-bound: targets blocked {fmt.pct(blocked)} of the time"
+        if waited >= BOTTLENECK_FRAC and starved >= BOTTLENECK_FRAC:
+            return (f"data-bound: targets starved {fmt.pct(starved)} of the time, "
+                    f"drafter waited {fmt.pct(waited)}")
+        if waited >= BOTTLENECK_FRAC:
+            return f"target-bound: drafter waited {fmt.pct(waited)} of the time"
+        return "balanced"

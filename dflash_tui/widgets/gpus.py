@@ -1,0 +1,64 @@
+"""One row per GPU: role, memory bar (used/total), the engine's own torch allocation and the
+preflight plan beside it, utilisation and temperature; then the host line. A CPU-only run shows the
+host line and the logical workers instead."""
+
+from __future__ import annotations
+
+from rich.text import Text
+
+from .. import fmt
+from ..state import DashboardState, GpuRow
+from .panel import Panel, bar, fit, line
+
+MIN_BAR = 8
+ROLE_SHORT = {"target": "target", "drafter": "drafter", "target+drafter": "tgt+dft", "": "-"}
+
+
+def mem_style(frac: float) -> str:
+    return "red" if frac >= 0.95 else "yellow" if frac >= 0.8 else "green"
+
+
+def gpu_line(r: GpuRow, width: int) -> Text:
+    head = Text.assemble((f"{r.index:>2} ", "bold"), (f"{ROLE_SHORT.get(r.role, r.role):<8}", "cyan"))
+    plan = Text(f" plan {fmt.gib(r.plan)}", style="" if r.plan_fits else "bold red") if r.plan \
+        else Text()
+    if not r.sampled:
+        return line([head, Text("no sample yet", style="dim"), plan], width)
+    frac = r.mem_used / r.mem_total if r.mem_total else 0.0
+    mem = Text(f"{r.mem_used / fmt.GIB:.1f}/{fmt.gib(r.mem_total)}")
+    # The bar and used/total come first; the rest as room allows, keeping a readable bar.
+    optional = [f" {r.util:3.0f}%" if r.util >= 0 else "",
+                f" {r.temperature:2.0f}°C" if r.temperature >= 0 else "",
+                f" torch {fmt.gib(r.torch_allocated)}" if r.torch_allocated else "", plan]
+    tail, room = fit([mem], optional, width - head.cell_len, keep=MIN_BAR + 1)
+    bar_w = min(24, room - 1)
+    return line([head, bar(frac, bar_w, mem_style(frac)) if bar_w >= 3 else "", tail], width)
+
+
+def host_line(s: DashboardState, width: int) -> Text:
+    h = s.host
+    if h is None:
+        return Text("host: no sample yet", style="dim")
+    frac = h.ram_used / h.ram_total if h.ram_total else 0.0
+    rss = Text.assemble(("  this process ", "dim"), fmt.gib(h.process_rss)) if h.process_rss \
+        else ""
+    text, _ = fit([("host ", "bold"), ("RAM ", "dim"),
+                   (f"{h.ram_used / fmt.GIB:.1f}/{fmt.gib(h.ram_total)}", mem_style(frac)),
+                   ("  CPU ", "dim"), f"{h.cpu_percent:.0f}%"], [rss], width)
+    return line([text], width)
+
+
+class GpusPanel(Panel):
+    TITLE = "GPUs"
+
+    def draw(self, s: DashboardState, width: int) -> Text:
+        lines = [gpu_line(r, width) for r in s.gpu_rows()]
+        if not lines and s.cpu_only and s.workers:
+            self.border_title = "Workers (CPU)"
+            lines = [line([(f"{w.worker:<10} ", "bold"), (f"{w.device:<6} ", "cyan"), w.status,
+                           (f"  {w.detail}" if w.detail else "", "dim")], width)
+                     for w in s.workers.values()]
+        else:
+            self.border_title = self.TITLE
+        lines.append(host_line(s, width))
+        return Text("\n").join(lines)

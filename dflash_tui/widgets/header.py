@@ -1,0 +1,64 @@
+"""Top two lines: run name, lifecycle state, step, epoch, elapsed, ETA, error count; then where the
+metrics go (wandb URL or offline folder) and the run folder."""
+
+from __future__ import annotations
+
+from rich.text import Text
+from textual.widgets import Static
+
+from .. import fmt
+from ..state import DashboardState
+from .panel import field, pack
+
+# Plain ANSI colours: they read the same in 16, 256 and true colour terminals.
+STATE_STYLES = {
+    "idle": "dim",
+    "preflight": "bold cyan",
+    "loading": "bold yellow",
+    "warmup": "bold magenta",
+    "training": "bold green",
+    "finished": "bold blue",
+    "aborted": "bold black on yellow",
+    "failed": "bold white on red",
+}
+
+
+class HeaderBar(Static):
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self._state: DashboardState | None = None
+
+    def show(self, state: DashboardState) -> None:
+        self._state = state
+        self.update(self.draw(state, self.size.width or 80))
+
+    def on_resize(self) -> None:
+        if self._state is not None:
+            self.show(self._state)
+
+    @property
+    def text(self) -> str:
+        return self.content.plain if isinstance(self.content, Text) else str(self.content)
+
+    @staticmethod
+    def draw(s: DashboardState, width: int) -> Text:
+        step = s.step
+        total = f"/{s.total_steps}" if s.total_steps else ""
+        n = s.error_count
+        short = width < 100  # 80 columns: short labels keep the first line on one line
+        first = [
+            Text(s.run_name or "dflash", style="bold"),
+            Text(f" {s.state.upper()} ", style=STATE_STYLES.get(s.state, "bold")),
+            field("step", f"{step.step if step else 0}{total}"),
+            field("ep" if short else "epoch", str(step.epoch)) if step else Text(),
+            field("up" if short else "elapsed", fmt.duration(s.elapsed)),
+            field("ETA", fmt.duration(s.eta)) if s.live else Text(),
+            field("err" if short else "errors", str(n), "bold white on red" if n else "bold green"),
+        ]
+        second = [field("wandb", s.wandb or "off")]
+        if s.run_dir:
+            second.append(field("run", s.run_dir, ""))
+        text = pack(first, width)
+        text.append("\n")
+        text.append_text(pack(second, width))
+        return text

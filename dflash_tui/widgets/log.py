@@ -1,0 +1,32 @@
+"""Recent log lines: the engine's Log events plus state changes, checkpoints, evaluations and
+errors (one line each), and a post-mortem of the previous run when there is one."""
+
+from __future__ import annotations
+
+from rich.text import Text
+from textual.widgets import RichLog
+
+from .. import fmt
+from ..state import DashboardState
+
+LEVEL_STYLES = {"debug": "dim", "info": "", "warning": "yellow", "error": "bold red"}
+
+
+class LogPanel(RichLog):
+    def __init__(self, max_lines: int = 1000, **kwargs) -> None:
+        super().__init__(max_lines=max_lines, wrap=True, min_width=20, markup=False,
+                         highlight=False, **kwargs)
+        self.border_title = "Log"
+        self._seq = 0  # last LogLine.seq written
+
+    def show(self, state: DashboardState) -> None:
+        new = [x for x in state.log if x.seq > self._seq][-self.max_lines:]
+        for x in new:
+            self.write(Text.assemble((fmt.clock(x.ts) + " ", "dim"), (f"{x.source}: ", "cyan"),
+                                     (x.text, LEVEL_STYLES.get(x.level, ""))))
+        if new:
+            self._seq = new[-1].seq
+
+    @property
+    def text(self) -> str:
+        return "\n".join(strip.text for strip in self.lines)

@@ -1,0 +1,98 @@
+"""The shared shape of a dashboard panel: a titled, scrollable box whose text is drawn from the
+DashboardState for the width it has. The app calls `show(state)` only when the state says the panel
+changed; a resize redraws from the last state it was shown."""
+
+from __future__ import annotations
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.containers import VerticalScroll
+from textual.widgets import Static
+
+from .. import fmt
+from ..state import DashboardState
+
+
+def pack(fields: list[Text], width: int, sep: str = "  ") -> Text:
+    """Lay out short fields left to right, starting a new line rather than splitting a field."""
+    out = Text()
+    used = 0
+    for f in fields:
+        if not f.cell_len:
+            continue
+        if used and used + len(sep) + f.cell_len > width:
+            out.append("\n")
+            used = 0
+        elif used:
+            out.append(sep)
+            used += len(sep)
+        out.append_text(f)
+        used += f.cell_len
+    return out
+
+
+def field(label: str, value: str, style: str = "bold") -> Text:
+    return Text.assemble((label + " ", "dim"), (value, style)) if label else Text(value, style)
+
+
+def bar(frac: float, width: int, style: str) -> Text:
+    filled, empty = fmt.bar(frac, width)
+    return Text.assemble((filled, style), (empty, "dim"), " ")
+
+
+def line(parts: list[Text | str], width: int) -> Text:
+    """One line, cut with an ellipsis if it is too wide."""
+    t = Text.assemble(*parts)
+    t.truncate(max(1, width), overflow="ellipsis")
+    return t
+
+
+def fit(required: list, optional: list, width: int, keep: int = 0) -> tuple[Text, int]:
+    """`required` parts, then as many `optional` parts (in order) as fit in `width` while leaving
+    `keep` cells free; returns the line and the cells left over."""
+    out = Text.assemble(*required)
+    for part in optional:
+        t = Text.assemble(part)
+        if out.cell_len + t.cell_len + keep > width:
+            break
+        out.append_text(t)
+    return out, width - out.cell_len
+
+
+class Panel(VerticalScroll):
+    TITLE = ""
+    EMPTY = "waiting for the engine…"
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.border_title = self.TITLE
+        self._state: DashboardState | None = None
+
+    def compose(self) -> ComposeResult:
+        yield Static(Text(self.EMPTY, style="dim"), classes="body")
+
+    @property
+    def body(self) -> Static:
+        return self.query_one(".body", Static)
+
+    @property
+    def text(self) -> str:
+        """What the panel shows, as plain text (tests, debugging)."""
+        content = self.body.content
+        return content.plain if isinstance(content, Text) else str(content)
+
+    def show(self, state: DashboardState) -> None:
+        self._state = state
+        width = self.scrollable_content_region.width or 80
+        try:
+            content = self.draw(state, width)
+        except Exception as exc:  # a drawing bug must not close the dashboard
+            content = Text(f"cannot draw this panel: {exc!r}", style="red")
+        self.body.update(content)
+
+    def on_resize(self) -> None:
+        if self._state is not None:
+            self.show(self._state)
+
+    def draw(self, state: DashboardState, width: int) -> Text:
+        raise NotImplementedError

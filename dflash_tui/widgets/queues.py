@@ -1,0 +1,37 @@
+"""Each prefetch queue and the hidden-state queue as depth/capacity with a short history, and one
+line naming the bottleneck: which side of the HS queue waits on the other."""
+
+from __future__ import annotations
+
+from rich.text import Text
+
+from .. import fmt
+from ..state import DashboardState, QueueRow
+from .panel import Panel, line
+
+
+def queue_line(q: QueueRow, width: int) -> Text:
+    head = Text.assemble((f"{q.name:<10} ", "bold"), f"{q.depth:>3}/{q.capacity:<3} ")
+    room = width - head.cell_len
+    # An empty queue starves its consumer, a full one blocks its producer: both worth a colour.
+    style = "yellow" if q.capacity and q.depth in (0, q.capacity) else "green"
+    return line([head, (fmt.spark(q.history, room, top=q.capacity or None), style)], width)
+
+
+def bottleneck_style(text: str) -> str:
+    return "bold green" if text == "balanced" else "bold yellow"
+
+
+class QueuesPanel(Panel):
+    TITLE = "Queues"
+    EMPTY = "no queues yet"
+
+    def draw(self, s: DashboardState, width: int) -> Text:
+        neck = s.bottleneck()
+        if len(neck) > width:
+            neck = neck.replace(" of the time", "")
+        # The verdict first: on a small screen the queue rows may need scrolling, it must not.
+        lines = [line([(neck, bottleneck_style(neck))] if neck else [("flow: no step yet", "dim")],
+                      width)]
+        lines += [queue_line(q, width) for q in s.queues.values()] or [Text(self.EMPTY, style="dim")]
+        return Text("\n").join(lines)

@@ -1,0 +1,49 @@
+"""Step numbers (loss, lr, grad norm, tokens/s, samples/s, teacher-forced tau, last evaluated tau)
+above a plot of the loss history."""
+
+from __future__ import annotations
+
+from statistics import fmean
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.widgets import Sparkline, Static
+
+from .. import fmt
+from ..state import DashboardState
+from .panel import Panel, field, pack
+
+
+class TrainingPanel(Panel):
+    TITLE = "Training"
+    EMPTY = "no step yet"
+
+    def compose(self) -> ComposeResult:
+        yield from super().compose()
+        yield Static("", classes="caption")
+        # mean, not max: a bucket of steps should read as its typical loss, not its worst one
+        yield Sparkline([], summary_function=fmean, id="loss-plot")
+
+    def draw(self, s: DashboardState, width: int) -> Text:
+        plot = self.query_one(Sparkline)
+        plot.data = list(s.loss_history)
+        plot.display = bool(s.loss_history)
+        caption = self.query_one(".caption", Static)
+        st = s.step
+        if st is None:
+            caption.update("")
+            return Text(self.EMPTY, style="dim")
+        hist = s.loss_history
+        caption.update(Text(f"loss over the last {len(hist)} steps: "
+                            f"{min(hist):.3f} .. {max(hist):.3f}", style="dim"))
+        ev_tau = f"{s.eval.tau:.2f} @{s.eval.step}" if s.eval else "-"
+        return pack([
+            field("loss", f"{st.loss:.4f}", "bold green"),
+            field("lr", f"{st.lr:.2e}"),
+            field("grad", f"{st.grad_norm:.3f}"),
+            field("tok/s", fmt.rate(st.tokens_per_s)),
+            field("samples/s", f"{st.samples_per_s:.2f}"),
+            field("τ tf", f"{st.tau_tf:.2f}"),
+            field("τ eval", ev_tau),
+            field("pad", fmt.pct(st.padding_frac)) if st.padding_frac else Text(),
+        ], width)

@@ -1,0 +1,259 @@
+"""The dashboard driven by Textual's pilot: panels follow a replayed event stream, keys do what the
+footer says, and errors show up fast without ever closing the app."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import tui_scenarios as sc
+from textual.widgets import DataTable
+
+from dflash_core import events as ev
+from dflash_tui.app import DFlashApp
+from dflash_tui.messages import EngineEvents
+from dflash_tui.replay import ReplayController
+from dflash_tui.screens import ConfirmScreen, HelpScreen
+from dflash_tui.widgets.log import LogPanel
+
+BIG = (160, 48)
+pytestmark = pytest.mark.anyio
+
+
+async def settle(pilot, seconds: float = 0.3) -> None:
+    """Let the ~8 Hz drain timer run and the panels redraw."""
+    await pilot.pause(seconds)
+
+
+async def wait_for(pilot, predicate, timeout: float = 2.0) -> float:
+    start = time.monotonic()
+    while not predicate():
+        if time.monotonic() - start > timeout:
+            raise AssertionError("condition not met in time")
+        await pilot.pause(0.02)
+    return time.monotonic() - start
+
+
+def panels(app):
+    q = app.query_one
+    return {name: q(f"#{name}") for name in ("header", "gpus", "targets", "queues", "training")}
+
+
+async def test_panels_follow_the_event_stream():
+    ctl = ReplayController(sc.loading())
+    app = DFlashApp(ctl)
+    async with app.run_test(size=BIG) as pilot:
+        await settle(pilot)
+        p = panels(app)
+        assert "LOADING" in p["header"].text and "step 0/6000" in p["header"].text
+        assert "wandb runs/qwen36-dflash/wandb/offline-run-1" in p["header"].text
+        assert "target-0 cuda:0 warming up" in p["targets"].text
+        assert "42.1/54.0G 9/12 shards 61s" in p["targets"].text  # target-1 loading
+        assert " 0 target " in p["gpus"].text and "20.0/139.8G" in p["gpus"].text
+        assert "plan 71.0G" in p["gpus"].text and "host RAM 180.0/2015.0G" in p["gpus"].text
+        assert "no step yet" in p["training"].text
+
+        # the rest of the run arrives from an engine thread
+        rest = sc.failed()[len(sc.loading()):]
+        threading.Thread(target=lambda: [ctl.publish(e) for e in rest]).start()
+        await settle(pilot)
+        p = panels(app)
+        assert "FAILED" in p["header"].text and "errors 1" in p["header"].text
+        assert "target-0 cuda:0 31.0k tok/s  blocked 71%  starved 1%" in p["targets"].text
+        assert "target-3 cuda:3 FAILED\n  [oom] CUDA out of memory" in p["targets"].text
+        assert "74.0/139.8G  97% 72°C torch 70.0G plan 71.0G" in p["gpus"].text
+        queues = p["queues"].text.splitlines()
+        assert queues[0] == "drafter-bound: targets blocked 71% of the time"
+        assert queues[-1].startswith("hs           8/8   ")
+        assert "loss 1.6986" in p["training"].text and "τ eval 2.87 @60" in p["training"].text
+        assert app.query_one("#loss-plot").data[-1] == app.state.loss_history[-1]
+        errors = app.query_one("#errors")
+        assert errors.table.row_count == 1
+        assert "Traceback (most recent call last)" in errors.detail_text
+        assert "hint: lower data.token_budget" in errors.detail_text
+        log = app.query_one("#log", LogPanel).text
+        assert "run ended: failed at step 60" in log and "state training -> failed" in log
+
+
+async def test_cpu_only_run_shows_workers_and_host():
+    events = sc.start(targets=["cpu:0"], drafters=["cpu:0"]) + [
+        ev.WorkerStatus(worker="target-0", role="target", device="cpu", status="running",
+                        ts=sc.T0 + 3),
+        ev.WorkerStatus(worker="drafter-0", role="drafter", device="cpu", status="waiting",
+                        ts=sc.T0 + 3),
+        ev.HostSample(ram_used=3 * sc.GIB, ram_total=16 * sc.GIB, cpu_percent=180.0, ts=sc.T0 + 4)]
+    app = DFlashApp(ReplayController(events))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await settle(pilot)
+        gpus = app.query_one("#gpus")
+        assert gpus.border_title == "Workers (CPU)"
+        assert gpus.text.splitlines() == [
+            "target-0   cpu    running", "drafter-0  cpu    waiting", "host RAM 3.0/16.0G  CPU 180%"]
+
+
+async def confirm(pilot, key: str, answer: str) -> None:
+    await pilot.press(key)
+    await pilot.pause()
+    assert isinstance(pilot.app.screen, ConfirmScreen)
+    await pilot.press(answer)
+    await pilot.pause()
+    await pilot.app.workers.wait_for_complete()
+    await settle(pilot)
+
+
+async def test_abort_and_restart_ask_first():
+    ctl = ReplayController(sc.training(steps=5))
+    app = DFlashApp(ctl)
+    async with app.run_test(size=BIG) as pilot:
+        await settle(pilot)
+        await confirm(pilot, "a", "n")
+        await confirm(pilot, "r", "escape")
+        assert ctl.calls == ["start"] and ctl.state == "training"
+        await confirm(pilot, "a", "y")
+        assert ctl.calls == ["start", "abort"]
+        assert "ABORTED" in app.query_one("#header").text
+        await confirm(pilot, "r", "y")
+        assert ctl.calls == ["start", "abort", "restart"]
+        assert "PREFLIGHT" in app.query_one("#header").text
+        assert app.is_running
+
+
+async def test_failing_command_is_an_error_not_a_crash():
+    class Broken(ReplayController):
+        def abort(self):
+            raise RuntimeError("engine is wedged")
+
+    app = DFlashApp(Broken(sc.training(steps=3)))
+    async with app.run_test(size=BIG) as pilot:
+        await settle(pilot)
+        await confirm(pilot, "a", "y")
+        errors = app.query_one("#errors")
+        assert errors.table.row_count == 1
+        assert "RuntimeError: engine is wedged" in errors.detail_text
+        assert app.is_running
+
+
+async def test_quit_when_finished_exits_at_once():
+    ctl = ReplayController(sc.aborted())
+    app = DFlashApp(ctl)
+    async with app.run_test(size=BIG) as pilot:
+        await settle(pilot)
+        await pilot.press("q")
+        await pilot.pause()
+        assert not app.is_running
+    assert app.return_code == 0 and "shutdown" not in ctl.calls
+
+
+async def test_quit_when_live_confirms_then_shuts_down_off_the_ui_thread():
+    ctl = ReplayController(sc.training(steps=5), shutdown_seconds=0.6)
+    app = DFlashApp(ctl)
+    async with app.run_test(size=BIG) as pilot:
+        await settle(pilot)
+        await pilot.press("q")
+        await pilot.pause()
+        assert isinstance(app.screen, ConfirmScreen)
+        await pilot.press("n")
+        await pilot.pause()
+        assert app.is_running and ctl.calls == ["start"]
+        await pilot.press("q", "y")
+        await wait_for(pilot, lambda: "shutdown" in ctl.calls)
+        # shutdown is still blocking in its thread, and the screen still answers keys
+        await pilot.press("l")
+        assert app.is_running and isinstance(app.focused, LogPanel)
+        await wait_for(pilot, lambda: not app.is_running, timeout=3)
+    assert app.return_code == 0 and app.shutdown_done
+
+
+async def test_focus_keys_and_help():
+    app = DFlashApp(ReplayController(sc.failed()))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await settle(pilot)
+        await pilot.press("e")
+        assert isinstance(app.focused, DataTable)
+        await pilot.press("l")
+        assert isinstance(app.focused, LogPanel)
+        await pilot.press("question_mark")
+        await pilot.pause()
+        assert isinstance(app.screen, HelpScreen)
+        help_text = str(app.screen.query_one("#help-text").content)
+        assert "restart" in help_text and "ctrl+p" in help_text
+        await pilot.press("a")  # the help is modal: no dialog opens behind it
+        await pilot.pause()
+        assert isinstance(app.screen, HelpScreen)
+        await pilot.press("escape")
+        await pilot.pause()
+        assert not isinstance(app.screen, HelpScreen)
+
+
+async def test_command_palette_has_dashboard_commands():
+    ctl = ReplayController(sc.training(steps=3))
+    app = DFlashApp(ctl)
+    async with app.run_test(size=BIG) as pilot:
+        await settle(pilot)
+        await pilot.press("ctrl+p")
+        await pilot.pause()
+        await pilot.press(*"abort run")
+        await pilot.pause(0.5)
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: isinstance(app.screen, ConfirmScreen))
+        await pilot.press("y")
+        await pilot.pause()
+        await app.workers.wait_for_complete()
+        assert ctl.calls == ["start", "abort"]
+
+
+async def test_error_from_an_engine_thread_shows_within_a_second():
+    ctl = ReplayController(sc.training(steps=5))
+    app = DFlashApp(ctl)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await settle(pilot)
+        table = app.query_one("#errors").table
+        assert table.row_count == 0
+        threading.Thread(target=ctl.publish, args=(sc.oom_error(300),)).start()
+        took = await wait_for(pilot, lambda: table.row_count == 1, timeout=1.0)
+        assert took < 1.0
+        await settle(pilot, 0.15)
+        assert "err 1" in app.query_one("#header").text
+        assert app.is_running
+
+
+async def test_a_fast_run_is_coalesced_into_few_batches():
+    class Counting(DFlashApp):
+        batches = 0
+
+        def on_engine_events(self, message: EngineEvents) -> None:
+            type(self).batches += 1
+            super().on_engine_events(message)
+
+    ctl = ReplayController(sc.start())
+    app = Counting(ctl)
+    n = 20_000
+    async with app.run_test(size=(80, 24)) as pilot:
+        await settle(pilot)
+        Counting.batches = 0
+        flood = [ev.QueueDepth(name="hs", depth=i % 9, capacity=8, ts=sc.T0 + 10) for i in range(n)]
+        publisher = threading.Thread(target=lambda: [ctl.publish(e) for e in flood])
+        publisher.start()
+        await asyncio.get_running_loop().run_in_executor(None, publisher.join)
+        await settle(pilot, 0.5)
+        assert app.state.queues["hs"].depth == (n - 1) % 9
+        assert 1 <= Counting.batches < 40  # ~8 a second, not one per event
+        assert app.is_running
+
+
+async def test_postmortem_of_the_previous_run_on_start(tmp_path):
+    died = sc.failed()[:-1]  # no RunEnded: the process was killed
+    (tmp_path / "events.jsonl").write_text("".join(e.to_json() + "\n" for e in died))
+    ctl = ReplayController([])
+    app = DFlashApp(ctl, run_dir=tmp_path, start=False)
+    async with app.run_test(size=BIG) as pilot:
+        await settle(pilot)
+        assert ctl.calls == []  # start=False
+        log = " ".join(app.query_one("#log", LogPanel).text.split())  # undo the wrapping
+        assert "post-mortem: previous run qwen36-dflash" in log
+        assert "ended without RunEnded" in log and "last step 60/6000" in log
+        errors = app.query_one("#errors")
+        assert errors.table.row_count == 1 and "(previous run)" in errors.detail_text
+        assert "errors 0" in app.query_one("#header").text

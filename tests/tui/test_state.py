@@ -1,0 +1,171 @@
+"""The dashboard's view model: scripted events in, view state out (no Textual involved)."""
+
+from __future__ import annotations
+
+import tui_scenarios as sc
+from dflash_core import events as ev
+from dflash_tui import postmortem
+from dflash_tui.state import DashboardState
+
+GIB = sc.GIB
+
+
+def fold(events) -> DashboardState:
+    s = DashboardState()
+    s.apply_all(events)
+    return s
+
+
+def test_gpu_rows_take_roles_plan_and_samples():
+    s = fold(sc.start() + sc.gpu_samples(5, used=20, util=3))
+    rows = s.gpu_rows()
+    assert [r.index for r in rows] == list(range(8))
+    assert [r.role for r in rows] == ["target"] * 7 + ["drafter"]  # from RunStarted labels
+    r0, r7 = rows[0], rows[7]
+    assert (r0.mem_used, r0.torch_allocated, r0.plan) == (20 * GIB, 16 * GIB, 71 * GIB)
+    assert r7.plan == 96 * GIB and r7.sampled and r7.util == 3
+    assert s.host is not None and s.host.ram_total == 2015 * GIB
+
+
+def test_gpu_role_from_sample_wins_and_shared_gpu_is_both():
+    s = fold(sc.start(targets=["cuda:0", "cuda:1"], drafters=["cuda:1"]))
+    assert [r.role for r in s.gpu_rows()] == ["target", "target+drafter"]
+    s.apply(ev.GpuSample(index=0, name="x", mem_used=1, mem_total=2, role="drafter", ts=sc.T0))
+    assert s.gpu_rows()[0].role == "drafter"
+
+
+def test_cpu_only_run_has_no_gpu_rows_but_workers():
+    s = fold(sc.start(targets=["cpu:0"], drafters=["cpu:0"]) + [
+        ev.WorkerStatus(worker="target-0", role="target", device="cpu", status="running",
+                        ts=sc.T0 + 3),
+        ev.WorkerStatus(worker="drafter-0", role="drafter", device="cpu", status="running",
+                        ts=sc.T0 + 3)])
+    assert s.cpu_only and s.gpu_rows() == []
+    assert list(s.workers) == ["target-0", "drafter-0"]
+
+
+def test_target_goes_loading_warmup_running():
+    s = fold(sc.loading())
+    t0, t1 = s.targets["target-0"], s.targets["target-1"]
+    assert t0.status == "warmup" and t0.memory_after == int(54.2 * GIB)
+    assert t1.status == "loading" and t1.shards_total == 12 and 0 < t1.bytes_loaded < t1.bytes_total
+    assert s.state == "loading"
+    s.apply(ev.TargetMetrics(worker="target-1", device="cuda:1", batches=3, tokens_per_s=30_000,
+                             blocked_frac=0.1, ts=sc.T0 + 200))
+    assert t1.status == "running" and t1.tokens_per_s == 30_000
+
+
+def test_failed_target_shows_why():
+    s = fold(sc.failed())
+    t3 = s.targets["target-3"]
+    assert t3.status == "failed"
+    assert t3.error == "[oom] CUDA out of memory. Tried to allocate 29.61 GiB"
+    assert s.targets["target-2"].status == "running"
+
+
+def test_queue_rows_ordered_with_history():
+    s = fold(sc.training(steps=12))
+    assert list(s.queues) == [f"prefetch-{i}" for i in range(7)] + ["hs"]
+    hs = s.queues["hs"]
+    assert (hs.depth, hs.capacity) == (3, 8)
+    assert list(hs.history) == [min(8, i // 4) for i in range(1, 13)]
+
+
+def step(wait: float, blocked: float, s: int = 1) -> ev.StepMetrics:
+    return ev.StepMetrics(step=s, epoch=0, loss=1.0, lr=1e-4, grad_norm=1.0, tokens_per_s=1.0,
+                          samples_per_s=1.0, tau_tf=1.0, drafter_wait_frac=wait,
+                          target_blocked_frac=blocked, ts=sc.T0 + s)
+
+
+def test_bottleneck_line():
+    s = DashboardState()
+    assert s.bottleneck() == ""  # nothing flows yet
+    s.apply(step(wait=0.02, blocked=0.71))
+    assert s.bottleneck() == "drafter-bound: targets blocked 71% of the time"
+    s.apply(step(wait=0.40, blocked=0.0))
+    assert s.bottleneck() == "target-bound: drafter waited 40% of the time"
+    s.apply(step(wait=0.05, blocked=0.1))
+    assert s.bottleneck() == "balanced"
+    # targets' own blocked share counts when the step does not carry it
+    s.apply(ev.TargetMetrics(worker="target-0", device="cuda:0", batches=1, tokens_per_s=1.0,
+                             blocked_frac=0.5, ts=sc.T0 + 9))
+    assert s.bottleneck() == "drafter-bound: targets blocked 50% of the time"
+    # drafter waits because the targets wait on data: say so
+    s.apply(ev.TargetMetrics(worker="target-0", device="cuda:0", batches=2, tokens_per_s=1.0,
+                             blocked_frac=0.0, starved_frac=0.6, ts=sc.T0 + 10))
+    s.apply(step(wait=0.5, blocked=0.0))
+    assert s.bottleneck().startswith("data-bound: targets starved 60% of the time")
+
+
+def test_training_loss_history_eval_and_clock():
+    s = fold(sc.training(steps=60))
+    assert len(s.loss_history) == 60 and s.step.step == 60
+    assert s.loss_history[0] > s.loss_history[-1]
+    assert s.eval.tau == 2.87
+    assert s.elapsed == 240.0  # event time: RunStarted at T0, last event at T0+240
+    assert s.steps_per_s == 0.5
+    assert s.eta == (6000 - 60) / 0.5
+    assert s.wandb == "runs/qwen36-dflash/wandb/offline-run-1"
+
+
+def test_errors_listed_counted_and_logged():
+    s = fold(sc.failed())
+    assert s.state == "failed" and not s.live
+    assert s.error_count == 1 and s.errors[0].event.kind_ == "oom"
+    assert s.eta is None
+    assert s.elapsed == 242.0  # stops at the RunEnded
+    texts = [x.text for x in s.log]
+    assert "[oom] torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 29.61 GiB" in texts
+    assert any(t.startswith("run ended: failed at step 60") for t in texts)
+    assert any(t.startswith("step 60 saved to runs/qwen36-dflash/ckpt/step-60") for t in texts)
+
+
+def test_changed_panels_are_reported():
+    s = DashboardState()
+    assert s.apply(ev.QueueDepth(name="hs", depth=1, capacity=8, ts=sc.T0)) == {"queues", "header"}
+    assert "errors" in s.apply(sc.oom_error(1))
+    assert s.apply(ev.Log(level="info", source="x", message="m", ts=sc.T0)) == {"log", "header"}
+
+
+def test_malformed_event_becomes_an_error_not_a_crash():
+    s = DashboardState()
+    s.apply(ev.MemoryPlan(rows=[{"device": "cuda:0", "total": "lots"}], ts=sc.T0))
+    assert s.error_count == 1 and s.errors[0].event.source == "dashboard"
+
+
+def test_restart_resets_the_run_but_keeps_errors():
+    s = fold(sc.failed())
+    s.apply_all(sc.start(t=500))
+    assert s.step is None and not s.loss_history and not s.targets and s.state == "loading"
+    assert s.error_count == 1 and s.elapsed == 2.0
+
+
+def write_jsonl(path, events):
+    path.write_text("".join(e.to_json() + "\n" for e in events))
+
+
+def test_postmortem_of_a_run_without_run_ended(tmp_path):
+    events = sc.failed()[:-1]  # the process died before writing RunEnded
+    write_jsonl(tmp_path / "events.jsonl", sc.aborted() + events)  # an earlier run ended fine
+    with open(tmp_path / "events.jsonl", "a") as f:
+        f.write('{"event": "StepMetr')  # torn last line
+    pm = postmortem.load(tmp_path)
+    assert pm is not None
+    assert (pm.last_state, pm.last_step.step, pm.errors) == ("failed", 60, 1)
+    assert pm.last_error.kind_ == "oom"
+    lines = pm.lines()
+    assert "ended without RunEnded" in lines[0]
+    assert "last state failed" in lines[1]
+    assert lines[2].startswith("last step 60/6000 (epoch 0), loss ")
+    assert lines[3].startswith("1 error(s); last: [oom] target-3:")
+    assert lines[4] == "hint: lower data.token_budget in config.yaml (65536 -> 32768)"
+    s = DashboardState()
+    s.add_postmortem(pm)
+    assert [x.source for x in s.log] == ["post-mortem"] * 5
+    assert s.errors[0].previous and s.error_count == 0  # shown, not counted against this run
+
+
+def test_no_postmortem_when_the_run_ended(tmp_path):
+    write_jsonl(tmp_path / "events.jsonl", sc.failed())
+    assert postmortem.load(tmp_path) is None
+    assert postmortem.load(tmp_path / "missing") is None

@@ -1,0 +1,135 @@
+"""Scripted event streams with fixed timestamps: the states the dashboard must show, replayable by
+ReplayController (tests, snapshots) and deterministic (no wall clock anywhere)."""
+
+from __future__ import annotations
+
+import math
+
+from dflash_core import events as ev
+
+T0 = 1_750_000_000.0  # fixed start; every ts below is T0 + seconds
+GIB = 1024**3
+TARGETS = [f"cuda:{i}" for i in range(7)]  # the real node: targets on 0-6, drafter on 7
+DRAFTERS = ["cuda:7"]
+OOM_TRACEBACK = """Traceback (most recent call last):
+  File "dflash_core/engine.py", line 412, in _target_loop
+    feats = self.target.features(batch)
+  File "dflash_core/target.py", line 188, in features
+    out = layer(hidden, position_embeddings=pos)
+torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 29.61 GiB. GPU 3 has a total capacity of 139.81 GiB of which 12.02 GiB is free.
+"""
+
+
+def start(t: float = 0.0, targets=TARGETS, drafters=DRAFTERS) -> list[ev.Event]:
+    return [
+        ev.RunStarted(run_name="qwen36-dflash", run_dir="runs/qwen36-dflash", config={},
+                      targets=list(targets), drafters=list(drafters), total_steps=6000, ts=T0 + t),
+        ev.StateChanged(state="preflight", previous="idle", ts=T0 + t),
+        ev.SinkStatus(sink="wandb", status="ok", detail="runs/qwen36-dflash/wandb/offline-run-1",
+                      ts=T0 + t + 1),
+        ev.MemoryPlan(rows=[{"device": d, "role": "target", "components": {}, "total": 71 * GIB,
+                             "free": 139 * GIB, "fits": True} for d in targets]
+                      + [{"device": d, "role": "drafter", "components": {}, "total": 96 * GIB,
+                          "free": 139 * GIB, "fits": True} for d in drafters], ts=T0 + t + 1),
+        ev.StateChanged(state="loading", previous="preflight", ts=T0 + t + 2),
+    ]
+
+
+def gpu_samples(t: float, used: float, util: float, n_targets: int = 7) -> list[ev.Event]:
+    out: list[ev.Event] = []
+    for i in range(n_targets + 1):
+        drafter = i == n_targets
+        out.append(ev.GpuSample(
+            index=i, name="NVIDIA H200", mem_used=int((used + 20 * drafter) * GIB),
+            mem_total=int(139.8 * GIB), util=util, temperature=40 + util / 3 + i,
+            torch_allocated=int((used - 4 + 20 * drafter) * GIB), ts=T0 + t))
+    out.append(ev.HostSample(ram_used=180 * GIB, ram_total=2015 * GIB, cpu_percent=12.0,
+                             process_rss=31 * GIB, ts=T0 + t))
+    return out
+
+
+def loading() -> list[ev.Event]:
+    out = start() + gpu_samples(5, used=20, util=3)
+    for i in range(7):
+        worker, dev = f"target-{i}", f"cuda:{i}"
+        out.append(ev.WorkerStatus(worker=worker, role="target", device=dev, status="loading",
+                                   ts=T0 + 3))
+        done = i == 0
+        frac = 1.0 if done else 0.9 - i * 0.12
+        out.append(ev.LoadProgress(worker=worker, device=dev, bytes_loaded=int(frac * 54 * GIB),
+                                   bytes_total=54 * GIB, shards_loaded=round(frac * 12),
+                                   shards_total=12, seconds=60 + i, done=done,
+                                   memory_after=int(54.2 * GIB) if done else 0, ts=T0 + 62))
+    out.append(ev.WorkerStatus(worker="target-0", role="target", device="cuda:0", status="warmup",
+                               detail="first forward: compiling kernels", ts=T0 + 63))
+    out.append(ev.Log(level="info", source="target-0", message="loaded 54.2 GiB in 60 s",
+                      ts=T0 + 62))
+    return out
+
+
+def training(steps: int = 60, wait: float = 0.05, blocked: float = 0.71) -> list[ev.Event]:
+    out = loading()
+    for i in range(7):
+        worker, dev = f"target-{i}", f"cuda:{i}"
+        out.append(ev.LoadProgress(worker=worker, device=dev, bytes_loaded=54 * GIB,
+                                   bytes_total=54 * GIB, shards_loaded=12, shards_total=12,
+                                   seconds=90, done=True, memory_after=int(54.2 * GIB),
+                                   ts=T0 + 90))
+        out.append(ev.WorkerStatus(worker=worker, role="target", device=dev, status="warmup",
+                                   ts=T0 + 91))
+    out.append(ev.StateChanged(state="warmup", previous="loading", ts=T0 + 91))
+    out.append(ev.StateChanged(state="training", previous="warmup", ts=T0 + 120))
+    t = 120.0
+    for s in range(1, steps + 1):
+        t += 2.0
+        for q in range(7):
+            out.append(ev.QueueDepth(name=f"prefetch-{q}", depth=(s + q) % 5, capacity=4, ts=T0 + t))
+        out.append(ev.QueueDepth(name="hs", depth=min(8, s // 4), capacity=8, ts=T0 + t))
+        if s % 10 == 0:
+            for i in range(7):
+                out.append(ev.TargetMetrics(worker=f"target-{i}", device=f"cuda:{i}", batches=s * 2,
+                                            tokens_per_s=31_000 - 300 * i, blocked_frac=blocked,
+                                            starved_frac=0.01, ts=T0 + t))
+            out += gpu_samples(t, used=74, util=97)
+        loss = 6.0 * math.exp(-s / 25) + 1.2 + 0.15 * math.sin(s)
+        out.append(ev.StepMetrics(step=s, epoch=0, loss=loss, lr=6e-4 * min(1, s / 20),
+                                  grad_norm=0.9 + 0.1 * math.cos(s), tokens_per_s=52_000,
+                                  samples_per_s=3.7, tau_tf=1.5 + s / 40, drafter_wait_frac=wait,
+                                  target_blocked_frac=blocked, padding_frac=0.06, samples=8,
+                                  ts=T0 + t))
+    out.append(ev.EvalResult(step=steps, tau=2.87, acceptance=[1, 2, 3], prompts=8, ts=T0 + t))
+    out.append(ev.Checkpoint(step=steps, path=f"runs/qwen36-dflash/ckpt/step-{steps}", seconds=4.2,
+                             ts=T0 + t))
+    return out
+
+
+def oom_error(t: float) -> ev.Error:
+    return ev.Error(kind_="oom", source="target-3", device="cuda:3", phase="training",
+                    message="torch.OutOfMemoryError: CUDA out of memory. Tried to allocate "
+                            "29.61 GiB",
+                    traceback=OOM_TRACEBACK,
+                    hint="lower data.token_budget in config.yaml (65536 -> 32768)", ts=T0 + t)
+
+
+def failed() -> list[ev.Event]:
+    out = training()
+    t = out[-1].ts - T0 + 1
+    return out + [
+        oom_error(t),
+        ev.StateChanged(state="failed", previous="training", reason="target-3: out of memory",
+                        ts=T0 + t),
+        ev.RunEnded(status="failed", step=60, seconds=t, reason="target-3: out of memory",
+                    ts=T0 + t + 1),
+    ]
+
+
+def aborted() -> list[ev.Event]:
+    out = training()
+    t = out[-1].ts - T0 + 1
+    return out + [
+        ev.Log(level="warning", source="dashboard", message="abort requested", ts=T0 + t),
+        ev.Checkpoint(step=60, path="runs/qwen36-dflash/ckpt/step-60", seconds=3.9,
+                      reason="abort", ts=T0 + t + 4),
+        ev.StateChanged(state="aborted", previous="training", reason="operator", ts=T0 + t + 5),
+        ev.RunEnded(status="aborted", step=60, seconds=t + 5, reason="operator", ts=T0 + t + 5),
+    ]
