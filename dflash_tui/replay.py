@@ -17,15 +17,16 @@ from dflash_core import events as ev
 
 class ReplayController:
     def __init__(self, events: Iterable[ev.Event] | str | Path = (), *, delay: float = 0.0,
-                 speed: float = 0.0, shutdown_seconds: float = 0.0) -> None:
+                 speed: float = 0.0, shutdown_gate: threading.Event | None = None) -> None:
         """`events`: a list of events or the path of an events.jsonl.
         `delay`: seconds between events; `speed`: instead follow the recorded timestamps, sped up
         this many times (gaps capped at 2 s). With neither, start() publishes everything at once.
-        `shutdown_seconds`: how long shutdown() blocks, to stand in for an engine winding down."""
+        `shutdown_gate`: shutdown() blocks until it is set (or its timeout), standing in for an
+        engine whose workers take a while to stop."""
         if isinstance(events, (str, Path)):
             events = ev.read_jsonl(events)
         self.events: list[ev.Event] = list(events)
-        self.delay, self.speed, self.shutdown_seconds = delay, speed, shutdown_seconds
+        self.delay, self.speed, self.shutdown_gate = delay, speed, shutdown_gate
         self.bus = ev.EventBus()
         self.calls: list[str] = []
         self._state = "idle"
@@ -92,8 +93,8 @@ class ReplayController:
     def shutdown(self, timeout: float = 30.0) -> None:
         self.calls.append("shutdown")
         self._halt()
-        if self.shutdown_seconds:
-            time.sleep(min(timeout, self.shutdown_seconds))
+        if self.shutdown_gate is not None:
+            self.shutdown_gate.wait(timeout)
         if self._state not in ev.TERMINAL_STATES and self._state != "idle":
             self._change("aborted", "shutdown")
         self.bus.close(timeout)

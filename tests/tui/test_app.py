@@ -147,7 +147,8 @@ async def test_quit_when_finished_exits_at_once():
 
 
 async def test_quit_when_live_confirms_then_shuts_down_off_the_ui_thread():
-    ctl = ReplayController(sc.training(steps=5), shutdown_seconds=0.6)
+    gate = threading.Event()
+    ctl = ReplayController(sc.training(steps=5), shutdown_gate=gate)
     app = DFlashApp(ctl)
     async with app.run_test(size=BIG) as pilot:
         await settle(pilot)
@@ -162,6 +163,7 @@ async def test_quit_when_live_confirms_then_shuts_down_off_the_ui_thread():
         # shutdown is still blocking in its thread, and the screen still answers keys
         await pilot.press("l")
         assert app.is_running and isinstance(app.focused, LogPanel)
+        gate.set()  # the engine has stopped: now the app exits
         await wait_for(pilot, lambda: not app.is_running, timeout=3)
     assert app.return_code == 0 and app.shutdown_done
 
