@@ -1,0 +1,93 @@
+"""Figure 2: drafter optimizer steps through the engine's trainer (block-sparse FlexAttention,
+chunked loss), 8B- and 27B-shaped, 3072-token samples, 512 anchors, block 16.
+
+    python bench/drafter_step.py [--samples 8] [--steps 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from common import H200_BF16_PEAK, decoder_flops_per_token, env_line, gib, hf_config
+from dflash_core.config import config_from_dict
+from dflash_core.data import Batch
+from dflash_core.drafter import DFlashDrafter, build_drafter_config
+from dflash_core.trainer import make_replicas, reduce_and_step
+
+SHAPES = {
+    "8B": ("qwen3_8b_config.json", 5),
+    "27B": ("qwen3_6_27b_config.json", 5),
+}
+
+
+def step_flops(dc, n, S, A, B, vocab, k=5):
+    """Model FLOPs of one step (forward x 3), counting only unmasked attention."""
+    H = dc.hidden_size
+    hd, heads, kvh = dc.head_dim, dc.num_attention_heads, dc.num_key_value_heads
+    T = A * B
+    per_layer_ctx = 2 * S * H * 2 * kvh * hd  # k/v of the context
+    dense = decoder_flops_per_token(dc, dc.num_hidden_layers) * T + per_layer_ctx * dc.num_hidden_layers
+    attn = dc.num_hidden_layers * 2 * 2 * T * (S / 2 + B) * heads * hd
+    fc = 2 * S * k * H * H
+    head = 2 * T * (B - 1) / B * H * vocab
+    return 3 * n * (dense + attn + fc + head)
+
+
+def batch_of(n, S, vocab):
+    ids = torch.randint(0, vocab - 1, (n, S))
+    mask = torch.ones(n, S, dtype=torch.long)
+    mask[:, :256] = 0  # a prompt
+    return Batch(input_ids=ids, loss_mask=mask, attention_mask=torch.ones_like(mask),
+                 lengths=torch.full((n,), S), indices=list(range(n)), epoch=0, batch_index=0,
+                 num_tokens=n * S, padded_tokens=n * S, padding_frac=0.0)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--samples", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--shapes", default="8B,27B")
+    args = ap.parse_args()
+    print(env_line())
+    S, A, B = 3072, 512, 16
+    for shape in args.shapes.split(","):
+        fixture, layers = SHAPES[shape]
+        tc = hf_config(fixture)
+        cfg = config_from_dict({
+            "drafter": {"num_layers": layers, "block_size": B, "num_anchors": A,
+                        "micro_block_tokens": A * B * args.samples, "loss_chunk": 8192},
+            "data": {"token_budget": 65536, "max_length": S}})
+        dc = build_drafter_config(tc, num_layers=layers, target_layer_ids=[1, 2, 3, 4, 5],
+                                  block_size=B, mask_token_id=tc.vocab_size - 1)
+        torch.manual_seed(0)
+        drafter = DFlashDrafter(dc)
+        embed = torch.nn.Embedding(tc.vocab_size, tc.hidden_size, dtype=torch.bfloat16, device="cuda")
+        head = torch.nn.Linear(tc.hidden_size, tc.vocab_size, bias=False, dtype=torch.bfloat16, device="cuda")
+        (rep,) = make_replicas(drafter, [torch.device("cuda:0")], cfg, embed, head)
+        batch = batch_of(args.samples, S, tc.vocab_size)
+        feats = torch.randn(args.samples, S, 5 * tc.hidden_size, device="cuda", dtype=torch.bfloat16)
+        torch.cuda.reset_peak_memory_stats()
+        times = []
+        for s in range(args.steps + 2):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            rep.accumulate(batch, feats, seed=0)
+            reduce_and_step([rep], s, 1000)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+        dt = sum(times[2:]) / len(times[2:])
+        fl = step_flops(dc, args.samples, S, A, B, tc.vocab_size)
+        n_params = sum(p.numel() for p in rep.params())
+        print(f"| {shape}-shaped drafter (H {dc.hidden_size}, {layers} layers, vocab "
+              f"{tc.vocab_size}, {n_params / 1e9:.2f}B trainable) | {args.samples / dt:.2f} "
+              f"samples/s | MFU {fl / dt / H200_BF16_PEAK:.2f} | peak {gib(torch.cuda.max_memory_allocated())} "
+              f"| first step {times[0]:.1f} s (compile) |")
+        del rep, drafter, embed, head, feats
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,150 @@
+"""Figures 3 and 5: the whole engine (loader -> target -> HS queue -> drafter) on GPUs with an
+8B-shaped random target, synthetic variable-length data, headless; optionally with the dashboard
+attached (Textual, headless driver) for the TUI-vs-headless ratio.
+
+    python bench/pipeline.py --targets 0 --drafters 0 --steps 30            # one GPU, both roles
+    python bench/pipeline.py --targets 0 --drafters 1 --steps 30            # two GPUs
+    python bench/pipeline.py --targets 0 --drafters 0 --steps 30 --tui      # same, dashboard on
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from common import env_line, gib, hf_config, random_causal_lm, FIXTURES
+import dflash_core.target as target_mod
+from dflash_core.config import config_from_dict
+from dflash_core.data import write_shards
+from dflash_core.engine import Engine
+from dflash_core.events import EventBus, GpuSample, MemoryPlan, QueueDepth, StepMetrics, TargetMetrics
+
+
+def fake_loader(fixture):
+    """load_target that builds random weights of the real shape on the GPU, with progress."""
+    def load(path, *, device="cpu", dtype=torch.float32, progress=None, stop=None, **kw):
+        t = time.perf_counter()
+        cfg = hf_config(fixture)
+        model = random_causal_lm(cfg, device=device, dtype=torch.bfloat16)
+        if progress is not None:
+            n = sum(p.numel() * p.element_size() for p in model.parameters())
+            progress(target_mod.LoadInfo(bytes_loaded=n, bytes_total=n, shards_loaded=1,
+                                         shards_total=1, seconds=time.perf_counter() - t,
+                                         done=True, memory_after=torch.cuda.memory_allocated(device)))
+        return target_mod.TargetModel(model)
+    return load
+
+
+def make_data(folder: Path, vocab: int, n: int = 3000):
+    rng = np.random.default_rng(0)
+    lengths = np.clip(rng.lognormal(6.8, 0.7, n), 256, 3072).astype(int)
+    samples = []
+    for L in lengths:
+        p = min(int(L) // 4, 256)
+        samples.append({"input_ids": rng.integers(0, vocab - 2, int(L)).tolist(),
+                        "loss_mask": [0] * p + [1] * (int(L) - p)})
+    write_shards(samples, folder, samples_per_shard=1000)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--targets", default="0")
+    ap.add_argument("--drafters", default="0")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--budget", type=int, default=32768)
+    ap.add_argument("--anchors", type=int, default=512)
+    ap.add_argument("--tui", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    print(env_line())
+    fixture = "qwen3_8b_config.json"
+    tmp = Path(tempfile.mkdtemp())
+    tfolder = tmp / "target"
+    tfolder.mkdir()
+    (tfolder / "config.json").write_text((FIXTURES / fixture).read_text())
+    target_mod.load_target = fake_loader(fixture)
+    vocab = json.loads((FIXTURES / fixture).read_text())["vocab_size"]
+    t = time.perf_counter()
+    make_data(tmp / "data", vocab)
+    print(f"data made in {time.perf_counter() - t:.0f} s")
+    cfg = config_from_dict({
+        "run": {"name": "bench", "output_dir": str(tmp / "runs"), "max_steps": args.steps},
+        "target": {"path": str(tfolder), "dtype": "bfloat16"},
+        "drafter": {"num_layers": 5, "block_size": 16, "num_anchors": args.anchors,
+                    "micro_block_tokens": 65536, "loss_chunk": 8192},
+        "data": {"path": str(tmp / "data"), "token_budget": args.budget, "max_seqs_per_batch": 64,
+                 "max_length": 3072, "eval_prompts": 0},
+        "layout": {"device": "cuda", "targets": [int(x) for x in args.targets.split(",")],
+                   "drafters": [int(x) for x in args.drafters.split(",")], "hs_queue": 4},
+        "optim": {"epochs": 1}, "checkpoint": {"every": 0, "on_abort": False},
+        "telemetry": {"interval_s": 0.5},
+    })
+    bus = EventBus()
+    steps, queues, targets, gpus, plans = [], [], [], [], []
+    t0 = time.monotonic()
+
+    def tap(ev):
+        if isinstance(ev, StepMetrics):
+            steps.append((time.monotonic() - t0, ev))
+        elif isinstance(ev, QueueDepth):
+            queues.append((time.monotonic() - t0, ev.name, ev.depth, ev.capacity))
+        elif isinstance(ev, TargetMetrics):
+            targets.append(ev)
+        elif isinstance(ev, GpuSample):
+            gpus.append(ev)
+        elif isinstance(ev, MemoryPlan):
+            plans.append(ev)
+    bus.tap(tap)
+    engine = Engine(cfg, bus=bus)
+    if args.tui:
+        from dflash_tui.app import DFlashApp
+
+        app = DFlashApp(engine, run_dir=None, start=True)
+
+        async def drive():
+            async with app.run_test(size=(160, 48)) as pilot:
+                while engine.state not in ("finished", "failed", "aborted"):
+                    await pilot.pause(0.5)
+        import asyncio
+        asyncio.run(drive())
+    else:
+        engine.start()
+    final = engine.wait()
+    for d in set(cfg.layout.targets) | set(cfg.layout.drafters):
+        print(f"cuda:{d} peak allocated {gib(torch.cuda.max_memory_allocated(d))}")
+    print(f"final state {final}, {len(steps)} steps")
+    train = [(t, s) for t, s in steps if s.step > 3]  # skip compile/warm-up steps
+    if len(train) >= 2:
+        dt = train[-1][0] - train[0][0]
+        samples = sum(s.samples for _, s in train[1:])
+        toks = sum(s.tokens_per_s for _, s in train) / len(train)
+        print(f"RESULT samples/s {samples / dt:.2f} over {len(train) - 1} steps "
+              f"(mean tokens/s {toks:,.0f}); drafter waited {np.mean([s.drafter_wait_frac for _, s in train]):.0%}, "
+              f"targets blocked {np.mean([s.target_blocked_frac for _, s in train]):.0%}; "
+              f"loss {train[0][1].loss:.3f} -> {train[-1][1].loss:.3f}")
+    for g in sorted({g.index for g in gpus}):
+        util = [x.util for x in gpus if x.index == g and x.util >= 0]
+        mem = [x.mem_used for x in gpus if x.index == g]
+        if util:
+            print(f"GPU {g}: busy (NVML util) mean {np.mean(util):.0f}% over {len(util)} samples, "
+                  f"max used {gib(max(mem))}")
+    for p in plans:
+        for row in p.rows:
+            print(f"plan {row['device']} {row['role']}: {gib(row['total'])} "
+                  + ", ".join(f"{k} {gib(v)}" for k, v in row["components"].items()))
+    hs = [(round(t, 1), d) for t, n, d, c in queues if n == "hs"]
+    print("HS queue depth over time (s, depth):", hs[:: max(1, len(hs) // 20)])
+    if args.out:
+        Path(args.out).write_text(json.dumps({"steps": [(t, s.to_dict()) for t, s in steps],
+                                              "queues": queues}))
+
+
+if __name__ == "__main__":
+    main()
