@@ -1,0 +1,196 @@
+"""Exact greedy speculative decoding, and the acceptance length tau it measures (DFLASH.md).
+
+A round: the drafter proposes B-1 tokens after the last accepted token from the target features of
+the accepted context; ONE target forward over context + block verifies them; the longest prefix equal
+to the target's own argmax is accepted and the target's next argmax (the "bonus" token) is appended.
+The output is therefore exactly the target's greedy decoding, whatever the drafter proposes
+(lossless), and tau = mean(accepted + 1) per round.
+
+Every target call here is a full forward over the whole sequence, without a cache. That costs
+O(n^2) in the generated length, but it is simple and correct for every target, including hybrid
+ones (Gated DeltaNet layers) whose recurrent state cannot be cropped back after a rejected draft.
+At demo and eval scale (a few hundred tokens) the cost is small; a KV-cache path for pure-attention
+targets (crop the cache to the accepted length) is a later optimisation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Protocol, Sequence
+
+import torch
+
+# target_fn(input_ids [1, T]) -> (logits [1, T, V], features [1, T, k*H]) of one full forward.
+TargetFn = Callable[[torch.Tensor], "tuple[torch.Tensor, torch.Tensor]"]
+
+
+class Drafter(Protocol):
+    """What decoding needs from a drafter (DFlashDrafter, or a test stub)."""
+
+    block_size: int
+    target_layer_ids: list[int]
+
+    def draft(self, context: torch.Tensor, last_token: int,
+              num_tokens: int | None = None) -> torch.Tensor: ...
+
+
+@dataclass
+class GenResult:
+    tokens: list[int]  # new tokens only (prompt excluded)
+    acceptance: list[int] = field(default_factory=list)  # drafted tokens accepted, per round
+
+    @property
+    def rounds(self) -> int:
+        return len(self.acceptance)
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens gained per verification round (accepted + bonus)."""
+        return sum(a + 1 for a in self.acceptance) / max(1, self.rounds)
+
+
+@dataclass
+class EvalSummary:
+    tau: float  # pooled over all rounds of all prompts
+    acceptance: list[int]  # histogram: acceptance[k] = rounds that accepted k drafted tokens
+    prompts: int
+    tokens: int  # new tokens generated, all prompts together
+    rounds: int = 0
+
+
+def _as_ids(prompt_ids: Sequence[int] | torch.Tensor) -> list[int]:
+    if isinstance(prompt_ids, torch.Tensor):
+        return [int(t) for t in prompt_ids.reshape(-1).tolist()]
+    return [int(t) for t in prompt_ids]
+
+
+def _forward(target_fn: TargetFn, ids: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
+    logits, feats = target_fn(torch.tensor([ids], dtype=torch.long, device=device))
+    return logits[0].argmax(-1), feats
+
+
+def _check_layers(drafter, layer_ids) -> None:
+    if layer_ids is not None and drafter is not None:
+        ids = list(getattr(drafter, "target_layer_ids", layer_ids))
+        if ids != list(layer_ids):
+            raise ValueError(f"the drafter was trained on target layers {ids}, "
+                             f"but features come from {list(layer_ids)}")
+
+
+def _drafter_device(drafter) -> torch.device:
+    try:
+        return next(drafter.parameters()).device
+    except (AttributeError, StopIteration):
+        return torch.device("cpu")
+
+
+@torch.no_grad()
+def speculative_generate(target_fn: TargetFn, drafter: Drafter | None,
+                         prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int,
+                         layer_ids: Sequence[int] | None = None, block_size: int | None = None,
+                         *, eos_token_id: int | None = None, device="cpu") -> GenResult:
+    """Greedy speculative decoding of ``max_new_tokens`` after ``prompt_ids``.
+
+    ``block_size`` defaults to the drafter's; a smaller one drafts fewer tokens per round; 1 is plain
+    decoding (the drafter is never called; every round accepts 0). ``layer_ids``, when given, must be
+    the layers the drafter was trained on (``target_fn`` must return their features). Decoding stops
+    after ``eos_token_id`` when given. ``device`` is where input ids are built for ``target_fn``.
+    """
+    ids = _as_ids(prompt_ids)
+    if not ids:
+        raise ValueError("the prompt must hold at least one token")
+    B = block_size or (drafter.block_size if drafter is not None else 1)
+    if B < 1:
+        raise ValueError(f"block_size must be >= 1, got {B}")
+    if B > 1:
+        if drafter is None:
+            raise ValueError("block_size > 1 needs a drafter")
+        if B > drafter.block_size:
+            raise ValueError(f"block_size {B} exceeds the drafter's block size {drafter.block_size}")
+        _check_layers(drafter, layer_ids)
+    result = GenResult(tokens=[])
+    if max_new_tokens <= 0:
+        return result
+
+    # Prefill: the target's first token is not a round (no draft was verified).
+    preds, feats = _forward(target_fn, ids, device)
+    ids.append(int(preds[-1]))
+    result.tokens.append(ids[-1])
+    draft_dev = _drafter_device(drafter) if B > 1 else None
+
+    while len(result.tokens) < max_new_tokens and ids[-1] != eos_token_id:
+        left = max_new_tokens - len(result.tokens)
+        S = len(ids) - 1  # position of the last accepted token; features exist for 0..S-1
+        n_draft = min(B - 1, left - 1)  # never draft past the end: the bonus token fills it
+        drafted: list[int] = []
+        if n_draft > 0:
+            ctx = feats[:, :S].to(draft_dev)
+            drafted = [int(t) for t in drafter.draft(ctx, ids[-1], n_draft).tolist()][:n_draft]
+        preds, feats = _forward(target_fn, ids + drafted, device)
+        # preds[S + j] is the target's choice for position S + j + 1, where drafted[j] sits.
+        accepted = 0
+        while accepted < len(drafted) and drafted[accepted] == int(preds[S + accepted]):
+            accepted += 1
+        new = drafted[:accepted] + [int(preds[S + accepted])]
+        if eos_token_id is not None and eos_token_id in new:
+            new = new[: new.index(eos_token_id) + 1]  # the target stops there: so do we
+        ids.extend(new)
+        result.tokens.extend(new)
+        result.acceptance.append(len(new) - 1)
+        # feats now covers the accepted tokens: positions past them are sliced off next round.
+    return result
+
+
+@torch.no_grad()
+def plain_greedy(target_fn: TargetFn, prompt_ids: Sequence[int] | torch.Tensor, n: int, *,
+                 eos_token_id: int | None = None, device="cpu") -> list[int]:
+    """The target's own greedy continuation (one full forward per token): the lossless reference."""
+    ids = _as_ids(prompt_ids)
+    out: list[int] = []
+    while len(out) < n and (not out or out[-1] != eos_token_id):
+        preds, _ = _forward(target_fn, ids, device)
+        ids.append(int(preds[-1]))
+        out.append(ids[-1])
+    return out
+
+
+@torch.no_grad()
+def evaluate_tau(target_fn: TargetFn, drafter: Drafter | None,
+                 prompts: Sequence[Sequence[int] | torch.Tensor], max_new_tokens: int,
+                 layer_ids: Sequence[int] | None = None, block_size: int | None = None, *,
+                 eos_token_id: int | None = None, device="cpu") -> EvalSummary:
+    """Exact tau over held-out prompts: the mean of (accepted + 1) over all rounds of all prompts."""
+    B = block_size or (drafter.block_size if drafter is not None else 1)
+    hist = [0] * B
+    tokens = 0
+    for prompt in prompts:
+        r = speculative_generate(target_fn, drafter, prompt, max_new_tokens, layer_ids, B,
+                                 eos_token_id=eos_token_id, device=device)
+        for a in r.acceptance:
+            hist[a] += 1
+        tokens += len(r.tokens)
+    rounds = sum(hist)
+    gained = sum((k + 1) * c for k, c in enumerate(hist))
+    return EvalSummary(tau=gained / rounds if rounds else 0.0, acceptance=hist,
+                       prompts=len(prompts), tokens=tokens, rounds=rounds)
+
+
+def target_fn_for(target_model, layer_ids: Sequence[int] | None) -> TargetFn:
+    """Adapt a ``target.TargetModel`` (its ``logits_and_features``) to a TargetFn."""
+    ids = list(layer_ids) if layer_ids is not None else None
+
+    def fn(input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return target_model.logits_and_features(input_ids, ids)
+
+    return fn
+
+
+def hf_target_fn(model, layer_ids: Sequence[int]) -> TargetFn:
+    """A TargetFn straight from an HF causal LM (``hidden_states[i + 1]`` is layer i's output)."""
+    ids = list(layer_ids)
+
+    def fn(input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = model(input_ids=input_ids, output_hidden_states=True, use_cache=False)
+        return out.logits, torch.cat([out.hidden_states[i + 1] for i in ids], dim=-1)
+
+    return fn
