@@ -58,7 +58,9 @@ class Engine:
         self._subs: list = []
         self.final_status: str | None = None
         self.config: Config | None = None
+        self._early: list | None = None  # events of this run published before its sinks exist
         self.bus.tap(self._watch_fatal)
+        self.bus.tap(self._hold_early)
 
     # -- control (the Controller protocol) -------------------------------------------------------
     @property
@@ -143,6 +145,11 @@ class Engine:
                     self._failure = ev
                 self._stop.set()
 
+    def _hold_early(self, ev) -> None:
+        early = self._early
+        if early is not None:
+            early.append(ev)
+
     def _guard(self, source: str, role: str, device: str, fn, *args) -> None:
         """Run a worker body; turn its exception into an Error event and a failed run."""
         try:
@@ -175,6 +182,7 @@ class Engine:
         self._finished = False
         self.step = 0
         self._saved_step = -1
+        self._early = []
         try:
             self._set_state("preflight")
             self._preflight()
@@ -225,6 +233,9 @@ class Engine:
         from .sinks.textlog import TextLogSink
 
         self._detach_sinks()
+        # The run's first events (StateChanged to preflight) went out before the run folder was
+        # known; hand them to the sinks first so events.jsonl holds the whole run.
+        early, self._early = self._early or [], None
         jsonl = JsonlSink(run_dir / "events.jsonl")
         text = TextLogSink(run_dir / "train.log", every_s=cfg.run.log_every_s)
         self._sinks = [jsonl, text]
@@ -235,6 +246,9 @@ class Engine:
             wb = WandbSink(cfg.wandb, run_dir, cfg.run.name, cfg.to_dict(), self.bus.publish)
             self._sinks.append(wb)
             self._subs.append(self.bus.subscribe("wandb", wb, critical=False))
+        for ev in early:
+            for sub in self._subs:
+                sub.offer(ev)
 
     def _detach_sinks(self) -> None:
         for sub in self._subs:
@@ -682,6 +696,7 @@ class Engine:
 
     # -- teardown ------------------------------------------------------------------------------
     def _teardown(self, t0: float) -> None:
+        self._early = None
         self._stop.set()
         deadline = time.monotonic() + JOIN_TIMEOUT_S
         for pf in self._prefetchers:

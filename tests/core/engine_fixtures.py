@@ -1,13 +1,18 @@
 """Tiny targets, data and configs for engine tests (random weights: speed, not learning)."""
 
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
+import yaml
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dflash_core.config import config_from_dict
 from dflash_core.data import write_shards
+from dflash_core.events import RunEnded, StateChanged
 
 VOCAB = 128
 
@@ -50,3 +55,78 @@ def make_config(tmp: Path, target: Path, data: Path, **over):
         section, name = key.split("__")
         d.setdefault(section, {})[name] = value
     return config_from_dict(d)
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers for engine tests: shared assets, an event recorder, thread checks
+# --------------------------------------------------------------------------------------------
+
+# Threads the engine (and its bus subscriptions) start; anything else (tqdm's monitor, pytest's)
+# is not ours to judge.
+ENGINE_THREADS = ("engine", "target-", "drafter-", "loader-", "telemetry", "sink-jsonl",
+                  "sink-textlog", "sink-wandb")
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    """(target folder, data folder): a tiny random Qwen3 and 64 samples, made once per module."""
+    root = tmp_path_factory.mktemp("assets")
+    return make_target(root / "target"), make_data(root / "data")
+
+
+def engine_threads() -> list[str]:
+    return sorted(t.name for t in threading.enumerate()
+                  if t.is_alive() and t.name.startswith(ENGINE_THREADS))
+
+
+def wait_no_engine_threads(timeout: float = 5.0) -> list[str]:
+    """Engine threads still alive after ``timeout`` seconds (empty when all are gone)."""
+    deadline = time.monotonic() + timeout
+    while engine_threads() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return engine_threads()
+
+
+class Recorder:
+    """Every event the bus carries, in publish order (a tap: synchronous, in the publisher's
+    thread), with waits for the one a test needs next."""
+
+    def __init__(self, bus):
+        self.events: list = []
+        self._cond = threading.Condition()
+        bus.tap(self._on_event)
+
+    def _on_event(self, ev) -> None:
+        with self._cond:
+            self.events.append(ev)
+            self._cond.notify_all()
+
+    def of(self, cls) -> list:
+        with self._cond:
+            return [e for e in self.events if isinstance(e, cls)]
+
+    def states(self) -> list[str]:
+        return [e.state for e in self.of(StateChanged)]
+
+    def wait_for(self, pred, timeout: float = 30.0):
+        """The first event with ``pred(ev)`` true, waiting up to ``timeout`` seconds for it."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                for ev in self.events:
+                    if pred(ev):
+                        return ev
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    kinds = [e.kind for e in self.events][-20:]
+                    raise AssertionError(f"no matching event within {timeout} s; last: {kinds}")
+                self._cond.wait(left)
+
+    def wait_ended(self, timeout: float = 60.0) -> RunEnded:
+        return self.wait_for(lambda e: isinstance(e, RunEnded), timeout)
+
+
+def write_config(path: Path, cfg) -> Path:
+    """A Config as a YAML file (what --config and restart read)."""
+    path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False), encoding="utf-8")
+    return path

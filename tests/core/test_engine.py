@@ -1,0 +1,264 @@
+"""The engine end to end on CPU: lifecycle, records in the run folder, resume, data parallel,
+config errors and the restart that follows fixing them."""
+
+import copy
+import math
+
+import pytest
+import torch
+
+from dflash_core import checkpoint as ckpt
+from dflash_core.config import ConfigError, config_from_dict, load_config
+from dflash_core.data import BatchStream, ShardedDataset
+from dflash_core.drafter import DFlashDrafter, build_drafter_config
+from dflash_core.engine import Engine
+from dflash_core.events import (
+    Checkpoint, Error, LoadProgress, RunEnded, StepMetrics, WorkerStatus, read_jsonl,
+)
+from dflash_core.target import default_layer_ids, load_target
+from dflash_core.trainer import DrafterReplica, make_replicas, reduce_and_step
+
+from .engine_fixtures import (  # noqa: F401 - assets is a fixture
+    VOCAB, Recorder, assets, make_config, wait_no_engine_threads, write_config,
+)
+
+LIFECYCLE = ["preflight", "loading", "warmup", "training", "finished"]
+
+
+def run_to_end(engine: Engine, timeout: float = 60.0) -> Recorder:
+    rec = Recorder(engine.bus)
+    engine.start()
+    rec.wait_ended(timeout)
+    assert engine.join(10), "the supervisor thread outlived RunEnded"
+    return rec
+
+
+def record_batches(monkeypatch) -> list[list[int]]:
+    """Sample indices of every batch a drafter trains on, in order."""
+    seen: list[list[int]] = []
+    original = DrafterReplica.accumulate
+
+    def accumulate(self, batch, features, seed):
+        seen.append([int(i) for i in batch.indices])
+        return original(self, batch, features, seed)
+
+    monkeypatch.setattr(DrafterReplica, "accumulate", accumulate)
+    return seen
+
+
+def drafter_weights(step_dir) -> dict[str, torch.Tensor]:
+    return ckpt.load_checkpoint(step_dir).drafter_state
+
+
+# --------------------------------------------------------------------------------------------
+# One run, start to finish
+# --------------------------------------------------------------------------------------------
+
+def test_run_finishes_with_its_records(tmp_path, assets):
+    target, data = assets
+    # warmup_frac 1/3 of 6 steps = 2 warmup steps, then 4 cosine steps
+    cfg = make_config(tmp_path, target, data, optim__warmup_frac=1 / 3)
+    engine = Engine(cfg)
+    delivered = []  # what a bus subscriber (like the jsonl sink) receives
+    engine.bus.subscribe("test", delivered.append)
+    rec = run_to_end(engine)
+    engine.shutdown()
+
+    assert rec.states() == LIFECYCLE
+    assert engine.state == "finished" and engine.final_status == "finished"
+
+    steps = rec.of(StepMetrics)
+    assert [m.step for m in steps] == [1, 2, 3, 4, 5, 6]
+    assert all(math.isfinite(m.loss) and m.loss > 0 for m in steps)
+    assert all(math.isfinite(m.grad_norm) for m in steps)
+    lr = cfg.optim.lr
+    expected = [lr * 0.5, lr, lr] + [lr * 0.5 * (1 + math.cos(math.pi * k / 4)) for k in (1, 2, 3)]
+    assert [m.lr for m in steps] == pytest.approx(expected, rel=1e-6)
+    assert steps[-1].lr < steps[3].lr < steps[2].lr  # decays after warmup
+
+    # The bus's last word is RunEnded, and it agrees with the state.
+    assert isinstance(rec.events[-1], RunEnded)
+    assert rec.events[-1].status == "finished" and rec.events[-1].step == 6
+
+    run_dir = cfg.run_dir
+    # events.jsonl replays to what the bus delivered, in the same order.
+    replay = read_jsonl(run_dir / "events.jsonl")
+    assert [e.kind for e in replay] == [e.kind for e in delivered]
+    assert [e.ts for e in replay] == [e.ts for e in delivered]
+    assert replay[0].kind == "StateChanged" and replay[0].state == "preflight"
+    assert isinstance(replay[-1], RunEnded)
+
+    log = (run_dir / "train.log").read_text()
+    assert "-> finished" in log.splitlines()[-2] + log.splitlines()[-1]
+    assert "step 1 " in log
+
+    resolved = load_config(run_dir / "config.yaml")
+    assert resolved.to_dict() == cfg.to_dict()
+
+    saved = rec.of(Checkpoint)
+    assert [c.step for c in saved] == [3, 6]
+    for step in (3, 6):
+        folder = run_dir / "checkpoints" / f"step-{step}"
+        assert {p.name for p in folder.iterdir()} >= {"config.json", "model.safetensors",
+                                                     "training_state.pt"}
+        assert ckpt.load_checkpoint(folder).step == step
+    assert wait_no_engine_threads() == []
+
+
+# --------------------------------------------------------------------------------------------
+# Resume
+# --------------------------------------------------------------------------------------------
+
+def test_resume_trains_the_batches_an_uninterrupted_run_trains(tmp_path, assets, monkeypatch):
+    target, data = assets
+    seen = record_batches(monkeypatch)
+
+    # A: six steps in one go.
+    cfg_a = make_config(tmp_path / "a", target, data, data__eval_prompts=0)
+    rec_a = run_to_end(Engine(cfg_a))
+    assert rec_a.of(RunEnded)[0].status == "finished"
+    batches_a, seen[:] = list(seen), []
+    assert len(batches_a) == 6
+
+    # B: the same run, aborted right after step 3 (the tap runs inside the step) ...
+    cfg_b = make_config(tmp_path / "b", target, data, data__eval_prompts=0)
+    first = Engine(cfg_b)
+    first.bus.tap(lambda ev: first.abort() if isinstance(ev, StepMetrics) and ev.step == 3 else None)
+    rec_b1 = run_to_end(first)
+    assert rec_b1.of(RunEnded)[0].status == "aborted"
+    assert ckpt.checkpoint_step(ckpt.latest_checkpoint(cfg_b.run_dir)) == 3
+    assert seen == batches_a[:3]
+    seen[:] = []
+
+    # ... then resumed by a new engine: it trains exactly A's steps 4..6.
+    second = Engine(cfg_b, resume=True)
+    rec_b2 = run_to_end(second)
+    assert rec_b2.of(RunEnded)[0].status == "finished"
+    assert [m.step for m in rec_b2.of(StepMetrics)] == [4, 5, 6]
+    assert seen == batches_a[3:]
+    assert [m.lr for m in rec_b2.of(StepMetrics)] == pytest.approx(
+        [m.lr for m in rec_a.of(StepMetrics)][3:])
+
+    final_a = drafter_weights(cfg_a.run_dir / "checkpoints" / "step-6")
+    final_b = drafter_weights(cfg_b.run_dir / "checkpoints" / "step-6")
+    assert final_a.keys() == final_b.keys()
+    for name in final_a:
+        torch.testing.assert_close(final_b[name], final_a[name], rtol=1e-5, atol=1e-6)
+    # and the resumed run's loss picks up where the first one was
+    assert [m.loss for m in rec_b2.of(StepMetrics)] == pytest.approx(
+        [m.loss for m in rec_a.of(StepMetrics)][3:], rel=1e-5)
+
+
+# --------------------------------------------------------------------------------------------
+# Data parallel
+# --------------------------------------------------------------------------------------------
+
+def _head_copies(tm):
+    embed = torch.nn.Embedding.from_pretrained(tm.embed_tokens.weight.detach().clone(), freeze=True)
+    head = torch.nn.Linear(tm.hidden_size, tm.vocab_size, bias=False)
+    head.weight = torch.nn.Parameter(tm.lm_head.weight.detach().clone(), requires_grad=False)
+    return embed, head
+
+
+def test_two_drafter_replicas_step_like_one_drafter_on_both_batches(tmp_path, assets):
+    target, data = assets
+    cfg = make_config(tmp_path, target, data)
+    tm = load_target(target, device="cpu", dtype="float32")
+    layer_ids = default_layer_ids(tm.num_layers, cfg.target.num_features)
+    stream = BatchStream.from_config(ShardedDataset.open(data), cfg.data, seed=1, epochs=1)
+    batches = list(stream.iter_batches())[:2]
+    assert len(batches) == 2 and batches[0].indices != batches[1].indices
+    feats = [tm.features(b.input_ids, b.attention_mask, layer_ids) for b in batches]
+
+    dcfg = build_drafter_config(tm.model.config, num_layers=1, target_layer_ids=layer_ids,
+                                block_size=4, mask_token_id=VOCAB - 1)
+    torch.manual_seed(0)
+    init = DFlashDrafter(dcfg)
+    before = {k: v.clone() for k, v in init.state_dict().items()}
+    cpu = torch.device("cpu")
+
+    # Two replicas, one batch each.
+    pair = make_replicas(copy.deepcopy(init), [cpu, cpu], cfg, *_head_copies(tm))
+    pair[0].accumulate(batches[0], feats[0], cfg.run.seed)
+    pair[1].accumulate(batches[1], feats[1], cfg.run.seed)
+    res_pair = reduce_and_step(pair, 0, 10)
+
+    # One replica, both batches accumulated (grad_accum 2).
+    (single,) = make_replicas(copy.deepcopy(init), [cpu], cfg, *_head_copies(tm))
+    single.accumulate(batches[0], feats[0], cfg.run.seed)
+    single.accumulate(batches[1], feats[1], cfg.run.seed)
+    res_single = reduce_and_step([single], 0, 10)
+
+    assert res_pair.loss == pytest.approx(res_single.loss, rel=1e-5)
+    assert res_pair.grad_norm == pytest.approx(res_single.grad_norm, rel=1e-4)
+    assert res_pair.samples == res_single.samples == len(batches[0]) + len(batches[1])
+    w_single = single.drafter.state_dict()
+    moved = False
+    for rep in pair:
+        w = rep.drafter.state_dict()
+        for name, value in w_single.items():
+            torch.testing.assert_close(w[name], value, rtol=1e-5, atol=1e-6)
+            if name in before and not torch.allclose(before[name], value):
+                moved = True
+    assert moved, "the optimizer step changed no weight: the comparison would prove nothing"
+
+
+def test_engine_with_two_drafters_finishes(tmp_path, assets):
+    target, data = assets
+    cfg = make_config(tmp_path, target, data, layout__drafters=[0, 1], data__eval_prompts=0,
+                      run__max_steps=4)
+    engine = Engine(cfg)
+    rec = run_to_end(engine)
+    engine.shutdown()
+    assert rec.states() == LIFECYCLE
+    steps = rec.of(StepMetrics)
+    assert [m.step for m in steps] == [1, 2, 3, 4]
+    assert all(math.isfinite(m.loss) for m in steps)
+    running = {w.worker for w in rec.of(WorkerStatus) if w.status == "running"}
+    assert {"drafter-0", "drafter-1"} <= running
+    assert not rec.of(Error)
+    assert wait_no_engine_threads() == []
+
+
+# --------------------------------------------------------------------------------------------
+# Config errors
+# --------------------------------------------------------------------------------------------
+
+def test_mistyped_key_names_its_path_and_the_allowed_keys():
+    with pytest.raises(ConfigError) as info:
+        config_from_dict({"data": {"token_budgte": 4096}})
+    err = info.value
+    assert err.key == "data.token_budgte"
+    assert "data.token_budgte" in str(err)
+    assert "token_budget" in str(err) and "max_seqs_per_batch" in str(err)  # allowed keys
+    assert "Did you mean 'token_budget'" in str(err)
+    assert err.error_kind == "config" and "data.token_budgte" in err.hint
+
+
+def test_bad_config_file_fails_then_restart_after_fixing_it_finishes(tmp_path, assets):
+    target, data = assets
+    good = make_config(tmp_path, target, data, data__eval_prompts=0, run__max_steps=2)
+    path = write_config(tmp_path / "config.yaml", good)
+    text = path.read_text()
+    path.write_text(text.replace("token_budget: 256", "token_budget: lots"))
+
+    engine = Engine(config_path=path)
+    rec = Recorder(engine.bus)
+    engine.start()
+    ended = rec.wait_ended(30)
+    assert ended.status == "failed" and engine.wait(5) == "failed"
+    (err,) = [e for e in rec.of(Error) if e.fatal]
+    assert err.kind_ == "config" and "data.token_budget" in err.message and "lots" in err.message
+    assert not rec.of(LoadProgress)
+    # The engine reports and waits: nothing more happens on its own.
+    assert wait_no_engine_threads() == []
+    assert engine.state == "failed"
+
+    path.write_text(text)
+    engine.restart()
+    failed = ended
+    ended = rec.wait_for(lambda e: isinstance(e, RunEnded) and e is not failed, 60)
+    assert ended.status == "finished", ended.reason
+    assert [m.step for m in rec.of(StepMetrics)] == [1, 2]
+    engine.shutdown()
+    assert wait_no_engine_threads() == []
