@@ -45,6 +45,7 @@ class DFlashApp(App[None]):
     HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (120, "-wide")]
     VERTICAL_BREAKPOINTS = [(0, "-short"), (40, "-tall")]
     COMMANDS = App.COMMANDS | {DashboardCommands}
+    AUTO_FOCUS = None  # no panel lit up at start; e / l / tab move focus when wanted
     BINDINGS = [
         Binding("r", "restart", "Restart"),
         Binding("a", "abort", "Abort"),
@@ -64,6 +65,7 @@ class DFlashApp(App[None]):
         self.buffer = EventBuffer()
         self.shutdown_done = False  # run_app shuts the controller down if the app did not
         self._quitting = False
+        self._dropped_seen = 0
 
     def compose(self) -> ComposeResult:
         yield HeaderBar(id="header")
@@ -106,6 +108,11 @@ class DFlashApp(App[None]):
         batch = self.buffer.drain()
         if batch:
             self.post_message(EngineEvents(batch))
+        if self.buffer.dropped > self._dropped_seen:
+            self.state.add_log("warning", "dashboard", f"the screen fell behind: "
+                               f"{self.buffer.dropped - self._dropped_seen} samples not shown")
+            self._dropped_seen = self.buffer.dropped
+            self._show({"log"})
 
     def on_engine_events(self, message: EngineEvents) -> None:
         self._show(self.state.apply_all(message.events))

@@ -33,6 +33,9 @@ class EventBuffer:
             else:
                 self.dropped += 1
 
+    def __len__(self) -> int:
+        return len(self._items)
+
     def drain(self) -> list[ev.Event]:
         with self._lock:
             items, self._items = self._items, []

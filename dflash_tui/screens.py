@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from rich.table import Table
+from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
@@ -53,12 +55,17 @@ class HelpScreen(ModalScreen[None]):
     BINDINGS = [Binding("escape,question_mark,q", "dismiss", "Close")]
 
     def compose(self) -> ComposeResult:
-        width = max(len(k) for k, _ in KEYS)
-        text = "\n".join(f"[b]{k:<{width}}[/b]  {v}" for k, v in KEYS)
+        keys = Table.grid(padding=(0, 2))  # a grid keeps wrapped descriptions in their column
+        keys.add_column(style="bold", no_wrap=True)
+        keys.add_column()
+        for key, what in KEYS:
+            keys.add_row(key, what)
         with Vertical(id="help"):
-            yield Static("[b]dflash dashboard: keys[/b]\n\n" + text + "\n\n"
-                         "[dim]A failure never closes this screen: errors show in the "
-                         "errors pane, and the run waits for you.[/dim]", id="help-text")
+            yield Static(Text("dflash dashboard: keys", style="bold"))
+            yield Static(keys, id="help-text")
+            yield Static(Text("A failure never closes this screen: errors show in the errors "
+                              "pane, and the run waits for you. Esc closes this help.",
+                              style="dim"), id="help-foot")
 
     def action_dismiss(self) -> None:
         self.dismiss(None)

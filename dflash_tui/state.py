@@ -177,6 +177,9 @@ class DashboardState:
         self.state, self.reason = e.state, e.reason
         if e.state in ev.TERMINAL_STATES:
             self.end_ts = e.ts
+            for row in self.targets.values():  # a worker that said nothing more has stopped
+                if row.status in ("loading", "loaded", "warmup", "running"):
+                    row.status = "stopped"
         elif e.state in LIVE_STATES and self.end_ts is not None:
             self.end_ts = None  # a restart without a new RunStarted: the clock runs again
         reason = f" ({e.reason})" if e.reason else ""

@@ -40,7 +40,8 @@ def target_line(t: TargetRow, width: int) -> Text:
                       [f"  blocked {fmt.pct(t.blocked_frac)}", f"  starved {fmt.pct(t.starved_frac)}",
                        (f"  {t.batches} batches", "dim")], width)
         return line([text], width)
-    return line([head, t.status, (f"  {t.detail}" if t.detail else "", "dim")], width)
+    last = f"  last {fmt.rate(t.tokens_per_s)} tok/s, {t.batches} batches" if t.batches else ""
+    return line([head, t.status, (f"  {t.detail}" if t.detail else last, "dim")], width)
 
 
 class TargetsPanel(Panel):

@@ -15,7 +15,7 @@ from dflash_core import events as ev
 from dflash_tui.app import DFlashApp
 from dflash_tui.messages import EngineEvents
 from dflash_tui.replay import ReplayController
-from dflash_tui.screens import ConfirmScreen, HelpScreen
+from dflash_tui.screens import KEYS, ConfirmScreen, HelpScreen
 from dflash_tui.widgets.log import LogPanel
 
 BIG = (160, 48)
@@ -55,13 +55,22 @@ async def test_panels_follow_the_event_stream():
         assert "plan 71.0G" in p["gpus"].text and "host RAM 180.0/2015.0G" in p["gpus"].text
         assert "no step yet" in p["training"].text
 
-        # the rest of the run arrives from an engine thread
-        rest = sc.failed()[len(sc.loading()):]
-        threading.Thread(target=lambda: [ctl.publish(e) for e in rest]).start()
+        # the rest of the run arrives from an engine thread: first training, then the failure
+        def publish(events):
+            threading.Thread(target=lambda: [ctl.publish(e) for e in events]).start()
+
+        training, failed = sc.training(), sc.failed()
+        publish(training[len(sc.loading()):])
+        await settle(pilot)
+        p = panels(app)
+        assert "TRAINING" in p["header"].text and "ETA 3:18:00" in p["header"].text
+        assert "target-0 cuda:0 31.0k tok/s  blocked 71%  starved 1%" in p["targets"].text
+        assert "all targets 210.7k tok/s" in p["targets"].text
+        publish(failed[len(training):])
         await settle(pilot)
         p = panels(app)
         assert "FAILED" in p["header"].text and "errors 1" in p["header"].text
-        assert "target-0 cuda:0 31.0k tok/s  blocked 71%  starved 1%" in p["targets"].text
+        assert "target-0 cuda:0 stopped  last 31.0k tok/s, 120 batches" in p["targets"].text
         assert "target-3 cuda:3 FAILED\n  [oom] CUDA out of memory" in p["targets"].text
         assert "74.0/139.8G  97% 72°C torch 70.0G plan 71.0G" in p["gpus"].text
         queues = p["queues"].text.splitlines()
@@ -179,8 +188,9 @@ async def test_focus_keys_and_help():
         await pilot.press("question_mark")
         await pilot.pause()
         assert isinstance(app.screen, HelpScreen)
-        help_text = str(app.screen.query_one("#help-text").content)
-        assert "restart" in help_text and "ctrl+p" in help_text
+        assert app.screen.query_one("#help-text").content.row_count == len(KEYS)
+        explained = {key for key, _ in KEYS}
+        assert {b.key_display or b.key for b in DFlashApp.BINDINGS} | {"ctrl+p"} <= explained
         await pilot.press("a")  # the help is modal: no dialog opens behind it
         await pilot.pause()
         assert isinstance(app.screen, HelpScreen)

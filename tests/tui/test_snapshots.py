@@ -1,0 +1,34 @@
+"""Reviewed pictures of the main states at 80x24 (tmux over SSH) and 160x48. Each replays a fixed
+event list with fixed timestamps; the dashboard's clock is event time, so elapsed/ETA are stable.
+Regenerate with `pytest tests/tui/test_snapshots.py --snapshot-update` and look at the SVGs."""
+
+from __future__ import annotations
+
+import pytest
+import tui_scenarios as sc
+
+from dflash_tui.app import DFlashApp
+from dflash_tui.replay import ReplayController
+
+SIZES = {"80x24": (80, 24), "160x48": (160, 48)}
+STATES = {"loading": sc.loading, "training": sc.training, "failed_oom": sc.failed,
+          "aborted": sc.aborted}
+
+
+def replayed(events):
+    app = DFlashApp(ReplayController(events))
+
+    async def until_shown(pilot) -> None:
+        # every event folded in and drawn: the drain timer runs ~8 times a second
+        while app.state.now < events[-1].ts or len(app.buffer):
+            await pilot.pause(0.05)
+        await pilot.pause(0.2)
+
+    return app, until_shown
+
+
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("state", STATES)
+def test_snapshot(snap_compare, state, size):
+    app, until_shown = replayed(STATES[state]())
+    assert snap_compare(app, terminal_size=SIZES[size], run_before=until_shown)
