@@ -8,6 +8,7 @@ slow abort or shutdown never freezes the screen.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from textual import work
@@ -108,6 +109,8 @@ class DFlashApp(App[None]):
         batch = self.buffer.drain()
         if batch:
             self.post_message(EngineEvents(batch))
+        elif self.state.tick(time.time()):
+            self._show({"header"})
         if self.buffer.dropped > self._dropped_seen:
             self.state.add_log("warning", "dashboard", f"the screen fell behind: "
                                f"{self.buffer.dropped - self._dropped_seen} samples not shown")

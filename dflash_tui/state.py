@@ -5,7 +5,8 @@ which side is the bottleneck, elapsed and ETA) is testable by feeding a list of 
 
 Time is event time: "now" is the timestamp of the newest event seen. A replayed post-mortem then
 shows the elapsed time of that run rather than the time since it died, and snapshots are stable.
-(The telemetry sampler publishes every second or so, which keeps a live clock moving.)
+Between events a live run's clock is moved on by `tick(wall_time)`, but only while the stream is
+current (its newest event is seconds old): a replay of an old file never jumps to today.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ PANELS = ("header", "gpus", "targets", "queues", "training", "errors", "log")
 LIVE_STATES = ("preflight", "loading", "warmup", "training")
 # Below this share of waiting, neither side is called the bottleneck.
 BOTTLENECK_FRAC = 0.2
+# A stream whose newest event is older than this is a replay (or a hung engine): its clock stays.
+LIVE_CLOCK_S = 30.0
 
 
 @dataclass
@@ -150,6 +153,14 @@ class DashboardState:
             return self.add_error(ev.error_from_exception(
                 exc, kind="internal", source="dashboard", fatal=False,
                 hint=f"the dashboard could not show a {e.kind} event; the run is not affected"))
+
+    def tick(self, wall: float) -> bool:
+        """Advance a live run's clock to `wall`; True when the shown elapsed second changed."""
+        if not self.live or not 0 < wall - self.now < LIVE_CLOCK_S:
+            return False
+        before = int(self.elapsed or 0)
+        self.now = wall
+        return int(self.elapsed or 0) != before
 
     def add_log(self, level: str, source: str, text: str, ts: float | None = None) -> None:
         self.log_seq += 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import tui_scenarios as sc
 from dflash_core import events as ev
 from dflash_tui import postmortem
@@ -170,3 +171,14 @@ def test_no_postmortem_when_the_run_ended(tmp_path):
     write_jsonl(tmp_path / "events.jsonl", sc.failed())
     assert postmortem.load(tmp_path) is None
     assert postmortem.load(tmp_path / "missing") is None
+
+
+def test_live_clock_ticks_between_events_but_a_replay_does_not():
+    s = fold(sc.training(steps=5))  # last event at T0+130, state training
+    assert s.elapsed == 130.0
+    assert s.tick(sc.T0 + 135.2) and s.elapsed == pytest.approx(135.2)
+    assert not s.tick(sc.T0 + 135.3)  # same second: no redraw needed
+    assert not s.tick(sc.T0 + 10_000)  # stream long silent: a replay, or a hung engine
+    assert s.elapsed == pytest.approx(135.3)
+    s = fold(sc.aborted())
+    assert not s.tick(s.now + 1)  # not live: the clock stopped with the run
