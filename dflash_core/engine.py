@@ -79,7 +79,9 @@ class Engine:
 
     def abort(self) -> None:
         with self._lock:
-            if self._state in TERMINAL_STATES or self._state == "idle":
+            # The supervisor, not the state, says whether a run is live: right after start()
+            # the state is still idle (or the last run's end) and the abort must not be lost.
+            if self._supervisor is None or not self._supervisor.is_alive():
                 return
             self._abort_requested = True
             self._stop.set()
@@ -420,10 +422,28 @@ class Engine:
                 roles[d.index] = "target+drafter" if roles.get(d.index) == "target" else "drafter"
 
         def body():
-            sampler = TelemetrySampler(self.bus.publish, cfg.telemetry.interval_s, roles, self._stop)
+            # The sampler catches its own crash and reports it as a non-fatal Error; here a crash
+            # is a worker failure like any other (classified, fatal, named "telemetry"), so keep
+            # the exception and drop the sampler's own report of it.
+            crashed: list[BaseException] = []
+
+            def publish(ev) -> None:
+                if not (crashed and isinstance(ev, Error) and ev.source == "telemetry"):
+                    self.bus.publish(ev)
+
+            sampler = TelemetrySampler(publish, cfg.telemetry.interval_s, roles, self._stop)
+            sample_once = sampler.sample_once
+
+            def sample_and_keep_crash() -> None:
+                try:
+                    sample_once()
+                except BaseException as exc:
+                    crashed.append(exc)
+                    raise
+            sampler.sample_once = sample_and_keep_crash
             sampler.run()  # in this guarded thread, so a crash is a worker failure
-            if getattr(sampler, "error", None) is not None:
-                raise sampler.error
+            if crashed:
+                raise crashed[0]
         self._thread("telemetry", "telemetry", "host", body)
 
     def _target_worker(self, rank: int, dev: torch.device) -> None:

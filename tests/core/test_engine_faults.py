@@ -1,0 +1,406 @@
+"""Faults injected into every worker, aborts from every state, preflight refusals, restart leaks.
+
+A fault is a monkeypatched function that raises on its n-th call. Each run must end in the right
+terminal state within seconds, say who failed and why (Error kind, source, hint), and leave no
+engine thread behind.
+"""
+
+import shutil
+import threading
+import time
+
+import numpy as np
+import psutil
+import pytest
+import torch
+
+from dflash_core import checkpoint as ckpt
+from dflash_core import data as data_mod
+from dflash_core import target as target_mod
+from dflash_core.engine import Engine
+from dflash_core.events import (
+    Checkpoint, Error, LoadProgress, QueueDepth, RunEnded, StateChanged, StepMetrics, WorkerStatus,
+)
+from dflash_core.sinks.jsonl import JsonlSink
+from dflash_core.sinks.textlog import TextLogSink
+from dflash_core.sinks.wandb_sink import WandbSink
+from dflash_core.telemetry import TelemetrySampler
+from dflash_core.trainer import DrafterReplica
+
+from .engine_fixtures import (  # noqa: F401 - assets is a fixture
+    Recorder, assets, engine_threads, make_config, wait_no_engine_threads,
+)
+
+FAIL_WITHIN_S = 5.0
+FOREIGN_THREADS = ("tqdm",)  # started by libraries on first use, not by the engine
+
+
+def oom() -> torch.OutOfMemoryError:
+    return torch.OutOfMemoryError(
+        "CUDA out of memory. Tried to allocate 30.00 GiB (GPU 0; 139.80 GiB total capacity; "
+        "12.00 GiB already allocated)")
+
+
+def plain() -> RuntimeError:
+    return RuntimeError("injected fault")
+
+
+class Fault:
+    """Replaces ``owner.name`` with a wrapper that raises ``make_exc()`` on call ``nth``
+    (and passes every other call through); ``at`` is when it raised (time.time())."""
+
+    def __init__(self, monkeypatch, owner, name: str, make_exc, nth: int = 1):
+        self.nth, self.calls, self.at = nth, 0, None
+        original = getattr(owner, name)
+
+        def wrapper(*args, **kwargs):
+            self.calls += 1
+            if self.calls == self.nth:
+                self.at = time.time()
+                raise make_exc()
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, wrapper)
+
+
+def long_config(tmp_path, assets, **over):
+    """A run far longer than any test waits: it ends by fault or abort, not by finishing."""
+    target, data = assets
+    over = {"run__max_steps": 0, "optim__epochs": 200, "data__eval_prompts": 0,
+            "checkpoint__every": 0, **over}
+    return make_config(tmp_path, target, data, **over)
+
+
+def new_threads(before: set) -> list[str]:
+    """Threads alive now that were not before, other than library ones."""
+    return sorted(t.name for t in threading.enumerate()
+                  if t not in before and t.is_alive() and not t.name.startswith(FOREIGN_THREADS))
+
+
+def wait_gone(before: set, timeout: float = FAIL_WITHIN_S) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while new_threads(before) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return new_threads(before)
+
+
+_live: list[Engine] = []
+
+
+@pytest.fixture(autouse=True)
+def _shutdown_engines():
+    """A test that fails midway must not leave its (long) run going under the next tests."""
+    yield
+    while _live:
+        _live.pop().shutdown(timeout=10)
+
+
+def started(cfg, **kw) -> tuple[Engine, Recorder, set]:
+    assert engine_threads() == [], "an earlier test left engine threads running"
+    before = set(threading.enumerate())
+    engine = Engine(cfg, **kw)
+    _live.append(engine)
+    rec = Recorder(engine.bus)
+    engine.start()
+    return engine, rec, before
+
+
+def state_time(rec: Recorder, state: str) -> float:
+    return rec.wait_for(lambda e: isinstance(e, StateChanged) and e.state == state, 30).ts
+
+
+def ended(engine: Engine, rec: Recorder, timeout: float = 30.0) -> RunEnded:
+    end = rec.wait_ended(timeout)
+    assert engine.join(10), "supervisor still alive after RunEnded"
+    engine.shutdown()
+    return end
+
+
+# --------------------------------------------------------------------------------------------
+# A fault in each worker fails the run
+# --------------------------------------------------------------------------------------------
+
+# worker -> (where to inject, which call, Error.source, config key the OOM hint must name)
+WORKERS = {
+    "loader": (lambda: (data_mod, "collate"), 4, "loader-0", "data.prefetch_batches"),
+    "target": (lambda: (target_mod.TargetModel, "features"), 3, "target-0", "data.token_budget"),
+    "drafter": (lambda: (DrafterReplica, "accumulate"), 3, "drafter-0",
+                "drafter.micro_block_tokens"),
+    "telemetry": (lambda: (TelemetrySampler, "sample_once"), 2, "telemetry", None),
+    "jsonl": (lambda: (JsonlSink, "__call__"), 20, "sink:jsonl", None),
+    "textlog": (lambda: (TextLogSink, "__call__"), 5, "sink:textlog", None),
+}
+# A sink's exception is classified by the bus (events._Subscription), which knows io and
+# internal only: an OOM inside a sink reads "internal" there (see the report on events.py).
+OOM_KIND = {"sink:jsonl": ("oom", "internal"), "sink:textlog": ("oom", "internal")}
+
+
+@pytest.mark.parametrize("exc", [plain, oom], ids=["exception", "oom"])
+@pytest.mark.parametrize("worker", list(WORKERS))
+def test_worker_fault_fails_the_run(tmp_path, assets, monkeypatch, worker, exc):
+    where, nth, source, oom_key = WORKERS[worker]
+    fault = Fault(monkeypatch, *where(), exc, nth=nth)
+    engine, rec, before = started(long_config(tmp_path, assets))
+
+    end = ended(engine, rec)
+    assert end.status == "failed" and engine.state == "failed"
+    assert fault.at is not None
+    seconds = state_time(rec, "failed") - fault.at
+    assert seconds < FAIL_WITHIN_S
+
+    fatal = [e for e in rec.of(Error) if e.fatal]
+    assert len(fatal) == 1, [(e.source, e.message) for e in rec.of(Error)]
+    err = fatal[0]
+    assert err.source == source
+    if exc is plain:
+        assert err.kind_ == "internal" and "injected fault" in err.message
+    else:
+        assert err.kind_ in OOM_KIND.get(source, ("oom",))
+        assert "out of memory" in err.message
+        if oom_key:
+            assert "30.00 GiB" in err.hint and oom_key in err.hint
+    assert err.traceback and "Traceback" in err.traceback
+    assert end.reason == err.message
+    assert wait_gone(before) == []
+    print(f"fault {worker}/{exc.__name__}: {end.status}, {err.kind_}, {err.source}, {seconds:.2f} s")
+
+
+@pytest.mark.parametrize("exc", [plain, oom], ids=["exception", "oom"])
+def test_wandb_sink_fault_does_not_fail_the_run(tmp_path, assets, monkeypatch, exc):
+    # On the first event, before wandb.init: starting wandb costs seconds and leaves its threads.
+    Fault(monkeypatch, WandbSink, "__call__", exc, nth=1)
+    target, data = assets
+    cfg = make_config(tmp_path, target, data, run__max_steps=3, data__eval_prompts=0,
+                      wandb__enabled=True, wandb__mode="offline")
+    engine, rec, before = started(cfg)
+    end = ended(engine, rec, 60)
+    assert end.status == "finished"
+    (err,) = rec.of(Error)
+    assert err.source == "sink:wandb" and not err.fatal
+    assert "goes on without it" in err.hint
+    assert [m.step for m in rec.of(StepMetrics)] == [1, 2, 3]
+    assert wait_gone(before) == []
+
+
+# --------------------------------------------------------------------------------------------
+# Abort from every state
+# --------------------------------------------------------------------------------------------
+
+def stop_aware_wait(engine_box: list, entered: threading.Event, limit_s: float = 30.0) -> None:
+    """What a slow, well-behaved step does: work in slices, re-checking the stop flag."""
+    entered.set()
+    deadline = time.monotonic() + limit_s
+    while not engine_box[0]._stop.is_set() and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def assert_aborted_quickly(engine, rec, before, t_abort: float, *, checkpoint: bool):
+    end = ended(engine, rec)
+    assert end.status == "aborted" and engine.state == "aborted"
+    assert state_time(rec, "aborted") - t_abort < FAIL_WITHIN_S
+    assert not rec.of(Error), [(e.source, e.message) for e in rec.of(Error)]
+    assert wait_gone(before) == []
+    saved = rec.of(Checkpoint)
+    if checkpoint:
+        assert end.step >= 1
+        assert [c.reason for c in saved] == ["abort"] and saved[0].step == end.step
+        latest = ckpt.latest_checkpoint(engine.config.run_dir)
+        assert latest is not None and ckpt.load_checkpoint(latest).step == end.step
+    else:
+        assert end.step == 0 and not saved
+
+
+def test_abort_right_after_start_is_not_lost(tmp_path, assets):
+    # start() returns before the supervisor has left "idle": the abort must still count.
+    engine, rec, before = started(long_config(tmp_path, assets))
+    t = time.time()
+    engine.abort()
+    assert_aborted_quickly(engine, rec, before, t, checkpoint=False)
+    assert rec.states() == ["preflight", "aborted"]
+
+
+def test_abort_during_preflight(tmp_path, assets, monkeypatch):
+    box, entered = [], threading.Event()
+    original = data_mod.ShardedDataset.open.__func__
+
+    def slow_open(cls, path):
+        stop_aware_wait(box, entered)
+        return original(cls, path)
+
+    monkeypatch.setattr(data_mod.ShardedDataset, "open", classmethod(slow_open))
+    engine, rec, before = started(long_config(tmp_path, assets))
+    box.append(engine)
+    assert entered.wait(30)
+    t = time.time()
+    engine.abort()
+    assert_aborted_quickly(engine, rec, before, t, checkpoint=False)
+    assert rec.states() == ["preflight", "aborted"]
+
+
+def test_abort_during_loading(tmp_path, assets, monkeypatch):
+    # The real loader, made slow: small reads, a progress report after each, each report slow.
+    monkeypatch.setattr(target_mod, "_READ_CHUNK", 4096)
+    monkeypatch.setattr(target_mod, "_REPORT_EVERY_S", 0.0)
+    original = target_mod.load_target
+
+    def slow_load(*args, progress=None, **kwargs):
+        def slow_progress(info):
+            progress(info)
+            time.sleep(0.05)
+        return original(*args, progress=slow_progress, **kwargs)
+
+    monkeypatch.setattr(target_mod, "load_target", slow_load)
+    engine, rec, before = started(long_config(tmp_path, assets))
+    rec.wait_for(lambda e: isinstance(e, LoadProgress) and e.bytes_loaded > 0, 30)
+    t = time.time()
+    engine.abort()
+    assert_aborted_quickly(engine, rec, before, t, checkpoint=False)
+    assert rec.states() == ["preflight", "loading", "aborted"]
+    assert not any(p.done for p in rec.of(LoadProgress))
+
+
+def test_abort_during_warmup(tmp_path, assets, monkeypatch):
+    box, entered = [], threading.Event()
+    original = DrafterReplica.accumulate
+
+    def slow_first_step(self, *args):  # kernel compilation on the first step, stop-aware
+        stop_aware_wait(box, entered)
+        return original(self, *args)
+
+    monkeypatch.setattr(DrafterReplica, "accumulate", slow_first_step)
+    engine, rec, before = started(long_config(tmp_path, assets))
+    box.append(engine)
+    assert entered.wait(30)
+    t = time.time()
+    engine.abort()
+    assert_aborted_quickly(engine, rec, before, t, checkpoint=False)
+    assert rec.states() == ["preflight", "loading", "warmup", "aborted"]
+
+
+def test_abort_during_training_writes_a_checkpoint(tmp_path, assets):
+    engine, rec, before = started(long_config(tmp_path, assets))
+    rec.wait_for(lambda e: isinstance(e, StepMetrics) and e.step >= 2, 30)
+    t = time.time()
+    engine.abort()
+    assert_aborted_quickly(engine, rec, before, t, checkpoint=True)
+    assert rec.states() == ["preflight", "loading", "warmup", "training", "aborted"]
+
+
+def test_abort_with_target_blocked_on_a_full_hs_queue(tmp_path, assets, monkeypatch):
+    original = DrafterReplica.accumulate
+
+    def slow_drafter(self, *args):
+        time.sleep(0.3)  # not stop-aware: a real step is not interruptible either
+        return original(self, *args)
+
+    monkeypatch.setattr(DrafterReplica, "accumulate", slow_drafter)
+    engine, rec, before = started(long_config(tmp_path, assets))
+    rec.wait_for(lambda e: isinstance(e, StepMetrics), 30)
+    rec.wait_for(lambda e: isinstance(e, QueueDepth) and e.name == "hs" and e.depth == e.capacity,
+                 30)
+    time.sleep(0.3)  # the target is now parked in its put
+    assert engine.hs_queue.full()
+    t = time.time()
+    engine.abort()
+    assert_aborted_quickly(engine, rec, before, t, checkpoint=True)
+
+
+def test_abort_with_drafter_blocked_on_an_empty_hs_queue(tmp_path, assets, monkeypatch):
+    original = target_mod.TargetModel.features
+
+    def slow_target(self, *args, **kwargs):
+        time.sleep(0.5)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(target_mod.TargetModel, "features", slow_target)
+    engine, rec, before = started(long_config(tmp_path, assets))
+    rec.wait_for(lambda e: isinstance(e, StepMetrics), 30)
+    time.sleep(0.1)  # the drafter is now waiting for the next batch
+    assert engine.hs_queue.empty()
+    t = time.time()
+    engine.abort()
+    assert_aborted_quickly(engine, rec, before, t, checkpoint=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Refused at preflight, before any weights load
+# --------------------------------------------------------------------------------------------
+
+def refused(cfg) -> Error:
+    engine, rec, before = started(cfg)
+    end = ended(engine, rec)
+    assert end.status == "failed"
+    assert rec.states() == ["preflight", "failed"]
+    assert not rec.of(LoadProgress)
+    assert not [w for w in rec.of(WorkerStatus) if w.role == "target"]
+    assert wait_gone(before) == []
+    (err,) = [e for e in rec.of(Error) if e.fatal]
+    assert err.phase == "preflight"
+    return err
+
+
+def test_missing_model_folder_is_a_config_error_before_loading(tmp_path, assets):
+    cfg = long_config(tmp_path, assets, target__path=str(tmp_path / "no-such-model"))
+    err = refused(cfg)
+    assert err.kind_ == "config"
+    assert "no-such-model" in err.message and "target.path" in err.hint
+
+
+def test_corrupt_shard_is_a_data_error_naming_the_file(tmp_path, assets):
+    target, data = assets
+    broken = shutil.copytree(data, tmp_path / "data")
+    shard = sorted(broken.glob("data-*.arrow"))[0]
+    shard.write_bytes(np.random.default_rng(0).bytes(4096))
+    cfg = long_config(tmp_path, assets, data__path=str(broken))
+    err = refused(cfg)
+    assert err.kind_ == "data"
+    assert shard.name in err.message
+
+
+def test_legacy_wandb_setting_is_refused_naming_its_replacement(tmp_path, assets):
+    cfg = long_config(tmp_path, assets, wandb__enabled=True, wandb__mode="offline",
+                      wandb__settings={"_stats_sample_rate_seconds": 1})
+    err = refused(cfg)
+    assert err.kind_ == "config"
+    assert "_stats_sample_rate_seconds" in err.message
+    assert "x_stats_sampling_interval" in err.message + err.hint
+
+
+# --------------------------------------------------------------------------------------------
+# Restart, again and again: no thread and no memory left behind
+# --------------------------------------------------------------------------------------------
+
+RESTARTS = 20
+
+
+def test_restarts_leak_no_threads_and_no_memory(tmp_path, assets):
+    engine, rec, before = started(long_config(tmp_path, assets, checkpoint__keep=1))
+    proc = psutil.Process()
+
+    def restart_once() -> None:
+        n = len(rec.of(RunEnded))
+        engine.restart()
+        rec.wait_for(lambda e: isinstance(e, RunEnded) and len(rec.of(RunEnded)) > n, 30)
+        # the new run is training (on a step after the restart) before the next restart
+        t = time.time()
+        rec.wait_for(lambda e: isinstance(e, StepMetrics) and e.ts > t, 30)
+
+    rec.wait_for(lambda e: isinstance(e, StepMetrics), 30)
+    restart_once()  # warm-up: first-use allocations and imports are not leaks
+    threads0, rss0 = len(threading.enumerate()), proc.memory_info().rss
+    for _ in range(RESTARTS):
+        restart_once()
+    assert len(threading.enumerate()) <= threads0, [t.name for t in threading.enumerate()]
+    grown = proc.memory_info().rss - rss0
+    assert grown < 200 * 2**20, f"RSS grew {grown / 2**20:.0f} MiB over {RESTARTS} restarts"
+
+    ends = rec.of(RunEnded)
+    assert [e.status for e in ends] == ["aborted"] * (RESTARTS + 1)
+    assert all(e.step >= 1 for e in ends)
+    # each restart resumed from the abort checkpoint of the run before it
+    assert [e.step for e in ends] == sorted(e.step for e in ends)
+    assert all(c.reason == "abort" for c in rec.of(Checkpoint))
+
+    engine.shutdown()
+    assert engine.state == "aborted"
+    assert wait_gone(before) == []
