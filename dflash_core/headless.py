@@ -12,22 +12,26 @@ import threading
 import time
 
 from .engine import Engine
-from .events import TERMINAL_STATES, Error, Event, RunEnded, StepMetrics
+from .events import TERMINAL_STATES, Error, Event, RunEnded, RunStarted, StepMetrics
 from .sinks.textlog import format_event
 
 EXIT_CODES = {"finished": 0, "failed": 1, "aborted": 130}
 
 
 class ConsolePrinter:
-    """Prints what an operator needs, at most one progress line every ``every_s`` seconds."""
+    """Prints what an operator needs, at most one progress line every ``every_s`` seconds
+    (None: the run's ``run.log_every_s``, read from RunStarted)."""
 
-    def __init__(self, out=None, every_s: float = 5.0):
+    def __init__(self, out=None, every_s: float | None = None):
         self.out = out or sys.stdout
-        self.every_s = every_s
+        self._from_config = every_s is None
+        self.every_s = 5.0 if every_s is None else every_s
         self._last_step_line = 0.0
         self._lock = threading.Lock()
 
     def __call__(self, ev: Event) -> None:
+        if isinstance(ev, RunStarted) and self._from_config:
+            self.every_s = float(ev.config.get("run", {}).get("log_every_s", self.every_s))
         if isinstance(ev, StepMetrics):
             now = time.monotonic()
             if now - self._last_step_line < self.every_s and self._last_step_line:
@@ -40,7 +44,7 @@ class ConsolePrinter:
             print(line, file=self.out, flush=True)
 
 
-def run_headless(engine: Engine, *, every_s: float = 5.0, out=None) -> int:
+def run_headless(engine: Engine, *, every_s: float | None = None, out=None) -> int:
     printer = ConsolePrinter(out=out, every_s=every_s)
     sub = engine.bus.subscribe("console", printer)
     ended = threading.Event()

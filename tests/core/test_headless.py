@@ -1,0 +1,142 @@
+"""`dflash-tui --headless` as an operator runs it: a subprocess with its output in a pipe."""
+
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from dflash_core.events import Checkpoint, RunEnded, read_jsonl
+
+from .engine_fixtures import assets, make_config, write_config  # noqa: F401 - assets: a fixture
+
+ROOT = Path(__file__).resolve().parents[2]
+ANSI = re.compile(r"\x1b\[|\x1b\]|\x1b[()][0-9A-Za-z]")
+
+
+class Headless:
+    """``python -m dflash_tui.cli --headless --config PATH``; stdout read line by line on a
+    thread (so a wait can time out), stderr to a file."""
+
+    def __init__(self, config: Path, *extra: str):
+        self.err_path = config.with_suffix(".stderr")
+        self.lines: queue.Queue = queue.Queue()
+        self.out: list[str] = []
+        with open(self.err_path, "w") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "dflash_tui.cli", "--headless", "--config", str(config),
+                 *extra],
+                cwd=ROOT, stdout=subprocess.PIPE, stderr=err, text=True,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def wait_line(self, needle: str, timeout: float = 60.0) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            if line is None:
+                break
+            self.out.append(line)
+            if needle in line:
+                return line
+        raise AssertionError(f"no line with {needle!r}; output so far:\n{''.join(self.out)}")
+
+    def finish(self, timeout: float = 90.0) -> tuple[int, str, str]:
+        try:
+            rc = self.proc.wait(timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+        self._reader.join(10)
+        while not self.lines.empty():
+            line = self.lines.get()
+            if line is not None:
+                self.out.append(line)
+        return rc, "".join(self.out), self.err_path.read_text()
+
+
+def no_ansi(text: str) -> bool:
+    return ANSI.search(text) is None
+
+
+def test_finished_run_exits_0_with_plain_progress_lines(tmp_path, assets):
+    target, data = assets
+    cfg = make_config(tmp_path, target, data, run__max_steps=4, data__eval_prompts=0,
+                      run__log_every_s=0.0)
+    rc, out, err = Headless(write_config(tmp_path / "config.yaml", cfg)).finish()
+    assert rc == 0, out + err
+    assert no_ansi(out) and no_ansi(err)
+    for step in (1, 2, 3, 4):  # run.log_every_s 0: a line per step
+        assert re.search(rf"^step {step} epoch 0 loss \d+\.\d+ lr ", out, re.M), out
+    assert "load target-0 cpu:0 done" in out
+    assert "state training -> finished" in out
+    assert out.rstrip().splitlines()[-1].startswith("run finished at step 4")
+    assert (cfg.run_dir / "checkpoints" / "step-4").is_dir()
+
+
+def test_failing_config_exits_1_with_the_error_and_its_hint(tmp_path, assets):
+    target, data = assets
+    path = write_config(tmp_path / "config.yaml", make_config(tmp_path, target, data))
+    path.write_text(path.read_text().replace("token_budget:", "token_budgte:"))
+    rc, out, err = Headless(path).finish()
+    assert rc == 1, out + err
+    assert no_ansi(out) and no_ansi(err)
+    assert "ERROR [config]" in out and "data.token_budgte" in out
+    assert "Did you mean 'token_budget'" in out
+    assert "hint: remove or rename 'data.token_budgte' in config.yaml" in out
+    assert "state preflight -> failed" in out
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_signal_during_training_aborts_with_a_checkpoint_and_exits_130(tmp_path, assets, sig):
+    target, data = assets
+    cfg = make_config(tmp_path, target, data, run__max_steps=0, optim__epochs=200,
+                      data__eval_prompts=0, checkpoint__every=0)
+    run = Headless(write_config(tmp_path / "config.yaml", cfg))
+    run.wait_line("state warmup -> training")
+    run.proc.send_signal(sig)
+    rc, out, err = run.finish(30)
+    assert rc == 130, out + err
+    assert no_ansi(out)
+    assert f"signal {sig.name}: aborting" in out
+    assert "state training -> aborted" in out
+    assert re.search(r"^checkpoint step \d+ \(abort\)", out, re.M), out
+
+    events = read_jsonl(cfg.run_dir / "events.jsonl")
+    (saved,) = [e for e in events if isinstance(e, Checkpoint)]
+    assert saved.reason == "abort" and saved.step >= 1
+    assert Path(saved.path).is_dir() and Path(saved.path).name == f"step-{saved.step}"
+    assert isinstance(events[-1], RunEnded) and events[-1].status == "aborted"
+
+
+def test_headless_path_does_not_import_textual():
+    script = (
+        "import sys\n"
+        "import dflash_core.headless\n"
+        "from dflash_tui.cli import build_parser, make_engine\n"
+        "args = build_parser().parse_args(['--headless', '--config', 'missing.yaml'])\n"
+        "make_engine(args)\n"
+        "bad = sorted(m for m in sys.modules if m == 'textual' or m.startswith('textual.'))\n"
+        "assert not bad, bad\n"
+        "assert 'dflash_tui.app' not in sys.modules\n"
+        "print('ok')\n"
+    )
+    res = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stdout + res.stderr
