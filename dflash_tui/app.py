@@ -67,6 +67,7 @@ class DFlashApp(App[None]):
         self.shutdown_done = False  # run_app shuts the controller down if the app did not
         self._quitting = False
         self._dropped_seen = 0
+        self._broken: set[str] = set()  # panels whose drawing failed (reported once)
 
     def compose(self) -> ComposeResult:
         yield HeaderBar(id="header")
@@ -121,8 +122,18 @@ class DFlashApp(App[None]):
         self._show(self.state.apply_all(message.events))
 
     def _show(self, changed: set[str]) -> None:
+        reported: set[str] = set()
         for name in changed:
-            self.query_one(f"#{name}").show(self.state)
+            try:
+                self.query_one(f"#{name}").show(self.state)
+            except Exception as exc:  # a drawing bug must not close the dashboard
+                if name not in self._broken:  # say it once, not eight times a second
+                    self._broken.add(name)
+                    reported |= self.state.add_error(ev.error_from_exception(
+                        exc, kind="internal", source=f"dashboard:{name}", fatal=False,
+                        hint=f"the {name} panel could not be drawn; the run is not affected"))
+        if reported:  # each panel fails at most once, so this ends
+            self._show(reported - self._broken)
 
     def _report(self, exc: BaseException, what: str) -> None:
         """A failed command is an error in the pane, never a closed app."""

@@ -83,12 +83,7 @@ class Panel(VerticalScroll):
 
     def show(self, state: DashboardState) -> None:
         self._state = state
-        width = self.scrollable_content_region.width or 80
-        try:
-            content = self.draw(state, width)
-        except Exception as exc:  # a drawing bug must not close the dashboard
-            content = Text(f"cannot draw this panel: {exc!r}", style="red")
-        self.body.update(content)
+        self.body.update(self.draw(state, self.scrollable_content_region.width or 80))
 
     def on_resize(self) -> None:
         if self._state is not None:

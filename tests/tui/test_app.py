@@ -144,6 +144,22 @@ async def test_failing_command_is_an_error_not_a_crash():
         assert app.is_running
 
 
+async def test_a_panel_that_cannot_draw_is_reported_not_fatal(monkeypatch):
+    from dflash_tui.widgets.queues import QueuesPanel
+
+    def broken(self, state, width):
+        raise ValueError("bad glyph")
+
+    monkeypatch.setattr(QueuesPanel, "draw", broken)
+    app = DFlashApp(ReplayController(sc.training(steps=3)))
+    async with app.run_test(size=BIG) as pilot:
+        await settle(pilot, 0.5)
+        errors = app.query_one("#errors")
+        assert errors.table.row_count == 1  # reported once, though the queues changed often
+        assert "ValueError: bad glyph" in errors.detail_text
+        assert "loss " in app.query_one("#training").text and app.is_running
+
+
 async def test_quit_when_finished_exits_at_once():
     ctl = ReplayController(sc.aborted())
     app = DFlashApp(ctl)
