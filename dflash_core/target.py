@@ -1,0 +1,320 @@
+"""The frozen target: load it with visible progress, and compute the features the drafter needs.
+
+``TargetModel.features`` returns the outputs of the chosen decoder layers only. It never computes
+lm_head logits, never keeps the full tuple of hidden states, and stops the forward right after the
+last chosen layer (DESIGN.md, Memory): for a 248k vocab the logits alone were ~30 GiB per batch.
+
+Loading goes through transformers' own ``from_pretrained`` (local files, safetensors only, no
+pickle). Before it, the shards are read once in order: that pulls them into the page cache, which is
+the slow part of a cold load, so the byte and shard counts reported along the way measure real work,
+and ``from_pretrained`` then maps them from memory. Measured on an H200 host with a cold 16 GB
+8B-shaped checkpoint: 18-20 s in all against 17 s for ``from_pretrained`` alone; the read took 10 s
+of it, the rest (``from_pretrained`` from the page cache) about 3 s.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+
+_PATH_HINT = ("set target.path in config.yaml to a local folder holding config.json and "
+              "model.safetensors (or model.safetensors.index.json and its shards)")
+_READ_CHUNK = 16 << 20  # bytes per read while pre-reading shards
+_REPORT_EVERY_S = 0.25  # progress inside one shard at most this often
+
+
+class TargetLoadError(RuntimeError):
+    """The target cannot be loaded as configured. ``hint`` says what to change in config.yaml."""
+
+    def __init__(self, message: str, hint: str = _PATH_HINT, error_kind: str = "config"):
+        super().__init__(message)
+        self.hint = hint
+        self.error_kind = error_kind
+
+
+class LoadAborted(Exception):
+    """The stop event was set while the target was loading."""
+
+
+@dataclass(frozen=True)
+class LoadInfo:
+    bytes_loaded: int
+    bytes_total: int
+    shards_loaded: int
+    shards_total: int
+    seconds: float  # since load_target was called
+    done: bool = False
+    memory_after: int = 0  # bytes on the device once loaded (0 until done)
+
+
+def default_layer_ids(num_layers: int, k: int = 5) -> list[int]:
+    """k layer ids spread evenly from 1 to num_layers-3 (0-based), as the reference dflash does."""
+    if k < 1 or num_layers < 1:
+        raise ValueError(f"need k >= 1 and num_layers >= 1, got k={k}, num_layers={num_layers}")
+    if k == 1:
+        return [num_layers // 2]
+    if num_layers < 4:
+        raise ValueError(f"a target with {num_layers} layers is too shallow for the default spread "
+                         "from layer 1 to N-3; set target.layer_ids explicitly")
+    span = num_layers - 4
+    return [int(round(1 + i * span / (k - 1))) for i in range(k)]
+
+
+# --------------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------------
+
+def _weight_files(folder: Path) -> list[Path]:
+    """The safetensors files transformers will read: the index's shards, or model.safetensors."""
+    index = folder / WEIGHTS_INDEX_NAME
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise TargetLoadError(f"{index} is not a valid safetensors index: {exc}") from exc
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise TargetLoadError(f"{index} lists shards that are not in {folder}: {missing}")
+        return files
+    single = folder / WEIGHTS_NAME
+    if single.is_file():
+        return [single]
+    found = sorted(p.name for p in folder.iterdir() if p.suffix in (".safetensors", ".bin", ".pt"))
+    raise TargetLoadError(
+        f"no safetensors weights in target folder {folder}: expected {WEIGHTS_NAME} or "
+        f"{WEIGHTS_INDEX_NAME}" + (f" (found {found})" if found else ""))
+
+
+def _load_config(folder: Path):
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:
+        raise TargetLoadError(
+            f"cannot read the target config {folder / CONFIG_NAME}: {exc}") from exc
+    # Checked before reading gigabytes of weights: the model type must have a causal-LM class.
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise TargetLoadError(
+            f"target {folder}: model type {config.model_type!r} has no causal-LM class in "
+            "transformers",
+            hint="point target.path at a causal language model (e.g. Qwen3, Qwen3.5)")
+    return config
+
+
+def _can_load_onto_device() -> bool:
+    # transformers places weights straight on a GPU only through a device_map, which it allows
+    # only with accelerate installed; without it we load on the CPU and move the model once.
+    return importlib.util.find_spec("accelerate") is not None
+
+
+def _check_stop(stop: threading.Event | None) -> None:
+    if stop is not None and stop.is_set():
+        raise LoadAborted("target loading stopped")
+
+
+def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    value = getattr(torch, str(dtype), None)
+    if not isinstance(value, torch.dtype):
+        raise TargetLoadError(f"unknown dtype {dtype!r}", hint="set target.dtype to bfloat16, "
+                              "float16 or float32")
+    return value
+
+
+def load_target(
+    path: str | Path,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | str = torch.float32,
+    attn_implementation: str = "sdpa",
+    progress: Callable[[LoadInfo], None] | None = None,
+    stop: threading.Event | None = None,
+) -> "TargetModel":
+    """Load a frozen causal LM from a local folder, reporting progress shard by shard.
+
+    Raises TargetLoadError for a bad folder or config, LoadAborted when ``stop`` is set.
+    """
+    t0 = time.monotonic()  # before the import: the first one takes seconds and is part of loading
+    from transformers import AutoModelForCausalLM
+
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise TargetLoadError(f"target folder {folder} does not exist")
+    if not (folder / CONFIG_NAME).is_file():
+        raise TargetLoadError(f"target folder {folder} has no {CONFIG_NAME}")
+    files = _weight_files(folder)
+    config = _load_config(folder)
+    dtype = _as_dtype(dtype)
+    device = torch.device(device)
+
+    total = sum(f.stat().st_size for f in files)
+
+    def report(loaded: int, shards: int, done: bool = False, memory: int = 0) -> None:
+        if progress is not None:
+            progress(LoadInfo(loaded, total, shards, len(files), time.monotonic() - t0,
+                              done, memory))
+
+    report(0, 0)
+    loaded = 0
+    buf = memoryview(bytearray(_READ_CHUNK))
+    for shard, file in enumerate(files):
+        _check_stop(stop)
+        last = time.monotonic()
+        with open(file, "rb", buffering=0) as fh:
+            while n := fh.readinto(buf):
+                loaded += n
+                _check_stop(stop)  # a big shard is also a place to stop, not only its end
+                if time.monotonic() - last >= _REPORT_EVERY_S:
+                    report(loaded, shard)
+                    last = time.monotonic()
+        report(loaded, shard + 1)
+    _check_stop(stop)
+
+    direct = device.type != "cpu" and _can_load_onto_device()
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(
+            folder, config=config, dtype=dtype, attn_implementation=attn_implementation,
+            device_map={"": device} if direct else None, local_files_only=True,
+            use_safetensors=True, output_loading_info=True)
+    except (ValueError, ImportError) as exc:  # e.g. an attention implementation not installed
+        raise TargetLoadError(
+            f"transformers could not build the target from {folder}: {exc}",
+            hint="check target.path and target.attn_implementation in config.yaml") from exc
+    # A weight missing from the checkpoint would be silently random: refuse it.
+    if info.get("missing_keys"):
+        raise TargetLoadError(
+            f"target checkpoint {folder} lacks weights the model needs: "
+            f"{sorted(info['missing_keys'])[:8]}", hint="the folder's weights do not match its "
+            "config.json; " + _PATH_HINT)
+    if stop is not None and stop.is_set():
+        del model
+        raise LoadAborted("target loading stopped")
+    if device.type != "cpu" and not direct:
+        model.to(device)
+
+    target = TargetModel(model)
+    report(loaded, len(files), done=True, memory=target.memory_bytes())
+    return target
+
+
+# --------------------------------------------------------------------------------------------
+# The model and its features
+# --------------------------------------------------------------------------------------------
+
+class _StopForward(Exception):
+    """Raised by the last chosen layer's hook so the layers after it never run."""
+
+
+class TargetModel:
+    """A frozen HF causal LM with the accessors the drafter and the evaluator need."""
+
+    def __init__(self, model: nn.Module):
+        model.requires_grad_(False)
+        model.eval()
+        self.model = model
+        self.text_config = model.config.get_text_config()
+        # The base model (embeddings -> decoder layers -> final norm), without the lm_head.
+        self.decoder = getattr(model, "model", None)
+        if self.decoder is None or not hasattr(self.decoder, "layers"):
+            raise TargetLoadError(f"{type(model).__name__} has no .model.layers decoder stack",
+                                  hint="point target.path at a Qwen3 / Qwen3.5-style causal LM")
+        self.layers = self.decoder.layers
+        self.embed_tokens: nn.Embedding = model.get_input_embeddings()
+        self.lm_head: nn.Linear = model.get_output_embeddings()
+        self.num_layers = len(self.layers)
+        self.hidden_size = self.text_config.hidden_size
+        self.vocab_size = self.text_config.vocab_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def memory_bytes(self) -> int:
+        """Bytes allocated on the target's device (CUDA), else the bytes of its parameters."""
+        if self.device.type == "cuda":
+            return torch.cuda.memory_allocated(self.device)
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def _layer_ids(self, layer_ids) -> list[int]:
+        ids = list(layer_ids) if layer_ids is not None else default_layer_ids(self.num_layers)
+        if not ids or any(not 0 <= i < self.num_layers for i in ids):
+            raise ValueError(f"layer ids {ids} must be non-empty and within "
+                             f"0..{self.num_layers - 1} (target.layer_ids in config.yaml)")
+        return ids
+
+    def _hooks(self, ids: list[int], outputs: dict, stop_after_last: bool) -> list:
+        last = max(ids)
+
+        def make_hook(i: int):
+            def hook(module, args, output):
+                outputs[i] = output[0] if isinstance(output, tuple) else output
+                if stop_after_last and i == last:
+                    raise _StopForward
+            return hook
+
+        return [self.layers[i].register_forward_hook(make_hook(i)) for i in sorted(set(ids))]
+
+    def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                 layer_ids: list[int] | None = None) -> torch.Tensor:
+        """Outputs of ``layer_ids`` (default: ``default_layer_ids``), concatenated: [b, S, k*H].
+
+        Layer i's output is HF's ``hidden_states[i+1]``. Right padding with ``attention_mask``
+        leaves the valid positions as they would be for each sequence alone.
+        """
+        ids = self._layer_ids(layer_ids)
+        outputs: dict[int, torch.Tensor] = {}
+        input_ids = input_ids.to(self.device)
+        if attention_mask is not None:
+            attention_mask = attention_mask.to(self.device)
+        handles = self._hooks(ids, outputs, stop_after_last=True)
+        try:
+            with torch.inference_mode():
+                # The base model, not the CausalLM: the lm_head is never reached.
+                self.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        except _StopForward:
+            pass
+        finally:
+            for h in handles:
+                h.remove()
+        # Concatenated outside inference mode: the result is an ordinary tensor, which autograd
+        # may save for backward in the drafter's fc (an inference tensor could not be).
+        return torch.cat([outputs[i] for i in ids], dim=-1)
+
+    def logits_and_features(self, input_ids: torch.Tensor, layer_ids: list[int] | None = None,
+                            attention_mask: torch.Tensor | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One full forward for evaluation: the target's logits [b, S, V] and the features."""
+        ids = self._layer_ids(layer_ids)
+        outputs: dict[int, torch.Tensor] = {}
+        input_ids = input_ids.to(self.device)
+        if attention_mask is not None:
+            attention_mask = attention_mask.to(self.device)
+        handles = self._hooks(ids, outputs, stop_after_last=False)
+        try:
+            with torch.inference_mode():
+                logits = self.model(input_ids=input_ids, attention_mask=attention_mask,
+                                    use_cache=False).logits
+        finally:
+            for h in handles:
+                h.remove()
+        return logits, torch.cat([outputs[i] for i in ids], dim=-1)
