@@ -264,6 +264,9 @@ class Engine:
 
     def _preflight(self) -> None:
         """Everything that can be checked before tens of GB of weights load."""
+        # Library progress bars write to the terminal behind the dashboard's back.
+        from transformers.utils import logging as hf_logging
+        hf_logging.disable_progress_bar()
         from .data import BatchStream, ShardedDataset, split_eval
         from .target import default_layer_ids
         from .trainer import total_steps_for
