@@ -13,11 +13,14 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field, replace
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 from dflash_core import events as ev
 
 from . import fmt
+
+if TYPE_CHECKING:
+    from .postmortem import PostMortem
 
 PANELS = ("header", "gpus", "targets", "queues", "training", "errors", "log")
 LIVE_STATES = ("preflight", "loading", "warmup", "training")
@@ -110,7 +113,7 @@ class DashboardState:
         self.workers: dict[str, ev.WorkerStatus] = {}
         self.sinks: dict[str, ev.SinkStatus] = {}
         self.state = "idle"
-        self.reason = ""
+        self.reason = ""  # why the state last changed (shown beside a failed / aborted state)
         self.now = 0.0
         self._loss_points = loss_points
         self._reset_run()
@@ -120,10 +123,8 @@ class DashboardState:
     def _reset_run(self) -> None:
         """Per-run facts; a restart publishes a new RunStarted and these start again."""
         self.started_ts: float | None = None
-        self.ended: ev.RunEnded | None = None
         self.end_ts: float | None = None
         self.total_steps = 0
-        self.resumed_from_step = 0
         self.target_labels: list[str] = []
         self.drafter_labels: list[str] = []
         self.targets: dict[str, TargetRow] = {}
@@ -177,7 +178,6 @@ class DashboardState:
         self.run_name, self.run_dir = e.run_name, e.run_dir
         self.started_ts = e.ts
         self.total_steps = e.total_steps
-        self.resumed_from_step = e.resumed_from_step
         self.target_labels = [str(x) for x in e.targets]
         self.drafter_labels = [str(x) for x in e.drafters]
         resumed = f", resumed from step {e.resumed_from_step}" if e.resumed_from_step else ""
@@ -310,16 +310,16 @@ class DashboardState:
         return {"header", "log"}
 
     def _on_RunEnded(self, e: ev.RunEnded) -> set[str]:
-        self.ended = e
         self.end_ts = e.ts
         if e.status in ev.TERMINAL_STATES:
             self.state = e.status
+            self.reason = e.reason or self.reason
         reason = f" ({e.reason})" if e.reason else ""
         self.add_log("error" if e.status == "failed" else "info", "engine",
                      f"run ended: {e.status} at step {e.step} after {fmt.duration(e.seconds)}{reason}")
         return {"header", "log"}
 
-    def add_postmortem(self, pm) -> set[str]:
+    def add_postmortem(self, pm: PostMortem) -> set[str]:
         """Show what a previous run left behind (see postmortem.py) before anything new arrives."""
         for line in pm.lines():
             self.add_log("warning", "post-mortem", line, pm.last_ts)

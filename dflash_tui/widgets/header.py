@@ -49,6 +49,8 @@ class HeaderBar(Static):
         first = [
             Text(s.run_name or "dflash", style="bold"),
             Text(f" {s.state.upper()} ", style=STATE_STYLES.get(s.state, "bold")),
+            # why it stopped, where there is room for it (small screens: the log says it)
+            Text(s.reason, style="dim") if s.reason and not s.live and not short else Text(),
             field("step", f"{step.step if step else 0}{total}"),
             field("ep" if short else "epoch", str(step.epoch)) if step else Text(),
             field("up" if short else "elapsed", fmt.duration(s.elapsed)),
