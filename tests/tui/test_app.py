@@ -9,6 +9,7 @@ import time
 
 import pytest
 import tui_scenarios as sc
+from textual.command import CommandList
 from textual.widgets import DataTable
 
 from dflash_core import events as ev
@@ -223,7 +224,8 @@ async def test_command_palette_has_dashboard_commands():
         await pilot.press("ctrl+p")
         await pilot.pause()
         await pilot.press(*"abort run")
-        await pilot.pause(0.5)
+        hits = app.screen.query_one(CommandList)
+        await wait_for(pilot, lambda: hits.option_count > 0)  # the search runs in the background
         await pilot.press("enter")
         await wait_for(pilot, lambda: isinstance(app.screen, ConfirmScreen))
         await pilot.press("y")
