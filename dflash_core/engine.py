@@ -332,8 +332,6 @@ class Engine:
     def _resolve_target(self, cfg: Config, run_dir: Path) -> Path:
         if cfg.target.path == "builtin:tiny":
             from . import demo
-            self.bus.publish(WorkerStatus(worker="demo", role="target", device="cpu",
-                                          status="preparing", detail="building the demo target"))
             demo.ensure_tiny_target(progress=self._demo_progress("demo target"))
             return demo.install_target(run_dir)
         path = Path(cfg.target.path).expanduser()
@@ -650,7 +648,7 @@ class Engine:
             grad_norm=res.grad_norm, tokens_per_s=tps, samples_per_s=sps, tau_tf=res.tau_tf,
             drafter_wait_frac=min(1.0, wait / (span * len(self._replicas))),
             target_blocked_frac=min(1.0, blocked / (span * len(self.target_devices))),
-            padding_frac=res.padding_frac, samples=res.samples))
+            padding_frac=res.padding_frac, samples=res.samples, total_steps=self.total_steps))
         if self._state == "warmup":
             self._set_state("training")
         if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:

@@ -157,6 +157,7 @@ class StepMetrics(Event):
     target_blocked_frac: float = 0.0  # share of time targets waited on a full HS queue
     padding_frac: float = 0.0
     samples: int = 0  # samples in this optimizer step
+    total_steps: int = 0  # planned optimizer steps of the run (known once the data is planned)
     kind: ClassVar[str] = "StepMetrics"
 
 

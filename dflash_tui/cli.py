@@ -50,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
         from dflash_tui.app import run_app
         from dflash_tui.replay import ReplayController
 
-        return run_app(ReplayController.from_jsonl(args.replay), run_dir=args.replay.parent)
+        # No post-mortem: the replay itself shows how that run ended.
+        return run_app(ReplayController.from_jsonl(args.replay), run_dir=None)
     from dflash_core.config import ConfigError
 
     try:

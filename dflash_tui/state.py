@@ -275,6 +275,8 @@ class DashboardState:
 
     def _on_StepMetrics(self, e: ev.StepMetrics) -> set[str]:
         self.step = e
+        if e.total_steps:  # RunStarted comes before the data is planned; the total comes here
+            self.total_steps = e.total_steps
         self.loss_history.append(e.loss)
         self._step_window.append((e.ts, e.step))
         return {"training", "queues"}
