@@ -130,3 +130,16 @@ def write_config(path: Path, cfg) -> Path:
     """A Config as a YAML file (what --config and restart read)."""
     path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False), encoding="utf-8")
     return path
+
+
+def restart_and_train(engine, rec: Recorder, timeout: float = 60.0) -> None:
+    """engine.restart(), then wait until the new run has ended the old one and trained a step
+    of its own (so the next restart again interrupts training)."""
+    from dflash_core.events import StepMetrics
+
+    n = len(rec.of(RunEnded))
+    t = time.time()
+    engine.restart()
+    rec.wait_for(lambda e: isinstance(e, RunEnded) and len(rec.of(RunEnded)) > n, timeout)
+    rec.wait_for(lambda e: isinstance(e, StepMetrics) and e.ts > t
+                 and len(rec.of(RunEnded)) > n, timeout)

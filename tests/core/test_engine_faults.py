@@ -28,7 +28,7 @@ from dflash_core.telemetry import TelemetrySampler
 from dflash_core.trainer import DrafterReplica
 
 from .engine_fixtures import (  # noqa: F401 - assets is a fixture
-    Recorder, assets, engine_threads, make_config, wait_no_engine_threads,
+    Recorder, assets, engine_threads, make_config, restart_and_train,
 )
 
 FAIL_WITHIN_S = 5.0
@@ -376,20 +376,11 @@ RESTARTS = 20
 def test_restarts_leak_no_threads_and_no_memory(tmp_path, assets):
     engine, rec, before = started(long_config(tmp_path, assets, checkpoint__keep=1))
     proc = psutil.Process()
-
-    def restart_once() -> None:
-        n = len(rec.of(RunEnded))
-        engine.restart()
-        rec.wait_for(lambda e: isinstance(e, RunEnded) and len(rec.of(RunEnded)) > n, 30)
-        # the new run is training (on a step after the restart) before the next restart
-        t = time.time()
-        rec.wait_for(lambda e: isinstance(e, StepMetrics) and e.ts > t, 30)
-
     rec.wait_for(lambda e: isinstance(e, StepMetrics), 30)
-    restart_once()  # warm-up: first-use allocations and imports are not leaks
+    restart_and_train(engine, rec)  # warm-up: first-use allocations and imports are not leaks
     threads0, rss0 = len(threading.enumerate()), proc.memory_info().rss
     for _ in range(RESTARTS):
-        restart_once()
+        restart_and_train(engine, rec)
     assert len(threading.enumerate()) <= threads0, [t.name for t in threading.enumerate()]
     grown = proc.memory_info().rss - rss0
     assert grown < 200 * 2**20, f"RSS grew {grown / 2**20:.0f} MiB over {RESTARTS} restarts"
