@@ -20,6 +20,7 @@ from dflash_core.target import TargetModel, default_layer_ids
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", type=int, default=20)
+    ap.add_argument("--shapes", default="8x8192,64x1024", help="batch shapes n x length")
     args = ap.parse_args()
     print(env_line())
     try:
@@ -35,7 +36,7 @@ def main():
     print(f"built in {time.perf_counter() - t:.0f} s: {n_params / 1e9:.2f}B params, weights {gib(weights)}")
     tm = TargetModel(model)
     layers = default_layer_ids(cfg.num_hidden_layers)
-    for n, L in [(8, 8192), (64, 1024)]:
+    for n, L in [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]:
         x = torch.randint(0, cfg.vocab_size, (n, L), device="cuda")
         torch.cuda.reset_peak_memory_stats()
         tm.features(x, None, layers)  # warm-up (kernel compilation)
