@@ -165,6 +165,30 @@ def test_worker_fault_fails_the_run(tmp_path, assets, monkeypatch, worker, exc):
     print(f"fault {worker}/{exc.__name__}: {end.status}, {err.kind_}, {err.source}, {seconds:.2f} s")
 
 
+def test_fault_in_one_of_two_drafters_releases_the_other_from_the_step_barrier(
+        tmp_path, assets, monkeypatch):
+    calls, raised_at = [], []
+    original = DrafterReplica.accumulate
+
+    def accumulate(self, *args):
+        if threading.current_thread().name == "drafter-1":
+            calls.append(1)
+            if len(calls) == 2:
+                raised_at.append(time.time())
+                raise oom()
+        return original(self, *args)
+
+    monkeypatch.setattr(DrafterReplica, "accumulate", accumulate)
+    engine, rec, before = started(long_config(tmp_path, assets, layout__drafters=[0, 1]))
+    end = ended(engine, rec)
+    assert end.status == "failed" and end.step >= 1
+    assert state_time(rec, "failed") - raised_at[0] < FAIL_WITHIN_S
+    (err,) = [e for e in rec.of(Error) if e.fatal]
+    assert (err.source, err.kind_) == ("drafter-1", "oom")
+    assert "drafter.micro_block_tokens" in err.hint
+    assert wait_gone(before) == []
+
+
 @pytest.mark.parametrize("exc", [plain, oom], ids=["exception", "oom"])
 def test_wandb_sink_fault_does_not_fail_the_run(tmp_path, assets, monkeypatch, exc):
     # On the first event, before wandb.init: starting wandb costs seconds and leaves its threads.
