@@ -71,6 +71,15 @@ class Engine:
         with self._lock:
             if self._supervisor is not None and self._supervisor.is_alive():
                 return
+            # A worker of the last run that never ended would read the new run's stop flag and
+            # keep going inside it: refuse to start rather than run two pipelines at once.
+            stuck = [t.name for t in getattr(self, "_threads", []) if t.is_alive()]
+            if stuck:
+                self.bus.publish(Error(
+                    kind_="internal", source="engine", message=f"threads of the last run are "
+                    f"still running: {stuck}", hint="a worker is stuck in a call that ignores the "
+                    "stop flag; quit and start the process again", fatal=True, phase=self._state))
+                return
             self._stop = threading.Event()
             self._abort_requested = False
             self._failure: Error | None = None

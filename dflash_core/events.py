@@ -316,8 +316,10 @@ class _Subscription:
                     self.callback(item)
             except Exception as exc:  # a broken sink must not take the run down
                 self.failed = True
+                from .errors import classify  # lazy: keeps torch out of event-only imports
+                kind, _ = classify(exc, role="sink", device="", phase="")
                 self.bus.publish(error_from_exception(
-                    exc, kind=getattr(exc, "error_kind", "io" if isinstance(exc, OSError) else "internal"),
+                    exc, kind=kind,
                     source=f"sink:{self.name}", fatal=self.critical,
                     hint=getattr(exc, "hint", "")
                     or (f"the {self.name} log stopped: the run stops so no record is lost; "
@@ -344,7 +346,7 @@ class EventBus:
 
     def __init__(self) -> None:
         self._subs: list[_Subscription] = []
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._taps: list[Callable[[Event], None]] = []
 
     def subscribe(self, name: str, callback: Callable[[Event], None], *, maxsize: int = 100_000,
@@ -372,16 +374,16 @@ class EventBus:
         sub.close(timeout)
 
     def publish(self, event: Event) -> None:
+        # Under the lock, so every subscriber sees events from several threads in one order.
+        # offer() never blocks; a tap that publishes re-enters (RLock).
         with self._lock:
-            subs = list(self._subs)
-            taps = list(self._taps)
-        for sub in subs:
-            sub.offer(event)
-        for cb in taps:
-            try:
-                cb(event)
-            except Exception:
-                pass  # a tap is best-effort by contract
+            for sub in self._subs:
+                sub.offer(event)
+            for cb in list(self._taps):
+                try:
+                    cb(event)
+                except Exception:
+                    pass  # a tap is best-effort by contract
 
     def drain(self, timeout: float = 5.0) -> bool:
         """Wait until every subscriber has handled what was published so far."""
