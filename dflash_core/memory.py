@@ -1,0 +1,584 @@
+"""Preflight memory plan: each device's peak, estimated from config dicts alone (no weights loaded).
+
+The plan runs before tens of GB of weights are loaded, so a layout that cannot fit is refused with
+a message naming the config key to change. Estimates are deliberately simple: each component is a
+product of shapes and a small documented constant. They aim to be a little pessimistic, never a
+large underestimate; "plan vs actual" once running shows how close they are.
+
+Engine facts this plan models (they are decisions of target.py / drafter.py / engine.py):
+- a target GPU holds the WHOLE target (layers after the last chosen one included) in
+  ``target.dtype``, runs one ``data.token_budget``-token batch under inference_mode, stops after the
+  last chosen layer and never computes lm_head logits;
+- a drafter GPU holds the drafter in fp32 with AdamW and the frozen borrowed embed_tokens /
+  lm_head in the target dtype, receives a whole target batch of features, and runs forward +
+  backward over groups of sequences of at most ``drafter.micro_block_tokens`` block tokens
+  (trainer.py), under bf16 autocast on CUDA;
+- queued feature batches stay on the target GPU that made them until a drafter takes them;
+- on CPU both roles run in float32.
+
+Sizes are bytes; GiB = 2**30.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from .config import Config
+from .events import MemoryPlan
+
+GiB = 1 << 30
+
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+# CUDA context with cuBLAS (measured ~0.7 GiB on an H200, torch 2.11 / CUDA 13, lazy module
+# loading), plus slack for caching-allocator fragmentation between differently sized transients.
+# Counted once per CUDA device, not on CPU.
+CUDA_OVERHEAD = 1 * GiB
+
+# Target forward (inference_mode: nothing is saved for backward, only transients are live).
+# Checked on an H200 (torch 2.11, transformers 5.17, fla 0.6, no causal_conv1d package) with a
+# Qwen3.6-27B-shaped stack on 21 x 3072 padded tokens: the peak over the weights was 12.6 GiB in a
+# Gated DeltaNet layer and 13.2 GiB in a full-attention layer; the terms below give 12.2 and 13.0.
+RESIDUAL_LIVE = 3  # residual, the layer's normed input / output, and the embeddings the decoder
+# keeps referenced for the whole forward: each tokens x H
+MLP_LIVE = 3  # gate_proj out, up_proj out, act(gate) * up; down_proj output reuses a freed one
+GDN_CHUNK = 64  # flash-linear-attention chunk size: one K x V state per chunk per value head
+FP32_BYTES = 4  # softmax / norms / losses upcast to float32
+
+# Drafter training (autograd saves activations; optimizer states are fp32).
+ADAM_BYTES_PER_PARAM = 16  # fp32 master weight 4 + fp32 grad 4 + AdamW exp_avg 4 + exp_avg_sq 4
+AUTOCAST_COPY_BYTES = 2  # autocast caches a bf16 copy of every fp32 weight for fwd + bwd
+# Tensors autograd saves, in 2-byte units (a float32 tensor counts 2), measured on drafter.py under
+# bf16 autocast with saved_tensors_hooks, attention saving q, k, v, out as flex attention does.
+# The residual stream is float32 (block embeddings enter as float32), so norms save float32
+# inputs and outputs, linears save bf16 casts, and RoPE makes float32 q / k.
+# Per block token per layer: 13 x H (2 norms, residual, casts), 8 x heads*head_dim (q path,
+# attention out), 12 x kv_heads*head_dim (block k / v path and the [context; block] concat),
+# 4 x intermediate (gate, up, act(gate), product).
+DRAFTER_SAVED_H, DRAFTER_SAVED_Q, DRAFTER_SAVED_KV, DRAFTER_SAVED_I = 13, 8, 12, 4
+# Per context token, once: the features cast to float32 (2 x k*H, transient) and the bf16 copy fc
+# saves (k*H), plus fc out and hidden_norm (6 x H). Per layer: the context cast for k_proj /
+# v_proj (2 x H) and the context k / v path (12 x kv_heads*head_dim).
+CONTEXT_ONCE_KH, CONTEXT_ONCE_H, CONTEXT_LAYER_H, CONTEXT_LAYER_KV = 3, 6, 2, 12
+UNIT_BYTES = 2
+# Chunked cross-entropy, per logit of one chunk (each chunk is recomputed in backward, so one is
+# live): bf16 logits 2 + float32 upcast 4 + bf16 grad 2; the log-softmax and float32 grad are not
+# all live with them.
+LOSS_BYTES_PER_LOGIT = 8
+# Checked on an H200 with drafter.py at Qwen3.6-27B width, 2 layers: one forward + backward of
+# 1 and 2 sequences (8192 block tokens each) peaked at 18.9 and 25.2 GiB over params, features and
+# frozen head; these terms (saved activations + context + loss chunk + grads + autocast copies)
+# give 19.0 and 25.9 GiB. The backward's own per-layer gradients never coincide with the loss
+# chunk's peak, so no extra layer is counted.
+
+HYBRID_TYPES = ("qwen3_5", "qwen3_5_text")  # Gated DeltaNet + gated full attention layers
+QK_NORM_TYPES = ("qwen3", "qwen3_5", "qwen3_5_text")
+MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+HsQueueOn = Literal["target", "drafter", "cpu"]
+
+
+# --------------------------------------------------------------------------------------------
+# Model shapes from HF config dicts
+# --------------------------------------------------------------------------------------------
+
+def text_config(hf_config: dict) -> dict:
+    """The language-model part of a config: multimodal configs nest it under ``text_config``."""
+    tc = hf_config.get("text_config")
+    return tc if isinstance(tc, dict) and tc else hf_config
+
+
+@dataclass(frozen=True)
+class _Shape:
+    model_type: str
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool
+    layer_types: tuple  # "attention" | "linear_attention", one per layer
+    gated_q: bool  # q_proj emits query + output gate (2x width), as in Qwen3.5 full attention
+    qk_norm: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    # Gated DeltaNet ("linear_attention") dims; 0 when the model has none
+    lin_k_heads: int = 0
+    lin_v_heads: int = 0
+    lin_k_dim: int = 0
+    lin_v_dim: int = 0
+    lin_conv: int = 0
+
+
+def _shape(hf_config: dict) -> _Shape:
+    tc = text_config(hf_config)
+    mtype = str(tc.get("model_type") or hf_config.get("model_type") or "")
+    if any(tc.get(k) for k in MOE_KEYS):
+        raise ValueError(f"memory plan: mixture-of-experts targets ({mtype}) are not supported")
+    try:
+        hidden, layers = int(tc["hidden_size"]), int(tc["num_hidden_layers"])
+        heads, vocab = int(tc["num_attention_heads"]), int(tc["vocab_size"])
+        intermediate = int(tc["intermediate_size"])
+    except KeyError as exc:
+        raise ValueError(f"memory plan: target config lacks {exc.args[0]!r}") from exc
+    hybrid = mtype in HYBRID_TYPES
+    types = tc.get("layer_types")
+    if not types:
+        # Same rule as transformers' Qwen3.5 config: every interval-th layer is full attention.
+        interval = int(tc.get("full_attention_interval", 4)) if hybrid else 0
+        types = ["linear_attention" if interval and (i + 1) % interval else "attention"
+                 for i in range(layers)]
+    # sliding / full attention share one parameter shape
+    types = tuple("linear_attention" if t == "linear_attention" else "attention" for t in types)
+    if len(types) != layers:
+        raise ValueError(f"memory plan: {len(types)} layer_types for {layers} layers")
+    attention_bias = bool(tc.get("attention_bias", False))
+    return _Shape(
+        model_type=mtype, hidden=hidden, intermediate=intermediate, layers=layers, heads=heads,
+        kv_heads=int(tc.get("num_key_value_heads") or heads),
+        head_dim=int(tc.get("head_dim") or hidden // heads), vocab=vocab,
+        # transformers reads tying from the text config; every Qwen3 family config sets it.
+        tied=bool(tc.get("tie_word_embeddings", False)),
+        layer_types=types, gated_q=hybrid, qk_norm=mtype in QK_NORM_TYPES,
+        qkv_bias=attention_bias or mtype == "qwen2",  # Qwen2 always has q/k/v biases
+        o_bias=attention_bias, mlp_bias=bool(tc.get("mlp_bias", False)),
+        lin_k_heads=int(tc.get("linear_num_key_heads", 0)),
+        lin_v_heads=int(tc.get("linear_num_value_heads", 0)),
+        lin_k_dim=int(tc.get("linear_key_head_dim", 0)),
+        lin_v_dim=int(tc.get("linear_value_head_dim", 0)),
+        lin_conv=int(tc.get("linear_conv_kernel_dim", 0)),
+    )
+
+
+def _linear(n_in: int, n_out: int, bias: bool = False) -> int:
+    return n_in * n_out + (n_out if bias else 0)
+
+
+def _attention_params(s: _Shape) -> int:
+    q_width, kv_width = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    n = _linear(s.hidden, q_width * (2 if s.gated_q else 1), s.qkv_bias)
+    n += 2 * _linear(s.hidden, kv_width, s.qkv_bias)
+    n += _linear(q_width, s.hidden, s.o_bias)
+    if s.qk_norm:
+        n += 2 * s.head_dim
+    return n
+
+
+def _gdn_params(s: _Shape) -> int:
+    """Gated DeltaNet mixer, shapes as in transformers' Qwen3_5GatedDeltaNet."""
+    key_dim, value_dim = s.lin_k_heads * s.lin_k_dim, s.lin_v_heads * s.lin_v_dim
+    conv_dim = 2 * key_dim + value_dim
+    n = _linear(s.hidden, conv_dim)  # in_proj_qkv
+    n += _linear(s.hidden, value_dim)  # in_proj_z (output gate)
+    n += 2 * _linear(s.hidden, s.lin_v_heads)  # in_proj_b, in_proj_a
+    n += conv_dim * s.lin_conv  # depthwise conv1d, no bias
+    n += 2 * s.lin_v_heads  # dt_bias, A_log
+    n += s.lin_v_dim  # gated RMSNorm over one value head
+    n += _linear(value_dim, s.hidden)  # out_proj
+    return n
+
+
+def _layer_params(s: _Shape, layer_type: str) -> int:
+    mixer = _gdn_params(s) if layer_type == "linear_attention" else _attention_params(s)
+    mlp = 2 * _linear(s.hidden, s.intermediate, s.mlp_bias) + _linear(s.intermediate, s.hidden,
+                                                                       s.mlp_bias)
+    return mixer + mlp + 2 * s.hidden  # + input_layernorm, post_attention_layernorm
+
+
+def param_count(hf_config: dict) -> int:
+    """Parameters of the causal LM built from this config (text model only; tied weights once)."""
+    s = _shape(hf_config)
+    n = s.vocab * s.hidden  # embed_tokens
+    n += sum(_layer_params(s, t) for t in s.layer_types)
+    n += s.hidden  # final norm
+    if not s.tied:
+        n += s.vocab * s.hidden  # lm_head
+    return n
+
+
+def dtype_bytes(dtype: Any) -> int:
+    """Bytes per element of "bfloat16" / "float16" / "float32" or a torch dtype."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPE_BYTES:
+        raise ValueError(f"unsupported dtype {dtype!r}; choose one of {list(DTYPE_BYTES)}")
+    return DTYPE_BYTES[name]
+
+
+def target_weight_bytes(hf_config: dict, dtype: Any) -> int:
+    return param_count(hf_config) * dtype_bytes(dtype)
+
+
+def full_logits_bytes(tokens: int, vocab: int, dtype: Any = "bfloat16") -> int:
+    """Full lm_head logits of a batch. HF's loss path (when labels are passed) also upcasts them
+    with ``logits.float()``: call again with "float32" for that extra copy."""
+    return tokens * vocab * dtype_bytes(dtype)
+
+
+def drafter_param_count(cfg: Config, hf_config: dict) -> int:
+    """Trainable drafter parameters: L Qwen3 layers, fc (k*H_target -> H), hidden_norm, norm."""
+    s = _drafter_shape(cfg, _shape(hf_config))
+    layers = cfg.drafter.num_layers * _layer_params(s, "attention")
+    return layers + _num_features(cfg) * _shape(hf_config).hidden * s.hidden + 2 * s.hidden
+
+
+def _drafter_shape(cfg: Config, t: _Shape) -> _Shape:
+    d = cfg.drafter
+    # A Qwen3 decoder (q/k norms, no output gate, no biases) of the target's width unless
+    # overridden; head_dim is the target's (the interchange config copies it).
+    return _Shape(
+        model_type="qwen3", hidden=d.hidden_size or t.hidden,
+        intermediate=d.intermediate_size or t.intermediate, layers=d.num_layers,
+        heads=d.num_attention_heads or t.heads, kv_heads=d.num_key_value_heads or t.kv_heads,
+        head_dim=t.head_dim, vocab=t.vocab, tied=t.tied, layer_types=("attention",) * d.num_layers,
+        gated_q=False, qk_norm=True, qkv_bias=False, o_bias=False, mlp_bias=False,
+    )
+
+
+def _num_features(cfg: Config) -> int:
+    return len(cfg.target.layer_ids) or cfg.target.num_features
+
+
+def _last_layer(cfg: Config, s: _Shape) -> int:
+    # Default ids (target.default_layer_ids) spread from 1 to N-3; a single one is N // 2.
+    if cfg.target.layer_ids:
+        return max(cfg.target.layer_ids)
+    return s.layers // 2 if cfg.target.num_features == 1 else max(0, s.layers - 3)
+
+
+def _target_dtype(cfg: Config, on_cuda: bool) -> str:
+    return cfg.target.dtype if on_cuda else "float32"  # engine.py runs CPU targets in float32
+
+
+# --------------------------------------------------------------------------------------------
+# Per-role components
+# --------------------------------------------------------------------------------------------
+
+def _target_layer_transient(s: _Shape, tokens: int, b: int, run_types: set[str],
+                            attn_impl: str, max_length: int) -> int:
+    """Largest per-layer transient of an inference forward, in bytes."""
+    peaks = [MLP_LIVE * tokens * s.intermediate * b]
+    if "attention" in run_types:
+        q = s.heads * s.head_dim
+        # q_proj output (query+gate stay referenced to the end), normed and roped q (2), k/v
+        # expanded to all heads for SDPA with a padding mask (2), attention out, gated out, o_proj,
+        # and the float32 upcasts of q_norm and the RoPE split / concat temporaries (6).
+        per_token = q * (2 if s.gated_q else 1) + 2 * q + 2 * q + q + (q if s.gated_q else 0)
+        per_token += s.hidden + 6 * q
+        attn = tokens * per_token * b
+        if attn_impl == "eager":
+            # eager materialises heads x S x S scores per sequence (dtype) and float32 softmax
+            attn += tokens * max_length * s.heads * (b + FP32_BYTES)
+        peaks.append(attn)
+    if "linear_attention" in run_types:
+        key_dim, value_dim = s.lin_k_heads * s.lin_k_dim, s.lin_v_heads * s.lin_v_dim
+        conv_dim = 2 * key_dim + value_dim
+        # Throughout: the padding-masked input copy, conv output (q, k, v views) and z.
+        # Kernel phase (flash-linear-attention chunked delta rule): contiguous q / k / v copies,
+        # l2-normalised q and k, w, u, new v, output, two float32 intra-chunk matrices (A and its
+        # inverse), and one K x V state per chunk per value head. Gated-norm phase: core output
+        # plus three float32 temporaries of value_dim (upcast input, upcast gate, product).
+        common = tokens * (s.hidden + conv_dim + value_dim) * b
+        kernel = (tokens * (conv_dim + 2 * key_dim + s.lin_v_heads * s.lin_k_dim
+                            + 3 * value_dim) * b
+                  + 2 * tokens * s.lin_v_heads * GDN_CHUNK * FP32_BYTES
+                  + math.ceil(tokens / GDN_CHUNK) * s.lin_v_heads * s.lin_k_dim * s.lin_v_dim * b)
+        norm = tokens * value_dim * (b + 3 * FP32_BYTES)
+        peaks.append(common + max(kernel, norm))
+    return max(peaks)
+
+
+def _target_components(cfg: Config, s: _Shape, hf_config: dict, on_cuda: bool,
+                       include_logits: bool, queued: int) -> dict[str, int]:
+    t, b = cfg.data.token_budget, dtype_bytes(_target_dtype(cfg, on_cuda))
+    run_types = set(s.layer_types[: _last_layer(cfg, s) + 1])
+    features = t * _num_features(cfg) * s.hidden * b
+    c = {
+        "weights": param_count(hf_config) * b,
+        "residual stream": RESIDUAL_LIVE * t * s.hidden * b,
+        "layer transient": _target_layer_transient(
+            s, t, b, run_types, cfg.target.attn_implementation, cfg.data.max_length),
+        # SDPA padding mask: one bool per (query, key) pair within each sequence; sum S^2 <= T*S.
+        "attention mask": 0 if cfg.target.attn_implementation == "flash_attention_2"
+        else t * cfg.data.max_length,
+        "features": features,
+        "hs queue": queued * features,
+    }
+    if include_logits:
+        c["logits"] = t * s.vocab * b
+    return c
+
+
+def _drafter_pass(cfg: Config) -> tuple[int, int, int]:
+    """(sequences in a typical full batch, sequences per forward/backward, blocks per sequence).
+
+    A typical full batch: token_budget / max_length sequences of max_length tokens, each with
+    min(anchors, length) blocks; trainer.py runs them in groups of micro_block_tokens block tokens.
+    """
+    d, data = cfg.drafter, cfg.data
+    seqs = max(1, min(data.max_seqs_per_batch, data.token_budget // data.max_length))
+    blocks = min(d.num_anchors, data.max_length)
+    per_pass = min(seqs, max(1, d.micro_block_tokens // (blocks * d.block_size)))
+    return seqs, per_pass, blocks
+
+
+def _drafter_components(cfg: Config, s: _Shape, hf_config: dict, on_cuda: bool,
+                        queued: int) -> dict[str, int]:
+    d, data = cfg.drafter, cfg.data
+    ds = _drafter_shape(cfg, s)
+    n_params = drafter_param_count(cfg, hf_config)
+    tb = dtype_bytes(_target_dtype(cfg, on_cuda))
+    autocast = on_cuda and d.dtype == "bfloat16"
+    _, per_pass, blocks = _drafter_pass(cfg)
+    block_tokens = per_pass * blocks * d.block_size
+    context_tokens = per_pass * data.max_length
+    k = _num_features(cfg)
+    q, kv = ds.heads * ds.head_dim, ds.kv_heads * ds.head_dim
+    saved = (DRAFTER_SAVED_H * ds.hidden + DRAFTER_SAVED_Q * q + DRAFTER_SAVED_KV * kv
+             + DRAFTER_SAVED_I * ds.intermediate)
+    context = (CONTEXT_ONCE_KH * k * s.hidden + CONTEXT_ONCE_H * ds.hidden
+               + d.num_layers * (CONTEXT_LAYER_H * ds.hidden + CONTEXT_LAYER_KV * kv))
+    features = data.token_budget * k * s.hidden * tb
+    return {
+        "drafter fp32+adam": n_params * ADAM_BYTES_PER_PARAM,
+        "autocast copies": n_params * AUTOCAST_COPY_BYTES if autocast else 0,
+        "embed+lm_head": s.vocab * s.hidden * tb * (1 if s.tied else 2),
+        "block activations": block_tokens * d.num_layers * saved * UNIT_BYTES,
+        "context": context_tokens * context * UNIT_BYTES,
+        "loss chunk": min(d.loss_chunk, block_tokens) * s.vocab * LOSS_BYTES_PER_LOGIT,
+        "received features": features,
+        "hs queue (drafter)": queued * features,
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# The plan
+# --------------------------------------------------------------------------------------------
+
+@dataclass
+class PlanRow:
+    device: str  # "cuda:N" or "cpu"
+    role: str  # target | drafter | target+drafter
+    components: dict[str, int]  # ordered name -> bytes
+    free: int | None = None  # free bytes before loading; None = unknown (not checked)
+    capacity: int | None = None  # device total bytes, for display
+
+    @property
+    def total(self) -> int:
+        return sum(self.components.values())
+
+    @property
+    def fits(self) -> bool:
+        return self.free is None or self.total <= self.free
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"device": self.device, "role": self.role, "components": dict(self.components),
+                "total": self.total, "free": self.free, "fits": self.fits,
+                "capacity": self.capacity}
+
+
+@dataclass
+class Plan:
+    rows: list[PlanRow]
+    token_budget: int
+    logits_extra: int  # bytes full target logits would add on each target GPU (target dtype)
+    logits_upcast_extra: int  # and the float32 copy HF's loss path makes on top of that
+    include_logits: bool = False
+    hints: list[str] = field(default_factory=list)  # one per overflowing device
+
+    @property
+    def fits(self) -> bool:
+        return all(r.fits for r in self.rows)
+
+    def row(self, device: str) -> PlanRow:
+        for r in self.rows:
+            if r.device == device:
+                return r
+        raise KeyError(device)
+
+    def to_event_rows(self) -> list[dict[str, Any]]:
+        return [r.to_dict() for r in self.rows]
+
+    def to_event(self) -> MemoryPlan:
+        return MemoryPlan(rows=self.to_event_rows(), fits=self.fits)
+
+
+def _device_type(cfg: Config, free_bytes: dict[str, int] | None) -> str:
+    if cfg.layout.device != "auto":
+        return cfg.layout.device
+    if free_bytes:
+        return "cuda" if any(k.startswith("cuda") for k in free_bytes) else "cpu"
+    import torch  # only to answer "auto" when the caller gave no device facts
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def plan_memory(cfg: Config, target_hf_config: dict, free_bytes: dict[str, int] | None = None,
+                total_bytes: dict[str, int] | None = None, *, include_logits: bool = False,
+                hs_queue_on: HsQueueOn = "target") -> Plan:
+    """Estimate each device's peak bytes for this config and target.
+
+    ``include_logits`` adds full lm_head logits to every target (the old failing behaviour).
+    ``hs_queue_on``: where queued feature batches live. "target" (what engine.py does): each
+    target keeps its share, ceil(layout.hs_queue / targets) batches, until a drafter takes them
+    (targets of similar speed; one target alone could hold up to layout.hs_queue); "drafter":
+    each drafter holds ceil(layout.hs_queue / drafters); "cpu": host memory, not planned here.
+    """
+    s = _shape(target_hf_config)
+    free_bytes, total_bytes = free_bytes or {}, total_bytes or {}
+    dev = _device_type(cfg, free_bytes)
+    on_cuda = dev == "cuda"
+    lay = cfg.layout
+    label = (lambda i: f"cuda:{i}") if on_cuda else (lambda i: "cpu")
+    q_target = math.ceil(lay.hs_queue / len(lay.targets)) if hs_queue_on == "target" else 0
+    q_drafter = math.ceil(lay.hs_queue / len(lay.drafters)) if hs_queue_on == "drafter" else 0
+
+    per_device: dict[str, tuple[list[str], dict[str, int]]] = {}
+
+    def add(device: str, role: str, comps: dict[str, int]) -> None:
+        roles, acc = per_device.setdefault(device, ([], {}))
+        if role not in roles:
+            roles.append(role)
+        for name, nbytes in comps.items():
+            acc[name] = acc.get(name, 0) + nbytes
+
+    target = _target_components(cfg, s, target_hf_config, on_cuda, include_logits, q_target)
+    drafter = _drafter_components(cfg, s, target_hf_config, on_cuda, q_drafter)
+    for i in lay.targets:
+        add(label(i), "target", target)
+    for i in lay.drafters:
+        add(label(i), "drafter", drafter)
+
+    rows = []
+    for device in sorted(per_device, key=_device_key):
+        roles, comps = per_device[device]
+        comps = {k: v for k, v in comps.items() if v}
+        if on_cuda:
+            comps["cuda overhead"] = CUDA_OVERHEAD
+        rows.append(PlanRow(device, "+".join(sorted(roles, key=("target", "drafter").index)),
+                            comps, free_bytes.get(device), total_bytes.get(device)))
+    plan = Plan(rows=rows, token_budget=cfg.data.token_budget,
+                logits_extra=full_logits_bytes(cfg.data.token_budget, s.vocab,
+                                               _target_dtype(cfg, on_cuda)),
+                logits_upcast_extra=full_logits_bytes(cfg.data.token_budget, s.vocab, "float32"),
+                include_logits=include_logits)
+    plan.hints = [_hint(cfg, devices, r) for devices, r in _groups(rows) if not r.fits]
+    return plan
+
+
+def _groups(rows: list[PlanRow]) -> list[tuple[list[str], PlanRow]]:
+    """Devices with identical role, components and free memory, so 7 equal targets read once."""
+    groups: list[tuple[list[str], PlanRow]] = []
+    for r in rows:
+        for devices, first in groups:
+            if (first.role, first.components, first.free) == (r.role, r.components, r.free):
+                devices.append(r.device)
+                break
+        else:
+            groups.append(([r.device], r))
+    return groups
+
+
+def _device_key(device: str) -> tuple[str, int]:
+    kind, _, idx = device.partition(":")
+    return kind, int(idx) if idx.isdigit() else -1
+
+
+# Which config key shrinks which component.
+_KEYS = {
+    "residual stream": "data.token_budget", "layer transient": "data.token_budget",
+    "attention mask": "data.token_budget", "features": "data.token_budget",
+    "received features": "data.token_budget", "hs queue": "layout.hs_queue",
+    "hs queue (drafter)": "layout.hs_queue", "loss chunk": "drafter.loss_chunk",
+    "drafter fp32+adam": "drafter.num_layers",
+}
+
+
+def _activation_key(cfg: Config) -> str:
+    """The key that bounds the drafter's block tokens (and context) per forward/backward."""
+    seqs, per_pass, _ = _drafter_pass(cfg)
+    if per_pass > 1:
+        return "data.token_budget" if per_pass == seqs else "drafter.micro_block_tokens"
+    return "drafter.num_anchors"  # already one sequence per pass
+
+
+def _key_value(cfg: Config, key: str) -> Any:
+    section, name = key.split(".")
+    return getattr(getattr(cfg, section), name)
+
+
+def _hint(cfg: Config, devices: list[str], row: PlanRow) -> str:
+    """What to change for one overflowing device, biggest lever first."""
+    levers: dict[str, int] = {}
+    for name, nbytes in row.components.items():
+        key = _activation_key(cfg) if name in ("block activations", "context") else _KEYS.get(name)
+        if key:
+            levers[key] = levers.get(key, 0) + nbytes
+    ranked = sorted(levers, key=levers.get, reverse=True)[:3]
+    lowered = [f"{k} (now {_key_value(cfg, k)})" for k in ranked]
+    options = []
+    if "logits" in row.components:
+        options.append(f"do not compute full target logits ({_gib(row.components['logits'])} GiB)")
+    if lowered:
+        options.append("lower " + (", ".join(lowered[:-1]) + " or " if len(lowered) > 1 else "")
+                       + lowered[-1])
+    if row.role == "target+drafter" and row.device.startswith("cuda"):
+        options.append("put targets and drafters on different GPUs (layout.targets, "
+                       "layout.drafters)")
+    fixed = row.components.get("weights", 0) + row.components.get("drafter fp32+adam", 0)
+    if row.free is not None and fixed > row.free:
+        options.append("use devices with more memory: the weights alone do not fit")
+    return (f"{_group_label(devices)} ({row.role}) needs {_gib(row.total)} GiB but has"
+            f" {_gib(row.free)} GiB free: " + "; or ".join(options))
+
+
+def _gib(nbytes: int | None) -> str:
+    return "?" if nbytes is None else f"{nbytes / GiB:.1f}"
+
+
+def _group_label(devices: list[str]) -> str:
+    """cuda:0..6 for a contiguous run, else a comma list."""
+    if len(devices) == 1:
+        return devices[0]
+    idx = [_device_key(d)[1] for d in devices]
+    kind = _device_key(devices[0])[0]
+    if idx == list(range(idx[0], idx[0] + len(idx))):
+        return f"{kind}:{idx[0]}..{idx[-1]}"
+    return f"{kind}:" + ",".join(map(str, idx))
+
+
+def format_plan(plan: Plan) -> str:
+    """Fixed-width table in GiB: one column per group of identical devices, then a verdict."""
+    groups = _groups(plan.rows)
+    names: list[str] = []
+    for _, r in groups:
+        names += [n for n in r.components if n not in names]
+    heads = [_group_label(devs) for devs, _ in groups]
+    width = max([10] + [len(h) + 2 for h in heads])
+    label_w = max(len(n) for n in names + ["memory plan (GiB)"]) + 2
+
+    def line(label: str, cells: list[str]) -> str:
+        return label.ljust(label_w) + "".join(c.rjust(width) for c in cells)
+
+    out = [line("memory plan (GiB)", heads), line("role", [r.role for _, r in groups])]
+    for n in names:
+        out.append(line(n, [_gib(r.components[n]) if n in r.components else "-"
+                            for _, r in groups]))
+    out.append(line("total", [_gib(r.total) for _, r in groups]))
+    out.append(line("free", [_gib(r.free) for _, r in groups]))
+    out.append(line("fits", ["yes" if r.fits else f"NO +{_gib(r.total - r.free)}"
+                             for _, r in groups]))
+    if not plan.include_logits:
+        out.append(f"full target logits would add {_gib(plan.logits_extra)} GiB per target GPU"
+                   f" (+{_gib(plan.logits_upcast_extra)} GiB more if upcast to float32 for a loss);"
+                   " the engine never computes them")
+    if plan.fits:
+        out.append("plan fits")
+    else:
+        out.append("plan does NOT fit:")
+        out += [f"  {h}" for h in plan.hints]
+    return "\n".join(out)

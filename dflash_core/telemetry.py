@@ -1,0 +1,180 @@
+"""GPU and host sampling on its own thread: NVML (nvidia-ml-py) + psutil, published as events.
+
+Without NVML (no driver, no pynvml, init error) the sampler reports host memory and CPU only, and
+says once, at info level, that GPU telemetry is off and why. A single NVML metric that fails
+mid-run reads -1 ("unknown") instead of stopping the sampler. Anything else unexpected is
+published as a non-fatal internal Error and the thread ends: telemetry never takes a run down.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from types import ModuleType
+from typing import Any, Callable
+
+import psutil
+
+from .events import Event, GpuSample, HostSample, Log, error_from_exception
+
+SOURCE = "telemetry"
+UNKNOWN = -1
+
+
+class TelemetrySampler(threading.Thread):
+    """Publishes one GpuSample per visible GPU and one HostSample every ``interval_s``.
+
+    ``roles`` maps a torch device index to its role ("target", "drafter", "target+drafter").
+    ``nvml`` replaces the pynvml module (tests pass a fake); None imports pynvml.
+    """
+
+    def __init__(self, publish: Callable[[Event], None], interval_s: float,
+                 roles: dict[int, str], stop: threading.Event, *, nvml: ModuleType | None = None):
+        super().__init__(name=SOURCE, daemon=True)  # daemon: never keeps the process alive
+        self.publish = publish
+        self.interval_s = interval_s
+        self.roles = dict(roles)
+        self.stop = stop
+        self._nvml = nvml
+        self._handles: list[tuple[int, Any]] = []  # (torch index, NVML handle)
+        self._failed_metrics: set[str] = set()
+        self._process = psutil.Process()
+        psutil.cpu_percent(interval=None)  # prime: the first sample then measures since now
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def run(self) -> None:
+        try:
+            self._start_nvml()
+            while not self.stop.is_set():
+                self.sample_once()
+                if self.stop.wait(self.interval_s):
+                    break
+        except Exception as exc:
+            self.publish(error_from_exception(
+                exc, kind="internal", source=SOURCE, fatal=False,
+                hint="GPU and host telemetry stopped; training is not affected"))
+        finally:
+            self._shutdown_nvml()
+
+    def _start_nvml(self) -> None:
+        try:
+            nvml = self._nvml
+            if nvml is None:
+                import pynvml as nvml  # nvidia-ml-py
+            nvml.nvmlInit()
+            ids = _visible_nvml_ids(nvml)
+        except Exception as exc:  # ImportError, NVMLError (no driver / library), anything odd
+            self._nvml = None
+            self.publish(Log(level="info", source=SOURCE,
+                             message=f"GPU telemetry off ({type(exc).__name__}: {exc}); "
+                                     "sampling host memory and CPU only"))
+            return
+        self._nvml = nvml
+        # A GPU whose handle fails still gets samples, every metric unknown.
+        self._handles = [(i, self._metric("handle", lambda n=n: self._handle(n), None))
+                         for i, n in enumerate(ids)]
+
+    def _handle(self, nvml_id: int | str) -> Any:
+        nvml = self._nvml
+        if isinstance(nvml_id, str):  # CUDA_VISIBLE_DEVICES may name GPUs by UUID
+            return nvml.nvmlDeviceGetHandleByUUID(nvml_id)
+        return nvml.nvmlDeviceGetHandleByIndex(nvml_id)
+
+    def _shutdown_nvml(self) -> None:
+        if self._nvml is not None:
+            try:
+                self._nvml.nvmlShutdown()
+            except Exception:
+                pass  # the process is leaving NVML behind either way
+
+    # -- sampling ----------------------------------------------------------------------------
+
+    def sample_once(self) -> None:
+        """Publish one round of samples. Tests replace it to inject failures."""
+        for index, handle in self._handles:
+            self.publish(self._gpu_sample(index, handle))
+        self.publish(self._host_sample())
+
+    def _metric(self, name: str, fn: Callable[[], Any], default: Any = UNKNOWN) -> Any:
+        """One NVML call; a failure reads as unknown and is mentioned once per metric."""
+        try:
+            return fn()
+        except Exception as exc:
+            if name not in self._failed_metrics:
+                self._failed_metrics.add(name)
+                self.publish(Log(level="debug", source=SOURCE,
+                                 message=f"GPU {name} unavailable ({type(exc).__name__}: {exc});"
+                                         " shown as unknown"))
+            return default
+
+    def _gpu_sample(self, index: int, handle: Any) -> GpuSample:
+        nvml = self._nvml
+        name = self._metric("name", lambda: nvml.nvmlDeviceGetName(handle), f"GPU {index}")
+        if isinstance(name, bytes):  # older nvidia-ml-py returns bytes
+            name = name.decode(errors="replace")
+        mem = self._metric("memory", lambda: nvml.nvmlDeviceGetMemoryInfo(handle), None)
+        temp_sensor = getattr(nvml, "NVML_TEMPERATURE_GPU", 0)
+        allocated, reserved = _torch_memory(index)
+        return GpuSample(
+            index=index, name=str(name),
+            mem_used=int(mem.used) if mem is not None else UNKNOWN,
+            mem_total=int(mem.total) if mem is not None else UNKNOWN,
+            util=float(self._metric(
+                "utilization", lambda: nvml.nvmlDeviceGetUtilizationRates(handle).gpu)),
+            temperature=float(self._metric(
+                "temperature", lambda: nvml.nvmlDeviceGetTemperature(handle, temp_sensor))),
+            # NVML reports milliwatts
+            power=float(self._metric(
+                "power", lambda: nvml.nvmlDeviceGetPowerUsage(handle) / 1000.0)),
+            torch_allocated=allocated, torch_reserved=reserved,
+            role=self.roles.get(index, ""),
+        )
+
+    def _host_sample(self) -> HostSample:
+        vm = psutil.virtual_memory()
+        return HostSample(
+            # total - available: memory really taken, not counting reclaimable page cache
+            ram_used=int(vm.total - vm.available), ram_total=int(vm.total),
+            cpu_percent=float(psutil.cpu_percent(interval=None)),
+            process_rss=int(self._process.memory_info().rss),
+        )
+
+
+def _visible_nvml_ids(nvml: ModuleType) -> list[int | str]:
+    """NVML ids of the GPUs torch sees, in torch's order (CUDA_VISIBLE_DEVICES, else all).
+
+    NVML enumerates in PCI bus order; CUDA does too on identical GPUs (set
+    CUDA_DEVICE_ORDER=PCI_BUS_ID on mixed nodes to keep the two in step).
+    """
+    count = nvml.nvmlDeviceGetCount()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return list(range(count))
+    ids: list[int | str] = []
+    for item in visible.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        if item.isdigit():
+            if int(item) >= count:
+                break  # CUDA stops at the first invalid id
+            ids.append(int(item))
+        elif item.startswith("GPU-"):
+            ids.append(item)
+        else:
+            break
+    return ids
+
+
+def _torch_memory(index: int) -> tuple[int, int]:
+    """torch's allocator view of one device, only if this process already initialised CUDA:
+    sampling must never import torch or create a CUDA context from this thread."""
+    torch = sys.modules.get("torch")
+    try:
+        if torch is None or not torch.cuda.is_initialized() or index >= torch.cuda.device_count():
+            return 0, 0
+        return int(torch.cuda.memory_allocated(index)), int(torch.cuda.memory_reserved(index))
+    except Exception:
+        return 0, 0

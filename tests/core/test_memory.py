@@ -1,0 +1,303 @@
+"""Preflight memory plan: exact parameter counts against transformers, and the real node's plan
+worked out by hand."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+from dflash_core import events
+from dflash_core.config import config_from_dict
+from dflash_core.memory import (
+    CUDA_OVERHEAD, GiB, drafter_param_count, format_plan, param_count, plan_memory,
+    target_weight_bytes,
+)
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+
+
+def load(name: str) -> dict:
+    return json.loads((FIXTURES / name).read_text())
+
+
+QWEN36_27B = load("qwen3_6_27b_config.json")
+QWEN3_8B = load("qwen3_8b_config.json")
+
+
+def hf_param_count(hf_config: dict, auto=AutoModelForCausalLM) -> int:
+    """Parameters of the real transformers model, built on the meta device (no memory used)."""
+    config = AutoConfig.for_model(**copy.deepcopy(hf_config))
+    with torch.device("meta"):
+        model = auto.from_config(config)
+    return sum(p.numel() for p in model.parameters())  # tied weights are counted once
+
+
+def scaled(hf_config: dict, **text) -> dict:
+    """The same family at toy size; keys go to text_config when the config nests one."""
+    d = copy.deepcopy(hf_config)
+    (d["text_config"] if "text_config" in d else d).update(text)
+    return d
+
+
+# --------------------------------------------------------------------------------------------
+# Parameter counts
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("hf_config", [QWEN3_8B, QWEN36_27B], ids=["qwen3-8b", "qwen3.6-27b"])
+def test_param_count_matches_transformers_at_full_size(hf_config):
+    assert param_count(hf_config) == hf_param_count(hf_config)
+
+
+def test_param_count_of_known_shapes():
+    assert param_count(QWEN3_8B) == 8_190_735_360
+    # Qwen3.6-27B, text model only; by hand:
+    H, I, V = 5120, 17408, 248320
+    mlp_and_norms = 3 * H * I + 2 * H
+    gdn = (H * (2 * 2048 + 6144)  # in_proj_qkv: 16 key heads x 128 (q and k) + 48 x 128 (v)
+           + H * 6144 + 2 * H * 48  # in_proj_z, in_proj_b, in_proj_a
+           + 10240 * 4 + 2 * 48 + 128  # conv1d (kernel 4), dt_bias + A_log, gated norm
+           + 6144 * H)  # out_proj
+    full = H * 24 * 256 * 2 + 2 * H * 4 * 256 + 24 * 256 * H + 2 * 256  # gated q, k, v, o, q/k norm
+    expected = 48 * (gdn + mlp_and_norms) + 16 * (full + mlp_and_norms) + 2 * V * H + H
+    assert param_count(QWEN36_27B) == expected == 26_895_998_464
+    # the issue's figure: ~50.1 GiB of bf16 weights
+    assert target_weight_bytes(QWEN36_27B, "bfloat16") / GiB == pytest.approx(50.1, abs=0.05)
+    assert target_weight_bytes(QWEN36_27B, torch.float32) == 4 * expected
+
+
+def test_param_count_scaled_down_variants_match_transformers():
+    # tied embeddings, an uneven hybrid pattern, odd head counts, q/k/v biases
+    hybrid = scaled(QWEN36_27B, hidden_size=64, intermediate_size=96, num_hidden_layers=5,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=300,
+                    linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=8,
+                    linear_value_head_dim=12, linear_conv_kernel_dim=3, tie_word_embeddings=True,
+                    layer_types=["linear_attention", "full_attention", "linear_attention",
+                                 "linear_attention", "full_attention"])
+    dense = scaled(QWEN3_8B, hidden_size=64, intermediate_size=80, num_hidden_layers=3,
+                   num_attention_heads=4, num_key_value_heads=1, head_dim=24, vocab_size=200,
+                   attention_bias=True, tie_word_embeddings=True)
+    for cfg in (hybrid, dense):
+        assert param_count(cfg) == hf_param_count(cfg)
+    # layer_types may be left out: every 4th layer is full attention, as transformers derives it
+    no_types = copy.deepcopy(hybrid)
+    del no_types["text_config"]["layer_types"]
+    no_types["text_config"]["num_hidden_layers"] = 8
+    assert param_count(no_types) == hf_param_count(no_types)
+    # a nested text_config is read the same as the bare text config
+    assert param_count(QWEN36_27B) == param_count(QWEN36_27B["text_config"])
+
+
+def test_drafter_param_count_matches_a_qwen3_stack():
+    cfg = config_from_dict({})  # L=5, k=5, target width
+    text = QWEN36_27B["text_config"]
+    # the drafter's layers are Qwen3 decoder layers of the target's width (no gated q)
+    stack = {"model_type": "qwen3", "hidden_size": 5120, "intermediate_size": 17408,
+             "num_hidden_layers": 5, "num_attention_heads": 24, "num_key_value_heads": 4,
+             "head_dim": 256, "vocab_size": 8}
+    layers_and_norm = hf_param_count(stack, AutoModel) - 8 * 5120  # minus its tiny embedding
+    fc, hidden_norm = 5 * text["hidden_size"] * 5120, 5120
+    assert drafter_param_count(cfg, QWEN36_27B) == layers_and_norm + fc + hidden_norm
+    assert drafter_param_count(cfg, QWEN36_27B) == 1_835_072_000
+
+
+def test_moe_targets_are_refused():
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        param_count(scaled(QWEN3_8B, num_experts=8))
+
+
+# --------------------------------------------------------------------------------------------
+# The real node: Qwen3.6-27B, targets on cuda:0..6, drafter on cuda:7, 96 GiB-class GPUs
+# --------------------------------------------------------------------------------------------
+
+# The keys of config.yaml that matter here (drafter: 8 layers, micro_block_tokens 65536).
+NODE = {"layout": {"device": "cuda", "targets": [0, 1, 2, 3, 4, 5, 6], "drafters": [7],
+                   "hs_queue": 8},
+        "data": {"token_budget": 65536, "max_length": 3072},
+        "target": {"num_features": 5},
+        "drafter": {"num_layers": 8, "num_anchors": 512, "block_size": 16, "loss_chunk": 4096,
+                    "micro_block_tokens": 65536}}
+GPU96 = {f"cuda:{i}": 96 * GiB for i in range(8)}
+H200 = {f"cuda:{i}": 139 * GiB for i in range(8)}  # what torch reports free on an H200
+
+
+def node(**drafter) -> object:
+    d = copy.deepcopy(NODE)
+    d["drafter"].update(drafter)
+    return config_from_dict(d)
+
+
+T, H, I, V, K = 65536, 5120, 17408, 248320, 5  # tokens, hidden, intermediate, vocab, features
+
+
+def target_row_by_hand() -> dict[str, int]:
+    weights = 26_895_998_464 * 2  # params x 2 bytes (bf16) = 50.1 GiB
+    # residual, normed input / output, and the embeddings kept by the decoder: 3 x T x H x 2
+    residual = 3 * T * H * 2  # = 1.875 GiB
+    # Largest layer transient: a full-attention layer (24 heads x 256 = 6144 wide, gated q).
+    # Per token: q_proj out with gate 12288 + normed and roped q 12288 + k/v expanded to 24 heads
+    # 12288 + attention out 6144 + gated out 6144 + o_proj out 5120 + q_norm float32 upcast and
+    # RoPE temporaries 6 x 6144 = 36864 -> 91136 elements x 2 bytes x 65536 tokens = 11.125 GiB.
+    attention = T * (12288 + 12288 + 12288 + 6144 + 6144 + 5120 + 6 * 6144) * 2
+    assert attention == int(11.125 * GiB)
+    # (a Gated DeltaNet layer, conv_dim 10240, value_dim 6144, key_dim 2048:
+    #  masked input + conv output + z = 65536 x (5120 + 10240 + 6144) x 2 = 2.625 GiB, then the
+    #  kernel phase: contiguous q/k/v + l2-normed q, k + w + u, new v, output
+    #  = 65536 x (10240 + 4096 + 6144 + 18432) x 2 = 4.75 GiB, float32 A and its inverse
+    #  2 x 65536 x 48 x 64 x 4 = 1.5 GiB, one bf16 128 x 128 state per 64-token chunk per value
+    #  head 1024 x 48 x 128 x 128 x 2 = 1.5 GiB -> 10.375 GiB in all;
+    #  MLP: 3 x 65536 x 17408 x 2 = 6.375 GiB: both smaller)
+    mask = T * 3072  # bool SDPA padding mask, sum of S^2 over sequences <= T x max_length
+    features = T * K * H * 2  # = 3.125 GiB
+    assert features == int(3.125 * GiB)
+    hs_queue = 2 * features  # ceil(hs_queue 8 / 7 targets) = 2 queued batches per target
+    return {"weights": weights, "residual stream": residual, "layer transient": attention,
+            "attention mask": mask, "features": features, "hs queue": hs_queue,
+            "cuda overhead": CUDA_OVERHEAD}
+
+
+def drafter_row_by_hand(seqs_per_pass: int, layers: int = 8) -> dict[str, int]:
+    params = layers * 340_797_952 + 25600 * 5120 + 2 * 5120  # layers, fc, hidden_norm + norm
+    block_tokens = seqs_per_pass * 512 * 16  # anchors x block size per sequence
+    # saved per block token per layer, 2-byte units: 13 H + 8 q + 12 kv + 4 I = 197,632
+    saved = 13 * H + 8 * 24 * 256 + 12 * 4 * 256 + 4 * I
+    # per context token: 3 x k*H + 6 H once, 2 H + 12 kv per layer
+    context = 3 * K * H + 6 * H + layers * (2 * H + 12 * 4 * 256)
+    return {
+        "drafter fp32+adam": params * 16,  # 42.6 GiB for 8 layers
+        "autocast copies": params * 2,  # 5.3 GiB
+        "embed+lm_head": 2 * V * H * 2,  # 4.7 GiB, frozen bf16, untied
+        "block activations": block_tokens * layers * saved * 2,  # 24.1 GiB per sequence
+        "context": seqs_per_pass * 3072 * context * 2,  # 1.6 GiB per sequence
+        "loss chunk": 4096 * V * 8,  # 7.6 GiB
+        "received features": T * K * H * 2,  # 3.125 GiB
+        "cuda overhead": CUDA_OVERHEAD,
+    }
+
+
+def test_real_node_target_row_by_hand_fits_96gib():
+    plan = plan_memory(node(), QWEN36_27B, GPU96, GPU96)
+    assert [r.device for r in plan.rows] == [f"cuda:{i}" for i in range(8)]
+    expected = target_row_by_hand()
+    for i in range(7):
+        row = plan.row(f"cuda:{i}")
+        assert row.role == "target"
+        assert row.components == expected
+    # 50.10 + 1.875 + 11.125 + 0.19 + 3.125 + 6.25 + 1.0 = 73.66 GiB of 96
+    assert plan.row("cuda:0").total / GiB == pytest.approx(73.66, abs=0.01)
+    assert plan.row("cuda:0").fits
+
+
+def test_full_logits_overflow_the_target_as_in_the_real_launch():
+    plan = plan_memory(node(micro_block_tokens=8192), QWEN36_27B, GPU96, GPU96,
+                       include_logits=True)
+    logits = T * V * 2  # 65536 x 248320 x 2 bytes = 30.3 GiB
+    assert logits / GiB == pytest.approx(30.31, abs=0.01)
+    assert plan.logits_extra == logits
+    assert plan.logits_upcast_extra == 2 * logits  # HF's float32 upcast in the loss path
+    row = plan.row("cuda:0")
+    assert row.components["logits"] == logits
+    # 73.66 + 30.31 = 103.97 GiB > 96 GiB free: out of memory, as on the real node
+    assert row.total / GiB == pytest.approx(103.97, abs=0.01)
+    assert not row.fits and not plan.fits
+    assert plan.row("cuda:7").fits  # only the targets overflow here
+    text = format_plan(plan)
+    assert "cuda:0..6 (target) needs 104.0 GiB but has 96.0 GiB free" in text
+    assert "do not compute full target logits (30.3 GiB)" in text
+    assert "data.token_budget (now 65536)" in text
+
+
+def test_drafter_of_config_yaml_does_not_fit_and_names_the_key():
+    # micro_block_tokens 65536 / (512 anchors x 16) = 8 of the 21 sequences per forward/backward
+    plan = plan_memory(node(), QWEN36_27B, H200, H200)
+    row = plan.row("cuda:7")
+    assert row.role == "drafter"
+    assert row.components == drafter_row_by_hand(seqs_per_pass=8)
+    # 42.58 + 5.32 + 4.74 + 193.0 + 13.17 + 7.58 + 3.125 + 1.0 = 270.5 GiB
+    assert row.components["block activations"] / GiB == pytest.approx(193.0, abs=0.01)
+    assert row.total / GiB == pytest.approx(270.51, abs=0.01)
+    assert not row.fits and not plan.fits
+    text = format_plan(plan)
+    assert "plan does NOT fit" in text
+    assert ("cuda:7 (drafter) needs 270.5 GiB but has 139.0 GiB free: "
+            "lower drafter.micro_block_tokens (now 65536)") in text
+
+
+def test_drafter_with_smaller_micro_batches_fits():
+    # two sequences per pass on an H200: 42.58 + 5.32 + 4.74 + 48.25 + 3.29 + 7.58 + 3.125 + 1.0
+    plan = plan_memory(node(micro_block_tokens=16384), QWEN36_27B, H200, H200)
+    row = plan.row("cuda:7")
+    assert row.components == drafter_row_by_hand(seqs_per_pass=2)
+    assert row.total / GiB == pytest.approx(115.88, abs=0.01)
+    assert plan.fits
+    assert format_plan(plan).rstrip().endswith("plan fits")
+    # one sequence per pass fits a 96 GiB card: 42.58 + 5.32 + 4.74 + 24.13 + 1.65 + 7.58 + 3.125
+    # + 1.0 = 90.1 GiB; on an 80 GiB card the anchors per sequence are the lever left
+    small = plan_memory(node(micro_block_tokens=8192), QWEN36_27B, GPU96, GPU96)
+    assert small.row("cuda:7").components == drafter_row_by_hand(seqs_per_pass=1)
+    assert small.row("cuda:7").total / GiB == pytest.approx(90.11, abs=0.01)
+    assert small.fits
+    gpu80 = {f"cuda:{i}": 80 * GiB for i in range(8)}
+    tight = plan_memory(node(micro_block_tokens=8192), QWEN36_27B, gpu80, gpu80)
+    assert "drafter.num_anchors (now 512)" in format_plan(tight)
+
+
+def test_format_plan_table():
+    plan = plan_memory(node(micro_block_tokens=16384), QWEN36_27B, H200, H200)
+    lines = format_plan(plan).splitlines()
+    assert lines[0].split() == ["memory", "plan", "(GiB)", "cuda:0..6", "cuda:7"]
+    assert lines[1].split() == ["role", "target", "drafter"]
+    assert "weights" in lines[2] and "50.1" in lines[2] and lines[2].rstrip().endswith("-")
+    assert len({len(line) for line in lines[:-2]}) == 1  # fixed width
+    assert any(line.split() == ["total", "73.7", "115.9"] for line in lines)
+    assert any("full target logits would add 30.3 GiB" in line for line in lines)
+
+
+# --------------------------------------------------------------------------------------------
+# Other layouts and the event
+# --------------------------------------------------------------------------------------------
+
+def test_shared_device_sums_both_roles():
+    shared = config_from_dict({"layout": {"device": "cuda", "targets": [0], "drafters": [0]},
+                               "drafter": {"num_anchors": 64}})
+    split = config_from_dict({"layout": {"device": "cuda", "targets": [0], "drafters": [1]},
+                              "drafter": {"num_anchors": 64}})
+    one = plan_memory(shared, QWEN3_8B, {"cuda:0": 141 * GiB})
+    two = plan_memory(split, QWEN3_8B)
+    assert [r.role for r in one.rows] == ["target+drafter"]
+    row = one.rows[0]
+    assert row.total == two.row("cuda:0").total + two.row("cuda:1").total - CUDA_OVERHEAD
+    assert row.free == 141 * GiB
+    # unknown free memory is not checked
+    assert two.fits and two.row("cuda:1").free is None
+    if not row.fits:
+        assert "put targets and drafters on different GPUs" in format_plan(one)
+
+
+def test_cpu_layout_has_one_row_without_cuda_overhead():
+    cfg = config_from_dict({"layout": {"device": "cpu", "targets": [0, 1], "drafters": [0]},
+                            "drafter": {"num_anchors": 8}, "data": {"token_budget": 4096}})
+    plan = plan_memory(cfg, QWEN3_8B, {"cpu": 10 * GiB})
+    (row,) = plan.rows
+    assert row.device == "cpu" and row.role == "target+drafter"
+    assert "cuda overhead" not in row.components and "autocast copies" not in row.components
+    assert row.components["weights"] == 2 * 8_190_735_360 * 4  # float32, one copy per worker
+    assert not plan.fits
+    text = format_plan(plan)
+    assert "data.token_budget (now 4096)" in text and "use devices with more memory" in text
+    assert "different GPUs" not in text
+
+
+def test_plan_event_round_trips():
+    plan = plan_memory(node(), QWEN36_27B, GPU96, GPU96)
+    event = plan.to_event()
+    assert isinstance(event, events.MemoryPlan) and event.fits is False
+    back = events.from_json(event.to_json())
+    assert back.rows == plan.to_event_rows()
+    row = back.rows[0]
+    assert set(row) >= {"device", "role", "components", "total", "free", "fits"}
+    assert row["total"] == sum(row["components"].values())
