@@ -60,6 +60,12 @@ class DrafterAttention(nn.Module):
         v_ctx = self._heads(self.v_proj(ctx), self.num_kv_heads).transpose(1, 2)
         q, k_blk = _rope(q, *rope_blk), _rope(k_blk, *rope_blk)
         k_ctx = _rope(k_ctx, *rope_ctx)
+        dev = q.device.type
+        if torch.is_autocast_enabled(dev):
+            # The fp32 norm weights lift q/k back to fp32 and attention kernels are not covered
+            # by autocast: cast explicitly so attention runs in bf16 on tensor cores.
+            dt = torch.get_autocast_dtype(dev)
+            q, k_blk, k_ctx, v_blk, v_ctx = (t.to(dt) for t in (q, k_blk, k_ctx, v_blk, v_ctx))
         out = block_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, block_size, self.scale, impl)
         n, _, T, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(n, T, -1))

@@ -111,3 +111,16 @@ def test_many_blocks_in_one_pass_equal_one_block_at_a_time():
             alone = m(ctx[:, :p], emb[:, a * B:(a + 1) * B], pos[:, a * B:(a + 1) * B],
                       torch.tensor([[p]]))
             assert torch.allclose(joint[:, a * B:(a + 1) * B], alone, atol=1e-5)
+
+
+def test_bf16_autocast_stays_close_to_fp32():
+    """The GPU path trains under bf16 autocast (attention inputs cast to bf16)."""
+    m = make_drafter(seed=5)
+    ctx, emb = torch.randn(1, 9, 192), torch.randn(1, 8, 64)
+    pos, anchors = torch.arange(9, 17)[None], torch.tensor([[9]])
+    with torch.no_grad():
+        full = m(ctx, emb, pos, anchors)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            low = m(ctx, emb, pos, anchors)
+    assert torch.allclose(full, low.float(), atol=0.05)
+    assert not torch.equal(full, low.float())  # bf16 really ran
