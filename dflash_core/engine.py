@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import json
 import queue
+import re
 import shutil
 import threading
 import time
@@ -381,9 +382,11 @@ class Engine:
         plan = plan_memory(cfg, hf_config, free or None, total or None)
         self.bus.publish(MemoryPlan(rows=plan.to_event_rows(), fits=plan.fits))
         if not plan.fits:
-            raise ConfigError("data.token_budget", "the memory plan does not fit:\n" + format_plan(plan),
-                              hint="lower data.token_budget or drafter.micro_block_tokens, or "
-                              "spread the layout over more GPUs")
+            hint = "; ".join(plan.hints) or ("lower data.token_budget or "
+                                             "drafter.micro_block_tokens, or use more GPUs")
+            named = re.search(r"lower ([a-z_]+\.[a-z_]+)", hint)
+            key = named.group(1) if named else "data.token_budget"
+            raise ConfigError(key, "the memory plan does not fit:\n" + format_plan(plan), hint=hint)
 
     # -- loading -------------------------------------------------------------------------------
     def _load(self) -> None:
