@@ -166,16 +166,20 @@ class Engine:
         """Run a worker body; turn its exception into an Error event and a failed run."""
         try:
             fn(*args)
+            stopped = True
         except _Stopped:
-            pass
+            stopped = True
         except BaseException as exc:  # noqa: BLE001 - every failure must surface
             from .target import LoadAborted
-            if isinstance(exc, LoadAborted) and self._stop.is_set():
-                return
-            self._fail(error_event(exc, source=source, role=role, device=device,
-                                   phase=self._state))
+            stopped = isinstance(exc, LoadAborted) and self._stop.is_set()
+            if not stopped:
+                self._fail(error_event(exc, source=source, role=role, device=device,
+                                       phase=self._state))
+                self.bus.publish(WorkerStatus(worker=source, role=role, device=device,
+                                              status="failed", detail=str(exc)[:200]))
+        if stopped and role == "drafter":  # targets report "done" themselves
             self.bus.publish(WorkerStatus(worker=source, role=role, device=device,
-                                          status="failed", detail=str(exc)[:200]))
+                                          status="stopped"))
 
     def _thread(self, name: str, role: str, device: str, fn, *args) -> threading.Thread:
         t = threading.Thread(target=self._guard, args=(name, role, device, fn, *args),
