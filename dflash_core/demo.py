@@ -1,0 +1,514 @@
+"""The embedded demo: a tiny target LM trained on the spot, and training data it generates.
+
+``builtin:tiny`` is a byte-level Qwen3 trained for about two minutes on one CPU core on the text of
+Python's own help topics (``pydoc_data.topics``, shipped with every Python). A target with random
+weights would not do: its greedy output is noise that no drafter can learn (tau stays ~1.1). This
+one writes repetitive English-like text ("the sequence types and the contained to the ..."), which
+a 2-layer drafter learns in a few hundred steps.
+
+Vocabulary (``VOCAB_SIZE`` = 258): ids 0..255 are the bytes of UTF-8 text; 256 is ``<|endoftext|>``
+(``EOS_ID``, separates help topics in the training text, also the pad id); 257 is ``<|MASK|>``
+(``MASK_ID``, the drafter's mask token; never in the text, and the last id, so
+``drafter.mask_token_id: -1`` resolves to it too).
+
+``builtin:demo`` is data made by that target: prompts are random slices of a held-out part of the
+text (the last ``HELDOUT_FRACTION`` of it, never seen in the target's training), responses are the
+target's own greedy continuation (DFlash trains on target-generated responses), with a loss mask on
+the response only.
+
+Both are built once into a cache folder (``$DFLASH_CACHE``, else ``$XDG_CACHE_HOME/dflash``, else
+``~/.cache/dflash``) under a key that names the recipe version, the corpus and the parameters, so a
+changed recipe builds anew. Builds go to a temporary folder that is renamed into place: a crash or a
+second process never leaves a half-built folder behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .config import Config, config_from_dict
+
+Progress = Callable[[float, str], None]  # progress(fraction in [0, 1], message)
+
+# Bump when anything in the recipe below changes: the cache key changes and everything rebuilds.
+DEMO_VERSION = "tiny-v1"
+
+EOS_ID = 256
+MASK_ID = 257
+VOCAB_SIZE = 258
+SPECIAL_TOKENS = {EOS_ID: "<|endoftext|>", MASK_ID: "<|MASK|>"}
+
+# The target: 4 layers trained for 600 steps beat 6 layers at the same wall-clock time on 2 cores
+# (measured: train loss ~1.3 vs ~1.6, readable words vs "the the the").
+TINY_ARCH = dict(
+    hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=32, max_position_embeddings=1024, rms_norm_eps=1e-6,
+    tie_word_embeddings=True,  # 258 x 128: the byte embedding doubles as the output layer
+)
+TRAIN_STEPS = 600
+TRAIN_BATCH = 16  # windows per step
+TRAIN_SEQ = 128  # bytes per window (the demo's prompt + response fit in it)
+TRAIN_LR = 5e-3
+TRAIN_WARMUP = 30
+# One intra-op thread, fixed: CPU results depend on the thread count (a fixed count keeps the build
+# reproducible), and for matrices this small a second OpenMP thread gains little on an idle machine
+# but makes every op 3-10x slower on a busy one (its threads spin at barriers; measured here).
+BUILD_THREADS = 1
+HELDOUT_FRACTION = 0.08
+
+# The demo data set.
+DATA_SAMPLES = 1024
+DATA_PROMPT_LEN = 64
+DATA_RESPONSE_LEN = 64
+GEN_BATCH = 64
+
+META_NAME = "dflash_demo.json"
+PROBE_TEXT = "The value of "
+
+
+# --------------------------------------------------------------------------------------------
+# Text and bytes
+# --------------------------------------------------------------------------------------------
+
+def corpus_ids() -> np.ndarray:
+    """The corpus as token ids (int64): bytes, and EOS_ID between topics."""
+    from pydoc_data.topics import topics
+
+    out: list[np.ndarray] = []
+    for k in sorted(topics):
+        out.append(np.frombuffer(topics[k].encode("utf-8"), dtype=np.uint8).astype(np.int64))
+        out.append(np.array([EOS_ID], dtype=np.int64))
+    return np.concatenate(out)
+
+
+def corpus_digest() -> str:
+    """Fingerprint of the corpus: another Python version ships other help text."""
+    return hashlib.sha256(corpus_ids().tobytes()).hexdigest()[:12]
+
+
+def split_corpus(ids: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(train, heldout): the last HELDOUT_FRACTION of the corpus is never trained on."""
+    ids = corpus_ids() if ids is None else ids
+    cut = int(len(ids) * (1 - HELDOUT_FRACTION))
+    return ids[:cut], ids[cut:]
+
+
+def encode(text: str) -> list[int]:
+    return list(text.encode("utf-8"))
+
+
+def decode(ids) -> str:
+    """Byte ids back to text; special ids shown by name, invalid UTF-8 replaced."""
+    out, buf = [], bytearray()
+    for i in (int(t) for t in ids):
+        if i < 256:
+            buf.append(i)
+            continue
+        out.append(buf.decode("utf-8", "replace"))
+        buf = bytearray()
+        out.append(SPECIAL_TOKENS.get(i, f"<|{i}|>"))
+    out.append(buf.decode("utf-8", "replace"))
+    return "".join(out)
+
+
+# --------------------------------------------------------------------------------------------
+# Small helpers
+# --------------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def _quiet_hf() -> Iterator[None]:
+    """No transformers progress bars while saving / loading: they would write behind the
+    dashboard's back."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """Run with ``n`` intra-op threads, restoring the previous count after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, n))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _report(progress: Progress | None, fraction: float, message: str) -> None:
+    if progress is not None:
+        progress(min(1.0, max(0.0, fraction)), message)
+
+
+def _sub(progress: Progress | None, lo: float, hi: float) -> Progress | None:
+    """A progress callback mapping [0, 1] onto [lo, hi] of ``progress``."""
+    if progress is None:
+        return None
+    return lambda f, msg: progress(lo + (hi - lo) * f, msg)
+
+
+def _tiny_config():
+    from transformers import Qwen3Config
+
+    return Qwen3Config(vocab_size=VOCAB_SIZE, eos_token_id=EOS_ID, pad_token_id=EOS_ID,
+                       bos_token_id=None, attn_implementation="sdpa", **TINY_ARCH)
+
+
+# --------------------------------------------------------------------------------------------
+# The target
+# --------------------------------------------------------------------------------------------
+
+def build_tiny_target(folder: str | Path, progress: Progress | None = None, seed: int = 0,
+                      steps: int = TRAIN_STEPS, threads: int = BUILD_THREADS) -> Path:
+    """Train the tiny byte-level target and save it as an ordinary HF folder (safetensors), plus
+    ``dflash_demo.json`` (ids, recipe, final loss). Deterministic for a seed and thread count; the
+    global RNG state of the caller is left untouched. About 2 minutes on one core."""
+    from transformers import Qwen3ForCausalLM
+
+    folder = Path(folder)
+    t0 = time.monotonic()
+    train, heldout = split_corpus()
+    data = torch.from_numpy(train)
+    _report(progress, 0.0, f"training the demo target ({steps} steps)")
+    losses: list[float] = []
+    with torch.random.fork_rng(devices=[]), torch_threads(threads):
+        torch.manual_seed(seed)
+        model = Qwen3ForCausalLM(_tiny_config())
+        model.train()
+        opt = torch.optim.AdamW(model.parameters(), lr=TRAIN_LR, betas=(0.9, 0.95),
+                                weight_decay=0.0)
+        gen = torch.Generator().manual_seed(seed)
+        offsets = torch.arange(TRAIN_SEQ + 1)
+        for step in range(steps):
+            for g in opt.param_groups:
+                g["lr"] = _lr(step, steps)
+            starts = torch.randint(0, len(data) - TRAIN_SEQ - 1, (TRAIN_BATCH, 1), generator=gen)
+            window = data[starts + offsets]
+            logits = model(input_ids=window[:, :-1]).logits
+            loss = F.cross_entropy(logits.reshape(-1, VOCAB_SIZE), window[:, 1:].reshape(-1))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            losses.append(float(loss.detach()))
+            if step % 10 == 9 or step == steps - 1:
+                _report(progress, 0.95 * (step + 1) / steps,
+                        f"demo target step {step + 1}/{steps}, loss {losses[-1]:.2f}")
+        model.eval()
+        heldout_loss = _heldout_loss(model, heldout, seed)
+        with torch.no_grad():  # recorded so a reload can be checked against the model as trained
+            probe = model(input_ids=torch.tensor([encode(PROBE_TEXT)])).logits[0, -1, :16]
+
+    folder.mkdir(parents=True, exist_ok=True)
+    with _quiet_hf():
+        model.save_pretrained(folder)
+    meta = {
+        "version": DEMO_VERSION,
+        "corpus": "pydoc_data.topics",
+        "corpus_sha256": corpus_digest(),
+        "vocab_size": VOCAB_SIZE,
+        "byte_ids": [0, 255],
+        "eos_token_id": EOS_ID,
+        "mask_token_id": MASK_ID,
+        "seed": seed,
+        "steps": steps,
+        "batch": TRAIN_BATCH,
+        "seq_len": TRAIN_SEQ,
+        "lr": TRAIN_LR,
+        "threads": threads,
+        # mean of the last 20 steps: one batch of 16 windows is a noisy estimate
+        "final_train_loss": round(float(np.mean(losses[-20:])) if losses else math.log(VOCAB_SIZE), 4),
+        "heldout_loss": round(heldout_loss, 4),
+        "build_seconds": round(time.monotonic() - t0, 1),
+        "probe_text": PROBE_TEXT,
+        "probe_logits": [float(x) for x in probe],  # first 16 logits at the probe's last position
+    }
+    (folder / META_NAME).write_text(json.dumps(meta, indent=2), encoding="utf-8")
+    _report(progress, 1.0, f"demo target ready (loss {meta['final_train_loss']:.2f})")
+    return folder
+
+
+def _lr(step: int, steps: int) -> float:
+    """Linear warmup, then cosine decay to a tenth."""
+    if step < TRAIN_WARMUP:
+        return TRAIN_LR * (step + 1) / TRAIN_WARMUP
+    p = (step - TRAIN_WARMUP) / max(1, steps - TRAIN_WARMUP)
+    return TRAIN_LR * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * p)))
+
+
+@torch.no_grad()
+def _heldout_loss(model, heldout: np.ndarray, seed: int, windows: int = 16) -> float:
+    rng = np.random.default_rng([seed, 1])
+    starts = rng.integers(0, len(heldout) - TRAIN_SEQ - 1, windows)
+    x = torch.from_numpy(np.stack([heldout[s : s + TRAIN_SEQ + 1] for s in starts]))
+    logits = model(input_ids=x[:, :-1]).logits
+    return float(F.cross_entropy(logits.reshape(-1, VOCAB_SIZE), x[:, 1:].reshape(-1)))
+
+
+def read_meta(target_folder: str | Path) -> dict:
+    """The demo target's ``dflash_demo.json``."""
+    return json.loads((Path(target_folder) / META_NAME).read_text(encoding="utf-8"))
+
+
+# --------------------------------------------------------------------------------------------
+# The cache
+# --------------------------------------------------------------------------------------------
+
+def cache_root(cache_dir: str | Path | None = None) -> Path:
+    if cache_dir is not None:
+        return Path(cache_dir).expanduser()
+    if os.environ.get("DFLASH_CACHE"):
+        return Path(os.environ["DFLASH_CACHE"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base).expanduser() / "dflash"
+
+
+@contextlib.contextmanager
+def _locked(path: Path, waiting: Callable[[], None] | None = None) -> Iterator[None]:
+    """An exclusive lock across processes (POSIX flock), so a second process waits for the first
+    build instead of repeating it. Without flock the atomic rename alone keeps things correct.
+    While it waits it calls ``waiting()`` every half second (a progress callback that may raise to
+    abort: the wait never blocks a stop request)."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as fh:
+        while True:
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if waiting is not None:
+                    waiting()
+                time.sleep(0.5)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Rename a finished build into place; if another process got there first, keep theirs."""
+    try:
+        os.rename(tmp, final)
+    except OSError:
+        if not _complete(final):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _complete(folder: Path) -> bool:
+    return (folder / META_NAME).is_file()
+
+
+def _cached_build(final: Path, build: Callable[[Path], None],
+                  progress: Progress | None = None) -> Path:
+    """``final`` if it is already there; else ``build(tmp)`` and rename tmp to ``final``."""
+    if _complete(final):
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    waiting = lambda: _report(progress, 0.0, f"waiting for another process building {final.name}")  # noqa: E731
+    with _locked(final.parent / f".{final.name}.lock", waiting):
+        if _complete(final):
+            return final
+        # Under the lock, temporary folders of this key are leftovers of a killed build.
+        for old in final.parent.glob(f".tmp-{final.name}-*"):
+            shutil.rmtree(old, ignore_errors=True)
+        tmp = final.parent / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
+        try:
+            build(tmp)
+            _publish(tmp, final)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)  # only left when the build failed
+    return final
+
+
+def tiny_target_key(seed: int = 0, steps: int = TRAIN_STEPS) -> str:
+    return f"{DEMO_VERSION}-{corpus_digest()}-s{seed}-n{steps}-t{BUILD_THREADS}"
+
+
+def ensure_tiny_target(cache_dir: str | Path | None = None, progress: Progress | None = None,
+                       *, seed: int = 0, steps: int = TRAIN_STEPS) -> Path:
+    """The cached demo target folder, built on first use."""
+    final = cache_root(cache_dir) / "targets" / tiny_target_key(seed, steps)
+    if _complete(final):
+        _report(progress, 1.0, f"demo target cached at {final}")
+        return final
+    return _cached_build(final, lambda tmp: build_tiny_target(tmp, progress, seed, steps), progress)
+
+
+def install_target(run_dir: str | Path, cache_dir: str | Path | None = None,
+                   progress: Progress | None = None) -> Path:
+    """Copy the cached demo target into ``<run_dir>/target/`` (the run folder layout other tools
+    rely on) and return that path. An up-to-date copy is kept as it is."""
+    src = ensure_tiny_target(cache_dir, progress)
+    dst = Path(run_dir) / "target"
+    if _complete(dst) and read_meta(dst) == read_meta(src):
+        return dst
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.parent / f".tmp-target-{uuid.uuid4().hex[:8]}"
+    try:
+        shutil.copytree(src, tmp)
+        if dst.exists():
+            shutil.rmtree(dst)
+        os.rename(tmp, dst)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dst
+
+
+# --------------------------------------------------------------------------------------------
+# The data
+# --------------------------------------------------------------------------------------------
+
+def _load_model(target_folder: Path):
+    from transformers import AutoModelForCausalLM
+
+    with _quiet_hf():
+        model = AutoModelForCausalLM.from_pretrained(target_folder, dtype=torch.float32,
+                                                     local_files_only=True, use_safetensors=True)
+    return model.eval()
+
+
+@torch.no_grad()
+def greedy_continue(model, prompts: torch.Tensor, n: int) -> torch.Tensor:
+    """Greedy continuation of equal-length prompts [b, P] -> [b, n], with a KV cache."""
+    out = model(input_ids=prompts, use_cache=True)
+    past = out.past_key_values
+    tok = out.logits[:, -1].argmax(-1, keepdim=True)
+    new = [tok]
+    for _ in range(n - 1):
+        out = model(input_ids=tok, past_key_values=past, use_cache=True)
+        past = out.past_key_values
+        tok = out.logits[:, -1].argmax(-1, keepdim=True)
+        new.append(tok)
+    return torch.cat(new, dim=1)
+
+
+def demo_prompts(n: int, prompt_len: int, seed: int) -> np.ndarray:
+    """[n, prompt_len] seeded random slices of the held-out text."""
+    _, heldout = split_corpus()
+    rng = np.random.default_rng([seed, 2])
+    starts = rng.integers(0, len(heldout) - prompt_len, n)
+    return np.stack([heldout[s : s + prompt_len] for s in starts])
+
+
+def make_demo_data(target_folder: str | Path, out_folder: str | Path, n_samples: int = DATA_SAMPLES,
+                   prompt_len: int = DATA_PROMPT_LEN, response_len: int = DATA_RESPONSE_LEN,
+                   seed: int = 0, progress: Progress | None = None,
+                   threads: int = BUILD_THREADS) -> Path:
+    """Prompts from the held-out text, responses = the target's greedy continuation; written as
+    Arrow shards (datasets save_to_disk layout) with loss_mask 0 on the prompt, 1 on the response."""
+    from .data import write_shards
+
+    model = _load_model(Path(target_folder))
+    prompts = demo_prompts(n_samples, prompt_len, seed)
+    samples = []
+    _report(progress, 0.0, f"generating {n_samples} demo samples")
+    with torch_threads(threads):
+        for s in range(0, n_samples, GEN_BATCH):
+            p = torch.from_numpy(prompts[s : s + GEN_BATCH])
+            resp = greedy_continue(model, p, response_len).numpy()
+            for row_p, row_r in zip(p.numpy(), resp):
+                samples.append({"input_ids": row_p.tolist() + row_r.tolist(),
+                                "loss_mask": [0] * prompt_len + [1] * response_len})
+            _report(progress, 0.95 * min(n_samples, s + GEN_BATCH) / n_samples,
+                    f"demo data {min(n_samples, s + GEN_BATCH)}/{n_samples} samples")
+    out = Path(out_folder)
+    write_shards(samples, out, samples_per_shard=256, fmt="arrow")
+    meta = {"version": DEMO_VERSION, "target": read_meta(target_folder).get("version"),
+            "samples": n_samples, "prompt_len": prompt_len, "response_len": response_len,
+            "seed": seed}
+    (out / META_NAME).write_text(json.dumps(meta, indent=2), encoding="utf-8")
+    _report(progress, 1.0, f"demo data ready ({n_samples} samples)")
+    return out
+
+
+def _weights_digest(target_folder: Path) -> str:
+    h = hashlib.sha256()
+    for f in sorted(target_folder.glob("*.safetensors")):
+        h.update(f.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def ensure_demo_data(target_folder: str | Path, cache_dir: str | Path | None = None,
+                     progress: Progress | None = None, *, n_samples: int = DATA_SAMPLES,
+                     prompt_len: int = DATA_PROMPT_LEN, response_len: int = DATA_RESPONSE_LEN,
+                     seed: int = 0) -> Path:
+    """The cached demo data set of this target (keyed by its weights and the parameters)."""
+    target_folder = Path(target_folder)
+    key = (f"{DEMO_VERSION}-{_weights_digest(target_folder)}-n{n_samples}-p{prompt_len}"
+           f"-r{response_len}-s{seed}")
+    final = cache_root(cache_dir) / "data" / key
+    if _complete(final):
+        _report(progress, 1.0, f"demo data cached at {final}")
+        return final
+    return _cached_build(final, lambda tmp: make_demo_data(
+        target_folder, tmp, n_samples, prompt_len, response_len, seed, progress), progress)
+
+
+# --------------------------------------------------------------------------------------------
+# The demo run
+# --------------------------------------------------------------------------------------------
+
+# Features of every layer but the first: the last one carries the most about the next tokens.
+DEMO_LAYER_IDS = [1, 2, 3]
+
+
+def demo_config(output_dir: str = "runs", name: str = "demo") -> Config:
+    """A complete config for the CPU demo: a few minutes of drafter training on builtin data."""
+    return config_from_dict({
+        "run": {"name": name, "output_dir": output_dir, "seed": 0, "max_steps": 0,
+                "log_every_s": 2.0},
+        "target": {"path": "builtin:tiny", "dtype": "float32", "layer_ids": DEMO_LAYER_IDS,
+                   "attn_implementation": "sdpa"},
+        "drafter": {"num_layers": 2, "block_size": 8, "mask_token_id": MASK_ID, "num_anchors": 32,
+                    "loss_chunk": 4096, "dtype": "float32"},
+        "data": {"path": "builtin:demo", "token_budget": 2048, "max_seqs_per_batch": 16,
+                 "max_length": DATA_PROMPT_LEN + DATA_RESPONSE_LEN, "prefetch_batches": 4,
+                 "eval_prompts": 8},
+        "layout": {"device": "cpu", "targets": [0], "drafters": [0], "hs_queue": 4},
+        "optim": {"lr": 3e-3, "betas": [0.9, 0.95], "warmup_frac": 0.05, "min_lr_frac": 0.1,
+                  "grad_clip": 1.0, "epochs": 10},
+        "checkpoint": {"every": 200, "keep": 2, "on_abort": True},
+        "eval": {"every": 100, "max_new_tokens": 64, "prompt_tokens": DATA_PROMPT_LEN},
+        "telemetry": {"interval_s": 1.0},
+    })
+
+
+def prepare_demo(cfg: Config, progress: Progress | None = None) -> tuple[Path, Path]:
+    """Resolve ``builtin:`` paths of a config: (target folder, data folder). The demo target is
+    installed into the run folder; other paths are returned as they are."""
+    builtin_target = cfg.target.path == "builtin:tiny"
+    if builtin_target:
+        target = install_target(cfg.run_dir, progress=_sub(progress, 0.0, 0.85))
+    else:
+        target = Path(cfg.target.path).expanduser()
+    if cfg.data.path == "builtin:demo":
+        data = ensure_demo_data(target, progress=_sub(progress, 0.85, 1.0))
+    else:
+        data = Path(cfg.data.path).expanduser()
+    _report(progress, 1.0, "demo ready")
+    return target, data

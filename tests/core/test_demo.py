@@ -1,0 +1,284 @@
+"""The embedded demo: its target is a real (if tiny) language model, its data is that model's own
+greedy output, and a 2-layer drafter learns it quickly enough for a CPU demo."""
+
+import json
+import math
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from dflash_core import demo
+from dflash_core.config import config_from_dict
+from dflash_core.data import BatchStream, ShardedDataset, split_eval
+from dflash_core.drafter import DFlashDrafter, build_drafter_config
+from dflash_core.evaluate import evaluate_tau, hf_target_fn, plain_greedy, target_fn_for
+from dflash_core.target import load_target
+from dflash_core.trainer import make_replicas, reduce_and_step
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # These matrices are tiny: a second OpenMP thread gains little, and on a busy machine it makes
+    # every op several times slower (threads spin at barriers).
+    with demo.torch_threads(1):
+        yield
+
+
+def _printable_share(text: str) -> float:
+    ok = sum(1 for c in text if c.isascii() and (c.isprintable() or c in "\n\t"))
+    return ok / max(1, len(text))
+
+
+# --------------------------------------------------------------------------------------------
+# The target
+# --------------------------------------------------------------------------------------------
+
+def test_target_is_an_ordinary_hf_folder(demo_target):
+    """Reloads with plain transformers and gives the logits the trained model gave."""
+    meta = demo.read_meta(demo_target)
+    assert (demo_target / "config.json").is_file() and (demo_target / "model.safetensors").is_file()
+    model = AutoModelForCausalLM.from_pretrained(demo_target, dtype=torch.float32).eval()
+    assert model.config.vocab_size == demo.VOCAB_SIZE == meta["vocab_size"]
+    assert meta["mask_token_id"] == demo.MASK_ID == demo.VOCAB_SIZE - 1
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([demo.encode(meta["probe_text"])])).logits
+    assert torch.allclose(logits[0, -1, :16], torch.tensor(meta["probe_logits"]), atol=1e-4)
+    # The engine's loader takes it too (tied embeddings count as present, not missing).
+    target = load_target(demo_target, dtype="float32")
+    assert target.num_layers == demo.TINY_ARCH["num_hidden_layers"]
+    assert max(demo.DEMO_LAYER_IDS) < target.num_layers
+
+
+def test_target_writes_text_not_noise(demo_target):
+    meta = demo.read_meta(demo_target)
+    # ln(258) = 5.55 for a uniform guess; the demo target sits far below it, on unseen text too.
+    assert meta["final_train_loss"] < 2.0 < math.log(demo.VOCAB_SIZE)
+    assert meta["heldout_loss"] < 2.2
+    model = AutoModelForCausalLM.from_pretrained(demo_target, dtype=torch.float32).eval()
+    fn = hf_target_fn(model, [0])
+    with torch.no_grad():
+        out = demo.decode(plain_greedy(fn, demo.encode("The value of the "), 80))
+    assert _printable_share(out) > 0.95, out
+    assert sum(c.isalpha() for c in out) > 40, out  # words, not punctuation runs
+    assert " " in out
+
+
+def test_build_is_deterministic_for_a_seed(tmp_path):
+    """Two builds with the same seed give the same bytes; another seed gives other weights."""
+    a = demo.build_tiny_target(tmp_path / "a", seed=3, steps=2)
+    b = demo.build_tiny_target(tmp_path / "b", seed=3, steps=2)
+    c = demo.build_tiny_target(tmp_path / "c", seed=4, steps=2)
+    weights = lambda p: (p / "model.safetensors").read_bytes()  # noqa: E731
+    assert weights(a) == weights(b)
+    assert weights(a) != weights(c)
+    assert (a / "config.json").read_text() == (b / "config.json").read_text()
+    ma, mb = demo.read_meta(a), demo.read_meta(b)
+    for m in (ma, mb):
+        m.pop("build_seconds")
+    assert ma == mb and ma["seed"] == 3 and ma["steps"] == 2
+
+
+def test_progress_is_reported_in_order(tmp_path):
+    seen = []
+    demo.build_tiny_target(tmp_path / "t", progress=lambda f, msg: seen.append((f, msg)), steps=10)
+    fractions = [f for f, _ in seen]
+    assert fractions == sorted(fractions) and fractions[0] == 0.0 and fractions[-1] == 1.0
+    assert all(isinstance(m, str) and m for _, m in seen)
+    assert len(seen) >= 3
+
+
+# --------------------------------------------------------------------------------------------
+# The cache
+# --------------------------------------------------------------------------------------------
+
+def test_cache_root_follows_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "x"))
+    assert demo.cache_root() == tmp_path / "x"
+    monkeypatch.delenv("DFLASH_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert demo.cache_root() == tmp_path / "xdg" / "dflash"
+    assert demo.cache_root(tmp_path / "given") == tmp_path / "given"
+
+
+def test_cached_target_is_reused_and_keyed_by_version(demo_target, dflash_cache, monkeypatch):
+    t = time.monotonic()
+    assert demo.ensure_tiny_target(dflash_cache) == demo_target
+    assert time.monotonic() - t < 2.0  # no rebuild
+    assert demo.DEMO_VERSION in demo_target.name
+    monkeypatch.setattr(demo, "DEMO_VERSION", "tiny-v0-test")
+    assert demo.tiny_target_key() != demo_target.name
+
+
+def test_failed_build_leaves_nothing(tmp_path):
+    final = tmp_path / "cache" / "thing"
+
+    def build(tmp):
+        tmp.mkdir()
+        (tmp / "half").write_text("x")
+        raise RuntimeError("killed mid-build")
+
+    with pytest.raises(RuntimeError):
+        demo._cached_build(final, build)
+    assert not final.exists()
+    assert [p.name for p in final.parent.iterdir() if not p.name.endswith(".lock")] == []
+
+
+def test_racing_builds_build_once(tmp_path):
+    final = tmp_path / "cache" / "thing"
+    calls = []
+
+    def build(tmp):
+        calls.append(1)
+        tmp.mkdir()
+        time.sleep(0.3)
+        (tmp / demo.META_NAME).write_text("{}")
+
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(demo._cached_build(final, build)))
+               for _ in range(3)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert results == [final] * 3 and len(calls) == 1
+    assert (final / demo.META_NAME).is_file()
+    assert not list(final.parent.glob(".tmp-*"))
+
+
+def test_waiting_for_another_build_can_be_aborted(tmp_path):
+    """A build waits for the lock holder, reporting progress; a progress callback that raises (the
+    engine's stop request) ends the wait."""
+    final = tmp_path / "cache" / "thing"
+    final.parent.mkdir(parents=True)
+
+    class Stop(Exception):
+        pass
+
+    def stop(fraction, message):
+        assert "waiting" in message
+        raise Stop
+
+    with demo._locked(final.parent / f".{final.name}.lock"):  # another builder holds it
+        with pytest.raises(Stop):
+            demo._cached_build(final, lambda tmp: pytest.fail("must not build"), stop)
+    assert not final.exists()
+
+
+def test_install_target_copies_into_the_run_folder(demo_target, dflash_cache, tmp_path):
+    run_dir = tmp_path / "runs" / "demo"
+    dst = demo.install_target(run_dir, dflash_cache)
+    assert dst == run_dir / "target"
+    assert (dst / "model.safetensors").read_bytes() == (demo_target / "model.safetensors").read_bytes()
+    assert demo.read_meta(dst) == demo.read_meta(demo_target)
+    assert demo.install_target(run_dir, dflash_cache) == dst  # idempotent
+    assert sorted(p.name for p in run_dir.iterdir()) == ["target"]
+
+
+# --------------------------------------------------------------------------------------------
+# The data
+# --------------------------------------------------------------------------------------------
+
+def test_demo_data_is_the_targets_greedy_output(demo_target, demo_data):
+    ds = ShardedDataset.open(demo_data)
+    assert len(ds) == demo.DATA_SAMPLES and ds.has_loss_mask
+    P, R = demo.DATA_PROMPT_LEN, demo.DATA_RESPONSE_LEN
+    assert set(ds.lengths.tolist()) == {P + R}
+    _, heldout = demo.split_corpus()
+    held = heldout.tobytes()  # int64 windows: a prompt is a contiguous run of 8-byte items
+    for i in (0, 1, len(ds) - 1):
+        ids, mask = ds.get(i)
+        assert mask.tolist() == [0] * P + [1] * R  # the loss covers the response only
+        assert ids[:P].astype(np.int64).tobytes() in held  # prompts come from held-out text
+    model = AutoModelForCausalLM.from_pretrained(demo_target, dtype=torch.float32).eval()
+    fn = hf_target_fn(model, [0])
+    ids, _ = ds.get(0)
+    ref = plain_greedy(fn, ids[:P].tolist(), R)
+    agree = np.mean(np.array(ref) == ids[P:])
+    assert agree > 0.9  # equal up to rare near-ties (cached vs full forward)
+    text = demo.decode(ids[P:])
+    assert _printable_share(text) > 0.9, text
+
+
+def test_demo_data_generation_is_fast_and_cached(demo_target, tmp_path):
+    t = time.monotonic()
+    out = demo.ensure_demo_data(demo_target, tmp_path, n_samples=64, seed=5)
+    seconds = time.monotonic() - t
+    assert seconds < 30
+    assert len(ShardedDataset.open(out)) == 64
+    assert demo.ensure_demo_data(demo_target, tmp_path, n_samples=64, seed=5) == out
+    assert demo.ensure_demo_data(demo_target, tmp_path, n_samples=64, seed=6) != out
+
+
+def test_demo_config_and_prepare(demo_target, demo_data, tmp_path):
+    cfg = demo.demo_config(output_dir=str(tmp_path / "runs"), name="d")
+    assert config_from_dict(cfg.to_dict()).to_dict() == cfg.to_dict()  # valid, strict
+    assert cfg.target.path == "builtin:tiny" and cfg.data.path == "builtin:demo"
+    assert cfg.layout.device == "cpu" and cfg.target.dtype == "float32"
+    assert cfg.drafter.mask_token_id == demo.read_meta(demo_target)["mask_token_id"]
+    assert cfg.data.max_length >= demo.DATA_PROMPT_LEN + demo.DATA_RESPONSE_LEN
+    target, data = demo.prepare_demo(cfg)  # DFLASH_CACHE points at the session's cache
+    assert target == cfg.run_dir / "target" and (target / "config.json").is_file()
+    assert data == demo_data
+
+
+# --------------------------------------------------------------------------------------------
+# The point of it all: a drafter learns this target fast
+# --------------------------------------------------------------------------------------------
+
+TRAIN_STEPS = 200
+EVAL_PROMPTS = 16
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_drafter_learns_the_demo_target(demo_target, demo_data):
+    """A 2-layer drafter trained with the demo config's recipe: the loss falls and exact tau on
+    held-out prompts climbs from ~1 to well above 2."""
+    cfg = demo.demo_config()
+    target = load_target(demo_target, dtype="float32")
+    layers = cfg.target.layer_ids
+    ds = ShardedDataset.open(demo_data)
+    _, held = split_eval(len(ds), EVAL_PROMPTS, cfg.run.seed)
+    stream = BatchStream.from_config(ds, cfg.data, seed=cfg.run.seed, epochs=cfg.optim.epochs,
+                                     exclude=held)
+    d = cfg.drafter
+    dcfg = build_drafter_config(target.model.config, num_layers=d.num_layers,
+                                target_layer_ids=layers, block_size=d.block_size,
+                                mask_token_id=d.mask_token_id)
+    torch.manual_seed(cfg.run.seed)
+    (rep,) = make_replicas(DFlashDrafter(dcfg), [torch.device("cpu")], cfg, target.embed_tokens,
+                           target.lm_head)
+    prompts = [ds.get(int(i))[0][: cfg.eval.prompt_tokens].tolist() for i in held]
+    fn = target_fn_for(target, layers)
+
+    def tau():
+        rep.drafter.eval()
+        try:
+            return evaluate_tau(fn, rep.drafter, prompts, cfg.eval.max_new_tokens, layers)
+        finally:
+            rep.drafter.train()
+
+    before = tau()
+    losses = []
+    t0 = time.monotonic()
+    batches = stream.iter_batches()
+    for step in range(TRAIN_STEPS):
+        batch = next(batches)
+        rep.accumulate(batch, target.features(batch.input_ids, batch.attention_mask, layers),
+                       cfg.run.seed)
+        losses.append(reduce_and_step([rep], step, TRAIN_STEPS).loss)
+    train_s = time.monotonic() - t0
+    after = tau()
+    print(f"\ndemo drafter: loss first-10 {np.mean(losses[:10]):.3f} -> last-50 "
+          f"{np.mean(losses[-50:]):.3f}; tau {before.tau:.2f} -> {after.tau:.2f} "
+          f"(hist {after.acceptance}); {TRAIN_STEPS} steps in {train_s:.0f} s")
+    assert before.tau < 1.2  # an untrained drafter guesses nothing
+    assert all(math.isfinite(x) for x in losses)
+    assert np.mean(losses[-50:]) < 0.7 * np.mean(losses[:10])
+    assert np.mean(losses[-50:]) < 1.5
+    assert after.tau >= 2.0
+    assert after.tokens == before.tokens == EVAL_PROMPTS * cfg.eval.max_new_tokens
