@@ -1,0 +1,72 @@
+"""End to end in a real terminal: `dflash-tui --demo` inside tmux, as an operator runs it."""
+
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.skipif(shutil.which("tmux") is None,
+                                reason="tmux not installed (.ci/run installs it)")
+
+SESSION = "dflash-e2e"
+
+
+def tmux(*args: str) -> str:
+    return subprocess.run(["tmux", *args], check=True, capture_output=True, text=True).stdout
+
+
+def screen() -> str:
+    return tmux("capture-pane", "-p", "-t", SESSION)
+
+
+def wait_for(pattern: str, timeout: float) -> re.Match:
+    deadline = time.monotonic() + timeout
+    text = ""
+    while time.monotonic() < deadline:
+        text = screen()
+        m = re.search(pattern, text)
+        if m:
+            return m
+        time.sleep(0.5)
+    raise AssertionError(f"{pattern!r} not on screen after {timeout} s; screen:\n{text}")
+
+
+@pytest.fixture
+def shell(tmp_path: Path, demo_data, dflash_cache):
+    """A tmux session running a shell, 120x40, whose environment finds the cached demo assets."""
+    subprocess.run(["tmux", "kill-session", "-t", SESSION], capture_output=True)
+    env_cmd = f"export DFLASH_CACHE={dflash_cache} TERM=xterm-256color; cd {tmp_path}"
+    tmux("new-session", "-d", "-s", SESSION, "-x", "120", "-y", "40", "bash", "--norc")
+    tmux("send-keys", "-t", SESSION, env_cmd, "Enter")
+    yield tmp_path
+    subprocess.run(["tmux", "kill-session", "-t", SESSION], capture_output=True)
+
+
+def test_demo_trains_aborts_and_quits_cleanly(shell: Path):
+    cli = f"{sys.executable} -m dflash_tui.cli --demo --output-dir runs --max-steps 2000"
+    tmux("send-keys", "-t", SESSION, f"{cli}; echo EXIT=$?", "Enter")
+    wait_for(r"TRAINING", timeout=240)
+    first = wait_for(r"loss (\d+\.\d+)", timeout=60).group(1)
+    deadline = time.monotonic() + 60
+    second = first
+    while second == first and time.monotonic() < deadline:
+        time.sleep(2)
+        second = wait_for(r"loss (\d+\.\d+)", timeout=10).group(1)
+    assert second != first, "the loss on screen did not change while training"
+
+    tmux("send-keys", "-t", SESSION, "a")
+    wait_for(r"Yes \(y\)", timeout=10)
+    tmux("send-keys", "-t", SESSION, "y")
+    wait_for(r"ABORTED", timeout=30)
+    assert list((shell / "runs" / "demo" / "checkpoints").glob("step-*")), "no abort checkpoint"
+
+    tmux("send-keys", "-t", SESSION, "q")
+    wait_for(r"EXIT=0", timeout=30)
+    # The shell is usable again: it runs a command and the screen is not left in the app.
+    tmux("send-keys", "-t", SESSION, "echo SHELL_OK_$((6*7))", "Enter")
+    wait_for(r"SHELL_OK_42", timeout=10)
+    assert "TRAINING" not in screen() and "ABORTED" not in screen()
