@@ -236,7 +236,7 @@ def build_tiny_target(folder: str | Path, progress: Progress | None = None, seed
         "lr": TRAIN_LR,
         "threads": threads,
         # mean of the last 20 steps: one batch of 16 windows is a noisy estimate
-        "final_train_loss": round(float(np.mean(losses[-20:])) if losses else math.log(VOCAB_SIZE), 4),
+        "final_train_loss": round(float(np.mean(losses[-20:])), 4) if losses else None,
         "heldout_loss": round(heldout_loss, 4),
         "build_seconds": round(time.monotonic() - t0, 1),
         "probe_text": PROBE_TEXT,
@@ -329,7 +329,10 @@ def _cached_build(final: Path, build: Callable[[Path], None],
     if _complete(final):
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
-    waiting = lambda: _report(progress, 0.0, f"waiting for another process building {final.name}")  # noqa: E731
+
+    def waiting() -> None:
+        _report(progress, 0.0, f"waiting for another process building {final.name}")
+
     with _locked(final.parent / f".{final.name}.lock", waiting):
         if _complete(final):
             return final
@@ -420,7 +423,7 @@ def make_demo_data(target_folder: str | Path, out_folder: str | Path, n_samples:
                    seed: int = 0, progress: Progress | None = None,
                    threads: int = BUILD_THREADS) -> Path:
     """Prompts from the held-out text, responses = the target's greedy continuation; written as
-    Arrow shards (datasets save_to_disk layout) with loss_mask 0 on the prompt, 1 on the response."""
+    Arrow shards (datasets save_to_disk layout), loss_mask 0 on the prompt and 1 on the response."""
     from .data import write_shards
 
     model = _load_model(Path(target_folder))
@@ -490,8 +493,8 @@ def demo_config(output_dir: str = "runs", name: str = "demo") -> Config:
                  "max_length": DATA_PROMPT_LEN + DATA_RESPONSE_LEN, "prefetch_batches": 4,
                  "eval_prompts": 8},
         "layout": {"device": "cpu", "targets": [0], "drafters": [0], "hs_queue": 4},
-        "optim": {"lr": 3e-3, "betas": [0.9, 0.95], "warmup_frac": 0.05, "min_lr_frac": 0.1,
-                  "grad_clip": 1.0, "epochs": 10},
+        "optim": {"lr": 6e-3, "betas": [0.9, 0.95], "warmup_frac": 0.05, "min_lr_frac": 0.1,
+                  "grad_clip": 1.0, "epochs": 8},
         "checkpoint": {"every": 200, "keep": 2, "on_abort": True},
         "eval": {"every": 100, "max_new_tokens": 64, "prompt_tokens": DATA_PROMPT_LEN},
         "telemetry": {"interval_s": 1.0},

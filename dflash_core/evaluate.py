@@ -1,9 +1,9 @@
 """Exact greedy speculative decoding, and the acceptance length tau it measures (DFLASH.md).
 
 A round: the drafter proposes B-1 tokens after the last accepted token from the target features of
-the accepted context; ONE target forward over context + block verifies them; the longest prefix equal
-to the target's own argmax is accepted and the target's next argmax (the "bonus" token) is appended.
-The output is therefore exactly the target's greedy decoding, whatever the drafter proposes
+the accepted context; ONE target forward over context + block verifies them; the longest prefix
+equal to the target's own argmax is accepted and the target's next argmax (the "bonus" token) is
+appended. The output is exactly the target's greedy decoding, whatever the drafter proposes
 (lossless), and tau = mean(accepted + 1) per round.
 
 Every target call here is a full forward over the whole sequence, without a cache. That costs
@@ -91,10 +91,11 @@ def speculative_generate(target_fn: TargetFn, drafter: Drafter | None,
                          *, eos_token_id: int | None = None, device="cpu") -> GenResult:
     """Greedy speculative decoding of ``max_new_tokens`` after ``prompt_ids``.
 
-    ``block_size`` defaults to the drafter's; a smaller one drafts fewer tokens per round; 1 is plain
-    decoding (the drafter is never called; every round accepts 0). ``layer_ids``, when given, must be
-    the layers the drafter was trained on (``target_fn`` must return their features). Decoding stops
-    after ``eos_token_id`` when given. ``device`` is where input ids are built for ``target_fn``.
+    ``block_size`` defaults to the drafter's; a smaller one drafts fewer tokens per round; 1 is
+    plain decoding (the drafter is never called; every round accepts 0). ``layer_ids``, when given,
+    must be the layers the drafter was trained on (``target_fn`` must return their features).
+    Decoding stops after ``eos_token_id`` when given. ``device`` is where input ids are built for
+    ``target_fn``.
     """
     ids = _as_ids(prompt_ids)
     if not ids:
@@ -106,7 +107,8 @@ def speculative_generate(target_fn: TargetFn, drafter: Drafter | None,
         if drafter is None:
             raise ValueError("block_size > 1 needs a drafter")
         if B > drafter.block_size:
-            raise ValueError(f"block_size {B} exceeds the drafter's block size {drafter.block_size}")
+            raise ValueError(f"block_size {B} exceeds the drafter's block size "
+                             f"{drafter.block_size}")
         _check_layers(drafter, layer_ids)
     result = GenResult(tokens=[])
     if max_new_tokens <= 0:
@@ -159,7 +161,7 @@ def evaluate_tau(target_fn: TargetFn, drafter: Drafter | None,
                  prompts: Sequence[Sequence[int] | torch.Tensor], max_new_tokens: int,
                  layer_ids: Sequence[int] | None = None, block_size: int | None = None, *,
                  eos_token_id: int | None = None, device="cpu") -> EvalSummary:
-    """Exact tau over held-out prompts: the mean of (accepted + 1) over all rounds of all prompts."""
+    """Exact tau over held-out prompts: mean of (accepted + 1) over all rounds of all prompts."""
     B = block_size or (drafter.block_size if drafter is not None else 1)
     hist = [0] * B
     tokens = 0

@@ -11,7 +11,8 @@ import pytest
 def dflash_cache(request, tmp_path_factory) -> Path:
     """Where ``builtin:`` assets are cached during tests: $DFLASH_CACHE when set, else a folder in
     the pytest cache (a session temp folder with -p no:cacheprovider). Exported as DFLASH_CACHE so
-    an engine started by a test finds the same assets instead of building them in the user's home."""
+    an engine started by a test finds the same assets instead of building them in the home folder.
+    """
     env = os.environ.get("DFLASH_CACHE")
     cache = getattr(request.config, "cache", None)
     if env:

@@ -20,7 +20,7 @@ MAX_NEW = 20
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
-    # Tiny matrices: one thread is faster, and far faster on a busy 2-core machine (no OMP spinning).
+    # Tiny matrices: one thread is faster, and far faster on a busy 2-core machine (no spinning).
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
