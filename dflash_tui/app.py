@@ -34,7 +34,11 @@ from .widgets.queues import QueuesPanel
 from .widgets.targets import TargetsPanel
 from .widgets.training import TrainingPanel
 
-REFRESH_HZ = 8
+REFRESH_HZ = 5
+# Panels fed by high-rate samples redraw at most once per period; errors, log and the header's
+# state change at once. On a small machine drawing competes with training for CPU and the GIL.
+SAMPLED_PANELS = frozenset({"gpus", "targets", "queues", "training"})
+SAMPLED_PERIOD_S = 0.8  # + one drain tick (0.2 s): samples reach the screen within 1 s
 QUIET_STATES = ("idle",) + ev.TERMINAL_STATES  # quitting in these needs no confirmation
 ACTIONS = ("restart", "abort", "quit", "focus_errors", "focus_log", "help")
 
@@ -68,6 +72,8 @@ class DFlashApp(App[None]):
         self._quitting = False
         self._dropped_seen = 0
         self._broken: set[str] = set()  # panels whose drawing failed (reported once)
+        self._pending: set[str] = set()  # sampled panels changed but not yet redrawn
+        self._drawn_at: dict[str, float] = {}
 
     def compose(self) -> ComposeResult:
         yield HeaderBar(id="header")
@@ -107,6 +113,7 @@ class DFlashApp(App[None]):
     # ------------------------------------------------------------------ events in
 
     def _drain(self) -> None:
+        self._flush_due()
         batch = self.buffer.drain()
         if batch:
             self.post_message(EngineEvents(batch))
@@ -119,7 +126,18 @@ class DFlashApp(App[None]):
             self._show({"log"})
 
     def on_engine_events(self, message: EngineEvents) -> None:
-        self._show(self.state.apply_all(message.events))
+        changed = self.state.apply_all(message.events)
+        self._pending |= changed & SAMPLED_PANELS
+        self._show(changed - SAMPLED_PANELS)
+        self._flush_due()
+
+    def _flush_due(self) -> None:
+        now = time.monotonic()
+        due = {n for n in self._pending if now - self._drawn_at.get(n, 0.0) >= SAMPLED_PERIOD_S}
+        if due:
+            self._pending -= due
+            self._drawn_at.update(dict.fromkeys(due, now))
+            self._show(due)
 
     def _show(self, changed: set[str]) -> None:
         reported: set[str] = set()

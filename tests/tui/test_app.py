@@ -23,8 +23,8 @@ BIG = (160, 48)
 pytestmark = pytest.mark.anyio
 
 
-async def settle(pilot, seconds: float = 0.3) -> None:
-    """Let the ~8 Hz drain timer run and the panels redraw."""
+async def settle(pilot, seconds: float = 1.2) -> None:
+    """Let the drain timer run and the panels redraw (sampled panels within 1 s)."""
     await pilot.pause(seconds)
 
 

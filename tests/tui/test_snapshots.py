@@ -19,10 +19,10 @@ def replayed(events):
     app = DFlashApp(ReplayController(events))
 
     async def until_shown(pilot) -> None:
-        # every event folded in and drawn: the drain timer runs ~8 times a second
-        while app.state.now < events[-1].ts or len(app.buffer):
+        # every event folded in and drawn: sampled panels redraw within 1 s
+        while app.state.now < events[-1].ts or len(app.buffer) or app._pending:
             await pilot.pause(0.05)
-        await pilot.pause(0.2)
+        await pilot.pause(0.3)
 
     return app, until_shown
 
