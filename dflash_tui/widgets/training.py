@@ -3,6 +3,7 @@ above a plot of the loss history."""
 
 from __future__ import annotations
 
+import math
 from statistics import fmean
 
 from rich.text import Text
@@ -26,7 +27,8 @@ class TrainingPanel(Panel):
 
     def draw(self, s: DashboardState, width: int) -> Text:
         plot = self.query_one(Sparkline)
-        plot.data = list(s.loss_history)
+        # log scale: the first steps' loss (tens) would otherwise flatten the rest of the curve
+        plot.data = [math.log(max(x, 1e-6)) for x in s.loss_history]
         plot.display = bool(s.loss_history)
         caption = self.query_one(".caption", Static)
         st = s.step
@@ -34,7 +36,7 @@ class TrainingPanel(Panel):
             caption.update("")
             return Text(self.EMPTY, style="dim")
         hist = s.loss_history
-        caption.update(Text(f"loss over the last {len(hist)} steps: "
+        caption.update(Text(f"loss (log scale) over the last {len(hist)} steps: "
                             f"{min(hist):.3f} .. {max(hist):.3f}", style="dim"))
         ev_tau = f"{s.eval.tau:.2f} @{s.eval.step}" if s.eval else "-"
         return pack([
