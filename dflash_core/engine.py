@@ -314,6 +314,11 @@ class Engine:
         text_cfg = hf_config.get("text_config", hf_config)
         n_layers, vocab = text_cfg["num_hidden_layers"], text_cfg["vocab_size"]
         self.layer_ids = cfg.target.layer_ids or default_layer_ids(n_layers, cfg.target.num_features)
+        if len(set(self.layer_ids)) != len(self.layer_ids):
+            raise ConfigError("target.layer_ids", f"{self.layer_ids} repeats a layer: the target "
+                              f"has only {n_layers} layers for {len(self.layer_ids)} features",
+                              hint="set target.num_features lower or list distinct "
+                              "target.layer_ids")
         bad = [i for i in self.layer_ids if i >= n_layers]
         if bad:
             raise ConfigError("target.layer_ids", f"{bad} out of range: the target has {n_layers} "

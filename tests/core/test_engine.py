@@ -262,3 +262,15 @@ def test_bad_config_file_fails_then_restart_after_fixing_it_finishes(tmp_path, a
     assert [m.step for m in rec.of(StepMetrics)] == [1, 2]
     engine.shutdown()
     assert wait_no_engine_threads() == []
+
+
+def test_too_many_features_for_a_shallow_target_is_refused_at_preflight(tmp_path, assets):
+    target, data = assets  # 6 layers: 5 features spread over layers 1..3 would repeat layers
+    cfg = make_config(tmp_path, target, data, target__num_features=5)
+    engine = Engine(cfg)
+    rec = run_to_end(engine)
+    engine.shutdown()
+    (err,) = rec.of(Error)
+    assert err.kind_ == "config" and "target.layer_ids" in err.message and "repeats" in err.message
+    assert "target.num_features" in err.hint
+    assert not rec.of(LoadProgress)
