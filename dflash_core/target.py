@@ -14,13 +14,14 @@ of it, the rest (``from_pretrained`` from the page cache) about 3 s.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -282,20 +283,12 @@ class TargetModel:
         leaves the valid positions as they would be for each sequence alone.
         """
         ids = self._layer_ids(layer_ids)
-        outputs: dict[int, torch.Tensor] = {}
-        input_ids = input_ids.to(self.device)
-        if attention_mask is not None:
-            attention_mask = attention_mask.to(self.device)
-        handles = self._hooks(ids, outputs, stop_after_last=True)
-        try:
-            with torch.inference_mode():
+        with self._capture(ids, stop_after_last=True) as outputs:
+            try:
                 # The base model, not the CausalLM: the lm_head is never reached.
-                self.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-        except _StopForward:
-            pass
-        finally:
-            for h in handles:
-                h.remove()
+                self.decoder(**self._inputs(input_ids, attention_mask), use_cache=False)
+            except _StopForward:
+                pass
         # Concatenated outside inference mode: the result is an ordinary tensor, which autograd
         # may save for backward in the drafter's fc (an inference tensor could not be).
         return torch.cat([outputs[i] for i in ids], dim=-1)
@@ -305,16 +298,22 @@ class TargetModel:
                             ) -> tuple[torch.Tensor, torch.Tensor]:
         """One full forward for evaluation: the target's logits [b, S, V] and the features."""
         ids = self._layer_ids(layer_ids)
+        with self._capture(ids, stop_after_last=False) as outputs:
+            logits = self.model(**self._inputs(input_ids, attention_mask), use_cache=False).logits
+        return logits, torch.cat([outputs[i] for i in ids], dim=-1)
+
+    def _inputs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> dict:
+        mask = attention_mask.to(self.device) if attention_mask is not None else None
+        return {"input_ids": input_ids.to(self.device), "attention_mask": mask}
+
+    @contextlib.contextmanager
+    def _capture(self, ids: list[int], stop_after_last: bool) -> Iterator[dict]:
+        """Inference mode with the chosen layers hooked; yields {layer: output}."""
         outputs: dict[int, torch.Tensor] = {}
-        input_ids = input_ids.to(self.device)
-        if attention_mask is not None:
-            attention_mask = attention_mask.to(self.device)
-        handles = self._hooks(ids, outputs, stop_after_last=False)
+        handles = self._hooks(ids, outputs, stop_after_last)
         try:
             with torch.inference_mode():
-                logits = self.model(input_ids=input_ids, attention_mask=attention_mask,
-                                    use_cache=False).logits
+                yield outputs
         finally:
             for h in handles:
                 h.remove()
-        return logits, torch.cat([outputs[i] for i in ids], dim=-1)
