@@ -49,7 +49,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--shapes", default="8B,27B")
+    ap.add_argument("--shapes", default="8B,27B", help="one per call keeps each under a limit")
     args = ap.parse_args()
     print(env_line())
     S, A, B = 3072, 512, 16
@@ -78,6 +78,8 @@ def main():
             reduce_and_step([rep], s, 1000)
             torch.cuda.synchronize()
             times.append(time.perf_counter() - t)
+            # Each step as it happens: the first ones compile FlexAttention (forward and backward).
+            print(f"  {shape} step {s}: {times[-1]:.1f} s", flush=True)
         dt = sum(times[2:]) / len(times[2:])
         fl = step_flops(dc, args.samples, S, A, B, tc.vocab_size)
         n_params = sum(p.numel() for p in rep.params())
