@@ -10,10 +10,7 @@ the run to ``failed``; the process never dies and the engine waits for the next 
 from __future__ import annotations
 
 import gc
-import json
 import queue
-import re
-import shutil
 import threading
 import time
 from collections import defaultdict
@@ -25,13 +22,13 @@ from . import checkpoint as ckpt
 from .config import Config, ConfigError, load_config, save_config
 from .errors import error_event
 from .events import (
-    TERMINAL_STATES, Checkpoint, Error, EvalResult, EventBus, LoadProgress, Log, MemoryPlan,
+    TERMINAL_STATES, Checkpoint, Error, EvalResult, EventBus, LoadProgress, Log,
     QueueDepth, RunEnded, RunStarted, StateChanged, StepMetrics, TargetMetrics, WorkerStatus,
 )
+from .preflight import demo_log_progress, device_label, prepare, resolve_devices
 
 JOIN_TIMEOUT_S = 5.0
 POLL_S = 0.1  # every blocking wait is at most this long, then the stop flag is checked
-MIN_FREE_DISK = 1 << 30
 
 
 class _Stopped(Exception):
@@ -220,29 +217,7 @@ class Engine:
             cfg.run.max_steps = self.max_steps
         return cfg
 
-    def _devices(self, cfg: Config) -> tuple[list[torch.device], list[torch.device]]:
-        kind = cfg.layout.device
-        if kind == "auto":
-            kind = "cuda" if torch.cuda.is_available() else "cpu"
-        if kind == "cpu":
-            return ([torch.device("cpu")] * len(cfg.layout.targets),
-                    [torch.device("cpu")] * len(cfg.layout.drafters))
-        if not torch.cuda.is_available():
-            raise ConfigError("layout.device", "cuda requested but no CUDA device is visible",
-                              hint="set layout.device: cpu, or check CUDA_VISIBLE_DEVICES")
-        n = torch.cuda.device_count()
-        for key, ids in (("layout.targets", cfg.layout.targets),
-                         ("layout.drafters", cfg.layout.drafters)):
-            bad = [i for i in ids if not 0 <= i < n]
-            if bad:
-                raise ConfigError(key, f"GPU(s) {bad} not present; this machine has {n} "
-                                  f"(0..{n - 1})", hint=f"use GPU indices 0..{n - 1} in {key}")
-        return ([torch.device(f"cuda:{i}") for i in cfg.layout.targets],
-                [torch.device(f"cuda:{i}") for i in cfg.layout.drafters])
-
-    @staticmethod
-    def _label(dev: torch.device, i: int) -> str:
-        return f"cuda:{dev.index}" if dev.type == "cuda" else f"cpu:{i}"
+    _label = staticmethod(device_label)
 
     def _attach_sinks(self, cfg: Config, run_dir: Path) -> None:
         from .sinks.jsonl import JsonlSink
@@ -281,10 +256,6 @@ class Engine:
         # Library progress bars write to the terminal behind the dashboard's back.
         from transformers.utils import logging as hf_logging
         hf_logging.disable_progress_bar()
-        from .data import BatchStream, ShardedDataset, split_eval
-        from .target import default_layer_ids
-        from .trainer import total_steps_for
-
         cfg = self._read_config()
         self.config = cfg
         run_dir = cfg.run_dir
@@ -295,50 +266,17 @@ class Engine:
             raise ConfigError("run.output_dir", f"cannot write run folder {run_dir}: {exc}",
                               hint="set run.output_dir to a writable folder") from exc
         self._attach_sinks(cfg, run_dir)
-        tdev, ddev = self._devices(cfg)
+        tdev, ddev = resolve_devices(cfg)
         self.target_devices, self.drafter_devices = tdev, ddev
         self.bus.publish(RunStarted(
             run_name=cfg.run.name, run_dir=str(run_dir), config=cfg.to_dict(),
             targets=[self._label(d, i) for i, d in enumerate(tdev)],
             drafters=[self._label(d, i) for i, d in enumerate(ddev)]))
-        free = shutil.disk_usage(run_dir).free
-        if free < MIN_FREE_DISK:
-            raise ConfigError("run.output_dir", f"only {free / 2**30:.2f} GiB free in {run_dir}",
-                              hint="free disk space or point run.output_dir elsewhere")
-        if cfg.wandb.enabled:
-            from .sinks.wandb_sink import validate_wandb_settings
-            validate_wandb_settings(cfg.wandb.settings)
-
-        self.target_path = self._resolve_target(cfg, run_dir)
-        hf_config = json.loads((self.target_path / "config.json").read_text())
-        text_cfg = hf_config.get("text_config", hf_config)
-        n_layers, vocab = text_cfg["num_hidden_layers"], text_cfg["vocab_size"]
-        self.layer_ids = cfg.target.layer_ids or default_layer_ids(n_layers, cfg.target.num_features)
-        if len(set(self.layer_ids)) != len(self.layer_ids):
-            raise ConfigError("target.layer_ids", f"{self.layer_ids} repeats a layer: the target "
-                              f"has only {n_layers} layers for {len(self.layer_ids)} features",
-                              hint="set target.num_features lower or list distinct "
-                              "target.layer_ids")
-        bad = [i for i in self.layer_ids if i >= n_layers]
-        if bad:
-            raise ConfigError("target.layer_ids", f"{bad} out of range: the target has {n_layers} "
-                              f"layers (0..{n_layers - 1})", hint="fix target.layer_ids or leave it empty")
-        self.mask_id = cfg.drafter.mask_token_id if cfg.drafter.mask_token_id >= 0 else vocab - 1
-        if self.mask_id >= vocab:
-            raise ConfigError("drafter.mask_token_id", f"{self.mask_id} >= vocab size {vocab}",
-                              hint="use an id inside the target vocabulary")
-
-        data_path = self._resolve_data(cfg, run_dir)
-        self.dataset = ShardedDataset.open(data_path)
-        n_eval = min(cfg.data.eval_prompts, max(0, len(self.dataset) - 1))
-        _, self.eval_indices = split_eval(len(self.dataset), n_eval, cfg.run.seed)
-        self.stream = BatchStream.from_config(self.dataset, cfg.data, seed=cfg.run.seed,
-                                              epochs=cfg.optim.epochs, exclude=self.eval_indices)
-        if self.stream.batches_per_epoch == 0:
-            raise ConfigError("data.path", f"no trainable batch in {data_path}",
-                              hint="the data needs samples of 2+ tokens")
-        self.total_steps = total_steps_for(cfg, self.stream.batches_per_epoch, len(ddev))
-        self._plan_memory(cfg, hf_config, tdev, ddev)
+        prep = prepare(cfg, run_dir, tdev, ddev, publish=self.bus.publish,
+                       demo_progress=demo_log_progress(self.bus.publish, self._check_stop))
+        self.target_path, self.layer_ids, self.mask_id = prep.target_path, prep.layer_ids, prep.mask_id
+        self.dataset, self.eval_indices, self.stream = prep.dataset, prep.eval_indices, prep.stream
+        self.total_steps = prep.total_steps
 
         self.resume_state = None
         if self.resume:
@@ -348,54 +286,9 @@ class Engine:
                 self.bus.publish(Log(level="info", source="engine",
                                      message=f"resuming from {latest} (step {self.resume_state.step})"))
 
-    def _resolve_target(self, cfg: Config, run_dir: Path) -> Path:
-        if cfg.target.path == "builtin:tiny":
-            from . import demo
-            demo.ensure_tiny_target(progress=self._demo_progress("demo target"))
-            return demo.install_target(run_dir)
-        path = Path(cfg.target.path).expanduser()
-        if not (path / "config.json").is_file():
-            raise ConfigError("target.path", f"{path} is not a model folder (no config.json)",
-                              hint="set target.path to a local folder with config.json and "
-                              "*.safetensors")
-        return path
-
-    def _resolve_data(self, cfg: Config, run_dir: Path) -> Path:
-        if cfg.data.path == "builtin:demo":
-            from . import demo
-            return demo.ensure_demo_data(self.target_path, progress=self._demo_progress("demo data"))
-        return Path(cfg.data.path).expanduser()
-
-    def _demo_progress(self, what: str):
-        last = [-1.0]
-
-        def report(fraction: float, message: str = "") -> None:
-            if self._stop.is_set():
-                raise _Stopped()
-            if fraction - last[0] >= 0.1 or fraction >= 1.0:
-                last[0] = fraction
-                self.bus.publish(Log(level="info", source="demo",
-                                     message=f"{what}: {fraction:.0%} {message}".rstrip()))
-        return report
-
-    def _plan_memory(self, cfg, hf_config, tdev, ddev) -> None:
-        try:
-            from .memory import format_plan, plan_memory
-        except ImportError:
-            return
-        free, total = {}, {}
-        for d in set(tdev) | set(ddev):
-            if d.type == "cuda":
-                f, t = torch.cuda.mem_get_info(d)
-                free[f"cuda:{d.index}"], total[f"cuda:{d.index}"] = f, t
-        plan = plan_memory(cfg, hf_config, free or None, total or None)
-        self.bus.publish(MemoryPlan(rows=plan.to_event_rows(), fits=plan.fits))
-        if not plan.fits:
-            hint = "; ".join(plan.hints) or ("lower data.token_budget or "
-                                             "drafter.micro_block_tokens, or use more GPUs")
-            named = re.search(r"lower ([a-z_]+\.[a-z_]+)", hint)
-            key = named.group(1) if named else "data.token_budget"
-            raise ConfigError(key, "the memory plan does not fit:\n" + format_plan(plan), hint=hint)
+    def _check_stop(self) -> None:
+        if self._stop.is_set():
+            raise _Stopped()
 
     # -- loading -------------------------------------------------------------------------------
     def _load(self) -> None:
@@ -585,7 +478,6 @@ class Engine:
     def _train(self) -> None:
         from .trainer import RateMeter, StepBarrier
 
-        cfg = self.config
         self._set_state("warmup")
         self._replicas = self._build_replicas()
         self._barrier = StepBarrier(len(self._replicas), self._stop)

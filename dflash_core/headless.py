@@ -12,7 +12,7 @@ import threading
 import time
 
 from .engine import Engine
-from .events import TERMINAL_STATES, Error, Event, RunEnded, RunStarted, StepMetrics
+from .events import Event, RunEnded, RunStarted, StepMetrics
 from .sinks.textlog import format_event
 
 EXIT_CODES = {"finished": 0, "failed": 1, "aborted": 130}

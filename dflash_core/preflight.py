@@ -1,0 +1,170 @@
+"""Preflight: everything that can be checked before tens of GB of weights load.
+
+Devices, disk space, wandb settings against the installed wandb, the target folder and its layer
+ids and mask id, the data shards and their batch plan, and the memory plan per GPU. Any problem is
+a ConfigError / DataError naming the key or file and the fix, raised before a single weight loads.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from .config import Config, ConfigError
+from .events import Event, Log, MemoryPlan
+
+MIN_FREE_DISK = 1 << 30  # below this a checkpoint may not fit: refuse rather than fail later
+
+Progress = Callable[[float, str], None]
+
+
+def resolve_devices(cfg: Config) -> tuple[list[torch.device], list[torch.device]]:
+    """Target and drafter devices; on CPU every worker is a logical one on the same device."""
+    kind = cfg.layout.device
+    if kind == "auto":
+        kind = "cuda" if torch.cuda.is_available() else "cpu"
+    if kind == "cpu":
+        return ([torch.device("cpu")] * len(cfg.layout.targets),
+                [torch.device("cpu")] * len(cfg.layout.drafters))
+    if not torch.cuda.is_available():
+        raise ConfigError("layout.device", "cuda requested but no CUDA device is visible",
+                          hint="set layout.device: cpu, or check CUDA_VISIBLE_DEVICES")
+    n = torch.cuda.device_count()
+    for key, ids in (("layout.targets", cfg.layout.targets),
+                     ("layout.drafters", cfg.layout.drafters)):
+        bad = [i for i in ids if not 0 <= i < n]
+        if bad:
+            raise ConfigError(key, f"GPU(s) {bad} not present; this machine has {n} "
+                              f"(0..{n - 1})", hint=f"use GPU indices 0..{n - 1} in {key}")
+    return ([torch.device(f"cuda:{i}") for i in cfg.layout.targets],
+            [torch.device(f"cuda:{i}") for i in cfg.layout.drafters])
+
+
+def device_label(dev: torch.device, i: int) -> str:
+    return f"cuda:{dev.index}" if dev.type == "cuda" else f"cpu:{i}"
+
+
+@dataclass
+class Prepared:
+    """What preflight found, for the run to use."""
+
+    target_path: Path
+    layer_ids: list[int]
+    mask_id: int
+    dataset: Any  # data.ShardedDataset
+    eval_indices: np.ndarray
+    stream: Any  # data.BatchStream
+    total_steps: int
+
+
+def prepare(cfg: Config, run_dir: Path, tdev: list[torch.device], ddev: list[torch.device], *,
+            publish: Callable[[Event], None], demo_progress: Callable[[str], Progress]) -> Prepared:
+    from .data import BatchStream, ShardedDataset, split_eval
+    from .trainer import total_steps_for
+
+    free = shutil.disk_usage(run_dir).free
+    if free < MIN_FREE_DISK:
+        raise ConfigError("run.output_dir", f"only {free / 2**30:.2f} GiB free in {run_dir}",
+                          hint="free disk space or point run.output_dir elsewhere")
+    if cfg.wandb.enabled:
+        from .sinks.wandb_sink import validate_wandb_settings
+        validate_wandb_settings(cfg.wandb.settings)
+
+    target_path = _resolve_target(cfg, run_dir, demo_progress)
+    hf_config = json.loads((target_path / "config.json").read_text())
+    layer_ids, mask_id = _check_target(cfg, hf_config)
+
+    data_path = _resolve_data(cfg, target_path, demo_progress)
+    dataset = ShardedDataset.open(data_path)
+    n_eval = min(cfg.data.eval_prompts, max(0, len(dataset) - 1))
+    _, eval_indices = split_eval(len(dataset), n_eval, cfg.run.seed)
+    stream = BatchStream.from_config(dataset, cfg.data, seed=cfg.run.seed,
+                                     epochs=cfg.optim.epochs, exclude=eval_indices)
+    if stream.batches_per_epoch == 0:
+        raise ConfigError("data.path", f"no trainable batch in {data_path}",
+                          hint="the data needs samples of 2+ tokens")
+    total_steps = total_steps_for(cfg, stream.batches_per_epoch, len(ddev))
+    check_memory(cfg, hf_config, tdev, ddev, publish)
+    return Prepared(target_path, layer_ids, mask_id, dataset, eval_indices, stream, total_steps)
+
+
+def _check_target(cfg: Config, hf_config: dict) -> tuple[list[int], int]:
+    from .target import default_layer_ids
+
+    text_cfg = hf_config.get("text_config", hf_config)
+    n_layers, vocab = text_cfg["num_hidden_layers"], text_cfg["vocab_size"]
+    layer_ids = cfg.target.layer_ids or default_layer_ids(n_layers, cfg.target.num_features)
+    if len(set(layer_ids)) != len(layer_ids):
+        raise ConfigError("target.layer_ids", f"{layer_ids} repeats a layer: the target has only "
+                          f"{n_layers} layers for {len(layer_ids)} features",
+                          hint="set target.num_features lower or list distinct target.layer_ids")
+    bad = [i for i in layer_ids if i >= n_layers]
+    if bad:
+        raise ConfigError("target.layer_ids", f"{bad} out of range: the target has {n_layers} "
+                          f"layers (0..{n_layers - 1})", hint="fix target.layer_ids or leave it empty")
+    mask_id = cfg.drafter.mask_token_id if cfg.drafter.mask_token_id >= 0 else vocab - 1
+    if mask_id >= vocab:
+        raise ConfigError("drafter.mask_token_id", f"{mask_id} >= vocab size {vocab}",
+                          hint="use an id inside the target vocabulary")
+    return layer_ids, mask_id
+
+
+def _resolve_target(cfg: Config, run_dir: Path, demo_progress) -> Path:
+    if cfg.target.path == "builtin:tiny":
+        from . import demo
+        demo.ensure_tiny_target(progress=demo_progress("demo target"))
+        return demo.install_target(run_dir)
+    path = Path(cfg.target.path).expanduser()
+    if not (path / "config.json").is_file():
+        raise ConfigError("target.path", f"{path} is not a model folder (no config.json)",
+                          hint="set target.path to a local folder with config.json and "
+                          "*.safetensors")
+    return path
+
+
+def _resolve_data(cfg: Config, target_path: Path, demo_progress) -> Path:
+    if cfg.data.path == "builtin:demo":
+        from . import demo
+        return demo.ensure_demo_data(target_path, progress=demo_progress("demo data"))
+    return Path(cfg.data.path).expanduser()
+
+
+def check_memory(cfg: Config, hf_config: dict, tdev, ddev, publish) -> None:
+    """Publish the memory plan; refuse a run that cannot fit, naming the key the plan picks."""
+    from .memory import format_plan, plan_memory
+
+    free, total = {}, {}
+    for d in set(tdev) | set(ddev):
+        if d.type == "cuda":
+            f, t = torch.cuda.mem_get_info(d)
+            free[f"cuda:{d.index}"], total[f"cuda:{d.index}"] = f, t
+    plan = plan_memory(cfg, hf_config, free or None, total or None)
+    publish(MemoryPlan(rows=plan.to_event_rows(), fits=plan.fits))
+    if not plan.fits:
+        hint = "; ".join(plan.hints) or ("lower data.token_budget or drafter.micro_block_tokens, "
+                                         "or use more GPUs")
+        named = re.search(r"lower ([a-z_]+\.[a-z_]+)", hint)
+        key = named.group(1) if named else "data.token_budget"
+        raise ConfigError(key, "the memory plan does not fit:\n" + format_plan(plan), hint=hint)
+
+
+def demo_log_progress(publish: Callable[[Event], None], stop_check: Callable[[], None]):
+    """Progress callbacks for building the demo assets: a Log line every 10%."""
+    def for_what(what: str) -> Progress:
+        last = [-1.0]
+
+        def report(fraction: float, message: str = "") -> None:
+            stop_check()
+            if fraction - last[0] >= 0.1 or fraction >= 1.0:
+                last[0] = fraction
+                publish(Log(level="info", source="demo",
+                            message=f"{what}: {fraction:.0%} {message}".rstrip()))
+        return report
+    return for_what
