@@ -9,34 +9,30 @@ from __future__ import annotations
 import signal
 import sys
 import threading
-import time
 
 from .engine import Engine
-from .events import Event, RunEnded, RunStarted, StepMetrics
-from .sinks.textlog import format_event
+from .events import Event, RunEnded, RunStarted
+from .sinks.textlog import LineThrottle, format_event
 
 EXIT_CODES = {"finished": 0, "failed": 1, "aborted": 130}
 
 
 class ConsolePrinter:
-    """Prints what an operator needs, at most one progress line every ``every_s`` seconds
-    (None: the run's ``run.log_every_s``, read from RunStarted)."""
+    """Prints what an operator needs, throttled like train.log: periodic lines at most once every
+    ``every_s`` seconds (None: the run's ``run.log_every_s``, read from RunStarted)."""
 
     def __init__(self, out=None, every_s: float | None = None):
         self.out = out or sys.stdout
         self._from_config = every_s is None
-        self.every_s = 5.0 if every_s is None else every_s
-        self._last_step_line = 0.0
+        self.throttle = LineThrottle(5.0 if every_s is None else every_s)
         self._lock = threading.Lock()
 
     def __call__(self, ev: Event) -> None:
         if isinstance(ev, RunStarted) and self._from_config:
-            self.every_s = float(ev.config.get("run", {}).get("log_every_s", self.every_s))
-        if isinstance(ev, StepMetrics):
-            now = time.monotonic()
-            if now - self._last_step_line < self.every_s and self._last_step_line:
-                return
-            self._last_step_line = now
+            self.throttle.every_s = float(ev.config.get("run", {}).get(
+                "log_every_s", self.throttle.every_s))
+        if not self.throttle.admit(ev):
+            return
         line = format_event(ev)
         if line is None:
             return
