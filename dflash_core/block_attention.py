@@ -71,14 +71,12 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=True)
 
 
-def flex_block_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, block_size, scale,
-                         compile: bool = True):
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+def make_block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int, compile: bool):
+    """The block-sparse mask of one forward; built once and shared by every drafter layer."""
+    from torch.nn.attention.flex_attention import create_block_mask
 
-    n, h, Q, d = q.shape
-    S = k_ctx.shape[2]
-    B = block_size
-    anchors = anchors.to(q.device)
+    n, A = anchors.shape
+    Q, S, B = A * block_size, ctx_len, block_size
 
     def mask_mod(b, hh, q_idx, kv_idx):
         blk = q_idx // B
@@ -88,21 +86,34 @@ def flex_block_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, block_size, sca
         sees_own = (~in_ctx) & (((kv_idx - S) // B) == blk)
         return sees_ctx | sees_own
 
-    block_mask = create_block_mask(mask_mod, B=n, H=None, Q_LEN=Q, KV_LEN=S + Q,
-                                   device=q.device, _compile=compile)
+    return create_block_mask(mask_mod, B=n, H=None, Q_LEN=Q, KV_LEN=S + Q,
+                             device=anchors.device, _compile=compile)
+
+
+def flex_block_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, block_size, scale,
+                         compile: bool = True, block_mask=None):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if block_mask is None:
+        block_mask = make_block_mask(anchors.to(q.device), k_ctx.shape[2], block_size, compile)
     keys = torch.cat([k_ctx, k_blk], dim=2)
     vals = torch.cat([v_ctx, v_blk], dim=2)
     fn = _compiled_flex() if compile else flex_attention
     return fn(q, keys, vals, block_mask=block_mask, scale=scale,
-              enable_gqa=k_ctx.shape[1] != h)
+              enable_gqa=k_ctx.shape[1] != q.shape[1])
 
 
-def block_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, block_size, scale, impl="auto"):
+def resolve_impl(impl: str, device: torch.device) -> str:
     if impl == "auto":
-        impl = "flex" if q.is_cuda else "chunked"
-    if impl == "flex":
+        return "flex" if device.type == "cuda" else "chunked"
+    if impl not in ("flex", "chunked"):
+        raise ValueError(f"unknown block attention impl {impl!r}; use auto, flex or chunked")
+    return impl
+
+
+def block_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, block_size, scale, impl="auto",
+                    block_mask=None):
+    if resolve_impl(impl, q.device) == "flex":
         return flex_block_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, block_size, scale,
-                                    compile=q.is_cuda)
-    if impl == "chunked":
-        return chunked_block_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, block_size, scale)
-    raise ValueError(f"unknown block attention impl {impl!r}; use auto, flex or chunked")
+                                    compile=q.is_cuda, block_mask=block_mask)
+    return chunked_block_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, block_size, scale)

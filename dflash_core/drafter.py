@@ -23,7 +23,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
     rotate_half,
 )
 
-from .block_attention import block_attention
+from .block_attention import block_attention, make_block_mask, resolve_impl
 
 ARCHITECTURE = "DFlashDraftModel"
 
@@ -52,7 +52,7 @@ class DrafterAttention(nn.Module):
         n, T, _ = x.shape
         return x.view(n, T, n_heads, self.head_dim)
 
-    def forward(self, x, ctx, rope_blk, rope_ctx, anchors, block_size, impl):
+    def forward(self, x, ctx, rope_blk, rope_ctx, anchors, block_size, impl, block_mask=None):
         q = self.q_norm(self._heads(self.q_proj(x), self.num_heads)).transpose(1, 2)
         k_blk = self.k_norm(self._heads(self.k_proj(x), self.num_kv_heads)).transpose(1, 2)
         k_ctx = self.k_norm(self._heads(self.k_proj(ctx), self.num_kv_heads)).transpose(1, 2)
@@ -66,7 +66,8 @@ class DrafterAttention(nn.Module):
             # by autocast: cast explicitly so attention runs in bf16 on tensor cores.
             dt = torch.get_autocast_dtype(dev)
             q, k_blk, k_ctx, v_blk, v_ctx = (t.to(dt) for t in (q, k_blk, k_ctx, v_blk, v_ctx))
-        out = block_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, block_size, self.scale, impl)
+        out = block_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, block_size, self.scale, impl,
+                              block_mask)
         n, _, T, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(n, T, -1))
 
@@ -79,10 +80,10 @@ class DrafterLayer(nn.Module):
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, x, ctx, rope_blk, rope_ctx, anchors, block_size, impl):
+    def forward(self, x, ctx, rope_blk, rope_ctx, anchors, block_size, impl, block_mask=None):
         # The context skips input_layernorm: it was normalised once by hidden_norm.
         x = x + self.self_attn(self.input_layernorm(x), ctx, rope_blk, rope_ctx, anchors,
-                               block_size, impl)
+                               block_size, impl, block_mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -180,8 +181,11 @@ class DFlashDrafter(nn.Module):
         x = block_embeds
         rope_ctx = self.rotary_emb(ctx, context_positions)
         rope_blk = self.rotary_emb(x, block_positions)
+        impl = resolve_impl(self.attn_impl, x.device)
+        mask = (make_block_mask(anchors.to(x.device), S, self.block_size, compile=x.is_cuda)
+                if impl == "flex" else None)  # one mask for all layers
         for layer in self.layers:
-            x = layer(x, ctx, rope_blk, rope_ctx, anchors, self.block_size, self.attn_impl)
+            x = layer(x, ctx, rope_blk, rope_ctx, anchors, self.block_size, impl, mask)
         return self.norm(x)
 
     def block_inputs(self, input_ids: torch.Tensor, anchors: torch.Tensor):
