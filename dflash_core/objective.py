@@ -35,11 +35,13 @@ def sample_anchors(loss_mask: np.ndarray, num_anchors: int, rng: np.random.Gener
 
 
 def batch_anchors(loss_masks: list[np.ndarray], num_anchors: int, seed: int, epoch: int,
-                  indices: list[int]) -> torch.Tensor:
-    """[n, A_max] anchors, -1 padded (A_max = most anchors any sequence got, >= 1)."""
+                  indices: list[int], pad_to: int = 1) -> torch.Tensor:
+    """[n, A_max] anchors, -1 padded (A_max = most anchors any sequence got, >= 1, rounded up to
+    a multiple of ``pad_to`` so compiled attention sees few distinct shapes)."""
     per = [sample_anchors(m, num_anchors, anchor_rng(seed, epoch, int(i)))
            for m, i in zip(loss_masks, indices)]
     width = max(1, max((len(a) for a in per), default=1))
+    width = min(-(-width // pad_to) * pad_to, max(num_anchors, width))
     out = torch.full((len(per), width), -1, dtype=torch.long)
     for r, a in enumerate(per):
         out[r, : len(a)] = torch.from_numpy(a.astype(np.int64))

@@ -21,6 +21,10 @@ from . import objective as obj
 from .config import Config, default_gamma
 from .drafter import DFlashDrafter
 
+# On GPU the anchor count of a batch is rounded up to a multiple of this, so compiled
+# FlexAttention and its block mask see a handful of shapes instead of one per batch.
+ANCHOR_PAD = 64
+
 
 @dataclass
 class Micro:
@@ -79,7 +83,8 @@ class DrafterReplica:
         B = d.block_size
         masks = [batch.loss_mask[r, : int(batch.lengths[r])].numpy() for r in range(len(batch.lengths))]
         anchors = obj.batch_anchors(masks, self.cfg.drafter.num_anchors, seed, batch.epoch,
-                                    [int(i) for i in batch.indices])
+                                    [int(i) for i in batch.indices],
+                                    pad_to=ANCHOR_PAD if self.device.type == "cuda" else 1)
         n, A = anchors.shape
         group = max(1, self.cfg.drafter.micro_block_tokens // max(1, A * B))
         ids_all = batch.input_ids.to(self.device, non_blocking=True)

@@ -116,3 +116,13 @@ def test_lr_schedule_warms_up_then_decays():
     assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
     assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))
     assert lrs[-1] < 0.01
+
+
+def test_batch_anchors_pad_to_a_multiple_without_new_anchors():
+    masks = [np.ones(50, dtype=np.uint8), np.ones(20, dtype=np.uint8)]
+    plain = obj.batch_anchors(masks, 100, 0, 0, [0, 1])
+    padded = obj.batch_anchors(masks, 100, 0, 0, [0, 1], pad_to=16)
+    assert plain.shape == (2, 49) and padded.shape == (2, 64)
+    assert torch.equal(padded[:, :49], plain) and (padded[:, 49:] == -1).all()
+    capped = obj.batch_anchors(masks, 50, 0, 0, [0, 1], pad_to=64)
+    assert capped.shape == (2, 50)  # never wider than num_anchors needs
