@@ -337,28 +337,9 @@ class Engine:
                 roles[d.index] = "target+drafter" if roles.get(d.index) == "target" else "drafter"
 
         def body():
-            # The sampler catches its own crash and reports it as a non-fatal Error; here a crash
-            # is a worker failure like any other (classified, fatal, named "telemetry"), so keep
-            # the exception and drop the sampler's own report of it.
-            crashed: list[BaseException] = []
-
-            def publish(ev) -> None:
-                if not (crashed and isinstance(ev, Error) and ev.source == "telemetry"):
-                    self.bus.publish(ev)
-
-            sampler = TelemetrySampler(publish, cfg.telemetry.interval_s, roles, self._stop)
-            sample_once = sampler.sample_once
-
-            def sample_and_keep_crash() -> None:
-                try:
-                    sample_once()
-                except BaseException as exc:
-                    crashed.append(exc)
-                    raise
-            sampler.sample_once = sample_and_keep_crash
-            sampler.run()  # in this guarded thread, so a crash is a worker failure
-            if crashed:
-                raise crashed[0]
+            # Run in this guarded thread: a sampler crash is a worker failure like any other.
+            TelemetrySampler(self.bus.publish, cfg.telemetry.interval_s, roles, self._stop,
+                             raise_errors=True).run()
         self._thread("telemetry", "telemetry", "host", body)
 
     def _target_worker(self, rank: int, dev: torch.device) -> None:

@@ -30,13 +30,17 @@ class TelemetrySampler(threading.Thread):
     """
 
     def __init__(self, publish: Callable[[Event], None], interval_s: float,
-                 roles: dict[int, str], stop: threading.Event, *, nvml: ModuleType | None = None):
+                 roles: dict[int, str], stop: threading.Event, *, nvml: ModuleType | None = None,
+                 raise_errors: bool = False):
         super().__init__(name=SOURCE, daemon=True)  # daemon: never keeps the process alive
         self.publish = publish
         self.interval_s = interval_s
         self.roles = dict(roles)
         self.stop = stop
         self._nvml = nvml
+        # The engine runs the sampler inside its own guarded worker and wants a crash raised
+        # (classified and fatal like any worker's); standalone, it is reported and ends quietly.
+        self.raise_errors = raise_errors
         self._handles: list[tuple[int, Any]] = []  # (torch index, NVML handle)
         self._failed_metrics: set[str] = set()
         self._process = psutil.Process()
@@ -52,6 +56,8 @@ class TelemetrySampler(threading.Thread):
                 if self.stop.wait(self.interval_s):
                     break
         except Exception as exc:
+            if self.raise_errors:
+                raise
             self.publish(error_from_exception(
                 exc, kind="internal", source=SOURCE, fatal=False,
                 hint="GPU and host telemetry stopped; training is not affected"))

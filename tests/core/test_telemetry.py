@@ -193,3 +193,16 @@ def test_an_unexpected_exception_is_a_non_fatal_error_and_ends_the_thread():
     assert (err.kind_, err.source, err.fatal) == ("internal", "telemetry", False)
     assert "RuntimeError: injected" in err.message and "injected" in err.traceback
     assert calls == [1]
+
+
+def test_raise_errors_hands_the_crash_to_the_caller_instead_of_reporting_it():
+    out, stop = Collector(), threading.Event()
+    sampler = TelemetrySampler(out, 0.01, {}, stop, nvml=FakeNVML(), raise_errors=True)
+
+    def boom():
+        raise RuntimeError("injected")
+
+    sampler.sample_once = boom
+    with pytest.raises(RuntimeError, match="injected"):
+        sampler.run()  # the engine calls run() inside its guarded worker thread
+    assert out.of(Error) == []
