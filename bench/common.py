@@ -18,8 +18,9 @@ FIXTURES = ROOT / "tests" / "fixtures"
 H200_BF16_PEAK = 790e12  # measured dense bf16 matmul rate on this GPU (8192^3, random data)
 
 
-def hf_config(name: str):
-    """A transformers config object from a fixture JSON (text config for multimodal ones)."""
+def hf_config(name):
+    """A transformers config object from a fixture JSON name or a path (text config for
+    multimodal ones)."""
     from transformers import AutoConfig
 
     d = json.loads((FIXTURES / name).read_text())

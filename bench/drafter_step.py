@@ -7,14 +7,18 @@ chunked loss), 8B- and 27B-shaped, 3072-token samples, 512 anchors, block 16.
 from __future__ import annotations
 
 import argparse
+import faulthandler
+import json
+import sys
 import time
 
 import torch
 
-from common import H200_BF16_PEAK, decoder_flops_per_token, env_line, gib, hf_config
+from common import FIXTURES, H200_BF16_PEAK, decoder_flops_per_token, env_line, gib, hf_config
 from dflash_core.config import config_from_dict
 from dflash_core.data import Batch
 from dflash_core.drafter import DFlashDrafter, build_drafter_config
+from dflash_core.memory import plan_memory
 from dflash_core.trainer import make_replicas, reduce_and_step
 
 SHAPES = {
@@ -50,6 +54,10 @@ def main():
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--shapes", default="8B,27B", help="one per call keeps each under a limit")
+    ap.add_argument("--micro", type=int, default=16384,
+                    help="drafter.micro_block_tokens: block tokens live at once (memory)")
+    ap.add_argument("--stacks-after", type=float, default=240,
+                    help="print every thread's stack if a step takes longer than this (s)")
     args = ap.parse_args()
     print(env_line())
     S, A, B = 3072, 512, 16
@@ -58,8 +66,13 @@ def main():
         tc = hf_config(fixture)
         cfg = config_from_dict({
             "drafter": {"num_layers": layers, "block_size": B, "num_anchors": A,
-                        "micro_block_tokens": A * B * args.samples, "loss_chunk": 8192},
-            "data": {"token_budget": 65536, "max_length": S}})
+                        "micro_block_tokens": args.micro, "loss_chunk": 8192},
+            "data": {"token_budget": 65536, "max_length": S},
+            "layout": {"device": "cuda", "targets": [1], "drafters": [0]}})
+        hf = json.loads((FIXTURES / fixture).read_text())
+        plan = {r.device: r for r in plan_memory(cfg, hf).rows}["cuda:0"]
+        print(f"  {shape}: preflight plan for the drafter GPU {gib(plan.total)} "
+              f"(micro_block_tokens {args.micro})", flush=True)
         dc = build_drafter_config(tc, num_layers=layers, target_layer_ids=[1, 2, 3, 4, 5],
                                   block_size=B, mask_token_id=tc.vocab_size - 1)
         torch.manual_seed(0)
@@ -72,12 +85,15 @@ def main():
         torch.cuda.reset_peak_memory_stats()
         times = []
         for s in range(args.steps + 2):
+            # A step stuck (compiling or otherwise) shows where it is instead of a silent limit.
+            faulthandler.dump_traceback_later(args.stacks_after, repeat=True, file=sys.stdout)
             torch.cuda.synchronize()
             t = time.perf_counter()
             rep.accumulate(batch, feats, seed=0)
             reduce_and_step([rep], s, 1000)
             torch.cuda.synchronize()
             times.append(time.perf_counter() - t)
+            faulthandler.cancel_dump_traceback_later()
             # Each step as it happens: the first ones compile FlexAttention (forward and backward).
             print(f"  {shape} step {s}: {times[-1]:.1f} s", flush=True)
         dt = sum(times[2:]) / len(times[2:])
@@ -86,7 +102,7 @@ def main():
         print(f"| {shape}-shaped drafter (H {dc.hidden_size}, {layers} layers, vocab "
               f"{tc.vocab_size}, {n_params / 1e9:.2f}B trainable) | {args.samples / dt:.2f} "
               f"samples/s | MFU {fl / dt / H200_BF16_PEAK:.2f} | peak {gib(torch.cuda.max_memory_allocated())} "
-              f"| first step {times[0]:.1f} s (compile) |")
+              f"| plan {gib(plan.total)} | first step {times[0]:.1f} s (compile) |")
         del rep, drafter, embed, head, feats
         torch.cuda.empty_cache()
 

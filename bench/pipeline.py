@@ -24,27 +24,35 @@ import dflash_core.target as target_mod
 from dflash_core.config import config_from_dict
 from dflash_core.data import write_shards
 from dflash_core.engine import Engine
-from dflash_core.events import EventBus, GpuSample, MemoryPlan, QueueDepth, StepMetrics, TargetMetrics
+from dflash_core.events import Error, EventBus, GpuSample, MemoryPlan, QueueDepth, StepMetrics, TargetMetrics
 
 
-def fake_loader(fixture):
+# --device cpu: the same run at a toy size, to check this script without a GPU.
+SMOKE = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 12,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 1000,
+         "bos_token_id": None, "eos_token_id": None}
+
+
+def fake_loader():
     """load_target that builds random weights of the real shape on the GPU, with progress."""
     def load(path, *, device="cpu", dtype=torch.float32, progress=None, stop=None, **kw):
         t = time.perf_counter()
-        cfg = hf_config(fixture)
+        cfg = hf_config(Path(path) / "config.json")
         model = random_causal_lm(cfg, device=device, dtype=torch.bfloat16)
         if progress is not None:
             n = sum(p.numel() * p.element_size() for p in model.parameters())
             progress(target_mod.LoadInfo(bytes_loaded=n, bytes_total=n, shards_loaded=1,
-                                         shards_total=1, seconds=time.perf_counter() - t,
-                                         done=True, memory_after=torch.cuda.memory_allocated(device)))
+                                         shards_total=1, seconds=time.perf_counter() - t, done=True,
+                                         memory_after=(torch.cuda.memory_allocated(device)
+                                                       if torch.device(device).type == "cuda" else 0)))
         return target_mod.TargetModel(model)
     return load
 
 
-def make_data(folder: Path, vocab: int, n: int = 3000):
+def make_data(folder: Path, vocab: int, n: int, max_length: int):
     rng = np.random.default_rng(0)
-    lengths = np.clip(rng.lognormal(6.8, 0.7, n), 256, 3072).astype(int)
+    lengths = np.clip(rng.lognormal(6.8, 0.7, n), 256, 3072) * max_length / 3072
+    lengths = lengths.astype(int)
     samples = []
     for L in lengths:
         p = min(int(L) // 4, 256)
@@ -62,26 +70,38 @@ def main():
     ap.add_argument("--anchors", type=int, default=512)
     ap.add_argument("--tui", action="store_true")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--fixture", default="qwen3_8b_config.json",
+                    help="target shape from tests/fixtures")
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke run of this script (tiny shape)")
+    ap.add_argument("--samples", type=int, default=3000)
+    ap.add_argument("--micro", type=int, default=32768,
+                    help="drafter.micro_block_tokens (65536 overflows one GPU holding both roles)")
     args = ap.parse_args()
     print(env_line())
-    fixture = "qwen3_8b_config.json"
+    fixture = args.fixture
     tmp = Path(tempfile.mkdtemp())
     tfolder = tmp / "target"
     tfolder.mkdir()
-    (tfolder / "config.json").write_text((FIXTURES / fixture).read_text())
-    target_mod.load_target = fake_loader(fixture)
-    vocab = json.loads((FIXTURES / fixture).read_text())["vocab_size"]
+    tcfg = json.loads((FIXTURES / fixture).read_text())
+    smoke = args.device == "cpu"
+    if smoke:
+        tcfg |= SMOKE
+        args.budget, args.anchors, args.samples = 2048, 16, 200
+    max_length = 256 if smoke else 3072
+    (tfolder / "config.json").write_text(json.dumps(tcfg))
+    target_mod.load_target = fake_loader()
+    vocab = tcfg["vocab_size"]
     t = time.perf_counter()
-    make_data(tmp / "data", vocab)
+    make_data(tmp / "data", vocab, args.samples, max_length)
     print(f"data made in {time.perf_counter() - t:.0f} s")
     cfg = config_from_dict({
         "run": {"name": "bench", "output_dir": str(tmp / "runs"), "max_steps": args.steps},
         "target": {"path": str(tfolder), "dtype": "bfloat16"},
         "drafter": {"num_layers": 5, "block_size": 16, "num_anchors": args.anchors,
-                    "micro_block_tokens": 65536, "loss_chunk": 8192},
+                    "micro_block_tokens": args.micro, "loss_chunk": 8192},
         "data": {"path": str(tmp / "data"), "token_budget": args.budget, "max_seqs_per_batch": 64,
-                 "max_length": 3072, "eval_prompts": 0},
-        "layout": {"device": "cuda", "targets": [int(x) for x in args.targets.split(",")],
+                 "max_length": max_length, "eval_prompts": 0},
+        "layout": {"device": args.device, "targets": [int(x) for x in args.targets.split(",")],
                    "drafters": [int(x) for x in args.drafters.split(",")], "hs_queue": 4},
         "optim": {"epochs": 1}, "checkpoint": {"every": 0, "on_abort": False},
         "telemetry": {"interval_s": 0.5},
@@ -101,6 +121,9 @@ def main():
             gpus.append(ev)
         elif isinstance(ev, MemoryPlan):
             plans.append(ev)
+        elif isinstance(ev, Error):
+            print(f"ERROR {ev.kind} {ev.source} {ev.phase}: {ev.message}\n  hint: {ev.hint}\n"
+                  f"{ev.traceback or ''}", flush=True)
     bus.tap(tap)
     engine = Engine(cfg, bus=bus)
     if args.tui:
@@ -117,7 +140,7 @@ def main():
     else:
         engine.start()
     final = engine.wait()
-    for d in set(cfg.layout.targets) | set(cfg.layout.drafters):
+    for d in sorted(set(cfg.layout.targets) | set(cfg.layout.drafters)) if not smoke else []:
         print(f"cuda:{d} peak allocated {gib(torch.cuda.max_memory_allocated(d))}")
     print(f"final state {final}, {len(steps)} steps")
     train = [(t, s) for t, s in steps if s.step > 3]  # skip compile/warm-up steps

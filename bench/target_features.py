@@ -2,10 +2,12 @@
 plain transformers forward of the same Qwen3-8B-shaped model, at 16K and 64K-token batches, and on
 variable-length data (padding counted as waste).
 
-    python bench/target_features.py
+    python bench/target_features.py [--rows fixed,varlen]
 """
 
 from __future__ import annotations
+
+import argparse
 
 import numpy as np
 import torch
@@ -22,6 +24,10 @@ def attn_flops(cfg, layers, n, L):
 
 
 def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", default="fixed,varlen", help="fixed (3 batch shapes), varlen, or both")
+    args = ap.parse_args()
+    rows = set(args.rows.split(","))
     cfg = hf_config("qwen3_8b_config.json")
     model = random_causal_lm(cfg)
     tm = TargetModel(model)
@@ -29,7 +35,7 @@ def main():
     last = max(ids_layers) + 1
     print(env_line())
     print(f"Qwen3-8B shape, layers {ids_layers}, weights {gib(torch.cuda.memory_allocated())}")
-    for n, L in [(8, 2048), (32, 2048), (8, 8192)]:
+    for n, L in [(8, 2048), (32, 2048), (8, 8192)] if "fixed" in rows else []:
         x = torch.randint(0, cfg.vocab_size, (n, L), device="cuda")
         tokens = n * L
         torch.cuda.reset_peak_memory_stats()
@@ -47,6 +53,8 @@ def main():
               f"(MFU {fl / t_eng / H200_BF16_PEAK:.2f}, peak {gib(peak_eng)}) | plain base-model "
               f"forward, all {cfg.num_hidden_layers} layers {tokens / t_plain:,.0f} tok/s "
               f"(peak {gib(peak_plain)}) | ratio {t_plain / t_eng:.2f} |")
+    if "varlen" not in rows:
+        return
     # Variable-length data: a length distribution like chat SFT data (log-normal, 64..3072).
     rng = np.random.default_rng(0)
     lengths = np.clip(rng.lognormal(6.8, 0.7, 4000), 64, 3072).astype(np.int64)
