@@ -42,7 +42,7 @@ def main():
         kb, vb = (torch.randn(n, hkv, A * B, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
                   for _ in range(2))
         print(f"round {rnd}")
-        mask = timed("block mask", lambda: make_block_mask(anchors, S, B, compile=True))
+        mask = timed("block mask", lambda: make_block_mask(anchors, S, B))
         out = timed("flex forward", lambda: flex_block_attention(
             q, kc, vc, kb, vb, anchors, B, d ** -0.5, compile=True, block_mask=mask))
         timed("flex backward", lambda: out.float().square().mean().backward())

@@ -3,7 +3,8 @@
 Queries are A blocks of B tokens each; keys are the S context tokens followed by the same A*B block
 tokens. Block a sees context positions < anchor_a and the B tokens of its own block (bidirectional),
 nothing else. Never a dense S x S copy per block:
-- ``flex``: FlexAttention with a block-sparse mask (GPU; compiled once per process);
+- ``flex``: FlexAttention with a block-sparse mask (GPU; the kernel is compiled once per process,
+  the tile map is computed from the anchors);
 - ``chunked``: SDPA over groups of blocks, each group's keys cut to the context it can see, so memory
   is bounded by ``chunk_elems`` scores per head (any device; the reference for tests).
 Both compute the same function; tests check it.
@@ -71,12 +72,53 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=True)
 
 
-def make_block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int, compile: bool):
-    """The block-sparse mask of one forward; built once and shared by every drafter layer."""
-    from torch.nn.attention.flex_attention import create_block_mask
+# FlexAttention's sparsity tile (rows and columns); its kernels skip empty tiles and apply the
+# mask only inside partial ones.
+SPARSE_TILE = 128
+
+
+def _visible_per_tile(anchors: torch.Tensor, ctx_len: int, block_size: int, tile: int):
+    """For each sample, query row and key tile: how many of the tile's keys the row sees."""
+    n, A = anchors.shape
+    Q, S, B = A * block_size, ctx_len, block_size
+    KV = S + Q
+    dev = anchors.device
+    blk = torch.arange(Q, device=dev) // B
+    ctx_end = anchors[:, blk].clamp(0, S)  # row sees context [0, anchor); -1 (padding) sees none
+    c0 = torch.arange(0, KV, tile, device=dev)
+    c1 = (c0 + tile).clamp(max=KV)
+    in_ctx = (torch.minimum(ctx_end[..., None], c1) - c0).clamp(min=0)  # [n, Q, T]
+    own = S + blk * B  # row's own block: keys [own, own + B)
+    in_own = (torch.minimum(own[:, None] + B, c1) - torch.maximum(own[:, None], c0)).clamp(min=0)
+    return in_ctx + in_own, c1 - c0
+
+
+def make_block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int):
+    """The block-sparse mask of one forward; built once and shared by every drafter layer.
+
+    The tile map is computed directly from the anchors (a few small tensor ops) instead of by
+    ``create_block_mask``, whose compiled form took ~215 s to build on first use on an H200 (the
+    drafter's first step waited for it) and whose eager form materialises the dense mask.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
 
     n, A = anchors.shape
     Q, S, B = A * block_size, ctx_len, block_size
+    tile = SPARSE_TILE
+    vis, width = _visible_per_tile(anchors, S, B, tile)  # [n, Q, T], [T]
+    qt = -(-Q // tile)
+    pad = qt * tile - Q
+    # Rows past Q do not exist: they count as seeing nothing, so such a tile is never "full"
+    # (what create_block_mask decides for ragged edges too).
+    vis = torch.nn.functional.pad(vis, (0, 0, 0, pad)).view(n, qt, tile, -1)
+    any_seen = vis.amax(2) > 0
+    full = (vis.amin(2) == tile) & (width == tile)
+    partial = any_seen & ~full
+
+    def as_blocks(sel):  # [n, qt, T] -> counts [n, 1, qt], indices (selected first) [n, 1, qt, T]
+        num = sel.sum(-1, dtype=torch.int32)
+        idx = torch.argsort((~sel).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+        return num[:, None], idx[:, None]
 
     def mask_mod(b, hh, q_idx, kv_idx):
         blk = q_idx // B
@@ -86,8 +128,10 @@ def make_block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int, compil
         sees_own = (~in_ctx) & (((kv_idx - S) // B) == blk)
         return sees_ctx | sees_own
 
-    return create_block_mask(mask_mod, B=n, H=None, Q_LEN=Q, KV_LEN=S + Q,
-                             device=anchors.device, _compile=compile)
+    kv_num, kv_idx = as_blocks(partial)
+    full_num, full_idx = as_blocks(full)
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=tile,
+                                    mask_mod=mask_mod, seq_lengths=(Q, S + Q))
 
 
 def flex_block_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, block_size, scale,
@@ -95,7 +139,7 @@ def flex_block_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, block_size, sca
     from torch.nn.attention.flex_attention import flex_attention
 
     if block_mask is None:
-        block_mask = make_block_mask(anchors.to(q.device), k_ctx.shape[2], block_size, compile)
+        block_mask = make_block_mask(anchors.to(q.device), k_ctx.shape[2], block_size)
     keys = torch.cat([k_ctx, k_blk], dim=2)
     vals = torch.cat([v_ctx, v_blk], dim=2)
     fn = _compiled_flex() if compile else flex_attention

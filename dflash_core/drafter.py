@@ -182,7 +182,7 @@ class DFlashDrafter(nn.Module):
         rope_ctx = self.rotary_emb(ctx, context_positions)
         rope_blk = self.rotary_emb(x, block_positions)
         impl = resolve_impl(self.attn_impl, x.device)
-        mask = (make_block_mask(anchors.to(x.device), S, self.block_size, compile=x.is_cuda)
+        mask = (make_block_mask(anchors.to(x.device), S, self.block_size)
                 if impl == "flex" else None)  # one mask for all layers
         for layer in self.layers:
             x = layer(x, ctx, rope_blk, rope_ctx, anchors, self.block_size, impl, mask)
