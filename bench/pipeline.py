@@ -113,6 +113,9 @@ def main():
     def tap(ev):
         if isinstance(ev, StepMetrics):
             steps.append((time.monotonic() - t0, ev))
+            # As it happens, so a run cut short by a time limit still reports its steps.
+            print(f"  step {ev.step} at {steps[-1][0]:.1f} s: loss {ev.loss:.3f}, "
+                  f"{ev.samples} samples", flush=True)
         elif isinstance(ev, QueueDepth):
             queues.append((time.monotonic() - t0, ev.name, ev.depth, ev.capacity))
         elif isinstance(ev, TargetMetrics):
