@@ -147,17 +147,27 @@ def flex_block_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, block_size, sca
               enable_gqa=k_ctx.shape[1] != q.shape[1])
 
 
-def resolve_impl(impl: str, device: torch.device) -> str:
+# Compiled FlexAttention lowers only head dims of at least 16 (inductor raises NYI below; seen
+# on an H200 with a tiny test model). Real drafters use 128.
+FLEX_MIN_HEAD_DIM = 16
+
+
+def resolve_impl(impl: str, device: torch.device, head_dim: int | None = None) -> str:
+    """``auto``: flex on CUDA when the head dim allows it, else chunked."""
+    flex_ok = head_dim is None or head_dim >= FLEX_MIN_HEAD_DIM
     if impl == "auto":
-        return "flex" if device.type == "cuda" else "chunked"
+        return "flex" if device.type == "cuda" and flex_ok else "chunked"
     if impl not in ("flex", "chunked"):
         raise ValueError(f"unknown block attention impl {impl!r}; use auto, flex or chunked")
+    if impl == "flex" and device.type == "cuda" and not flex_ok:
+        raise ValueError(f"flex block attention needs head_dim >= {FLEX_MIN_HEAD_DIM} on GPU "
+                         f"(this drafter has {head_dim}); use auto or chunked")
     return impl
 
 
 def block_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, block_size, scale, impl="auto",
                     block_mask=None):
-    if resolve_impl(impl, q.device) == "flex":
+    if resolve_impl(impl, q.device, q.shape[-1]) == "flex":
         return flex_block_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, block_size, scale,
                                     compile=q.is_cuda, block_mask=block_mask)
     return chunked_block_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, block_size, scale)

@@ -181,7 +181,7 @@ class DFlashDrafter(nn.Module):
         x = block_embeds
         rope_ctx = self.rotary_emb(ctx, context_positions)
         rope_blk = self.rotary_emb(x, block_positions)
-        impl = resolve_impl(self.attn_impl, x.device)
+        impl = resolve_impl(self.attn_impl, x.device, self.config.head_dim)
         mask = (make_block_mask(anchors.to(x.device), S, self.block_size)
                 if impl == "flex" else None)  # one mask for all layers
         for layer in self.layers:

@@ -17,9 +17,10 @@ from dflash_core.events import RunEnded, StateChanged
 VOCAB = 128
 
 
-def make_target(folder: Path, seed: int = 0) -> Path:
+def make_target(folder: Path, seed: int = 0, head_dim: int = 8) -> Path:
+    """head_dim 16 or more on GPU runs the drafter's compiled FlexAttention (8 runs chunked)."""
     cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
                       max_position_embeddings=512)
     torch.manual_seed(seed)
     Qwen3ForCausalLM(cfg).save_pretrained(folder)

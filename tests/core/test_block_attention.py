@@ -14,11 +14,11 @@ def dense(q, k_ctx, v_ctx, k_blk, v_blk, anchors, B, scale):
     rep = h // k_ctx.shape[1]
     k = torch.cat([k_ctx, k_blk], 2).repeat_interleave(rep, 1)
     v = torch.cat([v_ctx, v_blk], 2).repeat_interleave(rep, 1)
-    blk = torch.arange(Q) // B
-    mask = torch.zeros(n, 1, Q, S + Q, dtype=torch.bool)
+    blk = torch.arange(Q, device=q.device) // B
+    mask = torch.zeros(n, 1, Q, S + Q, dtype=torch.bool, device=q.device)
     for b in range(n):
         anc = anchors[b][blk]
-        mask[b, 0, :, :S] = torch.arange(S)[None] < anc[:, None]
+        mask[b, 0, :, :S] = torch.arange(S, device=q.device)[None] < anc[:, None]
         mask[b, 0, :, S:] = blk[:, None] == blk[None]
     s = (q @ k.transpose(-1, -2)) * scale
     s = s.masked_fill(~mask, -math.inf)
@@ -92,3 +92,17 @@ def test_flex_with_built_mask_equals_dense_on_ragged_shapes():
     args = inputs(n=2, h=4, hkv=2, S=300, A=13, B=5, d=8, seed=3)
     want = dense(*args)
     assert torch.allclose(flex_block_attention(*args, compile=False), want, atol=1e-5)
+
+
+def test_auto_picks_flex_on_gpu_only_for_head_dims_it_can_compile():
+    from dflash_core.block_attention import resolve_impl
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert resolve_impl("auto", cuda, 128) == "flex"
+    assert resolve_impl("auto", cuda, 8) == "chunked"  # inductor's flex needs >= 16
+    assert resolve_impl("auto", cpu, 128) == "chunked"
+    assert resolve_impl("chunked", cuda, 128) == "chunked"
+    with pytest.raises(ValueError, match="head_dim >= 16"):
+        resolve_impl("flex", cuda, 8)
+    with pytest.raises(ValueError, match="unknown"):
+        resolve_impl("dense", cpu, 8)

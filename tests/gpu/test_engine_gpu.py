@@ -19,7 +19,7 @@ MIB = 2**20
 
 
 def test_restarts_during_training_free_gpu_memory(tmp_path: Path):
-    target = make_target(tmp_path / "target")
+    target = make_target(tmp_path / "target", head_dim=16)
     data = make_data(tmp_path / "data")
     cfg = make_config(tmp_path, target, data, layout__device="cuda", target__dtype="bfloat16",
                       run__max_steps=0, optim__epochs=500, data__eval_prompts=0,

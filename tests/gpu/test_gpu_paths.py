@@ -7,7 +7,7 @@ import torch
 
 from dflash_core.block_attention import chunked_block_attention, flex_block_attention
 from dflash_core.engine import Engine
-from dflash_core.events import EventBus, StepMetrics
+from dflash_core.events import Error, EventBus, StepMetrics
 from tests.core.engine_fixtures import make_config, make_data, make_target
 from tests.core.test_block_attention import dense, inputs
 
@@ -20,19 +20,28 @@ def test_compiled_flex_equals_dense_on_gpu():
     assert torch.allclose(chunked_block_attention(*args), want, atol=2e-5)
 
 
-def test_engine_trains_on_one_gpu_and_frees_memory(tmp_path: Path):
-    target = make_target(tmp_path / "target")
+def test_engine_trains_on_one_gpu_and_frees_memory(tmp_path: Path, monkeypatch):
+    import dflash_core.block_attention as ba
+
+    flex_calls = []
+    real_flex = ba.flex_block_attention
+    monkeypatch.setattr(ba, "flex_block_attention",
+                        lambda *a, **k: flex_calls.append(1) or real_flex(*a, **k))
+    target = make_target(tmp_path / "target", head_dim=16)
     data = make_data(tmp_path / "data")
     cfg = make_config(tmp_path, target, data, layout__device="cuda", target__dtype="bfloat16")
     bus = EventBus()
-    steps = []
+    steps, errors = [], []
     bus.tap(lambda e: steps.append(e) if isinstance(e, StepMetrics) else None)
+    bus.tap(lambda e: errors.append(f"{e.source} {e.phase}: {e.message}\n{e.traceback}")
+            if isinstance(e, Error) else None)
     before_threads = {t.name for t in threading.enumerate()}
     base = torch.cuda.memory_allocated()
     engine = Engine(cfg, bus=bus)
     engine.start()
-    assert engine.wait(300) == "finished"
+    assert engine.wait(300) == "finished", "\n".join(errors)
     assert len(steps) == cfg.run.max_steps
+    assert flex_calls, "the drafter did not run FlexAttention on the GPU"
     assert all(torch.isfinite(torch.tensor(s.loss)) for s in steps)
     for _ in range(3):  # restart resumes and frees memory each time
         engine.restart()
