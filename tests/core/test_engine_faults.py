@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from dflash_core import checkpoint as ckpt
-from dflash_core import data as data_mod
+from dflash_core.data import batching as data_mod
 from dflash_core import target as target_mod
 from dflash_core.engine import Engine
 from dflash_core.events import (

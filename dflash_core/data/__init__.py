@@ -1,0 +1,22 @@
+"""Training data: tokenized shards on disk -> length-bucketed, token-budget batches -> a bounded
+prefetch queue. Plain numpy/torch on the CPU; nothing here imports the engine.
+
+- ``shards``: open and validate a data folder (Arrow memory-mapped, Parquet by row group);
+- ``writing``: write shards in those layouts (the demo and the tests make their data so);
+- ``batching``: the held-out split, per-epoch batch plans, padded ``Batch`` tensors, the
+  resumable stream of a run's batches;
+- ``prefetch``: the daemon thread that keeps ready batches ahead of the target workers.
+"""
+
+from .batching import (
+    Batch, BatchStream, collate, eval_size, padding_fraction, plan_epoch, split_eval,
+)
+from .prefetch import Prefetcher
+from .shards import IDS, MASK, MIN_LENGTH, DataError, ShardedDataset
+from .writing import write_shards
+
+__all__ = [
+    "Batch", "BatchStream", "DataError", "IDS", "MASK", "MIN_LENGTH", "Prefetcher",
+    "ShardedDataset", "collate", "eval_size", "padding_fraction", "plan_epoch", "split_eval",
+    "write_shards",
+]

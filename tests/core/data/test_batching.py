@@ -1,0 +1,128 @@
+"""Batch plans, the held-out split, collation, and the resumable batch stream."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dflash_core.data import DataError, collate, padding_fraction, plan_epoch, split_eval
+
+from tests.core.data.samples import make_stream
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_plan_respects_budget_and_covers_every_sample_once(seed):
+    rng = np.random.default_rng(seed)
+    n = 3000
+    lengths = rng.integers(0, 900, n)
+    lengths[rng.choice(n, 50)] = rng.integers(0, 2, 50)  # too short: skipped
+    budget, max_seqs, max_length = int(rng.integers(512, 3000)), int(rng.integers(1, 40)), 512
+    kw = dict(token_budget=budget, max_seqs=max_seqs, max_length=max_length, seed=seed,
+              window=int(rng.integers(50, 1000)))
+    plan = plan_epoch(lengths, epoch=0, **kw)
+    eff = np.minimum(lengths, max_length)
+    for b in plan:
+        assert 1 <= len(b) <= max_seqs
+        assert len(b) * eff[b].max() <= budget
+    flat = [i for b in plan for i in b]
+    assert sorted(flat) == np.flatnonzero(eff >= 2).tolist()  # each eligible sample exactly once
+
+    assert plan_epoch(lengths, epoch=0, **kw) == plan  # deterministic
+    assert plan_epoch(lengths, epoch=1, **kw) != plan  # reshuffled each epoch
+
+    world = 3
+    parts = [plan_epoch(lengths, epoch=0, shard=(r, world), **kw) for r in range(world)]
+    assert all(parts) and sorted(i for p in parts for b in p for i in b) == sorted(flat)
+    assert parts[1] == plan[1::world]
+
+
+def test_plan_buckets_lengths_and_reports_padding():
+    lengths = np.random.default_rng(0).integers(2, 2000, 5000)
+    kw = dict(token_budget=8192, max_seqs=64, max_length=2048, seed=0, epoch=0)
+    bucketed = plan_epoch(lengths, window=5000, **kw)
+    # the same batch sizes filled at random, without sorting by length
+    perm = np.random.default_rng(1).permutation(len(lengths)).tolist()
+    cuts = np.cumsum([0] + [len(b) for b in bucketed])
+    unsorted = [perm[a:b] for a, b in zip(cuts[:-1], cuts[1:])]
+    pb = padding_fraction(bucketed, lengths, 2048)
+    pu = padding_fraction(unsorted, lengths, 2048)
+    assert 0 <= pb < 0.05 and pu > 0.3
+    b = bucketed[0]
+    manual = 1 - lengths[b].sum() / (len(b) * lengths[b].max())
+    assert padding_fraction([b], lengths, 2048) == pytest.approx(manual)
+    with pytest.raises(ValueError):
+        plan_epoch(lengths, token_budget=100, max_seqs=4, max_length=200, seed=0, epoch=0)
+
+
+def test_split_eval():
+    train, ev = split_eval(100, 8, seed=3)
+    assert len(ev) == 8 and len(train) == 92
+    assert sorted(np.concatenate([train, ev]).tolist()) == list(range(100))
+    again = split_eval(100, 8, seed=3)
+    assert np.array_equal(again[1], ev) and np.array_equal(again[0], train)
+    assert not np.array_equal(split_eval(100, 8, seed=4)[1], ev)
+    assert len(split_eval(10, 0, seed=0)[0]) == 10
+    lengths = np.arange(100)
+    _, ev = split_eval(100, 5, seed=0, lengths=lengths, min_length=90)
+    assert (ev >= 90).all()
+    with pytest.raises(DataError):
+        split_eval(10, 10, seed=0)
+
+
+def test_collate_pads_truncates_and_counts(dataset):
+    idx = [3, 10, 42]
+    b = collate(dataset, idx, max_length=50, epoch=2, batch_index=7)
+    lens = [min(len(dataset.get(i)[0]), 50) for i in idx]
+    width = max(lens)
+    assert b.input_ids.shape == b.loss_mask.shape == b.attention_mask.shape == (3, width)
+    assert b.input_ids.dtype == torch.long
+    for r, i in enumerate(idx):
+        ids, mask = dataset.get(i)
+        k = lens[r]
+        assert b.input_ids[r, :k].tolist() == ids[:k].tolist()
+        assert b.loss_mask[r, :k].tolist() == mask[:k].tolist()
+        assert b.input_ids[r, k:].eq(0).all() and b.loss_mask[r, k:].eq(0).all()
+        assert b.attention_mask[r].sum().item() == k
+    assert b.lengths.tolist() == lens and b.indices == idx
+    assert (b.epoch, b.batch_index, b.num_tokens, b.padded_tokens) == (2, 7, sum(lens), 3 * width)
+    assert b.padding_frac == pytest.approx(1 - sum(lens) / (3 * width))
+    pinned = b.pin()
+    assert torch.equal(pinned.input_ids, b.input_ids)
+    if not torch.cuda.is_available():
+        assert pinned is b
+
+
+def test_stream_epochs_workers_and_exclude(dataset):
+    exclude = {0, 1, 2, 399}
+    stream = make_stream(dataset, exclude=exclude)
+    eligible = {i for i in range(len(dataset)) if dataset.lengths[i] >= 2} - exclude
+    for world in (1, 3):
+        for epoch in range(3):
+            seen = []
+            for rank in range(world):
+                for b in stream.iter_batches(epoch, worker=(rank, world)):
+                    if b.epoch != epoch:
+                        break
+                    assert b.batch_index % world == rank
+                    assert b.indices == stream.plan(epoch)[b.batch_index]
+                    assert b.num_tokens <= b.padded_tokens <= 600 and len(b) <= 8
+                    seen += b.indices
+            assert sorted(seen) == sorted(eligible)  # union over workers: everything, once
+    assert stream.batches_per_epoch == len(stream.plan(0))
+    assert stream.total_batches() == sum(len(stream.plan(e)) for e in range(3))
+    assert 0 <= stream.padding_frac() < 1
+
+
+def test_resume_yields_exactly_the_remaining_batches(dataset):
+    stream = make_stream(dataset)
+    full = [(b.epoch, b.batch_index, b.indices) for b in stream.iter_batches(0)]
+    assert [e for e, _, _ in full].count(0) == stream.batches_per_epoch
+    # trained so far in epoch 1: an arbitrary subset (several workers finish out of order)
+    n1 = len(stream.plan(1))
+    done = set(np.random.default_rng(0).choice(n1, n1 // 2, replace=False).tolist())
+    # a fresh stream (a restarted process) must plan the same epochs
+    resumed = [(b.epoch, b.batch_index, b.indices)
+               for b in make_stream(dataset).iter_batches(1, done=done)]
+    expected = [x for x in full if x[0] >= 1 and not (x[0] == 1 and x[1] in done)]
+    assert resumed == expected
