@@ -4,6 +4,7 @@ errors (one line each), and a post-mortem of the previous run when there is one.
 from __future__ import annotations
 
 from rich.text import Text
+from textual import events
 from textual.widgets import RichLog
 
 from .. import fmt
@@ -18,14 +19,27 @@ class LogPanel(RichLog):
                          highlight=False, **kwargs)
         self.border_title = "Log"
         self._seq = 0  # last LogLine.seq written
+        self._state: DashboardState | None = None
+        self._width = 0
 
     def show(self, state: DashboardState) -> None:
+        self._state = state
         new = [x for x in state.log if x.seq > self._seq][-self.max_lines:]
         for x in new:
             self.write(Text.assemble((fmt.clock(x.ts) + " ", "dim"), (f"{x.source}: ", "cyan"),
                                      (x.text, LEVEL_STYLES.get(x.level, ""))))
         if new:
             self._seq = new[-1].seq
+
+    def on_resize(self, event: events.Resize) -> None:
+        # RichLog wraps a line once, when written: after the pane changes width (a tmux split,
+        # a resized terminal) write the kept lines again at the new width.
+        width = event.size.width
+        if width != self._width and self._width and self._state is not None:
+            self.clear()
+            self._seq = 0
+            self.show(self._state)
+        self._width = width
 
     @property
     def text(self) -> str:

@@ -290,3 +290,27 @@ async def test_postmortem_of_the_previous_run_on_start(tmp_path):
         errors = app.query_one("#errors")
         assert errors.table.row_count == 1 and "(previous run)" in errors.detail_text
         assert "errors 0" in app.query_one("#header").text
+
+
+async def test_log_lines_rewrap_when_the_terminal_is_resized():
+    long = "word " * 60  # ~300 characters: several rows at any width here
+    events = sc.start() + [ev.Log(source="engine", level="info", message=long.strip(), ts=sc.T0 + 2)]
+    app = DFlashApp(ReplayController(events))
+    async with app.run_test(size=(100, 40)) as pilot:
+        await settle(pilot)
+        log = app.query_one("#log", LogPanel)
+
+        def rows_of_long_line():
+            return sum(1 for line in log.text.splitlines() if "word" in line)
+
+        narrow = rows_of_long_line()
+        widest_narrow = max(len(line.rstrip()) for line in log.text.splitlines())
+        await pilot.resize_terminal(200, 40)
+        await settle(pilot, 0.5)
+        wide = rows_of_long_line()
+        assert narrow > wide >= 1  # re-wrapped to the wider panel
+        assert max(len(line.rstrip()) for line in log.text.splitlines()) > widest_narrow
+        assert " ".join(log.text.split()).count(" ".join(long.split())) == 1  # nothing repeated
+        await pilot.resize_terminal(100, 40)
+        await settle(pilot, 0.5)
+        assert rows_of_long_line() == narrow
