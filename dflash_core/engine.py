@@ -27,7 +27,12 @@ from .events import (
 )
 from .preflight import demo_log_progress, device_label, prepare, resolve_devices
 
+# Workers check the stop flag between layers (targets) and micro-groups (drafters), so they end
+# within about one such unit of GPU work. After JOIN_TIMEOUT_S the teardown says which are still
+# busy; it waits up to GIVE_UP_S in all before ending the run without them (a hung kernel or
+# collective), and then skips the abort checkpoint rather than save weights a step may be writing.
 JOIN_TIMEOUT_S = 5.0
+GIVE_UP_S = 60.0
 POLL_S = 0.1  # every blocking wait is at most this long, then the stop flag is checked
 
 
@@ -98,7 +103,14 @@ class Engine:
         Returns at once; the work happens on a thread."""
         def go():
             self.abort()
-            self.join(timeout=60)
+            # The teardown may wait up to GIVE_UP_S for workers, then save a checkpoint.
+            if not self.join(timeout=GIVE_UP_S + 120):
+                self.bus.publish(Error(
+                    kind_="internal", source="engine", phase=self._state, fatal=False,
+                    message="restart: the previous run has not ended after "
+                    f"{GIVE_UP_S + 120:.0f} s", hint="press r again once the state shows "
+                    "aborted, or quit and start the process again"))
+                return
             self.resume = True
             self.start()
         threading.Thread(target=go, name="engine-restart", daemon=True).start()
@@ -343,7 +355,7 @@ class Engine:
         self._thread("telemetry", "telemetry", "host", body)
 
     def _target_worker(self, rank: int, dev: torch.device) -> None:
-        from .target import load_target
+        from .target import ForwardInterrupted, load_target
 
         cfg = self.config
         name, label = f"target-{rank}", self._label(dev, rank)
@@ -381,7 +393,11 @@ class Engine:
                 starved += time.monotonic() - t
                 continue
             starved += time.monotonic() - t
-            feats = tm.features(batch.input_ids, batch.attention_mask, self.layer_ids)
+            try:
+                feats = tm.features(batch.input_ids, batch.attention_mask, self.layer_ids,
+                                    stop=self._stop)
+            except ForwardInterrupted:
+                raise _Stopped() from None
             if batches == 0:
                 self.bus.publish(WorkerStatus(worker=name, role="target", device=label,
                                               status="running"))
@@ -481,6 +497,8 @@ class Engine:
         return self._targets_done >= len(self.target_devices) and self.hs_queue.empty()
 
     def _drafter_worker(self, rank: int) -> None:
+        from .trainer import StepInterrupted
+
         cfg = self.config
         rep = self._replicas[rank]
         label = self._label(rep.device, rank)
@@ -502,7 +520,10 @@ class Engine:
                 with self._counter_lock:
                     self._counters["drafter_wait"] += time.monotonic() - t
                 self._report_hs()
-                rep.accumulate(batch, feats, cfg.run.seed)
+                try:
+                    rep.accumulate(batch, feats, cfg.run.seed, stop=self._stop)
+                except StepInterrupted:
+                    return
                 del feats
                 self._pending[rank].append((batch.epoch, batch.batch_index))
                 got += 1
@@ -610,22 +631,43 @@ class Engine:
                                     acceptance=list(res.acceptance), prompts=len(prompts)))
 
     # -- teardown ------------------------------------------------------------------------------
+    def _join_workers(self) -> list[str]:
+        """Close the prefetchers and join every worker; returns the names still running."""
+        t0 = time.monotonic()
+        for pf in self._prefetchers:
+            pf.close(timeout=JOIN_TIMEOUT_S)
+        warned = False
+        while True:
+            alive = [t for t in self._threads if t.is_alive()]
+            waited = time.monotonic() - t0
+            if not alive or waited >= GIVE_UP_S:
+                break
+            if waited >= JOIN_TIMEOUT_S and not warned:
+                warned = True
+                self.bus.publish(Log(level="warning", source="engine", message=(
+                    f"waiting for {[t.name for t in alive]} to finish their current GPU call "
+                    f"(up to {GIVE_UP_S:.0f} s)")))
+            alive[0].join(min(POLL_S, GIVE_UP_S - waited))
+        stuck = [t.name for t in self._threads if t.is_alive()]
+        if stuck:
+            self.bus.publish(Log(level="warning", source="engine", message=(
+                f"threads still running after {GIVE_UP_S:.0f} s: {stuck}")))
+        return stuck
+
     def _teardown(self, t0: float) -> None:
         self._early = None
         self._stop.set()
-        deadline = time.monotonic() + JOIN_TIMEOUT_S
-        for pf in self._prefetchers:
-            pf.close(timeout=max(0.1, deadline - time.monotonic()))
-        for t in self._threads:
-            t.join(max(0.1, deadline - time.monotonic()))
-        stuck = [t.name for t in self._threads if t.is_alive()]
-        if stuck:
-            self.bus.publish(Log(level="warning", source="engine",
-                                 message=f"threads still running after {JOIN_TIMEOUT_S:.0f} s: {stuck}"))
+        stuck = self._join_workers()
         failed = self._failure is not None
         status = "failed" if failed else ("finished" if self._finished and not self._abort_requested
                                           else "aborted")
-        if not failed and self._replicas and self.step > 0:
+        busy_drafters = [n for n in stuck if n.startswith("drafter")]
+        if busy_drafters and not failed and self.step > 0:
+            self.bus.publish(Log(level="warning", source="engine", message=(
+                f"no {'final' if self._finished else 'abort'} checkpoint: {busy_drafters} still "
+                f"running after {GIVE_UP_S:.0f} s could be changing the weights; the last "
+                f"periodic checkpoint stands")))
+        if not failed and self._replicas and self.step > 0 and not busy_drafters:
             try:
                 if status == "finished" or self.config.checkpoint.on_abort:
                     self._save_checkpoint("final" if status == "finished" else "abort")

@@ -49,6 +49,10 @@ class LoadAborted(Exception):
     """The stop event was set while the target was loading."""
 
 
+class ForwardInterrupted(Exception):
+    """The stop event was set during a forward; the remaining layers were skipped."""
+
+
 @dataclass(frozen=True)
 class LoadInfo:
     bytes_loaded: int
@@ -263,8 +267,17 @@ class TargetModel:
                              f"0..{self.num_layers - 1} (target.layer_ids in config.yaml)")
         return ids
 
-    def _hooks(self, ids: list[int], outputs: dict, stop_after_last: bool) -> list:
+    def _hooks(self, ids: list[int], outputs: dict, stop_after_last: bool,
+               stop: threading.Event | None = None) -> list:
         last = max(ids)
+        handles = []
+        if stop is not None:
+            # A 27B forward of a 64K-token batch takes ~7 s: checked before every layer, an abort
+            # or restart waits for one layer, not for the whole forward.
+            def check(module, args):
+                if stop.is_set():
+                    raise ForwardInterrupted
+            handles = [layer.register_forward_pre_hook(check) for layer in self.layers]
 
         def make_hook(i: int):
             def hook(module, args, output):
@@ -273,17 +286,20 @@ class TargetModel:
                     raise _StopForward
             return hook
 
-        return [self.layers[i].register_forward_hook(make_hook(i)) for i in sorted(set(ids))]
+        return handles + [self.layers[i].register_forward_hook(make_hook(i))
+                          for i in sorted(set(ids))]
 
     def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                 layer_ids: list[int] | None = None) -> torch.Tensor:
+                 layer_ids: list[int] | None = None,
+                 stop: threading.Event | None = None) -> torch.Tensor:
         """Outputs of ``layer_ids`` (default: ``default_layer_ids``), concatenated: [b, S, k*H].
 
         Layer i's output is HF's ``hidden_states[i+1]``. Right padding with ``attention_mask``
-        leaves the valid positions as they would be for each sequence alone.
+        leaves the valid positions as they would be for each sequence alone. With ``stop``, raises
+        ForwardInterrupted at the next layer once it is set.
         """
         ids = self._layer_ids(layer_ids)
-        with self._capture(ids, stop_after_last=True) as outputs:
+        with self._capture(ids, stop_after_last=True, stop=stop) as outputs:
             try:
                 # The base model, not the CausalLM: the lm_head is never reached.
                 self.decoder(**self._inputs(input_ids, attention_mask), use_cache=False)
@@ -307,10 +323,11 @@ class TargetModel:
         return {"input_ids": input_ids.to(self.device), "attention_mask": mask}
 
     @contextlib.contextmanager
-    def _capture(self, ids: list[int], stop_after_last: bool) -> Iterator[dict]:
+    def _capture(self, ids: list[int], stop_after_last: bool,
+                 stop: threading.Event | None = None) -> Iterator[dict]:
         """Inference mode with the chosen layers hooked; yields {layer: output}."""
         outputs: dict[int, torch.Tensor] = {}
-        handles = self._hooks(ids, outputs, stop_after_last)
+        handles = self._hooks(ids, outputs, stop_after_last, stop)
         try:
             with torch.inference_mode():
                 yield outputs

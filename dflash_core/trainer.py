@@ -26,6 +26,10 @@ from .drafter import DFlashDrafter
 ANCHOR_PAD = 64
 
 
+class StepInterrupted(Exception):
+    """The stop event was set between micro-groups of a drafter step."""
+
+
 @dataclass
 class Micro:
     """What one replica accumulated since the last optimizer step."""
@@ -76,9 +80,14 @@ class DrafterReplica:
     def params(self) -> list[torch.nn.Parameter]:
         return [p for p in self.drafter.parameters() if p.requires_grad]
 
-    def accumulate(self, batch, features: torch.Tensor, seed: int) -> Micro:
+    def accumulate(self, batch, features: torch.Tensor, seed: int,
+                   stop: threading.Event | None = None) -> Micro:
         """Forward + backward of one batch (split into sequence groups so at most
-        drafter.micro_block_tokens block tokens are live); gradients accumulate in .grad."""
+        drafter.micro_block_tokens block tokens are live); gradients accumulate in .grad.
+
+        With ``stop``, raises StepInterrupted before the next group once it is set (a 27B-shaped
+        batch of 57 samples is ~20 s of work; an abort waits for one group). The partial
+        gradients are then meaningless: the caller must not step on them."""
         d = self.drafter
         B = d.block_size
         masks = [batch.loss_mask[r, : int(batch.lengths[r])].numpy() for r in range(len(batch.lengths))]
@@ -93,6 +102,8 @@ class DrafterReplica:
         anchors = anchors.to(self.device)
         out = Micro(tokens=int(batch.num_tokens), samples=n, padded=int(batch.padded_tokens))
         for s in range(0, n, group):
+            if stop is not None and stop.is_set():
+                raise StepInterrupted
             rows = slice(s, s + group)
             a = anchors[rows]
             ids, pos = d.block_inputs(ids_all[rows], a)

@@ -38,9 +38,9 @@ def record_batches(monkeypatch) -> list[list[int]]:
     seen: list[list[int]] = []
     original = DrafterReplica.accumulate
 
-    def accumulate(self, batch, features, seed):
+    def accumulate(self, batch, features, seed, **kwargs):
         seen.append([int(i) for i in batch.indices])
-        return original(self, batch, features, seed)
+        return original(self, batch, features, seed, **kwargs)
 
     monkeypatch.setattr(DrafterReplica, "accumulate", accumulate)
     return seen

@@ -19,7 +19,8 @@ from dflash_core.data import batching as data_mod
 from dflash_core import target as target_mod
 from dflash_core.engine import Engine
 from dflash_core.events import (
-    Checkpoint, Error, LoadProgress, QueueDepth, RunEnded, StateChanged, StepMetrics, WorkerStatus,
+    Checkpoint, Error, LoadProgress, Log, QueueDepth, RunEnded, StateChanged, StepMetrics,
+    WorkerStatus,
 )
 from dflash_core.sinks.jsonl import JsonlSink
 from dflash_core.sinks.textlog import TextLogSink
@@ -170,13 +171,13 @@ def test_fault_in_one_of_two_drafters_releases_the_other_from_the_step_barrier(
     calls, raised_at = [], []
     original = DrafterReplica.accumulate
 
-    def accumulate(self, *args):
+    def accumulate(self, *args, **kwargs):
         if threading.current_thread().name == "drafter-1":
             calls.append(1)
             if len(calls) == 2:
                 raised_at.append(time.time())
                 raise oom()
-        return original(self, *args)
+        return original(self, *args, **kwargs)
 
     monkeypatch.setattr(DrafterReplica, "accumulate", accumulate)
     engine, rec, before = started(long_config(tmp_path, assets, layout__drafters=[0, 1]))
@@ -287,9 +288,9 @@ def test_abort_during_warmup(tmp_path, assets, monkeypatch):
     box, entered = [], threading.Event()
     original = DrafterReplica.accumulate
 
-    def slow_first_step(self, *args):  # kernel compilation on the first step, stop-aware
+    def slow_first_step(self, *args, **kwargs):  # kernel compilation on the first step
         stop_aware_wait(box, entered)
-        return original(self, *args)
+        return original(self, *args, **kwargs)
 
     monkeypatch.setattr(DrafterReplica, "accumulate", slow_first_step)
     engine, rec, before = started(long_config(tmp_path, assets))
@@ -313,9 +314,9 @@ def test_abort_during_training_writes_a_checkpoint(tmp_path, assets):
 def test_abort_with_target_blocked_on_a_full_hs_queue(tmp_path, assets, monkeypatch):
     original = DrafterReplica.accumulate
 
-    def slow_drafter(self, *args):
-        time.sleep(0.3)  # not stop-aware: a real step is not interruptible either
-        return original(self, *args)
+    def slow_drafter(self, *args, **kwargs):
+        time.sleep(0.3)  # not stop-aware: one micro-group of a real step is not either
+        return original(self, *args, **kwargs)
 
     monkeypatch.setattr(DrafterReplica, "accumulate", slow_drafter)
     engine, rec, before = started(long_config(tmp_path, assets))
@@ -344,6 +345,83 @@ def test_abort_with_drafter_blocked_on_an_empty_hs_queue(tmp_path, assets, monke
     t = time.time()
     engine.abort()
     assert_aborted_quickly(engine, rec, before, t, checkpoint=True)
+
+
+def test_abort_inside_a_long_target_forward_waits_for_one_layer(tmp_path, assets, monkeypatch):
+    # A 27B forward of a 64K-token batch takes ~7 s, longer than the join timeout: the target
+    # must stop between layers, not after the whole forward.
+    from transformers.models.qwen3 import modeling_qwen3
+
+    original, inside = modeling_qwen3.Qwen3DecoderLayer.forward, threading.Event()
+
+    def slow_layer(self, *args, **kwargs):
+        if threading.current_thread().name.startswith("target"):
+            inside.set()
+            time.sleep(1.5)  # six layers: 9 s a forward
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(modeling_qwen3.Qwen3DecoderLayer, "forward", slow_layer)
+    engine, rec, before = started(long_config(tmp_path, assets))
+    assert inside.wait(30)
+    t = time.time()
+    engine.abort()
+    assert_aborted_quickly(engine, rec, before, t, checkpoint=False)
+    assert state_time(rec, "aborted") - t < 3.0  # one layer (1.5 s), not the forward (9 s)
+    assert not [e for e in rec.of(Log) if "waiting for" in e.message]
+
+
+def test_abort_inside_a_long_drafter_step_waits_for_one_micro_group(tmp_path, assets,
+                                                                    monkeypatch):
+    # One micro-group per sample; once a step has landed, every group takes 1.5 s.
+    from dflash_core import objective
+
+    original, slow, inside = objective.chunked_loss, threading.Event(), threading.Event()
+
+    def slow_loss(*args, **kwargs):
+        if slow.is_set():
+            inside.set()
+            time.sleep(1.5)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(objective, "chunked_loss", slow_loss)
+    engine, rec, before = started(long_config(tmp_path, assets, drafter__micro_block_tokens=32,
+                                              data__max_seqs_per_batch=4))
+    rec.wait_for(lambda e: isinstance(e, StepMetrics) and e.step >= 1, 30)
+    slow.set()
+    assert inside.wait(30)
+    t = time.time()
+    engine.abort()
+    assert_aborted_quickly(engine, rec, before, t, checkpoint=True)
+    assert state_time(rec, "aborted") - t < 3.5  # one group (1.5 s) + the checkpoint
+
+
+def test_no_checkpoint_while_a_drafter_that_ignores_stop_is_still_running(tmp_path, assets,
+                                                                          monkeypatch):
+    import dflash_core.engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "GIVE_UP_S", 1.0)
+    original, stuck, release = DrafterReplica.accumulate, threading.Event(), threading.Event()
+
+    def stuck_step(self, *args, **kwargs):  # a hung kernel: deaf to the stop flag
+        if stuck.is_set():
+            release.wait(30)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(DrafterReplica, "accumulate", stuck_step)
+    engine, rec, before = started(long_config(tmp_path, assets))
+    rec.wait_for(lambda e: isinstance(e, StepMetrics) and e.step >= 1, 30)
+    stuck.set()
+    time.sleep(0.5)  # the drafter is now inside its next step
+    engine.abort()
+    end = ended(engine, rec)
+    assert end.status == "aborted"
+    assert not rec.of(Checkpoint)  # weights the stuck step may still change are never saved
+    assert [e for e in rec.of(Log) if "no abort checkpoint" in e.message]
+    assert [e for e in rec.of(Log) if "still running after 1 s" in e.message]
+    engine.start()  # refused while the old drafter lives: two pipelines must never run
+    rec.wait_for(lambda e: isinstance(e, Error) and "still running" in e.message, 10)
+    release.set()
+    assert wait_gone(before) == []
 
 
 # --------------------------------------------------------------------------------------------

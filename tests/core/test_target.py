@@ -17,7 +17,7 @@ from transformers import (
 )
 
 from dflash_core.target import (
-    LoadAborted, LoadInfo, TargetLoadError, TargetModel, default_layer_ids, load_target,
+    ForwardInterrupted, LoadAborted, LoadInfo, TargetLoadError, TargetModel, default_layer_ids, load_target,
 )
 
 VOCAB, HIDDEN, LAYERS = 256, 64, 6
@@ -141,6 +141,30 @@ def test_features_skip_lm_head_norm_and_later_layers(loaded, family, monkeypatch
     # The patch does catch a call: the evaluation forward goes through the lm_head.
     with pytest.raises(AssertionError, match="lm_head ran"):
         target.logits_and_features(ids, [1])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_stop_interrupts_features_between_layers(loaded, family):
+    target, _ = loaded[family]
+    stop, calls = threading.Event(), [0] * LAYERS
+
+    def count(m, a, o, i):
+        calls[i] += 1
+        if i == 1:
+            stop.set()  # an abort arrives while layer 1 runs
+    handles = [layer.register_forward_hook(lambda m, a, o, i=i: count(m, a, o, i))
+               for i, layer in enumerate(target.layers)]
+    ids = torch.randint(0, VOCAB, (1, 9))
+    try:
+        with pytest.raises(ForwardInterrupted):
+            target.features(ids, layer_ids=[1, 4], stop=stop)
+    finally:
+        for h in handles:
+            h.remove()
+    assert calls == [1, 1, 0, 0, 0, 0]  # layer 2 onwards never ran
+    assert not any(layer._forward_pre_hooks or layer._forward_hooks for layer in target.layers)
+    stop.clear()  # the same model serves the next run
+    assert target.features(ids, layer_ids=[1, 4], stop=stop).shape == (1, 9, 2 * HIDDEN)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
