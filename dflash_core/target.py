@@ -269,18 +269,25 @@ class TargetModel:
 
     def _hooks(self, ids: list[int], outputs: dict, stop_after_last: bool,
                stop: threading.Event | None = None) -> list:
+        # Hooks live on the shared layer modules, so they fire in every thread's forward: the
+        # evaluation (a drafter thread) runs this model while its target thread extracts
+        # features. Each hook acts only in the thread that registered it, or the two would
+        # capture each other's activations and cut each other's forwards short.
+        owner = threading.get_ident()
         last = max(ids)
         handles = []
         if stop is not None:
             # A 27B forward of a 64K-token batch takes ~7 s: checked before every layer, an abort
             # or restart waits for one layer, not for the whole forward.
             def check(module, args):
-                if stop.is_set():
+                if stop.is_set() and threading.get_ident() == owner:
                     raise ForwardInterrupted
             handles = [layer.register_forward_pre_hook(check) for layer in self.layers]
 
         def make_hook(i: int):
             def hook(module, args, output):
+                if threading.get_ident() != owner:
+                    return
                 outputs[i] = output[0] if isinstance(output, tuple) else output
                 if stop_after_last and i == last:
                     raise _StopForward

@@ -369,3 +369,35 @@ def test_wraps_an_in_memory_model():
     hs = _hidden_states(model, torch.arange(6)[None])
     feats = target.features(torch.arange(6)[None], layer_ids=[2])
     assert (feats - hs[3]).abs().max().item() < 1e-5
+
+
+def test_features_and_an_evaluation_forward_in_two_threads_do_not_mix(loaded):
+    # The engine's evaluation (on a drafter thread) runs the target while the target thread
+    # extracts features from the same modules; their layer hooks must not see each other.
+    target, _ = loaded["qwen3"]
+    ids_a, ids_b = torch.randint(0, VOCAB, (2, 64)), torch.randint(0, VOCAB, (1, 40))
+    want_a = target.features(ids_a, layer_ids=[1, 2])
+    want_logits, want_b = target.logits_and_features(ids_b, [1, 2])
+    errors = []
+
+    def features():
+        assert torch.equal(target.features(ids_a, layer_ids=[1, 2], stop=threading.Event()),
+                           want_a)
+
+    def evaluation():
+        logits, feats = target.logits_and_features(ids_b, [1, 2])
+        assert torch.equal(feats, want_b) and torch.equal(logits, want_logits)
+
+    def repeat(fn):
+        try:
+            for _ in range(200):
+                fn()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=repeat, args=(fn,)) for fn in (features, evaluation)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:2]
