@@ -202,6 +202,9 @@ class DFlashApp(App[None]):
     async def action_quit(self) -> None:
         if self._quitting:
             self.notify("still shutting down the engine…", timeout=3)
+        elif getattr(self.controller, "detach_on_quit", False):
+            self._quitting = True  # attached to another process's run: leave it running
+            self._stop_engine()
         elif not self._live():
             self.exit()
         else:

@@ -1,0 +1,125 @@
+"""Attaching to a run owned by another process: its events.jsonl is followed as it grows, abort and
+restart travel as command files, and quitting the dashboard leaves the run alone."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import tui_scenarios as sc
+
+from dflash_core import events as ev
+from dflash_core.inbox import CommandInbox, command_dir
+from dflash_tui.app import DFlashApp
+from dflash_tui.follow import FollowController
+from dflash_tui.replay import ReplayController
+
+
+class Collect:
+    def __init__(self, bus):
+        self.events: list[ev.Event] = []
+        self.cond = threading.Condition()
+        bus.tap(self._add)
+
+    def _add(self, e):
+        with self.cond:
+            self.events.append(e)
+            self.cond.notify_all()
+
+    def wait_for(self, pred, timeout=5.0):
+        with self.cond:
+            assert self.cond.wait_for(lambda: any(pred(e) for e in self.events), timeout), \
+                [type(e).__name__ for e in self.events]
+
+    def of(self, cls):
+        return [e for e in self.events if isinstance(e, cls)]
+
+
+def write(path, events, mode="a"):
+    with open(path, mode, encoding="utf-8") as f:
+        for e in events:
+            f.write(e.to_json() + "\n")
+
+
+def test_follows_the_last_run_and_waits_for_whole_lines(tmp_path):
+    first = sc.failed()  # an earlier run in the same file, ended
+    second = sc.start()
+    write(tmp_path / "events.jsonl", first + second, mode="w")
+    ctl = FollowController(tmp_path, poll_s=0.02)
+    got = Collect(ctl.bus)
+    ctl.start()
+    try:
+        got.wait_for(lambda e: isinstance(e, ev.Log) and e.source == "attach")
+        assert len(got.of(ev.RunStarted)) == 1  # only the last run
+        assert not got.of(ev.RunEnded)
+        # A line arriving in two writes is read once it is whole.
+        line = ev.StepMetrics(step=7, epoch=0, loss=1.25, lr=1e-4, grad_norm=0.5,
+                              tokens_per_s=1.0, samples_per_s=1.0, tau_tf=2.0,
+                              drafter_wait_frac=0.0, target_blocked_frac=0.0, padding_frac=0.0,
+                              samples=4, total_steps=100, ts=sc.T0 + 50).to_json() + "\n"
+        with open(tmp_path / "events.jsonl", "a", encoding="utf-8") as f:
+            f.write(line[:40])
+            f.flush()
+            time.sleep(0.2)
+            assert not got.of(ev.StepMetrics)
+            f.write(line[40:])
+        got.wait_for(lambda e: isinstance(e, ev.StepMetrics))
+        assert [s.step for s in got.of(ev.StepMetrics)] == [7]
+        write(tmp_path / "events.jsonl", [ev.RunEnded(status="aborted", step=7, seconds=9.0)])
+        got.wait_for(lambda e: isinstance(e, ev.RunEnded))
+        assert ctl.state == "aborted"
+    finally:
+        ctl.shutdown(timeout=5)
+
+
+def test_commands_reach_the_owner_through_its_inbox(tmp_path):
+    write(tmp_path / "events.jsonl", sc.training(), mode="w")
+    owner = ReplayController([])  # stands in for the engine in the other process
+    inbox = CommandInbox(owner, tmp_path, owner.bus.publish, poll_s=0.05)
+    inbox.start()
+    ctl = FollowController(tmp_path, poll_s=0.02)
+    got = Collect(ctl.bus)
+    try:
+        ctl.start()
+        ctl.abort()
+        deadline = time.monotonic() + 3
+        while owner.calls != ["abort"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert owner.calls == ["abort"]
+        assert list(command_dir(tmp_path).iterdir()) == []
+        time.sleep(ctl.pickup_s + 0.2)
+        assert not got.of(ev.Error)  # picked up: no complaint
+    finally:
+        inbox.close()
+        ctl.shutdown(timeout=5)
+
+
+def test_a_command_nobody_reads_is_reported_and_withdrawn(tmp_path):
+    write(tmp_path / "events.jsonl", sc.training(), mode="w")
+    ctl = FollowController(tmp_path, poll_s=0.02, pickup_s=0.3)
+    got = Collect(ctl.bus)
+    try:
+        ctl.start()
+        ctl.restart()
+        got.wait_for(lambda e: isinstance(e, ev.Error))
+        (err,) = got.of(ev.Error)
+        assert "restart was not picked up" in err.message and "kill -INT" in err.hint
+        assert list(command_dir(tmp_path).iterdir()) == []  # a later owner will not act on it
+    finally:
+        ctl.shutdown(timeout=5)
+
+
+@pytest.mark.anyio
+async def test_quitting_an_attached_dashboard_detaches_without_asking(tmp_path):
+    write(tmp_path / "events.jsonl", sc.training(), mode="w")
+    ctl = FollowController(tmp_path, poll_s=0.02)
+    app = DFlashApp(ctl, run_dir=None, start=True)
+    async with app.run_test(size=(160, 48)) as pilot:
+        await pilot.pause(1.2)
+        assert "TRAINING" in app.query_one("#header").text
+        await pilot.press("q")
+        await pilot.pause(0.5)
+        assert not app.is_running  # no "stop the run?" dialog: there is nothing to stop
+    assert ctl.calls == ["start", "shutdown"]  # shutdown = stop following
+    assert not command_dir(tmp_path).exists()  # nothing was sent to the run
