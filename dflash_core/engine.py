@@ -57,6 +57,8 @@ class Engine:
         self._lock = threading.RLock()
         self._supervisor: threading.Thread | None = None
         self._stop = threading.Event()
+        self._restarts_pending = 0  # restart() calls whose new run has not started yet
+        self.runs_started = 0  # start() calls that began a run (each ends in one RunEnded)
         self._sinks: list = []
         self._subs: list = []
         self.final_status: str | None = None
@@ -87,6 +89,7 @@ class Engine:
             self._abort_requested = False
             self._failure: Error | None = None
             self._supervisor = threading.Thread(target=self._supervise, name="engine", daemon=True)
+            self.runs_started += 1
             self._supervisor.start()
 
     def abort(self) -> None:
@@ -102,6 +105,13 @@ class Engine:
         """Abort, free memory, re-read the config file and resume from the latest checkpoint.
         Returns at once; the work happens on a thread."""
         def go():
+            try:
+                again()
+            finally:
+                with self._lock:
+                    self._restarts_pending -= 1
+
+        def again():
             self.abort()
             # The teardown may wait up to GIVE_UP_S for workers, then save a checkpoint.
             if not self.join(timeout=GIVE_UP_S + 120):
@@ -113,13 +123,26 @@ class Engine:
                 return
             self.resume = True
             self.start()
+        with self._lock:
+            self._restarts_pending += 1
         threading.Thread(target=go, name="engine-restart", daemon=True).start()
+
+    @property
+    def restarting(self) -> bool:
+        """A restart is under way: the run that ends now is followed by a new one."""
+        return self._restarts_pending > 0
 
     def shutdown(self, timeout: float = 30.0) -> None:
         self.abort()
         self.join(timeout)
         if self._owns_bus:
             self.bus.close(timeout=5.0)
+
+    @property
+    def running(self) -> bool:
+        """A run's supervisor is alive (from start() until its teardown has finished)."""
+        sup = self._supervisor
+        return sup is not None and sup.is_alive()
 
     def join(self, timeout: float | None = None) -> bool:
         sup = self._supervisor

@@ -9,8 +9,10 @@ from __future__ import annotations
 import signal
 import sys
 import threading
+import time
 
 from .engine import Engine
+from .inbox import open_inbox
 from .events import Event, RunEnded, RunStarted
 from .sinks.textlog import LineThrottle, format_event
 
@@ -43,21 +45,37 @@ class ConsolePrinter:
 def run_headless(engine: Engine, *, every_s: float | None = None, out=None) -> int:
     printer = ConsolePrinter(out=out, every_s=every_s)
     sub = engine.bus.subscribe("console", printer)
-    ended = threading.Event()
-    engine.bus.tap(lambda ev: ended.set() if isinstance(ev, RunEnded) else None)
+    ends = [0]  # RunEnded events seen; every start() of a run ends in exactly one
+    engine.bus.tap(lambda ev: ends.__setitem__(0, ends[0] + 1) if isinstance(ev, RunEnded)
+                   else None)
+
+    interrupted = threading.Event()
 
     def on_signal(signum, frame):
+        interrupted.set()
         print(f"signal {signal.Signals(signum).name}: aborting (checkpoint first)", flush=True,
               file=printer.out)
         engine.abort()
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    # A dashboard attached from another terminal (dflash-tui --attach RUN_DIR) sends its abort
+    # and restart through the run folder.
+    inbox = open_inbox(engine, engine.run_dir())
     try:
         engine.start()
-        while not ended.wait(0.2):
-            pass
-        engine.join(timeout=30)
+        while True:
+            while ends[0] < engine.runs_started:
+                time.sleep(0.2)
+            engine.join(timeout=30)
+            # A restart (from an attached dashboard) ends this run and starts the next one: keep
+            # going. The process ends with the run that ends without one.
+            while engine.restarting and not interrupted.is_set():
+                time.sleep(0.1)
+            if interrupted.is_set() or ends[0] >= engine.runs_started:
+                break
     finally:
+        if inbox is not None:
+            inbox.close()
         for s, h in old.items():
             signal.signal(s, h)
         engine.bus.drain(timeout=5)

@@ -122,3 +122,14 @@ class CommandInbox:
                 self.publish(Log(level="warning", source="inbox",
                                  message=f"cannot read {self.folder}: {exc}"))
                 self._stop.wait(5.0)
+
+
+def open_inbox(controller: Controller, run_dir: str | Path | None) -> CommandInbox | None:
+    """A started inbox for the run folder, or None when the folder is unknown (a config that
+    cannot be read: the run will fail at preflight and say why)."""
+    if run_dir is None:
+        return None
+    publish = getattr(controller, "bus").publish
+    inbox = CommandInbox(controller, run_dir, publish)
+    inbox.start()
+    return inbox

@@ -4,6 +4,8 @@
     dflash-tui --config config.yaml    dashboard on a real run
     dflash-tui --headless ...          no screen (no Textual import), logs in the run folder
     dflash-tui --replay events.jsonl   replay a recorded run into the dashboard
+    dflash-tui --attach runs/NAME      dashboard on a run another process owns (a headless one):
+                                       a / r reach that run, q detaches and leaves it running
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-steps", type=int, default=None, help="override run.max_steps")
     p.add_argument("--output-dir", type=str, default=None, help="override run.output_dir")
     p.add_argument("--replay", type=Path, help="replay an events.jsonl into the dashboard")
+    p.add_argument("--attach", type=Path, metavar="RUN_DIR",
+                   help="follow a live run owned by another dflash-tui process (its run folder)")
     return p
 
 
@@ -46,6 +50,17 @@ def make_engine(args):
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.attach is not None:
+        events = args.attach if args.attach.name.endswith(".jsonl") else args.attach / "events.jsonl"
+        if not events.exists():
+            print(f"nothing to attach to: {events} does not exist\nhint: pass the run folder "
+                  f"of a running dflash-tui (run.output_dir/run.name, e.g. runs/demo)",
+                  file=sys.stderr)
+            return 2
+        from dflash_tui.app import run_app
+        from dflash_tui.follow import FollowController
+
+        return run_app(FollowController(args.attach), run_dir=None)
     if args.replay is not None:
         from dflash_tui.app import run_app
         from dflash_tui.replay import ReplayController
@@ -64,9 +79,16 @@ def main(argv: list[str] | None = None) -> int:
         from dflash_core.headless import run_headless
 
         return run_headless(engine)
+    from dflash_core.inbox import open_inbox
     from dflash_tui.app import run_app
 
-    return run_app(engine, run_dir=engine.run_dir())
+    run_dir = engine.run_dir()
+    inbox = open_inbox(engine, run_dir)  # a second terminal may attach with --attach
+    try:
+        return run_app(engine, run_dir=run_dir)
+    finally:
+        if inbox is not None:
+            inbox.close()
 
 
 if __name__ == "__main__":

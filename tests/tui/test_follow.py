@@ -14,6 +14,7 @@ from dflash_core.inbox import CommandInbox, command_dir
 from dflash_tui.app import DFlashApp
 from dflash_tui.follow import FollowController
 from dflash_tui.replay import ReplayController
+from tests.core.engine_fixtures import assets  # noqa: F401 - a fixture
 
 
 class Collect:
@@ -123,3 +124,49 @@ async def test_quitting_an_attached_dashboard_detaches_without_asking(tmp_path):
         assert not app.is_running  # no "stop the run?" dialog: there is nothing to stop
     assert ctl.calls == ["start", "shutdown"]  # shutdown = stop following
     assert not command_dir(tmp_path).exists()  # nothing was sent to the run
+
+
+def test_a_dashboard_attached_to_a_headless_run_restarts_and_aborts_it(tmp_path, assets):
+    # The whole path as an operator uses it: `dflash-tui --headless` in one terminal, a follower
+    # of its run folder in another; r restarts the run in place (the process goes on), a aborts.
+    from tests.core.engine_fixtures import make_config, write_config
+    from tests.core.test_headless import Headless
+
+    target, data = assets
+    cfg = make_config(tmp_path, target, data, run__max_steps=0, optim__epochs=200,
+                      data__eval_prompts=0, checkpoint__every=0)
+    run = Headless(write_config(tmp_path / "config.yaml", cfg))
+    ctl = None
+    try:
+        run.wait_line("state warmup -> training")
+        ctl = FollowController(cfg.run_dir, poll_s=0.05)
+        got = Collect(ctl.bus)
+        ctl.start()
+        got.wait_for(lambda e: isinstance(e, ev.StepMetrics), 30)
+        ctl.restart()
+        run.wait_line("restart requested by an attached dashboard", 30)
+        got.wait_for(lambda e: isinstance(e, ev.Log) and e.message.startswith("resuming from"), 60)
+        n_steps = len(got.of(ev.StepMetrics))
+        got.wait_for(lambda e: len(got.of(ev.StepMetrics)) > n_steps + 1, 60)
+        assert run.proc.poll() is None  # the restart did not end the headless process
+        ctl.abort()
+        rc, out, err = run.finish(60)
+    finally:
+        if run.proc.poll() is None:
+            run.proc.kill()
+        if ctl is not None:
+            ctl.shutdown(timeout=5)
+    assert rc == 130, out + err
+    events = ev.read_jsonl(cfg.run_dir / "events.jsonl")
+    assert len([e for e in events if isinstance(e, ev.RunStarted)]) == 2
+    assert [e.status for e in events if isinstance(e, ev.RunEnded)] == ["aborted", "aborted"]
+    assert not got.of(ev.Error)
+
+
+def test_attach_to_a_folder_without_a_run_says_what_to_pass(tmp_path, capsys):
+    from dflash_tui.cli import main
+
+    assert main(["--attach", str(tmp_path / "nothing")]) == 2
+    err = capsys.readouterr().err
+    assert "nothing to attach to" in err and "events.jsonl does not exist" in err
+    assert "hint: pass the run folder" in err
