@@ -4,6 +4,7 @@ to its events.jsonl, skipping the first steps (warm-up).
 
     python bench/tui_vs_headless.py --demo --steps 150 --repeats 2
     python bench/tui_vs_headless.py --config my.yaml --steps 100
+    python bench/tui_vs_headless.py --demo --modes headless,attached   # dashboard in its own process
 """
 
 from __future__ import annotations
@@ -53,6 +54,22 @@ def run_once(mode: str, base_args: list[str], out: Path, timeout: float) -> floa
     events = out / "demo" / "events.jsonl"
     if mode == "headless":
         subprocess.run([*exe, "--headless"], check=True, stdout=subprocess.DEVNULL, timeout=timeout)
+    elif mode == "attached":
+        # Headless training, with a dashboard in its own process following it (--attach).
+        proc = subprocess.Popen([*exe, "--headless"], stdout=subprocess.DEVNULL)
+        session = f"bench{int(time.time())}"
+        try:
+            deadline = time.monotonic() + timeout
+            while not events.exists() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            attach = [sys.executable, "-m", "dflash_tui.cli", "--attach", str(events.parent)]
+            subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "160", "-y", "48",
+                            " ".join(attach)], check=True)
+            proc.wait(timeout)
+        finally:
+            subprocess.run(["tmux", "kill-session", "-t", session], check=False)
+            if proc.poll() is None:
+                proc.kill()
     else:
         session = f"bench{int(time.time())}"
         cmd = " ".join(exe)
@@ -74,17 +91,23 @@ def main():
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=1200)
+    ap.add_argument("--modes", default="headless,tui",
+                    help="compared with the first: tui (dashboard owns the engine), attached "
+                         "(headless engine, dashboard in another process via --attach)")
     args = ap.parse_args()
     base = ["--demo"] if args.demo else ["--config", args.config]
     base += ["--max-steps", str(args.steps)]
     tmp = Path(tempfile.mkdtemp())
-    rates = {"headless": [], "tui": []}
+    modes = args.modes.split(",")
+    rates = {m: [] for m in modes}
     for r in range(args.repeats):
-        for mode in ("headless", "tui") if r % 2 == 0 else ("tui", "headless"):
+        for mode in modes if r % 2 == 0 else modes[::-1]:
             rates[mode].append(run_once(mode, base, tmp / mode, args.timeout))
-    h = sum(rates["headless"]) / len(rates["headless"])
-    t = sum(rates["tui"]) / len(rates["tui"])
-    print(f"RESULT headless {h:.3f} steps/s, tui {t:.3f} steps/s, ratio tui/headless {t / h:.3f}")
+    mean = {m: sum(v) / len(v) for m, v in rates.items()}
+    ref = modes[0]
+    for m in modes[1:]:
+        print(f"RESULT {ref} {mean[ref]:.3f} steps/s, {m} {mean[m]:.3f} steps/s, ratio "
+              f"{m}/{ref} {mean[m] / mean[ref]:.3f}")
 
 
 if __name__ == "__main__":
