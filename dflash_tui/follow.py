@@ -16,17 +16,56 @@ from dflash_core.inbox import send_command
 
 POLL_S = 0.2
 PICKUP_S = 3.0  # a command file still there after this: the owner is not reading commands
+# A run of days writes hundreds of MB of events (GPU samples, queue depths). Attaching reads the
+# last TAIL_BYTES in full and, before that, only the events that set the dashboard's state (not
+# its history), so it takes seconds whatever the run's age.
+TAIL_BYTES = 16 << 20
+STATE_KINDS = ("RunStarted", "StateChanged", "WorkerStatus", "LoadProgress", "MemoryPlan",
+               "Checkpoint", "EvalResult", "Error", "SinkStatus", "Log", "RunEnded")
+KEEP_LOGS = 200  # Log lines kept from before the tail
+
+
+def _marker(kind: str) -> bytes:
+    return f'"event":"{kind}"'.encode()
+
+
+def last_run_offset(f, size: int, chunk: int = 1 << 20) -> int:
+    """Byte offset of the line holding the file's last RunStarted (0 when there is none). Reads
+    backwards in chunks, so only the last run's part of the file is touched."""
+    marker = _marker("RunStarted")
+    end, carry = size, b""
+    while end > 0:
+        start = max(0, end - chunk)
+        f.seek(start)
+        block = f.read(end - start) + carry  # carry: a marker cut by the chunk edge
+        hit = block.rfind(marker)
+        if hit >= 0:
+            return _line_start(f, start + hit)
+        carry, end = block[: len(marker)], start
+    return 0
+
+
+def _line_start(f, pos: int) -> int:
+    """Start of the line holding byte ``pos``."""
+    while pos > 0:
+        start = max(0, pos - (1 << 16))
+        f.seek(start)
+        nl = f.read(pos - start).rfind(b"\n")
+        if nl >= 0:
+            return start + nl + 1
+        pos = start
+    return 0
 
 
 class FollowController:
     detach_on_quit = True  # the app quits without asking: nothing of the run stops
 
     def __init__(self, run_dir: str | Path, *, poll_s: float = POLL_S,
-                 pickup_s: float = PICKUP_S) -> None:
+                 pickup_s: float = PICKUP_S, tail_bytes: int = TAIL_BYTES) -> None:
         path = Path(run_dir)
         self.events_path = path if path.name.endswith(".jsonl") else path / "events.jsonl"
         self.run_dir = self.events_path.parent
-        self.poll_s, self.pickup_s = poll_s, pickup_s
+        self.poll_s, self.pickup_s, self.tail_bytes = poll_s, pickup_s, tail_bytes
         self.bus = ev.EventBus()
         self.calls: list[str] = []
         self._state = "idle"
@@ -57,21 +96,56 @@ class FollowController:
         while not self.events_path.exists():
             if self._stop.wait(self.poll_s):
                 return
-        with open(self.events_path, encoding="utf-8") as f:
-            partial = [""]
-            backlog = [e for e in map(self._parse, self._complete_lines(f, partial)) if e]
-            # Only the last run in the file: earlier ones (before a restart) are history.
-            starts = [i for i, e in enumerate(backlog) if isinstance(e, ev.RunStarted)]
-            for event in backlog[starts[-1] if starts else 0:]:
+        with open(self.events_path, "rb") as f:
+            for event in self._backlog(f):
                 self._publish(event)
             self._publish(ev.Log(level="info", source="attach", message=(
                 f"attached to {self.run_dir} (following events.jsonl; q detaches, the run goes "
                 f"on)")))
+            partial = [""]
             while not self._stop.wait(self.poll_s):
                 for line in self._complete_lines(f, partial):
                     event = self._parse(line)
                     if event is not None:
                         self._publish(event)
+
+    def _backlog(self, f) -> list[ev.Event]:
+        """The last run's events so far; leaves ``f`` at the end of the last whole line."""
+        f.seek(0, 2)
+        size = f.tell()
+        start = last_run_offset(f, size)
+        tail = max(start, size - self.tail_bytes)
+        out: list[ev.Event] = []
+        if tail > start:
+            f.seek(start)
+            markers = [_marker(k) for k in STATE_KINDS]
+            head, logs, skipped = [], [], 0
+            log_marker = _marker("Log")
+            while f.tell() < tail:
+                pos, line = f.tell(), f.readline()
+                if not line:
+                    break
+                if any(m in line for m in markers):
+                    (logs if log_marker in line else head).append((pos, line))
+                else:
+                    skipped += 1
+            head = sorted(head + logs[-KEEP_LOGS:])  # back in file order
+            out = [e for e in map(self._parse, (r.decode("utf-8", "replace") for _, r in head))
+                   if e]
+            out.append(ev.Log(level="info", source="attach", message=(
+                f"attached to a long run: {skipped} metric lines before the last "
+                f"{self.tail_bytes / 2**20:.0f} MB of events.jsonl were skipped; errors, states, "
+                f"checkpoints and evaluations are all shown"),
+                ts=out[-1].ts if out else time.time()))
+            if f.tell() > tail:  # the last line read crossed into the tail: start after it
+                tail = f.tell()
+        f.seek(tail)
+        lines = f.read().split(b"\n")
+        rest = lines.pop()  # an unfinished last line: read again once it is whole
+        f.seek(f.tell() - len(rest))
+        out += [e for e in map(self._parse, (x.decode("utf-8", "replace") for x in lines
+                                             if x.strip())) if e]
+        return out
 
     @staticmethod
     def _complete_lines(f, partial: list[str]) -> list[str]:
@@ -79,7 +153,7 @@ class FollowController:
         chunk = f.read()
         if not chunk:
             return []
-        text = partial[0] + chunk
+        text = partial[0] + chunk.decode("utf-8", "replace")
         lines = text.split("\n")
         partial[0] = lines.pop()  # "" when the chunk ended with a newline
         return [line for line in lines if line.strip()]

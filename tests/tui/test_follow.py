@@ -170,3 +170,40 @@ def test_attach_to_a_folder_without_a_run_says_what_to_pass(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "nothing to attach to" in err and "events.jsonl does not exist" in err
     assert "hint: pass the run folder" in err
+
+
+def test_attaching_late_to_a_long_run_reads_its_tail_and_every_state_event(tmp_path):
+    # Days of GPU samples are skipped; what sets the screen (errors, states, checkpoints,
+    # evaluations) is read from the whole run, the metrics from the last tail_bytes.
+    early = [ev.Error(kind_="data", source="loader-0", message="early error", fatal=False,
+                      ts=sc.T0 + 1),
+             ev.Checkpoint(step=10, path="runs/x/checkpoints/step-10", reason="periodic",
+                           seconds=1.0, ts=sc.T0 + 2)]
+    samples = [ev.GpuSample(index=i % 8, name="H200", mem_used=1, mem_total=2, util=50,
+                            temperature=40, power=100.0, ts=sc.T0 + 3 + i * 0.01)
+               for i in range(5000)]
+    late = ev.EvalResult(step=20, tau=3.5, acceptance=[1, 2], prompts=2, ts=sc.T0 + 100)
+    write(tmp_path / "events.jsonl", sc.failed() + sc.start() + early + samples + [late], mode="w")
+    size = (tmp_path / "events.jsonl").stat().st_size
+    ctl = FollowController(tmp_path, poll_s=0.02, tail_bytes=20_000)
+    got = Collect(ctl.bus)
+    try:
+        ctl.start()
+        got.wait_for(lambda e: isinstance(e, ev.Log) and e.message.startswith("attached to "
+                                                                             + str(tmp_path)))
+        assert len(got.of(ev.RunStarted)) == 1 and not got.of(ev.RunEnded)  # the last run only
+        assert [e.message for e in got.of(ev.Error)] == ["early error"]
+        assert [c.step for c in got.of(ev.Checkpoint)] == [10]
+        assert [r.step for r in got.of(ev.EvalResult)] == [20]
+        gpu = got.of(ev.GpuSample)
+        assert 0 < len(gpu) < 5000 and gpu[-1].ts == samples[-1].ts  # the tail, in full
+        assert sum(len(s.to_json()) + 1 for s in gpu) <= 20_000 < size
+        (note,) = [e for e in got.of(ev.Log) if "long run" in e.message]
+        assert "metric lines before the last" in note.message
+        # In the file's order (the screen folds events in order), a subsequence of the last run.
+        index = {e.to_json(): i for i, e in enumerate(sc.start() + early + samples + [late])}
+        seen = [index[e.to_json()] for e in got.events
+                if not (isinstance(e, ev.Log) and e.source == "attach")]
+        assert seen == sorted(seen)
+    finally:
+        ctl.shutdown(timeout=5)
