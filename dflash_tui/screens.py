@@ -13,7 +13,8 @@ from textual.widgets import Button, Static
 KEYS = [
     ("r", "restart: abort, free memory, re-read config.yaml, resume from the latest checkpoint"),
     ("a", "abort: stop every worker (a checkpoint is written first when training)"),
-    ("q", "quit: asks first if the run is live, then shuts the engine down and exits"),
+    ("q", "quit: asks first if the run is live, then shuts the engine down and exits; "
+          "attached (--attach): detaches at once, the run goes on"),
     ("e", "focus the errors table; arrows pick an error, its traceback shows below"),
     ("l", "focus the log; arrows / page keys scroll it"),
     ("tab", "move focus between panels"),
