@@ -197,7 +197,7 @@ def test_attaching_late_to_a_long_run_reads_its_tail_and_every_state_event(tmp_p
         assert [r.step for r in got.of(ev.EvalResult)] == [20]
         gpu = got.of(ev.GpuSample)
         assert 0 < len(gpu) < 5000 and gpu[-1].ts == samples[-1].ts  # the tail, in full
-        assert sum(len(s.to_json()) + 1 for s in gpu) <= 20_000 < size
+        assert sum(len(s.to_json()) + 1 for s in gpu) <= 20_000 + 200 < size  # + the cut line
         (note,) = [e for e in got.of(ev.Log) if "long run" in e.message]
         assert "metric lines before the last" in note.message
         # In the file's order (the screen folds events in order), a subsequence of the last run.
@@ -207,3 +207,20 @@ def test_attaching_late_to_a_long_run_reads_its_tail_and_every_state_event(tmp_p
         assert seen == sorted(seen)
     finally:
         ctl.shutdown(timeout=5)
+
+
+@pytest.mark.parametrize("block", [7, 64, 1000, 1 << 20])
+def test_state_lines_found_by_block_search_equal_a_line_by_line_scan(tmp_path, block):
+    from dflash_tui.follow import STATE_KINDS, _state_lines
+
+    events = sc.training()
+    write(tmp_path / "events.jsonl", events, mode="w")
+    data = (tmp_path / "events.jsonl").read_bytes()
+    want, pos = [], 0
+    for line in data.splitlines(keepends=True):
+        if any(f'"event":"{k}"'.encode() in line for k in STATE_KINDS):
+            want.append((pos, line.rstrip(b"\n")))
+        pos += len(line)
+    with open(tmp_path / "events.jsonl", "rb") as f:
+        got, skipped = _state_lines(f, 0, len(data), block=block)
+    assert got == want and skipped == len(events) - len(want) > 0
