@@ -70,3 +70,37 @@ def test_demo_trains_aborts_and_quits_cleanly(shell: Path):
     tmux("send-keys", "-t", SESSION, "echo SHELL_OK_$((6*7))", "Enter")
     wait_for(r"SHELL_OK_42", timeout=10)
     assert "TRAINING" not in screen() and "ABORTED" not in screen()
+
+
+def test_attach_to_a_headless_run_aborts_it_and_detaches(shell: Path):
+    # One terminal's headless run, another terminal's dashboard: here both in one shell, the
+    # headless run in the background.
+    cli = f"{sys.executable} -m dflash_tui.cli --demo --output-dir runs --max-steps 2000"
+    tmux("send-keys", "-t", SESSION, f"({cli} --headless > headless.log 2>&1; echo $? > "
+         "headless.rc) &", "Enter")
+    deadline = time.monotonic() + 120
+    while "state warmup -> training" not in _read(shell / "headless.log"):
+        assert time.monotonic() < deadline, _read(shell / "headless.log")
+        time.sleep(0.5)
+    attach = f"{sys.executable} -m dflash_tui.cli --attach runs/demo"
+    tmux("send-keys", "-t", SESSION, f"{attach}; echo EXIT=$?", "Enter")
+    wait_for(r"TRAINING", timeout=60)
+    wait_for(r"attached to", timeout=30)
+
+    tmux("send-keys", "-t", SESSION, "a")
+    wait_for(r"Yes \(y\)", timeout=10)
+    tmux("send-keys", "-t", SESSION, "y")
+    wait_for(r"ABORTED", timeout=30)  # the headless run ended, and the dashboard saw it
+    tmux("send-keys", "-t", SESSION, "q")
+    wait_for(r"EXIT=0", timeout=30)
+    deadline = time.monotonic() + 30
+    while not _read(shell / "headless.rc") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _read(shell / "headless.rc").strip() == "130"  # aborted, with its checkpoint
+    log = _read(shell / "headless.log")
+    assert "abort requested by an attached dashboard" in log
+    assert re.search(r"checkpoint step \d+ \(abort\)", log), log
+
+
+def _read(path: Path) -> str:
+    return path.read_text() if path.exists() else ""
