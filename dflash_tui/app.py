@@ -67,6 +67,7 @@ class DFlashApp(App[None]):
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.start_run = start
         self.state = DashboardState()
+        self.state.attached = bool(getattr(controller, "detach_on_quit", False))
         self.buffer = EventBuffer()
         self.shutdown_done = False  # run_app shuts the controller down if the app did not
         self._quitting = False

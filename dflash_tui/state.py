@@ -119,6 +119,7 @@ class DashboardState:
         self._reset_run()
         self.run_name = ""
         self.run_dir = ""
+        self.attached = False  # following a run another process owns (dflash-tui --attach)
 
     def _reset_run(self) -> None:
         """Per-run facts; a restart publishes a new RunStarted and these start again."""

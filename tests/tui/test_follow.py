@@ -119,6 +119,7 @@ async def test_quitting_an_attached_dashboard_detaches_without_asking(tmp_path):
     async with app.run_test(size=(160, 48)) as pilot:
         await pilot.pause(1.2)
         assert "TRAINING" in app.query_one("#header").text
+        assert "attached: q detaches" in app.query_one("#header").text
         await pilot.press("q")
         await pilot.pause(0.5)
         assert not app.is_running  # no "stop the run?" dialog: there is nothing to stop
