@@ -7,6 +7,7 @@ per event); abort and restart go to the owning process as command files
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from pathlib import Path
@@ -121,21 +122,36 @@ class FollowController:
         self._thread.start()
 
     def _follow(self) -> None:
-        while not self.events_path.exists():
-            if self._stop.wait(self.poll_s):
-                return
-        with open(self.events_path, "rb") as f:
-            for event in self._backlog(f):
-                self._publish(event)
-            self._publish(ev.Log(level="info", source="attach", message=(
-                f"attached to {self.run_dir} (following events.jsonl; q detaches, the run goes "
-                f"on)")))
-            partial = [""]
-            while not self._stop.wait(self.poll_s):
-                for line in self._complete_lines(f, partial):
-                    event = self._parse(line)
-                    if event is not None:
-                        self._publish(event)
+        first = True
+        while not self._stop.is_set():
+            while not self.events_path.exists():
+                if self._stop.wait(self.poll_s):
+                    return
+            with open(self.events_path, "rb") as f:
+                for event in self._backlog(f):
+                    self._publish(event)
+                self._publish(ev.Log(level="info", source="attach", message=(
+                    f"attached to {self.run_dir} (following events.jsonl; q detaches, the run "
+                    f"goes on)" if first else f"{self.events_path} was replaced: following the "
+                    f"new file")))
+                first = False
+                partial = [""]
+                while not self._stop.wait(self.poll_s):
+                    for line in self._complete_lines(f, partial):
+                        event = self._parse(line)
+                        if event is not None:
+                            self._publish(event)
+                    if self._replaced(f):
+                        break  # the run folder was cleared and a new run began: start over
+
+    def _replaced(self, f) -> bool:
+        """The path now names another file (deleted and written anew), or this one shrank."""
+        try:
+            now = os.stat(self.events_path)
+        except FileNotFoundError:
+            return False  # gone for now: keep the open file until a new one appears
+        mine = os.fstat(f.fileno())
+        return (now.st_ino, now.st_dev) != (mine.st_ino, mine.st_dev) or now.st_size < f.tell()
 
     def _backlog(self, f) -> list[ev.Event]:
         """The last run's events so far; leaves ``f`` at the end of the last whole line."""

@@ -225,3 +225,23 @@ def test_state_lines_found_by_block_search_equal_a_line_by_line_scan(tmp_path, b
     with open(tmp_path / "events.jsonl", "rb") as f:
         got, skipped = _state_lines(f, 0, len(data), block=block)
     assert got == want and skipped == len(events) - len(want) > 0
+
+
+def test_a_run_folder_cleared_and_started_again_is_followed_anew(tmp_path):
+    path = tmp_path / "events.jsonl"
+    write(path, sc.training(steps=5), mode="w")
+    ctl = FollowController(tmp_path, poll_s=0.02)
+    got = Collect(ctl.bus)
+    try:
+        ctl.start()
+        got.wait_for(lambda e: isinstance(e, ev.Log) and e.source == "attach")
+        path.unlink()  # the operator cleared the folder and launched a new run of that name
+        time.sleep(0.1)
+        write(path, sc.start(), mode="w")
+        got.wait_for(lambda e: isinstance(e, ev.Log) and "was replaced" in e.message)
+        assert len(got.of(ev.RunStarted)) == 2
+        write(path, [ev.RunEnded(status="failed", step=0, seconds=1.0)])
+        got.wait_for(lambda e: isinstance(e, ev.RunEnded))
+        assert ctl.state == "failed"
+    finally:
+        ctl.shutdown(timeout=5)
