@@ -140,3 +140,44 @@ def test_headless_path_does_not_import_textual():
     res = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
                          text=True, timeout=120)
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stdout + res.stderr
+
+
+def test_a_restart_keeps_the_headless_process_running_into_the_next_run(tmp_path, assets,
+                                                                       monkeypatch):
+    # A restart from an attached dashboard ends the run; the process must go on with the next
+    # one even when the new run starts after the old one has fully ended (here: 1 s later).
+    import io
+
+    from dflash_core.engine import Engine
+    from dflash_core.events import RunStarted, StepMetrics
+    from dflash_core.headless import run_headless
+
+    original_start = Engine.start
+
+    def late_start(self):
+        if threading.current_thread().name == "engine-restart":
+            time.sleep(1.0)
+        original_start(self)
+
+    monkeypatch.setattr(Engine, "start", late_start)
+    target, data = assets
+    cfg = make_config(tmp_path, target, data, run__max_steps=0, optim__epochs=200,
+                      data__eval_prompts=0, checkpoint__every=0)
+    engine = Engine(cfg)
+    runs: list[int] = []
+
+    def steer(ev):
+        if isinstance(ev, RunStarted):
+            runs.append(0)
+        elif isinstance(ev, StepMetrics):
+            runs[-1] += 1
+            if len(runs) == 1 and runs[-1] == 1:
+                engine.restart()
+            elif len(runs) == 2 and runs[-1] == 2:
+                engine.abort()
+    engine.bus.tap(steer)
+    out = io.StringIO()
+    assert run_headless(engine, out=out, every_s=0) == 130  # the second run's abort
+    assert len(runs) == 2 and runs[1] >= 2, (runs, out.getvalue())
+    events = read_jsonl(cfg.run_dir / "events.jsonl")
+    assert len([e for e in events if isinstance(e, RunStarted)]) == 2
