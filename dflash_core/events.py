@@ -238,6 +238,16 @@ EVENT_TYPES: dict[str, type[Event]] = {
 }
 
 
+def state_after(state: str, event: Event) -> str:
+    """The lifecycle state a run is in after ``event``: controllers that do not run the engine
+    themselves (replay, attach) track it from the stream this way."""
+    if isinstance(event, StateChanged):
+        return event.state
+    if isinstance(event, RunEnded):
+        return event.status
+    return state
+
+
 def from_dict(d: dict[str, Any]) -> Event:
     d = dict(d)
     name = d.pop("event")

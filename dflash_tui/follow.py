@@ -106,10 +106,7 @@ class FollowController:
         return self._state
 
     def _publish(self, event: ev.Event) -> None:
-        if isinstance(event, ev.StateChanged):
-            self._state = event.state
-        elif isinstance(event, ev.RunEnded):
-            self._state = event.status
+        self._state = ev.state_after(self._state, event)
         self.bus.publish(event)
 
     # -- following -----------------------------------------------------------------------------

@@ -43,10 +43,7 @@ class ReplayController:
         return self._state
 
     def publish(self, event: ev.Event) -> None:
-        if isinstance(event, ev.StateChanged):
-            self._state = event.state
-        elif isinstance(event, ev.RunEnded):
-            self._state = event.status
+        self._state = ev.state_after(self._state, event)
         self._last_ts = event.ts
         self.bus.publish(event)
 
