@@ -51,16 +51,17 @@ def make_engine(args):
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.attach is not None:
-        events = args.attach if args.attach.name.endswith(".jsonl") else args.attach / "events.jsonl"
-        if not events.exists():
-            print(f"nothing to attach to: {events} does not exist\nhint: pass the run folder "
-                  f"of a running dflash-tui (run.output_dir/run.name, e.g. runs/demo)",
+        from dflash_tui.follow import FollowController
+
+        follower = FollowController(args.attach)
+        if not follower.events_path.exists():
+            print(f"nothing to attach to: {follower.events_path} does not exist\nhint: pass the "
+                  f"run folder of a running dflash-tui (run.output_dir/run.name, e.g. runs/demo)",
                   file=sys.stderr)
             return 2
         from dflash_tui.app import run_app
-        from dflash_tui.follow import FollowController
 
-        return run_app(FollowController(args.attach), run_dir=None)
+        return run_app(follower, run_dir=None)
     if args.replay is not None:
         from dflash_tui.app import run_app
         from dflash_tui.replay import ReplayController

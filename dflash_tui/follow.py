@@ -125,19 +125,17 @@ class FollowController:
                 if self._stop.wait(self.poll_s):
                     return
             with open(self.events_path, "rb") as f:
-                for event in self._backlog(f):
+                partial = [""]  # a line still being written, completed by a later read
+                for event in self._backlog(f, partial):
                     self._publish(event)
                 self._publish(ev.Log(level="info", source="attach", message=(
                     f"attached to {self.run_dir} (following events.jsonl; q detaches, the run "
                     f"goes on)" if first else f"{self.events_path} was replaced: following the "
                     f"new file")))
                 first = False
-                partial = [""]
                 while not self._stop.wait(self.poll_s):
-                    for line in self._complete_lines(f, partial):
-                        event = self._parse(line)
-                        if event is not None:
-                            self._publish(event)
+                    for event in self._events(self._complete_lines(f, partial)):
+                        self._publish(event)
                     if self._replaced(f):
                         break  # the run folder was cleared and a new run began: start over
 
@@ -150,8 +148,8 @@ class FollowController:
         mine = os.fstat(f.fileno())
         return (now.st_ino, now.st_dev) != (mine.st_ino, mine.st_dev) or now.st_size < f.tell()
 
-    def _backlog(self, f) -> list[ev.Event]:
-        """The last run's events so far; leaves ``f`` at the end of the last whole line."""
+    def _backlog(self, f, partial: list[str]) -> list[ev.Event]:
+        """The last run's events so far; an unfinished last line is left in ``partial``."""
         f.seek(0, 2)
         size = f.tell()
         start = last_run_offset(f, size)
@@ -160,22 +158,17 @@ class FollowController:
         if tail > start:
             tail = _line_start(f, tail)  # the tail begins with a whole line
             lines, skipped = _state_lines(f, start, tail)
-            logs = [x for x in lines if _marker("Log") in x[1]]
-            head = sorted([x for x in lines if _marker("Log") not in x[1]] + logs[-KEEP_LOGS:])
-            out = [e for e in map(self._parse, (r.decode("utf-8", "replace") for _, r in head))
-                   if e]
+            log = _marker("Log")
+            logs = [x for x in lines if log in x[1]]
+            head = sorted([x for x in lines if log not in x[1]] + logs[-KEEP_LOGS:])
+            out = self._events(r.decode("utf-8", "replace") for _, r in head)
             out.append(ev.Log(level="info", source="attach", message=(
                 f"attached to a long run: {skipped} metric lines before the last "
                 f"{self.tail_bytes / 2**20:.0f} MB of events.jsonl were skipped; errors, states, "
                 f"checkpoints and evaluations are all shown"),
                 ts=out[-1].ts if out else time.time()))
         f.seek(tail)
-        lines = f.read().split(b"\n")
-        rest = lines.pop()  # an unfinished last line: read again once it is whole
-        f.seek(f.tell() - len(rest))
-        out += [e for e in map(self._parse, (x.decode("utf-8", "replace") for x in lines
-                                             if x.strip())) if e]
-        return out
+        return out + self._events(self._complete_lines(f, partial))
 
     @staticmethod
     def _complete_lines(f, partial: list[str]) -> list[str]:
@@ -188,13 +181,16 @@ class FollowController:
         partial[0] = lines.pop()  # "" when the chunk ended with a newline
         return [line for line in lines if line.strip()]
 
-    def _parse(self, line: str) -> ev.Event | None:
-        try:
-            return ev.from_json(line)
-        except (ValueError, KeyError, TypeError) as exc:
-            self._publish(ev.Log(level="warning", source="attach",
-                                 message=f"skipped an unreadable events.jsonl line: {exc}"))
-            return None
+    def _events(self, lines) -> list[ev.Event]:
+        """Parsed events; an unreadable line is reported and skipped."""
+        out = []
+        for line in lines:
+            try:
+                out.append(ev.from_json(line))
+            except (ValueError, KeyError, TypeError) as exc:
+                self._publish(ev.Log(level="warning", source="attach",
+                                     message=f"skipped an unreadable events.jsonl line: {exc}"))
+        return out
 
     # -- commands ------------------------------------------------------------------------------
     def _send(self, command: str) -> None:
