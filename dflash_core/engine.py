@@ -106,23 +106,20 @@ class Engine:
         Returns at once; the work happens on a thread."""
         def go():
             try:
-                again()
+                self.abort()
+                # The teardown may wait up to GIVE_UP_S for workers, then save a checkpoint.
+                if not self.join(timeout=GIVE_UP_S + 120):
+                    self.bus.publish(Error(
+                        kind_="internal", source="engine", phase=self._state, fatal=False,
+                        message="restart: the previous run has not ended after "
+                        f"{GIVE_UP_S + 120:.0f} s", hint="press r again once the state shows "
+                        "aborted, or quit and start the process again"))
+                    return
+                self.resume = True
+                self.start()
             finally:
                 with self._lock:
                     self._restarts_pending -= 1
-
-        def again():
-            self.abort()
-            # The teardown may wait up to GIVE_UP_S for workers, then save a checkpoint.
-            if not self.join(timeout=GIVE_UP_S + 120):
-                self.bus.publish(Error(
-                    kind_="internal", source="engine", phase=self._state, fatal=False,
-                    message="restart: the previous run has not ended after "
-                    f"{GIVE_UP_S + 120:.0f} s", hint="press r again once the state shows "
-                    "aborted, or quit and start the process again"))
-                return
-            self.resume = True
-            self.start()
         with self._lock:
             self._restarts_pending += 1
         threading.Thread(target=go, name="engine-restart", daemon=True).start()
@@ -137,12 +134,6 @@ class Engine:
         self.join(timeout)
         if self._owns_bus:
             self.bus.close(timeout=5.0)
-
-    @property
-    def running(self) -> bool:
-        """A run's supervisor is alive (from start() until its teardown has finished)."""
-        sup = self._supervisor
-        return sup is not None and sup.is_alive()
 
     def join(self, timeout: float | None = None) -> bool:
         sup = self._supervisor

@@ -84,11 +84,10 @@ class CommandInbox:
 
     def _pending(self) -> list[Path]:
         try:
-            names = sorted(p for p in self.folder.iterdir()
-                           if not p.name.endswith(_TMP) and not p.name.startswith("."))
+            return sorted(p for p in self.folder.iterdir()
+                          if not p.name.endswith(_TMP) and not p.name.startswith("."))
         except FileNotFoundError:
             return []
-        return names
 
     def poll_once(self) -> list[str]:
         """Dispatch every queued command, oldest first; returns their names."""
@@ -129,7 +128,6 @@ def open_inbox(controller: Controller, run_dir: str | Path | None) -> CommandInb
     cannot be read: the run will fail at preflight and say why)."""
     if run_dir is None:
         return None
-    publish = getattr(controller, "bus").publish
-    inbox = CommandInbox(controller, run_dir, publish)
+    inbox = CommandInbox(controller, run_dir, controller.bus.publish)
     inbox.start()
     return inbox
