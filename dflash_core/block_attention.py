@@ -12,10 +12,12 @@ Both compute the same function; tests check it.
 
 from __future__ import annotations
 
-import functools
+import threading
 
 import torch
 import torch.nn.functional as F
+
+from .compile_guard import SerialCompiled
 
 # Upper bound on query x key scores materialised per head by the chunked path.
 CHUNK_ELEMS = 1 << 22
@@ -65,11 +67,20 @@ def chunked_block_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, block_size, 
     return out
 
 
-@functools.lru_cache(maxsize=1)
-def _compiled_flex():
-    from torch.nn.attention.flex_attention import flex_attention
+_flex_lock = threading.Lock()
+_flex: SerialCompiled | None = None
 
-    return torch.compile(flex_attention, dynamic=True)
+
+def compiled_flex() -> SerialCompiled:
+    """The process's one compiled FlexAttention (one compile cache shared by every drafter
+    thread; calls from several threads are serialised around compiles, see compile_guard)."""
+    global _flex
+    with _flex_lock:
+        if _flex is None:
+            from torch.nn.attention.flex_attention import flex_attention
+
+            _flex = SerialCompiled(flex_attention, dynamic=True)
+        return _flex
 
 
 # FlexAttention's sparsity tile (rows and columns); its kernels skip empty tiles and apply the
@@ -142,7 +153,7 @@ def flex_block_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, block_size, sca
         block_mask = make_block_mask(anchors.to(q.device), k_ctx.shape[2], block_size)
     keys = torch.cat([k_ctx, k_blk], dim=2)
     vals = torch.cat([v_ctx, v_blk], dim=2)
-    fn = _compiled_flex() if compile else flex_attention
+    fn = compiled_flex() if compile else flex_attention
     return fn(q, keys, vals, block_mask=block_mask, scale=scale,
               enable_gqa=k_ctx.shape[1] != q.shape[1])
 

@@ -36,6 +36,13 @@ GIVE_UP_S = 60.0
 POLL_S = 0.1  # every blocking wait is at most this long, then the stop flag is checked
 
 
+def use_device(dev: torch.device) -> None:
+    """Make ``dev`` this thread's current CUDA device (a per-thread setting): kernels that launch
+    on the current device (Triton's, e.g. flash-linear-attention's) then run where the tensors are."""
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+
+
 class _Stopped(Exception):
     """Raised inside a worker when the stop flag ends a wait."""
 
@@ -373,6 +380,7 @@ class Engine:
 
         cfg = self.config
         name, label = f"target-{rank}", self._label(dev, rank)
+        use_device(dev)
         self.bus.publish(WorkerStatus(worker=name, role="target", device=label, status="loading"))
 
         def progress(info) -> None:
@@ -516,6 +524,7 @@ class Engine:
         cfg = self.config
         rep = self._replicas[rank]
         label = self._label(rep.device, rank)
+        use_device(rep.device)
         self.bus.publish(WorkerStatus(worker=f"drafter-{rank}", role="drafter", device=label,
                                       status="warmup", detail="first step (kernel compilation)"))
         first = True

@@ -50,3 +50,24 @@ def test_engine_trains_on_one_gpu_and_frees_memory(tmp_path: Path, monkeypatch):
     assert torch.cuda.memory_allocated() - base < 16 * 2**20
     left = {t.name for t in threading.enumerate()} - before_threads
     assert not {n for n in left if n.split("-")[0] in ("target", "drafter", "loader", "engine")}
+
+
+def test_engine_trains_two_data_parallel_drafters(tmp_path: Path):
+    # Both drafters compile FlexAttention in the same first moments (the launch that failed with
+    # "FX to symbolically trace a dynamo-optimized function"); on two GPUs when there are two.
+    drafters = [0, 1] if torch.cuda.device_count() > 1 else [0, 0]
+    target = make_target(tmp_path / "target", head_dim=16)
+    data = make_data(tmp_path / "data")
+    cfg = make_config(tmp_path, target, data, layout__device="cuda", target__dtype="bfloat16",
+                      layout__drafters=drafters, run__max_steps=8)
+    bus = EventBus()
+    steps, errors = [], []
+    bus.tap(lambda e: steps.append(e) if isinstance(e, StepMetrics) else None)
+    bus.tap(lambda e: errors.append(f"{e.source} {e.phase}: {e.message}\n{e.traceback}")
+            if isinstance(e, Error) else None)
+    engine = Engine(cfg, bus=bus)
+    engine.start()
+    assert engine.wait(300) == "finished", "\n".join(errors)
+    assert errors == []
+    assert len(steps) == cfg.run.max_steps
+    assert all(torch.isfinite(torch.tensor(s.loss)) for s in steps)
