@@ -1,7 +1,7 @@
 """Atomic checkpoints and resume.
 
 A checkpoint is ``<run_dir>/checkpoints/step-<N>/`` with
-  config.json        the drafter config (interchange format, DFLASH.md)
+  config.json        the drafter config (interchange format, docs/checkpoint-format.md)
   model.safetensors  the drafter weights (interchange format)
   training_state.pt  optimizer, scheduler and trainer state; loads with weights_only=True
 Everything is written to a hidden ``.tmp-step-<N>-<pid>`` folder, fsynced, then renamed into

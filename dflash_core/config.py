@@ -292,6 +292,6 @@ def save_config(cfg: Config, path: str | Path) -> None:
 
 
 def default_gamma(block_size: int) -> float:
-    """Loss decay from DFLASH.md: 7 for B=16, 5 for B=10, 4 for B=8."""
+    """Loss decay (docs/algorithm.md): 7 for B=16, 5 for B=10, 4 for B=8."""
     table = {16: 7.0, 10: 5.0, 8: 4.0}
     return table.get(block_size, max(1.0, block_size / 2.3))

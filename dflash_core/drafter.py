@@ -1,4 +1,4 @@
-"""The DFlash draft model and its interchange format (DFLASH.md).
+"""The DFlash draft model and its interchange format (docs/algorithm.md).
 
 A stack of Qwen3-style decoder layers without embedding or lm_head (both borrowed from the frozen
 target). The k target features of each context token go through ``fc`` and ``hidden_norm``; in every

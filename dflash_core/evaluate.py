@@ -1,4 +1,5 @@
-"""Exact greedy speculative decoding, and the acceptance length tau it measures (DFLASH.md).
+"""Exact greedy speculative decoding, and the acceptance length tau it measures
+(docs/algorithm.md).
 
 A round: the drafter proposes B-1 tokens after the last accepted token from the target features of
 the accepted context; ONE target forward over context + block verifies them; the longest prefix

@@ -1,4 +1,4 @@
-"""The DFlash training objective (DFLASH.md): anchors, block labels, decayed weights, chunked
+"""The DFlash training objective (docs/algorithm.md): anchors, block labels, decayed weights, chunked
 cross-entropy over the borrowed lm_head, and teacher-forced tau."""
 
 from __future__ import annotations

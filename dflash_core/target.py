@@ -2,7 +2,8 @@
 
 ``TargetModel.features`` returns the outputs of the chosen decoder layers only. It never computes
 lm_head logits, never keeps the full tuple of hidden states, and stops the forward right after the
-last chosen layer (DESIGN.md, Memory): for a 248k vocab the logits alone were ~30 GiB per batch.
+last chosen layer (docs/architecture.md, Memory plan): for a 248k vocab the logits alone were
+~30 GiB per batch.
 
 Loading goes through transformers' own ``from_pretrained`` (local files, safetensors only, no
 pickle). Before it, the shards are read once in order: that pulls them into the page cache, which is

@@ -1,4 +1,4 @@
-"""The training objective of DFLASH.md, checked piece by piece."""
+"""The training objective of docs/algorithm.md, checked piece by piece."""
 
 import math
 
