@@ -21,6 +21,7 @@ import torch
 
 from common import env_line, gib, hf_config, random_causal_lm, FIXTURES
 import dflash_core.target as target_mod
+import dflash_core.target_stage as target_stage
 from dflash_core.config import config_from_dict
 from dflash_core.data import write_shards
 from dflash_core.engine import Engine
@@ -89,7 +90,7 @@ def main():
         args.budget, args.anchors, args.samples = 2048, 16, 200
     max_length = 256 if smoke else 3072
     (tfolder / "config.json").write_text(json.dumps(tcfg))
-    target_mod.load_target = fake_loader()
+    target_stage.load_target = fake_loader()  # what the engine's target stage calls
     vocab = tcfg["vocab_size"]
     t = time.perf_counter()
     make_data(tmp / "data", vocab, args.samples, max_length)

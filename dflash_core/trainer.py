@@ -19,7 +19,7 @@ from torch import nn
 
 from . import objective as obj
 from .config import Config, default_gamma
-from .drafter import DFlashDrafter
+from .drafter import DFlashDrafter, build_drafter_config
 
 # On GPU the anchor count of a batch is rounded up to a multiple of this, so compiled
 # FlexAttention and its block mask see a handful of shapes instead of one per batch.
@@ -76,6 +76,10 @@ class DrafterReplica:
         self.gamma = cfg.drafter.gamma or default_gamma(self.drafter.block_size)
         self.autocast = (self.device.type == "cuda" and cfg.drafter.dtype == "bfloat16")
         self.micro = Micro()
+        # Block tokens live at once in a step; halved by back_off() after an out-of-memory error.
+        self.micro_block_tokens = cfg.drafter.micro_block_tokens
+        self.last_rows = 0  # sequences in the last batch
+        self.last_block_tokens = 0  # block tokens per sequence (anchors x block size) in it
 
     def params(self) -> list[torch.nn.Parameter]:
         return [p for p in self.drafter.parameters() if p.requires_grad]
@@ -95,7 +99,8 @@ class DrafterReplica:
                                     [int(i) for i in batch.indices],
                                     pad_to=ANCHOR_PAD if self.device.type == "cuda" else 1)
         n, A = anchors.shape
-        group = max(1, self.cfg.drafter.micro_block_tokens // max(1, A * B))
+        group = max(1, self.micro_block_tokens // max(1, A * B))
+        self.last_rows, self.last_block_tokens = n, A * B
         ids_all = batch.input_ids.to(self.device, non_blocking=True)
         mask_all = batch.loss_mask.to(self.device, non_blocking=True)
         feats_all = features.to(self.device, non_blocking=True)
@@ -120,6 +125,25 @@ class DrafterReplica:
             out.blocks += lo.blocks
         self.micro.add(out)
         return out
+
+
+    def discard_step(self) -> None:
+        """Forget what this replica accumulated since the last optimizer step (its gradients and
+        counts), so the step's batches can be trained again from scratch."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.micro = Micro()
+
+    def back_off(self) -> tuple[int, int] | None:
+        """After an out-of-memory error: halve the micro-group (the sequences of the last batch
+        whose blocks live at once) by lowering micro_block_tokens. Returns (old, new), or None when a group is already one sequence (no
+        smaller size exists)."""
+        per_seq = self.last_block_tokens
+        group = min(self.micro_block_tokens // per_seq, self.last_rows) if per_seq else 0
+        if group <= 1:
+            return None
+        old = self.micro_block_tokens
+        self.micro_block_tokens = (group // 2) * per_seq
+        return old, self.micro_block_tokens
 
 
 def reduce_and_step(replicas: list[DrafterReplica], step: int, total_steps: int) -> StepResult:
@@ -187,6 +211,37 @@ class StepBarrier:
                     return False
                 self._cond.wait(0.1)
             return True
+
+
+def build_replicas(cfg: Config, target, devices: list[torch.device], *, layer_ids: list[int],
+                   mask_id: int, resume=None) -> list[DrafterReplica]:
+    """The drafter (from a checkpoint to resume, ``drafter.init_from``, or fresh from the target's
+    shape) and one replica of it per drafter device, each with the target's frozen embedding and
+    head. ``target``: a loaded TargetModel; ``resume``: a checkpoint's ResumeState or None."""
+    if resume is not None:
+        drafter = DFlashDrafter(DFlashDrafter.config_from_dict(resume.drafter_config))
+        drafter.load_state_dict(resume.drafter_state)
+    elif cfg.drafter.init_from:
+        drafter = DFlashDrafter.load(cfg.drafter.init_from)
+    else:
+        d = cfg.drafter
+        dcfg = build_drafter_config(
+            target.model.config, num_layers=d.num_layers, target_layer_ids=layer_ids,
+            block_size=d.block_size, mask_token_id=mask_id, hidden_size=d.hidden_size,
+            intermediate_size=d.intermediate_size, num_attention_heads=d.num_attention_heads,
+            num_key_value_heads=d.num_key_value_heads)
+        torch.manual_seed(cfg.run.seed)
+        drafter = DFlashDrafter(dcfg)
+    embed = nn.Embedding.from_pretrained(target.embed_tokens.weight.detach().clone(), freeze=True)
+    head = nn.Linear(target.hidden_size, target.vocab_size, bias=False)
+    head.weight = nn.Parameter(target.lm_head.weight.detach().clone(), requires_grad=False)
+    if devices[0].type == "cpu":
+        embed, head = embed.float(), head.float()
+    reps = make_replicas(drafter, devices, cfg, embed, head)
+    if resume is not None:
+        for r in reps:
+            r.optimizer.load_state_dict(resume.optimizer_state)
+    return reps
 
 
 def make_replicas(drafter: DFlashDrafter, devices: list[torch.device], cfg: Config,

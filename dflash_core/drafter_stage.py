@@ -1,0 +1,96 @@
+"""One drafter worker: take (batch, features) from the hidden-state queue, accumulate gradients on
+its replica, and meet the other drafters at the step barrier, where the last to arrive runs the
+optimizer step for all of them."""
+
+from __future__ import annotations
+
+import gc
+import threading
+from typing import Any, Callable
+
+import torch
+
+from .data_position import DataPosition
+from .events import Log, WorkerStatus
+from .hs_queue import HiddenStateQueue
+from .trainer import DrafterReplica, StepBarrier, StepInterrupted
+from .workers import use_device
+
+
+class DrafterStage:
+    def __init__(self, rank: int, replica: DrafterReplica, label: str, *,
+                 hs_queue: HiddenStateQueue, position: DataPosition, barrier: StepBarrier,
+                 grad_accum: int, seed: int, on_step: Callable[[], None],
+                 step_of: Callable[[], int], publish: Callable[[Any], None],
+                 stop: threading.Event):
+        self.rank, self.replica, self.label = rank, replica, label
+        self.name = f"drafter-{rank}"
+        self.hs_queue, self.position, self.barrier = hs_queue, position, barrier
+        self.grad_accum, self.seed, self.on_step = grad_accum, seed, on_step
+        self.step_of = step_of  # the optimizer steps taken so far
+        self.publish, self.stop = publish, stop
+
+    def _status(self, status: str, detail: str = "") -> None:
+        self.publish(WorkerStatus(worker=self.name, role="drafter", device=self.label,
+                                  status=status, detail=detail))
+
+    def run(self) -> None:
+        use_device(self.replica.device)
+        self._status("warmup", "first step (kernel compilation)")
+        first = True
+        while not self.stop.is_set():
+            if not self._accumulate_step():
+                return
+            if not self.barrier.arrive(self.on_step):
+                return
+            if first:
+                first = False
+                self._status("running")
+
+    def _accumulate_step(self) -> bool:
+        """Accumulate up to grad_accum batches (fewer at the end of the data); False if stopped.
+        An out-of-memory error does not end the run while a smaller micro-group exists: the
+        step's gradients are discarded, micro_block_tokens halved (for the rest of the run), and
+        every batch of the step trained again, so no sample is skipped or counted twice and the
+        optimizer never steps on a partial gradient. The step's batches are kept until it is
+        taken (with grad_accum 1, the one batch the drafter holds anyway)."""
+        items: list = []
+        while len(items) < self.grad_accum and not self.stop.is_set():
+            item = self.hs_queue.get()
+            if item is None:
+                if self.hs_queue.exhausted():
+                    break
+                continue
+            items.append(item)
+            todo = [item]
+            while todo:
+                oom = ""
+                try:
+                    batch, feats = todo[0]
+                    self.replica.accumulate(batch, feats, self.seed, stop=self.stop)
+                    todo.pop(0)
+                except StepInterrupted:
+                    return False
+                except torch.OutOfMemoryError as exc:
+                    oom = str(exc).splitlines()[0] if str(exc) else "out of memory"
+                    sizes = self.replica.back_off()
+                    if sizes is None:
+                        raise
+                # Outside the except block: the traceback (and the step's activations it
+                # holds) is gone before the memory is given back.
+                if oom:
+                    self._recover(sizes, oom)
+                    todo = list(items)
+        for batch, _ in items:
+            self.position.taken(self.rank, batch.epoch, batch.batch_index)
+        return not self.stop.is_set()
+
+    def _recover(self, sizes: tuple[int, int], message: str) -> None:
+        self.replica.discard_step()
+        gc.collect()
+        if self.replica.device.type == "cuda":
+            torch.cuda.empty_cache()
+        old, new = sizes
+        self.publish(Log(level="warning", source=self.name, message=(
+            f"{self.name}: out of memory at micro_block_tokens {old}, now {new}, step "
+            f"{self.step_of() + 1} retried ({message})")))

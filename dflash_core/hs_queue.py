@@ -1,0 +1,93 @@
+"""The hidden-state queue: the bounded hand-off of (batch, features) from target workers to
+drafter workers, with its depth reports and the time each side spent waiting on the other."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Any, Callable
+
+from .events import QueueDepth
+from .workers import POLL_S, Stopped
+
+HS_QUEUE = "hs"  # the queue's name in QueueDepth events
+REPORT_EVERY_S = 0.2  # depth reports are coalesced: a screen needs a few a second
+
+
+class HiddenStateQueue:
+    def __init__(self, capacity: int, producers: int, publish: Callable[[Any], None],
+                 stop: threading.Event):
+        self._q: queue.Queue = queue.Queue(maxsize=capacity)
+        self.capacity = capacity
+        self._producers = producers
+        self._publish = publish
+        self._stop = stop
+        self._lock = threading.Lock()
+        self._done = 0
+        self._blocked = 0.0  # producers' time waiting for room, since the last take_waits()
+        self._waited = 0.0  # consumers' time waiting for an item, likewise
+        self._reported = 0.0
+
+    def put(self, item) -> float:
+        """Blocks while the queue is full; raises Stopped when the stop flag is set meanwhile.
+        Returns the seconds spent waiting for room."""
+        t = time.monotonic()
+        while True:
+            if self._stop.is_set():
+                raise Stopped()
+            try:
+                self._q.put(item, timeout=POLL_S)
+                break
+            except queue.Full:
+                self._report()  # a full queue is news: a report dropped by coalescing goes out now
+        blocked = time.monotonic() - t
+        with self._lock:
+            self._blocked += blocked
+        self._report()
+        return blocked
+
+    def get(self, timeout: float = POLL_S):
+        """The next item, or None when none came within ``timeout``."""
+        t = time.monotonic()
+        try:
+            item = self._q.get(timeout=timeout)
+        except queue.Empty:
+            item = None
+        with self._lock:
+            self._waited += time.monotonic() - t
+        self._report()  # also on a timeout: the depth last coalesced away reaches the screen
+        return item
+
+    def producer_done(self) -> None:
+        with self._lock:
+            self._done += 1
+
+    def exhausted(self) -> bool:
+        """Every producer has finished and nothing is left to take."""
+        return self._done >= self._producers and self._q.empty()
+
+    def take_waits(self) -> tuple[float, float]:
+        """(consumer wait, producer blocked) seconds since the last call."""
+        with self._lock:
+            out = (self._waited, self._blocked)
+            self._waited = self._blocked = 0.0
+        return out
+
+    def depth(self) -> int:
+        return self._q.qsize()
+
+    def clear(self) -> None:
+        """Drop what is queued (teardown: the tensors go with it)."""
+        while True:
+            try:
+                self._q.get_nowait()
+            except queue.Empty:
+                return
+
+    def _report(self) -> None:
+        now = time.monotonic()
+        if now - self._reported >= REPORT_EVERY_S:
+            self._reported = now
+            self._publish(QueueDepth(name=HS_QUEUE, depth=self._q.qsize(),
+                                     capacity=self.capacity))

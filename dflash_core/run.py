@@ -1,0 +1,147 @@
+"""Everything one run owns, made whole when the run starts and dropped whole when it ends (so a
+restart can never see the last run's state), and what the run does at each optimizer step:
+reduce and step, report, checkpoint, evaluate."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from . import checkpoint as ckpt
+from .config import Config
+from .data import Prefetcher
+from .data_position import DataPosition
+from .evaluate import evaluate_tau, target_fn_for
+from .events import Checkpoint, Error, EvalResult, StepMetrics
+from .hs_queue import HiddenStateQueue
+from .preflight import Prepared
+from .sinks.run_sinks import RunSinks
+from .target_stage import TargetStage
+from .trainer import DrafterReplica, RateMeter, StepBarrier, reduce_and_step
+
+
+@dataclass
+class Run:
+    stop: threading.Event = field(default_factory=threading.Event)
+    abort_requested: bool = False
+    failure: Error | None = None
+    finished: bool = False
+    started_at: float = field(default_factory=time.monotonic)
+    # Events published before the run folder (and so its sinks) exist; None once handed over.
+    early: list | None = field(default_factory=list)
+
+    # preflight
+    config: Config | None = None
+    sinks: RunSinks | None = None
+    target_devices: list[torch.device] = field(default_factory=list)
+    drafter_devices: list[torch.device] = field(default_factory=list)
+    prep: Prepared | None = None
+    resume: ckpt.LoadedCheckpoint | None = None
+
+    # loading and training
+    threads: list[threading.Thread] = field(default_factory=list)
+    prefetchers: list[Prefetcher] = field(default_factory=list)
+    targets: list[TargetStage] = field(default_factory=list)
+    hs_queue: HiddenStateQueue | None = None
+    position: DataPosition | None = None
+    replicas: list[DrafterReplica] = field(default_factory=list)
+    barrier: StepBarrier | None = None
+    rate: RateMeter = field(default_factory=RateMeter)
+    step: int = 0
+    saved_step: int = -1
+    last_step_t: float = field(default_factory=time.monotonic)
+
+    @property
+    def total_steps(self) -> int:
+        return self.prep.total_steps if self.prep is not None else 0
+
+    def finish(self) -> None:
+        self.finished = True
+        self.stop.set()
+
+    # -- at each optimizer step (runs in the last drafter thread to reach the barrier) ---------
+    def step_once(self, publish: Callable[[Any], None], on_metrics: Callable[[], None]) -> None:
+        cfg = self.config
+        if all(r.micro.weight_sum == 0 and r.micro.samples == 0 for r in self.replicas):
+            if self.hs_queue.exhausted():
+                self.finish()
+            return
+        res = reduce_and_step(self.replicas, self.step, self.total_steps)
+        self.step = res.step
+        self.position.commit()
+        now = time.monotonic()
+        span = max(now - self.last_step_t, 1e-9)
+        self.last_step_t = now
+        wait, blocked = self.hs_queue.take_waits()
+        tps, sps = self.rate.add(res.tokens, res.samples)
+        publish(StepMetrics(
+            step=res.step, epoch=self.position.current_epoch(), loss=res.loss, lr=res.lr,
+            grad_norm=res.grad_norm, tokens_per_s=tps, samples_per_s=sps, tau_tf=res.tau_tf,
+            drafter_wait_frac=min(1.0, wait / (span * len(self.replicas))),
+            target_blocked_frac=min(1.0, blocked / (span * len(self.target_devices))),
+            padding_frac=res.padding_frac, samples=res.samples, total_steps=self.total_steps))
+        on_metrics()
+        if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
+            self.save_checkpoint("periodic", publish)
+        if cfg.eval.every and self.step % cfg.eval.every == 0:
+            self.evaluate(publish)
+        if self.step >= self.total_steps or self.hs_queue.exhausted():
+            self.finish()
+
+    def save_checkpoint(self, reason: str, publish: Callable[[Any], None]) -> Path | None:
+        if not self.replicas or self.saved_step == self.step:
+            return None
+        cfg = self.config
+        t = time.monotonic()
+        rep = self.replicas[0]
+        epoch, done = self.position.resume_position()
+        self.saved_step = self.step
+        path = ckpt.save_checkpoint(
+            cfg.run_dir, self.step, drafter_state=rep.drafter.interchange_state(),
+            drafter_config=rep.drafter.interchange_config(),
+            optimizer_state=rep.optimizer.state_dict(), scheduler_state={"step": self.step},
+            trainer_state={"epoch": epoch, "done": done, "total_steps": self.total_steps,
+                           "rng": ckpt.capture_rng_state()},
+            keep=cfg.checkpoint.keep)
+        publish(Checkpoint(step=self.step, path=str(path), seconds=time.monotonic() - t,
+                           reason=reason))
+        return path
+
+    def evaluate(self, publish: Callable[[Any], None]) -> None:
+        """Exact tau on the held-out prompts, with the first target and the first replica."""
+        cfg, prep = self.config, self.prep
+        target = self.targets[0].model if self.targets else None
+        if not len(prep.eval_indices) or not self.replicas or target is None:
+            return
+        prompts = []
+        for i in prep.eval_indices:
+            ids, mask = prep.dataset.get(int(i))
+            resp = [j for j, m in enumerate(mask) if m]
+            cut = resp[0] if resp and resp[0] > 0 else min(len(ids) - 1, cfg.eval.prompt_tokens)
+            prompts.append([int(x) for x in ids[: min(cut, cfg.eval.prompt_tokens)]])
+        drafter = self.replicas[0].drafter
+        was_training = drafter.training
+        drafter.eval()
+        try:
+            res = evaluate_tau(target_fn_for(target, prep.layer_ids), drafter, prompts,
+                               cfg.eval.max_new_tokens, prep.layer_ids)
+        finally:
+            drafter.train(was_training)
+        publish(EvalResult(step=self.step, tau=res.tau, acceptance=list(res.acceptance),
+                           prompts=len(prompts)))
+
+    def release(self) -> None:
+        """Drop the run's models, queues and buffers (teardown, after every worker ended)."""
+        for stage in self.targets:
+            stage.model = None
+        self.targets = []
+        self.replicas = []
+        self.prefetchers = []
+        if self.hs_queue is not None:
+            self.hs_queue.clear()
+        self.hs_queue = None
