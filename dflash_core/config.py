@@ -88,6 +88,10 @@ class LayoutConfig:
     targets: list[int] = field(default_factory=lambda: [0])  # target GPU indices (CPU: worker ids)
     drafters: list[int] = field(default_factory=lambda: [0])  # drafter GPU indices
     hs_queue: int = 8  # capacity of the hidden-state queue from targets to drafters (batches)
+    # Plan for and enforce (per-process memory fraction) a card of this many GiB on every GPU;
+    # 0 = the card's own size. Rehearses the real node's cards on bigger ones (e.g. 95 on an H200
+    # for a 96 GB RTX PRO 6000, which offers about 95.6 GiB).
+    gpu_memory_gib: float = 0.0
 
 
 @dataclass
@@ -230,6 +234,9 @@ def _check(cfg: Config) -> None:
     positive("data.max_length", cfg.data.max_length)
     positive("data.prefetch_batches", cfg.data.prefetch_batches)
     positive("layout.hs_queue", cfg.layout.hs_queue)
+    if cfg.layout.gpu_memory_gib < 0:
+        raise ConfigError("layout.gpu_memory_gib", f"must be >= 0 (0 = the whole card), got "
+                          f"{cfg.layout.gpu_memory_gib}")
     positive("drafter.num_layers", cfg.drafter.num_layers)
     positive("drafter.num_anchors", cfg.drafter.num_anchors)
     positive("drafter.loss_chunk", cfg.drafter.loss_chunk)

@@ -19,6 +19,7 @@ import torch
 from transformers.utils import logging as hf_logging
 
 from . import checkpoint as ckpt
+from .allocator import apply_card_limit, configure_allocator
 from .config import Config, ConfigError, load_config, save_config
 from .data import Prefetcher
 from .data_position import DataPosition
@@ -78,6 +79,8 @@ class Engine:
         self._restarts_pending = 0  # restart() calls whose new run has not started yet
         self.runs_started = 0  # start() calls that began a run (each ends in one RunEnded)
         self.final_status: str | None = None
+        # Before any run touches a GPU: the allocator reads its settings at the first allocation.
+        self.allocator = configure_allocator()
         self.bus.tap(self._watch_fatal)
         self.bus.tap(self._hold_early)
 
@@ -293,6 +296,9 @@ class Engine:
             targets=[device_label(d, i) for i, d in enumerate(run.target_devices)],
             drafters=[device_label(d, i) for i, d in enumerate(run.drafter_devices)]))
 
+        if any(d.type == "cuda" for d in run.target_devices + run.drafter_devices):
+            self.bus.publish(Log(level="info", source="engine", message=self.allocator.describe()))
+
         def check_stop():
             if run.stop.is_set():
                 raise Stopped()
@@ -309,6 +315,12 @@ class Engine:
     def _load(self, run: Run) -> None:
         cfg, prep = run.config, run.prep
         self._set_state("loading")
+        for index in sorted({d.index for d in run.target_devices + run.drafter_devices
+                             if d.type == "cuda"}):
+            limit = apply_card_limit(torch.device("cuda", index), cfg.layout.gpu_memory_gib)
+            if cfg.layout.gpu_memory_gib:
+                self.bus.publish(Log(level="info", source="engine", message=(
+                    f"cuda:{index} limited to {limit / 2**30:.1f} GiB (layout.gpu_memory_gib)")))
         self._start_telemetry(run)
         world = len(run.target_devices)
         run.hs_queue = HiddenStateQueue(cfg.layout.hs_queue, world, self.bus.publish, run.stop)
