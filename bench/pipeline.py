@@ -5,6 +5,9 @@ attached (Textual, headless driver) for the TUI-vs-headless ratio.
     python bench/pipeline.py --targets 0 --drafters 0 --steps 30            # one GPU, both roles
     python bench/pipeline.py --targets 0 --drafters 1 --steps 30            # two GPUs
     python bench/pipeline.py --targets 0 --drafters 0 --steps 30 --tui      # same, dashboard on
+    # config.yaml's drafter and data sections at the 27B shape on a rehearsed 95 GiB card:
+    python bench/pipeline.py --fixture qwen3_6_27b_config.json --shipped --gpu-memory-gib 95 \
+        --targets 0 --drafters 1 --steps 20
 """
 
 from __future__ import annotations
@@ -19,13 +22,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common import env_line, gib, hf_config, random_causal_lm, FIXTURES
+import yaml
+
+from common import env_line, gib, hf_config, random_causal_lm, FIXTURES, ROOT
 import dflash_core.target as target_mod
 import dflash_core.target_stage as target_stage
 from dflash_core.config import config_from_dict
 from dflash_core.data import write_shards
 from dflash_core.engine import Engine
-from dflash_core.events import Error, EventBus, GpuSample, MemoryPlan, QueueDepth, StepMetrics, TargetMetrics
+from dflash_core.events import (
+    Error, EventBus, GpuSample, Log, MemoryPlan, QueueDepth, StepMetrics, TargetMetrics,
+)
 
 
 # --device cpu: the same run at a toy size, to check this script without a GPU.
@@ -75,8 +82,14 @@ def main():
                     help="target shape from tests/fixtures")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of this script (tiny shape)")
     ap.add_argument("--samples", type=int, default=3000)
-    ap.add_argument("--micro", type=int, default=32768,
-                    help="drafter.micro_block_tokens (65536 overflows one GPU holding both roles)")
+    ap.add_argument("--micro", type=int, default=None,
+                    help="drafter.micro_block_tokens (default 32768, or config.yaml's with "
+                         "--shipped; 65536 overflows one GPU holding both roles)")
+    ap.add_argument("--shipped", action="store_true",
+                    help="drafter and data sections from config.yaml (layers, block, anchors, "
+                         "loss chunk, micro-group, token budget, lengths)")
+    ap.add_argument("--gpu-memory-gib", type=float, default=0.0,
+                    help="layout.gpu_memory_gib: rehearse a smaller card")
     args = ap.parse_args()
     print(env_line())
     fixture = args.fixture
@@ -91,22 +104,33 @@ def main():
     max_length = 256 if smoke else 3072
     (tfolder / "config.json").write_text(json.dumps(tcfg))
     target_stage.load_target = fake_loader()  # what the engine's target stage calls
-    vocab = tcfg["vocab_size"]
+    vocab = tcfg.get("text_config", tcfg)["vocab_size"]  # multimodal configs nest it
     t = time.perf_counter()
     make_data(tmp / "data", vocab, args.samples, max_length)
     print(f"data made in {time.perf_counter() - t:.0f} s")
+    drafter = {"num_layers": 5, "block_size": 16, "num_anchors": args.anchors,
+               "micro_block_tokens": 32768, "loss_chunk": 8192}
+    data = {"token_budget": args.budget, "max_seqs_per_batch": 64, "max_length": max_length}
+    if args.shipped:
+        shipped = yaml.safe_load((ROOT / "config.yaml").read_text())
+        drafter = shipped["drafter"]
+        data = {k: shipped["data"][k] for k in ("token_budget", "max_seqs_per_batch",
+                                                "max_length", "prefetch_batches")}
+    if args.micro:
+        drafter["micro_block_tokens"] = args.micro
+    print(f"drafter {drafter}\ndata {data}")
     cfg = config_from_dict({
         "run": {"name": "bench", "output_dir": str(tmp / "runs"), "max_steps": args.steps},
         "target": {"path": str(tfolder), "dtype": "bfloat16"},
-        "drafter": {"num_layers": 5, "block_size": 16, "num_anchors": args.anchors,
-                    "micro_block_tokens": args.micro, "loss_chunk": 8192},
-        "data": {"path": str(tmp / "data"), "token_budget": args.budget, "max_seqs_per_batch": 64,
-                 "max_length": max_length, "eval_prompts": 0},
+        "drafter": drafter,
+        "data": {"path": str(tmp / "data"), "eval_prompts": 0, **data},
         "layout": {"device": args.device, "targets": [int(x) for x in args.targets.split(",")],
-                   "drafters": [int(x) for x in args.drafters.split(",")], "hs_queue": 4},
+                   "drafters": [int(x) for x in args.drafters.split(",")], "hs_queue": 4,
+                   "gpu_memory_gib": args.gpu_memory_gib},
         "optim": {"epochs": 1}, "checkpoint": {"every": 0, "on_abort": False},
         "telemetry": {"interval_s": 0.5},
     })
+    devices = sorted(set(cfg.layout.targets) | set(cfg.layout.drafters))
     bus = EventBus()
     steps, queues, targets, gpus, plans = [], [], [], [], []
     t0 = time.monotonic()
@@ -115,8 +139,15 @@ def main():
         if isinstance(ev, StepMetrics):
             steps.append((time.monotonic() - t0, ev))
             # As it happens, so a run cut short by a time limit still reports its steps.
+            mem = ""
+            if not smoke:  # peaks so far, so a run cut short by a time limit still has them
+                mem = "; " + ", ".join(
+                    f"cuda:{d} alloc {gib(torch.cuda.max_memory_allocated(d))} reserved "
+                    f"{gib(torch.cuda.max_memory_reserved(d))} nvml "
+                    f"{gib(max((g.mem_used for g in gpus if g.index == d), default=0))}"
+                    for d in devices)
             print(f"  step {ev.step} at {steps[-1][0]:.1f} s: loss {ev.loss:.3f}, "
-                  f"{ev.samples} samples", flush=True)
+                  f"{ev.samples} samples{mem}", flush=True)
         elif isinstance(ev, QueueDepth):
             queues.append((time.monotonic() - t0, ev.name, ev.depth, ev.capacity))
         elif isinstance(ev, TargetMetrics):
@@ -125,6 +156,8 @@ def main():
             gpus.append(ev)
         elif isinstance(ev, MemoryPlan):
             plans.append(ev)
+        elif isinstance(ev, Log) and ev.level in ("warning", "error"):
+            print(f"{ev.level.upper()} {ev.source}: {ev.message}", flush=True)
         elif isinstance(ev, Error):
             print(f"ERROR {ev.kind} {ev.source} {ev.phase}: {ev.message}\n  hint: {ev.hint}\n"
                   f"{ev.traceback or ''}", flush=True)
@@ -145,7 +178,10 @@ def main():
         engine.start()
     final = engine.wait()
     for d in sorted(set(cfg.layout.targets) | set(cfg.layout.drafters)) if not smoke else []:
-        print(f"cuda:{d} peak allocated {gib(torch.cuda.max_memory_allocated(d))}")
+        st = torch.cuda.memory_stats(d)
+        print(f"cuda:{d} peak allocated {gib(torch.cuda.max_memory_allocated(d))}, peak reserved "
+              f"{gib(torch.cuda.max_memory_reserved(d))}, allocator retries "
+              f"{st.get('num_alloc_retries', 0)}, OOMs {st.get('num_ooms', 0)}")
     print(f"final state {final}, {len(steps)} steps")
     train = [(t, s) for t, s in steps if s.step > 3]  # skip compile/warm-up steps
     if len(train) >= 2:
