@@ -23,8 +23,9 @@ from common import env_line, gib, hf_config, random_causal_lm, FIXTURES
 import dflash_core.target as target_mod
 from dflash_core.config import config_from_dict
 from dflash_core.data import write_shards
+from dflash_core.bus import EventBus
 from dflash_core.engine import Engine
-from dflash_core.events import Error, EventBus, GpuSample, MemoryPlan, QueueDepth, StepMetrics, TargetMetrics
+from dflash_core.events import Error, GpuSample, MemoryPlan, QueueDepth, StepMetrics, TargetMetrics
 
 
 # --device cpu: the same run at a toy size, to check this script without a GPU.

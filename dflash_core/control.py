@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-from .events import EventBus
+from .bus import EventBus
 
 COMMANDS = ("abort", "restart", "shutdown")
 

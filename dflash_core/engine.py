@@ -20,9 +20,10 @@ import torch
 
 from . import checkpoint as ckpt
 from .config import Config, ConfigError, load_config, save_config
+from .bus import EventBus
 from .errors import error_event
 from .events import (
-    TERMINAL_STATES, Checkpoint, Error, EvalResult, EventBus, LoadProgress, Log,
+    TERMINAL_STATES, Checkpoint, Error, EvalResult, LoadProgress, Log,
     QueueDepth, RunEnded, RunStarted, StateChanged, StepMetrics, TargetMetrics, WorkerStatus,
 )
 from .preflight import demo_log_progress, device_label, prepare, resolve_devices

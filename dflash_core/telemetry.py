@@ -16,7 +16,8 @@ from typing import Any, Callable
 
 import psutil
 
-from .events import Event, GpuSample, HostSample, Log, error_from_exception
+from .errors import error_from_exception
+from .events import Event, GpuSample, HostSample, Log
 
 SOURCE = "telemetry"
 UNKNOWN = -1

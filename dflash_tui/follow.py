@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from dflash_core import events as ev
+from dflash_core.bus import EventBus
 from dflash_core.inbox import send_command
 
 POLL_S = 0.2
@@ -95,7 +96,7 @@ class FollowController:
         self.events_path = path if path.name.endswith(".jsonl") else path / "events.jsonl"
         self.run_dir = self.events_path.parent
         self.poll_s, self.pickup_s, self.tail_bytes = poll_s, pickup_s, tail_bytes
-        self.bus = ev.EventBus()
+        self.bus = EventBus()
         self.calls: list[str] = []
         self._state = "idle"
         self._stop = threading.Event()

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Iterable
 
 from dflash_core import events as ev
+from dflash_core.bus import EventBus
 
 
 class ReplayController:
@@ -27,7 +28,7 @@ class ReplayController:
             events = ev.read_jsonl(events)
         self.events: list[ev.Event] = list(events)
         self.delay, self.speed, self.shutdown_gate = delay, speed, shutdown_gate
-        self.bus = ev.EventBus()
+        self.bus = EventBus()
         self.calls: list[str] = []
         self._state = "idle"
         self._last_ts: float | None = None

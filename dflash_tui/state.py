@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Iterable
 
 from dflash_core import events as ev
+from dflash_core.errors import error_from_exception
 
 from . import fmt
 
@@ -152,7 +153,7 @@ class DashboardState:
         try:
             return handler(e) | {"header"}
         except Exception as exc:  # a malformed event must not take the dashboard down
-            return self.add_error(ev.error_from_exception(
+            return self.add_error(error_from_exception(
                 exc, kind="internal", source="dashboard", fatal=False,
                 hint=f"the dashboard could not show a {e.kind} event; the run is not affected"))
 

@@ -17,9 +17,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..config import ConfigError, WandbConfig
-from ..events import (
-    Error, EvalResult, Event, RunEnded, SinkStatus, StepMetrics, error_from_exception,
-)
+from ..errors import error_from_exception
+from ..events import Error, EvalResult, Event, RunEnded, SinkStatus, StepMetrics
 
 # Old private settings keys and their public replacements (None: removed, drop the key). Read off
 # the installed wandb's sdk/wandb_settings.py; other "_name" keys map to "x_name" when that exists.

@@ -131,7 +131,7 @@ WORKERS = {
     "jsonl": (lambda: (JsonlSink, "__call__"), 20, "sink:jsonl", None),
     "textlog": (lambda: (TextLogSink, "__call__"), 5, "sink:textlog", None),
 }
-# A sink's exception is classified by the bus (events._Subscription), which knows io and
+# A sink's exception is classified by the bus (bus._Subscription), which knows io and
 # internal only: an OOM inside a sink reads "internal" there (see the report on events.py).
 OOM_KIND = {"sink:jsonl": ("oom", "internal"), "sink:textlog": ("oom", "internal")}
 

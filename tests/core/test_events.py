@@ -1,9 +1,12 @@
 """Events round-trip through JSON; the bus never lets a subscriber block or break the publisher."""
 
+import subprocess
+import sys
 import threading
 import time
 
 from dflash_core import events as ev
+from dflash_core.bus import EventBus
 
 
 def sample_events():
@@ -31,7 +34,7 @@ def test_every_event_type_round_trips(tmp_path):
 
 
 def test_slow_subscriber_never_blocks_publish():
-    bus = ev.EventBus()
+    bus = EventBus()
     release = threading.Event()
     got = []
     bus.subscribe("slow", lambda e: (release.wait(5), got.append(e)), maxsize=10)
@@ -46,7 +49,7 @@ def test_slow_subscriber_never_blocks_publish():
 
 
 def test_broken_subscriber_reports_once_and_others_continue():
-    bus = ev.EventBus()
+    bus = EventBus()
     seen, errors = [], []
     bus.tap(lambda e: errors.append(e) if isinstance(e, ev.Error) else None)
 
@@ -64,3 +67,10 @@ def test_broken_subscriber_reports_once_and_others_continue():
     assert len([e for e in seen if isinstance(e, ev.Log)]) == 5
     bus.close()
     assert not any(t.name.startswith("sink-") for t in threading.enumerate())
+
+
+def test_bus_and_error_helpers_do_not_import_torch():
+    # The dashboard (replay, attach) and the sinks use them; torch stays out of those processes.
+    code = ("import sys, dflash_core.bus, dflash_core.errors, dflash_core.events; "
+            "sys.exit('torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0

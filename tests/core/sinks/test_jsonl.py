@@ -1,8 +1,7 @@
 import json
 
-from dflash_core.events import (
-    Error, EventBus, GpuSample, RunEnded, StateChanged, StepMetrics, read_jsonl,
-)
+from dflash_core.bus import EventBus
+from dflash_core.events import Error, GpuSample, RunEnded, StateChanged, StepMetrics, read_jsonl
 from dflash_core.sinks.jsonl import JsonlSink
 
 

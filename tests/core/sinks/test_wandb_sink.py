@@ -4,10 +4,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from dflash_core.bus import EventBus
 from dflash_core.config import ConfigError, WandbConfig
-from dflash_core.events import (
-    Error, EvalResult, EventBus, RunEnded, RunStarted, SinkStatus, StepMetrics,
-)
+from dflash_core.events import Error, EvalResult, RunEnded, RunStarted, SinkStatus, StepMetrics
 from dflash_core.sinks.wandb_sink import WandbSink, validate_wandb_settings
 
 
