@@ -43,7 +43,7 @@ def write_run(path: Path, mb: int) -> tuple[int, float]:
                                        total_steps=100000, ts=t0 + t).to_json() + "\n")
                 lines += 1
             if int(t) % 20000 == 0:
-                f.write(ev.Error(kind_="wandb", source="sink:wandb", message="upload stalled",
+                f.write(ev.Error(error_kind="wandb", source="sink:wandb", message="upload stalled",
                                  fatal=False, ts=t0 + t).to_json() + "\n")
                 lines += 1
     return lines, t

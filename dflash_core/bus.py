@@ -51,9 +51,9 @@ class _Subscription:
                     self.callback(item)
             except Exception as exc:  # a broken sink must not take the run down
                 self.failed = True
-                kind, _ = classify(exc, role="sink", device="", phase="")
+                error_kind, _ = classify(exc, role="sink", device="", phase="")
                 self.bus.publish(error_from_exception(
-                    exc, kind=kind,
+                    exc, error_kind=error_kind,
                     source=f"sink:{self.name}", fatal=self.critical,
                     hint=getattr(exc, "hint", "")
                     or (f"the {self.name} log stopped: the run stops so no record is lost; "

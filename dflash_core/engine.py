@@ -89,7 +89,7 @@ class Engine:
             stuck = [t.name for t in getattr(self, "_threads", []) if t.is_alive()]
             if stuck:
                 self.bus.publish(Error(
-                    kind_="internal", source="engine", message=f"threads of the last run are "
+                    error_kind="internal", source="engine", message=f"threads of the last run are "
                     f"still running: {stuck}", hint="a worker is stuck in a call that ignores the "
                     "stop flag; quit and start the process again", fatal=True, phase=self._state))
                 return
@@ -118,7 +118,7 @@ class Engine:
                 # The teardown may wait up to GIVE_UP_S for workers, then save a checkpoint.
                 if not self.join(timeout=GIVE_UP_S + 120):
                     self.bus.publish(Error(
-                        kind_="internal", source="engine", phase=self._state, fatal=False,
+                        error_kind="internal", source="engine", phase=self._state, fatal=False,
                         message="restart: the previous run has not ended after "
                         f"{GIVE_UP_S + 120:.0f} s", hint="press r again once the state shows "
                         "aborted, or quit and start the process again"))

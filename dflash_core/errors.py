@@ -47,11 +47,11 @@ def _free_memory(device: str) -> str:
 
 
 def classify(exc: BaseException, *, role: str, device: str, phase: str) -> tuple[str, str]:
-    """(kind, hint) for an exception raised by a worker of ``role`` on ``device``."""
-    kind = getattr(exc, "error_kind", None)
+    """(error_kind, hint) for an exception raised by a worker of ``role`` on ``device``."""
+    error_kind = getattr(exc, "error_kind", None)
     hint = getattr(exc, "hint", "") or ""
-    if kind:
-        return kind, hint
+    if error_kind:
+        return error_kind, hint
     if _is_oom(exc):
         asked = re.search(r"[Tt]ried to allocate ([0-9.]+ [GMK]i?B)", str(exc))
         size = asked.group(1) if asked else "unknown size"
@@ -67,12 +67,12 @@ def classify(exc: BaseException, *, role: str, device: str, phase: str) -> tuple
 
 
 def error_from_exception(
-    exc: BaseException, *, kind: str, source: str, hint: str = "", fatal: bool = True,
+    exc: BaseException, *, error_kind: str, source: str, hint: str = "", fatal: bool = True,
     device: str = "", phase: str = "",
 ) -> Error:
     """An Error event for ``exc`` whose kind is already known: its message and traceback."""
     return Error(
-        kind_=kind, source=source, message=f"{type(exc).__name__}: {exc}",
+        error_kind=error_kind, source=source, message=f"{type(exc).__name__}: {exc}",
         traceback="".join(tb.format_exception(exc)), hint=hint, fatal=fatal, device=device,
         phase=phase,
     )
@@ -81,6 +81,6 @@ def error_from_exception(
 def error_event(exc: BaseException, *, source: str, role: str, device: str, phase: str,
                 fatal: bool = True) -> Error:
     """An Error event for an exception of a worker: classified, with a hint."""
-    kind, hint = classify(exc, role=role, device=device, phase=phase)
-    return error_from_exception(exc, kind=kind, source=source, hint=hint, fatal=fatal,
+    error_kind, hint = classify(exc, role=role, device=device, phase=phase)
+    return error_from_exception(exc, error_kind=error_kind, source=source, hint=hint, fatal=fatal,
                                 device=device, phase=phase)

@@ -31,6 +31,9 @@ class Event:
 
     ts: float = field(default_factory=_now, kw_only=True)
     kind: ClassVar[str] = "Event"
+    # Fields renamed since events.jsonl files were first written: {old key: field name}, so that
+    # ``from_dict`` still reads an old file.
+    old_names: ClassVar[dict[str, str]] = {}
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -192,7 +195,9 @@ class Log(Event):
 
 @dataclass(frozen=True)
 class Error(Event):
-    kind_: str  # one of ERROR_KINDS ("kind" is taken by the event type tag)
+    # One of ERROR_KINDS; the same name as the ``error_kind`` attribute an exception may carry
+    # (errors.classify). Plain "kind" is the event type tag.
+    error_kind: str
     source: str  # worker or sink name, e.g. "target-3"
     message: str
     traceback: str = ""
@@ -201,6 +206,7 @@ class Error(Event):
     device: str = ""
     phase: str = ""  # lifecycle state or worker phase when it happened
     kind: ClassVar[str] = "Error"
+    old_names: ClassVar[dict[str, str]] = {"kind_": "error_kind"}
 
 
 @dataclass(frozen=True)
@@ -246,6 +252,9 @@ def from_dict(d: dict[str, Any]) -> Event:
     d = dict(d)
     name = d.pop("event")
     cls = EVENT_TYPES[name]
+    for old, new in cls.old_names.items():
+        if old in d and new not in d:
+            d[new] = d.pop(old)
     names = {f.name for f in dataclasses.fields(cls)}
     return cls(**{k: v for k, v in d.items() if k in names})
 

@@ -60,7 +60,7 @@ class TelemetrySampler(threading.Thread):
             if self.raise_errors:
                 raise
             self.publish(error_from_exception(
-                exc, kind="internal", source=SOURCE, fatal=False,
+                exc, error_kind="internal", source=SOURCE, fatal=False,
                 hint="GPU and host telemetry stopped; training is not affected"))
         finally:
             self._shutdown_nvml()

@@ -150,7 +150,7 @@ class DFlashApp(App[None]):
                 if name not in self._broken:  # say it once, not eight times a second
                     self._broken.add(name)
                     reported |= self.state.add_error(error_from_exception(
-                        exc, kind="internal", source=f"dashboard:{name}", fatal=False,
+                        exc, error_kind="internal", source=f"dashboard:{name}", fatal=False,
                         hint=f"the {name} panel could not be drawn; the run is not affected"))
         if reported:  # each panel fails at most once, so this ends
             self._show(reported - self._broken)
@@ -158,7 +158,7 @@ class DFlashApp(App[None]):
     def _report(self, exc: BaseException, what: str) -> None:
         """A failed command is an error in the pane, never a closed app."""
         self._show(self.state.add_error(error_from_exception(
-            exc, kind="internal", source="dashboard", phase=self.state.state,
+            exc, error_kind="internal", source="dashboard", phase=self.state.state,
             hint=f"the {what} command failed; the dashboard is still running")))
 
     # ------------------------------------------------------------------ commands out

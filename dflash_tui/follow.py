@@ -199,7 +199,7 @@ class FollowController:
         try:
             path = send_command(self.run_dir, command)
         except OSError as exc:
-            self._publish(ev.Error(kind_="io", source="attach", fatal=False,
+            self._publish(ev.Error(error_kind="io", source="attach", fatal=False,
                                    message=f"could not send {command}: {exc}",
                                    hint=f"check that {self.run_dir} is writable by you"))
             return
@@ -216,7 +216,7 @@ class FollowController:
             time.sleep(0.05)
         path.unlink(missing_ok=True)  # never acted on later by a process that was not there
         self._publish(ev.Error(
-            kind_="internal", source="attach", fatal=False,
+            error_kind="internal", source="attach", fatal=False,
             message=f"{command} was not picked up within {self.pickup_s:.0f} s",
             hint="the process that owns the run is not reading commands: it has ended, or its "
                  "run is between runs; check it with ps, or stop it with kill -INT <pid>"))

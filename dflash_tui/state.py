@@ -154,7 +154,7 @@ class DashboardState:
             return handler(e) | {"header"}
         except Exception as exc:  # a malformed event must not take the dashboard down
             return self.add_error(error_from_exception(
-                exc, kind="internal", source="dashboard", fatal=False,
+                exc, error_kind="internal", source="dashboard", fatal=False,
                 hint=f"the dashboard could not show a {e.kind} event; the run is not affected"))
 
     def tick(self, wall: float) -> bool:
@@ -172,7 +172,7 @@ class DashboardState:
     def add_error(self, e: ev.Error, previous: bool = False) -> set[str]:
         self.errors.append(ErrorEntry(e, previous))
         if not previous:
-            self.add_log("error", e.source, f"[{e.kind_}] {e.message}", e.ts)
+            self.add_log("error", e.source, f"[{e.error_kind}] {e.message}", e.ts)
         return {"errors", "header", "log"}
 
     def _on_RunStarted(self, e: ev.RunStarted) -> set[str]:
@@ -301,7 +301,7 @@ class DashboardState:
         row = self.targets.get(e.source)
         if row is not None:
             # "[oom] CUDA out of memory..." reads better than the exception's class name.
-            row.error = f"[{e.kind_}] {fmt.short_message(e.message)}"
+            row.error = f"[{e.error_kind}] {fmt.short_message(e.message)}"
             if e.fatal:
                 row.status = "failed"
         return self.add_error(e) | {"targets"}

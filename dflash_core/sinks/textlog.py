@@ -85,7 +85,7 @@ def format_event(ev: Event) -> str | None:
     if isinstance(ev, Error):
         where = ", ".join(x for x in (ev.device, ev.phase) if x)
         where = f" ({where})" if where else ""
-        text = (f"ERROR [{ev.kind_}] {ev.source}{where}{' fatal' if ev.fatal else ''}: "
+        text = (f"ERROR [{ev.error_kind}] {ev.source}{where}{' fatal' if ev.fatal else ''}: "
                 f"{ev.message}")
         if ev.hint:
             text += f"\n  hint: {ev.hint}"

@@ -176,7 +176,7 @@ def test_attach_to_a_folder_without_a_run_says_what_to_pass(tmp_path, capsys):
 def test_attaching_late_to_a_long_run_reads_its_tail_and_every_state_event(tmp_path):
     # Days of GPU samples are skipped; what sets the screen (errors, states, checkpoints,
     # evaluations) is read from the whole run, the metrics from the last tail_bytes.
-    early = [ev.Error(kind_="data", source="loader-0", message="early error", fatal=False,
+    early = [ev.Error(error_kind="data", source="loader-0", message="early error", fatal=False,
                       ts=sc.T0 + 1),
              ev.Checkpoint(step=10, path="runs/x/checkpoints/step-10", reason="periodic",
                            seconds=1.0, ts=sc.T0 + 2)]

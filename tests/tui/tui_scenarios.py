@@ -104,7 +104,7 @@ def training(steps: int = 60, wait: float = 0.05, blocked: float = 0.71) -> list
 
 
 def oom_error(t: float) -> ev.Error:
-    return ev.Error(kind_="oom", source="target-3", device="cuda:3", phase="training",
+    return ev.Error(error_kind="oom", source="target-3", device="cuda:3", phase="training",
                     message="torch.OutOfMemoryError: CUDA out of memory. Tried to allocate "
                             "29.61 GiB",
                     traceback=OOM_TRACEBACK,
