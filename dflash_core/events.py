@@ -17,7 +17,9 @@ from typing import Any, ClassVar
 STATES = ("idle", "preflight", "loading", "warmup", "training", "finished", "aborted", "failed")
 TERMINAL_STATES = ("finished", "aborted", "failed")
 
-# Error kinds (DESIGN.md, robustness rules).
+# What an Error is about (its error_kind): out of memory, a bad config value, unusable training
+# data, the wandb sink, a CUDA fault, a file or disk problem, or a bug in dflash itself. Each kind
+# comes with a hint of what the operator can change; see errors.classify.
 ERROR_KINDS = ("oom", "config", "data", "wandb", "cuda", "io", "internal")
 
 
