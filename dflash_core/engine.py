@@ -23,8 +23,10 @@ from .config import Config, ConfigError, load_config, save_config
 from .bus import EventBus
 from .errors import error_event
 from .events import (
-    TERMINAL_STATES, Checkpoint, Error, EvalResult, LoadProgress, Log,
+    HS_QUEUE, TERMINAL_STATES, WORKER_DONE, WORKER_FAILED, WORKER_LOADING, WORKER_RUNNING,
+    WORKER_STOPPED, WORKER_WARMUP, Checkpoint, Error, EvalResult, LoadProgress, Log,
     QueueDepth, RunEnded, RunStarted, StateChanged, StepMetrics, TargetMetrics, WorkerStatus,
+    prefetch_queue,
 )
 from .preflight import demo_log_progress, device_label, prepare, resolve_devices
 
@@ -207,10 +209,10 @@ class Engine:
                 self._fail(error_event(exc, source=source, role=role, device=device,
                                        phase=self._state))
                 self.bus.publish(WorkerStatus(worker=source, role=role, device=device,
-                                              status="failed", detail=str(exc)[:200]))
+                                              status=WORKER_FAILED, detail=str(exc)[:200]))
         if stopped and role == "drafter":  # targets report "done" themselves
             self.bus.publish(WorkerStatus(worker=source, role=role, device=device,
-                                          status="stopped"))
+                                          status=WORKER_STOPPED))
 
     def _thread(self, name: str, role: str, device: str, fn, *args) -> threading.Thread:
         t = threading.Thread(target=self._guard, args=(name, role, device, fn, *args),
@@ -343,7 +345,7 @@ class Engine:
             self._done_batches[start_epoch] |= done
         world = len(self.target_devices)
         for rank, dev in enumerate(self.target_devices):
-            name = f"prefetch-{rank}"
+            name = prefetch_queue(rank)
             pf = Prefetcher(
                 self.stream.iter_batches(start_epoch, done, worker=(rank, world)),
                 cfg.data.prefetch_batches, pin=dev.type == "cuda", name=f"loader-{rank}",
@@ -382,7 +384,7 @@ class Engine:
         cfg = self.config
         name, label = f"target-{rank}", self._label(dev, rank)
         use_device(dev)
-        self.bus.publish(WorkerStatus(worker=name, role="target", device=label, status="loading"))
+        self.bus.publish(WorkerStatus(worker=name, role="target", device=label, status=WORKER_LOADING))
 
         def progress(info) -> None:
             self.bus.publish(LoadProgress(
@@ -396,7 +398,7 @@ class Engine:
                          attn_implementation=cfg.target.attn_implementation, progress=progress,
                          stop=self._stop)
         self._targets[rank] = tm
-        self.bus.publish(WorkerStatus(worker=name, role="target", device=label, status="warmup",
+        self.bus.publish(WorkerStatus(worker=name, role="target", device=label, status=WORKER_WARMUP,
                                       detail="first forward (kernel compilation)"))
         pf = self._prefetchers[rank]
         batches, tokens, blocked, starved = 0, 0, 0.0, 0.0
@@ -423,7 +425,7 @@ class Engine:
                 raise _Stopped() from None
             if batches == 0:
                 self.bus.publish(WorkerStatus(worker=name, role="target", device=label,
-                                              status="running"))
+                                              status=WORKER_RUNNING))
             t = time.monotonic()
             self._put_hs((batch, feats))
             blocked += time.monotonic() - t
@@ -441,7 +443,7 @@ class Engine:
                 tokens, blocked, starved, window_t0 = 0, 0.0, 0.0, now
         with self._counter_lock:
             self._targets_done += 1
-        self.bus.publish(WorkerStatus(worker=name, role="target", device=label, status="done"))
+        self.bus.publish(WorkerStatus(worker=name, role="target", device=label, status=WORKER_DONE))
 
     def _put_hs(self, item) -> None:
         while True:
@@ -458,7 +460,7 @@ class Engine:
         now = time.monotonic()
         if now - self._counters.get("hs_reported", 0.0) >= 0.2:
             self._counters["hs_reported"] = now
-            self.bus.publish(QueueDepth(name="hs", depth=self.hs_queue.qsize(),
+            self.bus.publish(QueueDepth(name=HS_QUEUE, depth=self.hs_queue.qsize(),
                                         capacity=self.hs_queue.maxsize))
 
     # -- training ------------------------------------------------------------------------------
@@ -527,7 +529,7 @@ class Engine:
         label = self._label(rep.device, rank)
         use_device(rep.device)
         self.bus.publish(WorkerStatus(worker=f"drafter-{rank}", role="drafter", device=label,
-                                      status="warmup", detail="first step (kernel compilation)"))
+                                      status=WORKER_WARMUP, detail="first step (kernel compilation)"))
         first = True
         while not self._stop.is_set():
             got = 0
@@ -558,7 +560,7 @@ class Engine:
             if first:
                 first = False
                 self.bus.publish(WorkerStatus(worker=f"drafter-{rank}", role="drafter",
-                                              device=label, status="running"))
+                                              device=label, status=WORKER_RUNNING))
 
     def _step(self) -> None:
         """Runs in the last drafter thread to reach the step barrier; the others wait."""

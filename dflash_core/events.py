@@ -22,6 +22,34 @@ TERMINAL_STATES = ("finished", "aborted", "failed")
 # comes with a hint of what the operator can change; see errors.classify.
 ERROR_KINDS = ("oom", "config", "data", "wandb", "cuda", "io", "internal")
 
+# A worker's own phase, WorkerStatus.status. A target goes loading -> warmup -> running -> done (its
+# loop ended: no more data, or the run stopped); a drafter goes warmup -> running and says stopped
+# when its run ends. A worker whose body raised says failed, with the reason in detail.
+WORKER_LOADING = "loading"  # reading its weights (LoadProgress events follow)
+WORKER_WARMUP = "warmup"  # first forward or step: kernels compiling
+WORKER_RUNNING = "running"
+WORKER_DONE = "done"
+WORKER_STOPPED = "stopped"
+WORKER_FAILED = "failed"
+WORKER_STATUSES = (WORKER_LOADING, WORKER_WARMUP, WORKER_RUNNING, WORKER_DONE, WORKER_STOPPED,
+                   WORKER_FAILED)
+
+# Queue names, QueueDepth.name: one prefetch queue per target ("prefetch-0", ...; batches from
+# its loader thread) and the hidden-states queue from the targets to the drafters.
+HS_QUEUE = "hs"
+_PREFETCH = "prefetch"
+
+
+def prefetch_queue(rank: int) -> str:
+    """The name of target ``rank``'s prefetch queue."""
+    return f"{_PREFETCH}-{rank}"
+
+
+def prefetch_rank(name: str) -> int | None:
+    """The target rank of a prefetch queue's name; None for any other queue."""
+    head, _, tail = name.rpartition("-")
+    return int(tail) if head == _PREFETCH and tail.isdigit() else None
+
 
 def _now() -> float:
     return time.time()
@@ -75,7 +103,7 @@ class StateChanged(Event):
 
 @dataclass(frozen=True)
 class WorkerStatus(Event):
-    """One worker's own phase: loading, warmup, running, waiting, stopped, failed."""
+    """One worker's own phase: one of WORKER_STATUSES."""
 
     worker: str  # e.g. "target-0", "drafter-0", "loader-0", "telemetry"
     role: str  # target | drafter | loader | telemetry | sink
@@ -125,7 +153,7 @@ class HostSample(Event):
 
 @dataclass(frozen=True)
 class QueueDepth(Event):
-    name: str  # "prefetch-0", "hs"
+    name: str  # prefetch_queue(rank) ("prefetch-0", ...) or HS_QUEUE ("hs")
     depth: int
     capacity: int
     kind: ClassVar[str] = "QueueDepth"

@@ -89,3 +89,12 @@ def test_an_error_line_written_before_the_kind_field_was_renamed_still_loads(tmp
     path.write_text(old + "\n" + e.to_json() + "\n")
     assert ev.read_jsonl(path) == [e, e]
     assert '"error_kind":"oom"' in e.to_json() and "kind_" not in e.to_json()
+
+
+def test_queue_names_and_worker_statuses_keep_their_wire_form():
+    # Written into events.jsonl and read back by the dashboard: old files must still read.
+    assert (ev.prefetch_queue(0), ev.prefetch_queue(12), ev.HS_QUEUE) == ("prefetch-0",
+                                                                         "prefetch-12", "hs")
+    assert [ev.prefetch_rank(ev.prefetch_queue(r)) for r in (0, 3, 12)] == [0, 3, 12]
+    assert [ev.prefetch_rank(n) for n in ("hs", "prefetch", "prefetch-x", "loader-1")] == [None] * 4
+    assert ev.WORKER_STATUSES == ("loading", "warmup", "running", "done", "stopped", "failed")
