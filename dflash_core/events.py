@@ -57,13 +57,28 @@ def _now() -> float:
 
 @dataclass(frozen=True)
 class Event:
-    """Base class: every event carries the wall-clock time it was made."""
+    """Base class: every event carries the wall-clock time it was made.
+
+    The class-level flags below say where an event matters; a subclass sets the ones where it
+    differs from these defaults.
+    """
 
     ts: float = field(default_factory=_now, kw_only=True)
     kind: ClassVar[str] = "Event"
     # Fields renamed since events.jsonl files were first written: {old key: field name}, so that
     # ``from_dict`` still reads an old file.
     old_names: ClassVar[dict[str, str]] = {}
+    # Rare, and the operator must never miss it: a reader that has fallen far behind and drops
+    # events to catch up keeps this one (the dashboard's event buffer).
+    keep_when_behind: ClassVar[bool] = False
+    # It sets what the dashboard shows (the run, its state, a worker's phase, a plan, an error, a
+    # log line) rather than adding one more point to a series of samples that later ones replace.
+    # Attaching to a long run reads these from the whole run and the samples only from the tail
+    # of events.jsonl.
+    sets_state: ClassVar[bool] = True
+    # Worth a line in train.log and on the headless console (LineThrottle thins the periodic
+    # ones); GPU, host and queue samples are not.
+    in_text_log: ClassVar[bool] = True
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -91,6 +106,7 @@ class RunStarted(Event):
     resumed_from_step: int = 0
     total_steps: int = 0
     kind: ClassVar[str] = "RunStarted"
+    keep_when_behind: ClassVar[bool] = True
 
 
 @dataclass(frozen=True)
@@ -99,6 +115,7 @@ class StateChanged(Event):
     previous: str
     reason: str = ""
     kind: ClassVar[str] = "StateChanged"
+    keep_when_behind: ClassVar[bool] = True
 
 
 @dataclass(frozen=True)
@@ -140,6 +157,8 @@ class GpuSample(Event):
     torch_reserved: int = 0
     role: str = ""  # target | drafter | target+drafter | "" unused
     kind: ClassVar[str] = "GpuSample"
+    sets_state: ClassVar[bool] = False
+    in_text_log: ClassVar[bool] = False
 
 
 @dataclass(frozen=True)
@@ -149,6 +168,8 @@ class HostSample(Event):
     cpu_percent: float
     process_rss: int = 0
     kind: ClassVar[str] = "HostSample"
+    sets_state: ClassVar[bool] = False
+    in_text_log: ClassVar[bool] = False
 
 
 @dataclass(frozen=True)
@@ -157,6 +178,8 @@ class QueueDepth(Event):
     depth: int
     capacity: int
     kind: ClassVar[str] = "QueueDepth"
+    sets_state: ClassVar[bool] = False
+    in_text_log: ClassVar[bool] = False
 
 
 @dataclass(frozen=True)
@@ -168,6 +191,7 @@ class TargetMetrics(Event):
     blocked_frac: float  # share of recent time spent waiting on a full HS queue
     starved_frac: float = 0.0  # share of recent time spent waiting on an empty prefetch queue
     kind: ClassVar[str] = "TargetMetrics"
+    sets_state: ClassVar[bool] = False
 
 
 @dataclass(frozen=True)
@@ -186,6 +210,7 @@ class StepMetrics(Event):
     samples: int = 0  # samples in this optimizer step
     total_steps: int = 0  # planned optimizer steps of the run (known once the data is planned)
     kind: ClassVar[str] = "StepMetrics"
+    sets_state: ClassVar[bool] = False
 
 
 @dataclass(frozen=True)
@@ -213,6 +238,7 @@ class Checkpoint(Event):
     seconds: float
     reason: str = "periodic"  # periodic | abort | final
     kind: ClassVar[str] = "Checkpoint"
+    keep_when_behind: ClassVar[bool] = True
 
 
 @dataclass(frozen=True)
@@ -236,6 +262,7 @@ class Error(Event):
     device: str = ""
     phase: str = ""  # lifecycle state or worker phase when it happened
     kind: ClassVar[str] = "Error"
+    keep_when_behind: ClassVar[bool] = True
     old_names: ClassVar[dict[str, str]] = {"kind_": "error_kind"}
 
 
@@ -256,6 +283,7 @@ class RunEnded(Event):
     seconds: float
     reason: str = ""
     kind: ClassVar[str] = "RunEnded"
+    keep_when_behind: ClassVar[bool] = True
 
 
 EVENT_TYPES: dict[str, type[Event]] = {

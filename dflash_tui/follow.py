@@ -20,10 +20,8 @@ POLL_S = 0.2
 PICKUP_S = 3.0  # a command file still there after this: the owner is not reading commands
 # A run of days writes hundreds of MB of events (GPU samples, queue depths). Attaching reads the
 # last TAIL_BYTES in full and, before that, only the events that set the dashboard's state (not
-# its history), so it takes seconds whatever the run's age.
+# its history: Event.sets_state), so it takes seconds whatever the run's age.
 TAIL_BYTES = 16 << 20
-STATE_KINDS = ("RunStarted", "StateChanged", "WorkerStatus", "LoadProgress", "MemoryPlan",
-               "Checkpoint", "EvalResult", "Error", "SinkStatus", "Log", "RunEnded")
 KEEP_LOGS = 200  # Log lines kept from before the tail
 
 
@@ -63,7 +61,7 @@ def _state_lines(f, start: int, end: int, block: int = 8 << 20) -> tuple[list, i
     """(offset, line) of every state-setting event in [start, end), which holds whole lines,
     and how many other lines there were. Searches blocks for the rare markers instead of
     reading line by line: a 1.5 GB stretch takes seconds."""
-    markers = [_marker(k) for k in STATE_KINDS]
+    markers = [_marker(kind) for kind, cls in ev.EVENT_TYPES.items() if cls.sets_state]
     found: dict[int, bytes] = {}
     total = 0
     pos = start

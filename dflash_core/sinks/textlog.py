@@ -55,6 +55,8 @@ def _memory_table(ev: MemoryPlan) -> str:
 
 def format_event(ev: Event) -> str | None:
     """One short text (maybe several lines) for an event, or None for events not worth a line."""
+    if not ev.in_text_log:
+        return None
     if isinstance(ev, StepMetrics):
         return (
             f"step {ev.step} epoch {ev.epoch} loss {ev.loss:.4f} lr {ev.lr:.2e} "
@@ -111,7 +113,7 @@ def format_event(ev: Event) -> str | None:
         return (f"target {ev.worker} {ev.device}: {ev.batches} batches, tok/s "
                 f"{_rate(ev.tokens_per_s)}, blocked {ev.blocked_frac:.0%}, "
                 f"starved {ev.starved_frac:.0%}")
-    return None  # GpuSample, HostSample, QueueDepth: too chatty for a log
+    return None  # an event type without a line of its own
 
 
 class LineThrottle:
