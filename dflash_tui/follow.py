@@ -13,8 +13,9 @@ import time
 from pathlib import Path
 
 from dflash_core import events as ev
-from dflash_core.bus import EventBus
 from dflash_core.inbox import send_command
+
+from .stream import StreamController
 
 POLL_S = 0.2
 PICKUP_S = 3.0  # a command file still there after this: the owner is not reading commands
@@ -85,37 +86,23 @@ def _state_lines(f, start: int, end: int, block: int = 8 << 20) -> tuple[list, i
     return sorted(found.items()), total - len(found)
 
 
-class FollowController:
+class FollowController(StreamController):
     detach_on_quit = True  # the app quits without asking: nothing of the run stops
 
     def __init__(self, run_dir: str | Path, *, poll_s: float = POLL_S,
                  pickup_s: float = PICKUP_S, tail_bytes: int = TAIL_BYTES) -> None:
+        super().__init__()
         path = Path(run_dir)
         self.events_path = path if path.name.endswith(".jsonl") else path / "events.jsonl"
         self.run_dir = self.events_path.parent
         self.poll_s, self.pickup_s, self.tail_bytes = poll_s, pickup_s, tail_bytes
-        self.bus = EventBus()
-        self.calls: list[str] = []
-        self._state = "idle"
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    @property
-    def state(self) -> str:
-        return self._state
-
-    def _publish(self, event: ev.Event) -> None:
-        self._state = ev.state_after(self._state, event)
-        self.bus.publish(event)
 
     # -- following -----------------------------------------------------------------------------
     def start(self) -> None:
         self.calls.append("start")
         if self._thread is not None and self._thread.is_alive():
             return
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._follow, name="follow", daemon=True)
-        self._thread.start()
+        self._start_thread(self._follow, "follow")
 
     def _follow(self) -> None:
         first = True
@@ -126,15 +113,15 @@ class FollowController:
             with open(self.events_path, "rb") as f:
                 partial = [""]  # a line still being written, completed by a later read
                 for event in self._backlog(f, partial):
-                    self._publish(event)
-                self._publish(ev.Log(level="info", source="attach", message=(
+                    self.publish(event)
+                self.publish(ev.Log(level="info", source="attach", message=(
                     f"attached to {self.run_dir} (following events.jsonl; q detaches, the run "
                     f"goes on)" if first else f"{self.events_path} was replaced: following the "
                     f"new file")))
                 first = False
                 while not self._stop.wait(self.poll_s):
                     for event in self._events(self._complete_lines(f, partial)):
-                        self._publish(event)
+                        self.publish(event)
                     if self._replaced(f):
                         break  # the run folder was cleared and a new run began: start over
 
@@ -187,8 +174,8 @@ class FollowController:
             try:
                 out.append(ev.from_json(line))
             except (ValueError, KeyError, TypeError) as exc:
-                self._publish(ev.Log(level="warning", source="attach",
-                                     message=f"skipped an unreadable events.jsonl line: {exc}"))
+                self.publish(ev.Log(level="warning", source="attach",
+                                    message=f"skipped an unreadable events.jsonl line: {exc}"))
         return out
 
     # -- commands ------------------------------------------------------------------------------
@@ -197,12 +184,12 @@ class FollowController:
         try:
             path = send_command(self.run_dir, command)
         except OSError as exc:
-            self._publish(ev.Error(error_kind="io", source="attach", fatal=False,
-                                   message=f"could not send {command}: {exc}",
-                                   hint=f"check that {self.run_dir} is writable by you"))
+            self.publish(ev.Error(error_kind="io", source="attach", fatal=False,
+                                  message=f"could not send {command}: {exc}",
+                                  hint=f"check that {self.run_dir} is writable by you"))
             return
-        self._publish(ev.Log(level="info", source="attach",
-                             message=f"sent {command} to the process that owns the run"))
+        self.publish(ev.Log(level="info", source="attach",
+                            message=f"sent {command} to the process that owns the run"))
         threading.Thread(target=self._check_pickup, args=(command, path), name="attach-pickup",
                          daemon=True).start()
 
@@ -213,7 +200,7 @@ class FollowController:
                 return
             time.sleep(0.05)
         path.unlink(missing_ok=True)  # never acted on later by a process that was not there
-        self._publish(ev.Error(
+        self.publish(ev.Error(
             error_kind="internal", source="attach", fatal=False,
             message=f"{command} was not picked up within {self.pickup_s:.0f} s",
             hint="the process that owns the run is not reading commands: it has ended, or its "
@@ -228,7 +215,5 @@ class FollowController:
     def shutdown(self, timeout: float = 30.0) -> None:
         """Detach: stop following. The run is not touched."""
         self.calls.append("shutdown")
-        self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout)
+        self._halt(timeout)
         self.bus.close(timeout)
