@@ -33,7 +33,7 @@ def write_run(path: Path, mb: int) -> tuple[int, float]:
                 f.write(ev.GpuSample(index=i, name="H200", mem_used=80 << 30, mem_total=141 << 30,
                                      util=97.0, temperature=60.0, power=650.0,
                                      ts=t0 + t).to_json() + "\n")
-            f.write(ev.QueueDepth(name="hs", depth=7, capacity=8, ts=t0 + t).to_json() + "\n")
+            f.write(ev.QueueDepth(name=ev.HS_QUEUE, depth=7, capacity=8, ts=t0 + t).to_json() + "\n")
             lines += 9
             if int(t) % 10 == 0:
                 f.write(ev.StepMetrics(step=int(t) // 10, epoch=0, loss=1.0, lr=1e-4,
@@ -43,7 +43,7 @@ def write_run(path: Path, mb: int) -> tuple[int, float]:
                                        total_steps=100000, ts=t0 + t).to_json() + "\n")
                 lines += 1
             if int(t) % 20000 == 0:
-                f.write(ev.Error(kind_="wandb", source="sink:wandb", message="upload stalled",
+                f.write(ev.Error(error_kind="wandb", source="sink:wandb", message="upload stalled",
                                  fatal=False, ts=t0 + t).to_json() + "\n")
                 lines += 1
     return lines, t

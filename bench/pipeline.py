@@ -27,11 +27,12 @@ import yaml
 from common import env_line, gib, hf_config, random_causal_lm, FIXTURES, ROOT
 import dflash_core.target as target_mod
 import dflash_core.target_stage as target_stage
+from dflash_core.bus import EventBus
 from dflash_core.config import config_from_dict
 from dflash_core.data import write_shards
 from dflash_core.engine import Engine
 from dflash_core.events import (
-    Error, EventBus, GpuSample, Log, MemoryPlan, QueueDepth, StepMetrics, TargetMetrics,
+    HS_QUEUE, Error, GpuSample, Log, MemoryPlan, QueueDepth, StepMetrics, TargetMetrics,
 )
 
 
@@ -202,7 +203,7 @@ def main():
         for row in p.rows:
             print(f"plan {row['device']} {row['role']}: {gib(row['total'])} "
                   + ", ".join(f"{k} {gib(v)}" for k, v in row["components"].items()))
-    hs = [(round(t, 1), d) for t, n, d, c in queues if n == "hs"]
+    hs = [(round(t, 1), d) for t, n, d, c in queues if n == HS_QUEUE]
     print("HS queue depth over time (s, depth):", hs[:: max(1, len(hs) // 20)])
     if args.out:
         Path(args.out).write_text(json.dumps({"steps": [(t, s.to_dict()) for t, s in steps],

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-from .events import EventBus
+from .bus import EventBus
 
 COMMANDS = ("abort", "restart", "shutdown")
 
@@ -14,6 +14,10 @@ COMMANDS = ("abort", "restart", "shutdown")
 @runtime_checkable
 class Controller(Protocol):
     bus: EventBus
+    # True when the run belongs to another process (the dashboard attached to it): quitting then
+    # detaches without asking, and shutdown() stops nothing of the run. The engine, which owns
+    # its run, does not set it; readers take a missing one as False.
+    detach_on_quit: bool
 
     @property
     def state(self) -> str: ...

@@ -11,7 +11,7 @@ from typing import Any, Callable
 import torch
 
 from .data_position import DataPosition
-from .events import Log, WorkerStatus
+from .events import WORKER_RUNNING, WORKER_WARMUP, Log, WorkerStatus
 from .hs_queue import HiddenStateQueue
 from .trainer import DrafterReplica, StepBarrier, StepInterrupted
 from .workers import use_device
@@ -36,7 +36,7 @@ class DrafterStage:
 
     def run(self) -> None:
         use_device(self.replica.device)
-        self._status("warmup", "first step (kernel compilation)")
+        self._status(WORKER_WARMUP, "first step (kernel compilation)")
         first = True
         while not self.stop.is_set():
             if not self._accumulate_step():
@@ -45,7 +45,7 @@ class DrafterStage:
                 return
             if first:
                 first = False
-                self._status("running")
+                self._status(WORKER_RUNNING)
 
     def _accumulate_step(self) -> bool:
         """Accumulate up to grad_accum batches (fewer at the end of the data); False if stopped.

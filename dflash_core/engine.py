@@ -25,9 +25,10 @@ from .data import Prefetcher
 from .data_position import DataPosition
 from .drafter_stage import DrafterStage
 from .errors import error_event
+from .bus import EventBus
 from .events import (
-    TERMINAL_STATES, Error, EventBus, Log, QueueDepth, RunEnded, RunStarted, StateChanged,
-    WorkerStatus,
+    TERMINAL_STATES, WORKER_FAILED, WORKER_STOPPED, Error, Log, QueueDepth, RunEnded, RunStarted,
+    StateChanged, WorkerStatus, prefetch_queue,
 )
 from .hs_queue import HiddenStateQueue
 from .preflight import demo_log_progress, device_label, prepare, resolve_devices
@@ -61,6 +62,8 @@ def free_cuda_caches() -> None:
 
 class Engine:
     """Owns one run at a time. Thread-safe control: start, abort, restart, shutdown."""
+
+    detach_on_quit = False  # quitting the dashboard that owns the engine ends the run
 
     def __init__(self, config: Config | None = None, *, config_path: str | Path | None = None,
                  bus: EventBus | None = None, resume: bool = False, max_steps: int | None = None):
@@ -117,7 +120,7 @@ class Engine:
             stuck = [t.name for t in self._run.threads if t.is_alive()] if self._run else []
             if stuck:
                 self.bus.publish(Error(
-                    kind_="internal", source="engine", message=f"threads of the last run are "
+                    error_kind="internal", source="engine", message=f"threads of the last run are "
                     f"still running: {stuck}", hint="a worker is stuck in a call that ignores the "
                     "stop flag; quit and start the process again", fatal=True, phase=self._state))
                 return
@@ -145,7 +148,7 @@ class Engine:
                 # The teardown may wait up to GIVE_UP_S for workers, then save a checkpoint.
                 if not self.join(timeout=GIVE_UP_S + 120):
                     self.bus.publish(Error(
-                        kind_="internal", source="engine", phase=self._state, fatal=False,
+                        error_kind="internal", source="engine", phase=self._state, fatal=False,
                         message="restart: the previous run has not ended after "
                         f"{GIVE_UP_S + 120:.0f} s", hint="press r again once the state shows "
                         "aborted, or quit and start the process again"))
@@ -241,10 +244,10 @@ class Engine:
                 self._fail(run, error_event(exc, source=source, role=role, device=device,
                                             phase=self._state))
                 self.bus.publish(WorkerStatus(worker=source, role=role, device=device,
-                                              status="failed", detail=str(exc)[:200]))
+                                              status=WORKER_FAILED, detail=str(exc)[:200]))
         if stopped and role == "drafter":  # targets report "done" themselves
             self.bus.publish(WorkerStatus(worker=source, role=role, device=device,
-                                          status="stopped"))
+                                          status=WORKER_STOPPED))
 
     def _thread(self, run: Run, name: str, role: str, device: str, fn) -> threading.Thread:
         t = threading.Thread(target=self._guard, args=(run, name, role, device, fn),
@@ -327,7 +330,7 @@ class Engine:
         run.position = DataPosition(lambda e: len(prep.stream.plan(e)), len(run.drafter_devices),
                                     run.resume.trainer_state if run.resume else None)
         for rank, dev in enumerate(run.target_devices):
-            name = f"prefetch-{rank}"
+            name = prefetch_queue(rank)
             batches = prep.stream.iter_batches(run.position.start_epoch, run.position.start_done,
                                                worker=(rank, world))
             run.prefetchers.append(Prefetcher(

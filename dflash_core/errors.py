@@ -2,15 +2,18 @@
 
 An exception may carry ``error_kind`` and ``hint`` attributes (ConfigError, DataError,
 TargetLoadError, CheckpointError do); otherwise the kind is inferred here.
+
+Importing this module does not import torch (the dashboard and the sinks use it): torch's own
+exceptions are only looked for when the process has imported torch already.
 """
 
 from __future__ import annotations
 
 import re
+import sys
+import traceback as tb
 
-import torch
-
-from .events import Error, error_from_exception
+from .events import Error
 
 # What to change in config.yaml when a role runs out of memory.
 OOM_KEYS = {
@@ -20,13 +23,21 @@ OOM_KEYS = {
 }
 
 
+def _torch():
+    """torch if this process has imported it, else None: an exception can only be one of
+    torch's when torch is loaded, so looking for one never imports it."""
+    return sys.modules.get("torch")
+
+
 def _is_oom(exc: BaseException) -> bool:
-    return isinstance(exc, torch.OutOfMemoryError) or (
+    torch = _torch()
+    return (torch is not None and isinstance(exc, torch.OutOfMemoryError)) or (
         isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower())
 
 
 def _free_memory(device: str) -> str:
-    if device.startswith("cuda") and torch.cuda.is_available():
+    torch = _torch()
+    if device.startswith("cuda") and torch is not None and torch.cuda.is_available():
         try:
             free, total = torch.cuda.mem_get_info(torch.device(device))
             return f"{free / 2**30:.2f} GiB free of {total / 2**30:.1f} GiB"
@@ -36,11 +47,11 @@ def _free_memory(device: str) -> str:
 
 
 def classify(exc: BaseException, *, role: str, device: str, phase: str) -> tuple[str, str]:
-    """(kind, hint) for an exception raised by a worker of ``role`` on ``device``."""
-    kind = getattr(exc, "error_kind", None)
+    """(error_kind, hint) for an exception raised by a worker of ``role`` on ``device``."""
+    error_kind = getattr(exc, "error_kind", None)
     hint = getattr(exc, "hint", "") or ""
-    if kind:
-        return kind, hint
+    if error_kind:
+        return error_kind, hint
     if _is_oom(exc):
         asked = re.search(r"[Tt]ried to allocate ([0-9.]+ [GMK]i?B)", str(exc))
         size = asked.group(1) if asked else "unknown size"
@@ -55,8 +66,21 @@ def classify(exc: BaseException, *, role: str, device: str, phase: str) -> tuple
     return "internal", "a bug in dflash: the traceback says where"
 
 
+def error_from_exception(
+    exc: BaseException, *, error_kind: str, source: str, hint: str = "", fatal: bool = True,
+    device: str = "", phase: str = "",
+) -> Error:
+    """An Error event for ``exc`` whose kind is already known: its message and traceback."""
+    return Error(
+        error_kind=error_kind, source=source, message=f"{type(exc).__name__}: {exc}",
+        traceback="".join(tb.format_exception(exc)), hint=hint, fatal=fatal, device=device,
+        phase=phase,
+    )
+
+
 def error_event(exc: BaseException, *, source: str, role: str, device: str, phase: str,
                 fatal: bool = True) -> Error:
-    kind, hint = classify(exc, role=role, device=device, phase=phase)
-    return error_from_exception(exc, kind=kind, source=source, hint=hint, fatal=fatal,
+    """An Error event for an exception of a worker: classified, with a hint."""
+    error_kind, hint = classify(exc, role=role, device=device, phase=phase)
+    return error_from_exception(exc, error_kind=error_kind, source=source, hint=hint, fatal=fatal,
                                 device=device, phase=phase)

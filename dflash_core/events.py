@@ -1,30 +1,54 @@
-"""The event vocabulary and the bus that carries it.
+"""The event vocabulary: everything the engine knows leaves it as one of these frozen dataclasses.
 
-Everything the engine knows leaves it as one of these frozen dataclasses. Each one serialises to a
-single JSON line (``to_json``) and comes back with ``from_json``, so ``events.jsonl`` replays into
-any subscriber (the dashboard, tests, a post-mortem).
-
-The bus gives every subscriber its own bounded queue and thread: a slow or broken subscriber never
-blocks ``publish`` (the training loop) and never stops the others.
+Each one serialises to a single JSON line (``to_json``) and comes back with ``from_json``, so
+``events.jsonl`` replays into any subscriber (the dashboard, tests, a post-mortem). The bus that
+carries them is ``dflash_core.bus``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import queue
-import threading
 import time
-import traceback as tb
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar
 
 # Lifecycle states, in order. Terminal states end a run; the engine then waits for the operator.
 STATES = ("idle", "preflight", "loading", "warmup", "training", "finished", "aborted", "failed")
 TERMINAL_STATES = ("finished", "aborted", "failed")
 
-# Error kinds (DESIGN.md, robustness rules).
+# What an Error is about (its error_kind): out of memory, a bad config value, unusable training
+# data, the wandb sink, a CUDA fault, a file or disk problem, or a bug in dflash itself. Each kind
+# comes with a hint of what the operator can change; see errors.classify.
 ERROR_KINDS = ("oom", "config", "data", "wandb", "cuda", "io", "internal")
+
+# A worker's own phase, WorkerStatus.status. A target goes loading -> warmup -> running -> done (its
+# loop ended: no more data, or the run stopped); a drafter goes warmup -> running and says stopped
+# when its run ends. A worker whose body raised says failed, with the reason in detail.
+WORKER_LOADING = "loading"  # reading its weights (LoadProgress events follow)
+WORKER_WARMUP = "warmup"  # first forward or step: kernels compiling
+WORKER_RUNNING = "running"
+WORKER_DONE = "done"
+WORKER_STOPPED = "stopped"
+WORKER_FAILED = "failed"
+WORKER_STATUSES = (WORKER_LOADING, WORKER_WARMUP, WORKER_RUNNING, WORKER_DONE, WORKER_STOPPED,
+                   WORKER_FAILED)
+
+# Queue names, QueueDepth.name: one prefetch queue per target ("prefetch-0", ...; batches from
+# its loader thread) and the hidden-states queue from the targets to the drafters.
+HS_QUEUE = "hs"
+_PREFETCH = "prefetch"
+
+
+def prefetch_queue(rank: int) -> str:
+    """The name of target ``rank``'s prefetch queue."""
+    return f"{_PREFETCH}-{rank}"
+
+
+def prefetch_rank(name: str) -> int | None:
+    """The target rank of a prefetch queue's name; None for any other queue."""
+    head, _, tail = name.rpartition("-")
+    return int(tail) if head == _PREFETCH and tail.isdigit() else None
 
 
 def _now() -> float:
@@ -33,10 +57,28 @@ def _now() -> float:
 
 @dataclass(frozen=True)
 class Event:
-    """Base class: every event carries the wall-clock time it was made."""
+    """Base class: every event carries the wall-clock time it was made.
+
+    The class-level flags below say where an event matters; a subclass sets the ones where it
+    differs from these defaults.
+    """
 
     ts: float = field(default_factory=_now, kw_only=True)
     kind: ClassVar[str] = "Event"
+    # Fields renamed since events.jsonl files were first written: {old key: field name}, so that
+    # ``from_dict`` still reads an old file.
+    old_names: ClassVar[dict[str, str]] = {}
+    # Rare, and the operator must never miss it: a reader that has fallen far behind and drops
+    # events to catch up keeps this one (the dashboard's event buffer).
+    keep_when_behind: ClassVar[bool] = False
+    # It sets what the dashboard shows (the run, its state, a worker's phase, a plan, an error, a
+    # log line) rather than adding one more point to a series of samples that later ones replace.
+    # Attaching to a long run reads these from the whole run and the samples only from the tail
+    # of events.jsonl.
+    sets_state: ClassVar[bool] = True
+    # Worth a line in train.log and on the headless console (LineThrottle thins the periodic
+    # ones); GPU, host and queue samples are not.
+    in_text_log: ClassVar[bool] = True
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -64,6 +106,7 @@ class RunStarted(Event):
     resumed_from_step: int = 0
     total_steps: int = 0
     kind: ClassVar[str] = "RunStarted"
+    keep_when_behind: ClassVar[bool] = True
 
 
 @dataclass(frozen=True)
@@ -72,11 +115,12 @@ class StateChanged(Event):
     previous: str
     reason: str = ""
     kind: ClassVar[str] = "StateChanged"
+    keep_when_behind: ClassVar[bool] = True
 
 
 @dataclass(frozen=True)
 class WorkerStatus(Event):
-    """One worker's own phase: loading, warmup, running, waiting, stopped, failed."""
+    """One worker's own phase: one of WORKER_STATUSES."""
 
     worker: str  # e.g. "target-0", "drafter-0", "loader-0", "telemetry"
     role: str  # target | drafter | loader | telemetry | sink
@@ -113,6 +157,8 @@ class GpuSample(Event):
     torch_reserved: int = 0
     role: str = ""  # target | drafter | target+drafter | "" unused
     kind: ClassVar[str] = "GpuSample"
+    sets_state: ClassVar[bool] = False
+    in_text_log: ClassVar[bool] = False
 
 
 @dataclass(frozen=True)
@@ -122,14 +168,18 @@ class HostSample(Event):
     cpu_percent: float
     process_rss: int = 0
     kind: ClassVar[str] = "HostSample"
+    sets_state: ClassVar[bool] = False
+    in_text_log: ClassVar[bool] = False
 
 
 @dataclass(frozen=True)
 class QueueDepth(Event):
-    name: str  # "prefetch-0", "hs"
+    name: str  # prefetch_queue(rank) ("prefetch-0", ...) or HS_QUEUE ("hs")
     depth: int
     capacity: int
     kind: ClassVar[str] = "QueueDepth"
+    sets_state: ClassVar[bool] = False
+    in_text_log: ClassVar[bool] = False
 
 
 @dataclass(frozen=True)
@@ -141,6 +191,7 @@ class TargetMetrics(Event):
     blocked_frac: float  # share of recent time spent waiting on a full HS queue
     starved_frac: float = 0.0  # share of recent time spent waiting on an empty prefetch queue
     kind: ClassVar[str] = "TargetMetrics"
+    sets_state: ClassVar[bool] = False
 
 
 @dataclass(frozen=True)
@@ -159,6 +210,7 @@ class StepMetrics(Event):
     samples: int = 0  # samples in this optimizer step
     total_steps: int = 0  # planned optimizer steps of the run (known once the data is planned)
     kind: ClassVar[str] = "StepMetrics"
+    sets_state: ClassVar[bool] = False
 
 
 @dataclass(frozen=True)
@@ -186,6 +238,7 @@ class Checkpoint(Event):
     seconds: float
     reason: str = "periodic"  # periodic | abort | final
     kind: ClassVar[str] = "Checkpoint"
+    keep_when_behind: ClassVar[bool] = True
 
 
 @dataclass(frozen=True)
@@ -198,7 +251,9 @@ class Log(Event):
 
 @dataclass(frozen=True)
 class Error(Event):
-    kind_: str  # one of ERROR_KINDS ("kind" is taken by the event type tag)
+    # One of ERROR_KINDS; the same name as the ``error_kind`` attribute an exception may carry
+    # (errors.classify). Plain "kind" is the event type tag.
+    error_kind: str
     source: str  # worker or sink name, e.g. "target-3"
     message: str
     traceback: str = ""
@@ -207,6 +262,8 @@ class Error(Event):
     device: str = ""
     phase: str = ""  # lifecycle state or worker phase when it happened
     kind: ClassVar[str] = "Error"
+    keep_when_behind: ClassVar[bool] = True
+    old_names: ClassVar[dict[str, str]] = {"kind_": "error_kind"}
 
 
 @dataclass(frozen=True)
@@ -226,6 +283,7 @@ class RunEnded(Event):
     seconds: float
     reason: str = ""
     kind: ClassVar[str] = "RunEnded"
+    keep_when_behind: ClassVar[bool] = True
 
 
 EVENT_TYPES: dict[str, type[Event]] = {
@@ -252,6 +310,9 @@ def from_dict(d: dict[str, Any]) -> Event:
     d = dict(d)
     name = d.pop("event")
     cls = EVENT_TYPES[name]
+    for old, new in cls.old_names.items():
+        if old in d and new not in d:
+            d[new] = d.pop(old)
     names = {f.name for f in dataclasses.fields(cls)}
     return cls(**{k: v for k, v in d.items() if k in names})
 
@@ -273,142 +334,3 @@ def read_jsonl(path) -> list[Event]:
             except (ValueError, KeyError, TypeError):
                 continue
     return out
-
-
-def error_from_exception(
-    exc: BaseException, *, kind: str, source: str, hint: str = "", fatal: bool = True,
-    device: str = "", phase: str = "",
-) -> Error:
-    return Error(
-        kind_=kind, source=source, message=f"{type(exc).__name__}: {exc}",
-        traceback="".join(tb.format_exception(exc)), hint=hint, fatal=fatal, device=device,
-        phase=phase,
-    )
-
-
-# --------------------------------------------------------------------------------------------
-# The bus
-# --------------------------------------------------------------------------------------------
-
-_STOP = object()
-
-
-class _Subscription:
-    def __init__(self, bus: "EventBus", name: str, callback: Callable[[Event], None],
-                 maxsize: int, critical: bool):
-        self.bus = bus
-        self.name = name
-        self.callback = callback
-        self.critical = critical  # a critical sink's failure is reported as fatal
-        self.queue: queue.Queue = queue.Queue(maxsize=maxsize)
-        self.dropped = 0
-        self.failed = False
-        self.thread = threading.Thread(target=self._run, name=f"sink-{name}", daemon=True)
-        self.thread.start()
-
-    def offer(self, event: Event) -> None:
-        if self.failed:
-            return
-        try:
-            self.queue.put_nowait(event)
-        except queue.Full:
-            # Never block the publisher: drop, and count what was dropped.
-            self.dropped += 1
-
-    def _run(self) -> None:
-        while True:
-            item = self.queue.get()
-            if item is _STOP:
-                self.queue.task_done()
-                return
-            try:
-                if not self.failed:
-                    self.callback(item)
-            except Exception as exc:  # a broken sink must not take the run down
-                self.failed = True
-                from .errors import classify  # lazy: keeps torch out of event-only imports
-                kind, _ = classify(exc, role="sink", device="", phase="")
-                self.bus.publish(error_from_exception(
-                    exc, kind=kind,
-                    source=f"sink:{self.name}", fatal=self.critical,
-                    hint=getattr(exc, "hint", "")
-                    or (f"the {self.name} log stopped: the run stops so no record is lost; "
-                        "check the run folder's disk and permissions" if self.critical else
-                        f"the {self.name} subscriber stopped; the run goes on without it"),
-                ))
-            finally:
-                self.queue.task_done()
-
-    def close(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                self.queue.put(_STOP, timeout=0.05)
-                break
-            except queue.Full:
-                if time.monotonic() > deadline:
-                    return
-        self.thread.join(max(0.0, deadline - time.monotonic()))
-
-
-class EventBus:
-    """Fan-out of events to subscribers, each on its own thread with its own bounded queue."""
-
-    def __init__(self) -> None:
-        self._subs: list[_Subscription] = []
-        self._lock = threading.RLock()
-        self._taps: list[Callable[[Event], None]] = []
-
-    def subscribe(self, name: str, callback: Callable[[Event], None], *, maxsize: int = 100_000,
-                  critical: bool = False) -> _Subscription:
-        sub = _Subscription(self, name, callback, maxsize, critical)
-        with self._lock:
-            self._subs.append(sub)
-        return sub
-
-    def tap(self, callback: Callable[[Event], None]) -> None:
-        """Synchronous listener, called in the publisher's thread. Must be fast and non-blocking
-        (e.g. Textual's post_message, or appending to a list in tests)."""
-        with self._lock:
-            self._taps.append(callback)
-
-    def untap(self, callback: Callable[[Event], None]) -> None:
-        with self._lock:
-            if callback in self._taps:
-                self._taps.remove(callback)
-
-    def unsubscribe(self, sub: _Subscription, timeout: float = 5.0) -> None:
-        with self._lock:
-            if sub in self._subs:
-                self._subs.remove(sub)
-        sub.close(timeout)
-
-    def publish(self, event: Event) -> None:
-        # Under the lock, so every subscriber sees events from several threads in one order.
-        # offer() never blocks; a tap that publishes re-enters (RLock).
-        with self._lock:
-            for sub in self._subs:
-                sub.offer(event)
-            for cb in list(self._taps):
-                try:
-                    cb(event)
-                except Exception:
-                    pass  # a tap is best-effort by contract
-
-    def drain(self, timeout: float = 5.0) -> bool:
-        """Wait until every subscriber has handled what was published so far."""
-        deadline = time.monotonic() + timeout
-        with self._lock:
-            subs = list(self._subs)
-        for sub in subs:
-            while sub.queue.unfinished_tasks and not sub.failed:
-                if time.monotonic() > deadline:
-                    return False
-                time.sleep(0.01)
-        return True
-
-    def close(self, timeout: float = 5.0) -> None:
-        with self._lock:
-            subs, self._subs = self._subs, []
-        for sub in subs:
-            sub.close(timeout)

@@ -8,10 +8,9 @@ import threading
 import time
 from typing import Any, Callable
 
-from .events import QueueDepth
+from .events import HS_QUEUE, QueueDepth
 from .workers import POLL_S, Stopped
 
-HS_QUEUE = "hs"  # the queue's name in QueueDepth events
 REPORT_EVERY_S = 0.2  # depth reports are coalesced: a screen needs a few a second
 
 

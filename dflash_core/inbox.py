@@ -107,7 +107,7 @@ class CommandInbox:
             try:
                 dispatch(self.controller, command)
             except Exception as exc:  # noqa: BLE001 - reported, the inbox keeps serving
-                self.publish(Error(kind_="internal", source="inbox", fatal=False,
+                self.publish(Error(error_kind="internal", source="inbox", fatal=False,
                                    message=f"{command} from an attached dashboard failed: {exc}",
                                    hint="see the traceback; the run itself is unaffected"))
             done.append(command)

@@ -16,7 +16,10 @@ from typing import Any, Callable
 import torch
 
 from .data import Prefetcher
-from .events import LoadProgress, Log, TargetMetrics, WorkerStatus
+from .events import (
+    WORKER_DONE, WORKER_LOADING, WORKER_RUNNING, WORKER_WARMUP, LoadProgress, Log, TargetMetrics,
+    WorkerStatus,
+)
 from .hs_queue import HiddenStateQueue
 from .target import ForwardInterrupted, LoadInfo, TargetModel, load_target
 from .workers import POLL_S, Stopped, UpstreamFailed, use_device
@@ -47,15 +50,15 @@ class TargetStage:
 
     def run(self) -> None:
         use_device(self.device)
-        self._status("loading")
+        self._status(WORKER_LOADING)
         self.model = load_target(self.target_path, device=self.device, dtype=self.dtype,
                                  attn_implementation=self.attn_implementation,
                                  progress=self._progress, stop=self.stop)
         self.loaded.set()
-        self._status("warmup", "first forward (kernel compilation)")
+        self._status(WORKER_WARMUP, "first forward (kernel compilation)")
         self._forward_loop()
         self.hs_queue.producer_done()
-        self._status("done")
+        self._status(WORKER_DONE)
 
     def _progress(self, info: LoadInfo) -> None:
         self.publish(LoadProgress(
@@ -124,7 +127,7 @@ class TargetStage:
             except ForwardInterrupted:
                 raise Stopped() from None
             if batches == 0:
-                self._status("running")
+                self._status(WORKER_RUNNING)
             blocked += self.hs_queue.put((batch, feats))
             batches += 1
             tokens += batch.num_tokens

@@ -16,7 +16,8 @@ from typing import Any, Callable
 
 import psutil
 
-from .events import Event, GpuSample, HostSample, Log, error_from_exception
+from .errors import error_from_exception
+from .events import Event, GpuSample, HostSample, Log
 
 SOURCE = "telemetry"
 UNKNOWN = -1
@@ -59,7 +60,7 @@ class TelemetrySampler(threading.Thread):
             if self.raise_errors:
                 raise
             self.publish(error_from_exception(
-                exc, kind="internal", source=SOURCE, fatal=False,
+                exc, error_kind="internal", source=SOURCE, fatal=False,
                 hint="GPU and host telemetry stopped; training is not affected"))
         finally:
             self._shutdown_nvml()

@@ -20,6 +20,7 @@ from textual.widgets import DataTable, Footer
 
 from dflash_core import events as ev
 from dflash_core.control import Controller, dispatch
+from dflash_core.errors import error_from_exception
 
 from . import postmortem
 from .commands import DashboardCommands
@@ -148,16 +149,16 @@ class DFlashApp(App[None]):
             except Exception as exc:  # a drawing bug must not close the dashboard
                 if name not in self._broken:  # say it once, not eight times a second
                     self._broken.add(name)
-                    reported |= self.state.add_error(ev.error_from_exception(
-                        exc, kind="internal", source=f"dashboard:{name}", fatal=False,
+                    reported |= self.state.add_error(error_from_exception(
+                        exc, error_kind="internal", source=f"dashboard:{name}", fatal=False,
                         hint=f"the {name} panel could not be drawn; the run is not affected"))
         if reported:  # each panel fails at most once, so this ends
             self._show(reported - self._broken)
 
     def _report(self, exc: BaseException, what: str) -> None:
         """A failed command is an error in the pane, never a closed app."""
-        self._show(self.state.add_error(ev.error_from_exception(
-            exc, kind="internal", source="dashboard", phase=self.state.state,
+        self._show(self.state.add_error(error_from_exception(
+            exc, error_kind="internal", source="dashboard", phase=self.state.state,
             hint=f"the {what} command failed; the dashboard is still running")))
 
     # ------------------------------------------------------------------ commands out

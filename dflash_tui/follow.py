@@ -15,14 +15,14 @@ from pathlib import Path
 from dflash_core import events as ev
 from dflash_core.inbox import send_command
 
+from .stream import StreamController
+
 POLL_S = 0.2
 PICKUP_S = 3.0  # a command file still there after this: the owner is not reading commands
 # A run of days writes hundreds of MB of events (GPU samples, queue depths). Attaching reads the
 # last TAIL_BYTES in full and, before that, only the events that set the dashboard's state (not
-# its history), so it takes seconds whatever the run's age.
+# its history: Event.sets_state), so it takes seconds whatever the run's age.
 TAIL_BYTES = 16 << 20
-STATE_KINDS = ("RunStarted", "StateChanged", "WorkerStatus", "LoadProgress", "MemoryPlan",
-               "Checkpoint", "EvalResult", "Error", "SinkStatus", "Log", "RunEnded")
 KEEP_LOGS = 200  # Log lines kept from before the tail
 
 
@@ -62,7 +62,7 @@ def _state_lines(f, start: int, end: int, block: int = 8 << 20) -> tuple[list, i
     """(offset, line) of every state-setting event in [start, end), which holds whole lines,
     and how many other lines there were. Searches blocks for the rare markers instead of
     reading line by line: a 1.5 GB stretch takes seconds."""
-    markers = [_marker(k) for k in STATE_KINDS]
+    markers = [_marker(kind) for kind, cls in ev.EVENT_TYPES.items() if cls.sets_state]
     found: dict[int, bytes] = {}
     total = 0
     pos = start
@@ -86,37 +86,23 @@ def _state_lines(f, start: int, end: int, block: int = 8 << 20) -> tuple[list, i
     return sorted(found.items()), total - len(found)
 
 
-class FollowController:
+class FollowController(StreamController):
     detach_on_quit = True  # the app quits without asking: nothing of the run stops
 
     def __init__(self, run_dir: str | Path, *, poll_s: float = POLL_S,
                  pickup_s: float = PICKUP_S, tail_bytes: int = TAIL_BYTES) -> None:
+        super().__init__()
         path = Path(run_dir)
         self.events_path = path if path.name.endswith(".jsonl") else path / "events.jsonl"
         self.run_dir = self.events_path.parent
         self.poll_s, self.pickup_s, self.tail_bytes = poll_s, pickup_s, tail_bytes
-        self.bus = ev.EventBus()
-        self.calls: list[str] = []
-        self._state = "idle"
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    @property
-    def state(self) -> str:
-        return self._state
-
-    def _publish(self, event: ev.Event) -> None:
-        self._state = ev.state_after(self._state, event)
-        self.bus.publish(event)
 
     # -- following -----------------------------------------------------------------------------
     def start(self) -> None:
         self.calls.append("start")
         if self._thread is not None and self._thread.is_alive():
             return
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._follow, name="follow", daemon=True)
-        self._thread.start()
+        self._start_thread(self._follow, "follow")
 
     def _follow(self) -> None:
         first = True
@@ -127,15 +113,15 @@ class FollowController:
             with open(self.events_path, "rb") as f:
                 partial = [""]  # a line still being written, completed by a later read
                 for event in self._backlog(f, partial):
-                    self._publish(event)
-                self._publish(ev.Log(level="info", source="attach", message=(
+                    self.publish(event)
+                self.publish(ev.Log(level="info", source="attach", message=(
                     f"attached to {self.run_dir} (following events.jsonl; q detaches, the run "
                     f"goes on)" if first else f"{self.events_path} was replaced: following the "
                     f"new file")))
                 first = False
                 while not self._stop.wait(self.poll_s):
                     for event in self._events(self._complete_lines(f, partial)):
-                        self._publish(event)
+                        self.publish(event)
                     if self._replaced(f):
                         break  # the run folder was cleared and a new run began: start over
 
@@ -188,8 +174,8 @@ class FollowController:
             try:
                 out.append(ev.from_json(line))
             except (ValueError, KeyError, TypeError) as exc:
-                self._publish(ev.Log(level="warning", source="attach",
-                                     message=f"skipped an unreadable events.jsonl line: {exc}"))
+                self.publish(ev.Log(level="warning", source="attach",
+                                    message=f"skipped an unreadable events.jsonl line: {exc}"))
         return out
 
     # -- commands ------------------------------------------------------------------------------
@@ -198,12 +184,12 @@ class FollowController:
         try:
             path = send_command(self.run_dir, command)
         except OSError as exc:
-            self._publish(ev.Error(kind_="io", source="attach", fatal=False,
-                                   message=f"could not send {command}: {exc}",
-                                   hint=f"check that {self.run_dir} is writable by you"))
+            self.publish(ev.Error(error_kind="io", source="attach", fatal=False,
+                                  message=f"could not send {command}: {exc}",
+                                  hint=f"check that {self.run_dir} is writable by you"))
             return
-        self._publish(ev.Log(level="info", source="attach",
-                             message=f"sent {command} to the process that owns the run"))
+        self.publish(ev.Log(level="info", source="attach",
+                            message=f"sent {command} to the process that owns the run"))
         threading.Thread(target=self._check_pickup, args=(command, path), name="attach-pickup",
                          daemon=True).start()
 
@@ -214,8 +200,8 @@ class FollowController:
                 return
             time.sleep(0.05)
         path.unlink(missing_ok=True)  # never acted on later by a process that was not there
-        self._publish(ev.Error(
-            kind_="internal", source="attach", fatal=False,
+        self.publish(ev.Error(
+            error_kind="internal", source="attach", fatal=False,
             message=f"{command} was not picked up within {self.pickup_s:.0f} s",
             hint="the process that owns the run is not reading commands: it has ended, or its "
                  "run is between runs; check it with ps, or stop it with kill -INT <pid>"))
@@ -229,7 +215,5 @@ class FollowController:
     def shutdown(self, timeout: float = 30.0) -> None:
         """Detach: stop following. The run is not touched."""
         self.calls.append("shutdown")
-        self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout)
+        self._halt(timeout)
         self.bus.close(timeout)

@@ -13,9 +13,6 @@ from textual.message import Message
 
 from dflash_core import events as ev
 
-# Kept even when the buffer is full: rare, and the operator must never miss them.
-_KEEP = (ev.Error, ev.StateChanged, ev.RunStarted, ev.RunEnded, ev.Checkpoint)
-
 
 class EventBuffer:
     """Thread-safe, bounded hand-over from publishers to the UI thread."""
@@ -28,7 +25,7 @@ class EventBuffer:
 
     def put(self, event: ev.Event) -> None:
         with self._lock:
-            if len(self._items) < self.limit or isinstance(event, _KEEP):
+            if len(self._items) < self.limit or event.keep_when_behind:
                 self._items.append(event)
             else:
                 self.dropped += 1

@@ -41,7 +41,7 @@ class PostMortem:
             out.append("no training step was completed")
         if self.last_error is not None:
             e = self.last_error
-            out.append(f"{self.errors} error(s); last: [{e.kind_}] {e.source}: {e.message}")
+            out.append(f"{self.errors} error(s); last: [{e.error_kind}] {e.source}: {e.message}")
             if e.hint:
                 out.append(f"hint: {e.hint}")
         elif self.last_log is not None:

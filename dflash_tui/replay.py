@@ -14,8 +14,10 @@ from typing import Iterable
 
 from dflash_core import events as ev
 
+from .stream import StreamController
 
-class ReplayController:
+
+class ReplayController(StreamController):
     def __init__(self, events: Iterable[ev.Event] | str | Path = (), *, delay: float = 0.0,
                  speed: float = 0.0, shutdown_gate: threading.Event | None = None) -> None:
         """`events`: a list of events or the path of an events.jsonl.
@@ -23,39 +25,28 @@ class ReplayController:
         this many times (gaps capped at 2 s). With neither, start() publishes everything at once.
         `shutdown_gate`: shutdown() blocks until it is set (or its timeout), standing in for an
         engine whose workers take a while to stop."""
+        super().__init__()
         if isinstance(events, (str, Path)):
             events = ev.read_jsonl(events)
         self.events: list[ev.Event] = list(events)
         self.delay, self.speed, self.shutdown_gate = delay, speed, shutdown_gate
-        self.bus = ev.EventBus()
-        self.calls: list[str] = []
-        self._state = "idle"
         self._last_ts: float | None = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
 
     @classmethod
     def from_jsonl(cls, path: str | Path, **kwargs) -> "ReplayController":
         return cls(path, **kwargs)
 
-    @property
-    def state(self) -> str:
-        return self._state
-
     def publish(self, event: ev.Event) -> None:
-        self._state = ev.state_after(self._state, event)
         self._last_ts = event.ts
-        self.bus.publish(event)
+        super().publish(event)
 
     def start(self) -> None:
         self.calls.append("start")
-        self._stop.clear()
         if not self.delay and not self.speed:
             for e in self.events:
                 self.publish(e)
             return
-        self._thread = threading.Thread(target=self._play, name="replay", daemon=True)
-        self._thread.start()
+        self._start_thread(self._play, "replay")
 
     def _play(self) -> None:
         prev = None
@@ -65,11 +56,6 @@ class ReplayController:
                 return
             prev = e.ts
             self.publish(e)
-
-    def _halt(self) -> None:
-        self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(5)
 
     def _change(self, state: str, reason: str) -> None:
         # Keep event time consistent with what was replayed, so elapsed does not jump to "now".

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Iterable
 
 from dflash_core import events as ev
+from dflash_core.errors import error_from_exception
 
 from . import fmt
 
@@ -28,6 +29,12 @@ LIVE_STATES = ("preflight", "loading", "warmup", "training")
 BOTTLENECK_FRAC = 0.2
 # A stream whose newest event is older than this is a replay (or a hung engine): its clock stays.
 LIVE_CLOCK_S = 30.0
+# A target row's status is its worker's own (ev.WORKER_STATUSES) or one of the dashboard's: no
+# WorkerStatus yet, or its weights are loaded and its warmup not reported yet.
+TARGET_PENDING = "pending"
+TARGET_LOADED = "loaded"
+# The statuses of a target still at work: one that says nothing more once the run ends has stopped.
+_TARGET_AT_WORK = (ev.WORKER_LOADING, TARGET_LOADED, ev.WORKER_WARMUP, ev.WORKER_RUNNING)
 
 
 @dataclass
@@ -50,8 +57,8 @@ class GpuRow:
 class TargetRow:
     worker: str
     device: str = ""
-    # pending | loading | loaded | warmup | running (or the engine's own: waiting, done, failed ...)
-    status: str = "pending"
+    # pending | loading | loaded | warmup | running | done | stopped | failed (see TARGET_PENDING)
+    status: str = TARGET_PENDING
     detail: str = ""
     bytes_loaded: int = 0
     bytes_total: int = 0
@@ -91,10 +98,10 @@ class LogLine:
 
 def _queue_order(name: str) -> tuple:
     # prefetch-0, prefetch-1, ..., prefetch-10, then hs, then anything else by name
-    head, _, tail = name.rpartition("-")
-    if head == "prefetch" and tail.isdigit():
-        return (0, int(tail), name)
-    return (1 if name == "hs" else 2, 0, name)
+    rank = ev.prefetch_rank(name)
+    if rank is not None:
+        return (0, rank, name)
+    return (1 if name == ev.HS_QUEUE else 2, 0, name)
 
 
 def _device_index(label: str) -> int | None:
@@ -152,8 +159,8 @@ class DashboardState:
         try:
             return handler(e) | {"header"}
         except Exception as exc:  # a malformed event must not take the dashboard down
-            return self.add_error(ev.error_from_exception(
-                exc, kind="internal", source="dashboard", fatal=False,
+            return self.add_error(error_from_exception(
+                exc, error_kind="internal", source="dashboard", fatal=False,
                 hint=f"the dashboard could not show a {e.kind} event; the run is not affected"))
 
     def tick(self, wall: float) -> bool:
@@ -171,7 +178,7 @@ class DashboardState:
     def add_error(self, e: ev.Error, previous: bool = False) -> set[str]:
         self.errors.append(ErrorEntry(e, previous))
         if not previous:
-            self.add_log("error", e.source, f"[{e.kind_}] {e.message}", e.ts)
+            self.add_log("error", e.source, f"[{e.error_kind}] {e.message}", e.ts)
         return {"errors", "header", "log"}
 
     def _on_RunStarted(self, e: ev.RunStarted) -> set[str]:
@@ -190,8 +197,8 @@ class DashboardState:
         if e.state in ev.TERMINAL_STATES:
             self.end_ts = e.ts
             for row in self.targets.values():  # a worker that said nothing more has stopped
-                if row.status in ("loading", "loaded", "warmup", "running"):
-                    row.status = "stopped"
+                if row.status in _TARGET_AT_WORK:
+                    row.status = ev.WORKER_STOPPED
         elif e.state in LIVE_STATES and self.end_ts is not None:
             self.end_ts = None  # a restart without a new RunStarted: the clock runs again
         reason = f" ({e.reason})" if e.reason else ""
@@ -205,7 +212,7 @@ class DashboardState:
             return {"gpus"}
         row = self._target(e.worker, e.device)
         row.status, row.detail = e.status, e.detail
-        if e.status == "failed" and e.detail and not row.error:
+        if e.status == ev.WORKER_FAILED and e.detail and not row.error:
             row.error = e.detail
         return {"targets", "gpus"}
 
@@ -222,16 +229,16 @@ class DashboardState:
         row.bytes_loaded, row.bytes_total = e.bytes_loaded, e.bytes_total
         row.shards_loaded, row.shards_total = e.shards_loaded, e.shards_total
         row.seconds, row.memory_after = e.seconds, e.memory_after
-        if row.status in ("pending", "loading", "loaded"):
-            row.status = "loaded" if e.done else "loading"
+        if row.status in (TARGET_PENDING, ev.WORKER_LOADING, TARGET_LOADED):
+            row.status = TARGET_LOADED if e.done else ev.WORKER_LOADING
         return {"targets"}
 
     def _on_TargetMetrics(self, e: ev.TargetMetrics) -> set[str]:
         row = self._target(e.worker, e.device)
         row.batches, row.tokens_per_s = e.batches, e.tokens_per_s
         row.blocked_frac, row.starved_frac = e.blocked_frac, e.starved_frac
-        if row.status in ("pending", "loading", "loaded", "warmup"):
-            row.status = "running"  # metrics mean it runs, even if its WorkerStatus is late
+        if row.status in (TARGET_PENDING, ev.WORKER_LOADING, TARGET_LOADED, ev.WORKER_WARMUP):
+            row.status = ev.WORKER_RUNNING  # metrics mean it runs, even if its WorkerStatus is late
         return {"targets", "queues"}
 
     def _on_GpuSample(self, e: ev.GpuSample) -> set[str]:
@@ -300,9 +307,9 @@ class DashboardState:
         row = self.targets.get(e.source)
         if row is not None:
             # "[oom] CUDA out of memory..." reads better than the exception's class name.
-            row.error = f"[{e.kind_}] {fmt.short_message(e.message)}"
+            row.error = f"[{e.error_kind}] {fmt.short_message(e.message)}"
             if e.fatal:
-                row.status = "failed"
+                row.status = ev.WORKER_FAILED
         return self.add_error(e) | {"targets"}
 
     def _on_SinkStatus(self, e: ev.SinkStatus) -> set[str]:
@@ -393,7 +400,7 @@ class DashboardState:
 
     def bottleneck(self) -> str:
         """Which side of the HS queue waits on the other, in words; "" before any flow data."""
-        running = [t for t in self.targets.values() if t.status == "running"]
+        running = [t for t in self.targets.values() if t.status == ev.WORKER_RUNNING]
         if self.step is None and not running:
             return ""
         blocked = max([self.step.target_blocked_frac if self.step else 0.0]

@@ -55,6 +55,8 @@ def _memory_table(ev: MemoryPlan) -> str:
 
 def format_event(ev: Event) -> str | None:
     """One short text (maybe several lines) for an event, or None for events not worth a line."""
+    if not ev.in_text_log:
+        return None
     if isinstance(ev, StepMetrics):
         return (
             f"step {ev.step} epoch {ev.epoch} loss {ev.loss:.4f} lr {ev.lr:.2e} "
@@ -85,7 +87,7 @@ def format_event(ev: Event) -> str | None:
     if isinstance(ev, Error):
         where = ", ".join(x for x in (ev.device, ev.phase) if x)
         where = f" ({where})" if where else ""
-        text = (f"ERROR [{ev.kind_}] {ev.source}{where}{' fatal' if ev.fatal else ''}: "
+        text = (f"ERROR [{ev.error_kind}] {ev.source}{where}{' fatal' if ev.fatal else ''}: "
                 f"{ev.message}")
         if ev.hint:
             text += f"\n  hint: {ev.hint}"
@@ -111,7 +113,7 @@ def format_event(ev: Event) -> str | None:
         return (f"target {ev.worker} {ev.device}: {ev.batches} batches, tok/s "
                 f"{_rate(ev.tokens_per_s)}, blocked {ev.blocked_frac:.0%}, "
                 f"starved {ev.starved_frac:.0%}")
-    return None  # GpuSample, HostSample, QueueDepth: too chatty for a log
+    return None  # an event type without a line of its own
 
 
 class LineThrottle:

@@ -17,9 +17,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..config import ConfigError, WandbConfig
-from ..events import (
-    Error, EvalResult, Event, RunEnded, SinkStatus, StepMetrics, error_from_exception,
-)
+from ..errors import error_from_exception
+from ..events import Error, EvalResult, Event, RunEnded, SinkStatus, StepMetrics
 
 # Old private settings keys and their public replacements (None: removed, drop the key). Read off
 # the installed wandb's sdk/wandb_settings.py; other "_name" keys map to "x_name" when that exists.
@@ -211,7 +210,7 @@ class WandbSink:
     def _fail(self, exc: Exception, hint: str) -> None:
         self._state = "failed"
         self._run = None  # not finished here: a broken wandb may hang; finish_previous cleans up
-        self.publish(error_from_exception(exc, kind="wandb", source=SOURCE, hint=hint,
+        self.publish(error_from_exception(exc, error_kind="wandb", source=SOURCE, hint=hint,
                                           fatal=False))
         self.publish(SinkStatus(sink="wandb", status="failed",
                                 detail=f"{type(exc).__name__}: {exc}"))
@@ -228,7 +227,7 @@ class WandbSink:
                     run.finish()
                 except Exception as exc:
                     self.publish(error_from_exception(
-                        exc, kind="wandb", source=SOURCE, fatal=False,
+                        exc, error_kind="wandb", source=SOURCE, fatal=False,
                         hint="wandb could not finish; an offline run folder can still be synced"))
         finally:
             self._lock.release()

@@ -16,7 +16,7 @@ from ..state import DashboardState, ErrorEntry
 def error_detail(entry: ErrorEntry) -> Text:
     e = entry.event
     where = " ".join(x for x in (e.source, e.device) if x)
-    head = Text.assemble((f"[{e.kind_}] ", "bold red"), (where, "bold"),
+    head = Text.assemble((f"[{e.error_kind}] ", "bold red"), (where, "bold"),
                          (f"  phase {e.phase}" if e.phase else "", "dim"),
                          ("  fatal" if e.fatal else "  not fatal", "red" if e.fatal else "yellow"),
                          ("  (previous run)" if entry.previous else "", "dim"),
@@ -57,7 +57,7 @@ class ErrorsPanel(Vertical):
         table = self.table
         for i, entry in enumerate(state.errors[self._shown:], start=self._shown):
             e = entry.event
-            table.add_row(Text(e.kind_, style="bold red"), e.source,
+            table.add_row(Text(e.error_kind, style="bold red"), e.source,
                           "previous run" if entry.previous else e.phase, fmt.short_message(e.message),
                           key=str(i))
         added = len(state.errors) > self._shown

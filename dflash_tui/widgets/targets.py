@@ -6,8 +6,10 @@ from __future__ import annotations
 
 from rich.text import Text
 
+from dflash_core import events as ev
+
 from .. import fmt
-from ..state import DashboardState, TargetRow
+from ..state import TARGET_LOADED, DashboardState, TargetRow
 from .panel import Panel, bar, fit, line
 
 
@@ -15,12 +17,12 @@ def target_line(t: TargetRow, width: int) -> Text:
     # Narrow panels drop the device label (the GPUs panel has it) to keep the numbers.
     device = f"{t.device} " if t.device and width >= 50 else ""
     head = Text.assemble((f"{t.worker} ", "bold"), (device, "cyan"))
-    if t.status == "failed":
+    if t.status == ev.WORKER_FAILED:
         # Why it failed gets a line of its own: it is the point of this row.
         return Text("\n").join([line([head, ("FAILED", "bold white on red")], width),
                                 line([("  ", ""), (t.error or t.detail or "see the errors pane",
                                                    "red")], width)])
-    if t.status == "loading":
+    if t.status == ev.WORKER_LOADING:
         frac = t.bytes_loaded / t.bytes_total if t.bytes_total else 0.0
         nums = Text(f"{t.bytes_loaded / fmt.GIB:.1f}/{fmt.gib(t.bytes_total)}")
         more = f" {t.shards_loaded}/{t.shards_total} shards {t.seconds:.0f}s"
@@ -29,13 +31,13 @@ def target_line(t: TargetRow, width: int) -> Text:
             more = f" {t.seconds:.0f}s"
         bar_w = min(30, room - len(more))
         return line([head, bar(frac, bar_w, "yellow") if bar_w >= 3 else "", nums, more], width)
-    if t.status == "loaded":
+    if t.status == TARGET_LOADED:
         return line([head, ("loaded", "yellow"),
                      f" {fmt.gib(t.memory_after or t.bytes_total)} in {t.seconds:.0f}s"], width)
-    if t.status == "warmup":
+    if t.status == ev.WORKER_WARMUP:
         return line([head, ("warming up", "bold magenta"),
                      (f" {t.detail or 'first forward, compiling kernels'}", "dim")], width)
-    if t.status == "running":
+    if t.status == ev.WORKER_RUNNING:
         text, _ = fit([head, (f"{fmt.rate(t.tokens_per_s)} tok/s", "bold green")],
                       [f"  blocked {fmt.pct(t.blocked_frac)}", f"  starved {fmt.pct(t.starved_frac)}",
                        (f"  {t.batches} batches", "dim")], width)
@@ -53,7 +55,7 @@ class TargetsPanel(Panel):
         if not rows:
             return Text(self.EMPTY, style="dim")
         lines = [target_line(t, width) for t in rows]
-        running = [t for t in rows if t.status == "running"]
+        running = [t for t in rows if t.status == ev.WORKER_RUNNING]
         if len(running) > 1:
             lines.append(line([("all targets ", "dim"),
                                (f"{fmt.rate(sum(t.tokens_per_s for t in running))} tok/s", "bold")],

@@ -248,7 +248,8 @@ def test_bad_config_file_fails_then_restart_after_fixing_it_finishes(tmp_path, a
     ended = rec.wait_ended(30)
     assert ended.status == "failed" and engine.wait(5) == "failed"
     (err,) = [e for e in rec.of(Error) if e.fatal]
-    assert err.kind_ == "config" and "data.token_budget" in err.message and "lots" in err.message
+    assert err.error_kind == "config"
+    assert "data.token_budget" in err.message and "lots" in err.message
     assert not rec.of(LoadProgress)
     # The engine reports and waits: nothing more happens on its own.
     assert wait_no_engine_threads() == []
@@ -271,6 +272,7 @@ def test_too_many_features_for_a_shallow_target_is_refused_at_preflight(tmp_path
     rec = run_to_end(engine)
     engine.shutdown()
     (err,) = rec.of(Error)
-    assert err.kind_ == "config" and "target.layer_ids" in err.message and "repeats" in err.message
+    assert err.error_kind == "config"
+    assert "target.layer_ids" in err.message and "repeats" in err.message
     assert "target.num_features" in err.hint
     assert not rec.of(LoadProgress)

@@ -134,7 +134,7 @@ WORKERS = {
     "jsonl": (lambda: (JsonlSink, "__call__"), 20, "sink:jsonl", None),
     "textlog": (lambda: (TextLogSink, "__call__"), 5, "sink:textlog", None),
 }
-# A sink's exception is classified by the bus (events._Subscription), which knows io and
+# A sink's exception is classified by the bus (bus._Subscription), which knows io and
 # internal only: an OOM inside a sink reads "internal" there (see the report on events.py).
 OOM_KIND = {"sink:jsonl": ("oom", "internal"), "sink:textlog": ("oom", "internal")}
 
@@ -160,16 +160,17 @@ def test_worker_fault_fails_the_run(tmp_path, assets, monkeypatch, worker, exc):
     err = fatal[0]
     assert err.source == source
     if exc is plain:
-        assert err.kind_ == "internal" and "injected fault" in err.message
+        assert err.error_kind == "internal" and "injected fault" in err.message
     else:
-        assert err.kind_ in OOM_KIND.get(source, ("oom",))
+        assert err.error_kind in OOM_KIND.get(source, ("oom",))
         assert "out of memory" in err.message
         if oom_key:
             assert "30.00 GiB" in err.hint and oom_key in err.hint
     assert err.traceback and "Traceback" in err.traceback
     assert end.reason == err.message
     assert wait_gone(before) == []
-    print(f"fault {worker}/{exc.__name__}: {end.status}, {err.kind_}, {err.source}, {seconds:.2f} s")
+    print(f"fault {worker}/{exc.__name__}: {end.status}, {err.error_kind}, {err.source}, "
+          f"{seconds:.2f} s")
 
 
 def test_fault_in_one_of_two_drafters_releases_the_other_from_the_step_barrier(
@@ -191,7 +192,7 @@ def test_fault_in_one_of_two_drafters_releases_the_other_from_the_step_barrier(
     assert end.status == "failed" and end.step >= 1
     assert state_time(rec, "failed") - raised_at[0] < FAIL_WITHIN_S
     (err,) = [e for e in rec.of(Error) if e.fatal]
-    assert (err.source, err.kind_) == ("drafter-1", "oom")
+    assert (err.source, err.error_kind) == ("drafter-1", "oom")
     assert "drafter.micro_block_tokens" in err.hint
     assert wait_gone(before) == []
 
@@ -450,7 +451,7 @@ def refused(cfg) -> Error:
 def test_missing_model_folder_is_a_config_error_before_loading(tmp_path, assets):
     cfg = long_config(tmp_path, assets, target__path=str(tmp_path / "no-such-model"))
     err = refused(cfg)
-    assert err.kind_ == "config"
+    assert err.error_kind == "config"
     assert "no-such-model" in err.message and "target.path" in err.hint
 
 
@@ -461,7 +462,7 @@ def test_corrupt_shard_is_a_data_error_naming_the_file(tmp_path, assets):
     shard.write_bytes(np.random.default_rng(0).bytes(4096))
     cfg = long_config(tmp_path, assets, data__path=str(broken))
     err = refused(cfg)
-    assert err.kind_ == "data"
+    assert err.error_kind == "data"
     assert shard.name in err.message
 
 
@@ -469,7 +470,7 @@ def test_legacy_wandb_setting_is_refused_naming_its_replacement(tmp_path, assets
     cfg = long_config(tmp_path, assets, wandb__enabled=True, wandb__mode="offline",
                       wandb__settings={"_stats_sample_rate_seconds": 1})
     err = refused(cfg)
-    assert err.kind_ == "config"
+    assert err.error_kind == "config"
     assert "_stats_sample_rate_seconds" in err.message
     assert "x_stats_sampling_interval" in err.message + err.hint
 

@@ -190,7 +190,7 @@ def test_an_unexpected_exception_is_a_non_fatal_error_and_ends_the_thread():
     sampler.join(1.0)
     assert not sampler.is_alive() and not stop.is_set()  # ended by itself
     (err,) = out.of(Error)
-    assert (err.kind_, err.source, err.fatal) == ("internal", "telemetry", False)
+    assert (err.error_kind, err.source, err.fatal) == ("internal", "telemetry", False)
     assert "RuntimeError: injected" in err.message and "injected" in err.traceback
     assert calls == [1]
 

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from dflash_core.block_attention import chunked_block_attention, flex_block_attention
+from dflash_core.bus import EventBus
 from dflash_core.engine import Engine
-from dflash_core.events import Error, EventBus, StepMetrics
+from dflash_core.events import Error, StepMetrics
 from tests.core.engine_fixtures import make_config, make_data, make_target
 from tests.core.test_block_attention import dense, inputs
 

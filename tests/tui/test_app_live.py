@@ -39,8 +39,8 @@ async def test_error_injected_into_a_live_run_shows_within_a_second(tmp_path: Pa
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: "TRAINING" in header(app), timeout=60)
         threading.Thread(target=engine.bus.publish, args=(Error(
-            kind_="cuda", source="target-0", message="injected: ECC error", hint="drain the node",
-            fatal=False, device="cuda:0", phase="training"),)).start()
+            error_kind="cuda", source="target-0", message="injected: ECC error",
+            hint="drain the node", fatal=False, device="cuda:0", phase="training"),)).start()
         errors = app.query_one("#errors")
         took = await wait_for(pilot, lambda: errors.table.row_count == 1, timeout=5)
         assert took < 1.0

@@ -176,7 +176,7 @@ def test_attach_to_a_folder_without_a_run_says_what_to_pass(tmp_path, capsys):
 def test_attaching_late_to_a_long_run_reads_its_tail_and_every_state_event(tmp_path):
     # Days of GPU samples are skipped; what sets the screen (errors, states, checkpoints,
     # evaluations) is read from the whole run, the metrics from the last tail_bytes.
-    early = [ev.Error(kind_="data", source="loader-0", message="early error", fatal=False,
+    early = [ev.Error(error_kind="data", source="loader-0", message="early error", fatal=False,
                       ts=sc.T0 + 1),
              ev.Checkpoint(step=10, path="runs/x/checkpoints/step-10", reason="periodic",
                            seconds=1.0, ts=sc.T0 + 2)]
@@ -212,14 +212,14 @@ def test_attaching_late_to_a_long_run_reads_its_tail_and_every_state_event(tmp_p
 
 @pytest.mark.parametrize("block", [7, 64, 1000, 1 << 20])
 def test_state_lines_found_by_block_search_equal_a_line_by_line_scan(tmp_path, block):
-    from dflash_tui.follow import STATE_KINDS, _state_lines
+    from dflash_tui.follow import _state_lines
 
     events = sc.training()
     write(tmp_path / "events.jsonl", events, mode="w")
     data = (tmp_path / "events.jsonl").read_bytes()
     want, pos = [], 0
     for line in data.splitlines(keepends=True):
-        if any(f'"event":"{k}"'.encode() in line for k in STATE_KINDS):
+        if ev.from_json(line).sets_state:
             want.append((pos, line.rstrip(b"\n")))
         pos += len(line)
     with open(tmp_path / "events.jsonl", "rb") as f:

@@ -113,7 +113,7 @@ def test_training_loss_history_eval_and_clock():
 def test_errors_listed_counted_and_logged():
     s = fold(sc.failed())
     assert s.state == "failed" and not s.live
-    assert s.error_count == 1 and s.errors[0].event.kind_ == "oom"
+    assert s.error_count == 1 and s.errors[0].event.error_kind == "oom"
     assert s.eta is None
     assert s.elapsed == 242.0  # stops at the RunEnded
     texts = [x.text for x in s.log]
@@ -154,7 +154,7 @@ def test_postmortem_of_a_run_without_run_ended(tmp_path):
     pm = postmortem.load(tmp_path)
     assert pm is not None
     assert (pm.last_state, pm.last_step.step, pm.errors) == ("failed", 60, 1)
-    assert pm.last_error.kind_ == "oom"
+    assert pm.last_error.error_kind == "oom"
     lines = pm.lines()
     assert "ended without RunEnded" in lines[0]
     assert "last state failed" in lines[1]

@@ -52,16 +52,16 @@ def loading() -> list[ev.Event]:
     out = start() + gpu_samples(5, used=20, util=3)
     for i in range(7):
         worker, dev = f"target-{i}", f"cuda:{i}"
-        out.append(ev.WorkerStatus(worker=worker, role="target", device=dev, status="loading",
-                                   ts=T0 + 3))
+        out.append(ev.WorkerStatus(worker=worker, role="target", device=dev,
+                                   status=ev.WORKER_LOADING, ts=T0 + 3))
         done = i == 0
         frac = 1.0 if done else 0.9 - i * 0.12
         out.append(ev.LoadProgress(worker=worker, device=dev, bytes_loaded=int(frac * 54 * GIB),
                                    bytes_total=54 * GIB, shards_loaded=round(frac * 12),
                                    shards_total=12, seconds=60 + i, done=done,
                                    memory_after=int(54.2 * GIB) if done else 0, ts=T0 + 62))
-    out.append(ev.WorkerStatus(worker="target-0", role="target", device="cuda:0", status="warmup",
-                               detail="first forward: compiling kernels", ts=T0 + 63))
+    out.append(ev.WorkerStatus(worker="target-0", role="target", device="cuda:0",
+                               status=ev.WORKER_WARMUP, detail="first forward: compiling kernels", ts=T0 + 63))
     out.append(ev.Log(level="info", source="target-0", message="loaded 54.2 GiB in 60 s",
                       ts=T0 + 62))
     return out
@@ -75,16 +75,17 @@ def training(steps: int = 60, wait: float = 0.05, blocked: float = 0.71) -> list
                                    bytes_total=54 * GIB, shards_loaded=12, shards_total=12,
                                    seconds=90, done=True, memory_after=int(54.2 * GIB),
                                    ts=T0 + 90))
-        out.append(ev.WorkerStatus(worker=worker, role="target", device=dev, status="warmup",
-                                   ts=T0 + 91))
+        out.append(ev.WorkerStatus(worker=worker, role="target", device=dev,
+                                   status=ev.WORKER_WARMUP, ts=T0 + 91))
     out.append(ev.StateChanged(state="warmup", previous="loading", ts=T0 + 91))
     out.append(ev.StateChanged(state="training", previous="warmup", ts=T0 + 120))
     t = 120.0
     for s in range(1, steps + 1):
         t += 2.0
         for q in range(7):
-            out.append(ev.QueueDepth(name=f"prefetch-{q}", depth=(s + q) % 5, capacity=4, ts=T0 + t))
-        out.append(ev.QueueDepth(name="hs", depth=min(8, s // 4), capacity=8, ts=T0 + t))
+            out.append(ev.QueueDepth(name=ev.prefetch_queue(q), depth=(s + q) % 5, capacity=4,
+                                     ts=T0 + t))
+        out.append(ev.QueueDepth(name=ev.HS_QUEUE, depth=min(8, s // 4), capacity=8, ts=T0 + t))
         if s % 10 == 0:
             for i in range(7):
                 out.append(ev.TargetMetrics(worker=f"target-{i}", device=f"cuda:{i}", batches=s * 2,
@@ -104,7 +105,7 @@ def training(steps: int = 60, wait: float = 0.05, blocked: float = 0.71) -> list
 
 
 def oom_error(t: float) -> ev.Error:
-    return ev.Error(kind_="oom", source="target-3", device="cuda:3", phase="training",
+    return ev.Error(error_kind="oom", source="target-3", device="cuda:3", phase="training",
                     message="torch.OutOfMemoryError: CUDA out of memory. Tried to allocate "
                             "29.61 GiB",
                     traceback=OOM_TRACEBACK,

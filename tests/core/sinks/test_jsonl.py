@@ -1,8 +1,7 @@
 import json
 
-from dflash_core.events import (
-    Error, EventBus, GpuSample, RunEnded, StateChanged, StepMetrics, read_jsonl,
-)
+from dflash_core.bus import EventBus
+from dflash_core.events import Error, GpuSample, RunEnded, StateChanged, StepMetrics, read_jsonl
 from dflash_core.sinks.jsonl import JsonlSink
 
 
@@ -16,7 +15,7 @@ def test_every_event_replays(tmp_path):
     sink = JsonlSink(path)
     events = [StateChanged(state="loading", previous="preflight"), _step(1),
               GpuSample(index=0, name="H200", mem_used=1, mem_total=2),
-              Error(kind_="oom", source="target-0", message="boom", traceback="tb\nline")]
+              Error(error_kind="oom", source="target-0", message="boom", traceback="tb\nline")]
     for ev in events:
         sink(ev)
     # Flushed per line: a reader sees events before close.

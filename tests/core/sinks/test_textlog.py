@@ -33,7 +33,7 @@ def test_format_every_kind():
                                           "components": {"weights": 54 * GiB}, "total": 60 * GiB,
                                           "free": 140 * GiB, "fits": True}]))
     assert "cuda:0" in plan and "weights 54.0 GiB" in plan and "60.0 GiB" in plan
-    err = format_event(Error(kind_="oom", source="target-3", message="CUDA out of memory",
+    err = format_event(Error(error_kind="oom", source="target-3", message="CUDA out of memory",
                              traceback="Traceback (most recent call last):\n  File x\nOOM\n",
                              hint="lower data.token_budget", device="cuda:3"))
     lines = err.splitlines()
@@ -63,7 +63,7 @@ def test_sink_writes_stamped_lines(tmp_path):
     for i in range(10):
         sink(_step(i, ts=1000.0 + i))
     sink(GpuSample(index=0, name="g", mem_used=1, mem_total=2))
-    sink(Error(kind_="data", source="loader-0", message="bad shard", traceback="T1\nT2\n",
+    sink(Error(error_kind="data", source="loader-0", message="bad shard", traceback="T1\nT2\n",
                fatal=False))
     sink.close()
     sink.close()

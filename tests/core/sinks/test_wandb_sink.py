@@ -4,10 +4,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from dflash_core.bus import EventBus
 from dflash_core.config import ConfigError, WandbConfig
-from dflash_core.events import (
-    Error, EvalResult, EventBus, RunEnded, RunStarted, SinkStatus, StepMetrics,
-)
+from dflash_core.events import Error, EvalResult, RunEnded, RunStarted, SinkStatus, StepMetrics
 from dflash_core.sinks.wandb_sink import WandbSink, validate_wandb_settings
 
 
@@ -113,7 +112,7 @@ def test_init_failure_is_one_nonfatal_error(offline_env, monkeypatch):
     errors = [ev for ev in seen if isinstance(ev, Error)]
     assert len(errors) == 1
     err = errors[0]
-    assert (err.kind_, err.source, err.fatal) == ("wandb", "sink:wandb", False)
+    assert (err.error_kind, err.source, err.fatal) == ("wandb", "sink:wandb", False)
     assert "no wandb today" in err.message and err.hint
     assert [ev.status for ev in seen if isinstance(ev, SinkStatus)] == ["failed"]
     assert not sub.failed  # the sink never raised into the bus
@@ -181,7 +180,7 @@ def test_log_failure_disables_sink(tmp_path):
     sink.close()
     assert [s for s, _ in run.logged] == [1]
     assert [type(ev).__name__ for ev in out] == ["SinkStatus", "Error", "SinkStatus"]
-    assert out[1].kind_ == "wandb" and not out[1].fatal and out[2].status == "failed"
+    assert out[1].error_kind == "wandb" and not out[1].fatal and out[2].status == "failed"
     assert run.finished is None  # a broken wandb is not touched again
 
 
