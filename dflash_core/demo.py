@@ -159,13 +159,6 @@ def _report(progress: Progress | None, fraction: float, message: str) -> None:
         progress(min(1.0, max(0.0, fraction)), message)
 
 
-def _sub(progress: Progress | None, lo: float, hi: float) -> Progress | None:
-    """A progress callback mapping [0, 1] onto [lo, hi] of ``progress``."""
-    if progress is None:
-        return None
-    return lambda f, msg: progress(lo + (hi - lo) * f, msg)
-
-
 def _tiny_config():
     from transformers import Qwen3Config
 
@@ -500,18 +493,3 @@ def demo_config(output_dir: str = "runs", name: str = "demo") -> Config:
         "telemetry": {"interval_s": 1.0},
     })
 
-
-def prepare_demo(cfg: Config, progress: Progress | None = None) -> tuple[Path, Path]:
-    """Resolve ``builtin:`` paths of a config: (target folder, data folder). The demo target is
-    installed into the run folder; other paths are returned as they are."""
-    builtin_target = cfg.target.path == "builtin:tiny"
-    if builtin_target:
-        target = install_target(cfg.run_dir, progress=_sub(progress, 0.0, 0.85))
-    else:
-        target = Path(cfg.target.path).expanduser()
-    if cfg.data.path == "builtin:demo":
-        data = ensure_demo_data(target, progress=_sub(progress, 0.85, 1.0))
-    else:
-        data = Path(cfg.data.path).expanduser()
-    _report(progress, 1.0, "demo ready")
-    return target, data

@@ -23,10 +23,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from .config import Config
-from .events import MemoryPlan
 
 GiB = 1 << 30
 
@@ -76,8 +75,6 @@ LOSS_BYTES_PER_LOGIT = 8
 HYBRID_TYPES = ("qwen3_5", "qwen3_5_text")  # Gated DeltaNet + gated full attention layers
 QK_NORM_TYPES = ("qwen3", "qwen3_5", "qwen3_5_text")
 MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
-
-HsQueueOn = Literal["target", "drafter", "cpu"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -293,11 +290,11 @@ def _target_layer_transient(s: _Shape, tokens: int, b: int, run_types: set[str],
 
 
 def _target_components(cfg: Config, s: _Shape, hf_config: dict, on_cuda: bool,
-                       include_logits: bool, queued: int) -> dict[str, int]:
+                       queued: int) -> dict[str, int]:
     t, b = cfg.data.token_budget, dtype_bytes(_target_dtype(cfg, on_cuda))
     run_types = set(s.layer_types[: _last_layer(cfg, s) + 1])
     features = t * _num_features(cfg) * s.hidden * b
-    c = {
+    return {
         "weights": param_count(hf_config) * b,
         "residual stream": RESIDUAL_LIVE * t * s.hidden * b,
         "layer transient": _target_layer_transient(
@@ -308,9 +305,6 @@ def _target_components(cfg: Config, s: _Shape, hf_config: dict, on_cuda: bool,
         "features": features,
         "hs queue": queued * features,
     }
-    if include_logits:
-        c["logits"] = t * s.vocab * b
-    return c
 
 
 def _drafter_pass(cfg: Config) -> tuple[int, int, int]:
@@ -326,8 +320,7 @@ def _drafter_pass(cfg: Config) -> tuple[int, int, int]:
     return seqs, per_pass, blocks
 
 
-def _drafter_components(cfg: Config, s: _Shape, hf_config: dict, on_cuda: bool,
-                        queued: int) -> dict[str, int]:
+def _drafter_components(cfg: Config, s: _Shape, hf_config: dict, on_cuda: bool) -> dict[str, int]:
     d, data = cfg.drafter, cfg.data
     ds = _drafter_shape(cfg, s)
     n_params = drafter_param_count(cfg, hf_config)
@@ -351,7 +344,6 @@ def _drafter_components(cfg: Config, s: _Shape, hf_config: dict, on_cuda: bool,
         "context": context_tokens * context * UNIT_BYTES,
         "loss chunk": min(d.loss_chunk, block_tokens) * s.vocab * LOSS_BYTES_PER_LOGIT,
         "received features": features,
-        "hs queue (drafter)": queued * features,
     }
 
 
@@ -387,7 +379,6 @@ class Plan:
     token_budget: int
     logits_extra: int  # bytes full target logits would add on each target GPU (target dtype)
     logits_upcast_extra: int  # and the float32 copy HF's loss path makes on top of that
-    include_logits: bool = False
     hints: list[str] = field(default_factory=list)  # one per overflowing device
 
     @property
@@ -403,9 +394,6 @@ class Plan:
     def to_event_rows(self) -> list[dict[str, Any]]:
         return [r.to_dict() for r in self.rows]
 
-    def to_event(self) -> MemoryPlan:
-        return MemoryPlan(rows=self.to_event_rows(), fits=self.fits)
-
 
 def _device_type(cfg: Config, free_bytes: dict[str, int] | None) -> str:
     if cfg.layout.device != "auto":
@@ -418,15 +406,12 @@ def _device_type(cfg: Config, free_bytes: dict[str, int] | None) -> str:
 
 
 def plan_memory(cfg: Config, target_hf_config: dict, free_bytes: dict[str, int] | None = None,
-                total_bytes: dict[str, int] | None = None, *, include_logits: bool = False,
-                hs_queue_on: HsQueueOn = "target") -> Plan:
+                total_bytes: dict[str, int] | None = None) -> Plan:
     """Estimate each device's peak bytes for this config and target.
 
-    ``include_logits`` adds full lm_head logits to every target (the old failing behaviour).
-    ``hs_queue_on``: where queued feature batches live. "target" (what engine.py does): each
-    target keeps its share, ceil(layout.hs_queue / targets) batches, until a drafter takes them
-    (targets of similar speed; one target alone could hold up to layout.hs_queue); "drafter":
-    each drafter holds ceil(layout.hs_queue / drafters); "cpu": host memory, not planned here.
+    Queued feature batches stay on the target that made them (engine.py): each target keeps its
+    share, ceil(layout.hs_queue / targets) batches, until a drafter takes them (targets of similar
+    speed; one target alone could hold up to layout.hs_queue).
     """
     s = _shape(target_hf_config)
     free_bytes, total_bytes = free_bytes or {}, total_bytes or {}
@@ -434,8 +419,7 @@ def plan_memory(cfg: Config, target_hf_config: dict, free_bytes: dict[str, int] 
     on_cuda = dev == "cuda"
     lay = cfg.layout
     label = (lambda i: f"cuda:{i}") if on_cuda else (lambda i: "cpu")
-    q_target = math.ceil(lay.hs_queue / len(lay.targets)) if hs_queue_on == "target" else 0
-    q_drafter = math.ceil(lay.hs_queue / len(lay.drafters)) if hs_queue_on == "drafter" else 0
+    queued = math.ceil(lay.hs_queue / len(lay.targets))
 
     per_device: dict[str, tuple[list[str], dict[str, int]]] = {}
 
@@ -446,8 +430,8 @@ def plan_memory(cfg: Config, target_hf_config: dict, free_bytes: dict[str, int] 
         for name, nbytes in comps.items():
             acc[name] = acc.get(name, 0) + nbytes
 
-    target = _target_components(cfg, s, target_hf_config, on_cuda, include_logits, q_target)
-    drafter = _drafter_components(cfg, s, target_hf_config, on_cuda, q_drafter)
+    target = _target_components(cfg, s, target_hf_config, on_cuda, queued)
+    drafter = _drafter_components(cfg, s, target_hf_config, on_cuda)
     for i in lay.targets:
         add(label(i), "target", target)
     for i in lay.drafters:
@@ -464,8 +448,7 @@ def plan_memory(cfg: Config, target_hf_config: dict, free_bytes: dict[str, int] 
     plan = Plan(rows=rows, token_budget=cfg.data.token_budget,
                 logits_extra=full_logits_bytes(cfg.data.token_budget, s.vocab,
                                                _target_dtype(cfg, on_cuda)),
-                logits_upcast_extra=full_logits_bytes(cfg.data.token_budget, s.vocab, "float32"),
-                include_logits=include_logits)
+                logits_upcast_extra=full_logits_bytes(cfg.data.token_budget, s.vocab, "float32"))
     plan.hints = [_hint(cfg, devices, r) for devices, r in _groups(rows) if not r.fits]
     return plan
 
@@ -493,7 +476,7 @@ _KEYS = {
     "residual stream": "data.token_budget", "layer transient": "data.token_budget",
     "attention mask": "data.token_budget", "features": "data.token_budget",
     "received features": "data.token_budget", "hs queue": "layout.hs_queue",
-    "hs queue (drafter)": "layout.hs_queue", "loss chunk": "drafter.loss_chunk",
+    "loss chunk": "drafter.loss_chunk",
     "drafter fp32+adam": "drafter.num_layers",
 }
 
@@ -521,8 +504,6 @@ def _hint(cfg: Config, devices: list[str], row: PlanRow) -> str:
     ranked = sorted(levers, key=levers.get, reverse=True)[:3]
     lowered = [f"{k} (now {_key_value(cfg, k)})" for k in ranked]
     options = []
-    if "logits" in row.components:
-        options.append(f"do not compute full target logits ({_gib(row.components['logits'])} GiB)")
     if lowered:
         options.append("lower " + (", ".join(lowered[:-1]) + " or " if len(lowered) > 1 else "")
                        + lowered[-1])
@@ -572,10 +553,9 @@ def format_plan(plan: Plan) -> str:
     out.append(line("free", [_gib(r.free) for _, r in groups]))
     out.append(line("fits", ["yes" if r.fits else f"NO +{_gib(r.total - r.free)}"
                              for _, r in groups]))
-    if not plan.include_logits:
-        out.append(f"full target logits would add {_gib(plan.logits_extra)} GiB per target GPU"
-                   f" (+{_gib(plan.logits_upcast_extra)} GiB more if upcast to float32 for a loss);"
-                   " the engine never computes them")
+    out.append(f"full target logits would add {_gib(plan.logits_extra)} GiB per target GPU"
+               f" (+{_gib(plan.logits_upcast_extra)} GiB more if upcast to float32 for a loss);"
+               " the engine never computes them")
     if plan.fits:
         out.append("plan fits")
     else:

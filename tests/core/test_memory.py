@@ -11,7 +11,6 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-from dflash_core import events
 from dflash_core.config import config_from_dict
 from dflash_core.memory import (
     CUDA_OVERHEAD, GiB, drafter_param_count, format_plan, param_count, plan_memory,
@@ -192,22 +191,26 @@ def test_real_node_target_row_by_hand_fits_96gib():
     assert plan.row("cuda:0").fits
 
 
-def test_full_logits_overflow_the_target_as_in_the_real_launch():
-    plan = plan_memory(node(micro_block_tokens=8192), QWEN36_27B, GPU96, GPU96,
-                       include_logits=True)
+def test_full_logits_would_overflow_the_target_as_in_the_real_launch():
+    plan = plan_memory(node(micro_block_tokens=8192), QWEN36_27B, GPU96, GPU96)
     logits = T * V * 2  # 65536 x 248320 x 2 bytes = 30.3 GiB
     assert logits / GiB == pytest.approx(30.31, abs=0.01)
     assert plan.logits_extra == logits
     assert plan.logits_upcast_extra == 2 * logits  # HF's float32 upcast in the loss path
     row = plan.row("cuda:0")
-    assert row.components["logits"] == logits
+    assert "logits" not in row.components  # the engine never computes them
     # 73.66 + 30.31 = 103.97 GiB > 96 GiB free: out of memory, as on the real node
-    assert row.total / GiB == pytest.approx(103.97, abs=0.01)
-    assert not row.fits and not plan.fits
-    assert plan.row("cuda:7").fits  # only the targets overflow here
+    assert (row.total + plan.logits_extra) / GiB == pytest.approx(103.97, abs=0.01)
+    assert row.fits and plan.fits
+    assert "full target logits would add 30.3 GiB per target GPU" in format_plan(plan)
+
+
+def test_overflowing_targets_are_named_once_with_the_key_to_lower():
+    gpu64 = {f"cuda:{i}": 64 * GiB for i in range(8)}
+    plan = plan_memory(node(micro_block_tokens=8192), QWEN36_27B, gpu64, gpu64)
+    assert not plan.row("cuda:0").fits and not plan.fits
     text = format_plan(plan)
-    assert "cuda:0..6 (target) needs 104.0 GiB but has 96.0 GiB free" in text
-    assert "do not compute full target logits (30.3 GiB)" in text
+    assert "cuda:0..6 (target) needs 73.7 GiB but has 64.0 GiB free" in text
     assert "data.token_budget (now 65536)" in text
 
 
@@ -258,7 +261,7 @@ def test_format_plan_table():
 
 
 # --------------------------------------------------------------------------------------------
-# Other layouts and the event
+# Other layouts
 # --------------------------------------------------------------------------------------------
 
 def test_shared_device_sums_both_roles():
@@ -290,14 +293,3 @@ def test_cpu_layout_has_one_row_without_cuda_overhead():
     text = format_plan(plan)
     assert "data.token_budget (now 4096)" in text and "use devices with more memory" in text
     assert "different GPUs" not in text
-
-
-def test_plan_event_round_trips():
-    plan = plan_memory(node(), QWEN36_27B, GPU96, GPU96)
-    event = plan.to_event()
-    assert isinstance(event, events.MemoryPlan) and event.fits is False
-    back = events.from_json(event.to_json())
-    assert back.rows == plan.to_event_rows()
-    row = back.rows[0]
-    assert set(row) >= {"device", "role", "components", "total", "free", "fits"}
-    assert row["total"] == sum(row["components"].values())
