@@ -16,7 +16,7 @@ Engine facts this plan models (they are decisions of target.py / drafter.py / en
 - queued feature batches stay on the target GPU that made them until a drafter takes them;
 - on CPU both roles run in float32.
 
-Sizes are bytes; GiB = 2**30.
+Sizes are bytes (units.GiB = 2**30).
 """
 
 from __future__ import annotations
@@ -26,8 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .config import Config
-
-GiB = 1 << 30
+from .units import GiB
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 

@@ -19,8 +19,9 @@ import torch
 
 from .config import Config, ConfigError
 from .events import Event, Log, MemoryPlan
+from .units import GiB
 
-MIN_FREE_DISK = 1 << 30  # below this a checkpoint may not fit: refuse rather than fail later
+MIN_FREE_DISK = 1 * GiB  # below this a checkpoint may not fit: refuse rather than fail later
 
 Progress = Callable[[float, str], None]
 
@@ -71,7 +72,7 @@ def prepare(cfg: Config, run_dir: Path, tdev: list[torch.device], ddev: list[tor
 
     free = shutil.disk_usage(run_dir).free
     if free < MIN_FREE_DISK:
-        raise ConfigError("run.output_dir", f"only {free / 2**30:.2f} GiB free in {run_dir}",
+        raise ConfigError("run.output_dir", f"only {free / GiB:.2f} GiB free in {run_dir}",
                           hint="free disk space or point run.output_dir elsewhere")
     if cfg.wandb.enabled:
         from .sinks.wandb_sink import validate_wandb_settings

@@ -13,9 +13,9 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from dflash_core.config import config_from_dict
 from dflash_core.memory import (
-    CUDA_OVERHEAD, GiB, drafter_param_count, format_plan, param_count, plan_memory,
-    target_weight_bytes,
+    CUDA_OVERHEAD, drafter_param_count, format_plan, param_count, plan_memory, target_weight_bytes,
 )
+from dflash_core.units import GiB
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 

@@ -5,8 +5,9 @@ import torch
 
 from dflash_core import demo, events
 from dflash_core.config import ConfigError
-from dflash_core.memory import GiB, plan_memory
+from dflash_core.memory import plan_memory
 from dflash_core.preflight import check_memory, prepare, resolve_devices
+from dflash_core.units import GiB
 
 from .test_memory import GPU96, QWEN36_27B, node
 
