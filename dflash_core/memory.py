@@ -26,6 +26,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .config import Config
+from .model_shape import (
+    ModelShape, drafter_param_count, drafter_shape, model_shape, num_features, param_count,
+)
 from .units import GiB
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -71,131 +74,10 @@ LOSS_BYTES_PER_LOGIT = 8
 # give 19.0 and 25.9 GiB. The backward's own per-layer gradients never coincide with the loss
 # chunk's peak, so no extra layer is counted.
 
-HYBRID_TYPES = ("qwen3_5", "qwen3_5_text")  # Gated DeltaNet + gated full attention layers
-QK_NORM_TYPES = ("qwen3", "qwen3_5", "qwen3_5_text")
-MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
-
 
 # --------------------------------------------------------------------------------------------
-# Model shapes from HF config dicts
+# Bytes
 # --------------------------------------------------------------------------------------------
-
-def text_config(hf_config: dict) -> dict:
-    """The language-model part of a config: multimodal configs nest it under ``text_config``."""
-    tc = hf_config.get("text_config")
-    return tc if isinstance(tc, dict) and tc else hf_config
-
-
-@dataclass(frozen=True)
-class _Shape:
-    model_type: str
-    hidden: int
-    intermediate: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    tied: bool
-    layer_types: tuple  # "attention" | "linear_attention", one per layer
-    gated_q: bool  # q_proj emits query + output gate (2x width), as in Qwen3.5 full attention
-    qk_norm: bool
-    qkv_bias: bool
-    o_bias: bool
-    mlp_bias: bool
-    # Gated DeltaNet ("linear_attention") dims; 0 when the model has none
-    lin_k_heads: int = 0
-    lin_v_heads: int = 0
-    lin_k_dim: int = 0
-    lin_v_dim: int = 0
-    lin_conv: int = 0
-
-
-def _shape(hf_config: dict) -> _Shape:
-    tc = text_config(hf_config)
-    mtype = str(tc.get("model_type") or hf_config.get("model_type") or "")
-    if any(tc.get(k) for k in MOE_KEYS):
-        raise ValueError(f"memory plan: mixture-of-experts targets ({mtype}) are not supported")
-    try:
-        hidden, layers = int(tc["hidden_size"]), int(tc["num_hidden_layers"])
-        heads, vocab = int(tc["num_attention_heads"]), int(tc["vocab_size"])
-        intermediate = int(tc["intermediate_size"])
-    except KeyError as exc:
-        raise ValueError(f"memory plan: target config lacks {exc.args[0]!r}") from exc
-    hybrid = mtype in HYBRID_TYPES
-    types = tc.get("layer_types")
-    if not types:
-        # Same rule as transformers' Qwen3.5 config: every interval-th layer is full attention.
-        interval = int(tc.get("full_attention_interval", 4)) if hybrid else 0
-        types = ["linear_attention" if interval and (i + 1) % interval else "attention"
-                 for i in range(layers)]
-    # sliding / full attention share one parameter shape
-    types = tuple("linear_attention" if t == "linear_attention" else "attention" for t in types)
-    if len(types) != layers:
-        raise ValueError(f"memory plan: {len(types)} layer_types for {layers} layers")
-    attention_bias = bool(tc.get("attention_bias", False))
-    return _Shape(
-        model_type=mtype, hidden=hidden, intermediate=intermediate, layers=layers, heads=heads,
-        kv_heads=int(tc.get("num_key_value_heads") or heads),
-        head_dim=int(tc.get("head_dim") or hidden // heads), vocab=vocab,
-        # transformers reads tying from the text config; every Qwen3 family config sets it.
-        tied=bool(tc.get("tie_word_embeddings", False)),
-        layer_types=types, gated_q=hybrid, qk_norm=mtype in QK_NORM_TYPES,
-        qkv_bias=attention_bias or mtype == "qwen2",  # Qwen2 always has q/k/v biases
-        o_bias=attention_bias, mlp_bias=bool(tc.get("mlp_bias", False)),
-        lin_k_heads=int(tc.get("linear_num_key_heads", 0)),
-        lin_v_heads=int(tc.get("linear_num_value_heads", 0)),
-        lin_k_dim=int(tc.get("linear_key_head_dim", 0)),
-        lin_v_dim=int(tc.get("linear_value_head_dim", 0)),
-        lin_conv=int(tc.get("linear_conv_kernel_dim", 0)),
-    )
-
-
-def _linear(n_in: int, n_out: int, bias: bool = False) -> int:
-    return n_in * n_out + (n_out if bias else 0)
-
-
-def _attention_params(s: _Shape) -> int:
-    q_width, kv_width = s.heads * s.head_dim, s.kv_heads * s.head_dim
-    n = _linear(s.hidden, q_width * (2 if s.gated_q else 1), s.qkv_bias)
-    n += 2 * _linear(s.hidden, kv_width, s.qkv_bias)
-    n += _linear(q_width, s.hidden, s.o_bias)
-    if s.qk_norm:
-        n += 2 * s.head_dim
-    return n
-
-
-def _gdn_params(s: _Shape) -> int:
-    """Gated DeltaNet mixer, shapes as in transformers' Qwen3_5GatedDeltaNet."""
-    key_dim, value_dim = s.lin_k_heads * s.lin_k_dim, s.lin_v_heads * s.lin_v_dim
-    conv_dim = 2 * key_dim + value_dim
-    n = _linear(s.hidden, conv_dim)  # in_proj_qkv
-    n += _linear(s.hidden, value_dim)  # in_proj_z (output gate)
-    n += 2 * _linear(s.hidden, s.lin_v_heads)  # in_proj_b, in_proj_a
-    n += conv_dim * s.lin_conv  # depthwise conv1d, no bias
-    n += 2 * s.lin_v_heads  # dt_bias, A_log
-    n += s.lin_v_dim  # gated RMSNorm over one value head
-    n += _linear(value_dim, s.hidden)  # out_proj
-    return n
-
-
-def _layer_params(s: _Shape, layer_type: str) -> int:
-    mixer = _gdn_params(s) if layer_type == "linear_attention" else _attention_params(s)
-    mlp = 2 * _linear(s.hidden, s.intermediate, s.mlp_bias) + _linear(s.intermediate, s.hidden,
-                                                                       s.mlp_bias)
-    return mixer + mlp + 2 * s.hidden  # + input_layernorm, post_attention_layernorm
-
-
-def param_count(hf_config: dict) -> int:
-    """Parameters of the causal LM built from this config (text model only; tied weights once)."""
-    s = _shape(hf_config)
-    n = s.vocab * s.hidden  # embed_tokens
-    n += sum(_layer_params(s, t) for t in s.layer_types)
-    n += s.hidden  # final norm
-    if not s.tied:
-        n += s.vocab * s.hidden  # lm_head
-    return n
-
 
 def dtype_bytes(dtype: Any) -> int:
     """Bytes per element of "bfloat16" / "float16" / "float32" or a torch dtype."""
@@ -215,31 +97,7 @@ def full_logits_bytes(tokens: int, vocab: int, dtype: Any = "bfloat16") -> int:
     return tokens * vocab * dtype_bytes(dtype)
 
 
-def drafter_param_count(cfg: Config, hf_config: dict) -> int:
-    """Trainable drafter parameters: L Qwen3 layers, fc (k*H_target -> H), hidden_norm, norm."""
-    s = _drafter_shape(cfg, _shape(hf_config))
-    layers = cfg.drafter.num_layers * _layer_params(s, "attention")
-    return layers + _num_features(cfg) * _shape(hf_config).hidden * s.hidden + 2 * s.hidden
-
-
-def _drafter_shape(cfg: Config, t: _Shape) -> _Shape:
-    d = cfg.drafter
-    # A Qwen3 decoder (q/k norms, no output gate, no biases) of the target's width unless
-    # overridden; head_dim is the target's (the interchange config copies it).
-    return _Shape(
-        model_type="qwen3", hidden=d.hidden_size or t.hidden,
-        intermediate=d.intermediate_size or t.intermediate, layers=d.num_layers,
-        heads=d.num_attention_heads or t.heads, kv_heads=d.num_key_value_heads or t.kv_heads,
-        head_dim=t.head_dim, vocab=t.vocab, tied=t.tied, layer_types=("attention",) * d.num_layers,
-        gated_q=False, qk_norm=True, qkv_bias=False, o_bias=False, mlp_bias=False,
-    )
-
-
-def _num_features(cfg: Config) -> int:
-    return len(cfg.target.layer_ids) or cfg.target.num_features
-
-
-def _last_layer(cfg: Config, s: _Shape) -> int:
+def _last_layer(cfg: Config, s: ModelShape) -> int:
     # Default ids (target.default_layer_ids) spread from 1 to N-3; a single one is N // 2.
     if cfg.target.layer_ids:
         return max(cfg.target.layer_ids)
@@ -254,7 +112,7 @@ def _target_dtype(cfg: Config, on_cuda: bool) -> str:
 # Per-role components
 # --------------------------------------------------------------------------------------------
 
-def _target_layer_transient(s: _Shape, tokens: int, b: int, run_types: set[str],
+def _target_layer_transient(s: ModelShape, tokens: int, b: int, run_types: set[str],
                             attn_impl: str, max_length: int) -> int:
     """Largest per-layer transient of an inference forward, in bytes."""
     peaks = [MLP_LIVE * tokens * s.intermediate * b]
@@ -288,11 +146,11 @@ def _target_layer_transient(s: _Shape, tokens: int, b: int, run_types: set[str],
     return max(peaks)
 
 
-def _target_components(cfg: Config, s: _Shape, hf_config: dict, on_cuda: bool,
+def _target_components(cfg: Config, s: ModelShape, hf_config: dict, on_cuda: bool,
                        queued: int) -> dict[str, int]:
     t, b = cfg.data.token_budget, dtype_bytes(_target_dtype(cfg, on_cuda))
     run_types = set(s.layer_types[: _last_layer(cfg, s) + 1])
-    features = t * _num_features(cfg) * s.hidden * b
+    features = t * num_features(cfg) * s.hidden * b
     return {
         "weights": param_count(hf_config) * b,
         "residual stream": RESIDUAL_LIVE * t * s.hidden * b,
@@ -319,16 +177,17 @@ def _drafter_pass(cfg: Config) -> tuple[int, int, int]:
     return seqs, per_pass, blocks
 
 
-def _drafter_components(cfg: Config, s: _Shape, hf_config: dict, on_cuda: bool) -> dict[str, int]:
+def _drafter_components(cfg: Config, s: ModelShape, hf_config: dict,
+                        on_cuda: bool) -> dict[str, int]:
     d, data = cfg.drafter, cfg.data
-    ds = _drafter_shape(cfg, s)
+    ds = drafter_shape(cfg, s)
     n_params = drafter_param_count(cfg, hf_config)
     tb = dtype_bytes(_target_dtype(cfg, on_cuda))
     autocast = on_cuda and d.dtype == "bfloat16"
     _, per_pass, blocks = _drafter_pass(cfg)
     block_tokens = per_pass * blocks * d.block_size
     context_tokens = per_pass * data.max_length
-    k = _num_features(cfg)
+    k = num_features(cfg)
     q, kv = ds.heads * ds.head_dim, ds.kv_heads * ds.head_dim
     saved = (DRAFTER_SAVED_H * ds.hidden + DRAFTER_SAVED_Q * q + DRAFTER_SAVED_KV * kv
              + DRAFTER_SAVED_I * ds.intermediate)
@@ -412,7 +271,7 @@ def plan_memory(cfg: Config, target_hf_config: dict, free_bytes: dict[str, int] 
     share, ceil(layout.hs_queue / targets) batches, until a drafter takes them (targets of similar
     speed; one target alone could hold up to layout.hs_queue).
     """
-    s = _shape(target_hf_config)
+    s = model_shape(target_hf_config)
     free_bytes, total_bytes = free_bytes or {}, total_bytes or {}
     dev = _device_type(cfg, free_bytes)
     on_cuda = dev == "cuda"

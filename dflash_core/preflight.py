@@ -19,6 +19,7 @@ import torch
 
 from .config import Config, ConfigError
 from .events import Event, Log, MemoryPlan
+from .model_shape import model_shape
 from .units import GiB
 
 MIN_FREE_DISK = 1 * GiB  # below this a checkpoint may not fit: refuse rather than fail later
@@ -99,8 +100,8 @@ def prepare(cfg: Config, run_dir: Path, tdev: list[torch.device], ddev: list[tor
 def _check_target(cfg: Config, hf_config: dict) -> tuple[list[int], int]:
     from .target import default_layer_ids
 
-    text_cfg = hf_config.get("text_config", hf_config)
-    n_layers, vocab = text_cfg["num_hidden_layers"], text_cfg["vocab_size"]
+    shape = model_shape(hf_config)
+    n_layers, vocab = shape.layers, shape.vocab
     layer_ids = cfg.target.layer_ids or default_layer_ids(n_layers, cfg.target.num_features)
     if len(set(layer_ids)) != len(layer_ids):
         raise ConfigError("target.layer_ids", f"{layer_ids} repeats a layer: the target has only "
