@@ -232,16 +232,34 @@ class PlanRow:
 
 
 @dataclass
+class Overflow:
+    """Devices the plan does not fit (a group with identical role, components and free memory),
+    and what would make it fit."""
+
+    devices: list[str]
+    row: PlanRow  # the first device's row
+    lower: list[tuple[str, Any]]  # (config key, its value now), biggest lever first; at most 3
+    separate_roles: bool  # targets and drafters share a GPU: putting them on different ones helps
+    weights_too_big: bool  # the weights alone exceed the free memory
+
+
+@dataclass
 class Plan:
     rows: list[PlanRow]
     token_budget: int
     logits_extra: int  # bytes full target logits would add on each target GPU (target dtype)
     logits_upcast_extra: int  # and the float32 copy HF's loss path makes on top of that
-    hints: list[str] = field(default_factory=list)  # one per overflowing device
+    overflows: list[Overflow] = field(default_factory=list)  # one per group that does not fit
 
     @property
     def fits(self) -> bool:
         return all(r.fits for r in self.rows)
+
+    @property
+    def key(self) -> str | None:
+        """The config key to change first: the biggest lever of the first group that does not
+        fit (None when the plan fits, or nothing in config.yaml would shrink it)."""
+        return next((o.lower[0][0] for o in self.overflows if o.lower), None)
 
     def row(self, device: str) -> PlanRow:
         for r in self.rows:
@@ -296,7 +314,7 @@ def plan_memory(cfg: Config, target_hf_config: dict, free_bytes: dict[str, int] 
         add(label(i), "drafter", drafter)
 
     rows = []
-    for device in sorted(per_device, key=_device_key):
+    for device in sorted(per_device, key=device_key):
         roles, comps = per_device[device]
         comps = {k: v for k, v in comps.items() if v}
         if on_cuda:
@@ -307,11 +325,12 @@ def plan_memory(cfg: Config, target_hf_config: dict, free_bytes: dict[str, int] 
                 logits_extra=full_logits_bytes(cfg.data.token_budget, s.vocab,
                                                _target_dtype(cfg, on_cuda)),
                 logits_upcast_extra=full_logits_bytes(cfg.data.token_budget, s.vocab, "float32"))
-    plan.hints = [_hint(cfg, devices, r) for devices, r in _groups(rows) if not r.fits]
+    plan.overflows = [_overflow(cfg, devices, r) for devices, r in device_groups(rows)
+                      if not r.fits]
     return plan
 
 
-def _groups(rows: list[PlanRow]) -> list[tuple[list[str], PlanRow]]:
+def device_groups(rows: list[PlanRow]) -> list[tuple[list[str], PlanRow]]:
     """Devices with identical role, components and free memory, so 7 equal targets read once."""
     groups: list[tuple[list[str], PlanRow]] = []
     for r in rows:
@@ -324,7 +343,8 @@ def _groups(rows: list[PlanRow]) -> list[tuple[list[str], PlanRow]]:
     return groups
 
 
-def _device_key(device: str) -> tuple[str, int]:
+def device_key(device: str) -> tuple[str, int]:
+    """("cuda", 3) for "cuda:3": devices sort by kind, then by index."""
     kind, _, idx = device.partition(":")
     return kind, int(idx) if idx.isdigit() else -1
 
@@ -352,26 +372,35 @@ def _key_value(cfg: Config, key: str) -> Any:
     return getattr(getattr(cfg, section), name)
 
 
-def _hint(cfg: Config, devices: list[str], row: PlanRow) -> str:
-    """What to change for one overflowing device, biggest lever first."""
+def _overflow(cfg: Config, devices: list[str], row: PlanRow) -> Overflow:
+    """What to change for one overflowing group of devices, biggest lever first."""
     levers: dict[str, int] = {}
     for name, nbytes in row.components.items():
         key = _activation_key(cfg) if name in ("block activations", "context") else _KEYS.get(name)
         if key:
             levers[key] = levers.get(key, 0) + nbytes
     ranked = sorted(levers, key=levers.get, reverse=True)[:3]
-    lowered = [f"{k} (now {_key_value(cfg, k)})" for k in ranked]
+    fixed = row.components.get("weights", 0) + row.components.get("drafter fp32+adam", 0)
+    return Overflow(
+        devices=devices, row=row, lower=[(k, _key_value(cfg, k)) for k in ranked],
+        separate_roles=row.role == "target+drafter" and row.device.startswith("cuda"),
+        weights_too_big=row.free is not None and fixed > row.free)
+
+
+def format_overflow(overflow: Overflow) -> str:
+    """One line for people: what does not fit where, and the options, biggest lever first."""
+    row = overflow.row
+    lowered = [f"{k} (now {v})" for k, v in overflow.lower]
     options = []
     if lowered:
         options.append("lower " + (", ".join(lowered[:-1]) + " or " if len(lowered) > 1 else "")
                        + lowered[-1])
-    if row.role == "target+drafter" and row.device.startswith("cuda"):
+    if overflow.separate_roles:
         options.append("put targets and drafters on different GPUs (layout.targets, "
                        "layout.drafters)")
-    fixed = row.components.get("weights", 0) + row.components.get("drafter fp32+adam", 0)
-    if row.free is not None and fixed > row.free:
+    if overflow.weights_too_big:
         options.append("use devices with more memory: the weights alone do not fit")
-    return (f"{_group_label(devices)} ({row.role}) needs {_gib(row.total)} GiB but has"
+    return (f"{_group_label(overflow.devices)} ({row.role}) needs {_gib(row.total)} GiB but has"
             f" {_gib(row.free)} GiB free: " + "; or ".join(options))
 
 
@@ -383,8 +412,8 @@ def _group_label(devices: list[str]) -> str:
     """cuda:0..6 for a contiguous run, else a comma list."""
     if len(devices) == 1:
         return devices[0]
-    idx = [_device_key(d)[1] for d in devices]
-    kind = _device_key(devices[0])[0]
+    idx = [device_key(d)[1] for d in devices]
+    kind = device_key(devices[0])[0]
     if idx == list(range(idx[0], idx[0] + len(idx))):
         return f"{kind}:{idx[0]}..{idx[-1]}"
     return f"{kind}:" + ",".join(map(str, idx))
@@ -392,7 +421,7 @@ def _group_label(devices: list[str]) -> str:
 
 def format_plan(plan: Plan) -> str:
     """Fixed-width table in GiB: one column per group of identical devices, then a verdict."""
-    groups = _groups(plan.rows)
+    groups = device_groups(plan.rows)
     names: list[str] = []
     for _, r in groups:
         names += [n for n in r.components if n not in names]
@@ -418,5 +447,5 @@ def format_plan(plan: Plan) -> str:
         out.append("plan fits")
     else:
         out.append("plan does NOT fit:")
-        out += [f"  {h}" for h in plan.hints]
+        out += [f"  {format_overflow(o)}" for o in plan.overflows]
     return "\n".join(out)

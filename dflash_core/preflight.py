@@ -8,7 +8,6 @@ a ConfigError / DataError naming the key or file and the fix, raised before a si
 from __future__ import annotations
 
 import json
-import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -140,7 +139,7 @@ def _resolve_data(cfg: Config, target_path: Path, demo_progress) -> Path:
 
 def check_memory(cfg: Config, hf_config: dict, tdev, ddev, publish) -> None:
     """Publish the memory plan; refuse a run that cannot fit, naming the key the plan picks."""
-    from .memory import format_plan, plan_memory
+    from .memory import format_overflow, format_plan, plan_memory
 
     free, total = {}, {}
     for d in set(tdev) | set(ddev):
@@ -150,11 +149,9 @@ def check_memory(cfg: Config, hf_config: dict, tdev, ddev, publish) -> None:
     plan = plan_memory(cfg, hf_config, free or None, total or None)
     publish(MemoryPlan(rows=plan.to_event_rows(), fits=plan.fits))
     if not plan.fits:
-        hint = "; ".join(plan.hints) or ("lower data.token_budget or drafter.micro_block_tokens, "
-                                         "or use more GPUs")
-        named = re.search(r"lower ([a-z_]+\.[a-z_]+)", hint)
-        key = named.group(1) if named else "data.token_budget"
-        raise ConfigError(key, "the memory plan does not fit:\n" + format_plan(plan), hint=hint)
+        raise ConfigError(plan.key or "data.token_budget",
+                          "the memory plan does not fit:\n" + format_plan(plan),
+                          hint="; ".join(format_overflow(o) for o in plan.overflows))
 
 
 def demo_log_progress(publish: Callable[[Event], None], stop_check: Callable[[], None]):

@@ -124,6 +124,8 @@ def test_overflowing_targets_are_named_once_with_the_key_to_lower():
     gpu64 = {f"cuda:{i}": 64 * GiB for i in range(8)}
     plan = plan_memory(node(micro_block_tokens=8192), QWEN36_27B, gpu64, gpu64)
     assert not plan.row("cuda:0").fits and not plan.fits
+    assert plan.overflows[0].devices == [f"cuda:{i}" for i in range(7)]
+    assert plan.key == "data.token_budget"
     text = format_plan(plan)
     assert "cuda:0..6 (target) needs 73.7 GiB but has 64.0 GiB free" in text
     assert "data.token_budget (now 65536)" in text
@@ -139,6 +141,10 @@ def test_drafter_of_config_yaml_does_not_fit_and_names_the_key():
     assert row.components["block activations"] / GiB == pytest.approx(193.0, abs=0.01)
     assert row.total / GiB == pytest.approx(270.51, abs=0.01)
     assert not row.fits and not plan.fits
+    (overflow,) = plan.overflows
+    assert overflow.devices == ["cuda:7"] and overflow.row is row
+    assert overflow.lower[0] == ("drafter.micro_block_tokens", 65536)
+    assert plan.key == "drafter.micro_block_tokens"
     text = format_plan(plan)
     assert "plan does NOT fit" in text
     assert ("cuda:7 (drafter) needs 270.5 GiB but has 139.0 GiB free: "
@@ -151,7 +157,7 @@ def test_drafter_with_smaller_micro_batches_fits():
     row = plan.row("cuda:7")
     assert row.components == drafter_row_by_hand(seqs_per_pass=2)
     assert row.total / GiB == pytest.approx(115.88, abs=0.01)
-    assert plan.fits
+    assert plan.fits and plan.overflows == [] and plan.key is None
     assert format_plan(plan).rstrip().endswith("plan fits")
     # one sequence per pass fits a 96 GiB card: 42.58 + 5.32 + 4.74 + 24.13 + 1.65 + 7.58 + 3.125
     # + 1.0 = 90.1 GiB; on an 80 GiB card the anchors per sequence are the lever left

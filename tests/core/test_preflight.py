@@ -32,13 +32,34 @@ def test_builtin_paths_resolve_to_the_installed_demo_target_and_its_data(demo_da
 # The memory plan
 # --------------------------------------------------------------------------------------------
 
-def test_plan_event_round_trips(monkeypatch):
+def check_node_on_96gib_cards(monkeypatch, cfg) -> tuple[list, ConfigError | None]:
+    """(what check_memory published, what it raised) for the real node's layout."""
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (96 * GiB, 96 * GiB))
-    cfg = node()
     published = []
-    with pytest.raises(ConfigError):
+    try:
         check_memory(cfg, QWEN36_27B, [torch.device(f"cuda:{i}") for i in range(7)],
                      [torch.device("cuda:7")], published.append)
+    except ConfigError as exc:
+        return published, exc
+    return published, None
+
+
+def test_a_plan_that_does_not_fit_is_refused_naming_the_key_it_picks(monkeypatch):
+    published, err = check_node_on_96gib_cards(monkeypatch, node())
+    assert err is not None and err.error_kind == "config"
+    assert err.key == "drafter.micro_block_tokens"
+    assert "the memory plan does not fit:" in str(err) and "plan does NOT fit" in str(err)
+    assert err.hint.startswith("cuda:7 (drafter) needs 270.5 GiB but has 96.0 GiB free: "
+                               "lower drafter.micro_block_tokens (now 65536)")
+    # one sequence per drafter pass fits: nothing is refused
+    published, err = check_node_on_96gib_cards(monkeypatch, node(micro_block_tokens=8192))
+    assert err is None and published[0].fits
+
+
+def test_plan_event_round_trips(monkeypatch):
+    cfg = node()
+    published, err = check_node_on_96gib_cards(monkeypatch, cfg)
+    assert err is not None
     (event,) = published
     assert isinstance(event, events.MemoryPlan) and event.fits is False
     back = events.from_json(event.to_json())
