@@ -139,7 +139,8 @@ def _resolve_data(cfg: Config, target_path: Path, demo_progress) -> Path:
 
 def check_memory(cfg: Config, hf_config: dict, tdev, ddev, publish) -> None:
     """Publish the memory plan; refuse a run that cannot fit, naming the key the plan picks."""
-    from .memory import format_overflow, format_plan, plan_memory
+    from .memory import plan_memory
+    from .memory_report import format_overflow, format_plan
 
     free, total = {}, {}
     for d in set(tdev) | set(ddev):

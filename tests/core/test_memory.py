@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from dflash_core.config import config_from_dict
-from dflash_core.memory import CUDA_OVERHEAD, format_plan, plan_memory, target_weight_bytes
+from dflash_core.memory import CUDA_OVERHEAD, plan_memory, target_weight_bytes
+from dflash_core.memory_report import format_plan
 from dflash_core.units import GiB
 
 from .test_model_shape import QWEN3_8B, QWEN36_27B
@@ -168,17 +169,6 @@ def test_drafter_with_smaller_micro_batches_fits():
     gpu80 = {f"cuda:{i}": 80 * GiB for i in range(8)}
     tight = plan_memory(node(micro_block_tokens=8192), QWEN36_27B, gpu80, gpu80)
     assert "drafter.num_anchors (now 512)" in format_plan(tight)
-
-
-def test_format_plan_table():
-    plan = plan_memory(node(micro_block_tokens=16384), QWEN36_27B, H200, H200)
-    lines = format_plan(plan).splitlines()
-    assert lines[0].split() == ["memory", "plan", "(GiB)", "cuda:0..6", "cuda:7"]
-    assert lines[1].split() == ["role", "target", "drafter"]
-    assert "weights" in lines[2] and "50.1" in lines[2] and lines[2].rstrip().endswith("-")
-    assert len({len(line) for line in lines[:-2]}) == 1  # fixed width
-    assert any(line.split() == ["total", "73.7", "115.9"] for line in lines)
-    assert any("full target logits would add 30.3 GiB" in line for line in lines)
 
 
 # --------------------------------------------------------------------------------------------
