@@ -30,6 +30,7 @@ from .config import Config
 from .model_shape import (
     ModelShape, drafter_param_count, drafter_shape, model_shape, num_features, param_count,
 )
+from .objective import sequences_per_group
 from .units import GiB
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -169,12 +170,13 @@ def _drafter_pass(cfg: Config) -> tuple[int, int, int]:
     """(sequences in a typical full batch, sequences per forward/backward, blocks per sequence).
 
     A typical full batch: token_budget / max_length sequences of max_length tokens, each with
-    min(anchors, length) blocks; trainer.py runs them in groups of micro_block_tokens block tokens.
+    min(anchors, length) blocks; trainer.py runs them in groups of micro_block_tokens block tokens
+    (objective.sequences_per_group).
     """
     d, data = cfg.drafter, cfg.data
     seqs = max(1, min(data.max_seqs_per_batch, data.token_budget // data.max_length))
     blocks = min(d.num_anchors, data.max_length)
-    per_pass = min(seqs, max(1, d.micro_block_tokens // (blocks * d.block_size)))
+    per_pass = min(seqs, sequences_per_group(d.micro_block_tokens, blocks * d.block_size))
     return seqs, per_pass, blocks
 
 

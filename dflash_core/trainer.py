@@ -95,7 +95,7 @@ class DrafterReplica:
                                     [int(i) for i in batch.indices],
                                     pad_to=ANCHOR_PAD if self.device.type == "cuda" else 1)
         n, A = anchors.shape
-        group = max(1, self.cfg.drafter.micro_block_tokens // max(1, A * B))
+        group = obj.sequences_per_group(self.cfg.drafter.micro_block_tokens, A * B)
         ids_all = batch.input_ids.to(self.device, non_blocking=True)
         mask_all = batch.loss_mask.to(self.device, non_blocking=True)
         feats_all = features.to(self.device, non_blocking=True)
