@@ -16,14 +16,13 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from .build_cache import Progress
 from .config import Config, ConfigError
 from .events import Event, Log, MemoryPlan
 from .model_shape import model_shape
 from .units import GiB
 
 MIN_FREE_DISK = 1 * GiB  # below this a checkpoint may not fit: refuse rather than fail later
-
-Progress = Callable[[float, str], None]
 
 
 def resolve_devices(cfg: Config) -> tuple[list[torch.device], list[torch.device]]:
