@@ -23,7 +23,7 @@ Sizes are bytes (units.GiB = 2**30).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from .config import Config
@@ -252,7 +252,7 @@ class Plan:
     token_budget: int
     logits_extra: int  # bytes full target logits would add on each target GPU (target dtype)
     logits_upcast_extra: int  # and the float32 copy HF's loss path makes on top of that
-    overflows: list[Overflow] = field(default_factory=list)  # one per group that does not fit
+    overflows: list[Overflow]  # one per group of devices that does not fit, in device order
 
     @property
     def fits(self) -> bool:
@@ -324,13 +324,12 @@ def plan_memory(cfg: Config, target_hf_config: dict, free_bytes: dict[str, int] 
             comps["cuda overhead"] = CUDA_OVERHEAD
         rows.append(PlanRow(device, "+".join(sorted(roles, key=("target", "drafter").index)),
                             comps, free_bytes.get(device), total_bytes.get(device)))
-    plan = Plan(rows=rows, token_budget=cfg.data.token_budget,
+    return Plan(rows=rows, token_budget=cfg.data.token_budget,
                 logits_extra=full_logits_bytes(cfg.data.token_budget, s.vocab,
                                                _target_dtype(cfg, on_cuda)),
-                logits_upcast_extra=full_logits_bytes(cfg.data.token_budget, s.vocab, "float32"))
-    plan.overflows = [_overflow(cfg, devices, r) for devices, r in device_groups(rows)
-                      if not r.fits]
-    return plan
+                logits_upcast_extra=full_logits_bytes(cfg.data.token_budget, s.vocab, "float32"),
+                overflows=[_overflow(cfg, devices, r) for devices, r in device_groups(rows)
+                           if not r.fits])
 
 
 def device_groups(rows: list[PlanRow]) -> list[tuple[list[str], PlanRow]]:
@@ -357,8 +356,7 @@ _KEYS = {
     "residual stream": "data.token_budget", "layer transient": "data.token_budget",
     "attention mask": "data.token_budget", "features": "data.token_budget",
     "received features": "data.token_budget", "hs queue": "layout.hs_queue",
-    "loss chunk": "drafter.loss_chunk",
-    "drafter fp32+adam": "drafter.num_layers",
+    "loss chunk": "drafter.loss_chunk", "drafter fp32+adam": "drafter.num_layers",
 }
 
 
