@@ -16,10 +16,9 @@ text (the last ``HELDOUT_FRACTION`` of it, never seen in the target's training),
 target's own greedy continuation (DFlash trains on target-generated responses), with a loss mask on
 the response only.
 
-Both are built once into a cache folder (``$DFLASH_CACHE``, else ``$XDG_CACHE_HOME/dflash``, else
-``~/.cache/dflash``) under a key that names the recipe version, the corpus and the parameters, so a
-changed recipe builds anew. Builds go to a temporary folder that is renamed into place: a crash or a
-second process never leaves a half-built folder behind.
+Both are built once into the build cache (build_cache.py) under a key that names the recipe
+version, the corpus and the parameters, so a changed recipe builds anew; ``dflash_demo.json`` is
+written last and marks a finished build.
 """
 
 from __future__ import annotations
@@ -33,15 +32,14 @@ import shutil
 import time
 import uuid
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .build_cache import Progress, cache_root, cached_build, is_built, report
 from .config import Config, config_from_dict
-
-Progress = Callable[[float, str], None]  # progress(fraction in [0, 1], message)
 
 # Bump when anything in the recipe below changes: the cache key changes and everything rebuilds.
 DEMO_VERSION = "tiny-v1"
@@ -154,18 +152,6 @@ def torch_threads(n: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def _report(progress: Progress | None, fraction: float, message: str) -> None:
-    if progress is not None:
-        progress(min(1.0, max(0.0, fraction)), message)
-
-
-def _sub(progress: Progress | None, lo: float, hi: float) -> Progress | None:
-    """A progress callback mapping [0, 1] onto [lo, hi] of ``progress``."""
-    if progress is None:
-        return None
-    return lambda f, msg: progress(lo + (hi - lo) * f, msg)
-
-
 def _tiny_config():
     from transformers import Qwen3Config
 
@@ -188,7 +174,7 @@ def build_tiny_target(folder: str | Path, progress: Progress | None = None, seed
     t0 = time.monotonic()
     train, heldout = split_corpus()
     data = torch.from_numpy(train)
-    _report(progress, 0.0, f"training the demo target ({steps} steps)")
+    report(progress, 0.0, f"training the demo target ({steps} steps)")
     losses: list[float] = []
     with torch.random.fork_rng(devices=[]), torch_threads(threads):
         torch.manual_seed(seed)
@@ -211,7 +197,7 @@ def build_tiny_target(folder: str | Path, progress: Progress | None = None, seed
             opt.step()
             losses.append(float(loss.detach()))
             if step % 10 == 9 or step == steps - 1:
-                _report(progress, 0.95 * (step + 1) / steps,
+                report(progress, 0.95 * (step + 1) / steps,
                         f"demo target step {step + 1}/{steps}, loss {losses[-1]:.2f}")
         model.eval()
         heldout_loss = _heldout_loss(model, heldout, seed)
@@ -243,7 +229,7 @@ def build_tiny_target(folder: str | Path, progress: Progress | None = None, seed
         "probe_logits": [float(x) for x in probe],  # first 16 logits at the probe's last position
     }
     (folder / META_NAME).write_text(json.dumps(meta, indent=2), encoding="utf-8")
-    _report(progress, 1.0, f"demo target ready (loss {meta['final_train_loss']:.2f})")
+    report(progress, 1.0, f"demo target ready (loss {meta['final_train_loss']:.2f})")
     return folder
 
 
@@ -270,83 +256,8 @@ def read_meta(target_folder: str | Path) -> dict:
 
 
 # --------------------------------------------------------------------------------------------
-# The cache
+# The cached target
 # --------------------------------------------------------------------------------------------
-
-def cache_root(cache_dir: str | Path | None = None) -> Path:
-    if cache_dir is not None:
-        return Path(cache_dir).expanduser()
-    if os.environ.get("DFLASH_CACHE"):
-        return Path(os.environ["DFLASH_CACHE"]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base).expanduser() / "dflash"
-
-
-@contextlib.contextmanager
-def _locked(path: Path, waiting: Callable[[], None] | None = None) -> Iterator[None]:
-    """An exclusive lock across processes (POSIX flock), so a second process waits for the first
-    build instead of repeating it. Without flock the atomic rename alone keeps things correct.
-    While it waits it calls ``waiting()`` every half second (a progress callback that may raise to
-    abort: the wait never blocks a stop request)."""
-    try:
-        import fcntl
-    except ImportError:  # not POSIX
-        yield
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as fh:
-        while True:
-            try:
-                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if waiting is not None:
-                    waiting()
-                time.sleep(0.5)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
-def _publish(tmp: Path, final: Path) -> None:
-    """Rename a finished build into place; if another process got there first, keep theirs."""
-    try:
-        os.rename(tmp, final)
-    except OSError:
-        if not _complete(final):
-            raise
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _complete(folder: Path) -> bool:
-    return (folder / META_NAME).is_file()
-
-
-def _cached_build(final: Path, build: Callable[[Path], None],
-                  progress: Progress | None = None) -> Path:
-    """``final`` if it is already there; else ``build(tmp)`` and rename tmp to ``final``."""
-    if _complete(final):
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-
-    def waiting() -> None:
-        _report(progress, 0.0, f"waiting for another process building {final.name}")
-
-    with _locked(final.parent / f".{final.name}.lock", waiting):
-        if _complete(final):
-            return final
-        # Under the lock, temporary folders of this key are leftovers of a killed build.
-        for old in final.parent.glob(f".tmp-{final.name}-*"):
-            shutil.rmtree(old, ignore_errors=True)
-        tmp = final.parent / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
-        try:
-            build(tmp)
-            _publish(tmp, final)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)  # only left when the build failed
-    return final
-
 
 def tiny_target_key(seed: int = 0, steps: int = TRAIN_STEPS) -> str:
     return f"{DEMO_VERSION}-{corpus_digest()}-s{seed}-n{steps}-t{BUILD_THREADS}"
@@ -356,10 +267,11 @@ def ensure_tiny_target(cache_dir: str | Path | None = None, progress: Progress |
                        *, seed: int = 0, steps: int = TRAIN_STEPS) -> Path:
     """The cached demo target folder, built on first use."""
     final = cache_root(cache_dir) / "targets" / tiny_target_key(seed, steps)
-    if _complete(final):
-        _report(progress, 1.0, f"demo target cached at {final}")
+    if is_built(final, META_NAME):
+        report(progress, 1.0, f"demo target cached at {final}")
         return final
-    return _cached_build(final, lambda tmp: build_tiny_target(tmp, progress, seed, steps), progress)
+    return cached_build(final, lambda tmp: build_tiny_target(tmp, progress, seed, steps), progress,
+                        marker=META_NAME)
 
 
 def install_target(run_dir: str | Path, cache_dir: str | Path | None = None,
@@ -368,7 +280,7 @@ def install_target(run_dir: str | Path, cache_dir: str | Path | None = None,
     rely on) and return that path. An up-to-date copy is kept as it is."""
     src = ensure_tiny_target(cache_dir, progress)
     dst = Path(run_dir) / "target"
-    if _complete(dst) and read_meta(dst) == read_meta(src):
+    if is_built(dst, META_NAME) and read_meta(dst) == read_meta(src):
         return dst
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.parent / f".tmp-target-{uuid.uuid4().hex[:8]}"
@@ -429,7 +341,7 @@ def make_demo_data(target_folder: str | Path, out_folder: str | Path, n_samples:
     model = _load_model(Path(target_folder))
     prompts = demo_prompts(n_samples, prompt_len, seed)
     samples = []
-    _report(progress, 0.0, f"generating {n_samples} demo samples")
+    report(progress, 0.0, f"generating {n_samples} demo samples")
     with torch_threads(threads):
         for s in range(0, n_samples, GEN_BATCH):
             p = torch.from_numpy(prompts[s : s + GEN_BATCH])
@@ -437,7 +349,7 @@ def make_demo_data(target_folder: str | Path, out_folder: str | Path, n_samples:
             for row_p, row_r in zip(p.numpy(), resp):
                 samples.append({"input_ids": row_p.tolist() + row_r.tolist(),
                                 "loss_mask": [0] * prompt_len + [1] * response_len})
-            _report(progress, 0.95 * min(n_samples, s + GEN_BATCH) / n_samples,
+            report(progress, 0.95 * min(n_samples, s + GEN_BATCH) / n_samples,
                     f"demo data {min(n_samples, s + GEN_BATCH)}/{n_samples} samples")
     out = Path(out_folder)
     write_shards(samples, out, samples_per_shard=256, fmt="arrow")
@@ -445,7 +357,7 @@ def make_demo_data(target_folder: str | Path, out_folder: str | Path, n_samples:
             "samples": n_samples, "prompt_len": prompt_len, "response_len": response_len,
             "seed": seed}
     (out / META_NAME).write_text(json.dumps(meta, indent=2), encoding="utf-8")
-    _report(progress, 1.0, f"demo data ready ({n_samples} samples)")
+    report(progress, 1.0, f"demo data ready ({n_samples} samples)")
     return out
 
 
@@ -465,11 +377,12 @@ def ensure_demo_data(target_folder: str | Path, cache_dir: str | Path | None = N
     key = (f"{DEMO_VERSION}-{_weights_digest(target_folder)}-n{n_samples}-p{prompt_len}"
            f"-r{response_len}-s{seed}")
     final = cache_root(cache_dir) / "data" / key
-    if _complete(final):
-        _report(progress, 1.0, f"demo data cached at {final}")
+    if is_built(final, META_NAME):
+        report(progress, 1.0, f"demo data cached at {final}")
         return final
-    return _cached_build(final, lambda tmp: make_demo_data(
-        target_folder, tmp, n_samples, prompt_len, response_len, seed, progress), progress)
+    return cached_build(final, lambda tmp: make_demo_data(
+        target_folder, tmp, n_samples, prompt_len, response_len, seed, progress), progress,
+        marker=META_NAME)
 
 
 # --------------------------------------------------------------------------------------------
@@ -500,18 +413,3 @@ def demo_config(output_dir: str = "runs", name: str = "demo") -> Config:
         "telemetry": {"interval_s": 1.0},
     })
 
-
-def prepare_demo(cfg: Config, progress: Progress | None = None) -> tuple[Path, Path]:
-    """Resolve ``builtin:`` paths of a config: (target folder, data folder). The demo target is
-    installed into the run folder; other paths are returned as they are."""
-    builtin_target = cfg.target.path == "builtin:tiny"
-    if builtin_target:
-        target = install_target(cfg.run_dir, progress=_sub(progress, 0.0, 0.85))
-    else:
-        target = Path(cfg.target.path).expanduser()
-    if cfg.data.path == "builtin:demo":
-        data = ensure_demo_data(target, progress=_sub(progress, 0.85, 1.0))
-    else:
-        data = Path(cfg.data.path).expanduser()
-    _report(progress, 1.0, "demo ready")
-    return target, data

@@ -24,6 +24,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 )
 
 from .block_attention import block_attention, make_block_mask, resolve_impl
+from .model_shape import text_config
 
 ARCHITECTURE = "DFlashDraftModel"
 
@@ -92,7 +93,7 @@ def build_drafter_config(target_config, *, num_layers: int, target_layer_ids: li
                          intermediate_size: int = 0, num_attention_heads: int = 0,
                          num_key_value_heads: int = 0) -> Qwen3Config:
     """A Qwen3 config for the drafter, shaped like the target unless overridden."""
-    tc = getattr(target_config, "text_config", None) or target_config
+    tc = text_config(target_config)
     H = hidden_size or tc.hidden_size
     heads = num_attention_heads or tc.num_attention_heads
     head_dim = getattr(tc, "head_dim", None) or H // heads

@@ -14,6 +14,7 @@ import sys
 import traceback as tb
 
 from .events import Error
+from .units import GiB
 
 # What to change in config.yaml when a role runs out of memory.
 OOM_KEYS = {
@@ -40,7 +41,7 @@ def _free_memory(device: str) -> str:
     if device.startswith("cuda") and torch is not None and torch.cuda.is_available():
         try:
             free, total = torch.cuda.mem_get_info(torch.device(device))
-            return f"{free / 2**30:.2f} GiB free of {total / 2**30:.1f} GiB"
+            return f"{free / GiB:.2f} GiB free of {total / GiB:.1f} GiB"
         except Exception:
             return "free memory unknown"
     return "host memory"

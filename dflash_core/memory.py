@@ -1,7 +1,8 @@
 """Preflight memory plan: each device's peak, estimated from config dicts alone (no weights loaded).
 
 The plan runs before tens of GB of weights are loaded, so a layout that cannot fit is refused with
-a message naming the config key to change. Estimates are deliberately simple: each component is a
+a message naming the config key to change (the plan picks the key; memory_report.py words the
+table and the message). Estimates are deliberately simple: each component is a
 product of shapes and a small documented constant. They aim to be a little pessimistic, never a
 large underestimate; "plan vs actual" once running shows how close they are.
 
@@ -16,19 +17,21 @@ Engine facts this plan models (they are decisions of target.py / drafter.py / en
 - queued feature batches stay on the target GPU that made them until a drafter takes them;
 - on CPU both roles run in float32.
 
-Sizes are bytes; GiB = 2**30.
+Sizes are bytes (units.GiB = 2**30).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any
 
 from .config import Config
-from .events import MemoryPlan
-
-GiB = 1 << 30
+from .model_shape import (
+    ModelShape, drafter_param_count, drafter_shape, model_shape, num_features, param_count,
+)
+from .objective import sequences_per_group
+from .units import GiB
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
@@ -73,133 +76,10 @@ LOSS_BYTES_PER_LOGIT = 8
 # give 19.0 and 25.9 GiB. The backward's own per-layer gradients never coincide with the loss
 # chunk's peak, so no extra layer is counted.
 
-HYBRID_TYPES = ("qwen3_5", "qwen3_5_text")  # Gated DeltaNet + gated full attention layers
-QK_NORM_TYPES = ("qwen3", "qwen3_5", "qwen3_5_text")
-MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
-
-HsQueueOn = Literal["target", "drafter", "cpu"]
-
 
 # --------------------------------------------------------------------------------------------
-# Model shapes from HF config dicts
+# Bytes
 # --------------------------------------------------------------------------------------------
-
-def text_config(hf_config: dict) -> dict:
-    """The language-model part of a config: multimodal configs nest it under ``text_config``."""
-    tc = hf_config.get("text_config")
-    return tc if isinstance(tc, dict) and tc else hf_config
-
-
-@dataclass(frozen=True)
-class _Shape:
-    model_type: str
-    hidden: int
-    intermediate: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    tied: bool
-    layer_types: tuple  # "attention" | "linear_attention", one per layer
-    gated_q: bool  # q_proj emits query + output gate (2x width), as in Qwen3.5 full attention
-    qk_norm: bool
-    qkv_bias: bool
-    o_bias: bool
-    mlp_bias: bool
-    # Gated DeltaNet ("linear_attention") dims; 0 when the model has none
-    lin_k_heads: int = 0
-    lin_v_heads: int = 0
-    lin_k_dim: int = 0
-    lin_v_dim: int = 0
-    lin_conv: int = 0
-
-
-def _shape(hf_config: dict) -> _Shape:
-    tc = text_config(hf_config)
-    mtype = str(tc.get("model_type") or hf_config.get("model_type") or "")
-    if any(tc.get(k) for k in MOE_KEYS):
-        raise ValueError(f"memory plan: mixture-of-experts targets ({mtype}) are not supported")
-    try:
-        hidden, layers = int(tc["hidden_size"]), int(tc["num_hidden_layers"])
-        heads, vocab = int(tc["num_attention_heads"]), int(tc["vocab_size"])
-        intermediate = int(tc["intermediate_size"])
-    except KeyError as exc:
-        raise ValueError(f"memory plan: target config lacks {exc.args[0]!r}") from exc
-    hybrid = mtype in HYBRID_TYPES
-    types = tc.get("layer_types")
-    if not types:
-        # Same rule as transformers' Qwen3.5 config: every interval-th layer is full attention.
-        interval = int(tc.get("full_attention_interval", 4)) if hybrid else 0
-        types = ["linear_attention" if interval and (i + 1) % interval else "attention"
-                 for i in range(layers)]
-    # sliding / full attention share one parameter shape
-    types = tuple("linear_attention" if t == "linear_attention" else "attention" for t in types)
-    if len(types) != layers:
-        raise ValueError(f"memory plan: {len(types)} layer_types for {layers} layers")
-    attention_bias = bool(tc.get("attention_bias", False))
-    return _Shape(
-        model_type=mtype, hidden=hidden, intermediate=intermediate, layers=layers, heads=heads,
-        kv_heads=int(tc.get("num_key_value_heads") or heads),
-        head_dim=int(tc.get("head_dim") or hidden // heads), vocab=vocab,
-        # transformers reads tying from the text config; every Qwen3 family config sets it.
-        tied=bool(tc.get("tie_word_embeddings", False)),
-        layer_types=types, gated_q=hybrid, qk_norm=mtype in QK_NORM_TYPES,
-        qkv_bias=attention_bias or mtype == "qwen2",  # Qwen2 always has q/k/v biases
-        o_bias=attention_bias, mlp_bias=bool(tc.get("mlp_bias", False)),
-        lin_k_heads=int(tc.get("linear_num_key_heads", 0)),
-        lin_v_heads=int(tc.get("linear_num_value_heads", 0)),
-        lin_k_dim=int(tc.get("linear_key_head_dim", 0)),
-        lin_v_dim=int(tc.get("linear_value_head_dim", 0)),
-        lin_conv=int(tc.get("linear_conv_kernel_dim", 0)),
-    )
-
-
-def _linear(n_in: int, n_out: int, bias: bool = False) -> int:
-    return n_in * n_out + (n_out if bias else 0)
-
-
-def _attention_params(s: _Shape) -> int:
-    q_width, kv_width = s.heads * s.head_dim, s.kv_heads * s.head_dim
-    n = _linear(s.hidden, q_width * (2 if s.gated_q else 1), s.qkv_bias)
-    n += 2 * _linear(s.hidden, kv_width, s.qkv_bias)
-    n += _linear(q_width, s.hidden, s.o_bias)
-    if s.qk_norm:
-        n += 2 * s.head_dim
-    return n
-
-
-def _gdn_params(s: _Shape) -> int:
-    """Gated DeltaNet mixer, shapes as in transformers' Qwen3_5GatedDeltaNet."""
-    key_dim, value_dim = s.lin_k_heads * s.lin_k_dim, s.lin_v_heads * s.lin_v_dim
-    conv_dim = 2 * key_dim + value_dim
-    n = _linear(s.hidden, conv_dim)  # in_proj_qkv
-    n += _linear(s.hidden, value_dim)  # in_proj_z (output gate)
-    n += 2 * _linear(s.hidden, s.lin_v_heads)  # in_proj_b, in_proj_a
-    n += conv_dim * s.lin_conv  # depthwise conv1d, no bias
-    n += 2 * s.lin_v_heads  # dt_bias, A_log
-    n += s.lin_v_dim  # gated RMSNorm over one value head
-    n += _linear(value_dim, s.hidden)  # out_proj
-    return n
-
-
-def _layer_params(s: _Shape, layer_type: str) -> int:
-    mixer = _gdn_params(s) if layer_type == "linear_attention" else _attention_params(s)
-    mlp = 2 * _linear(s.hidden, s.intermediate, s.mlp_bias) + _linear(s.intermediate, s.hidden,
-                                                                       s.mlp_bias)
-    return mixer + mlp + 2 * s.hidden  # + input_layernorm, post_attention_layernorm
-
-
-def param_count(hf_config: dict) -> int:
-    """Parameters of the causal LM built from this config (text model only; tied weights once)."""
-    s = _shape(hf_config)
-    n = s.vocab * s.hidden  # embed_tokens
-    n += sum(_layer_params(s, t) for t in s.layer_types)
-    n += s.hidden  # final norm
-    if not s.tied:
-        n += s.vocab * s.hidden  # lm_head
-    return n
-
 
 def dtype_bytes(dtype: Any) -> int:
     """Bytes per element of "bfloat16" / "float16" / "float32" or a torch dtype."""
@@ -219,31 +99,7 @@ def full_logits_bytes(tokens: int, vocab: int, dtype: Any = "bfloat16") -> int:
     return tokens * vocab * dtype_bytes(dtype)
 
 
-def drafter_param_count(cfg: Config, hf_config: dict) -> int:
-    """Trainable drafter parameters: L Qwen3 layers, fc (k*H_target -> H), hidden_norm, norm."""
-    s = _drafter_shape(cfg, _shape(hf_config))
-    layers = cfg.drafter.num_layers * _layer_params(s, "attention")
-    return layers + _num_features(cfg) * _shape(hf_config).hidden * s.hidden + 2 * s.hidden
-
-
-def _drafter_shape(cfg: Config, t: _Shape) -> _Shape:
-    d = cfg.drafter
-    # A Qwen3 decoder (q/k norms, no output gate, no biases) of the target's width unless
-    # overridden; head_dim is the target's (the interchange config copies it).
-    return _Shape(
-        model_type="qwen3", hidden=d.hidden_size or t.hidden,
-        intermediate=d.intermediate_size or t.intermediate, layers=d.num_layers,
-        heads=d.num_attention_heads or t.heads, kv_heads=d.num_key_value_heads or t.kv_heads,
-        head_dim=t.head_dim, vocab=t.vocab, tied=t.tied, layer_types=("attention",) * d.num_layers,
-        gated_q=False, qk_norm=True, qkv_bias=False, o_bias=False, mlp_bias=False,
-    )
-
-
-def _num_features(cfg: Config) -> int:
-    return len(cfg.target.layer_ids) or cfg.target.num_features
-
-
-def _last_layer(cfg: Config, s: _Shape) -> int:
+def _last_layer(cfg: Config, s: ModelShape) -> int:
     # Default ids (target.default_layer_ids) spread from 1 to N-3; a single one is N // 2.
     if cfg.target.layer_ids:
         return max(cfg.target.layer_ids)
@@ -258,7 +114,7 @@ def _target_dtype(cfg: Config, on_cuda: bool) -> str:
 # Per-role components
 # --------------------------------------------------------------------------------------------
 
-def _target_layer_transient(s: _Shape, tokens: int, b: int, run_types: set[str],
+def _target_layer_transient(s: ModelShape, tokens: int, b: int, run_types: set[str],
                             attn_impl: str, max_length: int) -> int:
     """Largest per-layer transient of an inference forward, in bytes."""
     peaks = [MLP_LIVE * tokens * s.intermediate * b]
@@ -292,12 +148,12 @@ def _target_layer_transient(s: _Shape, tokens: int, b: int, run_types: set[str],
     return max(peaks)
 
 
-def _target_components(cfg: Config, s: _Shape, hf_config: dict, on_cuda: bool,
-                       include_logits: bool, queued: int) -> dict[str, int]:
+def _target_components(cfg: Config, s: ModelShape, hf_config: dict, on_cuda: bool,
+                       queued: int) -> dict[str, int]:
     t, b = cfg.data.token_budget, dtype_bytes(_target_dtype(cfg, on_cuda))
     run_types = set(s.layer_types[: _last_layer(cfg, s) + 1])
-    features = t * _num_features(cfg) * s.hidden * b
-    c = {
+    features = t * num_features(cfg) * s.hidden * b
+    return {
         "weights": param_count(hf_config) * b,
         "residual stream": RESIDUAL_LIVE * t * s.hidden * b,
         "layer transient": _target_layer_transient(
@@ -308,35 +164,33 @@ def _target_components(cfg: Config, s: _Shape, hf_config: dict, on_cuda: bool,
         "features": features,
         "hs queue": queued * features,
     }
-    if include_logits:
-        c["logits"] = t * s.vocab * b
-    return c
 
 
 def _drafter_pass(cfg: Config) -> tuple[int, int, int]:
     """(sequences in a typical full batch, sequences per forward/backward, blocks per sequence).
 
     A typical full batch: token_budget / max_length sequences of max_length tokens, each with
-    min(anchors, length) blocks; trainer.py runs them in groups of micro_block_tokens block tokens.
+    min(anchors, length) blocks; trainer.py runs them in groups of micro_block_tokens block tokens
+    (objective.sequences_per_group).
     """
     d, data = cfg.drafter, cfg.data
     seqs = max(1, min(data.max_seqs_per_batch, data.token_budget // data.max_length))
     blocks = min(d.num_anchors, data.max_length)
-    per_pass = min(seqs, max(1, d.micro_block_tokens // (blocks * d.block_size)))
+    per_pass = min(seqs, sequences_per_group(d.micro_block_tokens, blocks * d.block_size))
     return seqs, per_pass, blocks
 
 
-def _drafter_components(cfg: Config, s: _Shape, hf_config: dict, on_cuda: bool,
-                        queued: int) -> dict[str, int]:
+def _drafter_components(cfg: Config, s: ModelShape, hf_config: dict,
+                        on_cuda: bool) -> dict[str, int]:
     d, data = cfg.drafter, cfg.data
-    ds = _drafter_shape(cfg, s)
+    ds = drafter_shape(cfg, s)
     n_params = drafter_param_count(cfg, hf_config)
     tb = dtype_bytes(_target_dtype(cfg, on_cuda))
     autocast = on_cuda and d.dtype == "bfloat16"
     _, per_pass, blocks = _drafter_pass(cfg)
     block_tokens = per_pass * blocks * d.block_size
     context_tokens = per_pass * data.max_length
-    k = _num_features(cfg)
+    k = num_features(cfg)
     q, kv = ds.heads * ds.head_dim, ds.kv_heads * ds.head_dim
     saved = (DRAFTER_SAVED_H * ds.hidden + DRAFTER_SAVED_Q * q + DRAFTER_SAVED_KV * kv
              + DRAFTER_SAVED_I * ds.intermediate)
@@ -351,7 +205,6 @@ def _drafter_components(cfg: Config, s: _Shape, hf_config: dict, on_cuda: bool,
         "context": context_tokens * context * UNIT_BYTES,
         "loss chunk": min(d.loss_chunk, block_tokens) * s.vocab * LOSS_BYTES_PER_LOGIT,
         "received features": features,
-        "hs queue (drafter)": queued * features,
     }
 
 
@@ -382,17 +235,34 @@ class PlanRow:
 
 
 @dataclass
+class Overflow:
+    """Devices the plan does not fit (a group with identical role, components and free memory),
+    and what would make it fit."""
+
+    devices: list[str]
+    row: PlanRow  # the first device's row
+    lower: list[tuple[str, Any]]  # (config key, its value now), biggest lever first; at most 3
+    separate_roles: bool  # targets and drafters share a GPU: putting them on different ones helps
+    weights_too_big: bool  # the weights alone exceed the free memory
+
+
+@dataclass
 class Plan:
     rows: list[PlanRow]
     token_budget: int
     logits_extra: int  # bytes full target logits would add on each target GPU (target dtype)
     logits_upcast_extra: int  # and the float32 copy HF's loss path makes on top of that
-    include_logits: bool = False
-    hints: list[str] = field(default_factory=list)  # one per overflowing device
+    overflows: list[Overflow]  # one per group of devices that does not fit, in device order
 
     @property
     def fits(self) -> bool:
         return all(r.fits for r in self.rows)
+
+    @property
+    def key(self) -> str | None:
+        """The config key to change first: the biggest lever of the first group that does not
+        fit (None when the plan fits, or nothing in config.yaml would shrink it)."""
+        return next((o.lower[0][0] for o in self.overflows if o.lower), None)
 
     def row(self, device: str) -> PlanRow:
         for r in self.rows:
@@ -402,9 +272,6 @@ class Plan:
 
     def to_event_rows(self) -> list[dict[str, Any]]:
         return [r.to_dict() for r in self.rows]
-
-    def to_event(self) -> MemoryPlan:
-        return MemoryPlan(rows=self.to_event_rows(), fits=self.fits)
 
 
 def _device_type(cfg: Config, free_bytes: dict[str, int] | None) -> str:
@@ -418,24 +285,20 @@ def _device_type(cfg: Config, free_bytes: dict[str, int] | None) -> str:
 
 
 def plan_memory(cfg: Config, target_hf_config: dict, free_bytes: dict[str, int] | None = None,
-                total_bytes: dict[str, int] | None = None, *, include_logits: bool = False,
-                hs_queue_on: HsQueueOn = "target") -> Plan:
+                total_bytes: dict[str, int] | None = None) -> Plan:
     """Estimate each device's peak bytes for this config and target.
 
-    ``include_logits`` adds full lm_head logits to every target (the old failing behaviour).
-    ``hs_queue_on``: where queued feature batches live. "target" (what engine.py does): each
-    target keeps its share, ceil(layout.hs_queue / targets) batches, until a drafter takes them
-    (targets of similar speed; one target alone could hold up to layout.hs_queue); "drafter":
-    each drafter holds ceil(layout.hs_queue / drafters); "cpu": host memory, not planned here.
+    Queued feature batches stay on the target that made them (engine.py): each target keeps its
+    share, ceil(layout.hs_queue / targets) batches, until a drafter takes them (targets of similar
+    speed; one target alone could hold up to layout.hs_queue).
     """
-    s = _shape(target_hf_config)
+    s = model_shape(target_hf_config)
     free_bytes, total_bytes = free_bytes or {}, total_bytes or {}
     dev = _device_type(cfg, free_bytes)
     on_cuda = dev == "cuda"
     lay = cfg.layout
     label = (lambda i: f"cuda:{i}") if on_cuda else (lambda i: "cpu")
-    q_target = math.ceil(lay.hs_queue / len(lay.targets)) if hs_queue_on == "target" else 0
-    q_drafter = math.ceil(lay.hs_queue / len(lay.drafters)) if hs_queue_on == "drafter" else 0
+    queued = math.ceil(lay.hs_queue / len(lay.targets))
 
     per_device: dict[str, tuple[list[str], dict[str, int]]] = {}
 
@@ -446,31 +309,30 @@ def plan_memory(cfg: Config, target_hf_config: dict, free_bytes: dict[str, int] 
         for name, nbytes in comps.items():
             acc[name] = acc.get(name, 0) + nbytes
 
-    target = _target_components(cfg, s, target_hf_config, on_cuda, include_logits, q_target)
-    drafter = _drafter_components(cfg, s, target_hf_config, on_cuda, q_drafter)
+    target = _target_components(cfg, s, target_hf_config, on_cuda, queued)
+    drafter = _drafter_components(cfg, s, target_hf_config, on_cuda)
     for i in lay.targets:
         add(label(i), "target", target)
     for i in lay.drafters:
         add(label(i), "drafter", drafter)
 
     rows = []
-    for device in sorted(per_device, key=_device_key):
+    for device in sorted(per_device, key=device_key):
         roles, comps = per_device[device]
         comps = {k: v for k, v in comps.items() if v}
         if on_cuda:
             comps["cuda overhead"] = CUDA_OVERHEAD
         rows.append(PlanRow(device, "+".join(sorted(roles, key=("target", "drafter").index)),
                             comps, free_bytes.get(device), total_bytes.get(device)))
-    plan = Plan(rows=rows, token_budget=cfg.data.token_budget,
+    return Plan(rows=rows, token_budget=cfg.data.token_budget,
                 logits_extra=full_logits_bytes(cfg.data.token_budget, s.vocab,
                                                _target_dtype(cfg, on_cuda)),
                 logits_upcast_extra=full_logits_bytes(cfg.data.token_budget, s.vocab, "float32"),
-                include_logits=include_logits)
-    plan.hints = [_hint(cfg, devices, r) for devices, r in _groups(rows) if not r.fits]
-    return plan
+                overflows=[_overflow(cfg, devices, r) for devices, r in device_groups(rows)
+                           if not r.fits])
 
 
-def _groups(rows: list[PlanRow]) -> list[tuple[list[str], PlanRow]]:
+def device_groups(rows: list[PlanRow]) -> list[tuple[list[str], PlanRow]]:
     """Devices with identical role, components and free memory, so 7 equal targets read once."""
     groups: list[tuple[list[str], PlanRow]] = []
     for r in rows:
@@ -483,7 +345,8 @@ def _groups(rows: list[PlanRow]) -> list[tuple[list[str], PlanRow]]:
     return groups
 
 
-def _device_key(device: str) -> tuple[str, int]:
+def device_key(device: str) -> tuple[str, int]:
+    """("cuda", 3) for "cuda:3": devices sort by kind, then by index."""
     kind, _, idx = device.partition(":")
     return kind, int(idx) if idx.isdigit() else -1
 
@@ -493,8 +356,7 @@ _KEYS = {
     "residual stream": "data.token_budget", "layer transient": "data.token_budget",
     "attention mask": "data.token_budget", "features": "data.token_budget",
     "received features": "data.token_budget", "hs queue": "layout.hs_queue",
-    "hs queue (drafter)": "layout.hs_queue", "loss chunk": "drafter.loss_chunk",
-    "drafter fp32+adam": "drafter.num_layers",
+    "loss chunk": "drafter.loss_chunk", "drafter fp32+adam": "drafter.num_layers",
 }
 
 
@@ -511,74 +373,16 @@ def _key_value(cfg: Config, key: str) -> Any:
     return getattr(getattr(cfg, section), name)
 
 
-def _hint(cfg: Config, devices: list[str], row: PlanRow) -> str:
-    """What to change for one overflowing device, biggest lever first."""
+def _overflow(cfg: Config, devices: list[str], row: PlanRow) -> Overflow:
+    """What to change for one overflowing group of devices, biggest lever first."""
     levers: dict[str, int] = {}
     for name, nbytes in row.components.items():
         key = _activation_key(cfg) if name in ("block activations", "context") else _KEYS.get(name)
         if key:
             levers[key] = levers.get(key, 0) + nbytes
     ranked = sorted(levers, key=levers.get, reverse=True)[:3]
-    lowered = [f"{k} (now {_key_value(cfg, k)})" for k in ranked]
-    options = []
-    if "logits" in row.components:
-        options.append(f"do not compute full target logits ({_gib(row.components['logits'])} GiB)")
-    if lowered:
-        options.append("lower " + (", ".join(lowered[:-1]) + " or " if len(lowered) > 1 else "")
-                       + lowered[-1])
-    if row.role == "target+drafter" and row.device.startswith("cuda"):
-        options.append("put targets and drafters on different GPUs (layout.targets, "
-                       "layout.drafters)")
     fixed = row.components.get("weights", 0) + row.components.get("drafter fp32+adam", 0)
-    if row.free is not None and fixed > row.free:
-        options.append("use devices with more memory: the weights alone do not fit")
-    return (f"{_group_label(devices)} ({row.role}) needs {_gib(row.total)} GiB but has"
-            f" {_gib(row.free)} GiB free: " + "; or ".join(options))
-
-
-def _gib(nbytes: int | None) -> str:
-    return "?" if nbytes is None else f"{nbytes / GiB:.1f}"
-
-
-def _group_label(devices: list[str]) -> str:
-    """cuda:0..6 for a contiguous run, else a comma list."""
-    if len(devices) == 1:
-        return devices[0]
-    idx = [_device_key(d)[1] for d in devices]
-    kind = _device_key(devices[0])[0]
-    if idx == list(range(idx[0], idx[0] + len(idx))):
-        return f"{kind}:{idx[0]}..{idx[-1]}"
-    return f"{kind}:" + ",".join(map(str, idx))
-
-
-def format_plan(plan: Plan) -> str:
-    """Fixed-width table in GiB: one column per group of identical devices, then a verdict."""
-    groups = _groups(plan.rows)
-    names: list[str] = []
-    for _, r in groups:
-        names += [n for n in r.components if n not in names]
-    heads = [_group_label(devs) for devs, _ in groups]
-    width = max([10] + [len(h) + 2 for h in heads])
-    label_w = max(len(n) for n in names + ["memory plan (GiB)"]) + 2
-
-    def line(label: str, cells: list[str]) -> str:
-        return label.ljust(label_w) + "".join(c.rjust(width) for c in cells)
-
-    out = [line("memory plan (GiB)", heads), line("role", [r.role for _, r in groups])]
-    for n in names:
-        out.append(line(n, [_gib(r.components[n]) if n in r.components else "-"
-                            for _, r in groups]))
-    out.append(line("total", [_gib(r.total) for _, r in groups]))
-    out.append(line("free", [_gib(r.free) for _, r in groups]))
-    out.append(line("fits", ["yes" if r.fits else f"NO +{_gib(r.total - r.free)}"
-                             for _, r in groups]))
-    if not plan.include_logits:
-        out.append(f"full target logits would add {_gib(plan.logits_extra)} GiB per target GPU"
-                   f" (+{_gib(plan.logits_upcast_extra)} GiB more if upcast to float32 for a loss);"
-                   " the engine never computes them")
-    if plan.fits:
-        out.append("plan fits")
-    else:
-        out.append("plan does NOT fit:")
-        out += [f"  {h}" for h in plan.hints]
-    return "\n".join(out)
+    return Overflow(
+        devices=devices, row=row, lower=[(k, _key_value(cfg, k)) for k in ranked],
+        separate_roles=row.role == "target+drafter" and row.device.startswith("cuda"),
+        weights_too_big=row.free is not None and fixed > row.free)

@@ -8,7 +8,6 @@ a ConfigError / DataError naming the key or file and the fix, raised before a si
 from __future__ import annotations
 
 import json
-import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,12 +16,13 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from .build_cache import Progress
 from .config import Config, ConfigError
 from .events import Event, Log, MemoryPlan
+from .model_shape import model_shape
+from .units import GiB
 
-MIN_FREE_DISK = 1 << 30  # below this a checkpoint may not fit: refuse rather than fail later
-
-Progress = Callable[[float, str], None]
+MIN_FREE_DISK = 1 * GiB  # below this a checkpoint may not fit: refuse rather than fail later
 
 
 def resolve_devices(cfg: Config) -> tuple[list[torch.device], list[torch.device]]:
@@ -71,7 +71,7 @@ def prepare(cfg: Config, run_dir: Path, tdev: list[torch.device], ddev: list[tor
 
     free = shutil.disk_usage(run_dir).free
     if free < MIN_FREE_DISK:
-        raise ConfigError("run.output_dir", f"only {free / 2**30:.2f} GiB free in {run_dir}",
+        raise ConfigError("run.output_dir", f"only {free / GiB:.2f} GiB free in {run_dir}",
                           hint="free disk space or point run.output_dir elsewhere")
     if cfg.wandb.enabled:
         from .sinks.wandb_sink import validate_wandb_settings
@@ -98,8 +98,8 @@ def prepare(cfg: Config, run_dir: Path, tdev: list[torch.device], ddev: list[tor
 def _check_target(cfg: Config, hf_config: dict) -> tuple[list[int], int]:
     from .target import default_layer_ids
 
-    text_cfg = hf_config.get("text_config", hf_config)
-    n_layers, vocab = text_cfg["num_hidden_layers"], text_cfg["vocab_size"]
+    shape = model_shape(hf_config)
+    n_layers, vocab = shape.layers, shape.vocab
     layer_ids = cfg.target.layer_ids or default_layer_ids(n_layers, cfg.target.num_features)
     if len(set(layer_ids)) != len(layer_ids):
         raise ConfigError("target.layer_ids", f"{layer_ids} repeats a layer: the target has only "
@@ -138,7 +138,8 @@ def _resolve_data(cfg: Config, target_path: Path, demo_progress) -> Path:
 
 def check_memory(cfg: Config, hf_config: dict, tdev, ddev, publish) -> None:
     """Publish the memory plan; refuse a run that cannot fit, naming the key the plan picks."""
-    from .memory import format_plan, plan_memory
+    from .memory import plan_memory
+    from .memory_report import format_overflow, format_plan
 
     free, total = {}, {}
     for d in set(tdev) | set(ddev):
@@ -148,11 +149,9 @@ def check_memory(cfg: Config, hf_config: dict, tdev, ddev, publish) -> None:
     plan = plan_memory(cfg, hf_config, free or None, total or None)
     publish(MemoryPlan(rows=plan.to_event_rows(), fits=plan.fits))
     if not plan.fits:
-        hint = "; ".join(plan.hints) or ("lower data.token_budget or drafter.micro_block_tokens, "
-                                         "or use more GPUs")
-        named = re.search(r"lower ([a-z_]+\.[a-z_]+)", hint)
-        key = named.group(1) if named else "data.token_budget"
-        raise ConfigError(key, "the memory plan does not fit:\n" + format_plan(plan), hint=hint)
+        raise ConfigError(plan.key or "data.token_budget",
+                          "the memory plan does not fit:\n" + format_plan(plan),
+                          hint="; ".join(format_overflow(o) for o in plan.overflows))
 
 
 def demo_log_progress(publish: Callable[[Event], None], stop_check: Callable[[], None]):

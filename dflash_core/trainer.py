@@ -99,7 +99,7 @@ class DrafterReplica:
                                     [int(i) for i in batch.indices],
                                     pad_to=ANCHOR_PAD if self.device.type == "cuda" else 1)
         n, A = anchors.shape
-        group = max(1, self.micro_block_tokens // max(1, A * B))
+        group = obj.sequences_per_group(self.micro_block_tokens, A * B)
         self.last_rows, self.last_block_tokens = n, A * B
         ids_all = batch.input_ids.to(self.device, non_blocking=True)
         mask_all = batch.loss_mask.to(self.device, non_blocking=True)

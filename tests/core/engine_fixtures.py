@@ -12,6 +12,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dflash_core.config import config_from_dict
 from dflash_core.data import write_shards
+from dflash_core.engine import Engine
 from dflash_core.events import RunEnded, StateChanged
 
 VOCAB = 128
@@ -66,6 +67,8 @@ def make_config(tmp: Path, target: Path, data: Path, **over):
 # is not ours to judge.
 ENGINE_THREADS = ("engine", "target-", "drafter-", "loader-", "telemetry", "sink-jsonl",
                   "sink-textlog", "sink-wandb")
+FAIL_WITHIN_S = 5.0
+FOREIGN_THREADS = ("tqdm",)  # started by libraries on first use, not by the engine
 
 
 @pytest.fixture(scope="module")
@@ -144,3 +147,65 @@ def restart_and_train(engine, rec: Recorder, timeout: float = 60.0) -> None:
     rec.wait_for(lambda e: isinstance(e, RunEnded) and len(rec.of(RunEnded)) > n, timeout)
     rec.wait_for(lambda e: isinstance(e, StepMetrics) and e.ts > t
                  and len(rec.of(RunEnded)) > n, timeout)
+
+
+# --------------------------------------------------------------------------------------------
+# Running an engine in a test: started and ended, with nothing left behind
+# --------------------------------------------------------------------------------------------
+
+def long_config(tmp_path, assets, **over):
+    """A run far longer than any test waits: it ends by fault or abort, not by finishing."""
+    target, data = assets
+    over = {"run__max_steps": 0, "optim__epochs": 200, "data__eval_prompts": 0,
+            "checkpoint__every": 0, **over}
+    return make_config(tmp_path, target, data, **over)
+
+
+def new_threads(before: set) -> list[str]:
+    """Threads alive now that were not before, other than library ones."""
+    return sorted(t.name for t in threading.enumerate()
+                  if t not in before and t.is_alive() and not t.name.startswith(FOREIGN_THREADS))
+
+
+def wait_gone(before: set, timeout: float = FAIL_WITHIN_S) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while new_threads(before) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return new_threads(before)
+
+
+_live: list[Engine] = []
+
+
+@pytest.fixture(autouse=True)
+def shutdown_started_engines():
+    """A test that fails midway must not leave its (long) run going under the next tests.
+    Autouse in every module that imports it."""
+    yield
+    while _live:
+        _live.pop().shutdown(timeout=10)
+
+
+def started(cfg, **kw) -> tuple[Engine, Recorder, set]:
+    assert engine_threads() == [], "an earlier test left engine threads running"
+    before = set(threading.enumerate())
+    engine = Engine(cfg, **kw)
+    _live.append(engine)
+    rec = Recorder(engine.bus)
+    engine.start()
+    return engine, rec, before
+
+
+def ended(engine: Engine, rec: Recorder, timeout: float = 30.0) -> RunEnded:
+    end = rec.wait_ended(timeout)
+    assert engine.join(10), "supervisor still alive after RunEnded"
+    engine.shutdown()
+    return end
+
+
+def run_to_end(engine: Engine, timeout: float = 60.0) -> Recorder:
+    rec = Recorder(engine.bus)
+    engine.start()
+    rec.wait_ended(timeout)
+    assert engine.join(10), "the supervisor thread outlived RunEnded"
+    return rec

@@ -13,6 +13,7 @@ def test_real_node_config_loads_and_its_plan_fits_eight_96g_gpus():
     import json
 
     from dflash_core.memory import plan_memory
+    from dflash_core.memory_report import format_plan
 
     cfg = load_config(ROOT / "config.yaml")
     assert cfg.layout.targets == [0, 1] and cfg.layout.drafters == [2, 3, 4, 5, 6, 7]
@@ -20,7 +21,7 @@ def test_real_node_config_loads_and_its_plan_fits_eight_96g_gpus():
     hf = json.loads((ROOT / "tests" / "fixtures" / "qwen3_6_27b_config.json").read_text())
     gpus = {f"cuda:{i}": 96 * 2**30 for i in range(8)}
     plan = plan_memory(cfg, hf, free_bytes=gpus, total_bytes=gpus)
-    assert len(plan.rows) == 8 and all(r.fits for r in plan.rows), plan.hints
+    assert len(plan.rows) == 8 and all(r.fits for r in plan.rows), format_plan(plan)
 
 
 def test_unknown_key_names_path_value_and_choices():

@@ -2,7 +2,6 @@
 greedy output, and a 2-layer drafter learns it quickly enough for a CPU demo."""
 
 import math
-import threading
 import time
 
 import numpy as np
@@ -91,17 +90,8 @@ def test_progress_is_reported_in_order(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------
-# The cache
+# The cached target
 # --------------------------------------------------------------------------------------------
-
-def test_cache_root_follows_the_environment(monkeypatch, tmp_path):
-    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "x"))
-    assert demo.cache_root() == tmp_path / "x"
-    monkeypatch.delenv("DFLASH_CACHE")
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert demo.cache_root() == tmp_path / "xdg" / "dflash"
-    assert demo.cache_root(tmp_path / "given") == tmp_path / "given"
-
 
 def test_cached_target_is_reused_and_keyed_by_version(demo_target, dflash_cache, monkeypatch):
     t = time.monotonic()
@@ -110,61 +100,6 @@ def test_cached_target_is_reused_and_keyed_by_version(demo_target, dflash_cache,
     assert demo.DEMO_VERSION in demo_target.name
     monkeypatch.setattr(demo, "DEMO_VERSION", "tiny-v0-test")
     assert demo.tiny_target_key() != demo_target.name
-
-
-def test_failed_build_leaves_nothing(tmp_path):
-    final = tmp_path / "cache" / "thing"
-
-    def build(tmp):
-        tmp.mkdir()
-        (tmp / "half").write_text("x")
-        raise RuntimeError("killed mid-build")
-
-    with pytest.raises(RuntimeError):
-        demo._cached_build(final, build)
-    assert not final.exists()
-    assert [p.name for p in final.parent.iterdir() if not p.name.endswith(".lock")] == []
-
-
-def test_racing_builds_build_once(tmp_path):
-    final = tmp_path / "cache" / "thing"
-    calls = []
-
-    def build(tmp):
-        calls.append(1)
-        tmp.mkdir()
-        time.sleep(0.3)
-        (tmp / demo.META_NAME).write_text("{}")
-
-    results = []
-    threads = [threading.Thread(target=lambda: results.append(demo._cached_build(final, build)))
-               for _ in range(3)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    assert results == [final] * 3 and len(calls) == 1
-    assert (final / demo.META_NAME).is_file()
-    assert not list(final.parent.glob(".tmp-*"))
-
-
-def test_waiting_for_another_build_can_be_aborted(tmp_path):
-    """A build waits for the lock holder, reporting progress; a progress callback that raises (the
-    engine's stop request) ends the wait."""
-    final = tmp_path / "cache" / "thing"
-    final.parent.mkdir(parents=True)
-
-    class Stop(Exception):
-        pass
-
-    def stop(fraction, message):
-        assert "waiting" in message
-        raise Stop
-
-    with demo._locked(final.parent / f".{final.name}.lock"):  # another builder holds it
-        with pytest.raises(Stop):
-            demo._cached_build(final, lambda tmp: pytest.fail("must not build"), stop)
-    assert not final.exists()
 
 
 def test_install_target_copies_into_the_run_folder(demo_target, dflash_cache, tmp_path):
@@ -213,16 +148,13 @@ def test_demo_data_generation_is_fast_and_cached(demo_target, tmp_path):
     assert demo.ensure_demo_data(demo_target, tmp_path, n_samples=64, seed=6) != out
 
 
-def test_demo_config_and_prepare(demo_target, demo_data, tmp_path):
+def test_demo_config(demo_target, tmp_path):
     cfg = demo.demo_config(output_dir=str(tmp_path / "runs"), name="d")
     assert config_from_dict(cfg.to_dict()).to_dict() == cfg.to_dict()  # valid, strict
     assert cfg.target.path == "builtin:tiny" and cfg.data.path == "builtin:demo"
     assert cfg.layout.device == "cpu" and cfg.target.dtype == "float32"
     assert cfg.drafter.mask_token_id == demo.read_meta(demo_target)["mask_token_id"]
     assert cfg.data.max_length >= demo.DATA_PROMPT_LEN + demo.DATA_RESPONSE_LEN
-    target, data = demo.prepare_demo(cfg)  # DFLASH_CACHE points at the session's cache
-    assert target == cfg.run_dir / "target" and (target / "config.json").is_file()
-    assert data == demo_data
 
 
 # --------------------------------------------------------------------------------------------

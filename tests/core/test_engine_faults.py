@@ -1,15 +1,13 @@
-"""Faults injected into every worker, aborts from every state, preflight refusals, restart leaks.
+"""Faults injected into every worker, aborts from every state, restart leaks.
 
 A fault is a monkeypatched function that raises on its n-th call. Each run must end in the right
 terminal state within seconds, say who failed and why (Error kind, source, hint), and leave no
 engine thread behind.
 """
 
-import shutil
 import threading
 import time
 
-import numpy as np
 import psutil
 import pytest
 import torch
@@ -18,10 +16,8 @@ from dflash_core import checkpoint as ckpt
 from dflash_core.data import batching as data_mod
 from dflash_core import target as target_mod
 from dflash_core import target_stage
-from dflash_core.engine import Engine
 from dflash_core.events import (
     Checkpoint, Error, LoadProgress, Log, QueueDepth, RunEnded, StateChanged, StepMetrics,
-    WorkerStatus,
 )
 from dflash_core.sinks.jsonl import JsonlSink
 from dflash_core.sinks.textlog import TextLogSink
@@ -29,12 +25,10 @@ from dflash_core.sinks.wandb_sink import WandbSink
 from dflash_core.telemetry import TelemetrySampler
 from dflash_core.trainer import DrafterReplica
 
-from .engine_fixtures import (  # noqa: F401 - assets is a fixture
-    Recorder, assets, engine_threads, make_config, restart_and_train,
+from .engine_fixtures import (  # noqa: F401 - assets, shutdown_started_engines: fixtures
+    FAIL_WITHIN_S, Recorder, assets, ended, long_config, make_config, restart_and_train,
+    shutdown_started_engines, started, wait_gone,
 )
-
-FAIL_WITHIN_S = 5.0
-FOREIGN_THREADS = ("tqdm",)  # started by libraries on first use, not by the engine
 
 
 def oom() -> torch.OutOfMemoryError:
@@ -67,57 +61,8 @@ class Fault:
         monkeypatch.setattr(owner, name, wrapper)
 
 
-def long_config(tmp_path, assets, **over):
-    """A run far longer than any test waits: it ends by fault or abort, not by finishing."""
-    target, data = assets
-    over = {"run__max_steps": 0, "optim__epochs": 200, "data__eval_prompts": 0,
-            "checkpoint__every": 0, **over}
-    return make_config(tmp_path, target, data, **over)
-
-
-def new_threads(before: set) -> list[str]:
-    """Threads alive now that were not before, other than library ones."""
-    return sorted(t.name for t in threading.enumerate()
-                  if t not in before and t.is_alive() and not t.name.startswith(FOREIGN_THREADS))
-
-
-def wait_gone(before: set, timeout: float = FAIL_WITHIN_S) -> list[str]:
-    deadline = time.monotonic() + timeout
-    while new_threads(before) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return new_threads(before)
-
-
-_live: list[Engine] = []
-
-
-@pytest.fixture(autouse=True)
-def _shutdown_engines():
-    """A test that fails midway must not leave its (long) run going under the next tests."""
-    yield
-    while _live:
-        _live.pop().shutdown(timeout=10)
-
-
-def started(cfg, **kw) -> tuple[Engine, Recorder, set]:
-    assert engine_threads() == [], "an earlier test left engine threads running"
-    before = set(threading.enumerate())
-    engine = Engine(cfg, **kw)
-    _live.append(engine)
-    rec = Recorder(engine.bus)
-    engine.start()
-    return engine, rec, before
-
-
 def state_time(rec: Recorder, state: str) -> float:
     return rec.wait_for(lambda e: isinstance(e, StateChanged) and e.state == state, 30).ts
-
-
-def ended(engine: Engine, rec: Recorder, timeout: float = 30.0) -> RunEnded:
-    end = rec.wait_ended(timeout)
-    assert engine.join(10), "supervisor still alive after RunEnded"
-    engine.shutdown()
-    return end
 
 
 # --------------------------------------------------------------------------------------------
@@ -429,50 +374,6 @@ def test_no_checkpoint_while_a_drafter_that_ignores_stop_is_still_running(tmp_pa
     rec.wait_for(lambda e: isinstance(e, Error) and "still running" in e.message, 10)
     release.set()
     assert wait_gone(before) == []
-
-
-# --------------------------------------------------------------------------------------------
-# Refused at preflight, before any weights load
-# --------------------------------------------------------------------------------------------
-
-def refused(cfg) -> Error:
-    engine, rec, before = started(cfg)
-    end = ended(engine, rec)
-    assert end.status == "failed"
-    assert rec.states() == ["preflight", "failed"]
-    assert not rec.of(LoadProgress)
-    assert not [w for w in rec.of(WorkerStatus) if w.role == "target"]
-    assert wait_gone(before) == []
-    (err,) = [e for e in rec.of(Error) if e.fatal]
-    assert err.phase == "preflight"
-    return err
-
-
-def test_missing_model_folder_is_a_config_error_before_loading(tmp_path, assets):
-    cfg = long_config(tmp_path, assets, target__path=str(tmp_path / "no-such-model"))
-    err = refused(cfg)
-    assert err.error_kind == "config"
-    assert "no-such-model" in err.message and "target.path" in err.hint
-
-
-def test_corrupt_shard_is_a_data_error_naming_the_file(tmp_path, assets):
-    target, data = assets
-    broken = shutil.copytree(data, tmp_path / "data")
-    shard = sorted(broken.glob("data-*.arrow"))[0]
-    shard.write_bytes(np.random.default_rng(0).bytes(4096))
-    cfg = long_config(tmp_path, assets, data__path=str(broken))
-    err = refused(cfg)
-    assert err.error_kind == "data"
-    assert shard.name in err.message
-
-
-def test_legacy_wandb_setting_is_refused_naming_its_replacement(tmp_path, assets):
-    cfg = long_config(tmp_path, assets, wandb__enabled=True, wandb__mode="offline",
-                      wandb__settings={"_stats_sample_rate_seconds": 1})
-    err = refused(cfg)
-    assert err.error_kind == "config"
-    assert "_stats_sample_rate_seconds" in err.message
-    assert "x_stats_sampling_interval" in err.message + err.hint
 
 
 # --------------------------------------------------------------------------------------------

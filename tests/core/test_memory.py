@@ -1,113 +1,28 @@
-"""Preflight memory plan: exact parameter counts against transformers, and the real node's plan
-worked out by hand."""
+"""Preflight memory plan: the real node's plan worked out by hand, and other layouts."""
 
 from __future__ import annotations
 
 import copy
-import json
-from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-from dflash_core import events
 from dflash_core.config import config_from_dict
-from dflash_core.memory import (
-    CUDA_OVERHEAD, GiB, drafter_param_count, format_plan, param_count, plan_memory,
-    target_weight_bytes,
-)
+from dflash_core.memory import CUDA_OVERHEAD, plan_memory, target_weight_bytes
+from dflash_core.memory_report import format_plan
+from dflash_core.units import GiB
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
-
-
-def load(name: str) -> dict:
-    return json.loads((FIXTURES / name).read_text())
-
-
-QWEN36_27B = load("qwen3_6_27b_config.json")
-QWEN3_8B = load("qwen3_8b_config.json")
-
-
-def hf_param_count(hf_config: dict, auto=AutoModelForCausalLM) -> int:
-    """Parameters of the real transformers model, built on the meta device (no memory used)."""
-    config = AutoConfig.for_model(**copy.deepcopy(hf_config))
-    with torch.device("meta"):
-        model = auto.from_config(config)
-    return sum(p.numel() for p in model.parameters())  # tied weights are counted once
-
-
-def scaled(hf_config: dict, **text) -> dict:
-    """The same family at toy size; keys go to text_config when the config nests one."""
-    d = copy.deepcopy(hf_config)
-    (d["text_config"] if "text_config" in d else d).update(text)
-    return d
+from .test_model_shape import QWEN3_8B, QWEN36_27B
 
 
 # --------------------------------------------------------------------------------------------
-# Parameter counts
+# Bytes
 # --------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("hf_config", [QWEN3_8B, QWEN36_27B], ids=["qwen3-8b", "qwen3.6-27b"])
-def test_param_count_matches_transformers_at_full_size(hf_config):
-    assert param_count(hf_config) == hf_param_count(hf_config)
-
-
-def test_param_count_of_known_shapes():
-    assert param_count(QWEN3_8B) == 8_190_735_360
-    # Qwen3.6-27B, text model only; by hand:
-    H, I, V = 5120, 17408, 248320
-    mlp_and_norms = 3 * H * I + 2 * H
-    gdn = (H * (2 * 2048 + 6144)  # in_proj_qkv: 16 key heads x 128 (q and k) + 48 x 128 (v)
-           + H * 6144 + 2 * H * 48  # in_proj_z, in_proj_b, in_proj_a
-           + 10240 * 4 + 2 * 48 + 128  # conv1d (kernel 4), dt_bias + A_log, gated norm
-           + 6144 * H)  # out_proj
-    full = H * 24 * 256 * 2 + 2 * H * 4 * 256 + 24 * 256 * H + 2 * 256  # gated q, k, v, o, q/k norm
-    expected = 48 * (gdn + mlp_and_norms) + 16 * (full + mlp_and_norms) + 2 * V * H + H
-    assert param_count(QWEN36_27B) == expected == 26_895_998_464
+def test_target_weight_bytes():
     # the issue's figure: ~50.1 GiB of bf16 weights
     assert target_weight_bytes(QWEN36_27B, "bfloat16") / GiB == pytest.approx(50.1, abs=0.05)
-    assert target_weight_bytes(QWEN36_27B, torch.float32) == 4 * expected
-
-
-def test_param_count_scaled_down_variants_match_transformers():
-    # tied embeddings, an uneven hybrid pattern, odd head counts, q/k/v biases
-    hybrid = scaled(QWEN36_27B, hidden_size=64, intermediate_size=96, num_hidden_layers=5,
-                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=300,
-                    linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=8,
-                    linear_value_head_dim=12, linear_conv_kernel_dim=3, tie_word_embeddings=True,
-                    layer_types=["linear_attention", "full_attention", "linear_attention",
-                                 "linear_attention", "full_attention"])
-    dense = scaled(QWEN3_8B, hidden_size=64, intermediate_size=80, num_hidden_layers=3,
-                   num_attention_heads=4, num_key_value_heads=1, head_dim=24, vocab_size=200,
-                   attention_bias=True, tie_word_embeddings=True)
-    for cfg in (hybrid, dense):
-        assert param_count(cfg) == hf_param_count(cfg)
-    # layer_types may be left out: every 4th layer is full attention, as transformers derives it
-    no_types = copy.deepcopy(hybrid)
-    del no_types["text_config"]["layer_types"]
-    no_types["text_config"]["num_hidden_layers"] = 8
-    assert param_count(no_types) == hf_param_count(no_types)
-    # a nested text_config is read the same as the bare text config
-    assert param_count(QWEN36_27B) == param_count(QWEN36_27B["text_config"])
-
-
-def test_drafter_param_count_matches_a_qwen3_stack():
-    cfg = config_from_dict({})  # L=5, k=5, target width
-    text = QWEN36_27B["text_config"]
-    # the drafter's layers are Qwen3 decoder layers of the target's width (no gated q)
-    stack = {"model_type": "qwen3", "hidden_size": 5120, "intermediate_size": 17408,
-             "num_hidden_layers": 5, "num_attention_heads": 24, "num_key_value_heads": 4,
-             "head_dim": 256, "vocab_size": 8}
-    layers_and_norm = hf_param_count(stack, AutoModel) - 8 * 5120  # minus its tiny embedding
-    fc, hidden_norm = 5 * text["hidden_size"] * 5120, 5120
-    assert drafter_param_count(cfg, QWEN36_27B) == layers_and_norm + fc + hidden_norm
-    assert drafter_param_count(cfg, QWEN36_27B) == 1_835_072_000
-
-
-def test_moe_targets_are_refused():
-    with pytest.raises(ValueError, match="mixture-of-experts"):
-        param_count(scaled(QWEN3_8B, num_experts=8))
+    assert target_weight_bytes(QWEN36_27B, torch.float32) == 4 * 26_895_998_464
 
 
 # --------------------------------------------------------------------------------------------
@@ -192,22 +107,28 @@ def test_real_node_target_row_by_hand_fits_96gib():
     assert plan.row("cuda:0").fits
 
 
-def test_full_logits_overflow_the_target_as_in_the_real_launch():
-    plan = plan_memory(node(micro_block_tokens=8192), QWEN36_27B, GPU96, GPU96,
-                       include_logits=True)
+def test_full_logits_would_overflow_the_target_as_in_the_real_launch():
+    plan = plan_memory(node(micro_block_tokens=8192), QWEN36_27B, GPU96, GPU96)
     logits = T * V * 2  # 65536 x 248320 x 2 bytes = 30.3 GiB
     assert logits / GiB == pytest.approx(30.31, abs=0.01)
     assert plan.logits_extra == logits
     assert plan.logits_upcast_extra == 2 * logits  # HF's float32 upcast in the loss path
     row = plan.row("cuda:0")
-    assert row.components["logits"] == logits
+    assert "logits" not in row.components  # the engine never computes them
     # 73.66 + 30.31 = 103.97 GiB > 96 GiB free: out of memory, as on the real node
-    assert row.total / GiB == pytest.approx(103.97, abs=0.01)
-    assert not row.fits and not plan.fits
-    assert plan.row("cuda:7").fits  # only the targets overflow here
+    assert (row.total + plan.logits_extra) / GiB == pytest.approx(103.97, abs=0.01)
+    assert row.fits and plan.fits
+    assert "full target logits would add 30.3 GiB per target GPU" in format_plan(plan)
+
+
+def test_overflowing_targets_are_named_once_with_the_key_to_lower():
+    gpu64 = {f"cuda:{i}": 64 * GiB for i in range(8)}
+    plan = plan_memory(node(micro_block_tokens=8192), QWEN36_27B, gpu64, gpu64)
+    assert not plan.row("cuda:0").fits and not plan.fits
+    assert plan.overflows[0].devices == [f"cuda:{i}" for i in range(7)]
+    assert plan.key == "data.token_budget"
     text = format_plan(plan)
-    assert "cuda:0..6 (target) needs 104.0 GiB but has 96.0 GiB free" in text
-    assert "do not compute full target logits (30.3 GiB)" in text
+    assert "cuda:0..6 (target) needs 73.7 GiB but has 64.0 GiB free" in text
     assert "data.token_budget (now 65536)" in text
 
 
@@ -221,6 +142,10 @@ def test_drafter_of_config_yaml_does_not_fit_and_names_the_key():
     assert row.components["block activations"] / GiB == pytest.approx(193.0, abs=0.01)
     assert row.total / GiB == pytest.approx(270.51, abs=0.01)
     assert not row.fits and not plan.fits
+    (overflow,) = plan.overflows
+    assert overflow.devices == ["cuda:7"] and overflow.row is row
+    assert overflow.lower[0] == ("drafter.micro_block_tokens", 65536)
+    assert plan.key == "drafter.micro_block_tokens"
     text = format_plan(plan)
     assert "plan does NOT fit" in text
     assert ("cuda:7 (drafter) needs 270.5 GiB but has 139.0 GiB free: "
@@ -233,7 +158,7 @@ def test_drafter_with_smaller_micro_batches_fits():
     row = plan.row("cuda:7")
     assert row.components == drafter_row_by_hand(seqs_per_pass=2)
     assert row.total / GiB == pytest.approx(115.88, abs=0.01)
-    assert plan.fits
+    assert plan.fits and plan.overflows == [] and plan.key is None
     assert format_plan(plan).rstrip().endswith("plan fits")
     # one sequence per pass fits a 96 GiB card: 42.58 + 5.32 + 4.74 + 24.13 + 1.65 + 7.58 + 3.125
     # + 1.0 = 90.1 GiB; on an 80 GiB card the anchors per sequence are the lever left
@@ -246,19 +171,8 @@ def test_drafter_with_smaller_micro_batches_fits():
     assert "drafter.num_anchors (now 512)" in format_plan(tight)
 
 
-def test_format_plan_table():
-    plan = plan_memory(node(micro_block_tokens=16384), QWEN36_27B, H200, H200)
-    lines = format_plan(plan).splitlines()
-    assert lines[0].split() == ["memory", "plan", "(GiB)", "cuda:0..6", "cuda:7"]
-    assert lines[1].split() == ["role", "target", "drafter"]
-    assert "weights" in lines[2] and "50.1" in lines[2] and lines[2].rstrip().endswith("-")
-    assert len({len(line) for line in lines[:-2]}) == 1  # fixed width
-    assert any(line.split() == ["total", "73.7", "115.9"] for line in lines)
-    assert any("full target logits would add 30.3 GiB" in line for line in lines)
-
-
 # --------------------------------------------------------------------------------------------
-# Other layouts and the event
+# Other layouts
 # --------------------------------------------------------------------------------------------
 
 def test_shared_device_sums_both_roles():
@@ -290,14 +204,3 @@ def test_cpu_layout_has_one_row_without_cuda_overhead():
     text = format_plan(plan)
     assert "data.token_budget (now 4096)" in text and "use devices with more memory" in text
     assert "different GPUs" not in text
-
-
-def test_plan_event_round_trips():
-    plan = plan_memory(node(), QWEN36_27B, GPU96, GPU96)
-    event = plan.to_event()
-    assert isinstance(event, events.MemoryPlan) and event.fits is False
-    back = events.from_json(event.to_json())
-    assert back.rows == plan.to_event_rows()
-    row = back.rows[0]
-    assert set(row) >= {"device", "role", "components", "total", "free", "fits"}
-    assert row["total"] == sum(row["components"].values())

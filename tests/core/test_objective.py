@@ -126,3 +126,10 @@ def test_batch_anchors_pad_to_a_multiple_without_new_anchors():
     assert torch.equal(padded[:, :49], plain) and (padded[:, 49:] == -1).all()
     capped = obj.batch_anchors(masks, 50, 0, 0, [0, 1], pad_to=64)
     assert capped.shape == (2, 50)  # never wider than num_anchors needs
+
+
+def test_sequences_per_group_bounds_the_block_tokens_of_one_pass():
+    assert obj.sequences_per_group(65536, 512 * 16) == 8
+    assert obj.sequences_per_group(16384, 512 * 16) == 2
+    assert obj.sequences_per_group(8191, 512 * 16) == 1  # one sequence even if it is over
+    assert obj.sequences_per_group(100, 0) == 100  # no block tokens: never divides by zero
