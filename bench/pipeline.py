@@ -27,6 +27,7 @@ import yaml
 from common import env_line, gib, hf_config, random_causal_lm, FIXTURES, ROOT
 import dflash_core.target as target_mod
 import dflash_core.target_stage as target_stage
+from dflash_core.allocator import configure_allocator
 from dflash_core.bus import EventBus
 from dflash_core.config import config_from_dict
 from dflash_core.data import write_shards
@@ -92,6 +93,9 @@ def main():
     ap.add_argument("--gpu-memory-gib", type=float, default=0.0,
                     help="layout.gpu_memory_gib: rehearse a smaller card")
     args = ap.parse_args()
+    # Before env_line: asking for the device name initialises CUDA, and the allocator settings
+    # must be in place by then (the engine would find them too late).
+    print(configure_allocator().describe())
     print(env_line())
     fixture = args.fixture
     tmp = Path(tempfile.mkdtemp())

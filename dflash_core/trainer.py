@@ -103,7 +103,6 @@ class DrafterReplica:
         self.last_rows, self.last_block_tokens = n, A * B
         ids_all = batch.input_ids.to(self.device, non_blocking=True)
         mask_all = batch.loss_mask.to(self.device, non_blocking=True)
-        feats_all = features.to(self.device, non_blocking=True)
         anchors = anchors.to(self.device)
         out = Micro(tokens=int(batch.num_tokens), samples=n, padded=int(batch.padded_tokens))
         for s in range(0, n, group):
@@ -114,7 +113,9 @@ class DrafterReplica:
             ids, pos = d.block_inputs(ids_all[rows], a)
             labels = obj.block_labels(ids_all[rows], mask_all[rows], a, B)
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-                hidden = d(feats_all[rows], d.embed_tokens(ids).float(), pos, a)
+                # One group's features at a time: a 27B batch's are ~3 GiB on the drafter GPU.
+                feats = features[rows].to(self.device, non_blocking=True)
+                hidden = d(feats, d.embed_tokens(ids).float(), pos, a)
             lo = obj.chunked_loss(hidden, labels, d.lm_head.weight, self.gamma,
                                   self.cfg.drafter.loss_chunk)
             if lo.weight_sum > 0:
