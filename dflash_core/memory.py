@@ -35,10 +35,23 @@ from .units import GiB
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
-# CUDA context with cuBLAS (measured ~0.7 GiB on an H200, torch 2.11 / CUDA 13, lazy module
-# loading), plus slack for caching-allocator fragmentation between differently sized transients.
-# Counted once per CUDA device, not on CPU.
-CUDA_OVERHEAD = 1 * GiB
+# What a GPU holds beyond the tensors, counted once per CUDA device (not on CPU), so that "fits"
+# means planned tensors + this margin <= the memory the process may use. Measured with
+# bench/pipeline.py on two H200s capped at 95 GiB (torch 2.11, expandable segments, the 27B
+# shape of config.yaml, 18 steps; bench/BENCHMARKS.md, "The shipped config on a 96 GB card"):
+# - NVML used minus torch reserved (CUDA context, cuBLAS / Triton modules, driver pools):
+#   1.3 GiB on the target GPU, 1.8 GiB on the drafter GPU;
+# - torch reserved minus torch's peak allocated (the allocator's own slack): 0.9 GiB (1.1%) on
+#   the target, 2.7 GiB (3.1%) on the drafter. Without expandable segments the target's slack
+#   was 12.9 GiB (16%), which is why the engine turns them on (allocator.py).
+CUDA_CONTEXT = 2 * GiB
+ALLOCATOR_RESERVE = 0.04  # of the planned tensors
+MARGIN_NAMES = ("cuda context", "allocator reserve")
+
+
+def cuda_margin(tensors: int) -> dict[str, int]:
+    """The margin components for a GPU whose planned tensors total ``tensors`` bytes."""
+    return {"cuda context": CUDA_CONTEXT, "allocator reserve": math.ceil(ALLOCATOR_RESERVE * tensors)}
 
 # Target forward (inference_mode: nothing is saved for backward, only transients are live).
 # Checked on an H200 (torch 2.11, transformers 5.17, fla 0.6, no causal_conv1d package) with a
@@ -217,8 +230,10 @@ class PlanRow:
     device: str  # "cuda:N" or "cpu"
     role: str  # target | drafter | target+drafter
     components: dict[str, int]  # ordered name -> bytes
-    free: int | None = None  # free bytes before loading; None = unknown (not checked)
-    capacity: int | None = None  # device total bytes, for display
+    # Bytes this process may use: free before loading, capped by layout.gpu_memory_gib; None =
+    # unknown (not checked).
+    free: int | None = None
+    capacity: int | None = None  # the card's size, or the rehearsed card's limit, for display
 
     @property
     def total(self) -> int:
@@ -228,10 +243,15 @@ class PlanRow:
     def fits(self) -> bool:
         return self.free is None or self.total <= self.free
 
+    @property
+    def headroom(self) -> int | None:
+        """Bytes left under the usable memory at the planned peak (negative: over)."""
+        return None if self.free is None else self.free - self.total
+
     def to_dict(self) -> dict[str, Any]:
         return {"device": self.device, "role": self.role, "components": dict(self.components),
                 "total": self.total, "free": self.free, "fits": self.fits,
-                "capacity": self.capacity}
+                "capacity": self.capacity, "headroom": self.headroom}
 
 
 @dataclass
@@ -321,7 +341,7 @@ def plan_memory(cfg: Config, target_hf_config: dict, free_bytes: dict[str, int] 
         roles, comps = per_device[device]
         comps = {k: v for k, v in comps.items() if v}
         if on_cuda:
-            comps["cuda overhead"] = CUDA_OVERHEAD
+            comps |= cuda_margin(sum(comps.values()))
         rows.append(PlanRow(device, "+".join(sorted(roles, key=("target", "drafter").index)),
                             comps, free_bytes.get(device), total_bytes.get(device)))
     return Plan(rows=rows, token_budget=cfg.data.token_budget,

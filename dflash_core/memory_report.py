@@ -26,6 +26,8 @@ def format_plan(plan: Plan) -> str:
                             for _, r in groups]))
     out.append(line("total", [_gib(r.total) for _, r in groups]))
     out.append(line("free", [_gib(r.free) for _, r in groups]))
+    out.append(line("headroom", [_gib(r.headroom) if r.headroom is not None else "-"
+                                 for _, r in groups]))
     out.append(line("fits", ["yes" if r.fits else f"NO +{_gib(r.total - r.free)}"
                              for _, r in groups]))
     out.append(f"full target logits would add {_gib(plan.logits_extra)} GiB per target GPU"

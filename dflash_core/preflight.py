@@ -142,9 +142,12 @@ def check_memory(cfg: Config, hf_config: dict, tdev, ddev, publish) -> None:
     from .memory_report import format_overflow, format_plan
 
     free, total = {}, {}
+    limit = int(cfg.layout.gpu_memory_gib * GiB)
     for d in set(tdev) | set(ddev):
         if d.type == "cuda":
             f, t = torch.cuda.mem_get_info(d)
+            if limit:  # a rehearsed smaller card: plan for what the process will be allowed
+                f, t = min(f, limit), min(t, limit)
             free[f"cuda:{d.index}"], total[f"cuda:{d.index}"] = f, t
     plan = plan_memory(cfg, hf_config, free or None, total or None)
     publish(MemoryPlan(rows=plan.to_event_rows(), fits=plan.fits))
