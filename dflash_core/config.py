@@ -92,6 +92,10 @@ class LayoutConfig:
     # 0 = the card's own size. Rehearses the real node's cards on bigger ones (e.g. 95 on an H200
     # for a 96 GB RTX PRO 6000, which offers about 95.6 GiB).
     gpu_memory_gib: float = 0.0
+    # When the memory plan does not fit: false = refuse, naming the sizes that would fit; true =
+    # lower drafter.micro_block_tokens, drafter.loss_chunk, layout.hs_queue, data.token_budget to
+    # the largest values that fit and log the choice.
+    auto_fit: bool = False
 
 
 @dataclass

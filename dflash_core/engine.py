@@ -308,6 +308,8 @@ class Engine:
         run.prep = prepare(cfg, run_dir, run.target_devices, run.drafter_devices,
                            publish=self.bus.publish,
                            demo_progress=demo_log_progress(self.bus.publish, check_stop))
+        if run.prep.fitted:  # the run folder's config.yaml says what the run really uses
+            save_config(cfg, run_dir / "config.yaml")
         if self.resume:
             latest = ckpt.latest_checkpoint(run_dir)
             if latest is not None:

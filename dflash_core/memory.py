@@ -22,6 +22,7 @@ Sizes are bytes (units.GiB = 2**30).
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -406,3 +407,51 @@ def _overflow(cfg: Config, devices: list[str], row: PlanRow) -> Overflow:
         devices=devices, row=row, lower=[(k, _key_value(cfg, k)) for k in ranked],
         separate_roles=row.role == "target+drafter" and row.device.startswith("cuda"),
         weights_too_big=row.free is not None and fixed > row.free)
+
+
+# --------------------------------------------------------------------------------------------
+# Sizes that fit
+# --------------------------------------------------------------------------------------------
+
+# What preflight may lower to make a plan fit, per role, in the order it tries them. Each changes
+# speed or batching only, never what is learned (the anchors, layers and block size stay).
+FIT_LEVERS = {"drafter": ("drafter.micro_block_tokens", "drafter.loss_chunk"),
+              "target": ("layout.hs_queue", "data.token_budget")}
+MIN_LOSS_CHUNK = 256
+
+
+def _smaller(cfg: Config, key: str) -> int | None:
+    """The next smaller value of ``key`` worth trying, or None at its floor."""
+    d, data = cfg.drafter, cfg.data
+    cur = _key_value(cfg, key)
+    if key == "drafter.micro_block_tokens":
+        one_sequence = min(d.num_anchors, data.max_length) * d.block_size
+        return max(one_sequence, cur // 2) if cur > one_sequence else None
+    if key == "drafter.loss_chunk":
+        return max(MIN_LOSS_CHUNK, cur // 2) if cur > MIN_LOSS_CHUNK else None
+    if key == "layout.hs_queue":
+        return cur - 1 if cur > 1 else None
+    if key == "data.token_budget":
+        return max(data.max_length, cur // 2) if cur > data.max_length else None
+    raise KeyError(key)
+
+
+def fit_sizes(cfg: Config, target_hf_config: dict, free_bytes: dict[str, int] | None,
+              total_bytes: dict[str, int] | None = None) -> dict[str, int] | None:
+    """The largest values of FIT_LEVERS (halving; the queue one batch at a time) with which the
+    plan fits: {} when it already fits, None when even the smallest do not."""
+    trial = copy.deepcopy(cfg)
+    changes: dict[str, int] = {}
+    while True:
+        plan = plan_memory(trial, target_hf_config, free_bytes, total_bytes)
+        if plan.fits:
+            return changes
+        step = next(((key, new) for row in plan.rows if not row.fits
+                     for role in row.role.split("+") for key in FIT_LEVERS[role]
+                     if (new := _smaller(trial, key)) is not None), None)
+        if step is None:
+            return None
+        key, new = step
+        section, name = key.split(".")
+        setattr(getattr(trial, section), name, new)
+        changes[key] = new

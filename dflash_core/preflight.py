@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -62,6 +62,7 @@ class Prepared:
     eval_indices: np.ndarray
     stream: Any  # data.BatchStream
     total_steps: int
+    fitted: dict = field(default_factory=dict)  # sizes layout.auto_fit lowered {key: new value}
 
 
 def prepare(cfg: Config, run_dir: Path, tdev: list[torch.device], ddev: list[torch.device], *,
@@ -80,6 +81,8 @@ def prepare(cfg: Config, run_dir: Path, tdev: list[torch.device], ddev: list[tor
     target_path = _resolve_target(cfg, run_dir, demo_progress)
     hf_config = json.loads((target_path / "config.json").read_text())
     layer_ids, mask_id = _check_target(cfg, hf_config)
+    # Before the data is planned: layout.auto_fit may lower data.token_budget.
+    fitted = check_memory(cfg, hf_config, tdev, ddev, publish)
 
     data_path = _resolve_data(cfg, target_path, demo_progress)
     dataset = ShardedDataset.open(data_path)
@@ -91,8 +94,8 @@ def prepare(cfg: Config, run_dir: Path, tdev: list[torch.device], ddev: list[tor
         raise ConfigError("data.path", f"no trainable batch in {data_path}",
                           hint="the data needs samples of 2+ tokens")
     total_steps = total_steps_for(cfg, stream.batches_per_epoch, len(ddev))
-    check_memory(cfg, hf_config, tdev, ddev, publish)
-    return Prepared(target_path, layer_ids, mask_id, dataset, eval_indices, stream, total_steps)
+    return Prepared(target_path, layer_ids, mask_id, dataset, eval_indices, stream, total_steps,
+                    fitted)
 
 
 def _check_target(cfg: Config, hf_config: dict) -> tuple[list[int], int]:
@@ -136,9 +139,11 @@ def _resolve_data(cfg: Config, target_path: Path, demo_progress) -> Path:
     return Path(cfg.data.path).expanduser()
 
 
-def check_memory(cfg: Config, hf_config: dict, tdev, ddev, publish) -> None:
-    """Publish the memory plan; refuse a run that cannot fit, naming the key the plan picks."""
-    from .memory import plan_memory
+def check_memory(cfg: Config, hf_config: dict, tdev, ddev, publish) -> dict[str, int]:
+    """Publish the memory plan; refuse a run that cannot fit, naming the key the plan picks and
+    the sizes that would fit. With layout.auto_fit, lower those sizes in ``cfg`` instead and
+    return what was changed ({key: new value})."""
+    from .memory import fit_sizes, plan_memory
     from .memory_report import format_overflow, format_plan
 
     free, total = {}, {}
@@ -150,11 +155,30 @@ def check_memory(cfg: Config, hf_config: dict, tdev, ddev, publish) -> None:
                 f, t = min(f, limit), min(t, limit)
             free[f"cuda:{d.index}"], total[f"cuda:{d.index}"] = f, t
     plan = plan_memory(cfg, hf_config, free or None, total or None)
+    sizes = fit_sizes(cfg, hf_config, free or None, total or None) if not plan.fits else {}
+    if sizes and cfg.layout.auto_fit:
+        was = {key: _key_value(cfg, key) for key in sizes}
+        for key, value in sizes.items():
+            section, name = key.split(".")
+            setattr(getattr(cfg, section), name, value)
+        publish(Log(level="warning", source="preflight", message=(
+            "memory plan: lowered " + ", ".join(f"{k} {was[k]} -> {v}" for k, v in sizes.items())
+            + " to fit (layout.auto_fit)")))
+        plan = plan_memory(cfg, hf_config, free or None, total or None)
     publish(MemoryPlan(rows=plan.to_event_rows(), fits=plan.fits))
     if not plan.fits:
+        hint = "; ".join(format_overflow(o) for o in plan.overflows)
+        if sizes:
+            hint += ("; these sizes fit: " + ", ".join(f"{k}: {v}" for k, v in sizes.items())
+                     + " (or set layout.auto_fit: true to pick them)")
         raise ConfigError(plan.key or "data.token_budget",
-                          "the memory plan does not fit:\n" + format_plan(plan),
-                          hint="; ".join(format_overflow(o) for o in plan.overflows))
+                          "the memory plan does not fit:\n" + format_plan(plan), hint=hint)
+    return sizes if cfg.layout.auto_fit else {}
+
+
+def _key_value(cfg: Config, key: str):
+    section, name = key.split(".")
+    return getattr(getattr(cfg, section), name)
 
 
 def demo_log_progress(publish: Callable[[Event], None], stop_check: Callable[[], None]):

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from dflash_core.config import config_from_dict
-from dflash_core.memory import CUDA_CONTEXT, cuda_margin, plan_memory, target_weight_bytes
+from dflash_core.memory import (
+    CUDA_CONTEXT, cuda_margin, fit_sizes, plan_memory, target_weight_bytes,
+)
 from dflash_core.memory_report import format_plan
 from dflash_core.units import GiB
 
@@ -212,3 +214,33 @@ def test_cpu_layout_has_one_row_without_cuda_overhead():
     text = format_plan(plan)
     assert "data.token_budget (now 4096)" in text and "use devices with more memory" in text
     assert "different GPUs" not in text
+
+
+# --------------------------------------------------------------------------------------------
+# Sizes that fit
+# --------------------------------------------------------------------------------------------
+
+def test_fit_sizes_lowers_the_drafter_micro_group_to_what_fits():
+    assert fit_sizes(node(micro_block_tokens=8192), QWEN36_27B, GPU96, GPU96) == {}
+    # 65536 (8 sequences, 280 GiB) -> 32768 -> 16384 (118.5 GiB) -> 8192 (91.6 GiB <= 96)
+    sizes = fit_sizes(node(micro_block_tokens=65536), QWEN36_27B, GPU96, GPU96)
+    assert sizes == {"drafter.micro_block_tokens": 8192}
+    # a 90 GiB card needs the loss chunk lower too (91.6 - 90 = 1.6 GiB; half the chunk saves
+    # 3.8 GiB + its reserve)
+    gpu90 = {f"cuda:{i}": 90 * GiB for i in range(8)}
+    sizes = fit_sizes(node(micro_block_tokens=65536), QWEN36_27B, gpu90, gpu90)
+    assert sizes == {"drafter.micro_block_tokens": 8192, "drafter.loss_chunk": 2048}
+    cfg = node(micro_block_tokens=65536)
+    cfg.drafter.micro_block_tokens, cfg.drafter.loss_chunk = 8192, 2048
+    assert plan_memory(cfg, QWEN36_27B, gpu90, gpu90).fits
+
+
+def test_fit_sizes_lowers_the_target_queue_then_the_budget():
+    gpu64 = {f"cuda:{i}": 64 * GiB for i in range(8)}  # targets need 77.6 GiB
+    sizes = fit_sizes(node(micro_block_tokens=8192), QWEN36_27B, gpu64, gpu64)
+    assert sizes is None  # the drafters' 91.6 GiB cannot fit 64 GiB with these levers
+    gpu = {f"cuda:{i}": (64 if i < 7 else 96) * GiB for i in range(8)}
+    sizes = fit_sizes(node(micro_block_tokens=8192), QWEN36_27B, gpu, gpu)
+    # hs_queue 8 -> 1 (one queued batch per target), then the budget: at 32768 the targets need
+    # 50.1 + 9.7 transient + 2 + 4% = 64.3 GiB, at 16384 59.1 GiB
+    assert sizes == {"layout.hs_queue": 1, "data.token_budget": 16384}

@@ -3,12 +3,13 @@
 import shutil
 
 import numpy as np
+import pytest
 import torch
 
 from dflash_core import demo, events
 from dflash_core.config import ConfigError
 from dflash_core.engine import Engine
-from dflash_core.events import Error, LoadProgress, WorkerStatus
+from dflash_core.events import Error, LoadProgress, Log, MemoryPlan, WorkerStatus
 from dflash_core.memory import plan_memory
 from dflash_core.preflight import check_memory, prepare, resolve_devices
 from dflash_core.units import GiB
@@ -131,3 +132,37 @@ def test_plan_event_round_trips(monkeypatch):
     row = back.rows[0]
     assert set(row) >= {"device", "role", "components", "total", "free", "fits"}
     assert row["total"] == sum(row["components"].values())
+
+
+def _fake_gpus(monkeypatch, free_gib: float):
+    """Preflight sees CUDA devices with ``free_gib`` free (no GPU needed to plan)."""
+    monkeypatch.setattr(torch.cuda, "mem_get_info",
+                        lambda d=None: (int(free_gib * GiB), int(free_gib * GiB)))
+    return [torch.device("cuda", i) for i in range(2)], [torch.device("cuda", i) for i in range(2, 8)]
+
+
+def test_plan_that_does_not_fit_names_the_sizes_that_would(monkeypatch):
+
+    tdev, ddev = _fake_gpus(monkeypatch, 96)
+    cfg = node(micro_block_tokens=65536)
+    cfg.layout.targets, cfg.layout.drafters = [0, 1], [2, 3, 4, 5, 6, 7]
+    with pytest.raises(ConfigError) as info:
+        check_memory(cfg, QWEN36_27B, tdev, ddev, lambda e: None)
+    assert info.value.key == "drafter.micro_block_tokens"
+    assert "these sizes fit: drafter.micro_block_tokens: 8192" in info.value.hint
+    assert "layout.auto_fit: true" in info.value.hint
+
+
+def test_auto_fit_lowers_the_sizes_and_says_so(monkeypatch):
+
+    tdev, ddev = _fake_gpus(monkeypatch, 95)  # a 96 GB card offers ~95.6 GiB; rehearsed at 95
+    cfg = node(micro_block_tokens=32768)
+    cfg.layout.targets, cfg.layout.drafters, cfg.layout.auto_fit = [0, 1], [2, 3, 4, 5, 6, 7], True
+    events = []
+    assert check_memory(cfg, QWEN36_27B, tdev, ddev, events.append) == {
+        "drafter.micro_block_tokens": 8192}
+    assert cfg.drafter.micro_block_tokens == 8192
+    (log,) = [e for e in events if isinstance(e, Log)]
+    assert "drafter.micro_block_tokens 32768 -> 8192" in log.message and log.level == "warning"
+    (plan,) = [e for e in events if isinstance(e, MemoryPlan)]
+    assert plan.fits
