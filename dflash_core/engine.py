@@ -297,7 +297,9 @@ class Engine:
         self.bus.publish(RunStarted(
             run_name=cfg.run.name, run_dir=str(run_dir), config=cfg.to_dict(),
             targets=[device_label(d, i) for i, d in enumerate(run.target_devices)],
-            drafters=[device_label(d, i) for i, d in enumerate(run.drafter_devices)]))
+            drafters=[device_label(d, i) for i, d in enumerate(run.drafter_devices)],
+            allocator=(self.allocator.conf or "PyTorch defaults")
+            if any(d.type == "cuda" for d in run.target_devices + run.drafter_devices) else ""))
 
         if any(d.type == "cuda" for d in run.target_devices + run.drafter_devices):
             self.bus.publish(Log(level="info", source="engine", message=self.allocator.describe()))
@@ -320,13 +322,15 @@ class Engine:
     def _load(self, run: Run) -> None:
         cfg, prep = run.config, run.prep
         self._set_state("loading")
+        limits: dict[int, int] = {}
         for index in sorted({d.index for d in run.target_devices + run.drafter_devices
                              if d.type == "cuda"}):
             limit = apply_card_limit(torch.device("cuda", index), cfg.layout.gpu_memory_gib)
             if cfg.layout.gpu_memory_gib:
+                limits[index] = limit
                 self.bus.publish(Log(level="info", source="engine", message=(
                     f"cuda:{index} limited to {limit / 2**30:.1f} GiB (layout.gpu_memory_gib)")))
-        self._start_telemetry(run)
+        self._start_telemetry(run, limits)
         world = len(run.target_devices)
         run.hs_queue = HiddenStateQueue(cfg.layout.hs_queue, world, self.bus.publish, run.stop)
         run.position = DataPosition(lambda e: len(prep.stream.plan(e)), len(run.drafter_devices),
@@ -353,7 +357,7 @@ class Engine:
                 if run.stop.wait(POLL_S):
                     raise Stopped()
 
-    def _start_telemetry(self, run: Run) -> None:
+    def _start_telemetry(self, run: Run, limits: dict[int, int]) -> None:
         roles: dict[int, str] = {}
         for d in run.target_devices:
             if d.type == "cuda":
@@ -362,7 +366,7 @@ class Engine:
             if d.type == "cuda":
                 roles[d.index] = "target+drafter" if roles.get(d.index) == "target" else "drafter"
         sampler = TelemetrySampler(self.bus.publish, run.config.telemetry.interval_s, roles,
-                                   run.stop, raise_errors=True)
+                                   run.stop, raise_errors=True, limits=limits)
         # In a guarded thread: a sampler crash is a worker failure like any other.
         self._thread(run, "telemetry", "telemetry", "host", sampler.run)
 

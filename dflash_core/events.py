@@ -105,6 +105,7 @@ class RunStarted(Event):
     drafters: list
     resumed_from_step: int = 0
     total_steps: int = 0
+    allocator: str = ""  # CUDA caching-allocator settings in force ("" on CPU)
     kind: ClassVar[str] = "RunStarted"
     keep_when_behind: ClassVar[bool] = True
 
@@ -156,6 +157,9 @@ class GpuSample(Event):
     torch_allocated: int = 0
     torch_reserved: int = 0
     role: str = ""  # target | drafter | target+drafter | "" unused
+    limit: int = 0  # bytes this process may use on the GPU (layout.gpu_memory_gib); 0 = the card
+    alloc_retries: int = 0  # caching allocator: times it freed its cache to retry an allocation
+    ooms: int = 0  # allocations that failed even so (each one an OutOfMemoryError)
     kind: ClassVar[str] = "GpuSample"
     sets_state: ClassVar[bool] = False
     in_text_log: ClassVar[bool] = False

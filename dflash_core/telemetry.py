@@ -32,11 +32,12 @@ class TelemetrySampler(threading.Thread):
 
     def __init__(self, publish: Callable[[Event], None], interval_s: float,
                  roles: dict[int, str], stop: threading.Event, *, nvml: ModuleType | None = None,
-                 raise_errors: bool = False):
+                 raise_errors: bool = False, limits: dict[int, int] | None = None):
         super().__init__(name=SOURCE, daemon=True)  # daemon: never keeps the process alive
         self.publish = publish
         self.interval_s = interval_s
         self.roles = dict(roles)
+        self.limits = dict(limits or {})  # GPU index -> bytes the process may use there
         self.stop = stop
         self._nvml = nvml
         # The engine runs the sampler inside its own guarded worker and wants a crash raised
@@ -123,7 +124,7 @@ class TelemetrySampler(threading.Thread):
             name = name.decode(errors="replace")
         mem = self._metric("memory", lambda: nvml.nvmlDeviceGetMemoryInfo(handle), None)
         temp_sensor = getattr(nvml, "NVML_TEMPERATURE_GPU", 0)
-        allocated, reserved = _torch_memory(index)
+        allocated, reserved, retries, ooms = _torch_memory(index)
         return GpuSample(
             index=index, name=str(name),
             mem_used=int(mem.used) if mem is not None else UNKNOWN,
@@ -136,7 +137,8 @@ class TelemetrySampler(threading.Thread):
             power=float(self._metric(
                 "power", lambda: nvml.nvmlDeviceGetPowerUsage(handle) / 1000.0)),
             torch_allocated=allocated, torch_reserved=reserved,
-            role=self.roles.get(index, ""),
+            role=self.roles.get(index, ""), limit=self.limits.get(index, 0),
+            alloc_retries=retries, ooms=ooms,
         )
 
     def _host_sample(self) -> HostSample:
@@ -175,13 +177,17 @@ def _visible_nvml_ids(nvml: ModuleType) -> list[int | str]:
     return ids
 
 
-def _torch_memory(index: int) -> tuple[int, int]:
-    """torch's allocator view of one device, only if this process already initialised CUDA:
-    sampling must never import torch or create a CUDA context from this thread."""
+def _torch_memory(index: int) -> tuple[int, int, int, int]:
+    """torch's allocator view of one device (allocated, reserved, retries, OOMs), only if this
+    process already initialised CUDA: sampling must never import torch or create a CUDA context
+    from this thread."""
     torch = sys.modules.get("torch")
     try:
         if torch is None or not torch.cuda.is_initialized() or index >= torch.cuda.device_count():
-            return 0, 0
-        return int(torch.cuda.memory_allocated(index)), int(torch.cuda.memory_reserved(index))
+            return 0, 0, 0, 0
+        stats = torch.cuda.memory_stats(index)
+        return (int(stats.get("allocated_bytes.all.current", 0)),
+                int(stats.get("reserved_bytes.all.current", 0)),
+                int(stats.get("num_alloc_retries", 0)), int(stats.get("num_ooms", 0)))
     except Exception:
-        return 0, 0
+        return 0, 0, 0, 0

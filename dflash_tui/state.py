@@ -37,6 +37,11 @@ TARGET_LOADED = "loaded"
 _TARGET_AT_WORK = (ev.WORKER_LOADING, TARGET_LOADED, ev.WORKER_WARMUP, ev.WORKER_RUNNING)
 
 
+# A GPU with less than this share of its usable memory left (or whose allocator starts retrying)
+# gets one warning in the log until it recovers.
+TIGHT_HEADROOM = 0.03
+
+
 @dataclass
 class GpuRow:
     index: int
@@ -45,6 +50,11 @@ class GpuRow:
     mem_used: int = 0
     mem_total: int = 0
     torch_allocated: int = 0
+    torch_reserved: int = 0
+    limit: int = 0  # bytes the run may use here (layout.gpu_memory_gib); 0 = the whole card
+    alloc_retries: int = 0
+    ooms: int = 0
+    tight: bool = False  # headroom under TIGHT_HEADROOM or the allocator retrying: warned once
     plan: int = 0  # preflight estimate of the peak, bytes (0 = no plan for this GPU)
     plan_fits: bool = True
     plan_role: str = ""
@@ -133,6 +143,7 @@ class DashboardState:
         self.started_ts: float | None = None
         self.end_ts: float | None = None
         self.total_steps = 0
+        self.allocator = ""  # CUDA allocator settings of the run ("" on CPU)
         self.target_labels: list[str] = []
         self.drafter_labels: list[str] = []
         self.targets: dict[str, TargetRow] = {}
@@ -186,6 +197,7 @@ class DashboardState:
         self.run_name, self.run_dir = e.run_name, e.run_dir
         self.started_ts = e.ts
         self.total_steps = e.total_steps
+        self.allocator = e.allocator
         self.target_labels = [str(x) for x in e.targets]
         self.drafter_labels = [str(x) for x in e.drafters]
         resumed = f", resumed from step {e.resumed_from_step}" if e.resumed_from_step else ""
@@ -245,8 +257,19 @@ class DashboardState:
         row = self.gpus.setdefault(e.index, GpuRow(e.index))
         row.name, row.mem_used, row.mem_total = e.name, e.mem_used, e.mem_total
         row.util, row.temperature, row.torch_allocated = e.util, e.temperature, e.torch_allocated
+        retried = row.sampled and e.alloc_retries > row.alloc_retries
+        row.torch_reserved, row.limit = e.torch_reserved, e.limit
+        row.alloc_retries, row.ooms = e.alloc_retries, e.ooms
         row.role = e.role
         row.sampled = True
+        cap = row.limit or row.mem_total
+        low = cap > 0 and row.mem_used >= 0 and (cap - row.mem_used) < TIGHT_HEADROOM * cap
+        if (low or retried) and not row.tight:
+            why = (f"{(cap - row.mem_used) / fmt.GIB:.1f} GiB left of {cap / fmt.GIB:.1f}" if low
+                   else f"the allocator had to free its cache {e.alloc_retries} times")
+            self.add_log("warning", f"gpu{e.index}", f"memory is tight: {why}; an out-of-memory "
+                         "error would make the run back off to smaller sizes", e.ts)
+        row.tight = low or retried
         return {"gpus"}
 
     def _on_HostSample(self, e: ev.HostSample) -> set[str]:

@@ -24,12 +24,19 @@ def gpu_line(r: GpuRow, width: int) -> Text:
         else Text()
     if not r.sampled:
         return line([head, Text("no sample yet", style="dim"), plan], width)
-    frac = r.mem_used / r.mem_total if r.mem_total else 0.0
-    mem = Text(f"{r.mem_used / fmt.GIB:.1f}/{fmt.gib(r.mem_total)}")
-    # The bar and used/total come first; the rest as room allows, keeping a readable bar.
-    optional = [f" {r.util:3.0f}%" if r.util >= 0 else "",
+    cap = r.limit or r.mem_total  # a rehearsed smaller card: the limit is the card
+    frac = r.mem_used / cap if cap else 0.0
+    mem = Text(f"{r.mem_used / fmt.GIB:.1f}/{fmt.gib(cap)}" + (" lim" if r.limit else ""))
+    alarms = Text()
+    if r.alloc_retries:
+        alarms.append(f" retries {r.alloc_retries}", style="yellow")
+    if r.ooms:
+        alarms.append(f" OOM {r.ooms}", style="bold red")
+    # The bar and used/total come first, then what warns; the rest as room allows.
+    optional = [alarms, f" {r.util:3.0f}%" if r.util >= 0 else "",
                 f" {r.temperature:2.0f}°C" if r.temperature >= 0 else "",
-                f" torch {fmt.gib(r.torch_allocated)}" if r.torch_allocated else "", plan]
+                f" torch {fmt.gib(r.torch_allocated)}" if r.torch_allocated else "",
+                f" res {fmt.gib(r.torch_reserved)}" if r.torch_reserved else "", plan]
     tail, room = fit([mem], optional, width - head.cell_len, keep=MIN_BAR + 1)
     bar_w = min(24, room - 1)
     return line([head, bar(frac, bar_w, mem_style(frac)) if bar_w >= 3 else "", tail], width)

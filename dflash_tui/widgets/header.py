@@ -60,6 +60,8 @@ class HeaderBar(Static):
         second = [field("wandb", s.wandb or "off")]
         if s.run_dir:
             second.append(field("run", s.run_dir, ""))
+        if s.allocator:  # which CUDA allocator settings the run's numbers come from
+            second.append(field("alloc", s.allocator, "dim"))
         if s.attached:  # keys reach another process's run; q leaves it running (first: a long
             second.insert(0, Text("attached: q detaches", style="bold cyan"))  # run dir wraps)
         text = pack(first, width)

@@ -206,3 +206,17 @@ def test_raise_errors_hands_the_crash_to_the_caller_instead_of_reporting_it():
     with pytest.raises(RuntimeError, match="injected"):
         sampler.run()  # the engine calls run() inside its guarded worker thread
     assert out.of(Error) == []
+
+
+def test_samples_carry_the_card_limit_the_engine_set():
+    nvml = FakeNVML(gpus=2)
+    out, stop = Collector(), threading.Event()
+    sampler = TelemetrySampler(out, 0.05, {0: "target", 1: "drafter"}, stop, nvml=nvml,
+                               limits={1: 95 * GiB})
+    sampler.start()
+    assert out.wait_for(lambda c: len(c.of(GpuSample)) >= 2)
+    finish(sampler, stop)
+    first = {s.index: s for s in out.of(GpuSample)[:2]}
+    assert (first[0].limit, first[1].limit) == (0, 95 * GiB)
+    # no CUDA in this process: the allocator's counters read zero rather than start CUDA
+    assert (first[1].alloc_retries, first[1].ooms, first[1].torch_reserved) == (0, 0, 0)

@@ -182,3 +182,26 @@ def test_live_clock_ticks_between_events_but_a_replay_does_not():
     assert s.elapsed == pytest.approx(135.3)
     s = fold(sc.aborted())
     assert not s.tick(s.now + 1)  # not live: the clock stopped with the run
+
+
+def test_tight_memory_on_a_rehearsed_card_warns_once_until_it_recovers():
+    s = fold(sc.start())
+
+    def sample(used_gib, retries=0, ts=0.0):
+        s.apply(ev.GpuSample(index=7, name="x", mem_used=int(used_gib * GIB), mem_total=141 * GIB,
+                             limit=95 * GIB, alloc_retries=retries, role="drafter",
+                             ts=sc.T0 + ts))
+
+    def warnings():
+        return [line.text for line in s.log if line.level == "warning" and "tight" in line.text]
+
+    sample(80)
+    assert warnings() == []
+    sample(93, ts=1)  # 2 GiB of 95 left: under 3%
+    sample(93.5, ts=2)
+    assert len(warnings()) == 1 and "GiB left of 95.0" in warnings()[0]
+    sample(80, ts=3)  # recovered
+    sample(80, retries=2, ts=4)  # the allocator started retrying
+    assert len(warnings()) == 2 and "free its cache 2 times" in warnings()[1]
+    row = s.gpu_rows()[7]
+    assert (row.limit, row.alloc_retries) == (95 * GIB, 2)
