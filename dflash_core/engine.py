@@ -81,6 +81,7 @@ class Engine:
         self._run: Run | None = None  # the current (or last) run
         self._restarts_pending = 0  # restart() calls whose new run has not started yet
         self.runs_started = 0  # start() calls that began a run (each ends in one RunEnded)
+        self.runs_ended = 0  # RunEnded events published
         self.final_status: str | None = None
         # Before any run touches a GPU: the allocator reads its settings at the first allocation.
         self.allocator = configure_allocator()
@@ -458,6 +459,7 @@ class Engine:
         self._set_state(status, reason)
         self.bus.publish(RunEnded(status=status, step=run.step,
                                   seconds=time.monotonic() - run.started_at, reason=reason))
+        self.runs_ended += 1
         self.bus.drain(timeout=5.0)
         if run.sinks is not None:
             run.sinks.close()

@@ -13,7 +13,7 @@ import time
 
 from .engine import Engine
 from .inbox import open_inbox
-from .events import Event, RunEnded, RunStarted
+from .events import Event, RunStarted
 from .sinks.textlog import LineThrottle, format_event
 
 EXIT_CODES = {"finished": 0, "failed": 1, "aborted": 130}
@@ -42,13 +42,13 @@ class ConsolePrinter:
             print(line, file=self.out, flush=True)
 
 
-def run_headless(engine: Engine, *, every_s: float | None = None, out=None) -> int:
+def run_headless(engine: Engine, *, every_s: float | None = None, out=None, start: bool = True,
+                 serve_inbox: bool = True) -> int:
+    """Run (``start``) or go on with (a dashboard's terminal hung up) the engine's run until it
+    ends without a restart. ``serve_inbox``: open the run folder's command inbox (False when the
+    caller already serves it)."""
     printer = ConsolePrinter(out=out, every_s=every_s)
     sub = engine.bus.subscribe("console", printer)
-    ends = [0]  # RunEnded events seen; every start() of a run ends in exactly one
-    engine.bus.tap(lambda ev: ends.__setitem__(0, ends[0] + 1) if isinstance(ev, RunEnded)
-                   else None)
-
     interrupted = threading.Event()
 
     def on_signal(signum, frame):
@@ -60,18 +60,19 @@ def run_headless(engine: Engine, *, every_s: float | None = None, out=None) -> i
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     # A dashboard attached from another terminal (dflash-tui --attach RUN_DIR) sends its abort
     # and restart through the run folder.
-    inbox = open_inbox(engine, engine.run_dir())
+    inbox = open_inbox(engine, engine.run_dir()) if serve_inbox else None
     try:
-        engine.start()
+        if start:
+            engine.start()
         while True:
-            while ends[0] < engine.runs_started:
+            while engine.runs_ended < engine.runs_started:  # each started run ends in one RunEnded
                 time.sleep(0.2)
             engine.join(timeout=30)
             # A restart (from an attached dashboard) ends this run and starts the next one: keep
             # going. The process ends with the run that ends without one.
             while engine.restarting and not interrupted.is_set():
                 time.sleep(0.1)
-            if interrupted.is_set() or ends[0] >= engine.runs_started:
+            if interrupted.is_set() or engine.runs_ended >= engine.runs_started:
                 break
     finally:
         if inbox is not None:

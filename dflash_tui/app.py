@@ -8,8 +8,12 @@ slow abort or shutdown never freezes the screen.
 
 from __future__ import annotations
 
+import asyncio
+import os
+import signal
 import time
 from pathlib import Path
+from typing import Callable
 
 from textual import work
 from textual.app import App, ComposeResult
@@ -62,9 +66,13 @@ class DFlashApp(App[None]):
     ]
 
     def __init__(self, controller: Controller, run_dir: Path | str | None = None,
-                 start: bool = True) -> None:
+                 start: bool = True, owns_run: bool = False) -> None:
+        """``owns_run``: the controller is this process's engine. Then a hang-up leaves the run
+        going (the caller goes on headless) and SIGTERM / SIGINT abort it with a checkpoint."""
         super().__init__()
         self.controller = controller
+        self.owns_run = owns_run
+        self.hung_up = False  # the terminal went away; the run was left going
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.start_run = start
         self.state = DashboardState()
@@ -106,11 +114,45 @@ class DFlashApp(App[None]):
                 changed |= self.state.add_postmortem(pm)
         self._show(changed)
         self.set_interval(1 / REFRESH_HZ, self._drain)
+        if self.owns_run:
+            loop = asyncio.get_running_loop()
+            loop.add_signal_handler(signal.SIGHUP, self._hang_up)
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, self._terminate, sig)
         if self.start_run:
             self._command("start")
 
     def on_unmount(self) -> None:
         self.controller.bus.untap(self.buffer.put)
+
+    # ------------------------------------------------------------------ signals (owned runs)
+
+    def _hang_up(self) -> None:
+        """The terminal is gone (a dropped SSH connection): leave the screen, not the run. From
+        now on whatever the process writes to its console goes to console.log in the run folder
+        (the dead terminal would refuse it, or worse, block)."""
+        if self.hung_up:
+            return
+        self.hung_up = True
+        target = (self.run_dir / "console.log") if self.run_dir is not None else Path(os.devnull)
+        try:
+            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        except OSError:
+            fd = os.open(os.devnull, os.O_WRONLY)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+        os.close(null)
+        self.exit()
+
+    def _terminate(self, sig: signal.Signals) -> None:
+        """SIGTERM / SIGINT: abort with a checkpoint first, then exit 130, as headless does."""
+        if not self._quitting:
+            self._quitting = True
+            self.notify(f"{sig.name}: aborting (checkpoint first)…", timeout=30)
+            self._stop_engine(130)
 
     # ------------------------------------------------------------------ events in
 
@@ -218,8 +260,7 @@ class DFlashApp(App[None]):
             self.push_screen(ConfirmScreen("The run is live. Stop it and quit?"), answered)
 
     @work(thread=True, exit_on_error=False, group="control")
-    def _stop_engine(self) -> None:
-        code = 0
+    def _stop_engine(self, code: int = 0) -> None:
         try:
             self.controller.shutdown()
         except Exception as exc:
@@ -239,10 +280,15 @@ class DFlashApp(App[None]):
             self.push_screen(HelpScreen())
 
 
-def run_app(controller: Controller, run_dir: Path | str | None = None) -> int:
-    """Run the dashboard until the operator quits; returns the process exit code (0 normal)."""
-    app = DFlashApp(controller, run_dir)
+def run_app(controller: Controller, run_dir: Path | str | None = None, *,
+            on_hangup: Callable[[], int] | None = None) -> int:
+    """Run the dashboard until the operator quits; returns the process exit code (0 normal).
+    ``on_hangup``: the controller is this process's engine; when the terminal hangs up the
+    dashboard leaves and this goes on with the run (and returns the exit code)."""
+    app = DFlashApp(controller, run_dir, owns_run=on_hangup is not None)
     app.run()
+    if app.hung_up and on_hangup is not None:
+        return on_hangup()
     code = app.return_code or 0
     if not app.shutdown_done:
         try:

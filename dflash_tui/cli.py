@@ -11,6 +11,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -85,8 +87,21 @@ def main(argv: list[str] | None = None) -> int:
 
     run_dir = engine.run_dir()
     inbox = open_inbox(engine, run_dir)  # a second terminal may attach with --attach
+
+    def go_on_headless() -> int:
+        """The terminal hung up: the run goes on in this process, with no screen."""
+        from dflash_core.events import Log
+        from dflash_core.headless import run_headless
+
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        engine.bus.publish(Log(level="warning", source="dashboard", message=(
+            f"terminal hung up: training goes on headless, pid {os.getpid()}; attach with "
+            f"dflash-tui --attach {run_dir}")))
+        # The inbox opened above keeps serving an attached dashboard's commands.
+        return run_headless(engine, start=False, serve_inbox=False)
+
     try:
-        return run_app(engine, run_dir=run_dir)
+        return run_app(engine, run_dir=run_dir, on_hangup=go_on_headless)
     finally:
         if inbox is not None:
             inbox.close()
