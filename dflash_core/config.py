@@ -137,6 +137,10 @@ class WandbConfig:
 @dataclass
 class TelemetryConfig:
     interval_s: float = 1.0  # GPU / host sampling period
+    # A worker silent for longer than this, and than 5 times its own usual interval between
+    # signs of progress, is reported as stalled (with where its stack is); a compile can take
+    # minutes, so a stall is a warning, never a failure.
+    stall_floor_s: float = 60.0
 
 
 @dataclass
@@ -249,6 +253,7 @@ def _check(cfg: Config) -> None:
     positive("optim.grad_accum", cfg.optim.grad_accum)
     positive("optim.epochs", cfg.optim.epochs)
     positive("telemetry.interval_s", cfg.telemetry.interval_s)
+    positive("telemetry.stall_floor_s", cfg.telemetry.stall_floor_s)
     if cfg.drafter.block_size < 2:
         raise ConfigError("drafter.block_size", f"must be >= 2, got {cfg.drafter.block_size}")
     if cfg.data.max_length > cfg.data.token_budget:

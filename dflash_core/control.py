@@ -8,7 +8,7 @@ from typing import Protocol, runtime_checkable
 
 from .bus import EventBus
 
-COMMANDS = ("abort", "restart", "shutdown")
+COMMANDS = ("abort", "restart", "shutdown", "stacks")
 
 
 @runtime_checkable
@@ -33,6 +33,9 @@ class Controller(Protocol):
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Abort if live, wait for every thread to end, close the sinks. Blocks up to timeout."""
+
+    def stacks(self) -> None:
+        """Publish where every worker thread is now (its Python stack), one Log event each."""
 
 
 def dispatch(controller: Controller, command: str) -> None:

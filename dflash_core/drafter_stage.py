@@ -14,6 +14,7 @@ from .data_position import DataPosition
 from .events import WORKER_RUNNING, WORKER_WARMUP, Log, WorkerStatus
 from .hs_queue import HiddenStateQueue
 from .trainer import DrafterReplica, StepBarrier, StepInterrupted
+from .watchdog import Heartbeats
 from .workers import use_device
 
 
@@ -22,13 +23,17 @@ class DrafterStage:
                  hs_queue: HiddenStateQueue, position: DataPosition, barrier: StepBarrier,
                  grad_accum: int, seed: int, on_step: Callable[[], None],
                  step_of: Callable[[], int], publish: Callable[[Any], None],
-                 stop: threading.Event):
+                 stop: threading.Event, heartbeats: Heartbeats | None = None):
         self.rank, self.replica, self.label = rank, replica, label
         self.name = f"drafter-{rank}"
         self.hs_queue, self.position, self.barrier = hs_queue, position, barrier
         self.grad_accum, self.seed, self.on_step = grad_accum, seed, on_step
         self.step_of = step_of  # the optimizer steps taken so far
+        self.heartbeats = heartbeats or Heartbeats()
         self.publish, self.stop = publish, stop
+
+    def _beat(self) -> None:
+        self.heartbeats.beat("training step")
 
     def _status(self, status: str, detail: str = "") -> None:
         self.publish(WorkerStatus(worker=self.name, role="drafter", device=self.label,
@@ -62,12 +67,14 @@ class DrafterStage:
                     break
                 continue
             items.append(item)
+            self._beat()
             todo = [item]
             while todo:
                 oom = ""
                 try:
                     batch, feats = todo[0]
-                    self.replica.accumulate(batch, feats, self.seed, stop=self.stop)
+                    self.replica.accumulate(batch, feats, self.seed, stop=self.stop,
+                                            beat=self._beat)
                     todo.pop(0)
                 except StepInterrupted:
                     return False

@@ -38,6 +38,7 @@ from .target import LoadAborted
 from .target_stage import TargetStage
 from .telemetry import TelemetrySampler
 from .trainer import StepBarrier, build_replicas
+from .watchdog import Watchdog, format_stack, thread_stack, where
 from .workers import POLL_S, Stopped, UpstreamFailed
 
 # Workers check the stop flag between layers (targets) and micro-groups (drafters), so they end
@@ -181,6 +182,26 @@ class Engine:
             return not sup.is_alive()
         return True
 
+    def stacks(self) -> None:
+        run = self._run
+        sup = self._supervisor
+        threads = ([sup] if sup is not None else []) + (run.threads if run is not None else [])
+        alive = [t for t in threads if t.is_alive()]
+        if not alive:
+            self.bus.publish(Log(level="info", source="engine", message="no worker is running"))
+        for t in alive:
+            frames = thread_stack(t)
+            self.bus.publish(Log(level="info", source=t.name, message=(
+                f"stack of {t.name}: {where(frames)}\n{format_stack(frames)}")))
+
+    def stuck_workers(self) -> list[str]:
+        """Threads of the current run still alive, each with where its stack is now."""
+        run = self._run
+        if run is None:
+            return []
+        threads = [self._supervisor] + run.threads if self._supervisor is not None else run.threads
+        return [f"{t.name} ({where(thread_stack(t))})" for t in threads if t.is_alive()]
+
     def run_dir(self) -> Path | None:
         """The run folder the config names, if the config can be read (for post-mortems)."""
         try:
@@ -230,6 +251,7 @@ class Engine:
     # -- worker threads ------------------------------------------------------------------------
     def _guard(self, run: Run, source: str, role: str, device: str, fn) -> None:
         """Run a worker body; turn its exception into an Error event and a failed run."""
+        run.heartbeats.beat("starting")  # from now on the watchdog watches this thread
         try:
             fn()
             stopped = True
@@ -259,6 +281,7 @@ class Engine:
 
     # -- the run --------------------------------------------------------------------------------
     def _supervise(self, run: Run) -> None:
+        run.heartbeats.beat("preflight")
         try:
             self._set_state("preflight")
             self._preflight(run)
@@ -285,6 +308,9 @@ class Engine:
         hf_logging.disable_progress_bar()  # its bars write behind the dashboard's back
         cfg = self._read_config()
         run.config = cfg
+        # Before anything else can hang: a stuck read in preflight is reported like any stall.
+        watchdog = Watchdog(run.heartbeats, self.bus.publish, run.stop, cfg.telemetry.stall_floor_s)
+        self._thread(run, "watchdog", "watchdog", "host", watchdog.run)
         run_dir = cfg.run_dir
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
@@ -305,9 +331,10 @@ class Engine:
         if any(d.type == "cuda" for d in run.target_devices + run.drafter_devices):
             self.bus.publish(Log(level="info", source="engine", message=self.allocator.describe()))
 
-        def check_stop():
+        def check_stop():  # called as the demo's assets are built: progress too
             if run.stop.is_set():
                 raise Stopped()
+            run.heartbeats.beat("building the demo")
         run.prep = prepare(cfg, run_dir, run.target_devices, run.drafter_devices,
                            publish=self.bus.publish,
                            demo_progress=demo_log_progress(self.bus.publish, check_stop))
@@ -333,7 +360,8 @@ class Engine:
                     f"cuda:{index} limited to {limit / 2**30:.1f} GiB (layout.gpu_memory_gib)")))
         self._start_telemetry(run, limits)
         world = len(run.target_devices)
-        run.hs_queue = HiddenStateQueue(cfg.layout.hs_queue, world, self.bus.publish, run.stop)
+        run.hs_queue = HiddenStateQueue(cfg.layout.hs_queue, world, self.bus.publish, run.stop,
+                                        beat=run.heartbeats.beat)
         run.position = DataPosition(lambda e: len(prep.stream.plan(e)), len(run.drafter_devices),
                                     run.resume.trainer_state if run.resume else None)
         for rank, dev in enumerate(run.target_devices):
@@ -343,20 +371,21 @@ class Engine:
             run.prefetchers.append(Prefetcher(
                 batches, cfg.data.prefetch_batches, pin=dev.type == "cuda", name=f"loader-{rank}",
                 stop=run.stop, on_depth=lambda d, c, n=name: self.bus.publish(
-                    QueueDepth(name=n, depth=d, capacity=c))))
+                    QueueDepth(name=n, depth=d, capacity=c)), beat=run.heartbeats.beat))
         for rank, dev in enumerate(run.target_devices):
             label = device_label(dev, rank)
             stage = TargetStage(
                 rank, dev, label, target_path=prep.target_path, dtype=cfg.target.dtype,
                 attn_implementation=cfg.target.attn_implementation, layer_ids=prep.layer_ids,
                 prefetcher=run.prefetchers[rank], hs_queue=run.hs_queue,
-                publish=self.bus.publish, stop=run.stop)
+                publish=self.bus.publish, stop=run.stop, heartbeats=run.heartbeats)
             run.targets.append(stage)
             self._thread(run, stage.name, "target", label, stage.run)
         for stage in run.targets:
             while not stage.loaded.is_set():
                 if run.stop.wait(POLL_S):
                     raise Stopped()
+                run.heartbeats.beat("waiting for the targets to load")
 
     def _start_telemetry(self, run: Run, limits: dict[int, int]) -> None:
         roles: dict[int, str] = {}
@@ -367,7 +396,8 @@ class Engine:
             if d.type == "cuda":
                 roles[d.index] = "target+drafter" if roles.get(d.index) == "target" else "drafter"
         sampler = TelemetrySampler(self.bus.publish, run.config.telemetry.interval_s, roles,
-                                   run.stop, raise_errors=True, limits=limits)
+                                   run.stop, raise_errors=True, limits=limits,
+                                   beat=run.heartbeats.beat)
         # In a guarded thread: a sampler crash is a worker failure like any other.
         self._thread(run, "telemetry", "telemetry", "host", sampler.run)
 
@@ -397,10 +427,10 @@ class Engine:
                                  barrier=run.barrier, grad_accum=cfg.optim.grad_accum,
                                  seed=cfg.run.seed, on_step=on_step, step_of=lambda: run.step,
                                  publish=self.bus.publish,
-                                 stop=run.stop)
+                                 stop=run.stop, heartbeats=run.heartbeats)
             self._thread(run, stage.name, "drafter", label, stage.run)
         while not run.stop.wait(POLL_S):
-            pass
+            run.heartbeats.beat("supervising training")
 
     # -- teardown ------------------------------------------------------------------------------
     def _join_workers(self, run: Run) -> list[str]:

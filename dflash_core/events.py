@@ -290,12 +290,27 @@ class RunEnded(Event):
     keep_when_behind: ClassVar[bool] = True
 
 
+@dataclass(frozen=True)
+class Stall(Event):
+    """A worker made no progress for longer than several times its own usual interval (watchdog.py)
+    and where its thread is now; ``cleared``: it made progress again. A warning, never fatal."""
+
+    worker: str
+    phase: str
+    seconds: float  # silent this long when reported
+    where: str  # what its stack says it does, e.g. "compiling: torch/_inductor/... (...)"
+    stack: str  # its Python stack, innermost frame last ("" when cleared)
+    cleared: bool = False
+    kind: ClassVar[str] = "Stall"
+    keep_when_behind: ClassVar[bool] = True
+
+
 EVENT_TYPES: dict[str, type[Event]] = {
     cls.kind: cls
     for cls in (
         RunStarted, StateChanged, WorkerStatus, LoadProgress, GpuSample, HostSample, QueueDepth,
         TargetMetrics, StepMetrics, EvalResult, MemoryPlan, Checkpoint, Log, Error, SinkStatus,
-        RunEnded,
+        RunEnded, Stall,
     )
 }
 

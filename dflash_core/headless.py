@@ -17,6 +17,11 @@ from .events import Event, RunStarted
 from .sinks.textlog import LineThrottle, format_event
 
 EXIT_CODES = {"finished": 0, "failed": 1, "aborted": 130}
+# After SIGINT / SIGTERM before training (nothing to checkpoint yet), how long the run may take to
+# end before the process leaves without its stuck threads. From warm-up on, the engine itself
+# gives up on a stuck worker (engine.GIVE_UP_S) and skips the checkpoint it cannot trust.
+ABANDON_S = 5.0
+ABANDON_STATES = ("idle", "preflight", "loading")
 
 
 class ConsolePrinter:
@@ -51,7 +56,11 @@ def run_headless(engine: Engine, *, every_s: float | None = None, out=None, star
     sub = engine.bus.subscribe("console", printer)
     interrupted = threading.Event()
 
+    interrupted_at = [0.0]
+
     def on_signal(signum, frame):
+        if not interrupted.is_set():
+            interrupted_at[0] = time.monotonic()
         interrupted.set()
         print(f"signal {signal.Signals(signum).name}: aborting (checkpoint first)", flush=True,
               file=printer.out)
@@ -66,6 +75,16 @@ def run_headless(engine: Engine, *, every_s: float | None = None, out=None, star
             engine.start()
         while True:
             while engine.runs_ended < engine.runs_started:  # each started run ends in one RunEnded
+                if (interrupted.is_set() and engine.state in ABANDON_STATES
+                        and time.monotonic() - interrupted_at[0] > ABANDON_S):
+                    # Stuck before training in a call that never returns (a read on a hung
+                    # network mount): nothing to save, so the process ends without that thread
+                    # rather than hang on after a stop request.
+                    stuck = engine.stuck_workers()
+                    print(f"the run did not end within {ABANDON_S:.0f} s of the stop request; "
+                          f"exiting without {', '.join(stuck) or 'it'}", file=printer.out,
+                          flush=True)
+                    return EXIT_CODES["aborted"]
                 time.sleep(0.2)
             engine.join(timeout=30)
             # A restart (from an attached dashboard) ends this run and starts the next one: keep
@@ -81,5 +100,5 @@ def run_headless(engine: Engine, *, every_s: float | None = None, out=None, star
             signal.signal(s, h)
         engine.bus.drain(timeout=5)
         engine.bus.unsubscribe(sub)
-        engine.shutdown(timeout=10)
+        engine.shutdown(timeout=1 if interrupted.is_set() else 10)
     return EXIT_CODES.get(engine.final_status or engine.state, 1)

@@ -16,7 +16,9 @@ REPORT_EVERY_S = 0.2  # depth reports are coalesced: a screen needs a few a seco
 
 class HiddenStateQueue:
     def __init__(self, capacity: int, producers: int, publish: Callable[[Any], None],
-                 stop: threading.Event):
+                 stop: threading.Event, beat: Callable[[str], None] | None = None):
+        """``beat(phase)``: called in the waiting thread for each slice of waiting (a worker
+        that waits on the other side is alive, not stalled)."""
         self._q: queue.Queue = queue.Queue(maxsize=capacity)
         self.capacity = capacity
         self._producers = producers
@@ -27,6 +29,7 @@ class HiddenStateQueue:
         self._blocked = 0.0  # producers' time waiting for room, since the last take_waits()
         self._waited = 0.0  # consumers' time waiting for an item, likewise
         self._reported = 0.0
+        self._beat = beat or (lambda phase: None)
 
     def put(self, item) -> float:
         """Blocks while the queue is full; raises Stopped when the stop flag is set meanwhile.
@@ -40,6 +43,7 @@ class HiddenStateQueue:
                 break
             except queue.Full:
                 self._report()  # a full queue is news: a report dropped by coalescing goes out now
+                self._beat("waiting for room in the hs queue")
         blocked = time.monotonic() - t
         with self._lock:
             self._blocked += blocked
@@ -53,6 +57,7 @@ class HiddenStateQueue:
             item = self._q.get(timeout=timeout)
         except queue.Empty:
             item = None
+            self._beat("waiting for features")
         with self._lock:
             self._waited += time.monotonic() - t
         self._report()  # also on a timeout: the depth last coalesced away reaches the screen

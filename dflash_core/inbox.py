@@ -21,7 +21,7 @@ from .events import Error, Event, Log
 COMMAND_DIR = "commands"
 # What another process may ask. "shutdown" is the owner's alone: an attached dashboard quitting
 # detaches, it never ends the run.
-REMOTE_COMMANDS = ("abort", "restart")
+REMOTE_COMMANDS = ("abort", "restart", "stacks")
 POLL_S = 0.25
 _TMP = ".tmp"
 

@@ -23,6 +23,7 @@ from .preflight import Prepared
 from .sinks.run_sinks import RunSinks
 from .target_stage import TargetStage
 from .trainer import DrafterReplica, RateMeter, StepBarrier, reduce_and_step
+from .watchdog import Heartbeats
 
 
 @dataclass
@@ -32,6 +33,7 @@ class Run:
     failure: Error | None = None
     finished: bool = False
     started_at: float = field(default_factory=time.monotonic)
+    heartbeats: Heartbeats = field(default_factory=Heartbeats)  # read by the stall watchdog
     # Events published before the run folder (and so its sinks) exist; None once handed over.
     early: list | None = field(default_factory=list)
 

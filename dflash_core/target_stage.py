@@ -22,6 +22,7 @@ from .events import (
 )
 from .hs_queue import HiddenStateQueue
 from .target import ForwardInterrupted, LoadInfo, TargetModel, load_target
+from .watchdog import Heartbeats
 from .workers import POLL_S, Stopped, UpstreamFailed, use_device
 
 METRICS_EVERY_S = 1.0
@@ -31,7 +32,8 @@ class TargetStage:
     def __init__(self, rank: int, device: torch.device, label: str, *, target_path: Path,
                  dtype: str, attn_implementation: str, layer_ids: list[int],
                  prefetcher: Prefetcher, hs_queue: HiddenStateQueue,
-                 publish: Callable[[Any], None], stop: threading.Event):
+                 publish: Callable[[Any], None], stop: threading.Event,
+                 heartbeats: Heartbeats | None = None):
         self.rank, self.device, self.label = rank, device, label
         self.name = f"target-{rank}"
         self.target_path, self.layer_ids = target_path, layer_ids
@@ -40,6 +42,7 @@ class TargetStage:
         self.attn_implementation = attn_implementation
         self.prefetcher, self.hs_queue = prefetcher, hs_queue
         self.publish, self.stop = publish, stop
+        self.heartbeats = heartbeats or Heartbeats()
         self.model: TargetModel | None = None
         self.loaded = threading.Event()
         self.splits = 1  # row groups per forward; doubled after an out-of-memory error
@@ -61,6 +64,7 @@ class TargetStage:
         self._status(WORKER_DONE)
 
     def _progress(self, info: LoadInfo) -> None:
+        self.heartbeats.beat("loading weights")
         self.publish(LoadProgress(
             worker=self.name, device=self.label, bytes_loaded=info.bytes_loaded,
             bytes_total=info.bytes_total, shards_loaded=info.shards_loaded,
@@ -77,6 +81,7 @@ class TargetStage:
                 raise UpstreamFailed(f"loader-{self.rank}", "loader", exc) from exc
             if batch is not None:
                 return batch
+            self.heartbeats.beat("waiting for data")
             if self.prefetcher.exhausted:
                 return None
         return None
@@ -122,6 +127,7 @@ class TargetStage:
             starved += time.monotonic() - t
             if batch is None:
                 break
+            self.heartbeats.beat("forward")
             try:
                 feats = self._features(batch)
             except ForwardInterrupted:

@@ -32,12 +32,14 @@ class TelemetrySampler(threading.Thread):
 
     def __init__(self, publish: Callable[[Event], None], interval_s: float,
                  roles: dict[int, str], stop: threading.Event, *, nvml: ModuleType | None = None,
-                 raise_errors: bool = False, limits: dict[int, int] | None = None):
+                 raise_errors: bool = False, limits: dict[int, int] | None = None,
+                 beat: Callable[[str], None] | None = None):
         super().__init__(name=SOURCE, daemon=True)  # daemon: never keeps the process alive
         self.publish = publish
         self.interval_s = interval_s
         self.roles = dict(roles)
         self.limits = dict(limits or {})  # GPU index -> bytes the process may use there
+        self._beat = beat or (lambda phase: None)  # each round is progress (stall watchdog)
         self.stop = stop
         self._nvml = nvml
         # The engine runs the sampler inside its own guarded worker and wants a crash raised
@@ -54,6 +56,7 @@ class TelemetrySampler(threading.Thread):
         try:
             self._start_nvml()
             while not self.stop.is_set():
+                self._beat("sampling")
                 self.sample_once()
                 if self.stop.wait(self.interval_s):
                     break

@@ -13,6 +13,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch import nn
@@ -85,7 +86,8 @@ class DrafterReplica:
         return [p for p in self.drafter.parameters() if p.requires_grad]
 
     def accumulate(self, batch, features: torch.Tensor, seed: int,
-                   stop: threading.Event | None = None) -> Micro:
+                   stop: threading.Event | None = None,
+                   beat: Callable[[], None] | None = None) -> Micro:
         """Forward + backward of one batch (split into sequence groups so at most
         drafter.micro_block_tokens block tokens are live); gradients accumulate in .grad.
 
@@ -108,6 +110,8 @@ class DrafterReplica:
         for s in range(0, n, group):
             if stop is not None and stop.is_set():
                 raise StepInterrupted
+            if beat is not None:
+                beat()  # a micro-group is progress the stall watchdog can see
             rows = slice(s, s + group)
             a = anchors[rows]
             ids, pos = d.block_inputs(ids_all[rows], a)

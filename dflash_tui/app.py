@@ -45,7 +45,7 @@ REFRESH_HZ = 5
 SAMPLED_PANELS = frozenset({"gpus", "targets", "queues", "training"})
 SAMPLED_PERIOD_S = 0.8  # + one drain tick (0.2 s): samples reach the screen within 1 s
 QUIET_STATES = ("idle",) + ev.TERMINAL_STATES  # quitting in these needs no confirmation
-ACTIONS = ("restart", "abort", "quit", "focus_errors", "focus_log", "help")
+ACTIONS = ("restart", "abort", "quit", "focus_errors", "focus_log", "help", "stacks")
 
 
 class DFlashApp(App[None]):
@@ -61,6 +61,7 @@ class DFlashApp(App[None]):
         Binding("a", "abort", "Abort"),
         Binding("q", "quit", "Quit"),
         Binding("e", "focus_errors", "Errors"),
+        Binding("s", "stacks", "Stacks", show=False),  # in the help, not the footer
         Binding("l", "focus_log", "Log"),
         Binding("question_mark", "help", "Help", key_display="?"),
     ]
@@ -268,6 +269,10 @@ class DFlashApp(App[None]):
             self.call_from_thread(self._report, exc, "shutdown")
         self.shutdown_done = True
         self.call_from_thread(self.exit, None, code)
+
+    def action_stacks(self) -> None:
+        self.notify("stacks requested: see the log", timeout=3)
+        self._command("stacks")
 
     def action_focus_errors(self) -> None:
         self.query_one("#errors", ErrorsPanel).query_one(DataTable).focus()

@@ -10,6 +10,7 @@ COMMANDS = [
     ("Restart run", "restart", "Abort, re-read config.yaml and resume from the latest checkpoint"),
     ("Abort run", "abort", "Stop every worker (checkpoint first when training)"),
     ("Quit", "quit", "Shut the engine down and leave"),
+    ("Worker stacks", "stacks", "Where every worker thread is now, in the log"),
     ("Focus errors", "focus_errors", "Move to the errors table"),
     ("Focus log", "focus_log", "Move to the log"),
     ("Help: keys", "help", "What each key does"),

@@ -212,6 +212,9 @@ class FollowController(StreamController):
     def restart(self) -> None:
         self._send("restart")
 
+    def stacks(self) -> None:
+        self._send("stacks")
+
     def shutdown(self, timeout: float = 30.0) -> None:
         """Detach: stop following. The run is not touched."""
         self.calls.append("shutdown")

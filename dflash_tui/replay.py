@@ -73,6 +73,11 @@ class ReplayController(StreamController):
         self._halt()
         self._change("preflight", "restart requested")
 
+    def stacks(self) -> None:
+        self.calls.append("stacks")
+        self.publish(ev.Log(level="info", source="replay", ts=self._last_ts or time.time(),
+                            message="a recorded run has no live threads to show"))
+
     def shutdown(self, timeout: float = 30.0) -> None:
         self.calls.append("shutdown")
         self._halt()

@@ -15,6 +15,7 @@ KEYS = [
     ("a", "abort: stop every worker (a checkpoint is written first when training)"),
     ("q", "quit: asks first if the run is live, then shuts the engine down and exits; "
           "attached (--attach): detaches at once, the run goes on"),
+    ("s", "stacks: where every worker thread is now, in the log (stalls show there too)"),
     ("e", "focus the errors table; arrows pick an error, its traceback shows below"),
     ("l", "focus the log; arrows / page keys scroll it"),
     ("tab", "move focus between panels"),

@@ -144,6 +144,7 @@ class DashboardState:
         self.end_ts: float | None = None
         self.total_steps = 0
         self.allocator = ""  # CUDA allocator settings of the run ("" on CPU)
+        self.stalls: dict[str, ev.Stall] = {}  # workers stalled now (cleared by progress)
         self.target_labels: list[str] = []
         self.drafter_labels: list[str] = []
         self.targets: dict[str, TargetRow] = {}
@@ -208,6 +209,7 @@ class DashboardState:
         self.state, self.reason = e.state, e.reason
         if e.state in ev.TERMINAL_STATES:
             self.end_ts = e.ts
+            self.stalls.clear()  # the run's workers are gone
             for row in self.targets.values():  # a worker that said nothing more has stopped
                 if row.status in _TARGET_AT_WORK:
                     row.status = ev.WORKER_STOPPED
@@ -271,6 +273,17 @@ class DashboardState:
                          "error would make the run back off to smaller sizes", e.ts)
         row.tight = low or retried
         return {"gpus"}
+
+    def _on_Stall(self, e: ev.Stall) -> set[str]:
+        if e.cleared:
+            if self.stalls.pop(e.worker, None) is None:
+                return set()
+            self.add_log("info", e.worker, f"progress again ({e.phase})", e.ts)
+        else:
+            self.stalls[e.worker] = e
+            self.add_log("warning", e.worker, f"stalled: no progress for {e.seconds:.0f} s in "
+                         f"{e.phase or 'its work'}; {e.where} (s: every worker's stack)", e.ts)
+        return {"log", "header"}
 
     def _on_HostSample(self, e: ev.HostSample) -> set[str]:
         self.host = e

@@ -25,7 +25,9 @@ class Prefetcher:
     def __init__(self, source: Iterable[Any], capacity: int, *, pin: bool = False,
                  on_depth: Callable[[int, int], None] | None = None, name: str = "prefetch",
                  stop: threading.Event | None = None, depth_interval: float = 0.2,
-                 start: bool = True):
+                 start: bool = True, beat: Callable[[str], None] | None = None):
+        """``beat(phase)``: called from the loader thread at each sign of progress (a batch
+        read, a slice of waiting for room), for the engine's stall watchdog."""
         if capacity <= 0:
             raise ValueError(f"capacity must be > 0, got {capacity}")
         self.capacity = capacity
@@ -40,6 +42,7 @@ class Prefetcher:
         self._depth_interval = depth_interval
         self._last_report = (-1, 0.0)
         self._report_lock = threading.Lock()
+        self._beat = beat or (lambda phase: None)
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         if start:
             self.thread.start()
@@ -52,6 +55,7 @@ class Prefetcher:
     def _run(self) -> None:
         it = iter(self._source)
         try:
+            self._beat("reading data")
             for item in it:
                 if self.stop.is_set():
                     return
@@ -60,6 +64,7 @@ class Prefetcher:
                 if not self._put(item):
                     return
                 self.produced += 1
+                self._beat("reading data")
         except BaseException as exc:  # reported to the consumer, never lost in a dead thread
             self.error = exc
         finally:
@@ -76,6 +81,7 @@ class Prefetcher:
             try:
                 self.queue.put(item, timeout=self._POLL)
             except queue.Full:
+                self._beat("waiting for room in its prefetch queue")
                 continue
             self._report()
             return True

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ..events import (
     Checkpoint, Error, Event, EvalResult, LoadProgress, Log, MemoryPlan, RunEnded, RunStarted,
-    SinkStatus, StateChanged, StepMetrics, TargetMetrics, WorkerStatus,
+    SinkStatus, Stall, StateChanged, StepMetrics, TargetMetrics, WorkerStatus,
 )
 
 GIB = 1024**3
@@ -84,6 +84,11 @@ def format_event(ev: Event) -> str | None:
         return f"checkpoint step {ev.step} ({ev.reason}) in {_duration(ev.seconds)}: {ev.path}"
     if isinstance(ev, Log):
         return f"[{ev.level}] {ev.source}: {ev.message}"
+    if isinstance(ev, Stall):
+        if ev.cleared:
+            return f"[warning] {ev.worker}: progress again ({ev.phase})"
+        return (f"[warning] {ev.worker} stalled: no progress for {_duration(ev.seconds)} in "
+                f"{ev.phase or 'its work'}; {ev.where}\n" + _indent(ev.stack))
     if isinstance(ev, Error):
         where = ", ".join(x for x in (ev.device, ev.phase) if x)
         where = f" ({where})" if where else ""

@@ -62,6 +62,10 @@ class HeaderBar(Static):
             second.append(field("run", s.run_dir, ""))
         if s.allocator:  # which CUDA allocator settings the run's numbers come from
             second.append(field("alloc", s.allocator, "dim"))
+        if s.stalls:  # a warning, not an error: a compile may take minutes
+            second.insert(0, Text("stalled: " + ", ".join(
+                f"{w} {fmt.duration(s.now - e.ts + e.seconds)}" for w, e in s.stalls.items()),
+                style="bold yellow"))
         if s.attached:  # keys reach another process's run; q leaves it running (first: a long
             second.insert(0, Text("attached: q detaches", style="bold cyan"))  # run dir wraps)
         text = pack(first, width)

@@ -65,8 +65,8 @@ def make_config(tmp: Path, target: Path, data: Path, **over):
 
 # Threads the engine (and its bus subscriptions) start; anything else (tqdm's monitor, pytest's)
 # is not ours to judge.
-ENGINE_THREADS = ("engine", "target-", "drafter-", "loader-", "telemetry", "sink-jsonl",
-                  "sink-textlog", "sink-wandb")
+ENGINE_THREADS = ("engine", "target-", "drafter-", "loader-", "telemetry", "watchdog",
+                  "sink-jsonl", "sink-textlog", "sink-wandb")
 FAIL_WITHIN_S = 5.0
 FOREIGN_THREADS = ("tqdm",)  # started by libraries on first use, not by the engine
 

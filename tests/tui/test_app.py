@@ -116,6 +116,18 @@ async def confirm(pilot, key: str, answer: str) -> None:
     await settle(pilot)
 
 
+async def test_s_asks_the_controller_for_every_workers_stack():
+    ctl = ReplayController(sc.training(steps=5))
+    app = DFlashApp(ctl)
+    async with app.run_test(size=BIG) as pilot:
+        await settle(pilot)
+        await pilot.press("s")
+        await pilot.app.workers.wait_for_complete()
+        await settle(pilot)
+        assert ctl.calls == ["start", "stacks"]  # no confirmation: it changes nothing
+        assert any("no live threads" in line.text for line in app.state.log)
+
+
 async def test_abort_and_restart_ask_first():
     ctl = ReplayController(sc.training(steps=5))
     app = DFlashApp(ctl)

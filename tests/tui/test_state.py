@@ -205,3 +205,19 @@ def test_tight_memory_on_a_rehearsed_card_warns_once_until_it_recovers():
     assert len(warnings()) == 2 and "free its cache 2 times" in warnings()[1]
     row = s.gpu_rows()[7]
     assert (row.limit, row.alloc_retries) == (95 * GIB, 2)
+
+
+def test_a_stall_is_a_warning_in_the_log_and_the_header_until_progress():
+    s = fold(sc.start())
+    s.apply(ev.Stall(worker="drafter-0", phase="training step", seconds=75.0,
+                     where="compiling: torch/_inductor/compile_fx.py:900 compile_fx",
+                     stack="...", ts=sc.T0 + 100))
+    assert "drafter-0" in s.stalls
+    (line,) = [x for x in s.log if x.source == "drafter-0"]
+    assert line.level == "warning" and "no progress for 75 s in training step" in line.text
+    assert "compiling: torch/_inductor" in line.text
+    assert not s.errors  # a warning, never an error
+    s.apply(ev.Stall(worker="drafter-0", phase="training step", seconds=0.0, where="", stack="",
+                     cleared=True, ts=sc.T0 + 130))
+    assert s.stalls == {}
+    assert "progress again" in s.log[-1].text
