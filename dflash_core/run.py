@@ -4,6 +4,7 @@ reduce and step, report, checkpoint, evaluate."""
 
 from __future__ import annotations
 
+import shutil
 import threading
 import time
 from dataclasses import dataclass, field
@@ -17,13 +18,16 @@ from .config import Config
 from .data import Prefetcher
 from .data_position import DataPosition
 from .evaluate import evaluate_tau, target_fn_for
-from .events import Checkpoint, Error, EvalResult, StepMetrics
+from .events import Checkpoint, Error, EvalResult, Log, StepMetrics
 from .hs_queue import HiddenStateQueue
 from .preflight import Prepared
 from .sinks.run_sinks import RunSinks
 from .target_stage import TargetStage
 from .trainer import DrafterReplica, RateMeter, StepBarrier, reduce_and_step
+from .units import GiB
 from .watchdog import Heartbeats
+
+DISK_CHECK_S = 60.0  # free space under the run folder is looked at this often while training
 
 
 @dataclass
@@ -57,6 +61,10 @@ class Run:
     step: int = 0
     saved_step: int = -1
     last_step_t: float = field(default_factory=time.monotonic)
+    _ckpt_bytes: int | None = None
+    _disk_ok: bool | None = None
+    _disk_checked: float = 0.0
+    _disk_warned: bool = False
 
     @property
     def total_steps(self) -> int:
@@ -88,6 +96,7 @@ class Run:
             target_blocked_frac=min(1.0, blocked / (span * len(self.target_devices))),
             padding_frac=res.padding_frac, samples=res.samples, total_steps=self.total_steps))
         on_metrics()
+        self.disk_check(publish)
         if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
             self.save_checkpoint("periodic", publish)
         if cfg.eval.every and self.step % cfg.eval.every == 0:
@@ -95,8 +104,44 @@ class Run:
         if self.step >= self.total_steps or self.hs_queue.exhausted():
             self.finish()
 
+    def checkpoint_bytes(self) -> int:
+        """About what one checkpoint takes on disk: the drafter's weights and its optimizer
+        state (the frozen embedding and head are not saved)."""
+        if self._ckpt_bytes is None:
+            rep = self.replicas[0]
+            weights = sum(p.numel() * p.element_size() for p in rep.drafter.state_dict().values()
+                          if torch.is_tensor(p))
+            optim = sum(t.numel() * t.element_size() for st in rep.optimizer.state.values()
+                        for t in st.values() if torch.is_tensor(t))
+            # before the first step the optimizer holds nothing yet: AdamW keeps two moments
+            self._ckpt_bytes = weights + (optim or 2 * weights)
+        return self._ckpt_bytes
+
+    def disk_check(self, publish: Callable[[Any], None], fresh: bool = False) -> bool:
+        """Whether one more checkpoint fits under the run folder; warns (once until it recovers)
+        while less than two checkpoints' worth is free. Looks at most every DISK_CHECK_S."""
+        now = time.monotonic()
+        if not fresh and self._disk_ok is not None and now - self._disk_checked < DISK_CHECK_S:
+            return self._disk_ok
+        self._disk_checked = now
+        need = self.checkpoint_bytes()
+        free = shutil.disk_usage(self.config.run_dir).free
+        low = free < 2 * need
+        if low and not self._disk_warned:
+            publish(Log(level="warning", source="engine", message=(
+                f"disk nearly full: {free / GiB:.1f} GiB free under {self.config.run_dir}, one "
+                f"checkpoint takes ~{need / GiB:.1f} GiB; free space or move run.output_dir")))
+        self._disk_warned = low
+        self._disk_ok = free >= need
+        return self._disk_ok
+
     def save_checkpoint(self, reason: str, publish: Callable[[Any], None]) -> Path | None:
         if not self.replicas or self.saved_step == self.step:
+            return None
+        if not self.disk_check(publish, fresh=True):
+            publish(Log(level="warning", source="engine", message=(
+                f"{reason} checkpoint at step {self.step} skipped: it does not fit in the free "
+                f"space under {self.config.run_dir}; the last good checkpoint stands")))
             return None
         cfg = self.config
         t = time.monotonic()

@@ -18,6 +18,11 @@ import psutil
 
 from .errors import error_from_exception
 from .events import Event, GpuSample, HostSample, Log
+from .units import GiB
+
+# Host memory use (share of RAM) at which the sampler warns, and below which it may warn again.
+HOST_MEMORY_WARN = 0.90
+HOST_MEMORY_CLEAR = 0.85
 
 SOURCE = "telemetry"
 UNKNOWN = -1
@@ -48,6 +53,7 @@ class TelemetrySampler(threading.Thread):
         self._handles: list[tuple[int, Any]] = []  # (torch index, NVML handle)
         self._failed_metrics: set[str] = set()
         self._process = psutil.Process()
+        self._host_warned = False
         psutil.cpu_percent(interval=None)  # prime: the first sample then measures since now
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -102,6 +108,21 @@ class TelemetrySampler(threading.Thread):
 
     # -- sampling ----------------------------------------------------------------------------
 
+    def _watch_host_memory(self, vm) -> None:
+        """One warning when host memory nears its limit (a loader or pinned buffers growing can
+        take the node down), naming who holds it; again only after it has come down."""
+        used = (vm.total - vm.available) / vm.total if vm.total else 0.0
+        if used >= HOST_MEMORY_WARN and not self._host_warned:
+            self._host_warned = True
+            rss = self._process.memory_info().rss
+            self.publish(Log(level="warning", source=SOURCE, message=(
+                f"host memory at {used:.0%} of {vm.total / GiB:.0f} GiB: this process holds "
+                f"{rss / GiB:.1f} GiB (loader batches, pinned buffers: data.prefetch_batches, "
+                f"layout.hs_queue); the largest other process is "
+                f"{_largest_other_process(self._process.pid)}")))
+        elif used < HOST_MEMORY_CLEAR:
+            self._host_warned = False
+
     def sample_once(self) -> None:
         """Publish one round of samples. Tests replace it to inject failures."""
         for index, handle in self._handles:
@@ -146,12 +167,22 @@ class TelemetrySampler(threading.Thread):
 
     def _host_sample(self) -> HostSample:
         vm = psutil.virtual_memory()
+        self._watch_host_memory(vm)
         return HostSample(
             # total - available: memory really taken, not counting reclaimable page cache
             ram_used=int(vm.total - vm.available), ram_total=int(vm.total),
             cpu_percent=float(psutil.cpu_percent(interval=None)),
             process_rss=int(self._process.memory_info().rss),
         )
+
+
+def _largest_other_process(me: int) -> str:
+    best = None
+    for p in psutil.process_iter(["pid", "name", "memory_info"]):
+        mem = p.info.get("memory_info")
+        if p.info["pid"] != me and mem is not None and (best is None or mem.rss > best[0]):
+            best = (mem.rss, p.info["pid"], p.info.get("name") or "?")
+    return f"{best[2]} (pid {best[1]}) {best[0] / GiB:.1f} GiB" if best else "none readable"
 
 
 def _visible_nvml_ids(nvml: ModuleType) -> list[int | str]:

@@ -31,6 +31,22 @@ class StepInterrupted(Exception):
     """The stop event was set between micro-groups of a drafter step."""
 
 
+class NonFiniteLoss(ArithmeticError):
+    """The step's loss or gradient norm is NaN or infinite: no optimizer step is taken, so the
+    weights (and every checkpoint) stay as they were after the last good step."""
+
+    error_kind = "data"
+
+    def __init__(self, step: int, what: str, value: float, sample_ids: list[int]):
+        shown = ", ".join(map(str, sample_ids[:32])) + (" ..." if len(sample_ids) > 32 else "")
+        super().__init__(f"{what} is {value} at step {step}; the step's samples (data indices): "
+                         f"{shown}")
+        self.step, self.sample_ids = step, sample_ids
+        self.hint = ("the weights were not updated and the last checkpoint stands; check those "
+                     "samples (empty or out-of-vocabulary responses?), or lower optim.lr, then "
+                     "restart (r) to resume from the last checkpoint")
+
+
 @dataclass
 class Micro:
     """What one replica accumulated since the last optimizer step."""
@@ -77,6 +93,7 @@ class DrafterReplica:
         self.gamma = cfg.drafter.gamma or default_gamma(self.drafter.block_size)
         self.autocast = (self.device.type == "cuda" and cfg.drafter.dtype == "bfloat16")
         self.micro = Micro()
+        self.sample_ids: list[int] = []  # data indices accumulated since the last step
         # Block tokens live at once in a step; halved by back_off() after an out-of-memory error.
         self.micro_block_tokens = cfg.drafter.micro_block_tokens
         self.last_rows = 0  # sequences in the last batch
@@ -107,6 +124,7 @@ class DrafterReplica:
         mask_all = batch.loss_mask.to(self.device, non_blocking=True)
         anchors = anchors.to(self.device)
         out = Micro(tokens=int(batch.num_tokens), samples=n, padded=int(batch.padded_tokens))
+        self.sample_ids.extend(int(i) for i in batch.indices)
         for s in range(0, n, group):
             if stop is not None and stop.is_set():
                 raise StepInterrupted
@@ -137,6 +155,7 @@ class DrafterReplica:
         counts), so the step's batches can be trained again from scratch."""
         self.optimizer.zero_grad(set_to_none=True)
         self.micro = Micro()
+        self.sample_ids = []
 
     def back_off(self) -> tuple[int, int] | None:
         """After an out-of-memory error: halve the micro-group (the sequences of the last batch
@@ -155,6 +174,10 @@ def reduce_and_step(replicas: list[DrafterReplica], step: int, total_steps: int)
     """Average gradients over replicas by total weight, clip, and step every optimizer."""
     cfg = replicas[0].cfg
     weight = sum(r.micro.weight_sum for r in replicas)
+    loss = sum(r.micro.loss_sum for r in replicas) / max(weight, 1e-12)
+    ids = [i for r in replicas for i in r.sample_ids]
+    if not math.isfinite(loss):
+        raise NonFiniteLoss(step + 1, "the loss", loss, ids)
     lead = replicas[0]
     lead_params = lead.params()
     scale = 1.0 / weight if weight > 0 else 0.0
@@ -167,6 +190,8 @@ def reduce_and_step(replicas: list[DrafterReplica], step: int, total_steps: int)
                     g = g + q.grad.to(g.device)
             p.grad = g * scale
         grad_norm = float(torch.nn.utils.clip_grad_norm_(lead_params, cfg.optim.grad_clip))
+        if not math.isfinite(grad_norm):  # one sync per step, which the clip needs anyway
+            raise NonFiniteLoss(step + 1, "the gradient norm", grad_norm, ids)
         for r in replicas[1:]:
             for p, q in zip(lead_params, r.params()):
                 q.grad = p.grad.to(q.device, non_blocking=True)
@@ -180,6 +205,7 @@ def reduce_and_step(replicas: list[DrafterReplica], step: int, total_steps: int)
     for r in replicas:
         m.add(r.micro)
         r.micro = Micro()
+        r.sample_ids = []
     return StepResult(
         step=step + 1, loss=m.loss_sum / max(m.weight_sum, 1e-12), lr=lr, grad_norm=grad_norm,
         tau_tf=m.tau_sum / max(m.blocks, 1), tokens=m.tokens, samples=m.samples,

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from dflash_core.events import Error, GpuSample, HostSample, Log
+from dflash_core import telemetry
 from dflash_core.telemetry import TelemetrySampler
 
 GiB = 1 << 30
@@ -220,3 +221,27 @@ def test_samples_carry_the_card_limit_the_engine_set():
     assert (first[0].limit, first[1].limit) == (0, 95 * GiB)
     # no CUDA in this process: the allocator's counters read zero rather than start CUDA
     assert (first[1].alloc_retries, first[1].ooms, first[1].torch_reserved) == (0, 0, 0)
+
+
+def test_host_memory_near_its_limit_is_one_warning_naming_who_holds_it(monkeypatch):
+    total = 64 * GiB
+    used = [0.5]
+
+    def vm():
+        return SimpleNamespace(total=total, available=int(total * (1 - used[0])))
+
+    monkeypatch.setattr(telemetry.psutil, "virtual_memory", vm)
+    out, stop = Collector(), threading.Event()
+    sampler = TelemetrySampler(out, 0.01, {}, stop, nvml=FakeNVML(gpus=0))
+    sampler._host_sample()
+    used[0] = 0.93
+    sampler._host_sample()
+    sampler._host_sample()
+    (warn,) = [e for e in out.of(Log) if e.level == "warning"]
+    assert "host memory at 93% of 64 GiB" in warn.message
+    assert "this process holds" in warn.message and "largest other process" in warn.message
+    used[0] = 0.5
+    sampler._host_sample()
+    used[0] = 0.95
+    sampler._host_sample()
+    assert len([e for e in out.of(Log) if e.level == "warning"]) == 2  # again after recovering
