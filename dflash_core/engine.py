@@ -338,6 +338,7 @@ class Engine:
         run.prep = prepare(cfg, run_dir, run.target_devices, run.drafter_devices,
                            publish=self.bus.publish,
                            demo_progress=demo_log_progress(self.bus.publish, check_stop))
+        run.sinks.add_wandb(cfg, run_dir)  # its settings were checked by prepare()
         if run.prep.fitted:  # the run folder's config.yaml says what the run really uses
             save_config(cfg, run_dir / "config.yaml")
         if self.resume:

@@ -22,13 +22,18 @@ class RunSinks:
         self._sinks = [jsonl, text]
         self._subs = [bus.subscribe("jsonl", jsonl, critical=True),
                       bus.subscribe("textlog", text, critical=True)]
-        if cfg.wandb.enabled and cfg.wandb.mode != "disabled":
-            wb = WandbSink(cfg.wandb, run_dir, cfg.run.name, cfg.to_dict(), bus.publish)
-            self._sinks.append(wb)
-            self._subs.append(bus.subscribe("wandb", wb, critical=False))
         for ev in early:
             for sub in self._subs:
                 sub.offer(ev)
+
+    def add_wandb(self, cfg: Config, run_dir: Path) -> None:
+        """wandb, when enabled: only once preflight has checked its settings against the
+        installed wandb, so a stale setting is one clear config error, not wandb's own
+        traceback from a sink that started first."""
+        if cfg.wandb.enabled and cfg.wandb.mode != "disabled":
+            wb = WandbSink(cfg.wandb, run_dir, cfg.run.name, cfg.to_dict(), self.bus.publish)
+            self._sinks.append(wb)
+            self._subs.append(self.bus.subscribe("wandb", wb, critical=False))
 
     def close(self) -> None:
         for sub in self._subs:

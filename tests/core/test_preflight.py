@@ -9,7 +9,7 @@ import torch
 from dflash_core import demo, events
 from dflash_core.config import ConfigError
 from dflash_core.engine import Engine
-from dflash_core.events import Error, LoadProgress, Log, MemoryPlan, WorkerStatus
+from dflash_core.events import Error, LoadProgress, Log, MemoryPlan, WorkerStatus, read_jsonl
 from dflash_core.memory import plan_memory
 from dflash_core.preflight import check_memory, prepare, resolve_devices
 from dflash_core.units import GiB
@@ -63,6 +63,9 @@ def test_legacy_wandb_setting_is_refused_naming_its_replacement(tmp_path, assets
     assert err.error_kind == "config"
     assert "_stats_sample_rate_seconds" in err.message
     assert "x_stats_sampling_interval" in err.message + err.hint
+    # the wandb sink never started: no wandb traceback in front of the clear error
+    events = read_jsonl(cfg.run_dir / "events.jsonl")
+    assert [e.source for e in events if isinstance(e, Error)] == ["engine"]
 
 
 def test_too_many_features_for_a_shallow_target_is_refused_at_preflight(tmp_path, assets):
