@@ -42,6 +42,44 @@ def gpu_line(r: GpuRow, width: int) -> Text:
     return line([head, bar(frac, bar_w, mem_style(frac)) if bar_w >= 3 else "", tail], width)
 
 
+ROLE_TINY = {"target": "tgt", "drafter": "dft", "target+drafter": "t+d", "": "-"}
+MIN_CELL = 17  # narrowest cell of the two-column layout: "7 dft 91/95G 67%"
+
+
+def gpu_cell(r: GpuRow, width: int) -> Text:
+    """One GPU in a cell of the two-column layout (a small terminal with many GPUs): index, role,
+    memory used/usable in its warning colour, then alarms, utilisation and a bar as room allows."""
+    head = Text.assemble((f"{r.index} ", "bold"), (f"{ROLE_TINY.get(r.role, r.role[:3]):<3} ",
+                                                      "cyan"))
+    if not r.sampled:
+        return line([head, Text("no sample", style="dim")], width)
+    cap = r.limit or r.mem_total
+    frac = r.mem_used / cap if cap else 0.0
+    mem = Text(f"{r.mem_used / fmt.GIB:.0f}/{cap / fmt.GIB:.0f}G", style=mem_style(frac))
+    alarm = (Text(" OOM", style="bold red") if r.ooms else
+             Text(f" R{r.alloc_retries}", style="yellow") if r.alloc_retries else Text())
+    util = f" {r.util:.0f}%" if r.util >= 0 else ""
+    tail, room = fit([mem], [alarm, util], width - head.cell_len)
+    bar_w = min(8, room - 1)
+    return line([head, bar(frac, bar_w, mem_style(frac)) if bar_w >= 3 else "", tail], width)
+
+
+def gpu_lines(rows: list[GpuRow], width: int, height: int) -> list[Text]:
+    """One line per GPU; when they and the host line do not fit the panel's height, two columns
+    (GPUs 0..k-1 left, k.. right), so every GPU stays in view on an 80x24 terminal."""
+    if len(rows) + 1 <= height or width < 2 * MIN_CELL + 1:
+        return [gpu_line(r, width) for r in rows]
+    half = -(-len(rows) // 2)
+    col = (width - 1) // 2
+    out = []
+    for i in range(half):
+        left = gpu_cell(rows[i], col)
+        left.pad_right(col - left.cell_len)
+        right = gpu_cell(rows[i + half], col) if i + half < len(rows) else Text()
+        out.append(Text.assemble(left, " ", right))
+    return out
+
+
 def host_line(s: DashboardState, width: int) -> Text:
     h = s.host
     if h is None:
@@ -59,7 +97,8 @@ class GpusPanel(Panel):
     TITLE = "GPUs"
 
     def draw(self, s: DashboardState, width: int) -> Text:
-        lines = [gpu_line(r, width) for r in s.gpu_rows()]
+        height = self.scrollable_content_region.height or 100
+        lines = gpu_lines(s.gpu_rows(), width, height)
         if not lines and s.cpu_only and s.workers:
             self.border_title = "Workers (CPU)"
             lines = [line([(f"{w.worker:<10} ", "bold"), (f"{w.device:<6} ", "cyan"), w.status,

@@ -326,3 +326,16 @@ async def test_log_lines_rewrap_when_the_terminal_is_resized():
         await pilot.resize_terminal(100, 40)
         await settle(pilot, 0.5)
         assert rows_of_long_line() == narrow
+
+
+async def test_every_gpu_of_an_eight_gpu_node_is_in_view_at_80x24():
+    app = DFlashApp(ReplayController(sc.node_2_6()))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await settle(pilot)
+        gpus = app.query_one("#gpus")
+        lines = gpus.text.splitlines()
+        assert len(lines) <= gpus.scrollable_content_region.height  # nothing scrolled away
+        shown = " ".join(lines)
+        for i, role in enumerate(["tgt"] * 2 + ["dft"] * 6):
+            assert f"{i} {role}" in shown
+        assert "93/95G" in shown and "R3" in shown  # the drafter near its limit, retrying

@@ -32,3 +32,10 @@ def replayed(events):
 def test_snapshot(snap_compare, state, size):
     app, until_shown = replayed(STATES[state]())
     assert snap_compare(app, terminal_size=SIZES[size], run_before=until_shown)
+
+
+@pytest.mark.parametrize("size", {"80x24": (80, 24), "120x40": (120, 40)})
+def test_snapshot_eight_gpus_two_targets_six_drafters(snap_compare, size):
+    app, until_shown = replayed(sc.node_2_6())
+    assert snap_compare(app, terminal_size=(80, 24) if size == "80x24" else (120, 40),
+                        run_before=until_shown)

@@ -134,3 +134,30 @@ def aborted() -> list[ev.Event]:
         ev.StateChanged(state="aborted", previous="training", reason="operator", ts=T0 + t + 5),
         ev.RunEnded(status="aborted", step=60, seconds=t + 5, reason="operator", ts=T0 + t + 5),
     ]
+
+
+def node_2_6(steps: int = 20) -> list[ev.Event]:
+    """The shipped layout: two targets feed six data-parallel drafters, training; drafter GPU 7
+    is near its rehearsed 95 GiB limit with allocator retries."""
+    targets, drafters = [f"cuda:{i}" for i in range(2)], [f"cuda:{i}" for i in range(2, 8)]
+    out = start(targets=targets, drafters=drafters)
+    out.append(ev.StateChanged(state="warmup", previous="loading", ts=T0 + 60))
+    out.append(ev.StateChanged(state="training", previous="warmup", ts=T0 + 90))
+    t = 90.0
+    for s in range(1, steps + 1):
+        t += 3.0
+        out.append(ev.StepMetrics(step=s, epoch=0, loss=5.0 - s / 10, lr=6e-4, grad_norm=1.0,
+                                  tokens_per_s=40_000, samples_per_s=11.2, tau_tf=2.0,
+                                  drafter_wait_frac=0.05, target_blocked_frac=0.3,
+                                  padding_frac=0.02, samples=34, ts=T0 + t))
+    for i in range(8):
+        drafter = i >= 2
+        used = 90.9 + (i == 7) * 2.5 if drafter else 82.7
+        out.append(ev.GpuSample(
+            index=i, name="NVIDIA H200", mem_used=int(used * GIB), mem_total=int(139.8 * GIB),
+            util=67.0 if drafter else 50.0, temperature=45.0 + i,
+            torch_allocated=int((used - 4.5) * GIB), torch_reserved=int((used - 1.8) * GIB),
+            limit=95 * GIB, alloc_retries=3 if i == 7 else 0, ts=T0 + t))
+    out.append(ev.HostSample(ram_used=180 * GIB, ram_total=2015 * GIB, cpu_percent=40.0,
+                             process_rss=31 * GIB, ts=T0 + t))
+    return out
