@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from .build_cache import Progress, cache_root, cached_build, is_built, report
-from .config import Config, config_from_dict
+from .config import Config, ConfigError, config_from_dict
 
 # Bump when anything in the recipe below changes: the cache key changes and everything rebuilds.
 DEMO_VERSION = "tiny-v1"
@@ -393,8 +393,26 @@ def ensure_demo_data(target_folder: str | Path, cache_dir: str | Path | None = N
 DEMO_LAYER_IDS = [1, 2, 3]
 
 
-def demo_config(output_dir: str = "runs", name: str = "demo") -> Config:
-    """A complete config for the CPU demo: a few minutes of drafter training on builtin data."""
+def demo_layout(device: str = "auto", gpus: int | None = None) -> dict:
+    """Where the demo runs: on GPUs when there are any (target on GPU 0, drafter on GPU 1 when
+    there are two, both on GPU 0 with one), so an operator's first look at a GPU node shows per-GPU
+    memory, NVML and the compiled attention; ``device="cpu"`` keeps the CPU."""
+    if gpus is None:
+        import torch
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device == "cpu" or (device == "auto" and gpus == 0):
+        return {"device": "cpu", "targets": [0], "drafters": [0], "hs_queue": 4}
+    if gpus == 0:
+        raise ConfigError("layout.device", "--device cuda asked for, but no CUDA GPU is visible",
+                          hint="use --device cpu (or auto)")
+    return {"device": "cuda", "targets": [0], "drafters": [1 if gpus > 1 else 0], "hs_queue": 4}
+
+
+def demo_config(output_dir: str = "runs", name: str = "demo", device: str = "cpu",
+                gpus: int | None = None) -> Config:
+    """A complete config for the demo: a few minutes of drafter training on builtin data (the
+    tiny target's head_dim of 32 lets the GPU path run compiled FlexAttention)."""
     return config_from_dict({
         "run": {"name": name, "output_dir": output_dir, "seed": 0, "max_steps": 0,
                 "log_every_s": 2.0},
@@ -405,7 +423,7 @@ def demo_config(output_dir: str = "runs", name: str = "demo") -> Config:
         "data": {"path": "builtin:demo", "token_budget": 2048, "max_seqs_per_batch": 16,
                  "max_length": DATA_PROMPT_LEN + DATA_RESPONSE_LEN, "prefetch_batches": 4,
                  "eval_prompts": 8},
-        "layout": {"device": "cpu", "targets": [0], "drafters": [0], "hs_queue": 4},
+        "layout": demo_layout(device, gpus),
         "optim": {"lr": 6e-3, "betas": [0.9, 0.95], "warmup_frac": 0.05, "min_lr_frac": 0.1,
                   "grad_clip": 1.0, "epochs": 8},
         "checkpoint": {"every": 200, "keep": 2, "on_abort": True},

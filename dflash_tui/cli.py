@@ -27,6 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="resume from the latest checkpoint")
     p.add_argument("--max-steps", type=int, default=None, help="override run.max_steps")
     p.add_argument("--output-dir", type=str, default=None, help="override run.output_dir")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="--demo only: auto (default) uses the GPUs when CUDA sees any")
     p.add_argument("--replay", type=Path, help="replay an events.jsonl into the dashboard")
     p.add_argument("--attach", type=Path, metavar="RUN_DIR",
                    help="follow a live run owned by another dflash-tui process (its run folder)")
@@ -38,6 +40,9 @@ def make_engine(args):
     from dflash_core.engine import Engine
 
     if args.config is not None:
+        if args.device != "auto":
+            raise ConfigError("layout.device", "--device is for --demo; with --config the "
+                              "config decides", hint="set layout.device in the config file")
         if args.output_dir:
             raise ConfigError("run.output_dir", "--output-dir cannot be combined with --config",
                               hint="set run.output_dir in the config file")
@@ -46,7 +51,7 @@ def make_engine(args):
         raise ConfigError("", "nothing to run", hint="pass --config config.yaml or --demo")
     from dflash_core.demo import demo_config
 
-    cfg = demo_config(output_dir=args.output_dir or "runs")
+    cfg = demo_config(output_dir=args.output_dir or "runs", device=args.device)
     return Engine(cfg, resume=args.resume, max_steps=args.max_steps)
 
 

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from dflash_core import demo
-from dflash_core.config import config_from_dict
+from dflash_core.config import ConfigError, config_from_dict
 from dflash_core.data import BatchStream, ShardedDataset, split_eval
 from dflash_core.drafter import DFlashDrafter, build_drafter_config
 from dflash_core.evaluate import evaluate_tau, hf_target_fn, plain_greedy, target_fn_for
@@ -214,3 +214,21 @@ def test_drafter_learns_the_demo_target(demo_target, demo_data):
     assert np.mean(losses[-50:]) < 1.5
     assert after.tau >= 2.0
     assert after.tokens == before.tokens == EVAL_PROMPTS * cfg.eval.max_new_tokens
+
+
+@pytest.mark.parametrize("device, gpus, want", [
+    ("auto", 0, ("cpu", [0], [0])),
+    ("auto", 1, ("cuda", [0], [0])),  # one GPU: both roles on it
+    ("auto", 2, ("cuda", [0], [1])),  # two: target and drafter each on their own
+    ("auto", 8, ("cuda", [0], [1])),
+    ("cpu", 2, ("cpu", [0], [0])),  # --demo --device cpu keeps the CPU on a GPU node
+])
+def test_demo_uses_the_gpus_when_there_are_any(device, gpus, want):
+    lay = demo.demo_config(device=device, gpus=gpus).layout
+    assert (lay.device, lay.targets, lay.drafters) == want
+
+
+def test_demo_on_cuda_without_a_gpu_is_a_clear_error():
+    with pytest.raises(ConfigError) as info:
+        demo.demo_config(device="cuda", gpus=0)
+    assert "--device cpu" in info.value.hint
