@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from ..config import ConfigError, WandbConfig
 from ..errors import error_from_exception
-from ..events import Error, EvalResult, Event, RunEnded, SinkStatus, StepMetrics
+from ..events import Error, EvalResult, Event, Log, RunEnded, SinkStatus, StepMetrics
 
 # Old private settings keys and their public replacements (None: removed, drop the key). Read off
 # the installed wandb's sdk/wandb_settings.py; other "_name" keys map to "x_name" when that exists.
@@ -28,6 +28,10 @@ RENAMED_SETTINGS: dict[str, tuple[str | None, str]] = {
 }
 
 SOURCE = "sink:wandb"
+# run.finish() waits this long at most (online with no network it retries for minutes); after
+# FINISH_NOTICE_S the log says what it waits for.
+FINISH_TIMEOUT_S = 30.0
+FINISH_NOTICE_S = 2.0
 
 
 def _import_wandb():
@@ -163,7 +167,8 @@ class WandbSink:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             # console off: its stdout capture fights the full-screen TUI. The mode is passed
             # explicitly (never a silent online->offline fallback, which can hang ~90 s).
-            settings = wandb.Settings(**{"console": "off", **self.cfg.settings})
+            # silent: wandb's own coloured banner lines would land in headless output and logs.
+            settings = wandb.Settings(**{"console": "off", "silent": True, **self.cfg.settings})
             self._run = wandb.init(
                 project=self.cfg.project, entity=self.cfg.entity or None, name=self.run_name,
                 config=self.config_dict, dir=str(self.run_dir), mode=self.cfg.mode,
@@ -205,7 +210,36 @@ class WandbSink:
             run, self._run = self._run, None
             self._state = "finished"
             run.summary["status"] = ev.status
-            run.finish(exit_code=0 if ev.status == "finished" else 1)
+            self._finish(run, exit_code=0 if ev.status == "finished" else 1)
+
+    def _finish(self, run, **kwargs) -> bool:
+        """run.finish() with a bound: online with no network it can wait minutes to upload, and
+        the run is over. Says what it waits for; False when it gave up (wandb goes on in its
+        thread; its files stay under the run folder for `wandb sync`)."""
+        done, failed = threading.Event(), []
+
+        def go():
+            try:
+                run.finish(**kwargs)
+            except Exception as exc:  # reported below, in the sink's thread
+                failed.append(exc)
+            finally:
+                done.set()
+        threading.Thread(target=go, name="wandb-finish", daemon=True).start()
+        if not done.wait(FINISH_NOTICE_S):
+            what = "to upload to wandb" if self.cfg.mode == "online" else "to write its files"
+            self.publish(Log(level="info", source=SOURCE, message=(
+                f"waiting up to {FINISH_TIMEOUT_S:.0f} s for wandb {what}")))
+            if not done.wait(FINISH_TIMEOUT_S - FINISH_NOTICE_S):
+                self.publish(Log(level="warning", source=SOURCE, message=(
+                    f"wandb did not finish within {FINISH_TIMEOUT_S:.0f} s; going on without it "
+                    f"(its files are under {self.run_dir}; `wandb sync` uploads them later)")))
+                return False
+        if failed:
+            self.publish(error_from_exception(
+                failed[0], error_kind="wandb", source=SOURCE, fatal=False,
+                hint="wandb could not finish; an offline run folder can still be synced"))
+        return True
 
     def _fail(self, exc: Exception, hint: str) -> None:
         self._state = "failed"
@@ -217,17 +251,12 @@ class WandbSink:
 
     def close(self, timeout: float = 60.0) -> None:
         """Finish the wandb run if the bus never delivered RunEnded. Never raises."""
-        if not self._lock.acquire(timeout=timeout):
+        if not self._lock.acquire(timeout=min(timeout, FINISH_TIMEOUT_S + 5)):
             return  # the sink thread is stuck inside wandb; do not hang shutdown with it
         try:
             if self._state == "active" and self._run is not None:
                 run, self._run = self._run, None
                 self._state = "finished"
-                try:
-                    run.finish()
-                except Exception as exc:
-                    self.publish(error_from_exception(
-                        exc, error_kind="wandb", source=SOURCE, fatal=False,
-                        hint="wandb could not finish; an offline run folder can still be synced"))
+                self._finish(run)
         finally:
             self._lock.release()

@@ -1,4 +1,6 @@
 import subprocess
+import threading
+import time
 import sys
 from types import SimpleNamespace
 
@@ -6,7 +8,9 @@ import pytest
 
 from dflash_core.bus import EventBus
 from dflash_core.config import ConfigError, WandbConfig
-from dflash_core.events import Error, EvalResult, RunEnded, RunStarted, SinkStatus, StepMetrics
+from dflash_core.events import (
+    Error, EvalResult, Log, RunEnded, RunStarted, SinkStatus, StepMetrics,
+)
 from dflash_core.sinks.wandb_sink import WandbSink, validate_wandb_settings
 
 
@@ -206,3 +210,35 @@ def test_disabled_does_not_touch_wandb(tmp_path):
     sink(RunEnded(status="finished", step=1, seconds=1.0))
     sink.close()
     assert [(ev.sink, ev.status) for ev in out] == [("wandb", "disabled")]
+
+
+def test_a_finish_that_hangs_is_bounded_and_said(tmp_path, monkeypatch):
+    import dflash_core.sinks.wandb_sink as mod
+
+    monkeypatch.setattr(mod, "FINISH_TIMEOUT_S", 0.6)
+    monkeypatch.setattr(mod, "FINISH_NOTICE_S", 0.2)
+    release = threading.Event()
+
+    class HungRun(FakeRun):
+        def finish(self, exit_code=None):  # online with no network: uploads retried for minutes
+            release.wait(30)
+
+    out = []
+    sink = WandbSink(WandbConfig(enabled=True, mode="online"), tmp_path, "r", {}, out.append,
+                     wandb_module=fake_wandb(HungRun()))
+    monkeypatch.setattr(mod, "_require_credentials", lambda wandb: None)
+    sink(_step(1))
+    t = time.monotonic()
+    sink(RunEnded(status="finished", step=1, seconds=1.0))
+    assert time.monotonic() - t < 3
+    logs = [e for e in out if isinstance(e, Log)]
+    assert "waiting up to 1 s for wandb to upload to wandb" in logs[0].message
+    assert logs[1].level == "warning" and "wandb sync" in logs[1].message
+    release.set()
+
+
+def test_wandb_banners_are_off_unless_asked_for(tmp_path):
+    wb = fake_wandb(FakeRun())
+    sink = WandbSink(WandbConfig(enabled=True), tmp_path, "r", {}, [].append, wandb_module=wb)
+    sink(_step(1))
+    assert wb.calls[0]["settings"]["silent"] is True
