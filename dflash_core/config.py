@@ -326,7 +326,12 @@ def load_config(path: str | Path) -> Config:
         raise ConfigError("", f"config file {path} does not exist",
                           hint="pass --config PATH, or run --demo for the built-in demo")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:  # a folder, no permission, a binary file
+        raise ConfigError("", f"cannot read config file {path}: {exc}",
+                          hint="pass --config the path of a readable YAML file") from exc
+    try:
+        data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ConfigError("", f"{path} is not valid YAML: {exc}",
                           hint="fix the YAML syntax at the line shown") from exc
