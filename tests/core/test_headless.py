@@ -203,3 +203,25 @@ def test_a_restart_keeps_the_headless_process_running_into_the_next_run(tmp_path
     assert len(runs) == 2 and runs[1] >= 2, (runs, out.getvalue())
     events = read_jsonl(cfg.run_dir / "events.jsonl")
     assert len([e for e in events if isinstance(e, RunStarted)]) == 2
+
+
+@pytest.mark.parametrize("argv,fragment", [
+    (["--demo", "--resume", "--new-run"], "--resume and --new-run contradict each other"),
+    (["--config", "."], "cannot read config file ."),
+])
+def test_contradicting_flags_and_unreadable_configs_exit_2(argv, fragment, capsys):
+    from dflash_tui.cli import main
+
+    assert main(["--headless", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("config error: ") and fragment in err and "hint: " in err
+
+
+@pytest.mark.parametrize("value", ["-1", "ten"])
+def test_max_steps_must_be_a_count(value, capsys):
+    from dflash_tui.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["--headless", "--demo", "--max-steps", value])
+    assert info.value.code == 2
+    assert "--max-steps" in capsys.readouterr().err
