@@ -304,7 +304,7 @@ class Engine:
         run_dir = cfg.run_dir
         if not self.resume:
             refuse_if_used(run_dir)  # never overwrite an earlier run's records
-        if self._fresh_name and self._fresh_name != self._asked_name:
+        if not self.resume and self._fresh_name and self._fresh_name != self._asked_name:
             self.bus.publish(Log(level="info", source="engine", message=(
                 f"new run in {run_dir}: {Path(cfg.run.output_dir) / self._asked_name} holds an "
                 "earlier run (--new-run)")))
