@@ -304,10 +304,21 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
                               hint="resume from another checkpoint (latest_checkpoint skips "
                                    "incomplete ones)", errno=errno_mod.ENOENT)
     device = str(map_location)
-    drafter_state = st.load_file(str(path / "model.safetensors"), device=device)
-    with open(path / "config.json", encoding="utf-8") as f:
-        drafter_config = json.load(f)
-    state = torch.load(path / "training_state.pt", map_location=map_location, weights_only=True)
+    name = "model.safetensors"
+    try:  # a truncated or garbled file is the checkpoint's fault: name it, not "a bug"
+        drafter_state = st.load_file(str(path / name), device=device)
+        name = "config.json"
+        with open(path / name, encoding="utf-8") as f:
+            drafter_config = json.load(f)
+        name = "training_state.pt"
+        state = torch.load(path / name, map_location=map_location, weights_only=True)
+        name = "training_state.pt (its entries)"
+        state = {k: state[k] for k in ("step", "optimizer", "scheduler", "trainer")}
+    except Exception as exc:  # SafetensorError, JSONDecodeError, UnpicklingError, KeyError, ...
+        raise CheckpointError(
+            f"checkpoint {path} is damaged: {name} cannot be read ({type(exc).__name__}: {exc})",
+            hint="resume from an older checkpoint (a resume falls back to the newest intact "
+                 "one), or restore this one from a backup", errno=errno_mod.EIO) from exc
     return LoadedCheckpoint(
         step=int(state["step"]), drafter_state=drafter_state, drafter_config=drafter_config,
         optimizer_state=state["optimizer"], scheduler_state=state["scheduler"],

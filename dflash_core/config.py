@@ -79,7 +79,6 @@ class DataConfig:
     max_length: int = 3072  # longer samples are truncated
     prefetch_batches: int = 4  # capacity of each target's prefetch queue
     eval_prompts: int = 8  # held-out samples used for exact tau
-    eval_fraction: float = 0.0  # 0 = hold out exactly eval_prompts samples
 
 
 @dataclass
@@ -113,7 +112,7 @@ class OptimConfig:
 @dataclass
 class CheckpointConfig:
     every: int = 1000  # optimizer steps between checkpoints; 0 = only on abort and at the end
-    keep: int = 3  # newest checkpoints kept
+    keep: int = 3  # newest checkpoints kept; 0 = all
     on_abort: bool = True
 
 
@@ -230,32 +229,72 @@ def _build(cls: type, data: dict, prefix: str) -> Any:
     return cls(**kwargs)
 
 
+# Valid range of every numeric key: (low, high, low included, high included); None = unbounded.
+# Loading refuses a value outside it, naming the key path and the range (docs/bad-input.md).
+RANGES: dict[str, tuple[float | None, float | None, bool, bool]] = {
+    "run.max_steps": (0, None, True, False),  # 0 = all epochs
+    "run.log_every_s": (0, None, True, False),  # 0 = a line per event
+    "target.num_features": (0, None, False, False),
+    "drafter.num_layers": (0, None, False, False),
+    "drafter.block_size": (2, None, True, False),
+    "drafter.mask_token_id": (-1, None, True, False),  # -1 = last id of the target vocab
+    "drafter.num_anchors": (0, None, False, False),
+    "drafter.gamma": (0, None, True, False),  # 0 = the paper's value for the block size
+    "drafter.loss_chunk": (0, None, False, False),
+    "drafter.micro_block_tokens": (0, None, False, False),
+    "drafter.hidden_size": (0, None, True, False),  # 0 = same as the target
+    "drafter.intermediate_size": (0, None, True, False),
+    "drafter.num_attention_heads": (0, None, True, False),
+    "drafter.num_key_value_heads": (0, None, True, False),
+    "data.token_budget": (0, None, False, False),
+    "data.max_seqs_per_batch": (0, None, False, False),
+    "data.max_length": (2, None, True, False),  # a sample needs 2+ tokens to train on
+    "data.prefetch_batches": (0, None, False, False),
+    "data.eval_prompts": (0, None, True, False),
+    "layout.hs_queue": (0, None, False, False),
+    "layout.gpu_memory_gib": (0, None, True, False),  # 0 = the card's own size
+    "optim.lr": (0, 1, False, True),
+    "optim.weight_decay": (0, 1, True, True),
+    "optim.warmup_frac": (0, 1, True, False),
+    "optim.min_lr_frac": (0, 1, True, True),
+    "optim.grad_clip": (0, None, False, False),  # max gradient norm
+    "optim.grad_accum": (0, None, False, False),
+    "optim.epochs": (0, None, False, False),
+    "checkpoint.every": (0, None, True, False),  # 0 = only on abort and at the end
+    "checkpoint.keep": (0, None, True, False),  # 0 = keep every checkpoint
+    "eval.every": (0, None, True, False),  # 0 = only at the end
+    "eval.max_new_tokens": (0, None, False, False),
+    "eval.prompt_tokens": (0, None, False, False),
+    "telemetry.interval_s": (0, None, False, False),
+    "telemetry.stall_floor_s": (0, None, False, False),
+}
+
+# Numeric keys with no range to hold them to.
+UNBOUNDED = {"run.seed": "any integer"}
+
+
+def describe_range(key: str) -> str:
+    """The valid range of a numeric key in words: ">= 0", "> 0", "in (0, 1]"."""
+    lo, hi, lo_in, hi_in = RANGES[key]
+    if hi is None:
+        return f"{'>=' if lo_in else '>'} {lo}"
+    return f"in {'[' if lo_in else '('}{lo}, {hi}{']' if hi_in else ')'}"
+
+
+def check_range(key: str, value: float) -> None:
+    lo, hi, lo_in, hi_in = RANGES[key]
+    below = lo is not None and (value < lo if lo_in else value <= lo)
+    above = hi is not None and (value > hi if hi_in else value >= hi)
+    if below or above or value != value:  # value != value: NaN
+        raise ConfigError(key, f"must be {describe_range(key)}, got {value!r}",
+                          hint=f"set {key} to a value {describe_range(key)} in config.yaml")
+
+
 def _check(cfg: Config) -> None:
-    """Cross-field and range checks that types alone cannot express."""
-
-    def positive(key: str, v: float) -> None:
-        if v <= 0:
-            raise ConfigError(key, f"must be > 0, got {v!r}")
-
-    positive("data.token_budget", cfg.data.token_budget)
-    positive("data.max_seqs_per_batch", cfg.data.max_seqs_per_batch)
-    positive("data.max_length", cfg.data.max_length)
-    positive("data.prefetch_batches", cfg.data.prefetch_batches)
-    positive("layout.hs_queue", cfg.layout.hs_queue)
-    if cfg.layout.gpu_memory_gib < 0:
-        raise ConfigError("layout.gpu_memory_gib", f"must be >= 0 (0 = the whole card), got "
-                          f"{cfg.layout.gpu_memory_gib}")
-    positive("drafter.num_layers", cfg.drafter.num_layers)
-    positive("drafter.num_anchors", cfg.drafter.num_anchors)
-    positive("drafter.loss_chunk", cfg.drafter.loss_chunk)
-    positive("drafter.micro_block_tokens", cfg.drafter.micro_block_tokens)
-    positive("optim.lr", cfg.optim.lr)
-    positive("optim.grad_accum", cfg.optim.grad_accum)
-    positive("optim.epochs", cfg.optim.epochs)
-    positive("telemetry.interval_s", cfg.telemetry.interval_s)
-    positive("telemetry.stall_floor_s", cfg.telemetry.stall_floor_s)
-    if cfg.drafter.block_size < 2:
-        raise ConfigError("drafter.block_size", f"must be >= 2, got {cfg.drafter.block_size}")
+    """Range and cross-field checks that types alone cannot express."""
+    for key in RANGES:
+        section, name = key.split(".")
+        check_range(key, getattr(getattr(cfg, section), name))
     if cfg.data.max_length > cfg.data.token_budget:
         raise ConfigError(
             "data.max_length",
@@ -266,19 +305,17 @@ def _check(cfg: Config) -> None:
         raise ConfigError("layout.targets", "needs at least one target device")
     if not cfg.layout.drafters:
         raise ConfigError("layout.drafters", "needs at least one drafter device")
-    if len(set(cfg.layout.targets)) != len(cfg.layout.targets):
-        raise ConfigError("layout.targets", f"repeats a device: {cfg.layout.targets}")
-    if len(set(cfg.layout.drafters)) != len(cfg.layout.drafters):
-        raise ConfigError("layout.drafters", f"repeats a device: {cfg.layout.drafters}")
+    for key, ids in (("layout.targets", cfg.layout.targets),
+                     ("layout.drafters", cfg.layout.drafters)):
+        if len(set(ids)) != len(ids):
+            raise ConfigError(key, f"repeats a device: {ids}")
+        if any(i < 0 for i in ids):
+            raise ConfigError(key, f"device indices must be >= 0, got {ids}")
     if len(cfg.optim.betas) != 2 or not all(0 <= b < 1 for b in cfg.optim.betas):
         raise ConfigError("optim.betas", f"expected two numbers in [0, 1), got {cfg.optim.betas}")
-    if not 0 <= cfg.optim.warmup_frac < 1:
-        raise ConfigError("optim.warmup_frac", f"must be in [0, 1), got {cfg.optim.warmup_frac}")
-    if cfg.data.eval_prompts < 0:
-        raise ConfigError("data.eval_prompts", f"must be >= 0, got {cfg.data.eval_prompts}")
     if any(i < 0 for i in cfg.target.layer_ids):
         raise ConfigError("target.layer_ids", f"ids must be >= 0, got {cfg.target.layer_ids}")
-    if "/" in cfg.run.name or not cfg.run.name:
+    if "/" in cfg.run.name or not cfg.run.name or cfg.run.name in (".", ".."):
         raise ConfigError("run.name", f"must be a plain folder name, got {cfg.run.name!r}")
 
 
@@ -294,7 +331,12 @@ def load_config(path: str | Path) -> Config:
         raise ConfigError("", f"config file {path} does not exist",
                           hint="pass --config PATH, or run --demo for the built-in demo")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:  # a folder, no permission, a binary file
+        raise ConfigError("", f"cannot read config file {path}: {exc}",
+                          hint="pass --config the path of a readable YAML file") from exc
+    try:
+        data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ConfigError("", f"{path} is not valid YAML: {exc}",
                           hint="fix the YAML syntax at the line shown") from exc

@@ -18,7 +18,6 @@ from pathlib import Path
 import torch
 from transformers.utils import logging as hf_logging
 
-from . import checkpoint as ckpt
 from .allocator import apply_card_limit, configure_allocator
 from .config import Config, ConfigError, load_config, save_config
 from .data import Prefetcher
@@ -32,7 +31,9 @@ from .events import (
 )
 from .hs_queue import HiddenStateQueue
 from .preflight import demo_log_progress, device_label, prepare, resolve_devices
+from .resume import expected_drafter_config, load_for_resume
 from .run import Run
+from .run_folder import fresh_name, refuse_if_used
 from .sinks.run_sinks import RunSinks
 from .target import LoadAborted
 from .target_stage import TargetStage
@@ -67,7 +68,8 @@ class Engine:
     detach_on_quit = False  # quitting the dashboard that owns the engine ends the run
 
     def __init__(self, config: Config | None = None, *, config_path: str | Path | None = None,
-                 bus: EventBus | None = None, resume: bool = False, max_steps: int | None = None):
+                 bus: EventBus | None = None, resume: bool = False, max_steps: int | None = None,
+                 new_run: bool = False):
         if config is None and config_path is None:
             raise ValueError("Engine needs a config or a config_path")
         self.bus = bus or EventBus()
@@ -76,6 +78,10 @@ class Engine:
         self._given_config = config
         self.resume = resume
         self.max_steps = max_steps
+        # Start in a fresh numbered folder when run.name's holds an earlier run (run_folder.py).
+        self.new_run = new_run
+        self._asked_name: str | None = None
+        self._fresh_name: str | None = None
         self._state = "idle"
         self._lock = threading.RLock()
         self._supervisor: threading.Thread | None = None
@@ -112,6 +118,11 @@ class Engine:
     def stopping(self) -> bool:
         """The current run has been asked to stop (abort, failure, or its end)."""
         return self._run is not None and self._run.stop.is_set()
+
+    @property
+    def failure(self) -> Error | None:
+        """The first fatal error of the current (or last) run, if it failed."""
+        return self._run.failure if self._run is not None else None
 
     def start(self) -> None:
         with self._lock:
@@ -301,6 +312,12 @@ class Engine:
         cfg = load_config(self.config_path) if self.config_path else self._given_config
         if self.max_steps is not None:
             cfg.run.max_steps = self.max_steps
+        if self.new_run:  # picked once: a restart resumes the folder this run started in
+            if self._fresh_name is None:
+                self._asked_name = cfg.run.name
+                self._fresh_name = cfg.run.name if self.resume else \
+                    fresh_name(cfg.run.output_dir, cfg.run.name)
+            cfg.run.name = self._fresh_name
         return cfg
 
     def _preflight(self, run: Run) -> None:
@@ -312,9 +329,16 @@ class Engine:
         watchdog = Watchdog(run.heartbeats, self.bus.publish, run.stop, cfg.telemetry.stall_floor_s)
         self._thread(run, "watchdog", "watchdog", "host", watchdog.run)
         run_dir = cfg.run_dir
+        if not self.resume:
+            refuse_if_used(run_dir)  # never overwrite an earlier run's records
+        if not self.resume and self._fresh_name and self._fresh_name != self._asked_name:
+            self.bus.publish(Log(level="info", source="engine", message=(
+                f"new run in {run_dir}: {Path(cfg.run.output_dir) / self._asked_name} holds an "
+                "earlier run (--new-run)")))
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
-            save_config(cfg, run_dir / "config.yaml")
+            if not self.resume:  # a resume keeps the run's config.yaml until its checkpoint fits
+                save_config(cfg, run_dir / "config.yaml")
         except OSError as exc:
             raise ConfigError("run.output_dir", f"cannot write run folder {run_dir}: {exc}",
                               hint="set run.output_dir to a writable folder") from exc
@@ -339,14 +363,15 @@ class Engine:
                            publish=self.bus.publish,
                            demo_progress=demo_log_progress(self.bus.publish, check_stop))
         run.sinks.add_wandb(cfg, run_dir)  # its settings were checked by prepare()
-        if run.prep.fitted:  # the run folder's config.yaml says what the run really uses
-            save_config(cfg, run_dir / "config.yaml")
         if self.resume:
-            latest = ckpt.latest_checkpoint(run_dir)
-            if latest is not None:
-                run.resume = ckpt.load_checkpoint(latest)
-                self.bus.publish(Log(level="info", source="engine",
-                                     message=f"resuming from {latest} (step {run.resume.step})"))
+            expected = expected_drafter_config(cfg, run.prep.target_path, run.prep.layer_ids,
+                                               run.prep.mask_id)
+            run.resume = load_for_resume(run_dir, expected, self.bus.publish)
+            if run.resume is not None:
+                self.bus.publish(Log(level="info", source="engine", message=(
+                    f"resuming from {run.resume.path} (step {run.resume.step})")))
+        if self.resume or run.prep.fitted:  # config.yaml says what the run really uses
+            save_config(cfg, run_dir / "config.yaml")
 
     def _load(self, run: Run) -> None:
         cfg, prep = run.config, run.prep

@@ -1,7 +1,10 @@
 """Run the engine with no screen: readable lines on stdout, logs in the run folder.
 
-Exit codes: 0 finished, 1 failed, 130 aborted. SIGINT / SIGTERM abort gracefully (with a checkpoint
-when training). No terminal control codes, so it behaves under nohup and in pipes.
+Exit codes: 0 finished, 1 failed, 2 failed on the config (a bad value, a run folder that holds an
+earlier run, a checkpoint that does not match), 130 aborted. SIGINT / SIGTERM abort gracefully
+(with a checkpoint when training). No terminal control codes, so it behaves under nohup and in
+pipes. An error shows as its message and hint; its traceback goes to the run's train.log (only an
+internal error, a bug, shows it on the console too).
 """
 
 from __future__ import annotations
@@ -13,10 +16,11 @@ import time
 
 from .engine import Engine
 from .inbox import open_inbox
-from .events import Event, RunStarted
+from .events import Error, Event, RunStarted
 from .sinks.textlog import LineThrottle, format_event
 
 EXIT_CODES = {"finished": 0, "failed": 1, "aborted": 130}
+EXIT_CONFIG = 2  # the run failed on its config, as the CLI exits on a config it cannot load
 # After SIGINT / SIGTERM before training (nothing to checkpoint yet), how long the run may take to
 # end before the process leaves without its stuck threads. From warm-up on, the engine itself
 # gives up on a stuck worker (engine.GIVE_UP_S) and skips the checkpoint it cannot trust.
@@ -33,6 +37,7 @@ class ConsolePrinter:
         self._from_config = every_s is None
         self.throttle = LineThrottle(5.0 if every_s is None else every_s)
         self._lock = threading.Lock()
+        self.run_dir = ""  # from RunStarted: where train.log (with tracebacks) is
 
     def __call__(self, ev: Event) -> None:
         if isinstance(ev, RunStarted) and self._from_config:
@@ -40,7 +45,17 @@ class ConsolePrinter:
                 "log_every_s", self.throttle.every_s))
         if not self.throttle.admit(ev):
             return
-        line = format_event(ev)
+        if isinstance(ev, RunStarted):
+            self.run_dir = ev.run_dir
+        if isinstance(ev, Error) and ev.traceback and ev.error_kind != "internal":
+            # The input's fault: message and hint; the traceback is for train.log.
+            where = (f"{self.run_dir}/train.log" if self.run_dir else "")
+            ev = Error(**{**ev.__dict__, "traceback": ""})
+            line = format_event(ev)
+            if where and ev.fatal:
+                line += f"\n  (traceback in {where})"
+        else:
+            line = format_event(ev)
         if line is None:
             return
         with self._lock:
@@ -101,4 +116,8 @@ def run_headless(engine: Engine, *, every_s: float | None = None, out=None, star
         engine.bus.drain(timeout=5)
         engine.bus.unsubscribe(sub)
         engine.shutdown(timeout=1 if interrupted.is_set() else 10)
-    return EXIT_CODES.get(engine.final_status or engine.state, 1)
+    status = engine.final_status or engine.state
+    failure = engine.failure
+    if status == "failed" and failure is not None and failure.error_kind == "config":
+        return EXIT_CONFIG
+    return EXIT_CODES.get(status, 1)

@@ -79,7 +79,7 @@ def prepare(cfg: Config, run_dir: Path, tdev: list[torch.device], ddev: list[tor
         validate_wandb_settings(cfg.wandb.settings)
 
     target_path = _resolve_target(cfg, run_dir, demo_progress)
-    hf_config = json.loads((target_path / "config.json").read_text())
+    hf_config = _read_target_config(target_path)
     layer_ids, mask_id = _check_target(cfg, hf_config)
     # Before the data is planned: layout.auto_fit may lower data.token_budget.
     fitted = check_memory(cfg, hf_config, tdev, ddev, publish)
@@ -98,11 +98,33 @@ def prepare(cfg: Config, run_dir: Path, tdev: list[torch.device], ddev: list[tor
                     fitted)
 
 
+def _read_target_config(target_path: Path) -> dict:
+    """The target's config.json; a malformed one is target.path's fault, named as such."""
+    path = target_path / "config.json"
+    try:
+        hf_config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ConfigError("target.path", f"{path} cannot be read as JSON: {exc}",
+                          hint="restore the model folder's config.json (e.g. download the model "
+                               "again), or set target.path to an intact model folder") from exc
+    if not isinstance(hf_config, dict):
+        raise ConfigError("target.path", f"{path} holds a {type(hf_config).__name__}, not a "
+                          "model config (a JSON object)", hint="set target.path to a model folder")
+    return hf_config
+
+
 def _check_target(cfg: Config, hf_config: dict) -> tuple[list[int], int]:
     from .target import default_layer_ids
 
-    shape = model_shape(hf_config)
+    try:
+        shape = model_shape(hf_config)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError("target.path", f"the target's config.json: {exc}",
+                          hint="set target.path to a dense causal LM folder with a complete "
+                               "config.json (hidden_size, num_hidden_layers, heads, vocab_size)"
+                          ) from exc
     n_layers, vocab = shape.layers, shape.vocab
+    _check_drafter_heads(cfg, hf_config)
     layer_ids = cfg.target.layer_ids or default_layer_ids(n_layers, cfg.target.num_features)
     if len(set(layer_ids)) != len(layer_ids):
         raise ConfigError("target.layer_ids", f"{layer_ids} repeats a layer: the target has only "
@@ -117,6 +139,29 @@ def _check_target(cfg: Config, hf_config: dict) -> tuple[list[int], int]:
         raise ConfigError("drafter.mask_token_id", f"{mask_id} >= vocab size {vocab}",
                           hint="use an id inside the target vocabulary")
     return layer_ids, mask_id
+
+
+def _check_drafter_heads(cfg: Config, hf_config: dict) -> None:
+    """Head counts the drafter cannot be built with (its attention groups query heads by key /
+    value head), refused with the keys that set them."""
+    text = hf_config.get("text_config") or hf_config
+    d = cfg.drafter
+    heads = d.num_attention_heads or text.get("num_attention_heads") or 0
+    kv = d.num_key_value_heads or text.get("num_key_value_heads") or heads
+    if heads and kv and heads % kv:
+        raise ConfigError(
+            "drafter.num_key_value_heads" if d.num_key_value_heads else
+            "drafter.num_attention_heads",
+            f"the drafter would have {heads} attention heads and {kv} key/value heads: the "
+            "heads must be a multiple of the key/value heads",
+            hint="set drafter.num_attention_heads and drafter.num_key_value_heads so that the "
+                 "first is a multiple of the second (0 = the target's)")
+    if d.init_from and not all((Path(d.init_from).expanduser() / f).is_file()
+                               for f in ("config.json", "model.safetensors")):
+        raise ConfigError("drafter.init_from", f"{d.init_from} is not a drafter checkpoint "
+                          "folder (config.json and model.safetensors)",
+                          hint="point drafter.init_from at a checkpoint folder, e.g. "
+                               "runs/NAME/checkpoints/step-N, or leave it empty")
 
 
 def _resolve_target(cfg: Config, run_dir: Path, demo_progress) -> Path:

@@ -202,6 +202,13 @@ def load_target(
         raise TargetLoadError(
             f"transformers could not build the target from {folder}: {exc}",
             hint="check target.path and target.attn_implementation in config.yaml") from exc
+    except Exception as exc:  # a truncated or garbled weights file (SafetensorError, ...)
+        if type(exc).__name__ != "SafetensorError" and "safetensors" not in str(exc).lower():
+            raise
+        raise TargetLoadError(
+            f"the target's weights in {folder} cannot be read: {type(exc).__name__}: {exc}",
+            hint="a *.safetensors file is truncated or damaged: download the model again, or "
+                 "set target.path to an intact copy") from exc
     # A weight missing from the checkpoint would be silently random: refuse it.
     if info.get("missing_keys"):
         raise TargetLoadError(

@@ -86,6 +86,23 @@ class TargetStage:
                 return None
         return None
 
+    def _check_ids(self, batch) -> None:
+        """Token ids outside the target's vocabulary are the data's fault (it was tokenized for
+        another model): say so, naming the samples, instead of an embedding's IndexError."""
+        vocab = self.model.vocab_size
+        top, low = int(batch.input_ids.max()), int(batch.input_ids.min())
+        if top < vocab and low >= 0:
+            return
+        from .data import DataError
+        bad = [i for i, row in zip(batch.indices, batch.input_ids)
+               if int(row.max()) >= vocab or int(row.min()) < 0]
+        raise DataError(
+            f"token id {top if top >= vocab else low} is outside the target's vocabulary "
+            f"(0..{vocab - 1}) in samples {bad[:8]} of data.path",
+            hint="the data was tokenized with another tokenizer than the target's: re-tokenize "
+                 "it with target.path's tokenizer, or set target.path to the model it was made "
+                 "for")
+
     def _features(self, batch) -> torch.Tensor:
         """The batch's features, in ``self.splits`` row groups. An out-of-memory error doubles
         the split (kept for the rest of the run) and runs the same batch again; only a batch of
@@ -128,6 +145,7 @@ class TargetStage:
             if batch is None:
                 break
             self.heartbeats.beat("forward")
+            self._check_ids(batch)
             try:
                 feats = self._features(batch)
             except ForwardInterrupted:

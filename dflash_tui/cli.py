@@ -24,8 +24,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--demo", action="store_true",
                    help="train on the built-in tiny target and data made on the spot")
     p.add_argument("--headless", action="store_true", help="no screen; progress lines on stdout")
-    p.add_argument("--resume", action="store_true", help="resume from the latest checkpoint")
-    p.add_argument("--max-steps", type=int, default=None, help="override run.max_steps")
+    p.add_argument("--resume", action="store_true",
+                   help="resume from the latest intact checkpoint of the run folder")
+    p.add_argument("--new-run", action="store_true",
+                   help="when the run folder holds an earlier run, start in a fresh numbered one "
+                        "beside it (run.name-2, -3, ...) instead of refusing")
+    p.add_argument("--max-steps", type=_steps, default=None,
+                   help="override run.max_steps (>= 0; 0 = all epochs)")
     p.add_argument("--output-dir", type=str, default=None, help="override run.output_dir")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="--demo only: auto (default) uses the GPUs when CUDA sees any")
@@ -35,10 +40,24 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _steps(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of steps, got {text!r}")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (0 = all epochs), got {value}")
+    return value
+
+
 def make_engine(args):
     from dflash_core.config import ConfigError
     from dflash_core.engine import Engine
 
+    if args.resume and args.new_run:
+        raise ConfigError("", "--resume and --new-run contradict each other",
+                          hint="pass --resume to continue the run in its folder, or --new-run to "
+                               "start a fresh one beside it")
     if args.config is not None:
         if args.device != "auto":
             raise ConfigError("layout.device", "--device is for --demo; with --config the "
@@ -46,13 +65,17 @@ def make_engine(args):
         if args.output_dir:
             raise ConfigError("run.output_dir", "--output-dir cannot be combined with --config",
                               hint="set run.output_dir in the config file")
-        return Engine(config_path=args.config, resume=args.resume, max_steps=args.max_steps)
+        return Engine(config_path=args.config, resume=args.resume, max_steps=args.max_steps,
+                      new_run=args.new_run)
     if not args.demo:
         raise ConfigError("", "nothing to run", hint="pass --config config.yaml or --demo")
     from dflash_core.demo import demo_config
 
     cfg = demo_config(output_dir=args.output_dir or "runs", device=args.device)
-    return Engine(cfg, resume=args.resume, max_steps=args.max_steps)
+    # The demo is run again and again: a new demo run takes a fresh folder (runs/demo-2, ...)
+    # rather than refuse; --resume continues runs/demo.
+    return Engine(cfg, resume=args.resume, max_steps=args.max_steps,
+                  new_run=not args.resume)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         engine = make_engine(args)
+        if args.config is not None:  # a config error ends here, before any run: exit 2
+            from dflash_core.config import load_config
+            load_config(args.config)
     except ConfigError as exc:
         print(f"config error: {exc}\nhint: {exc.hint}" if exc.hint else f"config error: {exc}",
               file=sys.stderr)

@@ -9,7 +9,7 @@ prefetch queue. Plain numpy/torch on the CPU; nothing here imports the engine.
 """
 
 from .batching import (
-    Batch, BatchStream, collate, eval_size, padding_fraction, plan_epoch, split_eval,
+    Batch, BatchStream, collate, padding_fraction, plan_epoch, split_eval,
 )
 from .prefetch import Prefetcher
 from .shards import IDS, MASK, MIN_LENGTH, DataError, ShardedDataset
@@ -17,6 +17,6 @@ from .writing import write_shards
 
 __all__ = [
     "Batch", "BatchStream", "DataError", "IDS", "MASK", "MIN_LENGTH", "Prefetcher",
-    "ShardedDataset", "collate", "eval_size", "padding_fraction", "plan_epoch", "split_eval",
+    "ShardedDataset", "collate", "padding_fraction", "plan_epoch", "split_eval",
     "write_shards",
 ]

@@ -20,13 +20,6 @@ def _rng(*keys: int) -> np.random.Generator:
     return np.random.default_rng([k & 0xFFFF_FFFF_FFFF_FFFF for k in keys])
 
 
-def eval_size(dataset_len: int, eval_prompts: int, eval_fraction: float = 0.0) -> int:
-    """Number of held-out samples under DataConfig's rule (fraction 0 = exactly eval_prompts)."""
-    if eval_fraction > 0:
-        return max(1, int(round(dataset_len * eval_fraction)))
-    return eval_prompts
-
-
 def split_eval(dataset_len: int, n_eval: int, seed: int, *, lengths: np.ndarray | None = None,
                min_length: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Deterministic hold-out: (train_indices, eval_indices), both sorted, disjoint, covering all.
@@ -41,7 +34,7 @@ def split_eval(dataset_len: int, n_eval: int, seed: int, *, lengths: np.ndarray 
     if n_eval > len(pool) or (n_eval and n_eval >= dataset_len):  # keep something to train on
         raise DataError(
             f"cannot hold out {n_eval} eval samples from {len(pool)} eligible of {dataset_len}",
-            hint="lower data.eval_prompts / data.eval_fraction, or use a larger data set")
+            hint="lower data.eval_prompts, or use a larger data set")
     chosen = np.sort(_rng(seed, 0xE7A1).choice(pool, size=n_eval, replace=False))
     train = np.setdiff1d(np.arange(dataset_len), chosen, assume_unique=True)
     return train, chosen

@@ -1,5 +1,6 @@
 """Strict config: every mistake names the key path, the bad value and what is allowed."""
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -70,3 +71,77 @@ def test_yaml_errors_and_missing_file(tmp_path):
 
 def test_gamma_defaults_from_the_paper():
     assert (default_gamma(16), default_gamma(10), default_gamma(8)) == (7.0, 5.0, 4.0)
+
+
+# Every numeric key has a range; a value outside it is refused at load, naming the key path and
+# the range (docs/bad-input.md lists them).
+@pytest.mark.parametrize("key,bad,range_text", [
+    ("optim.grad_clip", -1, "> 0"),
+    ("optim.grad_clip", 0, "> 0"),
+    ("optim.lr", 0, "in (0, 1]"),
+    ("optim.lr", 3.0, "in (0, 1]"),
+    ("optim.warmup_frac", 1.0, "in [0, 1)"),
+    ("optim.min_lr_frac", -0.1, "in [0, 1]"),
+    ("optim.weight_decay", -0.01, "in [0, 1]"),
+    ("optim.epochs", 0, "> 0"),
+    ("optim.grad_accum", -2, "> 0"),
+    ("checkpoint.keep", -1, ">= 0"),
+    ("checkpoint.every", -5, ">= 0"),
+    ("eval.every", -1, ">= 0"),
+    ("eval.max_new_tokens", 0, "> 0"),
+    ("eval.prompt_tokens", 0, "> 0"),
+    ("data.eval_prompts", -1, ">= 0"),
+    ("data.max_length", 1, ">= 2"),
+    ("data.prefetch_batches", 0, "> 0"),
+    ("layout.hs_queue", 0, "> 0"),
+    ("layout.gpu_memory_gib", -1, ">= 0"),
+    ("run.max_steps", -3, ">= 0"),
+    ("run.log_every_s", -1, ">= 0"),
+    ("telemetry.interval_s", 0, "> 0"),
+    ("drafter.gamma", -1, ">= 0"),
+    ("drafter.mask_token_id", -2, ">= -1"),
+    ("drafter.hidden_size", -64, ">= 0"),
+    ("target.num_features", 0, "> 0"),
+    ("optim.lr", float("nan"), "in (0, 1]"),
+])
+def test_every_numeric_key_is_held_to_its_range(key, bad, range_text):
+    section, name = key.split(".")
+    with pytest.raises(ConfigError) as e:
+        config_from_dict({section: {name: bad}})
+    assert e.value.key == key
+    assert str(e.value).startswith(f"{key}: must be {range_text}, got ")
+    assert str(e.value).endswith((repr(bad), repr(float(bad))))
+    assert key in e.value.hint and range_text in e.value.hint
+
+
+def test_every_numeric_key_has_a_range_and_its_default_is_inside():
+    from dflash_core.config import RANGES, UNBOUNDED, Config, check_range
+
+    cfg = Config()
+    numeric = []
+    for section in dataclasses.fields(cfg):
+        for f in dataclasses.fields(getattr(cfg, section.name)):
+            value = getattr(getattr(cfg, section.name), f.name)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                numeric.append(f"{section.name}.{f.name}")
+    assert sorted(numeric) == sorted([*RANGES, *UNBOUNDED]), set(numeric) ^ set(RANGES)
+    for key in RANGES:
+        section, name = key.split(".")
+        check_range(key, getattr(getattr(cfg, section), name))  # the defaults are valid
+
+
+def test_eval_fraction_is_gone_and_named_as_unknown():
+    # It was accepted and never read; now it is refused like any unknown key.
+    with pytest.raises(ConfigError) as e:
+        config_from_dict({"data": {"eval_fraction": 0.1}})
+    assert e.value.key == "data.eval_fraction" and "unknown key" in str(e.value)
+
+
+@pytest.mark.parametrize("layout,fragment", [
+    ({"targets": [-1]}, "device indices must be >= 0"),
+    ({"drafters": [0, 0]}, "repeats a device"),
+])
+def test_bad_device_lists(layout, fragment):
+    with pytest.raises(ConfigError) as e:
+        config_from_dict({"layout": layout})
+    assert fragment in str(e.value)

@@ -90,17 +90,39 @@ def test_finished_run_exits_0_with_plain_progress_lines(tmp_path, assets):
     assert (cfg.run_dir / "checkpoints" / "step-4").is_dir()
 
 
-def test_failing_config_exits_1_with_the_error_and_its_hint(tmp_path, assets):
+def test_failing_config_exits_2_with_the_error_and_its_hint(tmp_path, assets):
+    # Exit 2, as for every config error (it was 1 for --config runs): the file is read before
+    # any run starts, and the console shows the message and the hint, no traceback.
     target, data = assets
     path = write_config(tmp_path / "config.yaml", make_config(tmp_path, target, data))
     path.write_text(path.read_text().replace("token_budget:", "token_budgte:"))
     rc, out, err = Headless(path).finish()
-    assert rc == 1, out + err
+    assert rc == 2, out + err
     assert no_ansi(out) and no_ansi(err)
-    assert "ERROR [config]" in out and "data.token_budgte" in out
-    assert "Did you mean 'token_budget'" in out
-    assert "hint: remove or rename 'data.token_budgte' in config.yaml" in out
-    assert "state preflight -> failed" in out
+    assert err.startswith("config error: data.token_budgte: unknown key"), err
+    assert "Did you mean 'token_budget'" in err
+    assert "hint: remove or rename 'data.token_budgte' in config.yaml" in err
+    assert "Traceback" not in out + err and len((out + err).strip().splitlines()) == 2
+    assert not cfg_run_dir(tmp_path).exists()  # no run started
+
+
+def cfg_run_dir(tmp_path):
+    return tmp_path / "runs" / "t"
+
+
+def test_a_run_folder_that_holds_a_run_is_refused_with_exit_2_and_no_traceback(tmp_path, assets):
+    target, data = assets
+    cfg = make_config(tmp_path, target, data, run__max_steps=1, data__eval_prompts=0)
+    path = write_config(tmp_path / "config.yaml", cfg)
+    rc, out, err = Headless(path).finish()
+    assert rc == 0, out + err
+    log_before = (cfg.run_dir / "train.log").read_text()
+    rc, out, err = Headless(path).finish()  # the same config again, without --resume
+    assert rc == 2, out + err
+    assert "ERROR [config] engine (preflight) fatal: ConfigError: run.name: the run folder" in out, out
+    assert "hint: pass --resume to continue that run" in out
+    assert "Traceback" not in out + err
+    assert (cfg.run_dir / "train.log").read_text() == log_before  # not appended to
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
@@ -181,3 +203,25 @@ def test_a_restart_keeps_the_headless_process_running_into_the_next_run(tmp_path
     assert len(runs) == 2 and runs[1] >= 2, (runs, out.getvalue())
     events = read_jsonl(cfg.run_dir / "events.jsonl")
     assert len([e for e in events if isinstance(e, RunStarted)]) == 2
+
+
+@pytest.mark.parametrize("argv,fragment", [
+    (["--demo", "--resume", "--new-run"], "--resume and --new-run contradict each other"),
+    (["--config", "."], "cannot read config file ."),
+])
+def test_contradicting_flags_and_unreadable_configs_exit_2(argv, fragment, capsys):
+    from dflash_tui.cli import main
+
+    assert main(["--headless", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("config error: ") and fragment in err and "hint: " in err
+
+
+@pytest.mark.parametrize("value", ["-1", "ten"])
+def test_max_steps_must_be_a_count(value, capsys):
+    from dflash_tui.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["--headless", "--demo", "--max-steps", value])
+    assert info.value.code == 2
+    assert "--max-steps" in capsys.readouterr().err
