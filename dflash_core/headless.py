@@ -16,7 +16,7 @@ import time
 
 from .engine import Engine
 from .inbox import open_inbox
-from .events import Error, Event, RunStarted
+from .events import Error, Event, RunEnded, RunStarted, StateChanged
 from .sinks.textlog import LineThrottle, format_event
 
 EXIT_CODES = {"finished": 0, "failed": 1, "aborted": 130}
@@ -38,6 +38,7 @@ class ConsolePrinter:
         self.throttle = LineThrottle(5.0 if every_s is None else every_s)
         self._lock = threading.Lock()
         self.run_dir = ""  # from RunStarted: where train.log (with tracebacks) is
+        self._failure = ""  # the last fatal error's message
 
     def __call__(self, ev: Event) -> None:
         if isinstance(ev, RunStarted) and self._from_config:
@@ -47,6 +48,12 @@ class ConsolePrinter:
             return
         if isinstance(ev, RunStarted):
             self.run_dir = ev.run_dir
+        if isinstance(ev, Error) and ev.fatal:
+            self._failure = ev.message
+        elif isinstance(ev, (StateChanged, RunEnded)) and ev.reason and \
+                ev.reason == self._failure:
+            # The fatal error's message was just printed: once is enough on a console.
+            ev = type(ev)(**{**ev.__dict__, "reason": "see the error above"})
         if isinstance(ev, Error) and ev.traceback and ev.error_kind != "internal":
             # The input's fault: message and hint; the traceback is for train.log.
             where = (f"{self.run_dir}/train.log" if self.run_dir else "")

@@ -122,6 +122,8 @@ def test_a_run_folder_that_holds_a_run_is_refused_with_exit_2_and_no_traceback(t
     assert "ERROR [config] engine (preflight) fatal: ConfigError: run.name: the run folder" in out, out
     assert "hint: pass --resume to continue that run" in out
     assert "Traceback" not in out + err
+    assert out.count("the run folder") == 1  # the state and end lines point at it, not repeat it
+    assert "run failed at step 0" in out and "see the error above" in out
     assert (cfg.run_dir / "train.log").read_text() == log_before  # not appended to
 
 
