@@ -219,13 +219,41 @@ def _clean_hidden(root: Path) -> None:
         _remove(entry)
 
 
+BEST = "best"  # checkpoints/best: JSON naming the checkpoint with the highest exact tau
+
+
+def read_best(run_dir: str | os.PathLike) -> dict | None:
+    """{"step", "path", "tau"} of the best checkpoint so far, or None (none yet, or unreadable)."""
+    try:
+        with open(Path(run_dir) / CHECKPOINTS / BEST, encoding="utf-8") as f:
+            best = json.load(f)
+        return best if isinstance(best, dict) and "step" in best else None
+    except (OSError, ValueError):
+        return None
+
+
+def mark_best(run_dir: str | os.PathLike, folder: str | os.PathLike, step: int, tau: float) -> None:
+    """Point checkpoints/best at ``folder`` (written to a temporary file and renamed, so a reader
+    never sees half of it). Pruning keeps the folder it names."""
+    root = Path(run_dir) / CHECKPOINTS
+    tmp = root / f".{BEST}-{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump({"step": int(step), "path": Path(folder).name, "tau": float(tau)}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, root / BEST)
+
+
 def _prune(root: Path, keep: int, protect: Path) -> None:
     if keep <= 0:
         return
     complete = [p for p in list_checkpoints(root.parent) if _STEP_RE.match(p.name)]
+    best = read_best(root.parent)
     for old in complete[:-keep]:
         if old == protect:
             continue  # a resume from an earlier step must not delete what it just wrote
+        if best is not None and old.name == best.get("path"):
+            continue  # the best checkpoint so far stays, whatever its age
         # Rename first: a crash mid-delete then leaves a hidden folder, never a partial step-*.
         doomed = root / f".del-{old.name}-{os.getpid()}"
         os.rename(old, doomed)

@@ -121,6 +121,9 @@ class EvalConfig:
     every: int = 0  # steps between exact-tau evaluations; 0 = only at the end
     max_new_tokens: int = 64
     prompt_tokens: int = 64  # prompt length cut from each held-out sample
+    # Warn when the teacher-forced tau of training exceeds the exact tau of an evaluation by more
+    # than this: the sign of a train/serve mismatch (layer ids, mask token, a shifted label).
+    tau_gap_warn: float = 1.0
 
 
 @dataclass
@@ -265,6 +268,7 @@ RANGES: dict[str, tuple[float | None, float | None, bool, bool]] = {
     "eval.every": (0, None, True, False),  # 0 = only at the end
     "eval.max_new_tokens": (0, None, False, False),
     "eval.prompt_tokens": (0, None, False, False),
+    "eval.tau_gap_warn": (0, None, False, False),
     "telemetry.interval_s": (0, None, False, False),
     "telemetry.stall_floor_s": (0, None, False, False),
 }

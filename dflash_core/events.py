@@ -240,7 +240,8 @@ class Checkpoint(Event):
     step: int
     path: str
     seconds: float
-    reason: str = "periodic"  # periodic | abort | final
+    reason: str = "periodic"  # periodic | abort | final | best (checkpoints/best now names it)
+    tau: float = -1.0  # with reason "best": the exact tau that made it the best so far
     kind: ClassVar[str] = "Checkpoint"
     keep_when_behind: ClassVar[bool] = True
 

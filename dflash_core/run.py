@@ -61,6 +61,9 @@ class Run:
     step: int = 0
     saved_step: int = -1
     last_step_t: float = field(default_factory=time.monotonic)
+    last_tau_tf: float | None = None  # teacher-forced tau of the last step
+    best_tau: float | None = None  # exact tau of checkpoints/best (read from it on first use)
+    saved_path: Path | None = None
     _ckpt_bytes: int | None = None
     _disk_ok: bool | None = None
     _disk_checked: float = 0.0
@@ -89,6 +92,7 @@ class Run:
         self.last_step_t = now
         wait, blocked = self.hs_queue.take_waits()
         tps, sps = self.rate.add(res.tokens, res.samples)
+        self.last_tau_tf = res.tau_tf
         publish(StepMetrics(
             step=res.step, epoch=self.position.current_epoch(), loss=res.loss, lr=res.lr,
             grad_norm=res.grad_norm, tokens_per_s=tps, samples_per_s=sps, tau_tf=res.tau_tf,
@@ -135,9 +139,10 @@ class Run:
         self._disk_ok = free >= need
         return self._disk_ok
 
-    def save_checkpoint(self, reason: str, publish: Callable[[Any], None]) -> Path | None:
+    def save_checkpoint(self, reason: str, publish: Callable[[Any], None],
+                        tau: float = -1.0) -> Path | None:
         if not self.replicas or self.saved_step == self.step:
-            return None
+            return self.saved_path if self.saved_step == self.step else None
         if not self.disk_check(publish, fresh=True):
             publish(Log(level="warning", source="engine", message=(
                 f"{reason} checkpoint at step {self.step} skipped: it does not fit in the free "
@@ -148,15 +153,17 @@ class Run:
         rep = self.replicas[0]
         epoch, done = self.position.resume_position()
         self.saved_step = self.step
-        path = ckpt.save_checkpoint(
+        path = self.saved_path = ckpt.save_checkpoint(
             cfg.run_dir, self.step, drafter_state=rep.drafter.interchange_state(),
             drafter_config=rep.drafter.interchange_config(),
             optimizer_state=rep.optimizer.state_dict(), scheduler_state={"step": self.step},
             trainer_state={"epoch": epoch, "done": done, "total_steps": self.total_steps,
                            "rng": ckpt.capture_rng_state()},
             keep=cfg.checkpoint.keep)
+        if reason == "best":
+            ckpt.mark_best(cfg.run_dir, path, self.step, tau)
         publish(Checkpoint(step=self.step, path=str(path), seconds=time.monotonic() - t,
-                           reason=reason))
+                           reason=reason, tau=tau))
         return path
 
     def evaluate(self, publish: Callable[[Any], None]) -> None:
@@ -181,6 +188,32 @@ class Run:
             drafter.train(was_training)
         publish(EvalResult(step=self.step, tau=res.tau, acceptance=list(res.acceptance),
                            prompts=len(prompts)))
+        tf = self.last_tau_tf
+        if tf is not None and tf - res.tau > cfg.eval.tau_gap_warn:
+            publish(Log(level="warning", source="eval", message=(
+                f"step {self.step}: exact tau {res.tau:.2f} is {tf - res.tau:.2f} below the "
+                f"teacher-forced {tf:.2f} (eval.tau_gap_warn {cfg.eval.tau_gap_warn}): training "
+                "and serving disagree; check target.layer_ids, drafter.mask_token_id and the "
+                "data's labels")))
+        self._mark_best(res.tau, publish)
+
+    def _mark_best(self, tau: float, publish: Callable[[Any], None]) -> None:
+        """checkpoints/best names the checkpoint with the highest exact tau so far; a better
+        evaluation at a step without a checkpoint saves one for it. Resume still uses the
+        latest."""
+        run_dir = self.config.run_dir
+        if self.best_tau is None:
+            best = ckpt.read_best(run_dir)
+            self.best_tau = float(best["tau"]) if best else float("-inf")
+        if tau <= self.best_tau or self.step == 0:
+            return
+        if self.saved_step == self.step and self.saved_path is not None:
+            ckpt.mark_best(run_dir, self.saved_path, self.step, tau)  # this step's checkpoint
+            publish(Checkpoint(step=self.step, path=str(self.saved_path), seconds=0.0,
+                               reason="best", tau=tau))
+        elif self.save_checkpoint("best", publish, tau=tau) is None:
+            return  # no room on the disk: said by save_checkpoint
+        self.best_tau = tau
 
     def release(self) -> None:
         """Drop the run's models, queues and buffers (teardown, after every worker ended)."""

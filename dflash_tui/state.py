@@ -145,6 +145,10 @@ class DashboardState:
         self.total_steps = 0
         self.allocator = ""  # CUDA allocator settings of the run ("" on CPU)
         self.stalls: dict[str, ev.Stall] = {}  # workers stalled now (cleared by progress)
+        # (step, exact tau, teacher-forced tau of the step then) of every evaluation
+        self.eval_history: deque[tuple[int, float, float | None]] = deque(maxlen=500)
+        self.best: ev.Checkpoint | None = None  # checkpoints/best: the highest exact tau
+        self.tau_gap_warn = 1.0  # eval.tau_gap_warn of the run's config
         self.target_labels: list[str] = []
         self.drafter_labels: list[str] = []
         self.targets: dict[str, TargetRow] = {}
@@ -199,6 +203,7 @@ class DashboardState:
         self.started_ts = e.ts
         self.total_steps = e.total_steps
         self.allocator = e.allocator
+        self.tau_gap_warn = float(e.config.get("eval", {}).get("tau_gap_warn", 1.0))
         self.target_labels = [str(x) for x in e.targets]
         self.drafter_labels = [str(x) for x in e.drafters]
         resumed = f", resumed from step {e.resumed_from_step}" if e.resumed_from_step else ""
@@ -327,10 +332,33 @@ class DashboardState:
 
     def _on_EvalResult(self, e: ev.EvalResult) -> set[str]:
         self.eval = e
+        self.eval_history.append((e.step, e.tau, self.step.tau_tf if self.step else None))
         self.add_log("info", "eval", f"step {e.step}: tau {e.tau:.2f} on {e.prompts} prompts")
         return {"training", "log"}
 
+    def accepted_by_position(self) -> list[float]:
+        """Of the latest evaluation: how often position k (1..) of a drafted block was accepted,
+        i.e. the share of rounds that accepted k or more drafted tokens."""
+        hist = self.eval.acceptance if self.eval else []
+        rounds = sum(hist)
+        if not rounds:
+            return []
+        return [sum(hist[k:]) / rounds for k in range(1, len(hist))]
+
+    @property
+    def tau_gap(self) -> float | None:
+        """Teacher-forced minus exact tau at the latest evaluation (None before one)."""
+        if not self.eval_history or self.eval_history[-1][2] is None:
+            return None
+        _, tau, tf = self.eval_history[-1]
+        return tf - tau
+
     def _on_Checkpoint(self, e: ev.Checkpoint) -> set[str]:
+        if e.reason == "best":
+            self.best = e
+            self.add_log("info", "checkpoint", f"best so far: step {e.step} (tau {e.tau:.2f}), "
+                         f"{e.path}", e.ts)
+            return {"log", "header", "training"}
         self.add_log("info", "checkpoint",
                      f"step {e.step} saved to {e.path} in {e.seconds:.1f}s ({e.reason})")
         return {"log"}

@@ -60,6 +60,8 @@ class HeaderBar(Static):
         second = [field("wandb", s.wandb or "off")]
         if s.run_dir:
             second.append(field("run", s.run_dir, ""))
+        if s.best is not None:  # the checkpoint to serve: highest exact tau so far
+            second.append(field("best", f"step {s.best.step} τ {s.best.tau:.2f}", "bold"))
         if s.allocator:  # which CUDA allocator settings the run's numbers come from
             second.append(field("alloc", s.allocator, "dim"))
         if s.stalls:  # a warning, not an error: a compile may take minutes

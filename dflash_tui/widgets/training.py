@@ -39,7 +39,7 @@ class TrainingPanel(Panel):
         caption.update(Text(f"loss (log scale) over the last {len(hist)} steps: "
                             f"{min(hist):.3f} .. {max(hist):.3f}", style="dim"))
         ev_tau = f"{s.eval.tau:.2f} @{s.eval.step}" if s.eval else "-"
-        return pack([
+        main = pack([
             field("loss", f"{st.loss:.4f}", "bold green"),
             field("lr", f"{st.lr:.2e}"),
             field("grad", f"{st.grad_norm:.3f}"),
@@ -49,3 +49,26 @@ class TrainingPanel(Panel):
             field("τ eval", ev_tau),
             field("pad", fmt.pct(st.padding_frac)) if st.padding_frac else Text(),
         ], width)
+        if not s.eval_history:
+            return main
+        return Text("\n").join([main, eval_line(s, width)])
+
+
+def eval_line(s: DashboardState, width: int) -> Text:
+    """Exact tau over the run (a small plot), the gap to teacher-forced tau (red past
+    eval.tau_gap_warn: training and serving disagree), how often each block position was
+    accepted at the latest evaluation."""
+    taus = [tau for _, tau, _ in s.eval_history]
+    gap = s.tau_gap
+    warn = gap is not None and gap > s.tau_gap_warn
+    parts = [Text("τ exact ", style="dim"), Text(fmt.spark(taus, 16), style="cyan"),
+             Text(f" {taus[-1]:.2f}", style="bold")]
+    if gap is not None:
+        parts.append(Text(f" tf gap {gap:+.2f}", style="bold white on red" if warn else "dim"))
+    rates = s.accepted_by_position()
+    if rates:
+        parts.append(Text("  accepted@k ", style="dim"))
+        parts.append(Text(" ".join(f"{r:.0%}" for r in rates[:15])))
+    text = Text.assemble(*parts)
+    text.truncate(max(1, width), overflow="ellipsis")
+    return text

@@ -139,14 +139,15 @@ def write_config(path: Path, cfg) -> Path:
 def restart_and_train(engine, rec: Recorder, timeout: float = 60.0) -> None:
     """engine.restart(), then wait until the new run has ended the old one and trained a step
     of its own (so the next restart again interrupts training)."""
-    from dflash_core.events import StepMetrics
+    from dflash_core.events import RunStarted, StepMetrics
 
-    n = len(rec.of(RunEnded))
-    t = time.time()
+    n, started = len(rec.of(RunEnded)), len(rec.of(RunStarted))
     engine.restart()
     rec.wait_for(lambda e: isinstance(e, RunEnded) and len(rec.of(RunEnded)) > n, timeout)
-    rec.wait_for(lambda e: isinstance(e, StepMetrics) and e.ts > t
-                 and len(rec.of(RunEnded)) > n, timeout)
+    # A step of the NEW run: the old run's last step may land after restart() was called, and a
+    # restart pressed before the new run exists would find nothing to abort.
+    rec.wait_for(lambda e: isinstance(e, StepMetrics) and len(rec.of(RunStarted)) > started
+                 and e.ts >= rec.of(RunStarted)[-1].ts, timeout)
 
 
 # --------------------------------------------------------------------------------------------

@@ -84,7 +84,9 @@ def test_run_finishes_with_its_records(tmp_path, assets):
     assert resolved.to_dict() == cfg.to_dict()
 
     saved = rec.of(Checkpoint)
-    assert [c.step for c in saved] == [3, 6]
+    # the end's evaluation is the only one, so it makes the last checkpoint the best
+    assert [(c.step, c.reason) for c in saved] == [(3, "periodic"), (6, "periodic"), (6, "best")]
+    assert ckpt.read_best(run_dir) == {"step": 6, "path": "step-6", "tau": saved[-1].tau}
     for step in (3, 6):
         folder = run_dir / "checkpoints" / f"step-{step}"
         assert {p.name for p in folder.iterdir()} >= {"config.json", "model.safetensors",

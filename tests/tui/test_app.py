@@ -339,3 +339,16 @@ async def test_every_gpu_of_an_eight_gpu_node_is_in_view_at_80x24():
         for i, role in enumerate(["tgt"] * 2 + ["dft"] * 6):
             assert f"{i} {role}" in shown
         assert "93/95G" in shown and "R3" in shown  # the drafter near its limit, retrying
+
+
+async def test_training_panel_shows_exact_tau_its_gap_and_acceptance_by_position():
+    events = sc.training(steps=20)
+    events.append(ev.Checkpoint(step=20, path="runs/x/checkpoints/step-20", seconds=0.0,
+                                reason="best", tau=2.87, ts=events[-1].ts))
+    app = DFlashApp(ReplayController(events))
+    async with app.run_test(size=BIG) as pilot:
+        await settle(pilot)
+        text = app.query_one("#training").text
+        assert "τ exact" in text and "2.87" in text and "accepted@k 83% 50%" in text
+        assert "tf gap" in text
+        assert "best step 20 τ 2.87" in app.query_one("#header").text

@@ -221,3 +221,15 @@ def test_a_stall_is_a_warning_in_the_log_and_the_header_until_progress():
                      cleared=True, ts=sc.T0 + 130))
     assert s.stalls == {}
     assert "progress again" in s.log[-1].text
+
+
+def test_acceptance_per_position_the_tau_gap_and_the_best_checkpoint():
+    s = fold(sc.training(steps=20))  # ends with an evaluation: acceptance [1, 2, 3], tau 2.87
+    # rounds that accepted >= 1 drafted token: 5 of 6; >= 2: 3 of 6
+    assert s.accepted_by_position() == pytest.approx([5 / 6, 3 / 6])
+    step, tau, tf = s.eval_history[-1]
+    assert (step, tau) == (20, 2.87) and tf == pytest.approx(s.step.tau_tf)
+    assert s.tau_gap == pytest.approx(s.step.tau_tf - 2.87)
+    s.apply(ev.Checkpoint(step=20, path="runs/x/checkpoints/step-20", seconds=0.0, reason="best",
+                          tau=2.87, ts=sc.T0 + 500))
+    assert s.best.step == 20 and "best so far: step 20 (tau 2.87)" in s.log[-1].text
