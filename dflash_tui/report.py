@@ -327,9 +327,10 @@ class _Clock:
         return f"time since the run started ({self.unit})"
 
 
-def _svg(fig) -> str:
+def _svg(fig, prefix: str = "f") -> str:
     """The figure as an <svg> element for inline HTML: no XML prolog, DTD or metadata, no
-    namespace URLs, and a width set by the page's CSS."""
+    namespace URLs, a width set by the page's CSS, and its ids prefixed (``figure_1``,
+    ``axes_1``, clip paths: several SVGs share one page's id space)."""
     buf = io.StringIO()
     fig.savefig(buf, format="svg", bbox_inches="tight",
                 metadata={"Date": None, "Creator": None, "Format": None, "Type": None})
@@ -339,7 +340,9 @@ def _svg(fig) -> str:
     head_end = text.index(">") + 1
     head = text[:head_end]
     head = re.sub(r'\s(?:xmlns(?::\w+)?|width|height|version)="[^"]*"', "", head)
-    return head + text[head_end:]
+    text = head + text[head_end:]
+    text = re.sub(r'(\sid="|url\(#|href="#)', lambda m: m.group(1) + prefix + "-", text)
+    return text
 
 
 class _Plots:
@@ -353,6 +356,8 @@ class _Plots:
 
         self.matplotlib = matplotlib
         self.Figure = Figure
+        self.figures = 0
+        # a fixed salt: the same events make the same page (matplotlib's default is random)
         self.rc = {"svg.fonttype": "none", "svg.hashsalt": "dflash-report", "font.size": 9,
                    "axes.grid": True, "grid.alpha": 0.3, "path.simplify": True,
                    "axes.spines.top": False, "axes.spines.right": False}
@@ -361,9 +366,10 @@ class _Plots:
         return self.Figure(figsize=(w, h), layout="constrained", **kw)
 
     def render(self, draw) -> str:
+        self.figures += 1
         with self.matplotlib.rc_context(self.rc):
             fig = draw()
-            return _svg(fig)
+            return _svg(fig, prefix=f"fig{self.figures}")
 
 
 def _step_axis(ax, data: RunData, clock: _Clock) -> None:
