@@ -15,6 +15,7 @@ An unreadable line (a torn last line of a running or killed run) is counted and 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as _dt
 import html
 import io
@@ -36,7 +37,7 @@ MAX_SERIES = 64  # queues or GPUs with their own series; more names than this ar
 # Events the report reads; any other line is skipped before it is parsed.
 WANTED = frozenset(("RunStarted", "StateChanged", "StepMetrics", "EvalResult", "GpuSample",
                     "QueueDepth", "MemoryPlan", "Checkpoint", "Error", "Stall", "RunEnded"))
-_KIND_TAG = '"event":"'
+_KIND_TAG = '"event":'
 
 
 class Series:
@@ -249,6 +250,34 @@ class RunData:
         return f"{self.state} (no end recorded: still running, or killed)"
 
 
+def _kind_of(line: str) -> str | None:
+    """The event type a line names ("event" is its last key), without parsing it; None when the
+    line does not say (it is parsed then, and a damaged one counted)."""
+    tag = line.rfind(_KIND_TAG)
+    if tag < 0:
+        return None
+    start = line.find('"', tag + len(_KIND_TAG)) + 1
+    end = line.find('"', start)
+    return line[start:end] if start and end > 0 else None
+
+
+_FIELDS: dict[type, frozenset] = {}
+
+
+def _parse(line: str) -> ev.Event:
+    """``events.from_json`` with each type's field names looked up once, not per line: a
+    multi-day file has millions of lines."""
+    d = json.loads(line)
+    cls = ev.EVENT_TYPES[d.pop("event")]
+    names = _FIELDS.get(cls)
+    if names is None:
+        names = _FIELDS[cls] = frozenset(f.name for f in dataclasses.fields(cls))
+    for old, new in cls.old_names.items():
+        if old in d and new not in d:
+            d[new] = d.pop(old)
+    return cls(**{k: v for k, v in d.items() if k in names})
+
+
 def read_run(path: str | os.PathLike, cap: int = DEFAULT_CAP) -> RunData:
     """The last run of an events.jsonl (a run folder or the file itself), streamed: memory stays
     bounded by ``cap`` whatever the file's size. Lines appended while it reads are left out."""
@@ -267,14 +296,12 @@ def read_run(path: str | os.PathLike, cap: int = DEFAULT_CAP) -> RunData:
             line = raw.decode("utf-8", "replace").strip()
             if not line:
                 continue
-            tag = line.rfind(_KIND_TAG)
-            if tag >= 0:
-                end = line.find('"', tag + len(_KIND_TAG))
-                if line[tag + len(_KIND_TAG):end] not in WANTED:
-                    continue  # host samples, worker phases, logs: not on the page
+            kind = _kind_of(line)
+            if kind is not None and kind not in WANTED:
+                continue  # host samples, worker phases, logs: not on the page
             try:
-                event = ev.from_json(line)
-            except (ValueError, KeyError, TypeError):
+                event = _parse(line)
+            except (ValueError, KeyError, TypeError, AttributeError):
                 data.unreadable += 1
                 continue
             data.feed(event)
