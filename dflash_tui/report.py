@@ -713,7 +713,8 @@ def render_html(data: RunData, source: str = "") -> str:
     add('<h2 id="queues">Queue depths</h2>')
     add(_queue_plot(plots, data, clock) if data.queues else none("queue samples"))
     add('<h2 id="memory">GPU memory</h2>')
-    add(_memory_plot(plots, data, clock) if data.gpus else none("GPU samples (a CPU run?)"))
+    add(_memory_plot(plots, data, clock) if data.gpus else 
+        '<p class="muted">No GPU samples in this run (a run on the CPU has none).</p>')
     if data.plan:
         add("<p>Memory plan (preflight)" + ("" if data.plan.fits else
                                              " — <strong>does not fit</strong>") + ":</p>")
