@@ -6,6 +6,8 @@
     dflash-tui --replay events.jsonl   replay a recorded run into the dashboard
     dflash-tui --attach runs/NAME      dashboard on a run another process owns (a headless one):
                                        a / r reach that run, q detaches and leaves it running
+    dflash-tui report runs/NAME        write runs/NAME/report.html: plots, errors, stalls, config
+                                       of the run (finished or running), one self-contained file
 """
 
 from __future__ import annotations
@@ -79,6 +81,11 @@ def make_engine(args):
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "report":  # dflash-tui report RUN_DIR [--out FILE]
+        from dflash_tui.report import main as report_main
+
+        return report_main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.attach is not None:
         from dflash_tui.follow import FollowController
