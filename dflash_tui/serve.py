@@ -15,8 +15,10 @@ served without it; they say nothing about the run.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import secrets
 import shlex
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -55,6 +57,23 @@ def make_server(run_dir: Path, host: str = DEFAULT_HOST, port: int = DEFAULT_POR
                              port=port, title=f"dflash {run_dir.name}")
             self.token = token
             self.run_dir = run_dir
+            self._sessions: set[asyncio.Task] = set()
+
+        async def handle_websocket(self, request: web.Request) -> web.StreamResponse:
+            task = asyncio.current_task()
+            self._sessions.add(task)
+            try:
+                return await super().handle_websocket(request)
+            finally:
+                self._sessions.discard(task)
+
+        async def on_shutdown(self, app: web.Application) -> None:
+            # Ctrl+C: end each browser's session now (its dashboard detaches, the page says the
+            # session ended) rather than wait for the browsers to leave.
+            for task in list(self._sessions):
+                task.cancel()
+            if self._sessions:
+                await asyncio.wait(list(self._sessions), timeout=5)
 
         async def _make_app(self) -> web.Application:
             app = await super()._make_app()
@@ -89,7 +108,28 @@ def make_server(run_dir: Path, host: str = DEFAULT_HOST, port: int = DEFAULT_POR
             }
 
         async def on_startup(self, app: web.Application) -> None:
-            print(describe(self.run_dir, host, port, self.token), flush=True)
+            pass  # the address is printed once the socket listens (see _serve)
+
+        def serve(self, debug: bool = False) -> None:
+            self.debug = debug
+            self.initialize_logging()
+            asyncio.run(self._serve())
+
+        async def _serve(self) -> None:
+            runner = web.AppRunner(await self._make_app(), handle_signals=False,
+                                   shutdown_timeout=5)
+            await runner.setup()
+            try:
+                await web.TCPSite(runner, host, port).start()  # OSError: port taken
+                # Printed only now, so whoever reads the URL can open it at once.
+                print(describe(self.run_dir, host, port, self.token), flush=True)
+                stop = asyncio.Event()
+                loop = asyncio.get_running_loop()
+                for sig in (signal.SIGINT, signal.SIGTERM):
+                    loop.add_signal_handler(sig, stop.set)
+                await stop.wait()
+            finally:
+                await runner.cleanup()  # on_shutdown ends the sessions
 
     return DashboardServer()
 
