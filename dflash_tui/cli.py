@@ -6,8 +6,8 @@
     dflash-tui --replay events.jsonl   replay a recorded run into the dashboard
     dflash-tui --attach runs/NAME      dashboard on a run another process owns (a headless one):
                                        a / r reach that run, q detaches and leaves it running
-    dflash-tui serve runs/NAME         the attached dashboard in a browser (127.0.0.1:8000; read-only
-                                       unless --control, which puts a token in the URL)
+    dflash-tui serve runs/NAME         the attached dashboard in a browser (127.0.0.1:8000;
+                                       read-only unless --control, which puts a token in the URL)
     dflash-tui report runs/NAME        write runs/NAME/report.html: plots, errors, stalls, config
                                        of the run (finished or running), one self-contained file
 """

@@ -35,7 +35,9 @@ pytestmark = [
 ]
 
 RUN_NAME = "served-run"
-ESCAPES = re.compile(r"\x1b\[[0-9;?<>=]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(\x07|\x1b\\)|\x1b[()=>78MDE]")
+ESCAPES = re.compile(r"\x1b\[[0-9;?<>=]*[ -/]*[@-~]"  # CSI: cursor moves, colours
+                     r"|\x1b\][^\x07\x1b]*(\x07|\x1b\\)"  # OSC
+                     r"|\x1b[()=>78MDE]")
 
 
 def free_port() -> int:
@@ -197,7 +199,8 @@ def test_read_only_view_shows_the_run_and_refuses_abort(run, page):
         assert "Yes (y)" not in screen.text()  # no confirmation: nothing to confirm
         assert run.proc.poll() is None  # the run was not touched ...
         assert last_step(run.run_dir) > steps  # ... and keeps training
-        assert "requested by an attached dashboard" not in (run.run_dir / "events.jsonl").read_text()
+        events = (run.run_dir / "events.jsonl").read_text()
+        assert "requested by an attached dashboard" not in events
     finally:
         served.close()
     # Stopping the server ends its sessions: their dashboards detach, the run goes on.
