@@ -45,6 +45,7 @@ REFRESH_HZ = 5
 SAMPLED_PANELS = frozenset({"gpus", "targets", "queues", "training"})
 SAMPLED_PERIOD_S = 0.8  # + one drain tick (0.2 s): samples reach the screen within 1 s
 QUIET_STATES = ("idle",) + ev.TERMINAL_STATES  # quitting in these needs no confirmation
+READ_ONLY_MESSAGE = "read-only view: start serve with --control to allow abort/restart"
 ACTIONS = ("restart", "abort", "quit", "focus_errors", "focus_log", "help", "stacks")
 
 
@@ -67,12 +68,15 @@ class DFlashApp(App[None]):
     ]
 
     def __init__(self, controller: Controller, run_dir: Path | str | None = None,
-                 start: bool = True, owns_run: bool = False) -> None:
+                 start: bool = True, owns_run: bool = False, read_only: bool = False) -> None:
         """``owns_run``: the controller is this process's engine. Then a hang-up leaves the run
-        going (the caller goes on headless) and SIGTERM / SIGINT abort it with a checkpoint."""
+        going (the caller goes on headless) and SIGTERM / SIGINT abort it with a checkpoint.
+        ``read_only``: a view (`dflash-tui serve` without --control): abort and restart are
+        refused on screen and never sent."""
         super().__init__()
         self.controller = controller
         self.owns_run = owns_run
+        self.read_only = read_only
         self.hung_up = False  # the terminal went away; the run was left going
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.start_run = start
@@ -223,11 +227,20 @@ class DFlashApp(App[None]):
                 self._command(command)
         self.push_screen(ConfirmScreen(question), answered)
 
+    def _refused(self) -> bool:
+        if self.read_only:
+            self.notify(READ_ONLY_MESSAGE, severity="warning", timeout=6)
+        return self.read_only
+
     def action_restart(self) -> None:
+        if self._refused():
+            return
         self._confirm("Restart the run? Workers stop, config.yaml is read again and training "
                       "resumes from the latest checkpoint.", "restart")
 
     def action_abort(self) -> None:
+        if self._refused():
+            return
         self._confirm("Abort the run? Every worker stops (a checkpoint is written first "
                       "when training).", "abort")
 
@@ -286,11 +299,12 @@ class DFlashApp(App[None]):
 
 
 def run_app(controller: Controller, run_dir: Path | str | None = None, *,
-            on_hangup: Callable[[], int] | None = None) -> int:
+            on_hangup: Callable[[], int] | None = None, read_only: bool = False) -> int:
     """Run the dashboard until the operator quits; returns the process exit code (0 normal).
     ``on_hangup``: the controller is this process's engine; when the terminal hangs up the
-    dashboard leaves and this goes on with the run (and returns the exit code)."""
-    app = DFlashApp(controller, run_dir, owns_run=on_hangup is not None)
+    dashboard leaves and this goes on with the run (and returns the exit code).
+    ``read_only``: abort and restart are refused (see DFlashApp)."""
+    app = DFlashApp(controller, run_dir, owns_run=on_hangup is not None, read_only=read_only)
     app.run()
     if app.hung_up and on_hangup is not None:
         return on_hangup()

@@ -6,6 +6,8 @@
     dflash-tui --replay events.jsonl   replay a recorded run into the dashboard
     dflash-tui --attach runs/NAME      dashboard on a run another process owns (a headless one):
                                        a / r reach that run, q detaches and leaves it running
+    dflash-tui serve runs/NAME         the attached dashboard in a browser (127.0.0.1:8000;
+                                       read-only unless --control, which puts a token in the URL)
     dflash-tui report runs/NAME        write runs/NAME/report.html: plots, errors, stalls, config
                                        of the run (finished or running), one self-contained file
 """
@@ -39,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--replay", type=Path, help="replay an events.jsonl into the dashboard")
     p.add_argument("--attach", type=Path, metavar="RUN_DIR",
                    help="follow a live run owned by another dflash-tui process (its run folder)")
+    p.add_argument("--read-only", action="store_true",
+                   help="--attach only: a view; abort and restart are refused (q, s still work)")
     return p
 
 
@@ -86,7 +90,14 @@ def main(argv: list[str] | None = None) -> int:
         from dflash_tui.report import main as report_main
 
         return report_main(argv[1:])
-    args = build_parser().parse_args(argv)
+    if argv and argv[0] == "serve":  # dflash-tui serve RUN_DIR [--port P] [--host H] [--control]
+        from dflash_tui.serve import main as serve_main
+
+        return serve_main(argv[1:])
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.read_only and args.attach is None:
+        parser.error("--read-only goes with --attach")
     if args.attach is not None:
         from dflash_tui.follow import FollowController
 
@@ -98,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         from dflash_tui.app import run_app
 
-        return run_app(follower, run_dir=None)
+        return run_app(follower, run_dir=None, read_only=args.read_only)
     if args.replay is not None:
         from dflash_tui.app import run_app
         from dflash_tui.replay import ReplayController

@@ -1,0 +1,186 @@
+"""`dflash-tui serve RUN_DIR`: the attached dashboard in a browser, through textual-serve.
+
+Each browser connection runs its own `dflash-tui --attach RUN_DIR` process (textual-serve starts
+one per websocket), so the training process is never duplicated: the page is one more attached
+dashboard. Bound to 127.0.0.1 by default; reach it from a laptop with `ssh -L`.
+
+Read-only by default: the dashboards run with --read-only, so a and r are refused on screen and
+nothing is sent to the run. --control lets them through, and then every request must carry a
+random token: the page as `/?token=T`, its websocket as `/ws/T` (the page's script appends
+`?width=..&height=..` to the websocket address, so the token travels in the path there). A request
+without the right token gets 403. Only textual-serve's own scripts and styles (/static) are
+served without it; they say nothing about the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import secrets
+import shlex
+import signal
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def attach_command(run_dir: Path, read_only: bool) -> str:
+    """The shell command textual-serve runs for each browser connection."""
+    cmd = [sys.executable, "-m", "dflash_tui.cli", "--attach", str(run_dir.resolve())]
+    if read_only:
+        cmd.append("--read-only")
+    return " ".join(shlex.quote(part) for part in cmd)
+
+
+def page_url(host: str, port: int, token: str | None) -> str:
+    shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    if ":" in shown:
+        shown = f"[{shown}]"
+    return f"http://{shown}:{port}/" + (f"?token={token}" if token else "")
+
+
+def make_server(run_dir: Path, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
+                token: str | None = None):
+    """A textual-serve Server for the run; ``token`` set = control mode (a, r reach the run)."""
+    import aiohttp_jinja2
+    from aiohttp import web
+    from textual_serve.server import Server, to_int
+
+    class DashboardServer(Server):
+        def __init__(self) -> None:
+            super().__init__(attach_command(run_dir, read_only=token is None), host=host,
+                             port=port, title=f"dflash {run_dir.name}")
+            self.token = token
+            self.run_dir = run_dir
+            self._sessions: set[asyncio.Task] = set()
+
+        async def handle_websocket(self, request: web.Request) -> web.StreamResponse:
+            task = asyncio.current_task()
+            self._sessions.add(task)
+            try:
+                return await super().handle_websocket(request)
+            finally:
+                self._sessions.discard(task)
+
+        async def on_shutdown(self, app: web.Application) -> None:
+            # Ctrl+C: end each browser's session now (its dashboard detaches, the page says the
+            # session ended) rather than wait for the browsers to leave.
+            for task in list(self._sessions):
+                task.cancel()
+            if self._sessions:
+                await asyncio.wait(list(self._sessions), timeout=5)
+
+        async def _make_app(self) -> web.Application:
+            app = await super()._make_app()
+            if self.token is not None:
+                # The page's websocket address is ws://HOST/ws/TOKEN (see the module's doc).
+                app.router.add_get("/ws/{token}", self.handle_websocket, name="websocket-token")
+            app.middlewares.append(self._guard)
+            return app
+
+        @web.middleware
+        async def _guard(self, request: web.Request, handler) -> web.StreamResponse:
+            if self.token is not None and not request.path.startswith("/static/"):
+                given = request.match_info.get("token") or request.query.get("token", "")
+                if not secrets.compare_digest(given.encode(), self.token.encode()):
+                    raise web.HTTPForbidden(text="403: this dashboard takes the token printed by "
+                                                 "`dflash-tui serve --control` (?token=...)\n")
+            return await handler(request)
+
+        @aiohttp_jinja2.template("app_index.html")
+        async def handle_index(self, request: web.Request) -> dict[str, Any]:
+            # Addresses from the request's own Host header, not from --host / --port: behind
+            # `ssh -L 9000:127.0.0.1:8000` the browser knows the server as localhost:9000.
+            base = f"{request.scheme}://{request.host}"
+            ws = f"{'wss' if request.scheme == 'https' else 'ws'}://{request.host}/ws"
+            if self.token is not None:
+                ws += f"/{self.token}"
+            return {
+                "font_size": to_int(request.query.get("fontsize", "16"), 16),
+                "app_websocket_url": ws,
+                "config": {"static": {"url": f"{base}/static/"}},
+                "application": {"name": self.title},
+            }
+
+        async def on_startup(self, app: web.Application) -> None:
+            pass  # the address is printed once the socket listens (see _serve)
+
+        def serve(self, debug: bool = False) -> None:
+            self.debug = debug
+            self.initialize_logging()
+            asyncio.run(self._serve())
+
+        async def _serve(self) -> None:
+            runner = web.AppRunner(await self._make_app(), handle_signals=False,
+                                   shutdown_timeout=5)
+            await runner.setup()
+            try:
+                await web.TCPSite(runner, host, port).start()  # OSError: port taken
+                # Printed only now, so whoever reads the URL can open it at once.
+                print(describe(self.run_dir, host, port, self.token), flush=True)
+                stop = asyncio.Event()
+                loop = asyncio.get_running_loop()
+                for sig in (signal.SIGINT, signal.SIGTERM):
+                    loop.add_signal_handler(sig, stop.set)
+                await stop.wait()
+            finally:
+                await runner.cleanup()  # on_shutdown ends the sessions
+
+    return DashboardServer()
+
+
+def describe(run_dir: Path, host: str, port: int, token: str | None) -> str:
+    mode = ("control: a (abort) and r (restart) reach the run; keep the URL to yourself"
+            if token else "read-only: a and r are refused (serve with --control to allow them)")
+    lines = [f"serving the dashboard of {run_dir} ({mode})",
+             f"open {page_url(host, port, token)}"]
+    if host in LOOPBACK:
+        lines.append(f"from another machine: ssh -L {port}:127.0.0.1:{port} "
+                     f"{socket.gethostname()}  then open the URL above there")
+    else:
+        lines.append(f"warning: listening on {host}: anyone who reaches port {port} sees the run")
+    lines.append("each browser tab runs its own attached dashboard; Ctrl+C stops serving (the "
+                 "run goes on)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    """``dflash-tui serve RUN_DIR [--port P] [--host H] [--control]``."""
+    p = argparse.ArgumentParser(
+        prog="dflash-tui serve",
+        description="Serve the dashboard of a live run to a browser (textual-serve): each "
+                    "connection runs its own `dflash-tui --attach RUN_DIR`. Read-only unless "
+                    "--control.")
+    p.add_argument("run_dir", type=Path, metavar="RUN_DIR",
+                   help="the run folder (run.output_dir/run.name, e.g. runs/demo)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"default {DEFAULT_PORT}")
+    p.add_argument("--host", default=DEFAULT_HOST,
+                   help=f"address to listen on (default {DEFAULT_HOST}: reach it with ssh -L)")
+    p.add_argument("--control", action="store_true",
+                   help="allow abort and restart from the browser; the URL then carries a "
+                        "random token and requests without it get 403")
+    args = p.parse_args(argv)
+    events = args.run_dir / "events.jsonl"
+    if not events.exists():
+        print(f"nothing to serve: {events} does not exist\nhint: pass the run folder of a "
+              f"running dflash-tui (run.output_dir/run.name, e.g. runs/demo)", file=sys.stderr)
+        return 2
+    try:
+        server = make_server(args.run_dir, args.host, args.port,
+                             secrets.token_urlsafe(24) if args.control else None)
+    except ImportError as exc:
+        print(f"dflash-tui serve needs textual-serve: {exc}\nhint: pip install textual-serve",
+              file=sys.stderr)
+        return 2
+    try:
+        server.serve()
+    except OSError as exc:
+        print(f"cannot serve on {args.host}:{args.port}: {exc}\nhint: pick another --port",
+              file=sys.stderr)
+        return 1
+    return 0
