@@ -122,8 +122,10 @@ class EvalConfig:
     max_new_tokens: int = 64
     prompt_tokens: int = 64  # prompt length cut from each held-out sample
     # Warn when the teacher-forced tau of training exceeds the exact tau of an evaluation by more
-    # than this: the sign of a train/serve mismatch (layer ids, mask token, a shifted label).
-    tau_gap_warn: float = 1.0
+    # than this: the sign of a train/serve mismatch (layer ids, mask token, a shifted label:
+    # exact tau stays near 1 while teacher-forced climbs). Teacher-forced tau on training blocks
+    # runs ahead of exact tau on held-out prompts anyway (about 1 in the demo), hence 2.
+    tau_gap_warn: float = 2.0
 
 
 @dataclass

@@ -148,7 +148,7 @@ class DashboardState:
         # (step, exact tau, teacher-forced tau of the step then) of every evaluation
         self.eval_history: deque[tuple[int, float, float | None]] = deque(maxlen=500)
         self.best: ev.Checkpoint | None = None  # checkpoints/best: the highest exact tau
-        self.tau_gap_warn = 1.0  # eval.tau_gap_warn of the run's config
+        self.tau_gap_warn = 2.0  # eval.tau_gap_warn of the run's config
         self.target_labels: list[str] = []
         self.drafter_labels: list[str] = []
         self.targets: dict[str, TargetRow] = {}
@@ -203,7 +203,7 @@ class DashboardState:
         self.started_ts = e.ts
         self.total_steps = e.total_steps
         self.allocator = e.allocator
-        self.tau_gap_warn = float(e.config.get("eval", {}).get("tau_gap_warn", 1.0))
+        self.tau_gap_warn = float(e.config.get("eval", {}).get("tau_gap_warn", 2.0))
         self.target_labels = [str(x) for x in e.targets]
         self.drafter_labels = [str(x) for x in e.drafters]
         resumed = f", resumed from step {e.resumed_from_step}" if e.resumed_from_step else ""

@@ -80,3 +80,21 @@ def test_a_checkpoint_that_cannot_fit_is_skipped_and_said_so(tmp_path, assets, m
         "final checkpoint at step 6 skipped"]
     assert ckpt.load_checkpoint(ckpt.latest_checkpoint(cfg.run_dir)).step == 2
     assert math.isfinite(rec.of(StepMetrics)[-1].loss)
+
+
+def test_exact_tau_far_below_teacher_forced_is_a_warning(tmp_path, assets, monkeypatch):
+    from dflash_core.evaluate import EvalSummary
+
+    # an evaluation that accepts nothing, as a wrong mask token or layer ids would give
+    monkeypatch.setattr(run_mod, "evaluate_tau",
+                        lambda *a, **k: EvalSummary(tau=0.5, acceptance=[8], prompts=2, tokens=8))
+    target, data = assets
+    for warn_at, warned in ((0.4, True), (2.0, False)):
+        cfg = make_config(tmp_path, target, data, run__name=f"gap-{warn_at}", run__max_steps=3,
+                          eval__tau_gap_warn=warn_at)
+        end, rec = run_to_end(cfg)
+        assert end.status == "finished"
+        gaps = [e for e in rec.of(Log) if "below the teacher-forced" in e.message]
+        assert bool(gaps) == warned
+        if warned:
+            assert gaps[0].level == "warning" and "drafter.mask_token_id" in gaps[0].message
