@@ -204,6 +204,15 @@ def ended(engine: Engine, rec: Recorder, timeout: float = 30.0) -> RunEnded:
     return end
 
 
+def run_config(cfg, timeout: float = 120.0) -> tuple[RunEnded, Recorder]:
+    """A run of ``cfg`` from start to RunEnded in a fresh engine, shut down after: its end and
+    every event it published."""
+    engine = Engine(cfg)
+    rec = run_to_end(engine, timeout)
+    engine.shutdown()
+    return rec.of(RunEnded)[-1], rec
+
+
 def run_to_end(engine: Engine, timeout: float = 60.0) -> Recorder:
     rec = Recorder(engine.bus)
     engine.start()

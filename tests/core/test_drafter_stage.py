@@ -6,10 +6,9 @@ import torch
 
 from dflash_core import checkpoint as ckpt
 from dflash_core.drafter import DFlashDrafter
-from dflash_core.engine import Engine
-from dflash_core.events import Error, Log, RunEnded, StepMetrics
+from dflash_core.events import Error, Log, StepMetrics
 
-from .engine_fixtures import Recorder, assets, make_config  # noqa: F401 - assets is a fixture
+from .engine_fixtures import assets, make_config, run_config  # noqa: F401 - fixture
 
 # 8 anchors x block 4 = 32 block tokens per sequence: 128 puts 4 sequences in a micro-group
 # (every batch of the fixture data), 64 puts 2.
@@ -21,11 +20,7 @@ def run(tmp_path, assets, name: str, micro: int):
     cfg = make_config(tmp_path, target, data, run__name=name, run__max_steps=6,
                       drafter__micro_block_tokens=micro, data__eval_prompts=0,
                       checkpoint__every=0)
-    engine = Engine(cfg)
-    rec = Recorder(engine.bus)
-    engine.start()
-    end = rec.wait_for(lambda e: isinstance(e, RunEnded), 120)
-    engine.shutdown()
+    end, rec = run_config(cfg)
     weights = ckpt.load_checkpoint(ckpt.latest_checkpoint(cfg.run_dir)).drafter_state
     return end, rec, weights
 
@@ -75,11 +70,7 @@ def test_oom_with_one_sequence_per_group_still_fails_the_run_with_the_hint(tmp_p
     target, data = assets
     cfg = make_config(tmp_path, target, data, drafter__micro_block_tokens=4 * PER_SEQ,
                       data__eval_prompts=0)
-    engine = Engine(cfg)
-    rec = Recorder(engine.bus)
-    engine.start()
-    end = rec.wait_for(lambda e: isinstance(e, RunEnded), 120)
-    engine.shutdown()
+    end, rec = run_config(cfg)
     assert end.status == "failed"
     assert sorted(set(calls)) == [1, 2, 4]  # backed off 4 -> 2 -> 1, then gave up
     (err,) = [e for e in rec.of(Error) if e.fatal]

@@ -9,19 +9,9 @@ import torch
 from dflash_core import checkpoint as ckpt
 from dflash_core import objective
 from dflash_core import run as run_mod
-from dflash_core.engine import Engine
-from dflash_core.events import Checkpoint, Error, Log, RunEnded, StepMetrics
+from dflash_core.events import Checkpoint, Error, Log, StepMetrics
 
-from .engine_fixtures import Recorder, assets, make_config  # noqa: F401 - assets is a fixture
-
-
-def run_to_end(cfg) -> tuple[RunEnded, Recorder]:
-    engine = Engine(cfg)
-    rec = Recorder(engine.bus)
-    engine.start()
-    end = rec.wait_for(lambda e: isinstance(e, RunEnded), 120)
-    engine.shutdown()
-    return end, rec
+from .engine_fixtures import assets, make_config, run_config  # noqa: F401 - assets is a fixture
 
 
 def test_a_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, assets,
@@ -40,7 +30,7 @@ def test_a_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, a
     target, data = assets
     cfg = make_config(tmp_path, target, data, run__max_steps=8, data__eval_prompts=0,
                       checkpoint__every=2, drafter__micro_block_tokens=1 << 20)
-    end, rec = run_to_end(cfg)
+    end, rec = run_config(cfg)
     assert end.status == "failed"
     assert [m.step for m in rec.of(StepMetrics)] == [1, 2, 3, 4]
     (err,) = [e for e in rec.of(Error) if e.fatal]
@@ -69,7 +59,7 @@ def test_a_checkpoint_that_cannot_fit_is_skipped_and_said_so(tmp_path, assets, m
     target, data = assets
     cfg = make_config(tmp_path, target, data, run__max_steps=6, data__eval_prompts=0,
                       checkpoint__every=2)
-    end, rec = run_to_end(cfg)
+    end, rec = run_config(cfg)
     assert end.status == "finished"  # the run goes on; only the checkpoint is skipped
     assert [c.step for c in rec.of(Checkpoint)] == [2]
     warnings = [e.message for e in rec.of(Log) if e.level == "warning"]
@@ -92,7 +82,7 @@ def test_exact_tau_far_below_teacher_forced_is_a_warning(tmp_path, assets, monke
     for warn_at, warned in ((0.4, True), (2.0, False)):
         cfg = make_config(tmp_path, target, data, run__name=f"gap-{warn_at}", run__max_steps=3,
                           eval__tau_gap_warn=warn_at)
-        end, rec = run_to_end(cfg)
+        end, rec = run_config(cfg)
         assert end.status == "finished"
         gaps = [e for e in rec.of(Log) if "below the teacher-forced" in e.message]
         assert bool(gaps) == warned

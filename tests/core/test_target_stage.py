@@ -4,22 +4,17 @@ on, with the features (and so the training) it would have had without the error.
 import torch
 
 from dflash_core import checkpoint as ckpt
-from dflash_core.engine import Engine
-from dflash_core.events import Error, Log, RunEnded, StepMetrics
+from dflash_core.events import Error, Log, StepMetrics
 from dflash_core.target import TargetModel
 
-from .engine_fixtures import Recorder, assets, make_config  # noqa: F401 - assets is a fixture
+from .engine_fixtures import assets, make_config, run_config  # noqa: F401 - fixture
 
 
 def run(tmp_path, assets, name: str, **over):
     target, data = assets
     cfg = make_config(tmp_path, target, data, run__name=name, run__max_steps=4,
                       data__eval_prompts=0, checkpoint__every=0, **over)
-    engine = Engine(cfg)
-    rec = Recorder(engine.bus)
-    engine.start()
-    end = rec.wait_for(lambda e: isinstance(e, RunEnded), 120)
-    engine.shutdown()
+    end, rec = run_config(cfg)
     weights = ckpt.load_checkpoint(ckpt.latest_checkpoint(cfg.run_dir)).drafter_state
     return end, rec, weights
 
@@ -53,11 +48,7 @@ def test_oom_on_a_single_row_fails_the_run(tmp_path, assets, monkeypatch):
 
     monkeypatch.setattr(TargetModel, "features", features)
     target, data = assets
-    engine = Engine(make_config(tmp_path, target, data, data__eval_prompts=0))
-    rec = Recorder(engine.bus)
-    engine.start()
-    end = rec.wait_for(lambda e: isinstance(e, RunEnded), 120)
-    engine.shutdown()
+    end, rec = run_config(make_config(tmp_path, target, data, data__eval_prompts=0))
     assert end.status == "failed"
     (err,) = [e for e in rec.of(Error) if e.fatal]
     assert err.source == "target-0" and "data.token_budget" in err.hint
