@@ -30,6 +30,7 @@ from .events import (
     StateChanged, WorkerStatus, prefetch_queue,
 )
 from .hs_queue import HiddenStateQueue
+from .layout_advice import LayoutAdvisor
 from .preflight import demo_log_progress, device_label, prepare, resolve_devices
 from .resume import expected_drafter_config, load_for_resume
 from .run import Run
@@ -436,6 +437,10 @@ class Engine:
         if run.resume is not None:
             run.step = run.resume.step
         run.barrier = StepBarrier(len(run.replicas), run.stop)
+        gpus = torch.cuda.device_count() if run.drafter_devices[0].type == "cuda" else 0
+        run.advisor = LayoutAdvisor(self.bus.publish, len(run.target_devices),
+                                    len(run.drafter_devices), gpus)
+        self.bus.tap(run.advisor)  # says once which side bounds the run and the balancing split
         run.last_step_t = time.monotonic()
         self.bus.publish(Log(level="info", source="engine",
                              message=f"training {run.total_steps} steps on "
@@ -506,6 +511,8 @@ class Engine:
                 self._fail(run, error_event(exc, source="engine", role="engine", device="",
                                             phase="teardown"))
                 status = "failed"
+        if run.advisor is not None:
+            self.bus.untap(run.advisor)
         # Free the run's memory before anything else can start.
         run.release()
         gc.collect()

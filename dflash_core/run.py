@@ -64,6 +64,7 @@ class Run:
     last_tau_tf: float | None = None  # teacher-forced tau of the last step
     best_tau: float | None = None  # exact tau of checkpoints/best (read from it on first use)
     saved_path: Path | None = None
+    advisor: Any = None  # layout_advice.LayoutAdvisor, a bus tap while the run trains
     _ckpt_bytes: int | None = None
     _disk_ok: bool | None = None
     _disk_checked: float = 0.0
