@@ -82,6 +82,7 @@ class DFlashApp(App[None]):
         self.start_run = start
         self.state = DashboardState()
         self.state.attached = bool(getattr(controller, "detach_on_quit", False))
+        self.state.read_only = read_only
         self.buffer = EventBuffer()
         self.shutdown_done = False  # run_app shuts the controller down if the app did not
         self._quitting = False

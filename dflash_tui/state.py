@@ -137,6 +137,7 @@ class DashboardState:
         self.run_name = ""
         self.run_dir = ""
         self.attached = False  # following a run another process owns (dflash-tui --attach)
+        self.read_only = False  # a view: abort and restart refused (dflash-tui serve)
 
     def _reset_run(self) -> None:
         """Per-run facts; a restart publishes a new RunStarted and these start again."""

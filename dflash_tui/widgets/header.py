@@ -69,7 +69,8 @@ class HeaderBar(Static):
                 f"{w} {fmt.duration(s.now - e.ts + e.seconds)}" for w, e in s.stalls.items()),
                 style="bold yellow"))
         if s.attached:  # keys reach another process's run; q leaves it running (first: a long
-            second.insert(0, Text("attached: q detaches", style="bold cyan"))  # run dir wraps)
+            second.insert(0, Text("attached" + (", read-only" if s.read_only else "")
+                                  + ": q detaches", style="bold cyan"))  # run dir wraps)
         text = pack(first, width)
         text.append("\n")
         text.append_text(pack(second, width))

@@ -19,6 +19,7 @@ async def test_a_read_only_view_refuses_abort_and_restart_and_still_detaches(tmp
     async with app.run_test(size=(160, 48)) as pilot:
         await pilot.pause(1.2)
         assert "TRAINING" in app.query_one("#header").text
+        assert "attached, read-only: q detaches" in app.query_one("#header").text
         for key in ("a", "r"):
             await pilot.press(key)
             await pilot.pause(0.2)
