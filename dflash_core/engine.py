@@ -40,6 +40,7 @@ from .target import LoadAborted
 from .target_stage import TargetStage
 from .telemetry import TelemetrySampler
 from .trainer import StepBarrier, build_replicas
+from .units import GiB
 from .watchdog import Watchdog, format_stack, thread_stack, where
 from .workers import POLL_S, Stopped, UpstreamFailed
 
@@ -384,7 +385,7 @@ class Engine:
             if cfg.layout.gpu_memory_gib:
                 limits[index] = limit
                 self.bus.publish(Log(level="info", source="engine", message=(
-                    f"cuda:{index} limited to {limit / 2**30:.1f} GiB (layout.gpu_memory_gib)")))
+                    f"cuda:{index} limited to {limit / GiB:.1f} GiB (layout.gpu_memory_gib)")))
         self._start_telemetry(run, limits)
         world = len(run.target_devices)
         run.hs_queue = HiddenStateQueue(cfg.layout.hs_queue, world, self.bus.publish, run.stop,

@@ -7,7 +7,8 @@ import re
 import time
 from typing import Sequence
 
-GIB = 1024**3
+from dflash_core.units import GiB as GIB  # one definition of the unit
+
 _SPARK = "▁▂▃▄▅▆▇█"
 _EIGHTHS = " ▏▎▍▌▋▊▉"
 _EXC_PREFIX = re.compile(r"^[\w.]+(Error|Exception): ")

@@ -32,7 +32,7 @@ from dflash_core import events as ev
 from .follow import last_run_offset
 
 DEFAULT_CAP = 2000  # points kept per series
-GIB = 1024**3
+from dflash_core.units import GiB as GIB
 MAX_SERIES = 64  # queues or GPUs with their own series; more names than this are counted only
 # Events the report reads; any other line is skipped before it is parsed.
 WANTED = frozenset(("RunStarted", "StateChanged", "StepMetrics", "EvalResult", "GpuSample",

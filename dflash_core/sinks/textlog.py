@@ -15,12 +15,12 @@ from ..events import (
     Checkpoint, Error, Event, EvalResult, LoadProgress, Log, MemoryPlan, RunEnded, RunStarted,
     SinkStatus, Stall, StateChanged, StepMetrics, TargetMetrics, WorkerStatus,
 )
+from ..units import GiB
 
-GIB = 1024**3
 
 
 def _gib(n: float) -> str:
-    return "-" if n is None else f"{n / GIB:.1f} GiB"
+    return "-" if n is None else f"{n / GiB:.1f} GiB"
 
 
 def _duration(seconds: float) -> str:
