@@ -296,11 +296,21 @@ def check_range(key: str, value: float) -> None:
                           hint=f"set {key} to a value {describe_range(key)} in config.yaml")
 
 
+def key_value(cfg: Config, key: str) -> Any:
+    """The value at a dotted key, e.g. "drafter.loss_chunk"."""
+    section, name = key.split(".")
+    return getattr(getattr(cfg, section), name)
+
+
+def set_key_value(cfg: Config, key: str, value: Any) -> None:
+    section, name = key.split(".")
+    setattr(getattr(cfg, section), name, value)
+
+
 def _check(cfg: Config) -> None:
     """Range and cross-field checks that types alone cannot express."""
     for key in RANGES:
-        section, name = key.split(".")
-        check_range(key, getattr(getattr(cfg, section), name))
+        check_range(key, key_value(cfg, key))
     if cfg.data.max_length > cfg.data.token_budget:
         raise ConfigError(
             "data.max_length",

@@ -27,7 +27,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from .config import Config
+from .config import Config, key_value, set_key_value
 from .model_shape import (
     ModelShape, drafter_param_count, drafter_shape, model_shape, num_features, param_count,
 )
@@ -389,11 +389,6 @@ def _activation_key(cfg: Config) -> str:
     return "drafter.num_anchors"  # already one sequence per pass
 
 
-def _key_value(cfg: Config, key: str) -> Any:
-    section, name = key.split(".")
-    return getattr(getattr(cfg, section), name)
-
-
 def _overflow(cfg: Config, devices: list[str], row: PlanRow) -> Overflow:
     """What to change for one overflowing group of devices, biggest lever first."""
     levers: dict[str, int] = {}
@@ -404,7 +399,7 @@ def _overflow(cfg: Config, devices: list[str], row: PlanRow) -> Overflow:
     ranked = sorted(levers, key=levers.get, reverse=True)[:3]
     fixed = row.components.get("weights", 0) + row.components.get("drafter fp32+adam", 0)
     return Overflow(
-        devices=devices, row=row, lower=[(k, _key_value(cfg, k)) for k in ranked],
+        devices=devices, row=row, lower=[(k, key_value(cfg, k)) for k in ranked],
         separate_roles=row.role == "target+drafter" and row.device.startswith("cuda"),
         weights_too_big=row.free is not None and fixed > row.free)
 
@@ -423,7 +418,7 @@ MIN_LOSS_CHUNK = 256
 def _smaller(cfg: Config, key: str) -> int | None:
     """The next smaller value of ``key`` worth trying, or None at its floor."""
     d, data = cfg.drafter, cfg.data
-    cur = _key_value(cfg, key)
+    cur = key_value(cfg, key)
     if key == "drafter.micro_block_tokens":
         one_sequence = min(d.num_anchors, data.max_length) * d.block_size
         return max(one_sequence, cur // 2) if cur > one_sequence else None
@@ -452,6 +447,5 @@ def fit_sizes(cfg: Config, target_hf_config: dict, free_bytes: dict[str, int] | 
         if step is None:
             return None
         key, new = step
-        section, name = key.split(".")
-        setattr(getattr(trial, section), name, new)
+        set_key_value(trial, key, new)
         changes[key] = new

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from .build_cache import Progress
-from .config import Config, ConfigError
+from .config import Config, ConfigError, key_value, set_key_value
 from .events import Event, Log, MemoryPlan
 from .model_shape import model_shape
 from .units import GiB
@@ -202,10 +202,9 @@ def check_memory(cfg: Config, hf_config: dict, tdev, ddev, publish) -> dict[str,
     plan = plan_memory(cfg, hf_config, free or None, total or None)
     sizes = fit_sizes(cfg, hf_config, free or None, total or None) if not plan.fits else {}
     if sizes and cfg.layout.auto_fit:
-        was = {key: _key_value(cfg, key) for key in sizes}
+        was = {key: key_value(cfg, key) for key in sizes}
         for key, value in sizes.items():
-            section, name = key.split(".")
-            setattr(getattr(cfg, section), name, value)
+            set_key_value(cfg, key, value)
         publish(Log(level="warning", source="preflight", message=(
             "memory plan: lowered " + ", ".join(f"{k} {was[k]} -> {v}" for k, v in sizes.items())
             + " to fit (layout.auto_fit)")))
@@ -219,11 +218,6 @@ def check_memory(cfg: Config, hf_config: dict, tdev, ddev, publish) -> dict[str,
         raise ConfigError(plan.key or "data.token_budget",
                           "the memory plan does not fit:\n" + format_plan(plan), hint=hint)
     return sizes if cfg.layout.auto_fit else {}
-
-
-def _key_value(cfg: Config, key: str):
-    section, name = key.split(".")
-    return getattr(getattr(cfg, section), name)
 
 
 def demo_log_progress(publish: Callable[[Event], None], stop_check: Callable[[], None]):
