@@ -32,11 +32,9 @@ class SerialCompiled:
 
     def __init__(self, fn: Callable, **options: Any):
         self._compiled = torch.compile(fn, **options)
-        self.calls = 0
 
     def __call__(self, *args: Any, **kwargs: Any):
         from torch._functorch import config as functorch_config
 
         with COMPILE_LOCK, functorch_config.patch(force_non_lazy_backward_lowering=True):
-            self.calls += 1
             return self._compiled(*args, **kwargs)
