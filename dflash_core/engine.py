@@ -195,11 +195,14 @@ class Engine:
             return not sup.is_alive()
         return True
 
+    def _live_threads(self) -> list[threading.Thread]:
+        """The supervisor and the workers of the current run that are still alive."""
+        threads = [self._supervisor] if self._supervisor is not None else []
+        threads += self._run.threads if self._run is not None else []
+        return [t for t in threads if t.is_alive()]
+
     def stacks(self) -> None:
-        run = self._run
-        sup = self._supervisor
-        threads = ([sup] if sup is not None else []) + (run.threads if run is not None else [])
-        alive = [t for t in threads if t.is_alive()]
+        alive = self._live_threads()
         if not alive:
             self.bus.publish(Log(level="info", source="engine", message="no worker is running"))
         for t in alive:
@@ -209,11 +212,7 @@ class Engine:
 
     def stuck_workers(self) -> list[str]:
         """Threads of the current run still alive, each with where its stack is now."""
-        run = self._run
-        if run is None:
-            return []
-        threads = [self._supervisor] + run.threads if self._supervisor is not None else run.threads
-        return [f"{t.name} ({where(thread_stack(t))})" for t in threads if t.is_alive()]
+        return [f"{t.name} ({where(thread_stack(t))})" for t in self._live_threads()]
 
     def run_dir(self) -> Path | None:
         """The run folder the config names, if the config can be read (for post-mortems)."""
