@@ -9,7 +9,7 @@ from dflash_core.events import Error, EvalResult, GpuSample, RunStarted, StepMet
 
 
 def test_demo_trains_on_the_gpus(tmp_path, demo_data):
-    cfg = demo.demo_config(output_dir=str(tmp_path / "runs"))
+    cfg = demo.demo_config(output_dir=str(tmp_path / "runs"), device="auto")  # the CLI default
     assert cfg.layout.device == "cuda"
     cfg.run.max_steps = 60
     bus = EventBus()

@@ -75,3 +75,56 @@ def test_engine_trains_two_data_parallel_drafters(tmp_path: Path):
     assert errors == []
     assert len(steps) == cfg.run.max_steps
     assert all(torch.isfinite(torch.tensor(s.loss)) for s in steps)
+
+
+def test_two_drafter_threads_compile_and_train_at_once_on_one_gpu(tmp_path: Path):
+    # The data-parallel launch failure is a race between threads (one thread's lazy backward
+    # compile seen by another's compiled call), not between devices: two replicas on one GPU,
+    # each driven by its own thread through their first compiled steps, reproduce it on a
+    # one-GPU machine.
+    import copy
+
+    from dflash_core.data import BatchStream, ShardedDataset
+    from dflash_core.drafter import DFlashDrafter, build_drafter_config
+    from dflash_core.target import default_layer_ids, load_target
+    from dflash_core.trainer import StepBarrier, make_replicas, reduce_and_step
+    from tests.core.engine_fixtures import VOCAB
+    from tests.core.test_trainer import head_copies
+
+    target = make_target(tmp_path / "target", head_dim=16)
+    data = make_data(tmp_path / "data")
+    cfg = make_config(tmp_path, target, data, layout__device="cuda")
+    gpu = torch.device("cuda", 0)
+    tm = load_target(target, device=gpu, dtype="bfloat16")
+    layer_ids = default_layer_ids(tm.num_layers, cfg.target.num_features)
+    stream = BatchStream.from_config(ShardedDataset.open(data), cfg.data, seed=1, epochs=1)
+    batches = list(stream.iter_batches())[:6]
+    feats = [tm.features(b.input_ids.to(gpu), b.attention_mask.to(gpu), layer_ids)
+             for b in batches]
+    dcfg = build_drafter_config(tm.model.config, num_layers=1, target_layer_ids=layer_ids,
+                                block_size=4, mask_token_id=VOCAB - 1)
+    torch.manual_seed(0)
+    pair = make_replicas(DFlashDrafter(dcfg), [gpu, gpu], cfg,
+                         *[m.to(gpu) for m in head_copies(tm)])
+    stop = threading.Event()
+    barrier = StepBarrier(2, stop)
+    results, failures = [], []
+
+    def work(rank: int) -> None:
+        try:
+            for i in range(rank, len(batches), 2):
+                pair[rank].accumulate(batches[i], feats[i], cfg.run.seed)
+                barrier.arrive(lambda: results.append(reduce_and_step(pair, len(results), 10)))
+        except BaseException as exc:  # noqa: BLE001 - reported by the assert below
+            failures.append(repr(exc))
+            stop.set()
+
+    threads = [threading.Thread(target=work, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert failures == []
+    assert len(results) == 3 and all(torch.isfinite(torch.tensor(r.loss)) for r in results)
+    for a, b in zip(pair[0].drafter.parameters(), pair[1].drafter.parameters()):
+        assert torch.equal(a, b)
