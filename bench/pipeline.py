@@ -32,9 +32,13 @@ from dflash_core.bus import EventBus
 from dflash_core.config import config_from_dict
 from dflash_core.data import write_shards
 from dflash_core.engine import Engine
+from dflash_core import events
 from dflash_core.events import (
     HS_QUEUE, Error, GpuSample, Log, MemoryPlan, QueueDepth, StepMetrics, TargetMetrics,
 )
+
+# Absent before the drafters reported their time: the script also measures older engines.
+DrafterMetrics = getattr(events, "DrafterMetrics", type(None))
 
 
 # --device cpu: the same run at a toy size, to check this script without a GPU.
@@ -137,7 +141,7 @@ def main():
     })
     devices = sorted(set(cfg.layout.targets) | set(cfg.layout.drafters))
     bus = EventBus()
-    steps, queues, targets, gpus, plans = [], [], [], [], []
+    steps, queues, targets, gpus, plans, drafters = [], [], [], [], [], []
     t0 = time.monotonic()
 
     def tap(ev):
@@ -157,6 +161,8 @@ def main():
             queues.append((time.monotonic() - t0, ev.name, ev.depth, ev.capacity))
         elif isinstance(ev, TargetMetrics):
             targets.append(ev)
+        elif isinstance(ev, DrafterMetrics) and ev is not None:
+            drafters.append(ev)
         elif isinstance(ev, GpuSample):
             gpus.append(ev)
         elif isinstance(ev, MemoryPlan):
@@ -197,6 +203,20 @@ def main():
               f"(mean tokens/s {toks:,.0f}); drafter waited {np.mean([s.drafter_wait_frac for _, s in train]):.0%}, "
               f"targets blocked {np.mean([s.target_blocked_frac for _, s in train]):.0%}; "
               f"loss {train[0][1].loss:.3f} -> {train[-1][1].loss:.3f}")
+    # Where each stage's time went, past the first reports (warm-up and compilation).
+    for w in sorted({m.worker for m in targets}):
+        ms = [m for m in targets if m.worker == w][2:]
+        if ms:
+            print(f"{w}: tokens/s {np.mean([m.tokens_per_s for m in ms]):,.0f}, blocked on a full "
+                  f"HS queue {np.mean([m.blocked_frac for m in ms]):.0%}, starved "
+                  f"{np.mean([m.starved_frac for m in ms]):.0%} ({len(ms)} reports)")
+    for w in sorted({m.worker for m in drafters}):
+        ms = [m for m in drafters if m.worker == w][2:]
+        if ms:
+            print(f"{w}: waiting for features {np.mean([m.waiting_frac for m in ms]):.0%}, "
+                  f"compute {np.mean([m.compute_frac for m in ms]):.0%}, barrier "
+                  f"{np.mean([m.barrier_frac for m in ms]):.0%}, optimizer step "
+                  f"{np.mean([m.step_frac for m in ms]):.0%} ({len(ms)} reports)")
     for g in sorted({g.index for g in gpus}):
         util = [x.util for x in gpus if x.index == g and x.util >= 0]
         mem = [x.mem_used for x in gpus if x.index == g]

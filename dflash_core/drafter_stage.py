@@ -6,16 +6,19 @@ from __future__ import annotations
 
 import gc
 import threading
+import time
 from typing import Any, Callable
 
 import torch
 
 from .data_position import DataPosition
-from .events import WORKER_RUNNING, WORKER_WARMUP, Log, WorkerStatus
+from .events import WORKER_RUNNING, WORKER_WARMUP, DrafterMetrics, Log, WorkerStatus
 from .hs_queue import HiddenStateQueue
 from .trainer import DrafterReplica, StepBarrier, StepInterrupted
 from .watchdog import Heartbeats
 from .workers import use_device
+
+METRICS_EVERY_S = 1.0
 
 
 class DrafterStage:
@@ -31,6 +34,9 @@ class DrafterStage:
         self.step_of = step_of  # the optimizer steps taken so far
         self.heartbeats = heartbeats or Heartbeats()
         self.publish, self.stop = publish, stop
+        self._times = dict.fromkeys(("waiting", "compute", "barrier", "step"), 0.0)
+        self._steps = 0
+        self._window_t0 = time.monotonic()
 
     def _beat(self) -> None:
         self.heartbeats.beat("training step")
@@ -43,14 +49,39 @@ class DrafterStage:
         use_device(self.replica.device)
         self._status(WORKER_WARMUP, "first step (kernel compilation)")
         first = True
+        ran = [0.0]
+
+        def timed_step():  # only the thread that arrives last runs it
+            t = time.monotonic()
+            try:
+                return self.on_step()
+            finally:
+                ran[0] = time.monotonic() - t
         while not self.stop.is_set():
             if not self._accumulate_step():
                 return
-            if not self.barrier.arrive(self.on_step):
+            t, ran[0] = time.monotonic(), 0.0
+            if not self.barrier.arrive(timed_step):
                 return
+            self._times["step"] += ran[0]
+            self._times["barrier"] += time.monotonic() - t - ran[0]
+            self._steps += 1
+            self._report()
             if first:
                 first = False
                 self._status(WORKER_RUNNING)
+
+    def _report(self) -> None:
+        now = time.monotonic()
+        span = now - self._window_t0
+        if span < METRICS_EVERY_S:
+            return
+        f = {k: min(1.0, v / span) for k, v in self._times.items()}
+        self.publish(DrafterMetrics(worker=self.name, device=self.label, steps=self._steps,
+                                    waiting_frac=f["waiting"], compute_frac=f["compute"],
+                                    barrier_frac=f["barrier"], step_frac=f["step"]))
+        self._times = dict.fromkeys(self._times, 0.0)
+        self._steps, self._window_t0 = 0, now
 
     def _accumulate_step(self) -> bool:
         """Accumulate up to grad_accum batches (fewer at the end of the data); False if stopped.
@@ -61,7 +92,9 @@ class DrafterStage:
         taken (with grad_accum 1, the one batch the drafter holds anyway)."""
         items: list = []
         while len(items) < self.grad_accum and not self.stop.is_set():
+            t = time.monotonic()
             item = self.hs_queue.get()
+            self._times["waiting"] += time.monotonic() - t
             if item is None:
                 if self.hs_queue.exhausted():
                     break
@@ -72,9 +105,11 @@ class DrafterStage:
             while todo:
                 oom = ""
                 try:
-                    batch, feats = todo[0]
+                    batch, feats, ready = todo[0]
+                    t = time.monotonic()
                     self.replica.accumulate(batch, feats, self.seed, stop=self.stop,
-                                            beat=self._beat)
+                                            beat=self._beat, ready=ready)
+                    self._times["compute"] += time.monotonic() - t
                     todo.pop(0)
                 except StepInterrupted:
                     return False
@@ -88,7 +123,7 @@ class DrafterStage:
                 if oom:
                     self._recover(sizes, oom)
                     todo = list(items)
-        for batch, _ in items:
+        for batch, _, _ in items:
             self.position.taken(self.rank, batch.epoch, batch.batch_index)
         return not self.stop.is_set()
 

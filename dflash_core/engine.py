@@ -10,6 +10,7 @@ Everything a run owns lives in its ``Run`` (run.py), made at start and dropped a
 
 from __future__ import annotations
 
+import functools
 import gc
 import threading
 import time
@@ -39,7 +40,7 @@ from .sinks.run_sinks import RunSinks
 from .target import LoadAborted
 from .target_stage import TargetStage
 from .telemetry import TelemetrySampler
-from .trainer import StepBarrier, build_replicas
+from .trainer import ANCHOR_PAD, StepBarrier, build_replicas, prepare_batch
 from .units import GiB
 from .watchdog import Watchdog, format_stack, thread_stack, where
 from .workers import POLL_S, Stopped, UpstreamFailed
@@ -391,12 +392,19 @@ class Engine:
                                         beat=run.heartbeats.beat)
         run.position = DataPosition(lambda e: len(prep.stream.plan(e)), len(run.drafter_devices),
                                     run.resume.trainer_state if run.resume else None)
+        # The loader threads make each batch's drafter anchors and labels (host work the
+        # drafter's step would otherwise wait on); rounded as the drafter GPUs want them.
+        for_drafter = functools.partial(
+            prepare_batch, num_anchors=cfg.drafter.num_anchors,
+            block_size=cfg.drafter.block_size, seed=cfg.run.seed,
+            pad_to=ANCHOR_PAD if run.drafter_devices[0].type == "cuda" else 1)
         for rank, dev in enumerate(run.target_devices):
             name = prefetch_queue(rank)
             batches = prep.stream.iter_batches(run.position.start_epoch, run.position.start_done,
                                                worker=(rank, world))
             run.prefetchers.append(Prefetcher(
                 batches, cfg.data.prefetch_batches, pin=dev.type == "cuda", name=f"loader-{rank}",
+                prepare=for_drafter,
                 stop=run.stop, on_depth=lambda d, c, n=name: self.bus.publish(
                     QueueDepth(name=n, depth=d, capacity=c)), beat=run.heartbeats.beat))
         for rank, dev in enumerate(run.target_devices):

@@ -199,6 +199,21 @@ class TargetMetrics(Event):
 
 
 @dataclass(frozen=True)
+class DrafterMetrics(Event):
+    """Where one drafter thread's time went since its last report (shares of wall time)."""
+
+    worker: str
+    device: str
+    steps: int  # optimizer steps in the window
+    waiting_frac: float  # waiting for features on an empty HS queue
+    compute_frac: float  # forward + backward (launching them; the GPU may still be busy after)
+    barrier_frac: float  # waiting at the step for the other drafters
+    step_frac: float  # the optimizer step this thread ran (reduce, the step's one GPU sync, AdamW)
+    kind: ClassVar[str] = "DrafterMetrics"
+    sets_state: ClassVar[bool] = False
+
+
+@dataclass(frozen=True)
 class StepMetrics(Event):
     step: int
     epoch: int
@@ -310,7 +325,7 @@ EVENT_TYPES: dict[str, type[Event]] = {
     cls.kind: cls
     for cls in (
         RunStarted, StateChanged, WorkerStatus, LoadProgress, GpuSample, HostSample, QueueDepth,
-        TargetMetrics, StepMetrics, EvalResult, MemoryPlan, Checkpoint, Log, Error, SinkStatus,
+        TargetMetrics, DrafterMetrics, StepMetrics, EvalResult, MemoryPlan, Checkpoint, Log, Error, SinkStatus,
         RunEnded, Stall,
     )
 }

@@ -6,12 +6,24 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
+
+import torch
 
 from .events import HS_QUEUE, QueueDepth
 from .workers import POLL_S, Stopped
 
 REPORT_EVERY_S = 0.2  # depth reports are coalesced: a screen needs a few a second
+
+
+class Handoff(NamedTuple):
+    """One queue item. The features stay on the target's GPU (they count against its memory)
+    until a drafter copies them to its own (handoff.FeatureCopier); ``ready`` is the CUDA event
+    the target recorded when they were done (None off CUDA)."""
+
+    batch: Any
+    features: torch.Tensor
+    ready: Any = None
 
 
 class HiddenStateQueue:

@@ -210,7 +210,8 @@ def _drafter_components(cfg: Config, s: ModelShape, hf_config: dict,
              + DRAFTER_SAVED_I * ds.intermediate)
     context = (CONTEXT_ONCE_KH * k * s.hidden + CONTEXT_ONCE_H * ds.hidden
                + d.num_layers * (CONTEXT_LAYER_H * ds.hidden + CONTEXT_LAYER_KV * kv))
-    features = context_tokens * k * s.hidden * tb  # trainer.py moves one group's at a time
+    # trainer.py copies one group's features while the group before it computes: two live.
+    features = 2 * context_tokens * k * s.hidden * tb
     return {
         "drafter fp32+adam": n_params * ADAM_BYTES_PER_PARAM,
         "autocast copies": n_params * AUTOCAST_COPY_BYTES if autocast else 0,

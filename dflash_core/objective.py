@@ -84,53 +84,91 @@ def _chunk_ce(hidden, weight, labels, w):
 
 
 @dataclass
+class LabelRows:
+    """Which slots of a group carry a label, and their weights: worked out where the labels live
+    (on the host, from the batch) so the GPU step never waits to learn its own loss's shape."""
+
+    rows: torch.Tensor  # flat indices into n*A*B of the labelled slots
+    weights: torch.Tensor  # their slot weights
+    weight_sum: float
+    blocks: int  # blocks with a label in slot 1 (the ones teacher-forced tau averages over)
+
+    def to(self, device) -> "LabelRows":
+        return LabelRows(self.rows.to(device, non_blocking=True),
+                         self.weights.to(device, non_blocking=True), self.weight_sum, self.blocks)
+
+
+def label_rows(labels: torch.Tensor, gamma: float) -> LabelRows:
+    """The labelled slots of [n, A, B] labels, on the labels' device (host labels: no GPU sync)."""
+    B = labels.shape[-1]
+    rows = torch.nonzero(labels.reshape(-1) != IGNORE).squeeze(1)
+    weights = slot_weights(B, gamma, labels.device)[rows % B]
+    blocks = int((labels[:, :, 1] != IGNORE).sum()) if B > 1 else 0
+    return LabelRows(rows, weights, float(weights.sum()), blocks)
+
+
+@dataclass
 class LossOut:
     loss: torch.Tensor  # weighted mean CE (differentiable)
     weight_sum: float  # sum of weights in use (for exact averaging across micro-batches)
-    tau_tf: float  # teacher-forced tau averaged over blocks with a label in slot 1
+    tau_sum: torch.Tensor  # sum over blocks with a label in slot 1 of (correct prefix + 1)
     blocks: int
-    correct: int  # slots predicted right
+    correct: torch.Tensor  # slots predicted right
+
+    @property
+    def tau_tf(self) -> float:
+        """Teacher-forced tau averaged over blocks (reading it waits for the GPU)."""
+        return float(self.tau_sum) / self.blocks if self.blocks else 0.0
 
 
 def chunked_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head_weight: torch.Tensor,
-                 gamma: float, chunk: int = 4096) -> LossOut:
-    """hidden: [n, A*B, H] final drafter states; labels: [n, A, B]. The (A*B) x V logits never exist
-    at once: only slots with a label are projected, ``chunk`` rows at a time, and each chunk is
-    recomputed in backward instead of kept."""
+                 gamma: float, chunk: int = 4096, rows: LabelRows | None = None) -> LossOut:
+    """hidden: [n, A*B, H] final drafter states; labels: [n, A, B] (on hidden's device). The (A*B)
+    x V logits never exist at once: only slots with a label are projected, ``chunk`` rows at a
+    time, and each chunk is recomputed in backward instead of kept. ``rows``: label_rows() of the
+    same labels, made on the host; without it they are found here, which waits for the GPU."""
     n, A, B = labels.shape
     flat_labels = labels.reshape(-1)
-    rows = torch.nonzero(flat_labels != IGNORE).squeeze(1)
-    w_slot = slot_weights(B, gamma, hidden.device)
-    w_rows = w_slot[rows % B]
-    total_w = float(w_rows.sum())
+    if rows is None:
+        rows = label_rows(labels, gamma)
+    rows = rows.to(hidden.device)
     h = hidden.reshape(n * A * B, -1)
     preds = torch.full_like(flat_labels, IGNORE)
     loss_sum = hidden.new_zeros((), dtype=torch.float32)
-    for s in range(0, len(rows), chunk):
-        r = rows[s : s + chunk]
+    for s in range(0, len(rows.rows), chunk):
+        r = rows.rows[s : s + chunk]
+        w = rows.weights[s : s + chunk]
         hs = h.index_select(0, r)
         if torch.is_grad_enabled() and hs.requires_grad:
-            part, arg = checkpoint(_chunk_ce, hs, lm_head_weight, flat_labels[r], w_rows[s:s + chunk],
+            part, arg = checkpoint(_chunk_ce, hs, lm_head_weight, flat_labels[r], w,
                                    use_reentrant=False)
         else:
-            part, arg = _chunk_ce(hs, lm_head_weight, flat_labels[r], w_rows[s:s + chunk])
+            part, arg = _chunk_ce(hs, lm_head_weight, flat_labels[r], w)
         loss_sum = loss_sum + part
         preds[r] = arg.detach()
-    loss = loss_sum / max(total_w, 1e-12)
-    tau, blocks, correct = teacher_forced_tau(preds.view(n, A, B), labels)
-    return LossOut(loss=loss, weight_sum=total_w, tau_tf=tau, blocks=blocks, correct=correct)
+    loss = loss_sum / max(rows.weight_sum, 1e-12)
+    tau_sum, correct = tau_sums(preds.view(n, A, B), labels)
+    return LossOut(loss=loss, weight_sum=rows.weight_sum, tau_sum=tau_sum, blocks=rows.blocks,
+                   correct=correct)
+
+
+def tau_sums(preds: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum over blocks with a label in slot 1 of correct-prefix length + 1, slots right), as
+    tensors on the GPU: nothing here waits for it."""
+    hit = (preds == labels) & (labels != IGNORE)
+    prefix = hit[:, :, 1:].long().cumprod(-1).sum(-1)  # [n, A]
+    has = labels[:, :, 1] != IGNORE
+    return ((prefix + 1) * has).sum().float(), hit.sum()
 
 
 def teacher_forced_tau(preds: torch.Tensor, labels: torch.Tensor) -> tuple[float, int, int]:
     """Per block: length of the correct prefix of slots 1..B-1, plus one; mean over blocks that have
     a label in slot 1. A perfect predictor of full blocks gives B."""
-    hit = (preds == labels) & (labels != IGNORE)
-    prefix = hit[:, :, 1:].long().cumprod(-1).sum(-1)  # [n, A]
-    has = labels[:, :, 1] != IGNORE
-    blocks = int(has.sum())
+    tau_sum, correct = tau_sums(preds, labels)
+    blocks = int((labels[:, :, 1] != IGNORE).sum())
     if blocks == 0:
         return 0.0, 0, 0
-    return float((prefix[has] + 1).float().mean()), blocks, int(hit.sum())
+    return float(tau_sum) / blocks, blocks, int(correct)
 
 
 def dense_reference_loss(hidden, labels, lm_head_weight, gamma):

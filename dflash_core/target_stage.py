@@ -20,7 +20,8 @@ from .events import (
     WORKER_DONE, WORKER_LOADING, WORKER_RUNNING, WORKER_WARMUP, LoadProgress, Log, TargetMetrics,
     WorkerStatus,
 )
-from .hs_queue import HiddenStateQueue
+from .handoff import ready_event
+from .hs_queue import Handoff, HiddenStateQueue
 from .target import ForwardInterrupted, LoadInfo, TargetModel, load_target
 from .watchdog import Heartbeats
 from .workers import POLL_S, Stopped, UpstreamFailed, use_device
@@ -152,7 +153,7 @@ class TargetStage:
                 raise Stopped() from None
             if batches == 0:
                 self._status(WORKER_RUNNING)
-            blocked += self.hs_queue.put((batch, feats))
+            blocked += self.hs_queue.put(Handoff(batch, feats, ready_event(feats)))
             batches += 1
             tokens += batch.num_tokens
             now = time.monotonic()

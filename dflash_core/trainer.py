@@ -12,7 +12,7 @@ import copy
 import math
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -21,6 +21,7 @@ from torch import nn
 from . import objective as obj
 from .config import Config, default_gamma
 from .drafter import DFlashDrafter, build_drafter_config
+from .handoff import FeatureCopier
 
 # On GPU the anchor count of a batch is rounded up to a multiple of this, so compiled
 # FlexAttention and its block mask see a handful of shapes instead of one per batch.
@@ -49,11 +50,12 @@ class NonFiniteLoss(ArithmeticError):
 
 @dataclass
 class Micro:
-    """What one replica accumulated since the last optimizer step."""
+    """What one replica accumulated since the last optimizer step. The loss and tau sums stay on
+    the replica's device (tensors) until the step reads them, once, with everything else."""
 
-    loss_sum: float = 0.0
+    loss_sum: torch.Tensor | float = 0.0
     weight_sum: float = 0.0
-    tau_sum: float = 0.0
+    tau_sum: torch.Tensor | float = 0.0
     blocks: int = 0
     tokens: int = 0
     samples: int = 0
@@ -62,6 +64,11 @@ class Micro:
     def add(self, other: "Micro") -> None:
         for f in self.__dataclass_fields__:
             setattr(self, f, getattr(self, f) + getattr(other, f))
+
+
+# The step's statistics ride behind the gradient in each replica's flat buffer, so one reduction
+# (within the node, then across nodes) sums both.
+STATS = ("weight", "loss", "tau", "blocks", "tokens", "samples", "padded")
 
 
 @dataclass
@@ -77,8 +84,20 @@ class StepResult:
     extra: dict = field(default_factory=dict)
 
 
+def prepare_batch(batch, num_anchors: int, block_size: int, seed: int, pad_to: int = 1):
+    """The batch with its drafter anchors and block labels, made on the host (the loader thread
+    calls this, so the drafter's step finds them ready). Anchors depend only on (seed, epoch,
+    sample): the same whichever thread or drafter makes them."""
+    masks = [batch.loss_mask[r, : int(batch.lengths[r])].numpy() for r in range(len(batch))]
+    anchors = obj.batch_anchors(masks, num_anchors, seed, batch.epoch,
+                                [int(i) for i in batch.indices], pad_to=pad_to)
+    labels = obj.block_labels(batch.input_ids, batch.loss_mask, anchors, block_size)
+    return replace(batch, anchors=anchors, labels=labels)
+
+
 class DrafterReplica:
-    """A drafter copy on one device with its optimizer."""
+    """A drafter copy on one device with its optimizer. Its gradients are views into one flat
+    float32 buffer (followed by the step's statistics), so reducing a step is one collective."""
 
     def __init__(self, drafter: DFlashDrafter, device: torch.device, cfg: Config,
                  embed: nn.Embedding, lm_head: nn.Linear):
@@ -87,11 +106,22 @@ class DrafterReplica:
         self.drafter = drafter.to(self.device, dtype=torch.float32)
         self.drafter.attach_target_head(embed.to(self.device), lm_head.to(self.device))
         self.drafter.train()
+        params = self.params()
+        self.grad_numel = sum(p.numel() for p in params)
+        self.flat = torch.zeros(self.grad_numel + len(STATS), dtype=torch.float32,
+                                device=self.device)
+        offset = 0
+        for p in params:
+            # Backward adds into an existing .grad in place, so the views stay views.
+            p.grad = self.flat[offset: offset + p.numel()].view_as(p)
+            offset += p.numel()
         o = cfg.optim
-        self.optimizer = torch.optim.AdamW(self.drafter.parameters(), lr=o.lr,
-                                           betas=tuple(o.betas), weight_decay=o.weight_decay)
+        self.optimizer = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas),
+                                           weight_decay=o.weight_decay,
+                                           fused=self.device.type == "cuda")
         self.gamma = cfg.drafter.gamma or default_gamma(self.drafter.block_size)
         self.autocast = (self.device.type == "cuda" and cfg.drafter.dtype == "bfloat16")
+        self.copier = FeatureCopier(self.device)
         self.micro = Micro()
         self.sample_ids: list[int] = []  # data indices accumulated since the last step
         # Block tokens live at once in a step; halved by back_off() after an out-of-memory error.
@@ -102,65 +132,79 @@ class DrafterReplica:
     def params(self) -> list[torch.nn.Parameter]:
         return [p for p in self.drafter.parameters() if p.requires_grad]
 
+    @property
+    def grads(self) -> torch.Tensor:
+        return self.flat[: self.grad_numel]
+
     def accumulate(self, batch, features: torch.Tensor, seed: int,
                    stop: threading.Event | None = None,
-                   beat: Callable[[], None] | None = None) -> Micro:
+                   beat: Callable[[], None] | None = None,
+                   ready: torch.cuda.Event | None = None) -> Micro:
         """Forward + backward of one batch (split into sequence groups so at most
         drafter.micro_block_tokens block tokens are live); gradients accumulate in .grad.
+        ``features`` may live on another GPU (the target's); ``ready`` is the event the target
+        recorded when they were done. Nothing here waits for the GPU: losses stay on it.
 
         With ``stop``, raises StepInterrupted before the next group once it is set (a 27B-shaped
         batch of 57 samples is ~20 s of work; an abort waits for one group). The partial
         gradients are then meaningless: the caller must not step on them."""
         d = self.drafter
         B = d.block_size
-        masks = [batch.loss_mask[r, : int(batch.lengths[r])].numpy() for r in range(len(batch.lengths))]
-        anchors = obj.batch_anchors(masks, self.cfg.drafter.num_anchors, seed, batch.epoch,
-                                    [int(i) for i in batch.indices],
-                                    pad_to=ANCHOR_PAD if self.device.type == "cuda" else 1)
-        n, A = anchors.shape
+        if batch.labels is None or batch.labels.shape[-1] != B:
+            batch = prepare_batch(batch, self.cfg.drafter.num_anchors, B, seed,
+                                  pad_to=ANCHOR_PAD if self.device.type == "cuda" else 1)
+        n, A = batch.anchors.shape
         group = obj.sequences_per_group(self.micro_block_tokens, A * B)
         self.last_rows, self.last_block_tokens = n, A * B
         ids_all = batch.input_ids.to(self.device, non_blocking=True)
-        mask_all = batch.loss_mask.to(self.device, non_blocking=True)
-        anchors = anchors.to(self.device)
+        anchors = batch.anchors.to(self.device, non_blocking=True)
         out = Micro(tokens=int(batch.num_tokens), samples=n, padded=int(batch.padded_tokens))
         self.sample_ids.extend(int(i) for i in batch.indices)
-        for s in range(0, n, group):
+        loss_sum = torch.zeros((), device=self.device)
+        tau_sum = torch.zeros((), device=self.device)
+        starts = list(range(0, n, group))
+        # One group's features are copied ahead while the group before it computes.
+        nxt = self.copier.start(features[starts[0]: starts[0] + group], ready)
+        for i, s in enumerate(starts):
             if stop is not None and stop.is_set():
                 raise StepInterrupted
             if beat is not None:
                 beat()  # a micro-group is progress the stall watchdog can see
             rows = slice(s, s + group)
+            feats = nxt.take()
+            if i + 1 < len(starts):
+                nxt = self.copier.start(features[starts[i + 1]: starts[i + 1] + group], ready)
             a = anchors[rows]
+            labels_host = batch.labels[rows]
+            picked = obj.label_rows(labels_host, self.gamma)
+            labels = labels_host.to(self.device, non_blocking=True)
             ids, pos = d.block_inputs(ids_all[rows], a)
-            labels = obj.block_labels(ids_all[rows], mask_all[rows], a, B)
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-                # One group's features at a time: a 27B batch's are ~3 GiB on the drafter GPU.
-                feats = features[rows].to(self.device, non_blocking=True)
                 hidden = d(feats, d.embed_tokens(ids).float(), pos, a)
             lo = obj.chunked_loss(hidden, labels, d.lm_head.weight, self.gamma,
-                                  self.cfg.drafter.loss_chunk)
+                                  self.cfg.drafter.loss_chunk, rows=picked)
             if lo.weight_sum > 0:
                 (lo.loss * lo.weight_sum).backward()
-            out.loss_sum += float(lo.loss.detach()) * lo.weight_sum
+            loss_sum += lo.loss.detach() * lo.weight_sum
+            tau_sum += lo.tau_sum
             out.weight_sum += lo.weight_sum
-            out.tau_sum += lo.tau_tf * lo.blocks
             out.blocks += lo.blocks
+            del feats, hidden, lo
+        out.loss_sum, out.tau_sum = loss_sum, tau_sum
         self.micro.add(out)
         return out
-
 
     def discard_step(self) -> None:
         """Forget what this replica accumulated since the last optimizer step (its gradients and
         counts), so the step's batches can be trained again from scratch."""
-        self.optimizer.zero_grad(set_to_none=True)
+        self.flat.zero_()
         self.micro = Micro()
         self.sample_ids = []
 
     def back_off(self) -> tuple[int, int] | None:
         """After an out-of-memory error: halve the micro-group (the sequences of the last batch
-        whose blocks live at once) by lowering micro_block_tokens. Returns (old, new), or None when a group is already one sequence (no
-        smaller size exists)."""
+        whose blocks live at once) by lowering micro_block_tokens. Returns (old, new), or None
+        when a group is already one sequence (no smaller size exists)."""
         per_seq = self.last_block_tokens
         group = min(self.micro_block_tokens // per_seq, self.last_rows) if per_seq else 0
         if group <= 1:
@@ -169,47 +213,103 @@ class DrafterReplica:
         self.micro_block_tokens = (group // 2) * per_seq
         return old, self.micro_block_tokens
 
+    def write_stats(self) -> None:
+        """The accumulated statistics into the tail of the flat buffer, behind the gradient."""
+        m = self.micro
+        tail = self.flat[self.grad_numel:]
+        tail.copy_(torch.tensor([m.weight_sum, 0.0, 0.0, m.blocks, m.tokens, m.samples, m.padded],
+                                dtype=torch.float32), non_blocking=True)
+        for i, v in ((1, m.loss_sum), (2, m.tau_sum)):
+            if torch.is_tensor(v):
+                tail[i] += v.to(self.device)
+            else:
+                tail[i] += float(v)
 
-def reduce_and_step(replicas: list[DrafterReplica], step: int, total_steps: int) -> StepResult:
-    """Average gradients over replicas by total weight, clip, and step every optimizer."""
+
+def _nccl_ok(flats: list[torch.Tensor]) -> bool:
+    if len(flats) < 2 or not all(f.is_cuda for f in flats):
+        return False
+    try:
+        from torch.cuda import nccl
+        return nccl.is_available(flats)
+    except (ImportError, RuntimeError):
+        return False
+
+
+def sum_replicas(replicas: list[DrafterReplica], across=None) -> None:
+    """Every replica's flat buffer becomes the sum over all replicas (and, with ``across``, over
+    all nodes). Replicas on distinct GPUs reduce with NCCL, one collective per step; others (the
+    CPU, tests) add up on the first replica and copy back."""
+    flats = [r.flat for r in replicas]
+    if len(flats) == 1:
+        if across is not None:
+            across.all_reduce_(flats[0])
+        return
+    if _nccl_ok(flats):
+        from torch.cuda import nccl
+        if across is None:
+            nccl.all_reduce(flats)
+            return
+        nccl.reduce(flats, root=0)
+    else:
+        lead = flats[0]
+        for f in flats[1:]:
+            lead += f.to(lead.device)
+    if across is not None:
+        across.all_reduce_(flats[0])
+    if _nccl_ok(flats):
+        from torch.cuda import nccl
+        nccl.broadcast(flats, root=0)
+    else:
+        for f in flats[1:]:
+            f.copy_(flats[0])
+
+
+def reduce_and_step(replicas: list[DrafterReplica], step: int, total_steps: int,
+                    across=None) -> StepResult:
+    """Sum gradients and statistics over replicas (and nodes, through ``across``: an object whose
+    ``all_reduce_(buf)`` sums a flat float32 tensor over nodes in place), divide by the total
+    loss weight, clip, and step every optimizer. The step's only host synchronisation reads the
+    statistics and the gradient norm together, before any weight changes."""
     cfg = replicas[0].cfg
-    weight = sum(r.micro.weight_sum for r in replicas)
-    loss = sum(r.micro.loss_sum for r in replicas) / max(weight, 1e-12)
     ids = [i for r in replicas for i in r.sample_ids]
+    for r in replicas:
+        r.write_stats()
+    sum_replicas(replicas, across)
+    lead = replicas[0]
+    clip = cfg.optim.grad_clip
+    coefs, norm = [], None
+    for r in replicas:  # every replica holds the same sums: each scales its own, on its device
+        tail = r.flat[r.grad_numel:]
+        inv = torch.where(tail[0] > 0, 1.0 / tail[0].clamp(min=1e-12), 0.0)
+        g_norm = torch.linalg.vector_norm(r.grads) * inv
+        coef = inv * (torch.clamp(clip / (g_norm + 1e-6), max=1.0) if clip > 0 else 1.0)
+        coefs.append(coef)
+        if r is lead:
+            norm = g_norm
+    host = torch.cat([lead.flat[lead.grad_numel:], norm.view(1)]).tolist()
+    stats = dict(zip(STATS, host))
+    grad_norm = host[-1]
+    loss = stats["loss"] / max(stats["weight"], 1e-12)
     if not math.isfinite(loss):
         raise NonFiniteLoss(step + 1, "the loss", loss, ids)
-    lead = replicas[0]
-    lead_params = lead.params()
-    scale = 1.0 / weight if weight > 0 else 0.0
-    with torch.no_grad():
-        for i, p in enumerate(lead_params):
-            g = p.grad if p.grad is not None else torch.zeros_like(p)
-            for r in replicas[1:]:
-                q = r.params()[i]
-                if q.grad is not None:
-                    g = g + q.grad.to(g.device)
-            p.grad = g * scale
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(lead_params, cfg.optim.grad_clip))
-        if not math.isfinite(grad_norm):  # one sync per step, which the clip needs anyway
-            raise NonFiniteLoss(step + 1, "the gradient norm", grad_norm, ids)
-        for r in replicas[1:]:
-            for p, q in zip(lead_params, r.params()):
-                q.grad = p.grad.to(q.device, non_blocking=True)
+    if not math.isfinite(grad_norm):
+        raise NonFiniteLoss(step + 1, "the gradient norm", grad_norm, ids)
     lr = obj.lr_at(step, total_steps, cfg.optim.lr, cfg.optim.warmup_frac, cfg.optim.min_lr_frac)
-    for r in replicas:
-        for g in r.optimizer.param_groups:
-            g["lr"] = lr
-        r.optimizer.step()
-        r.optimizer.zero_grad(set_to_none=True)
-    m = Micro()
-    for r in replicas:
-        m.add(r.micro)
-        r.micro = Micro()
-        r.sample_ids = []
+    with torch.no_grad():
+        for r, coef in zip(replicas, coefs):
+            r.grads.mul_(coef)
+            for g in r.optimizer.param_groups:
+                g["lr"] = lr
+            r.optimizer.step()
+            r.flat.zero_()
+            r.micro = Micro()
+            r.sample_ids = []
+    tokens, padded = int(stats["tokens"]), int(stats["padded"])
     return StepResult(
-        step=step + 1, loss=m.loss_sum / max(m.weight_sum, 1e-12), lr=lr, grad_norm=grad_norm,
-        tau_tf=m.tau_sum / max(m.blocks, 1), tokens=m.tokens, samples=m.samples,
-        padding_frac=m.padded and (m.padded - m.tokens) / m.padded,
+        step=step + 1, loss=loss, lr=lr, grad_norm=grad_norm,
+        tau_tf=stats["tau"] / max(stats["blocks"], 1), tokens=tokens,
+        samples=int(stats["samples"]), padding_frac=padded and (padded - tokens) / padded,
     )
 
 

@@ -153,6 +153,7 @@ class DashboardState:
         self.target_labels: list[str] = []
         self.drafter_labels: list[str] = []
         self.targets: dict[str, TargetRow] = {}
+        self.drafter_times: dict[str, ev.DrafterMetrics] = {}  # latest report per drafter
         self.queues: dict[str, QueueRow] = {}
         self.step: ev.StepMetrics | None = None
         self.eval: ev.EvalResult | None = None
@@ -313,6 +314,18 @@ class DashboardState:
                 self.add_log("warning", "preflight", f"memory plan: cuda:{idx} needs "
                              f"{fmt.gib(row.plan)}, {fmt.gib(free)} free")
         return {"gpus", "log"}
+
+    def _on_DrafterMetrics(self, e: ev.DrafterMetrics) -> set[str]:
+        self.drafter_times[e.worker] = e
+        return {"training"}
+
+    def drafter_shares(self) -> dict[str, float] | None:
+        """Where the drafters' time went lately, averaged over them (None before any report)."""
+        ms = list(self.drafter_times.values())
+        if not ms:
+            return None
+        keys = ("waiting", "compute", "barrier", "step")
+        return {k: sum(getattr(m, f"{k}_frac") for m in ms) / len(ms) for k in keys}
 
     def _on_QueueDepth(self, e: ev.QueueDepth) -> set[str]:
         row = self.queues.get(e.name)

@@ -103,13 +103,19 @@ class Batch:
     num_tokens: int  # real tokens
     padded_tokens: int  # n * L
     padding_frac: float
+    # Made by the loader thread for the drafter (trainer.prepare_batch): [n, A] anchors, -1
+    # padded, and their [n, A, B] block labels, so the drafter's GPU never waits for host work.
+    anchors: torch.Tensor | None = None
+    labels: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.indices)
 
     def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "Batch":
+        opt = lambda t: None if t is None else fn(t)  # noqa: E731
         return replace(self, input_ids=fn(self.input_ids), loss_mask=fn(self.loss_mask),
-                       attention_mask=fn(self.attention_mask), lengths=fn(self.lengths))
+                       attention_mask=fn(self.attention_mask), lengths=fn(self.lengths),
+                       anchors=opt(self.anchors), labels=opt(self.labels))
 
     def pin(self) -> "Batch":
         """A copy in pinned memory (fast, asynchronous host-to-GPU copies); no-op without CUDA."""

@@ -25,8 +25,10 @@ class Prefetcher:
     def __init__(self, source: Iterable[Any], capacity: int, *, pin: bool = False,
                  on_depth: Callable[[int, int], None] | None = None, name: str = "prefetch",
                  stop: threading.Event | None = None, depth_interval: float = 0.2,
-                 start: bool = True, beat: Callable[[str], None] | None = None):
-        """``beat(phase)``: called from the loader thread at each sign of progress (a batch
+                 start: bool = True, beat: Callable[[str], None] | None = None,
+                 prepare: Callable[[Any], Any] | None = None):
+        """``prepare(item)``: more work on each item in the loader thread, before pinning (the
+        drafter's anchors and labels). ``beat(phase)``: called from the loader thread at each sign of progress (a batch
         read, a slice of waiting for room), for the engine's stall watchdog."""
         if capacity <= 0:
             raise ValueError(f"capacity must be > 0, got {capacity}")
@@ -38,6 +40,7 @@ class Prefetcher:
         self.produced = 0
         self._source = source
         self._pin = pin
+        self._prepare = prepare
         self._on_depth = on_depth
         self._depth_interval = depth_interval
         self._last_report = (-1, 0.0)
@@ -59,6 +62,8 @@ class Prefetcher:
             for item in it:
                 if self.stop.is_set():
                     return
+                if self._prepare is not None:
+                    item = self._prepare(item)
                 if self._pin and hasattr(item, "pin"):
                     item = item.pin()
                 if not self._put(item):

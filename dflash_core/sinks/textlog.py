@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 
 from ..events import (
-    Checkpoint, Error, Event, EvalResult, LoadProgress, Log, MemoryPlan, RunEnded, RunStarted,
-    SinkStatus, Stall, StateChanged, StepMetrics, TargetMetrics, WorkerStatus,
+    Checkpoint, DrafterMetrics, Error, Event, EvalResult, LoadProgress, Log, MemoryPlan, RunEnded,
+    RunStarted, SinkStatus, Stall, StateChanged, StepMetrics, TargetMetrics, WorkerStatus,
 )
 from ..units import GiB
 
@@ -118,6 +118,10 @@ def format_event(ev: Event) -> str | None:
         return (f"target {ev.worker} {ev.device}: {ev.batches} batches, tok/s "
                 f"{_rate(ev.tokens_per_s)}, blocked {ev.blocked_frac:.0%}, "
                 f"starved {ev.starved_frac:.0%}")
+    if isinstance(ev, DrafterMetrics):
+        return (f"drafter {ev.worker} {ev.device}: {ev.steps} steps, waiting {ev.waiting_frac:.0%}, "
+                f"compute {ev.compute_frac:.0%}, barrier {ev.barrier_frac:.0%}, "
+                f"step {ev.step_frac:.0%}")
     return None  # an event type without a line of its own
 
 
@@ -131,7 +135,7 @@ class LineThrottle:
         self._load_decile: dict[str, int] = {}
 
     def admit(self, ev: Event) -> bool:
-        if isinstance(ev, (StepMetrics, TargetMetrics)):
+        if isinstance(ev, (StepMetrics, TargetMetrics, DrafterMetrics)):
             key = (ev.kind, getattr(ev, "worker", ""))
             last = self._last_ts.get(key)
             if last is not None and ev.ts - last < self.every_s:

@@ -1,5 +1,5 @@
-"""Step numbers (loss, lr, grad norm, tokens/s, samples/s, teacher-forced tau, last evaluated tau)
-above a plot of the loss history."""
+"""Step numbers (loss, lr, grad norm, tokens/s, samples/s, teacher-forced tau, last evaluated tau),
+where the drafters' time goes, above a plot of the loss history."""
 
 from __future__ import annotations
 
@@ -49,9 +49,16 @@ class TrainingPanel(Panel):
             field("τ eval", ev_tau),
             field("pad", fmt.pct(st.padding_frac)) if st.padding_frac else Text(),
         ], width)
-        if not s.eval_history:
-            return main
-        return Text("\n").join([main, eval_line(s, width)])
+        lines = [main]
+        shares = s.drafter_shares()
+        if shares is not None:
+            lines.append(pack([Text("drafters", style="dim")] + [
+                field(name, fmt.pct(shares[key])) for name, key in (
+                    ("wait data", "waiting"), ("compute", "compute"),
+                    ("wait peers", "barrier"), ("opt step", "step"))], width))
+        if s.eval_history:
+            lines.append(eval_line(s, width))
+        return Text("\n").join(lines)
 
 
 def eval_line(s: DashboardState, width: int) -> Text:

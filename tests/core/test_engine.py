@@ -10,7 +10,8 @@ from dflash_core import checkpoint as ckpt
 from dflash_core.config import ConfigError, config_from_dict, load_config
 from dflash_core.engine import Engine
 from dflash_core.events import (
-    Checkpoint, Error, LoadProgress, RunEnded, StepMetrics, WorkerStatus, read_jsonl,
+    Checkpoint, DrafterMetrics, Error, LoadProgress, RunEnded, StepMetrics, WorkerStatus,
+    read_jsonl,
 )
 from dflash_core.trainer import DrafterReplica
 
@@ -143,7 +144,10 @@ def test_resume_trains_the_batches_an_uninterrupted_run_trains(tmp_path, assets,
 # Data parallel
 # --------------------------------------------------------------------------------------------
 
-def test_engine_with_two_drafters_finishes(tmp_path, assets):
+def test_engine_with_two_drafters_finishes(tmp_path, assets, monkeypatch):
+    from dflash_core import drafter_stage
+
+    monkeypatch.setattr(drafter_stage, "METRICS_EVERY_S", 0.0)  # a report after every step
     target, data = assets
     cfg = make_config(tmp_path, target, data, layout__drafters=[0, 1], data__eval_prompts=0,
                       run__max_steps=4)
@@ -157,6 +161,15 @@ def test_engine_with_two_drafters_finishes(tmp_path, assets):
     running = {w.worker for w in rec.of(WorkerStatus) if w.status == "running"}
     assert {"drafter-0", "drafter-1"} <= running
     assert not rec.of(Error)
+    # Each drafter says where its time went: one of them ran each step, the other waited.
+    times = rec.of(DrafterMetrics)
+    assert {m.worker for m in times} == {"drafter-0", "drafter-1"}
+    assert sum(m.steps for m in times) == 2 * 4
+    for m in times:
+        shares = (m.waiting_frac, m.compute_frac, m.barrier_frac, m.step_frac)
+        assert all(0 <= f <= 1 for f in shares) and sum(shares) <= 1.05
+    assert sum(m.step_frac for m in times) > 0 and sum(m.compute_frac for m in times) > 0
+    assert "drafter drafter-1 cpu:1: 1 steps, waiting" in (cfg.run_dir / "train.log").read_text()
     assert wait_no_engine_threads() == []
 
 

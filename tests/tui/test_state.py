@@ -233,3 +233,18 @@ def test_acceptance_per_position_the_tau_gap_and_the_best_checkpoint():
     s.apply(ev.Checkpoint(step=20, path="runs/x/checkpoints/step-20", seconds=0.0, reason="best",
                           tau=2.87, ts=sc.T0 + 500))
     assert s.best.step == 20 and "best so far: step 20 (tau 2.87)" in s.log[-1].text
+
+
+def test_drafter_time_shares_average_over_drafters():
+    s = fold(sc.start())
+    assert s.drafter_shares() is None
+    dirty = s.apply(ev.DrafterMetrics(worker="drafter-0", device="cuda:7", steps=2,
+                                      waiting_frac=0.1, compute_frac=0.7, barrier_frac=0.0,
+                                      step_frac=0.2))
+    assert "training" in dirty
+    s.apply(ev.DrafterMetrics(worker="drafter-1", device="cuda:6", steps=2, waiting_frac=0.3,
+                              compute_frac=0.5, barrier_frac=0.2, step_frac=0.0))
+    s.apply(ev.DrafterMetrics(worker="drafter-1", device="cuda:6", steps=2, waiting_frac=0.5,
+                              compute_frac=0.3, barrier_frac=0.2, step_frac=0.0))
+    assert s.drafter_shares() == pytest.approx(
+        {"waiting": 0.3, "compute": 0.5, "barrier": 0.1, "step": 0.1})
