@@ -148,6 +148,21 @@ class TelemetryConfig:
 
 
 @dataclass
+class NodesConfig:
+    # Only read under torchrun with more than one node (docs/multi-node.md).
+    # Every collective across nodes (joining, the step-boundary exchange, the gradient all-reduce)
+    # gives up after this many seconds and fails the run naming the node that did not come. A
+    # killed node is noticed at once (its connection closes); this bounds a node that hangs. It
+    # must cover the longest wait of a healthy node for the others: the spread of target load
+    # times before the first step, and node 0's checkpoint and evaluation at a step boundary.
+    timeout_s: float = 900.0
+    # Steps between the cross-node check that every node's drafter weights are identical (a
+    # checksum compared in the step exchange; a mismatch fails the run naming the step). It is
+    # also checked at the first step. 0 = the first step only.
+    checksum_every: int = 100
+
+
+@dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     target: TargetConfig = field(default_factory=TargetConfig)
@@ -159,6 +174,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    nodes: NodesConfig = field(default_factory=NodesConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -273,6 +289,8 @@ RANGES: dict[str, tuple[float | None, float | None, bool, bool]] = {
     "eval.tau_gap_warn": (0, None, False, False),
     "telemetry.interval_s": (0, None, False, False),
     "telemetry.stall_floor_s": (0, None, False, False),
+    "nodes.timeout_s": (0, None, False, False),
+    "nodes.checksum_every": (0, None, True, False),  # 0 = at the first step only
 }
 
 # Numeric keys with no range to hold them to.

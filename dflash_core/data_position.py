@@ -31,6 +31,17 @@ class DataPosition:
                 self._done[epoch].add(bi)
             pend.clear()
 
+    def pending_batches(self) -> list[list[int]]:
+        """[epoch, batch index] of every batch this process's drafters hold for the next step
+        (what a node tells the others at the step boundary)."""
+        return [[e, bi] for pend in self._pending for e, bi in pend]
+
+    def mark_done(self, batches) -> None:
+        """Batches other nodes trained in the step just taken: the position (and so the
+        checkpoint node 0 writes) covers the whole run, not this node's share alone."""
+        for epoch, bi in batches:
+            self._done[int(epoch)].add(int(bi))
+
     def current_epoch(self) -> int:
         return max(self._done) if self._done else 0
 

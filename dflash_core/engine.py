@@ -32,8 +32,10 @@ from .events import (
 )
 from .hs_queue import HiddenStateQueue
 from .layout_advice import LayoutAdvisor
+from .node_link import NodeLink
+from .nodes import NodeGroup, node_dir_name, node_info
 from .preflight import demo_log_progress, device_label, prepare, resolve_devices
-from .resume import expected_drafter_config, load_for_resume
+from .resume import check_resume_nodes, expected_drafter_config, load_for_resume
 from .run import Run
 from .run_folder import fresh_name, refuse_if_used
 from .sinks.run_sinks import RunSinks
@@ -97,6 +99,10 @@ class Engine:
         self.allocator = configure_allocator()
         self.bus.tap(self._watch_fatal)
         self.bus.tap(self._hold_early)
+        # Under torchrun with several nodes: this process's node group (nodes.py), joined at the
+        # first preflight and kept across runs; None on one node, where nothing changes.
+        info = node_info()
+        self.nodes = NodeGroup(info) if info is not None else None
 
     # -- control (the Controller protocol) -------------------------------------------------------
     @property
@@ -153,6 +159,8 @@ class Engine:
             if self._supervisor is None or not self._supervisor.is_alive():
                 return
             self._run.abort_requested = True
+            if self._run.link is not None and self._run.link.live:
+                return  # every node stops together at the next step boundary (node_link.py)
             self._run.stop.set()
 
     def restart(self) -> None:
@@ -186,6 +194,9 @@ class Engine:
     def shutdown(self, timeout: float = 30.0) -> None:
         self.abort()
         self.join(timeout)
+        # A run still in a collective keeps the group; it goes with the process.
+        if self.nodes is not None and self.join(0):
+            self.nodes.close()
         if self._owns_bus:
             self.bus.close(timeout=5.0)
 
@@ -216,11 +227,17 @@ class Engine:
         return [f"{t.name} ({where(thread_stack(t))})" for t in self._live_threads()]
 
     def run_dir(self) -> Path | None:
-        """The run folder the config names, if the config can be read (for post-mortems)."""
+        """Where this process's records (events.jsonl, train.log, commands/) are, if the config
+        can be read: the run folder, or its node-K/ folder on several nodes."""
         try:
-            return self._read_config().run_dir
+            return self._records_dir(self._read_config())
         except (ConfigError, OSError):
             return None
+
+    def _records_dir(self, cfg: Config) -> Path:
+        if self.nodes is None:
+            return cfg.run_dir
+        return cfg.run_dir / node_dir_name(self.nodes.rank)
 
     def wait(self, timeout: float | None = None) -> str:
         """Block until the run reaches a terminal state (or timeout); returns the state."""
@@ -314,6 +331,11 @@ class Engine:
         cfg = load_config(self.config_path) if self.config_path else self._given_config
         if self.max_steps is not None:
             cfg.run.max_steps = self.max_steps
+        if self.new_run and self.nodes is not None:
+            # Each node would pick its own free name: they must write one run folder.
+            raise ConfigError("run.name", "--new-run (and --demo's fresh folder) cannot be used "
+                              "on several nodes", hint="set a new run.name in config.yaml on "
+                              "every node, or pass --resume")
         if self.new_run:  # picked once: a restart resumes the folder this run started in
             if self._fresh_name is None:
                 self._asked_name = cfg.run.name
@@ -330,25 +352,32 @@ class Engine:
         # Before anything else can hang: a stuck read in preflight is reported like any stall.
         watchdog = Watchdog(run.heartbeats, self.bus.publish, run.stop, cfg.telemetry.stall_floor_s)
         self._thread(run, "watchdog", "watchdog", "host", watchdog.run)
-        run_dir = cfg.run_dir
+        run_dir, records = cfg.run_dir, self._records_dir(cfg)
+        lead = self.nodes is None or self.nodes.rank == 0
+        if self.nodes is not None:
+            self._join_nodes(run, cfg)
         if not self.resume:
-            refuse_if_used(run_dir)  # never overwrite an earlier run's records
+            # never overwrite an earlier run's records (the run folder's own: node 0's)
+            if lead:
+                refuse_if_used(run_dir)
+            if records != run_dir:
+                refuse_if_used(records)
         if not self.resume and self._fresh_name and self._fresh_name != self._asked_name:
             self.bus.publish(Log(level="info", source="engine", message=(
                 f"new run in {run_dir}: {Path(cfg.run.output_dir) / self._asked_name} holds an "
                 "earlier run (--new-run)")))
         try:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            if not self.resume:  # a resume keeps the run's config.yaml until its checkpoint fits
+            records.mkdir(parents=True, exist_ok=True)
+            if not self.resume and lead:  # a resume keeps config.yaml until its checkpoint fits
                 save_config(cfg, run_dir / "config.yaml")
         except OSError as exc:
             raise ConfigError("run.output_dir", f"cannot write run folder {run_dir}: {exc}",
                               hint="set run.output_dir to a writable folder") from exc
         early, run.early = run.early or [], None
-        run.sinks = RunSinks(self.bus, cfg, run_dir, early)
+        run.sinks = RunSinks(self.bus, cfg, records, early)
         run.target_devices, run.drafter_devices = resolve_devices(cfg)
         self.bus.publish(RunStarted(
-            run_name=cfg.run.name, run_dir=str(run_dir), config=cfg.to_dict(),
+            run_name=cfg.run.name, run_dir=str(records), config=cfg.to_dict(),
             targets=[device_label(d, i) for i, d in enumerate(run.target_devices)],
             drafters=[device_label(d, i) for i, d in enumerate(run.drafter_devices)],
             allocator=(self.allocator.conf or "PyTorch defaults")
@@ -363,17 +392,39 @@ class Engine:
             run.heartbeats.beat("building the demo")
         run.prep = prepare(cfg, run_dir, run.target_devices, run.drafter_devices,
                            publish=self.bus.publish,
-                           demo_progress=demo_log_progress(self.bus.publish, check_stop))
-        run.sinks.add_wandb(cfg, run_dir)  # its settings were checked by prepare()
+                           demo_progress=demo_log_progress(self.bus.publish, check_stop),
+                           nodes=self.nodes.world if self.nodes is not None else 1)
+        if lead:  # several nodes: W&B from node 0 alone
+            run.sinks.add_wandb(cfg, run_dir)  # its settings were checked by prepare()
         if self.resume:
             expected = expected_drafter_config(cfg, run.prep.target_path, run.prep.layer_ids,
                                                run.prep.mask_id)
             run.resume = load_for_resume(run_dir, expected, self.bus.publish)
             if run.resume is not None:
+                check_resume_nodes(run.resume, self.nodes.world if self.nodes else 1)
                 self.bus.publish(Log(level="info", source="engine", message=(
                     f"resuming from {run.resume.path} (step {run.resume.step})")))
-        if self.resume or run.prep.fitted:  # config.yaml says what the run really uses
+        if (self.resume or run.prep.fitted) and lead:  # config.yaml: what the run really uses
             save_config(cfg, run_dir / "config.yaml")
+
+    def _join_nodes(self, run: Run, cfg: Config) -> None:
+        """Several nodes: join the others (the first run of the process) and make this run's
+        side of the step protocol."""
+        if self.nodes.info.local_world > 1 and cfg.layout.device != "cpu":
+            raise ConfigError("layout.device", f"torchrun started {self.nodes.info.local_world} "
+                              "processes on this machine: each would use every GPU of layout.*",
+                              hint="start one process per node: torchrun --nproc-per-node 1")
+        run.heartbeats.beat(f"joining {self.nodes.world} nodes")
+        self.nodes.connect(cfg.nodes.timeout_s, cuda=cfg.layout.device != "cpu"
+                           and torch.cuda.is_available())
+        run.link = NodeLink(self.nodes, self.bus.publish, fail=lambda ev: self._fail(run, ev),
+                            restart=self.restart, restarting=lambda: self.restarting,
+                            checksum_every=cfg.nodes.checksum_every,
+                            stall_s=cfg.telemetry.stall_floor_s)
+        self.bus.tap(run.link.note_error)
+        self.bus.publish(Log(level="info", source="nodes", message=(
+            f"node {self.nodes.rank} of {self.nodes.world} ({self.nodes.host}); "
+            f"{'writes checkpoints and W&B' if self.nodes.rank == 0 else 'node 0 writes checkpoints'}")))
 
     def _load(self, run: Run) -> None:
         cfg, prep = run.config, run.prep
@@ -398,10 +449,12 @@ class Engine:
             prepare_batch, num_anchors=cfg.drafter.num_anchors,
             block_size=cfg.drafter.block_size, seed=cfg.run.seed,
             pad_to=ANCHOR_PAD if run.drafter_devices[0].type == "cuda" else 1)
+        # Several nodes: node k's targets take global shards k*T .. k*T+T-1 of N*T.
+        node, nodes = (self.nodes.rank, self.nodes.world) if self.nodes is not None else (0, 1)
         for rank, dev in enumerate(run.target_devices):
             name = prefetch_queue(rank)
             batches = prep.stream.iter_batches(run.position.start_epoch, run.position.start_done,
-                                               worker=(rank, world))
+                                               worker=(node * world + rank, nodes * world))
             run.prefetchers.append(Prefetcher(
                 batches, cfg.data.prefetch_batches, pin=dev.type == "cuda", name=f"loader-{rank}",
                 prepare=for_drafter,
@@ -503,17 +556,22 @@ class Engine:
         status = "failed" if failed else ("finished" if run.finished and not run.abort_requested
                                           else "aborted")
         busy_drafters = [n for n in stuck if n.startswith("drafter")]
-        if busy_drafters and not failed and run.step > 0:
+        if run.link is not None:
+            run.link.farewell(run, status)
+            self.bus.untap(run.link.note_error)
+        # Another node's failure leaves this node's weights at the last step all nodes took.
+        saves = not failed or run.peer_failed
+        if busy_drafters and saves and run.step > 0:
             self.bus.publish(Log(level="warning", source="engine", message=(
                 f"no {'final' if run.finished else 'abort'} checkpoint: {busy_drafters} still "
                 f"running after {GIVE_UP_S:.0f} s could be changing the weights; the last "
                 f"periodic checkpoint stands")))
-        if not failed and run.replicas and run.step > 0 and not busy_drafters:
+        if saves and run.replicas and run.step > 0 and not busy_drafters:
             try:
                 if status == "finished" or run.config.checkpoint.on_abort:
                     run.save_checkpoint("final" if status == "finished" else "abort",
                                         self.bus.publish)
-                if status == "finished" and run.config.data.eval_prompts:
+                if status == "finished" and run.config.data.eval_prompts and not failed:
                     run.evaluate(self.bus.publish)
             except BaseException as exc:  # noqa: BLE001
                 self._fail(run, error_event(exc, source="engine", role="engine", device="",

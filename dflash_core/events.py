@@ -20,7 +20,8 @@ TERMINAL_STATES = ("finished", "aborted", "failed")
 # What an Error is about (its error_kind): out of memory, a bad config value, unusable training
 # data, the wandb sink, a CUDA fault, a file or disk problem, or a bug in dflash itself. Each kind
 # comes with a hint of what the operator can change; see errors.classify.
-ERROR_KINDS = ("oom", "config", "data", "wandb", "cuda", "io", "internal")
+# "node": another node of a multi-node run failed, left or hung (nodes.py).
+ERROR_KINDS = ("oom", "config", "data", "wandb", "cuda", "io", "internal", "node")
 
 # A worker's own phase, WorkerStatus.status. A target goes loading -> warmup -> running -> done (its
 # loop ended: no more data, or the run stopped); a drafter goes warmup -> running and says stopped
@@ -321,12 +322,33 @@ class Stall(Event):
     keep_when_behind: ClassVar[bool] = True
 
 
+@dataclass(frozen=True)
+class NodeStatus(Event):
+    """One node of a multi-node run at a step boundary, from the summary every node sends in the
+    step exchange (node_link.py): published on every node, so node 0's dashboard shows all."""
+
+    node: int
+    host: str
+    step: int
+    samples_per_s: float = 0.0  # this node's drafters alone
+    tokens_per_s: float = 0.0
+    hs_depth: int = 0
+    hs_capacity: int = 0
+    prefetch: list = field(default_factory=list)  # [[depth, capacity], ...] per target
+    gpu_mem: list = field(default_factory=list)  # bytes allocated per CUDA device it uses
+    ending: str = ""  # "" while it trains; else the status it ended with (failed, aborted, ...)
+    error: str = ""  # its last error's message
+    kind: ClassVar[str] = "NodeStatus"
+    sets_state: ClassVar[bool] = False
+    in_text_log: ClassVar[bool] = False
+
+
 EVENT_TYPES: dict[str, type[Event]] = {
     cls.kind: cls
     for cls in (
         RunStarted, StateChanged, WorkerStatus, LoadProgress, GpuSample, HostSample, QueueDepth,
-        TargetMetrics, DrafterMetrics, StepMetrics, EvalResult, MemoryPlan, Checkpoint, Log, Error, SinkStatus,
-        RunEnded, Stall,
+        TargetMetrics, DrafterMetrics, StepMetrics, EvalResult, MemoryPlan, Checkpoint, Log, Error,
+        SinkStatus, RunEnded, Stall, NodeStatus,
     )
 }
 

@@ -66,7 +66,10 @@ class Prepared:
 
 
 def prepare(cfg: Config, run_dir: Path, tdev: list[torch.device], ddev: list[torch.device], *,
-            publish: Callable[[Event], None], demo_progress: Callable[[str], Progress]) -> Prepared:
+            publish: Callable[[Event], None], demo_progress: Callable[[str], Progress],
+            nodes: int = 1) -> Prepared:
+    """``nodes``: the nodes of the run, each with the drafters of ``ddev`` (the steps of the
+    plan count every node's drafters)."""
     from .data import BatchStream, ShardedDataset, split_eval
     from .trainer import total_steps_for
 
@@ -93,7 +96,7 @@ def prepare(cfg: Config, run_dir: Path, tdev: list[torch.device], ddev: list[tor
     if stream.batches_per_epoch == 0:
         raise ConfigError("data.path", f"no trainable batch in {data_path}",
                           hint="the data needs samples of 2+ tokens")
-    total_steps = total_steps_for(cfg, stream.batches_per_epoch, len(ddev))
+    total_steps = total_steps_for(cfg, stream.batches_per_epoch, len(ddev) * nodes)
     return Prepared(target_path, layer_ids, mask_id, dataset, eval_indices, stream, total_steps,
                     fitted)
 

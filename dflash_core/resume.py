@@ -130,3 +130,17 @@ def load_for_resume(run_dir: Path, expected: dict | None,
     raise ckpt.CheckpointError(
         f"resume: every checkpoint in {Path(run_dir) / ckpt.CHECKPOINTS} is damaged: {damaged}",
         hint="restore a checkpoint from a backup, or start a new run (new run.name or --new-run)")
+
+
+def check_resume_nodes(loaded: ckpt.LoadedCheckpoint, nodes: int) -> None:
+    """A checkpoint resumes on as many nodes as wrote it: the data position, the steps of the
+    plan and the learning-rate schedule count every node's drafters. Raises ConfigError."""
+    wrote = int(loaded.trainer_state.get("nodes", 1))
+    if wrote != nodes:
+        raise ConfigError(
+            "", f"the checkpoint {loaded.path} was written by a run on {wrote} node(s) and this "
+            f"run has {nodes}: its data position, planned steps and learning-rate schedule count "
+            f"{wrote} node(s)' drafters",
+            hint=f"start {wrote} node(s) (torchrun --nnodes {wrote}) to resume it, or start a new "
+                 "run (a new run.name) on this many nodes, with drafter.init_from pointing at "
+                 "that checkpoint to keep its weights")

@@ -65,6 +65,11 @@ class Run:
     best_tau: float | None = None  # exact tau of checkpoints/best (read from it on first use)
     saved_path: Path | None = None
     advisor: Any = None  # layout_advice.LayoutAdvisor, a bus tap while the run trains
+    # Several nodes (node_link.NodeLink; None on one node). peer_failed: the run failed because
+    # another node did; this node's weights are those of the last step all took, so node 0
+    # still writes its checkpoint.
+    link: Any = None
+    peer_failed: bool = False
     _ckpt_bytes: int | None = None
     _disk_ok: bool | None = None
     _disk_checked: float = 0.0
@@ -81,13 +86,29 @@ class Run:
     # -- at each optimizer step (runs in the last drafter thread to reach the barrier) ---------
     def step_once(self, publish: Callable[[Any], None], on_metrics: Callable[[], None]) -> None:
         cfg = self.config
-        if all(r.micro.weight_sum == 0 and r.micro.samples == 0 for r in self.replicas):
-            if self.hs_queue.exhausted():
-                self.finish()
-            return
-        res = reduce_and_step(self.replicas, self.step, self.total_steps)
+        link = self.link
+        if link is None:
+            if all(r.micro.weight_sum == 0 and r.micro.samples == 0 for r in self.replicas):
+                if self.hs_queue.exhausted():
+                    self.finish()
+                return
+            res = reduce_and_step(self.replicas, self.step, self.total_steps)
+        else:
+            # Every node decides the same from the same summaries (node_link.py).
+            verdict = link.boundary(self)
+            if verdict.stop:
+                return
+            if not verdict.any_work:
+                if verdict.all_exhausted:
+                    link.over = True
+                    self.finish()
+                return
+            res = reduce_and_step(self.replicas, self.step, self.total_steps,
+                                  across=link.across(self))
         self.step = res.step
         self.position.commit()
+        if link is not None:
+            link.after_step(self)
         now = time.monotonic()
         span = max(now - self.last_step_t, 1e-9)
         self.last_step_t = now
@@ -106,7 +127,10 @@ class Run:
             self.save_checkpoint("periodic", publish)
         if cfg.eval.every and self.step % cfg.eval.every == 0:
             self.evaluate(publish)
-        if self.step >= self.total_steps or self.hs_queue.exhausted():
+        used_up = verdict.all_exhausted if link is not None else self.hs_queue.exhausted()
+        if self.step >= self.total_steps or used_up:
+            if link is not None:
+                link.over = True  # every node ends at this same step
             self.finish()
 
     def checkpoint_bytes(self) -> int:
@@ -140,8 +164,15 @@ class Run:
         self._disk_ok = free >= need
         return self._disk_ok
 
+    @property
+    def writes_records(self) -> bool:
+        """Checkpoints and evaluations: on one node, or on node 0 of several."""
+        return self.link is None or self.link.lead
+
     def save_checkpoint(self, reason: str, publish: Callable[[Any], None],
                         tau: float = -1.0) -> Path | None:
+        if not self.writes_records:
+            return None
         if not self.replicas or self.saved_step == self.step:
             return self.saved_path if self.saved_step == self.step else None
         if not self.disk_check(publish, fresh=True):
@@ -159,7 +190,9 @@ class Run:
             drafter_config=rep.drafter.interchange_config(),
             optimizer_state=rep.optimizer.state_dict(), scheduler_state={"step": self.step},
             trainer_state={"epoch": epoch, "done": done, "total_steps": self.total_steps,
-                           "rng": ckpt.capture_rng_state()},
+                           "rng": ckpt.capture_rng_state(),
+                           # absent: one node (checkpoints written before several nodes existed)
+                           **({"nodes": self.link.world} if self.link is not None else {})},
             keep=cfg.checkpoint.keep)
         if reason == "best":
             ckpt.mark_best(cfg.run_dir, path, self.step, tau)
@@ -171,6 +204,8 @@ class Run:
         """Exact tau on the held-out prompts, with the first target and the first replica."""
         cfg, prep = self.config, self.prep
         target = self.targets[0].model if self.targets else None
+        if not self.writes_records:
+            return
         if not len(prep.eval_indices) or not self.replicas or target is None:
             return
         prompts = []
