@@ -1,0 +1,241 @@
+"""Several nodes on one CPU machine: two processes joined by gloo over 127.0.0.1 play two nodes.
+
+Launched by torchrun itself (one machine, two processes: each process is a node) or by setting
+the variables torchrun sets (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) on two plain processes:
+killing one of those leaves the other alone, where torchrun's agent would stop it too.
+"""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dflash_core import checkpoint as ckpt
+from dflash_core.config import ConfigError
+from dflash_core.events import Error, NodeStatus, RunEnded, StepMetrics, read_jsonl
+from dflash_core.node_link import NodeLink, NodeMismatch, weights_checksum
+from dflash_core.nodes import node_info
+from dflash_core.resume import check_resume_nodes
+
+from .engine_fixtures import assets, make_config, run_config, write_config  # noqa: F401
+
+ROOT = Path(__file__).resolve().parents[2]
+LOSS_RTOL = 1e-4  # float32 sums in another order (per node, then across) differ in the 6th digit
+EXIT_WITHIN_S = 20.0  # from the abort or the kill to the surviving process's exit
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def node_env(rank: int, world: int, port: int) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "RANK"))}
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world),
+               RANK=str(rank), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+               PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
+    return env
+
+
+def start_nodes(cfg_path: Path, tmp: Path, world: int = 2) -> list[subprocess.Popen]:
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        out = open(tmp / f"node{rank}.out", "w")
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "dflash_tui.cli", "--headless", "--config", str(cfg_path)],
+            env=node_env(rank, world, port), stdout=out, stderr=subprocess.STDOUT, cwd=tmp))
+    return procs
+
+
+def wait_for_step(events: Path, step: int, procs, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if events.exists() and any(isinstance(e, StepMetrics) and e.step >= step
+                                   for e in read_jsonl(events)):
+            return
+        assert all(p.poll() is None for p in procs), "a node ended before training"
+        time.sleep(0.2)
+    raise AssertionError(f"no step {step} in {events} within {timeout} s")
+
+
+@pytest.fixture
+def procs():
+    started: list[subprocess.Popen] = []
+    yield started
+    for p in started:  # a failing test must not leave nodes behind
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+
+
+def node_config(tmp_path, assets, **over):
+    target, data = assets
+    base = {"run__max_steps": 0, "data__eval_prompts": 0, "checkpoint__every": 0,
+            "nodes__timeout_s": 15.0, "nodes__checksum_every": 2, "telemetry__interval_s": 1.0}
+    return make_config(tmp_path, target, data, **{**base, **over})
+
+
+def losses(events) -> list[tuple[int, float, int]]:
+    return [(m.step, m.loss, m.samples) for m in events if isinstance(m, StepMetrics)]
+
+
+# --------------------------------------------------------------------------------------------
+# Two nodes train as one
+# --------------------------------------------------------------------------------------------
+
+def test_two_nodes_under_torchrun_match_one_node_with_the_same_global_batch(tmp_path, assets):
+    """2 nodes x 1 drafter against 1 node x 2 drafters: the same batches meet in each step (node
+    k takes global batches k, k+2, ...; one node's two drafters take consecutive ones)."""
+    cfg = node_config(tmp_path, assets)
+    path = write_config(tmp_path / "config.yaml", cfg)
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC")}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+         "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "dflash_tui.cli",
+         "--headless", "--config", str(path)],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    one = node_config(tmp_path, assets, run__name="one", layout__drafters=[0, 1])
+    end, rec = run_config(one)
+    assert end.status == "finished"
+    want = losses(rec.events)
+
+    run_dir = cfg.run_dir
+    for k in (0, 1):
+        got = losses(read_jsonl(run_dir / f"node-{k}" / "events.jsonl"))
+        assert [s for s, _, _ in got] == [s for s, _, _ in want]
+        assert [n for _, _, n in got] == [n for _, _, n in want]  # global samples per step
+        assert [x for _, x, _ in got] == pytest.approx([x for _, x, _ in want], rel=LOSS_RTOL)
+    assert sum(n for _, _, n in want) == 64  # every sample once (one epoch, none held out)
+
+    # node 0 alone writes checkpoints and the run's config; it shows both nodes' summaries
+    assert [p.name for p in ckpt.list_checkpoints(run_dir)] == [f"step-{want[-1][0]}"]
+    assert (run_dir / "config.yaml").exists() and not (run_dir / "node-1" / "config.yaml").exists()
+    shown = {e.node for e in read_jsonl(run_dir / "node-0" / "events.jsonl")
+             if isinstance(e, NodeStatus)}
+    assert shown == {0, 1}
+    final = ckpt.load_checkpoint(ckpt.list_checkpoints(run_dir)[-1])
+    assert final.trainer_state["nodes"] == 2
+
+
+# --------------------------------------------------------------------------------------------
+# Stopping: an abort on node 0, a node killed
+# --------------------------------------------------------------------------------------------
+
+def test_abort_on_node_0_ends_both_nodes_with_a_checkpoint(tmp_path, assets, procs):
+    cfg = node_config(tmp_path, assets, optim__epochs=200)
+    procs += start_nodes(write_config(tmp_path / "config.yaml", cfg), tmp_path)
+    node0 = cfg.run_dir / "node-0" / "events.jsonl"
+    wait_for_step(node0, 2, procs)
+    t = time.monotonic()
+    procs[0].send_signal(signal.SIGTERM)  # headless: abort, as the dashboard's a does
+    codes = [p.wait(EXIT_WITHIN_S) for p in procs]
+    assert time.monotonic() - t < EXIT_WITHIN_S
+    assert codes == [130, 130], [(tmp_path / f"node{k}.out").read_text()[-2000:] for k in (0, 1)]
+    ends = [[e for e in read_jsonl(cfg.run_dir / f"node-{k}" / "events.jsonl")
+             if isinstance(e, RunEnded)][-1] for k in (0, 1)]
+    assert [e.status for e in ends] == ["aborted", "aborted"]
+    assert ends[0].step == ends[1].step  # both stopped at the same step boundary
+    assert [p.name for p in ckpt.list_checkpoints(cfg.run_dir)] == [f"step-{ends[0].step}"]
+
+
+def test_killed_node_surfaces_on_node_0_which_stops_with_a_checkpoint(tmp_path, assets, procs):
+    cfg = node_config(tmp_path, assets, optim__epochs=200)
+    procs += start_nodes(write_config(tmp_path / "config.yaml", cfg), tmp_path)
+    node0 = cfg.run_dir / "node-0" / "events.jsonl"
+    wait_for_step(node0, 2, procs)
+    t = time.monotonic()
+    procs[1].kill()
+    code = procs[0].wait(EXIT_WITHIN_S)
+    took = time.monotonic() - t
+    out = (tmp_path / "node0.out").read_text()
+    assert code == 1, out[-3000:]
+    assert took < 10.0, f"node 0 took {took:.1f} s to stop"  # far below nodes.timeout_s 15
+    events = read_jsonl(node0)
+    fatal = [e for e in events if isinstance(e, Error) and e.fatal]
+    assert fatal and fatal[0].error_kind == "node" and "node 1 is gone" in fatal[0].message
+    end = [e for e in events if isinstance(e, RunEnded)][-1]
+    assert end.status == "failed"
+    assert [p.name for p in ckpt.list_checkpoints(cfg.run_dir)] == [f"step-{end.step}"]
+    assert "node 1 is gone" in out
+
+
+# --------------------------------------------------------------------------------------------
+# Small parts
+# --------------------------------------------------------------------------------------------
+
+def test_node_info_only_under_torchrun_with_several_nodes():
+    assert node_info({}) is None
+    assert node_info({"WORLD_SIZE": "1", "RANK": "0"}) is None
+    info = node_info({"WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "h", "MASTER_PORT": "1"})
+    assert (info.rank, info.world, info.lead) == (1, 2, False)
+    with pytest.raises(ConfigError, match="MASTER_ADDR"):
+        node_info({"WORLD_SIZE": "2", "RANK": "1"})
+
+
+def test_resume_needs_the_same_number_of_nodes():
+    two = SimpleNamespace(trainer_state={"nodes": 2}, path=Path("runs/r/checkpoints/step-5"))
+    check_resume_nodes(two, 2)
+    with pytest.raises(ConfigError, match="2 node.*this run has 1") as err:
+        check_resume_nodes(two, 1)
+    assert "--nnodes 2" in err.value.hint
+    one = SimpleNamespace(trainer_state={}, path=Path("runs/r/checkpoints/step-5"))
+    check_resume_nodes(one, 1)  # written on one node, before nodes existed
+    with pytest.raises(ConfigError):
+        check_resume_nodes(one, 3)
+
+
+class FakeGroup:
+    """Answers an exchange with this node's summary and copies of it from other nodes, each
+    changed by ``others``."""
+
+    rank, world, host, timeout_s = 0, 2, "h", 15.0
+
+    def __init__(self, others: dict):
+        self.others = others
+
+    def exchange(self, payload, **kw):
+        return [payload, {**payload, "node": 1, **self.others}]
+
+
+def fake_run(step: int):
+    p = torch.nn.Parameter(torch.ones(3))
+    rep = SimpleNamespace(params=lambda: [p], micro=SimpleNamespace(samples=1, tokens=4,
+                                                                     weight_sum=1.0))
+    return SimpleNamespace(
+        replicas=[rep], heartbeats=SimpleNamespace(beat=lambda *a: None), step=step,
+        total_steps=10, resume=None, abort_requested=False, hs_queue=None, prefetchers=[],
+        position=None, target_devices=[], drafter_devices=[], stop=SimpleNamespace(set=lambda: 0))
+
+
+def link_for(others: dict) -> NodeLink:
+    return NodeLink(FakeGroup(others), lambda ev: None, fail=lambda ev: None,
+                    restart=lambda: None, restarting=lambda: False, checksum_every=2, stall_s=60)
+
+
+def test_different_weights_on_another_node_fail_naming_the_step():
+    link = link_for({"checksum": 1.5})
+    with pytest.raises(NodeMismatch, match="differ across nodes at step 4"):
+        link.boundary(fake_run(step=4))
+    assert link.over  # no farewell after it: every node saw the same mismatch
+    same = link_for({})
+    assert same.boundary(fake_run(step=4)).stop is False
+    assert weights_checksum([torch.ones(3), torch.zeros(2)]) != weights_checksum(
+        [torch.zeros(2), torch.ones(3)])
+
+
+def test_nodes_that_plan_other_steps_are_refused_at_the_first_step():
+    with pytest.raises(NodeMismatch, match="node 1 plans 12 optimizer steps"):
+        link_for({"total_steps": 12}).boundary(fake_run(step=0))
