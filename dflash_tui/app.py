@@ -35,6 +35,7 @@ from .widgets.errors import ErrorsPanel
 from .widgets.gpus import GpusPanel
 from .widgets.header import HeaderBar
 from .widgets.log import LogPanel
+from .widgets.nodes import NodesPanel
 from .widgets.queues import QueuesPanel
 from .widgets.targets import TargetsPanel
 from .widgets.training import TrainingPanel
@@ -42,7 +43,7 @@ from .widgets.training import TrainingPanel
 REFRESH_HZ = 5
 # Panels fed by high-rate samples redraw at most once per period; errors, log and the header's
 # state change at once. On a small machine drawing competes with training for CPU and the GIL.
-SAMPLED_PANELS = frozenset({"gpus", "targets", "queues", "training"})
+SAMPLED_PANELS = frozenset({"gpus", "targets", "queues", "nodes", "training"})
 SAMPLED_PERIOD_S = 0.8  # + one drain tick (0.2 s): samples reach the screen within 1 s
 QUIET_STATES = ("idle",) + ev.TERMINAL_STATES  # quitting in these needs no confirmation
 READ_ONLY_MESSAGE = "read-only view: start serve with --control to allow abort/restart"
@@ -98,6 +99,7 @@ class DFlashApp(App[None]):
             yield TargetsPanel(id="targets")
         with Horizontal(id="row-flow", classes="row"):
             yield QueuesPanel(id="queues")
+            yield NodesPanel(id="nodes")  # shown once a node summary arrives (several nodes)
             yield TrainingPanel(id="training")
         with Horizontal(id="row-report", classes="row"):
             yield ErrorsPanel(id="errors")

@@ -23,7 +23,7 @@ from . import fmt
 if TYPE_CHECKING:
     from .postmortem import PostMortem
 
-PANELS = ("header", "gpus", "targets", "queues", "training", "errors", "log")
+PANELS = ("header", "gpus", "targets", "queues", "nodes", "training", "errors", "log")
 LIVE_STATES = ("preflight", "loading", "warmup", "training")
 # Below this share of waiting, neither side is called the bottleneck.
 BOTTLENECK_FRAC = 0.2
@@ -159,6 +159,8 @@ class DashboardState:
         self.eval: ev.EvalResult | None = None
         self.loss_history: deque[float] = deque(maxlen=self._loss_points)
         self._step_window: deque[tuple[float, int]] = deque(maxlen=50)
+        # Several nodes: each node's latest summary (empty on one node: no nodes panel).
+        self.nodes: dict[int, ev.NodeStatus] = {}
 
     # ---------------------------------------------------------------- folding
 
@@ -343,6 +345,15 @@ class DashboardState:
         self.loss_history.append(e.loss)
         self._step_window.append((e.ts, e.step))
         return {"training", "queues"}
+
+    def _on_NodeStatus(self, e: ev.NodeStatus) -> set[str]:
+        last = self.nodes.get(e.node)
+        self.nodes = dict(sorted({**self.nodes, e.node: e}.items()))
+        if e.error and (last is None or last.error != e.error) and e.node != 0:
+            # another node's error: into the log too, named by its node (node 0's are here)
+            self.add_log("error", f"node-{e.node}", e.error, e.ts)
+            return {"nodes", "log"}
+        return {"nodes"}
 
     def _on_EvalResult(self, e: ev.EvalResult) -> set[str]:
         self.eval = e

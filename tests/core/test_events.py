@@ -22,6 +22,8 @@ def sample_events():
                  hint="lower x"),
         ev.MemoryPlan(rows=[{"device": "cuda:0", "total": 1, "free": None}], fits=False),
         ev.RunEnded(status="failed", step=3, seconds=10.0),
+        ev.NodeStatus(node=1, host="n1", step=3, samples_per_s=2.5, hs_depth=1, hs_capacity=8,
+                      prefetch=[[2, 4]], gpu_mem=[5], ending="failed", error="drafter-0: boom"),
     ]
 
 

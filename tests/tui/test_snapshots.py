@@ -39,3 +39,8 @@ def test_snapshot_eight_gpus_two_targets_six_drafters(snap_compare, size):
     app, until_shown = replayed(sc.node_2_6())
     assert snap_compare(app, terminal_size=(80, 24) if size == "80x24" else (120, 40),
                         run_before=until_shown)
+
+
+def test_snapshot_two_nodes(snap_compare):
+    app, until_shown = replayed(sc.two_nodes())
+    assert snap_compare(app, terminal_size=(120, 40), run_before=until_shown)

@@ -161,3 +161,18 @@ def node_2_6(steps: int = 20) -> list[ev.Event]:
     out.append(ev.HostSample(ram_used=180 * GIB, ram_total=2015 * GIB, cpu_percent=40.0,
                              process_rss=31 * GIB, ts=T0 + t))
     return out
+
+
+def two_nodes(steps: int = 20) -> list[ev.Event]:
+    """node_2_6 on node 0 of two (torchrun): both nodes' summaries, node 1 a step behind with a
+    warning in its last error."""
+    out = node_2_6(steps)
+    t = out[-1].ts - T0
+    for k in (0, 1):
+        out.append(ev.NodeStatus(
+            node=k, host=f"gpu-node-{k}", step=steps - k, samples_per_s=11.2 - k * 0.4,
+            tokens_per_s=40_000, hs_depth=3 + k, hs_capacity=8, prefetch=[[4, 4], [3, 4]],
+            gpu_mem=[int(86 * GIB)] * 8,
+            error="drafter-3: out of memory at micro_block_tokens 8192, now 4096" if k else "",
+            ts=T0 + t))
+    return out
