@@ -336,6 +336,7 @@ class NodeStatus(Event):
     hs_capacity: int = 0
     prefetch: list = field(default_factory=list)  # [[depth, capacity], ...] per target
     gpu_mem: list = field(default_factory=list)  # bytes allocated per CUDA device it uses
+    allreduce_s: float = 0.0  # its last gradient all-reduce across nodes, seconds
     ending: str = ""  # "" while it trains; else the status it ended with (failed, aborted, ...)
     error: str = ""  # its last error's message
     kind: ClassVar[str] = "NodeStatus"

@@ -76,9 +76,13 @@ class _Across:
 
     def all_reduce_(self, buf: torch.Tensor) -> None:
         self.run.heartbeats.beat("gradient all-reduce across nodes")
+        if buf.is_cuda:  # time the transfer, not the kernels queued before it (the clip syncs next)
+            torch.cuda.synchronize(buf.device)
         t = time.monotonic()
         try:
             self.link.group.all_reduce_(buf)
+            if buf.is_cuda:
+                torch.cuda.synchronize(buf.device)
         except NodeFailure:
             self.run.peer_failed = True
             self.link.over = True
@@ -137,7 +141,7 @@ class NodeLink:
             "restart": bool(run.abort_requested and self._restarting()),
             "work": any(r.micro.weight_sum or r.micro.samples for r in reps),
             "exhausted": bool(q.exhausted()) if q is not None else False,
-            "sps": self.local_sps, "tps": self.local_tps,
+            "sps": self.local_sps, "tps": self.local_tps, "reduce_s": self.reduce_s,
             "hs": [q.depth(), q.capacity] if q is not None else [0, 0],
             "prefetch": [[p.depth(), p.capacity] for p in run.prefetchers],
             "gpu_mem": [torch.cuda.memory_allocated(d) for d in sorted(devices, key=str)],
@@ -157,7 +161,8 @@ class NodeLink:
             self.publish(NodeStatus(
                 node=k, host=v["host"], step=v["step"], samples_per_s=v["sps"],
                 tokens_per_s=v["tps"], hs_depth=v["hs"][0], hs_capacity=v["hs"][1],
-                prefetch=v["prefetch"], gpu_mem=v["gpu_mem"], ending=v["ending"],
+                prefetch=v["prefetch"], gpu_mem=v["gpu_mem"], allreduce_s=v["reduce_s"],
+                ending=v["ending"],
                 error=v["error"]))
 
     def _exchange(self, run, payload: dict) -> list[dict]:

@@ -236,8 +236,9 @@ class NodeGroup:
             self._lock.release()
         out = []
         for s in slots:
-            n = int.from_bytes(bytes(s[:4].tolist()), "little")
-            out.append(json.loads(bytes(s[4:4 + n].tolist()).decode()))
+            raw = s.numpy().tobytes()
+            n = int.from_bytes(raw[:4], "little")
+            out.append(json.loads(raw[4:4 + n].decode()))
         return out
 
     def all_reduce_(self, buf: torch.Tensor) -> None:

@@ -22,6 +22,8 @@ def node_lines(n: ev.NodeStatus, lead_step: int, width: int) -> Text:
     second: list = ["  ", (n.host, "dim")]
     if n.gpu_mem:
         second.append(f"  mem {fmt.gib(sum(n.gpu_mem))}")
+    if n.allreduce_s:
+        second.append(f"  all-reduce {n.allreduce_s:.2f} s")
     if n.ending:
         second.append((f"  {n.ending}", "bold red" if n.ending == "failed" else "bold yellow"))
     elif n.error:
