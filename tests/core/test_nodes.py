@@ -239,3 +239,25 @@ def test_different_weights_on_another_node_fail_naming_the_step():
 def test_nodes_that_plan_other_steps_are_refused_at_the_first_step():
     with pytest.raises(NodeMismatch, match="node 1 plans 12 optimizer steps"):
         link_for({"total_steps": 12}).boundary(fake_run(step=0))
+
+
+def test_a_node_that_failed_fails_the_others_naming_it():
+    failures = []
+    link = NodeLink(FakeGroup({"ending": "failed", "error": "drafter-0: boom"}), lambda ev: None,
+                    fail=failures.append, restart=lambda: None, restarting=lambda: False,
+                    checksum_every=2, stall_s=60)
+    run = fake_run(step=3)
+    assert link.boundary(run).stop and link.over
+    assert run.peer_failed  # node 0 still writes its checkpoint
+    assert failures[0].source == "node-1" and "node 1 (h) failed: drafter-0: boom" in \
+        failures[0].message
+
+
+def test_a_restart_on_another_node_restarts_this_one():
+    restarts = []
+    link = NodeLink(FakeGroup({"abort": True, "restart": True}), lambda ev: None,
+                    fail=lambda ev: None, restart=lambda: restarts.append(1),
+                    restarting=lambda: False, checksum_every=2, stall_s=60)
+    run = fake_run(step=3)
+    assert link.boundary(run).stop
+    assert run.abort_requested and restarts == [1]
