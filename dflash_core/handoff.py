@@ -57,8 +57,10 @@ class FeatureCopier:
         if self.device.type != "cuda" or not src.is_cuda:
             return Pending(src.to(self.device))
         if src.device == self.device:
-            if ready is not None:  # another thread's stream may have made it
-                torch.cuda.current_stream(self.device).wait_event(ready)
+            stream = torch.cuda.current_stream(self.device)
+            if ready is not None:  # made on the target's stream
+                stream.wait_event(ready)
+            src.record_stream(stream)  # not reused by the target before this stream is done
             return Pending(src)
         s_src, s_dst = self._stream(src.device), self._stream(self.device)
         if ready is not None:

@@ -54,6 +54,11 @@ class TargetStage:
 
     def run(self) -> None:
         use_device(self.device)
+        if self.device.type == "cuda":
+            # Its own stream (a per-thread setting): on a GPU it shares with a drafter, its
+            # forwards neither queue behind the drafter's step nor hold up the drafter's
+            # collectives and copies, and the two can overlap.
+            torch.cuda.set_stream(torch.cuda.Stream(self.device))
         self._status(WORKER_LOADING)
         self.model = load_target(self.target_path, device=self.device, dtype=self.dtype,
                                  attn_implementation=self.attn_implementation,

@@ -128,3 +128,54 @@ def test_two_drafter_threads_compile_and_train_at_once_on_one_gpu(tmp_path: Path
     assert len(results) == 3 and all(torch.isfinite(torch.tensor(r.loss)) for r in results)
     for a, b in zip(pair[0].drafter.parameters(), pair[1].drafter.parameters()):
         assert torch.equal(a, b)
+
+
+def syncs_in(seen) -> list[str]:
+    """The synchronising calls torch.cuda's sync debug mode warned about, with where they were."""
+    return [f"{w.filename}:{w.lineno}: {str(w.message).splitlines()[0]}" for w in seen
+            if "called a synchronizing" in str(w.message)]
+
+
+def test_a_drafter_step_synchronises_with_the_gpu_once(tmp_path: Path):
+    # The drafter GPU is the bottleneck: its host thread must queue a whole step's work without
+    # waiting for the GPU, then read the step's numbers in one synchronisation.
+    import warnings
+
+    from dflash_core.data import BatchStream, ShardedDataset
+    from dflash_core.drafter import DFlashDrafter, build_drafter_config
+    from dflash_core.handoff import ready_event
+    from dflash_core.target import default_layer_ids, load_target
+    from dflash_core.trainer import ANCHOR_PAD, make_replicas, prepare_batch, reduce_and_step
+    from tests.core.engine_fixtures import VOCAB
+    from tests.core.test_trainer import head_copies
+
+    target = make_target(tmp_path / "target", head_dim=16)
+    data = make_data(tmp_path / "data")
+    cfg = make_config(tmp_path, target, data, layout__device="cuda")
+    gpu = torch.device("cuda", 0)
+    tm = load_target(target, device=gpu, dtype="bfloat16")
+    layer_ids = default_layer_ids(tm.num_layers, cfg.target.num_features)
+    stream = BatchStream.from_config(ShardedDataset.open(data), cfg.data, seed=1, epochs=1)
+    batches = [prepare_batch(b, cfg.drafter.num_anchors, 4, cfg.run.seed, pad_to=ANCHOR_PAD).pin()
+               for b in list(stream.iter_batches())[:3]]
+    feats = [tm.features(b.input_ids.to(gpu), b.attention_mask.to(gpu), layer_ids)
+             for b in batches]
+    dcfg = build_drafter_config(tm.model.config, num_layers=1, target_layer_ids=layer_ids,
+                                block_size=4, mask_token_id=VOCAB - 1)
+    (rep,) = make_replicas(DFlashDrafter(dcfg), [gpu], cfg, *[m.to(gpu) for m in head_copies(tm)])
+    for b, f in zip(batches[:2], feats[:2]):  # warm-up: compilation synchronises, and may
+        rep.accumulate(b, f, cfg.run.seed, ready=ready_event(f))
+        reduce_and_step([rep], 0, 10)
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            rep.accumulate(batches[2], feats[2], cfg.run.seed, ready=ready_event(feats[2]))
+            in_accumulate = syncs_in(seen)
+            res = reduce_and_step([rep], 2, 10)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert in_accumulate == [], in_accumulate
+    assert len(syncs_in(seen)) == 1, syncs_in(seen)
+    assert res.samples == len(batches[2]) and torch.isfinite(torch.tensor(res.loss))
