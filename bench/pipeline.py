@@ -5,6 +5,7 @@ attached (Textual, headless driver) for the TUI-vs-headless ratio.
     python bench/pipeline.py --targets 0 --drafters 0 --steps 30            # one GPU, both roles
     python bench/pipeline.py --targets 0 --drafters 1 --steps 30            # two GPUs
     python bench/pipeline.py --targets 0 --drafters 0 --steps 30 --tui      # same, dashboard on
+    python bench/pipeline.py --targets 0 --drafters 1 --steps 12 --profile 3  # where GPU time goes
     # config.yaml's drafter and data sections at the 27B shape on a rehearsed 95 GiB card:
     python bench/pipeline.py --fixture qwen3_6_27b_config.json --shipped --gpu-memory-gib 95 \
         --targets 0 --drafters 1 --steps 20
@@ -94,6 +95,10 @@ def main():
     ap.add_argument("--shipped", action="store_true",
                     help="drafter and data sections from config.yaml (layers, block, anchors, "
                          "loss chunk, micro-group, token budget, lengths)")
+    ap.add_argument("--profile", type=int, default=0, metavar="K",
+                    help="trace K steps after warm-up with the torch profiler; print where each "
+                         "GPU's time went (timeline.py) and write the chrome trace to --trace")
+    ap.add_argument("--trace", default="trace.json")
     ap.add_argument("--gpu-memory-gib", type=float, default=0.0,
                     help="layout.gpu_memory_gib: rehearse a smaller card")
     args = ap.parse_args()
@@ -187,6 +192,8 @@ def main():
         asyncio.run(drive())
     else:
         engine.start()
+        if args.profile:
+            profile_steps(engine, steps, args.profile, Path(args.trace))
     final = engine.wait()
     for d in sorted(set(cfg.layout.targets) | set(cfg.layout.drafters)) if not smoke else []:
         st = torch.cuda.memory_stats(d)
@@ -232,6 +239,35 @@ def main():
     if args.out:
         Path(args.out).write_text(json.dumps({"steps": [(t, s.to_dict()) for t, s in steps],
                                               "queues": queues}))
+
+
+def profile_steps(engine, steps: list, k: int, out: Path, after: int = 5) -> None:
+    """Trace k optimizer steps once ``after`` steps (compilation, warm-up) are done."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from timeline import summarize
+
+    def wait_for(n: int) -> bool:
+        while len(steps) < n:
+            if engine.state in ("finished", "failed", "aborted"):
+                return False
+            time.sleep(0.05)
+        return True
+    if not wait_for(after):
+        return
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    try:  # the workers' ops, not only this thread's (a newer profiler option)
+        every = {"experimental_config": torch._C._profiler._ExperimentalConfig(
+            profile_all_threads=True)}
+    except (AttributeError, TypeError):
+        every = {}
+    prof = profile(activities=acts, **every)
+    prof.start()
+    done = wait_for(after + k)
+    prof.stop()
+    prof.export_chrome_trace(str(out))
+    print(f"trace of steps {after + 1}..{len(steps)}{'' if done else ' (run ended)'}: {out}")
+    print(summarize(json.loads(out.read_text())), flush=True)
 
 
 if __name__ == "__main__":
