@@ -15,6 +15,10 @@ from ..state import DashboardState
 from .panel import Panel, field, pack
 
 
+# Narrower than this (an 80-column terminal) the drafters' time split gives way to the loss plot.
+DRAFTER_LINE_MIN_WIDTH = 50
+
+
 class TrainingPanel(Panel):
     TITLE = "Training"
     EMPTY = "no step yet"
@@ -51,11 +55,11 @@ class TrainingPanel(Panel):
         ], width)
         lines = [main]
         shares = s.drafter_shares()
-        if shares is not None:
-            lines.append(pack([Text("drafters", style="dim")] + [
+        if shares is not None and width >= DRAFTER_LINE_MIN_WIDTH:
+            lines.append(pack([Text("drafters:", style="dim")] + [
                 field(name, fmt.pct(shares[key])) for name, key in (
-                    ("wait data", "waiting"), ("compute", "compute"),
-                    ("wait peers", "barrier"), ("opt step", "step"))], width))
+                    ("data", "waiting"), ("compute", "compute"), ("peers", "barrier"),
+                    ("step", "step"))], width))
         if s.eval_history:
             lines.append(eval_line(s, width))
         return Text("\n").join(lines)

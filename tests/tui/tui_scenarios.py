@@ -158,6 +158,11 @@ def node_2_6(steps: int = 20) -> list[ev.Event]:
             util=67.0 if drafter else 50.0, temperature=45.0 + i,
             torch_allocated=int((used - 4.5) * GIB), torch_reserved=int((used - 1.8) * GIB),
             limit=95 * GIB, alloc_retries=3 if i == 7 else 0, ts=T0 + t))
+    for i in range(6):  # where each drafter's time went: mostly computing, a little waiting
+        out.append(ev.DrafterMetrics(worker=f"drafter-{i}", device=f"cuda:{i + 2}", steps=1,
+                                     waiting_frac=0.04, compute_frac=0.82,
+                                     barrier_frac=0.08 if i else 0.02,
+                                     step_frac=0.0 if i else 0.06, ts=T0 + t))
     out.append(ev.HostSample(ram_used=180 * GIB, ram_total=2015 * GIB, cpu_percent=40.0,
                              process_rss=31 * GIB, ts=T0 + t))
     return out
