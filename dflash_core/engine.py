@@ -20,7 +20,7 @@ import torch
 from transformers.utils import logging as hf_logging
 
 from .allocator import apply_card_limit, configure_allocator
-from .config import Config, ConfigError, load_config, save_config
+from .config import Config, ConfigError, NodesConfig, TelemetryConfig, load_config, save_config
 from .data import Prefetcher
 from .data_position import DataPosition
 from .drafter_stage import DrafterStage
@@ -33,7 +33,7 @@ from .events import (
 from .hs_queue import HiddenStateQueue
 from .layout_advice import LayoutAdvisor
 from .node_link import NodeLink
-from .nodes import NodeGroup, node_dir_name, node_info
+from .nodes import NodeFailure, NodeGroup, node_dir_name, node_info
 from .preflight import demo_log_progress, device_label, prepare, resolve_devices
 from .resume import check_resume_nodes, expected_drafter_config, load_for_resume
 from .run import Run
@@ -347,6 +347,14 @@ class Engine:
     def _preflight(self, run: Run) -> None:
         """Everything that can be checked before tens of GB of weights load."""
         hf_logging.disable_progress_bar()  # its bars write behind the dashboard's back
+        if self.nodes is not None:
+            # Made first: a run that ends before it joins still tells the others (farewell).
+            run.link = NodeLink(self.nodes, self.bus.publish, fail=lambda ev: self._fail(run, ev),
+                                restart=self.restart, restarting=lambda: self.restarting,
+                                checksum_every=NodesConfig.checksum_every,
+                                stall_s=TelemetryConfig.stall_floor_s,
+                                timeout_s=NodesConfig.timeout_s)
+            self.bus.tap(run.link.note_error)
         cfg = self._read_config()
         run.config = cfg
         # Before anything else can hang: a stuck read in preflight is reported like any stall.
@@ -414,17 +422,30 @@ class Engine:
             raise ConfigError("layout.device", f"torchrun started {self.nodes.info.local_world} "
                               "processes on this machine: each would use every GPU of layout.*",
                               hint="start one process per node: torchrun --nproc-per-node 1")
+        link = run.link
+        link.checksum_every, link.stall_s = cfg.nodes.checksum_every, cfg.telemetry.stall_floor_s
+        link.timeout_s = cfg.nodes.timeout_s
         run.heartbeats.beat(f"joining {self.nodes.world} nodes")
-        self.nodes.connect(cfg.nodes.timeout_s, cuda=cfg.layout.device != "cpu"
-                           and torch.cuda.is_available())
-        run.link = NodeLink(self.nodes, self.bus.publish, fail=lambda ev: self._fail(run, ev),
-                            restart=self.restart, restarting=lambda: self.restarting,
-                            checksum_every=cfg.nodes.checksum_every,
-                            stall_s=cfg.telemetry.stall_floor_s)
-        self.bus.tap(run.link.note_error)
+        if not self.nodes.connected:
+            try:
+                self.nodes.connect(cfg.nodes.timeout_s, cuda=cfg.layout.device != "cpu"
+                                   and torch.cuda.is_available(),
+                                   waiting=lambda late: run.heartbeats.note(
+                                       "waiting for " + ", ".join(f"node {k}" for k in late)
+                                       + " to join"))
+            except NodeFailure as exc:
+                link.over = True  # nothing more to tell anyone
+                if exc.ending != "aborted":
+                    raise
+                self.bus.publish(Log(level="info", source="nodes", message=str(exc)))
+                run.abort_requested = True
+                raise Stopped() from exc
         self.bus.publish(Log(level="info", source="nodes", message=(
             f"node {self.nodes.rank} of {self.nodes.world} ({self.nodes.host}); "
             f"{'writes checkpoints and W&B' if self.nodes.rank == 0 else 'node 0 writes checkpoints'}")))
+        link.start(run)
+        if run.stop.is_set():
+            raise Stopped()
 
     def _load(self, run: Run) -> None:
         cfg, prep = run.config, run.prep

@@ -31,11 +31,15 @@ from typing import Any, Callable
 import torch
 
 from .events import Error, Log, NodeStatus
-from .nodes import NodeFailure, NodeGroup
+from .nodes import JOIN_NOTICE_S, NodeFailure, NodeGroup
 from .trainer import RateMeter
 
 STATUS_EVERY_S = 1.0  # NodeStatus per node at most this often (a change of ending / error: always)
 ERROR_CHARS = 2000  # of a node's last error message in its summary
+
+
+def _waiting_for(nodes: list[int]) -> str:
+    return f"waiting for {', '.join(f'node {k}' for k in nodes) or 'the other nodes'}"
 
 
 class NodeMismatch(RuntimeError):
@@ -93,11 +97,12 @@ class _Across:
 class NodeLink:
     def __init__(self, group: NodeGroup, publish: Callable[[Any], None], *,
                  fail: Callable[[Error], None], restart: Callable[[], None],
-                 restarting: Callable[[], bool], checksum_every: int, stall_s: float):
+                 restarting: Callable[[], bool], checksum_every: int, stall_s: float,
+                 timeout_s: float = 900.0):
         self.group, self.publish = group, publish
         self.rank, self.world = group.rank, group.world
         self._fail, self._restart, self._restarting = fail, restart, restarting
-        self.checksum_every, self.stall_s = checksum_every, stall_s
+        self.checksum_every, self.stall_s, self.timeout_s = checksum_every, stall_s, timeout_s
         self.exchanges = 0
         self.over = False  # an exchange ended the run: no more collectives in it
         self.remote: list = []  # batches the other nodes train in this step
@@ -165,27 +170,44 @@ class NodeLink:
                 ending=v["ending"],
                 error=v["error"]))
 
-    def _exchange(self, run, payload: dict) -> list[dict]:
+    def _exchange(self, run, payload: dict, where: str) -> list[dict]:
         warned = [False]
-        step = run.step + 1
+        noted = [False]
 
         def waiting(seconds: float) -> None:
+            # Which nodes this one waits on: for the watchdog's Stall report (soon, so it is
+            # there when the stall is reported) and, past the stall floor, a warning.
+            if seconds > min(1.0, self.stall_s / 2) and not noted[0]:
+                noted[0] = True
+                run.heartbeats.note(_waiting_for(self.group.behind()))
             if seconds > self.stall_s and not warned[0]:
                 warned[0] = True
                 behind = self.group.behind()
+                run.heartbeats.note(_waiting_for(behind))
                 self.publish(Log(level="warning", source="nodes", message=(
-                    f"step {step}: waiting {seconds:.0f} s at the step boundary for "
+                    f"{where}: waiting {seconds:.0f} s for "
                     f"{', '.join(f'node {k}' for k in behind) or 'the other nodes'} (in a "
-                    f"collective; nodes.timeout_s {self.group.timeout_s:.0f} s)")))
+                    f"collective; they fail after nodes.timeout_s {self.group.timeout_s:.0f} s)")))
         try:
             views = self.group.exchange(payload, waiting=waiting)
         except NodeFailure:
             run.peer_failed = True
             self.over = True
             raise
-        self.exchanges += 1
         self._publish_status(views)
         return views
+
+    # -- at the start of a run -----------------------------------------------------------------
+    def start(self, run) -> None:
+        """Every node's run begins here together, before it reads a checkpoint: after a restart
+        node 0 arrives only once its teardown wrote the checkpoint the others resume from. A
+        node whose run ended before this (its farewell) ends the others' here."""
+        run.heartbeats.beat("waiting for the other nodes to start the run")
+        views = self._exchange(run, self._summary(run), "at the start of the run")
+        ended = [v for v in views if v["ending"] and v["node"] != self.rank]
+        if ended:
+            self.over = True
+            self._peer_ended(run, ended)
 
     # -- at the step boundary ------------------------------------------------------------------
     def boundary(self, run) -> Verdict:
@@ -194,7 +216,9 @@ class NodeLink:
         run.heartbeats.beat("step exchange with the other nodes")
         first = self.exchanges == 0
         check = first or bool(self.checksum_every and run.step % self.checksum_every == 0)
-        views = self._exchange(run, self._summary(run, checksum=check))
+        views = self._exchange(run, self._summary(run, checksum=check),
+                               f"step {run.step + 1} at the step boundary")
+        self.exchanges += 1
         ended = [v for v in views if v["ending"] and v["node"] != self.rank]
         if ended:
             self.over = True
@@ -267,12 +291,18 @@ class NodeLink:
     # -- the end of a run ----------------------------------------------------------------------
     def farewell(self, run, status: str) -> None:
         """Tell the others this node's run ended, unless an exchange already ended it for all.
-        Waits for them at their step boundary (at most nodes.timeout_s)."""
-        if self.over or self.group.broken or not self.group.connected:
+        Waits for them at their step boundary (at most nodes.timeout_s). Before this node
+        joined: posts how it ended where the others wait to join."""
+        if self.over or self.group.broken:
             return
         self.over = True
         if run.failure is not None and not self.last_error:
             self.last_error = f"{run.failure.source}: {run.failure.message}"
+        if not self.group.connected:
+            hint = run.failure.hint if run.failure is not None else ""
+            self.group.tell_join_failure(status, self.last_error or status, hint=hint,
+                                         wait_s=min(self.timeout_s, JOIN_NOTICE_S))
+            return
         try:
             self.group.exchange(self._summary(run, ending=status), blocking=False)
         except NodeFailure as exc:

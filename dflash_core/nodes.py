@@ -35,6 +35,10 @@ SLOT_BYTES = 64 * 1024  # one node's summary in the exchange (JSON), error text 
 BEAT_S = 0.5  # heartbeat period in the store
 LOST_AFTER_S = 2.0  # a node whose counter has not moved for this long is taken as gone
 POLL_S = 0.05
+JOIN_POLL_S = 0.1  # the join looks at the other nodes' statuses this often
+# A node that ended before joining and serves the store (node 0 outside torchrun's agent) waits
+# at most this long for the others to come and read why, then exits.
+JOIN_NOTICE_S = 60.0
 
 
 class NodeFailure(RuntimeError):
@@ -42,9 +46,10 @@ class NodeFailure(RuntimeError):
 
     error_kind = "node"
 
-    def __init__(self, message: str, nodes: list[int], hint: str = ""):
+    def __init__(self, message: str, nodes: list[int], hint: str = "", ending: str = "failed"):
         super().__init__(message)
         self.nodes = nodes
+        self.ending = ending  # how the named node(s) ended: "aborted" when one stopped on request
         self.hint = hint or ("look at that node's train.log (runs/NAME/node-K/) and its console; "
                              "start all nodes again with --resume to go on from the last "
                              "checkpoint")
@@ -80,6 +85,17 @@ def node_info(environ=None) -> NodeInfo | None:
                     local_world=int(env.get("LOCAL_WORLD_SIZE", "1") or "1"))
 
 
+def tell_failure_before_joining(message: str, hint: str = "") -> None:
+    """Under torchrun with several nodes, a process that fails before its engine exists (a
+    config it cannot load) still tells the others, which wait to join, why; else nothing."""
+    try:
+        info = node_info()
+    except ConfigError:
+        return  # no place to tell it: the others' timeout names this node
+    if info is not None:
+        NodeGroup(info).tell_join_failure("failed", message, hint, wait_s=JOIN_NOTICE_S)
+
+
 def node_dir_name(rank: int) -> str:
     return f"node-{rank}"
 
@@ -105,8 +121,31 @@ class NodeGroup:
     def connected(self) -> bool:
         return self._store is not None
 
-    def connect(self, timeout_s: float, cuda: bool) -> None:
-        """Join the other nodes (waits for all of them, up to ``timeout_s``)."""
+    def _open_store(self, timeout_s: float):
+        """The store every node reaches at MASTER_ADDR:MASTER_PORT (keys of this launch only)."""
+        import torch.distributed as dist
+
+        env = os.environ
+        # Under torchrun's own rendezvous the agent already serves the store on MASTER_PORT;
+        # started without an agent, node 0's process serves it (as torch's env:// init does).
+        serve = self.rank == 0 and env.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+        # No wait for the other nodes here: the join below waits, and names who did not come.
+        store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), None, is_master=serve,
+                              timeout=datetime.timedelta(seconds=timeout_s),
+                              wait_for_workers=False)
+        # An agent's store outlives an elastic restart of the workers: keys per attempt.
+        attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+        return store, dist.PrefixStore(f"dflash/{attempt}", store), serve
+
+    def _endpoint(self) -> str:
+        return f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+
+    def connect(self, timeout_s: float, cuda: bool,
+                waiting: Callable[[list[int]], None] | None = None) -> None:
+        """Join the other nodes (waits for all of them, up to ``timeout_s``). Each node first
+        posts its status in the store (``join/K``), so a node that failed before joining
+        (``tell_join_failure``) fails the others at once, named, instead of after the timeout.
+        ``waiting(nodes)``: called about once a second with the nodes not joined yet."""
         import torch.distributed as dist
 
         if self.connected:
@@ -116,27 +155,96 @@ class NodeGroup:
                               hint="start all nodes again (with --resume to go on)")
         self.timeout_s = timeout_s
         timeout = datetime.timedelta(seconds=timeout_s)
-        env = os.environ
-        # Under torchrun's own rendezvous the agent already serves the store on MASTER_PORT;
-        # started without an agent, node 0's process serves it (as torch's env:// init does).
-        serve = self.rank == 0 and env.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
         try:
-            store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), self.world,
-                                  is_master=serve, timeout=timeout)
-            dist.init_process_group("gloo", store=dist.PrefixStore("dflash", store),
-                                    rank=self.rank, world_size=self.world, timeout=timeout)
+            _, store, _ = self._open_store(timeout_s)
+        except Exception as exc:  # noqa: BLE001 - a refused or timed-out connection, said plainly
+            self.broken = f"joining failed: {exc}"
+            raise NodeFailure(
+                f"node {self.rank} could not reach node 0's store at {self._endpoint()} within "
+                f"{timeout_s:.0f} s (nodes.timeout_s): {exc}", [0],
+                hint="start every node with the same torchrun --nnodes and --rdzv-endpoint; "
+                     "check that node 0 is running and reachable on that port") from exc
+        try:
+            store.set(f"join/{self.rank}", json.dumps({"host": self.host, "ending": ""}))
+            self._await_joins(store, timeout_s, waiting)
+            dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=self.rank,
+                                    world_size=self.world, timeout=timeout)
             if cuda and dist.is_nccl_available():
                 self._nccl = dist.new_group(backend="nccl", timeout=timeout)
+        except NodeFailure as exc:
+            self.broken = f"joining failed: {exc}"
+            raise
         except Exception as exc:  # noqa: BLE001 - a refused or timed-out join, said plainly
             self.broken = f"joining failed: {exc}"
             raise NodeFailure(
                 f"node {self.rank} could not join the other {self.world - 1} node(s) at "
-                f"{env['MASTER_ADDR']}:{env['MASTER_PORT']} within {timeout_s:.0f} s: {exc}", [],
+                f"{self._endpoint()} within {timeout_s:.0f} s: {exc}", [],
                 hint="start every node with the same torchrun --nnodes and --rdzv-endpoint; "
                      "check that node 0 is reachable on that port") from exc
-        self._store = dist.PrefixStore("dflash-beat", store)
+        self._store = dist.PrefixStore("beat", store)
         self._beat_thread = threading.Thread(target=self._beat, name="node-beat", daemon=True)
         self._beat_thread.start()
+
+    def _joined(self, store) -> dict[int, dict]:
+        """The join statuses posted so far, by node."""
+        out = {}
+        for k in range(self.world):
+            if store.check([f"join/{k}"]):
+                out[k] = json.loads(store.get(f"join/{k}").decode())
+        return out
+
+    def _await_joins(self, store, timeout_s: float,
+                     waiting: Callable[[list[int]], None] | None) -> None:
+        t0 = last = time.monotonic()
+        while True:
+            joined = self._joined(store)
+            ended = {k: v for k, v in joined.items() if v.get("ending")}
+            if ended:
+                k, v = next(iter(ended.items()))
+                raise NodeFailure(
+                    f"node {k} ({v.get('host', '?')}) {v['ending']} before joining: "
+                    f"{v.get('error') or 'no message'}", [k], ending=v["ending"],
+                    hint=v.get("hint") or f"see node {k}'s console; fix it and start every "
+                                          "node again")
+            missing = [k for k in range(self.world) if k not in joined]
+            if not missing:
+                return
+            now = time.monotonic()
+            if now - t0 > timeout_s:
+                names = ", ".join(f"node {k}" for k in missing)
+                raise NodeFailure(
+                    f"{names} did not join within {timeout_s:.0f} s (nodes.timeout_s): "
+                    f"{'it' if len(missing) == 1 else 'they'} never reached node 0's store at "
+                    f"{self._endpoint()}", missing,
+                    hint=f"look at the console of {names}: it may have failed before it could "
+                         f"join, not been started, or not reach {self._endpoint()}; start every "
+                         "node with the same torchrun --nnodes and --rdzv-endpoint")
+            if waiting is not None and now - last >= 1.0:
+                last = now
+                waiting(missing)
+            time.sleep(JOIN_POLL_S)
+
+    def tell_join_failure(self, ending: str, message: str, hint: str = "",
+                          wait_s: float = 60.0) -> None:
+        """This node's run ended (``ending``: failed, aborted) before it joined: post that where
+        the others wait to join, so they stop at once naming this node. Node 0, when it serves
+        the store, keeps serving until the others have come (at most ``wait_s``) so they read
+        it. Best effort: a node that cannot reach the store leaves the others to time out."""
+        if self.connected or self.broken:
+            return
+        self.broken = f"this node {ending} before joining"
+        try:
+            _, store, serve = self._open_store(wait_s)
+            store.set(f"join/{self.rank}", json.dumps({
+                "host": self.host, "ending": ending, "error": message[:2000], "hint": hint}))
+            if not serve:
+                return
+            deadline = time.monotonic() + wait_s
+            while len(self._joined(store)) < self.world and time.monotonic() < deadline:
+                time.sleep(JOIN_POLL_S)
+            time.sleep(4 * JOIN_POLL_S)  # their next poll reads this node's status
+        except Exception:  # noqa: BLE001 - nobody to tell: the others' timeout names this node
+            pass
 
     # -- heartbeats ----------------------------------------------------------------------------
     def _beat(self) -> None:
@@ -180,10 +288,19 @@ class NodeGroup:
         names = ", ".join(f"node {k}" for k in gone)
         if gone:
             message = f"{names} {'is' if len(gone) == 1 else 'are'} gone ({why}): {what} failed: {exc}"
-        else:
-            message = (f"{what} failed after {self.timeout_s:.0f} s (nodes.timeout_s) with no node "
-                       f"gone: one is stuck: {exc}")
-        return NodeFailure(message, gone)
+            return NodeFailure(message, gone)
+        # Every process still beats: a node is alive but stuck before this collective.
+        late = self.behind() if self._store is not None else []
+        if late:
+            names = ", ".join(f"node {k}" for k in late)
+            return NodeFailure(
+                f"{names} did not reach {what} within {self.timeout_s:.0f} s (nodes.timeout_s); "
+                f"its process is alive (heartbeat goes on) but stuck: {exc}", late,
+                hint=f"the Stall events and train.log of {names} (runs/NAME/node-K/) say where it "
+                     "is stuck; raise nodes.timeout_s if that node was only slow (a long "
+                     "checkpoint or evaluation); start all nodes again with --resume")
+        return NodeFailure(f"{what} failed after {self.timeout_s:.0f} s (nodes.timeout_s) with no "
+                           f"node gone: one is stuck: {exc}", [])
 
     def behind(self) -> list[int]:
         """The other nodes that have not reached the exchange this node waits in."""

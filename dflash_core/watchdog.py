@@ -25,7 +25,8 @@ STACK_FRAMES = 12  # frames kept in a Stall's stack (innermost last)
 # (label, path fragments, function names)
 ACTIVITIES = (
     ("compiling", ("torch/_inductor", "torch/_dynamo", "torch/_functorch", "triton/compiler"), ()),
-    ("in a collective", ("torch/distributed",), ()),
+    # nodes.py: the engine's own wait loops around collectives across nodes
+    ("in a collective", ("torch/distributed", "dflash_core/nodes.py"), ()),
     ("waiting on the GPU", (), ("synchronize", "item", "tolist", "cpu")),
     ("reading", ("pyarrow", "safetensors", "/data/shards.py", "/data/batching.py"),
      ("read", "readinto", "load_file")),
@@ -41,6 +42,7 @@ class _Beat:
     last: float
     interval: float = 0.0  # moving average of the time between beats
     stalled_since: float | None = None
+    note: str = ""  # what it waits on, when the worker knows (e.g. which node); cleared by a beat
 
 
 @dataclass
@@ -62,8 +64,16 @@ class Heartbeats:
             gap = now - b.last
             b.interval = gap if b.interval == 0 else 0.8 * b.interval + 0.2 * gap
             b.last = now
+            b.note = ""
             if phase is not None:
                 b.phase = phase
+
+    def note(self, text: str) -> None:
+        """What the calling thread waits on now, for its Stall report; not progress."""
+        with self._lock:
+            b = self._beats.get(threading.current_thread().name)
+            if b is not None and b.thread is threading.current_thread():
+                b.note = text
 
     def items(self) -> list[tuple[str, _Beat]]:
         with self._lock:
@@ -125,8 +135,9 @@ class Watchdog:
             if b.stalled_since is None and silent > limit and b.thread.is_alive():
                 b.stalled_since = b.last
                 frames = thread_stack(b.thread)
+                here = where(frames) + (f"; {b.note}" if b.note else "")
                 self.publish(Stall(worker=name, phase=b.phase, seconds=silent,
-                                   where=where(frames), stack=format_stack(frames)))
+                                   where=here, stack=format_stack(frames)))
             elif b.stalled_since is not None and b.last > b.stalled_since:
                 b.stalled_since = None
                 self.publish(Stall(worker=name, phase=b.phase, seconds=0.0, where="",

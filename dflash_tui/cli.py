@@ -126,6 +126,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"config error: {exc}\nhint: {exc.hint}" if exc.hint else f"config error: {exc}",
               file=sys.stderr)
+        # Several nodes (torchrun): the others wait to join this one; tell them why it won't.
+        from dflash_core.nodes import tell_failure_before_joining
+
+        tell_failure_before_joining(f"config error: {exc}", exc.hint)
         return 2
     if args.headless:
         from dflash_core.headless import run_headless

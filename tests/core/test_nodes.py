@@ -45,15 +45,32 @@ def node_env(rank: int, world: int, port: int) -> dict:
     return env
 
 
-def start_nodes(cfg_path: Path, tmp: Path, world: int = 2) -> list[subprocess.Popen]:
+def start_nodes(cfg_path: Path, tmp: Path, world: int = 2, *, configs: dict | None = None,
+                launchers: dict | None = None) -> list[subprocess.Popen]:
+    """One process per node. ``configs``: another config file for some nodes; ``launchers``: a
+    script for some nodes that patches the engine, then runs the CLI (``launcher``)."""
     port = free_port()
     procs = []
     for rank in range(world):
         out = open(tmp / f"node{rank}.out", "w")
+        path = (configs or {}).get(rank, cfg_path)
+        script = (launchers or {}).get(rank)
+        head = [sys.executable, str(script)] if script else [sys.executable, "-m", "dflash_tui.cli"]
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "dflash_tui.cli", "--headless", "--config", str(cfg_path)],
+            head + ["--headless", "--config", str(path)],
             env=node_env(rank, world, port), stdout=out, stderr=subprocess.STDOUT, cwd=tmp))
     return procs
+
+
+def launcher(tmp: Path, name: str, patch: str) -> Path:
+    """A script that runs ``patch`` (Python, before any run starts), then the CLI."""
+    path = tmp / f"{name}.py"
+    path.write_text(patch + "\nimport sys\nfrom dflash_tui.cli import main\nsys.exit(main())\n")
+    return path
+
+
+def outputs(tmp: Path, world: int = 2) -> list[str]:
+    return [(tmp / f"node{k}.out").read_text()[-3000:] for k in range(world)]
 
 
 def wait_for_step(events: Path, step: int, procs, timeout: float = 60.0) -> None:
@@ -128,6 +145,53 @@ def test_two_nodes_under_torchrun_match_one_node_with_the_same_global_batch(tmp_
     assert shown == {0, 1}
     final = ckpt.load_checkpoint(ckpt.list_checkpoints(run_dir)[-1])
     assert final.trainer_state["nodes"] == 2
+
+
+SLOW_CHECKPOINT = """
+import time
+from dflash_core import checkpoint
+_save = checkpoint.save_checkpoint
+def save_checkpoint(*a, **kw):
+    time.sleep(2.0)
+    return _save(*a, **kw)
+checkpoint.save_checkpoint = save_checkpoint
+"""
+
+
+def test_restart_on_node_0_restarts_every_node_from_its_checkpoint(tmp_path, assets, procs):
+    """r on node 0 (its command inbox, as an attached dashboard sends it): both nodes stop at the
+    same step boundary, node 0 writes the checkpoint, both resume from it and train the rest of
+    the run in step, with the losses of one uninterrupted node."""
+    from dflash_core.events import RunStarted
+    from dflash_core.inbox import send_command
+
+    cfg = node_config(tmp_path, assets, optim__epochs=3)
+    # Node 0's checkpoint takes a while: node 1 must not resume before it is written.
+    slow = launcher(tmp_path, "slow_checkpoint", SLOW_CHECKPOINT)
+    procs += start_nodes(write_config(tmp_path / "config.yaml", cfg), tmp_path,
+                         launchers={0: slow})
+    node0 = cfg.run_dir / "node-0" / "events.jsonl"
+    wait_for_step(node0, 2, procs)
+    send_command(cfg.run_dir / "node-0", "restart")
+    codes = [p.wait(90) for p in procs]
+    assert codes == [0, 0], outputs(tmp_path)
+
+    events = [read_jsonl(cfg.run_dir / f"node-{k}" / "events.jsonl") for k in (0, 1)]
+    for ev in events:
+        assert [e.status for e in ev if isinstance(e, RunEnded)] == ["aborted", "finished"]
+        assert len([e for e in ev if isinstance(e, RunStarted)]) == 2
+    stopped = [[e for e in ev if isinstance(e, RunEnded)][0].step for ev in events]
+    assert stopped[0] == stopped[1] > 0  # the same step boundary on both
+    got = [losses(ev) for ev in events]
+    assert got[0] == got[1]  # the same steps, samples and losses on both nodes
+    steps = [s for s, _, _ in got[0]]
+    assert steps == list(range(1, steps[-1] + 1))  # resumed right after the stop, none twice
+
+    one = node_config(tmp_path, assets, run__name="one", layout__drafters=[0, 1], optim__epochs=3)
+    end, rec = run_config(one)
+    want = losses(rec.events)
+    assert [s for s, _, _ in got[0]] == [s for s, _, _ in want]
+    assert [x for _, x, _ in got[0]] == pytest.approx([x for _, x, _ in want], rel=LOSS_RTOL)
 
 
 # --------------------------------------------------------------------------------------------
