@@ -362,8 +362,6 @@ class Engine:
         self._thread(run, "watchdog", "watchdog", "host", watchdog.run)
         run_dir, records = cfg.run_dir, self._records_dir(cfg)
         lead = self.nodes is None or self.nodes.rank == 0
-        if self.nodes is not None:
-            self._join_nodes(run, cfg)
         if not self.resume:
             # never overwrite an earlier run's records (the run folder's own: node 0's)
             if lead:
@@ -393,6 +391,10 @@ class Engine:
 
         if any(d.type == "cuda" for d in run.target_devices + run.drafter_devices):
             self.bus.publish(Log(level="info", source="engine", message=self.allocator.describe()))
+        if self.nodes is not None:
+            # With the run's records open (a failure to join is in its events and train.log),
+            # before it reads any checkpoint (a restart resumes from node 0's, written by now).
+            self._join_nodes(run, cfg)
 
         def check_stop():  # called as the demo's assets are built: progress too
             if run.stop.is_set():

@@ -187,7 +187,8 @@ class NodeLink:
                 self.publish(Log(level="warning", source="nodes", message=(
                     f"{where}: waiting {seconds:.0f} s for "
                     f"{', '.join(f'node {k}' for k in behind) or 'the other nodes'} (in a "
-                    f"collective; they fail after nodes.timeout_s {self.group.timeout_s:.0f} s)")))
+                    f"collective; this node gives up after nodes.timeout_s "
+                    f"{self.group.timeout_s:.0f} s)")))
         try:
             views = self.group.exchange(payload, waiting=waiting)
         except NodeFailure:

@@ -204,8 +204,8 @@ class NodeGroup:
                 raise NodeFailure(
                     f"node {k} ({v.get('host', '?')}) {v['ending']} before joining: "
                     f"{v.get('error') or 'no message'}", [k], ending=v["ending"],
-                    hint=v.get("hint") or f"see node {k}'s console; fix it and start every "
-                                          "node again")
+                    hint=(f"on node {k}: {v['hint']}" if v.get("hint") else
+                          f"see node {k}'s console") + "; then start every node again")
             missing = [k for k in range(self.world) if k not in joined]
             if not missing:
                 return

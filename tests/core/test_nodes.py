@@ -151,8 +151,9 @@ SLOW_CHECKPOINT = """
 import time
 from dflash_core import checkpoint
 _save = checkpoint.save_checkpoint
+_slow = [2.0]
 def save_checkpoint(*a, **kw):
-    time.sleep(2.0)
+    time.sleep(_slow.pop() if _slow else 0.0)  # the first: the restart's checkpoint
     return _save(*a, **kw)
 checkpoint.save_checkpoint = save_checkpoint
 """
@@ -234,6 +235,101 @@ def test_killed_node_surfaces_on_node_0_which_stops_with_a_checkpoint(tmp_path, 
     assert end.status == "failed"
     assert [p.name for p in ckpt.list_checkpoints(cfg.run_dir)] == [f"step-{end.step}"]
     assert "node 1 is gone" in out
+
+
+STUCK_S = 10.0  # node 1's stuck step: past node 0's nodes.timeout_s and its report
+STUCK_NODE_1 = f"""
+import pathlib, time
+from dflash_core import run
+_step_once = run.Run.step_once
+def step_once(self, *a, **kw):
+    if self.step == 2 and not pathlib.Path("stuck").exists():
+        pathlib.Path("stuck").write_text("")
+        time.sleep({STUCK_S})
+    return _step_once(self, *a, **kw)
+run.Run.step_once = step_once
+"""
+
+
+def test_a_node_stuck_before_the_step_exchange_is_named_then_fails_node_0(tmp_path, assets,
+                                                                          procs):
+    """Node 1's stepping thread hangs before step 3's exchange (its process lives on): node 0
+    says soon after telemetry.stall_floor_s that it waits on node 1 in a collective, then fails
+    after nodes.timeout_s naming node 1, with its checkpoint; node 1 ends when it wakes."""
+    from dflash_core.events import Log, Stall
+
+    timeout, floor = 6.0, 2.0
+    cfg = node_config(tmp_path, assets, optim__epochs=200, nodes__timeout_s=timeout,
+                      telemetry__stall_floor_s=floor)
+    procs += start_nodes(write_config(tmp_path / "config.yaml", cfg), tmp_path,
+                         launchers={1: launcher(tmp_path, "stuck", STUCK_NODE_1)})
+    node0 = cfg.run_dir / "node-0" / "events.jsonl"
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "stuck").exists():
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), \
+            outputs(tmp_path)
+        time.sleep(0.1)
+    t0 = time.monotonic()
+
+    def stalls():
+        return [e for e in read_jsonl(node0) if isinstance(e, Stall) and not e.cleared
+                and e.worker.startswith("drafter") and "in a collective" in e.where]
+    while not stalls():
+        assert time.monotonic() - t0 < floor + 5, "no Stall in a collective on node 0"
+        time.sleep(0.2)
+    assert "node 1" in stalls()[0].where, stalls()[0]
+
+    code = procs[0].wait(timeout + 10)
+    took = time.monotonic() - t0
+    assert code == 1, outputs(tmp_path)
+    assert timeout <= took + 1, f"node 0 gave up after {took:.1f} s, before nodes.timeout_s"
+    events = read_jsonl(node0)
+    waits = [e for e in events if isinstance(e, Log) and "waiting" in e.message
+             and "node 1" in e.message and "in a collective" in e.message]
+    assert waits, "no log line naming node 1"
+    fatal = [e for e in events if isinstance(e, Error) and e.fatal]
+    assert fatal and fatal[0].error_kind == "node", fatal
+    assert "node 1 did not reach the step-boundary exchange" in fatal[0].message
+    end = [e for e in events if isinstance(e, RunEnded)][-1]
+    assert end.status == "failed" and end.step == 2
+    assert [p.name for p in ckpt.list_checkpoints(cfg.run_dir)] == ["step-2"]
+    # node 1 wakes, finds node 0 gone and ends too
+    assert procs[1].wait(STUCK_S + 15) == 1, outputs(tmp_path)
+
+
+# --------------------------------------------------------------------------------------------
+# A node that fails before it joins
+# --------------------------------------------------------------------------------------------
+
+def test_a_node_whose_config_is_refused_fails_the_others_at_once(tmp_path, assets, procs):
+    cfg = node_config(tmp_path, assets, nodes__timeout_s=60.0)
+    good = write_config(tmp_path / "config.yaml", cfg)
+    bad = tmp_path / "config-1.yaml"
+    bad.write_text(good.read_text().replace("lr: 0.001", "lr: -1.0"))
+    assert bad.read_text() != good.read_text()
+    t = time.monotonic()
+    procs += start_nodes(good, tmp_path, configs={1: bad})
+    codes = [p.wait(30) for p in procs]
+    took = time.monotonic() - t
+    assert codes == [1, 2], outputs(tmp_path)
+    assert took < 20, f"{took:.1f} s: node 0 waited for the timeout"  # nodes.timeout_s is 60
+    fatal = [e for e in read_jsonl(cfg.run_dir / "node-0" / "events.jsonl")
+             if isinstance(e, Error) and e.fatal]
+    assert fatal and "node 1" in fatal[0].message and "before joining" in fatal[0].message
+    assert "optim.lr" in fatal[0].message, fatal[0].message  # its cause, from node 1
+    assert "node 1" in outputs(tmp_path)[0]
+
+
+def test_a_node_that_never_joins_is_named_after_the_timeout(tmp_path, assets, procs):
+    cfg = node_config(tmp_path, assets, nodes__timeout_s=3.0)
+    path = write_config(tmp_path / "config.yaml", cfg)
+    procs += start_nodes(path, tmp_path)
+    procs[1].kill()  # never reaches the store
+    assert procs[0].wait(20) == 1, outputs(tmp_path)
+    fatal = [e for e in read_jsonl(cfg.run_dir / "node-0" / "events.jsonl")
+             if isinstance(e, Error) and e.fatal]
+    assert "node 1 did not join within 3 s" in fatal[0].message, fatal[0].message
+    assert "console of node 1" in fatal[0].hint
 
 
 # --------------------------------------------------------------------------------------------
