@@ -301,8 +301,10 @@ class NodeLink:
             self.last_error = f"{run.failure.source}: {run.failure.message}"
         if not self.group.connected:
             hint = run.failure.hint if run.failure is not None else ""
-            self.group.tell_join_failure(status, self.last_error or status, hint=hint,
-                                         wait_s=min(self.timeout_s, JOIN_NOTICE_S))
+            self.group.tell_join_failure(
+                status, self.last_error or status, hint=hint,
+                wait_s=min(self.timeout_s, JOIN_NOTICE_S),
+                say=lambda text: self.publish(Log(level="info", source="nodes", message=text)))
             return
         try:
             self.group.exchange(self._summary(run, ending=status), blocking=False)

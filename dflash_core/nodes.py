@@ -22,6 +22,7 @@ import datetime
 import json
 import os
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -93,7 +94,8 @@ def tell_failure_before_joining(message: str, hint: str = "") -> None:
     except ConfigError:
         return  # no place to tell it: the others' timeout names this node
     if info is not None:
-        NodeGroup(info).tell_join_failure("failed", message, hint, wait_s=JOIN_NOTICE_S)
+        NodeGroup(info).tell_join_failure("failed", message, hint, wait_s=JOIN_NOTICE_S,
+                                          say=lambda text: print(text, file=sys.stderr))
 
 
 def node_dir_name(rank: int) -> str:
@@ -225,7 +227,8 @@ class NodeGroup:
             time.sleep(JOIN_POLL_S)
 
     def tell_join_failure(self, ending: str, message: str, hint: str = "",
-                          wait_s: float = 60.0) -> None:
+                          wait_s: float = JOIN_NOTICE_S,
+                          say: Callable[[str], None] | None = None) -> None:
         """This node's run ended (``ending``: failed, aborted) before it joined: post that where
         the others wait to join, so they stop at once naming this node. Node 0, when it serves
         the store, keeps serving until the others have come (at most ``wait_s``) so they read
@@ -239,6 +242,10 @@ class NodeGroup:
                 "host": self.host, "ending": ending, "error": message[:2000], "hint": hint}))
             if not serve:
                 return
+            missing = [k for k in range(self.world) if k not in self._joined(store)]
+            if missing and say is not None:
+                say(f"waiting up to {wait_s:.0f} s for {', '.join(f'node {k}' for k in missing)} "
+                    f"to join, to tell {'it' if len(missing) == 1 else 'them'} this node {ending}")
             deadline = time.monotonic() + wait_s
             while len(self._joined(store)) < self.world and time.monotonic() < deadline:
                 time.sleep(JOIN_POLL_S)

@@ -301,23 +301,29 @@ def test_a_node_stuck_before_the_step_exchange_is_named_then_fails_node_0(tmp_pa
 # A node that fails before it joins
 # --------------------------------------------------------------------------------------------
 
-def test_a_node_whose_config_is_refused_fails_the_others_at_once(tmp_path, assets, procs):
+@pytest.mark.parametrize("bad", [1, 0])
+def test_a_node_whose_config_is_refused_fails_the_others_at_once(tmp_path, assets, procs, bad):
+    """Node ``bad``'s own config.yaml has a value the CLI refuses: it exits 2 without a run, but
+    first posts why where the other waits to join (node 0 serves that store, so when it is the
+    bad one it stays until node 1 came and read it)."""
     cfg = node_config(tmp_path, assets, nodes__timeout_s=60.0)
     good = write_config(tmp_path / "config.yaml", cfg)
-    bad = tmp_path / "config-1.yaml"
-    bad.write_text(good.read_text().replace("lr: 0.001", "lr: -1.0"))
-    assert bad.read_text() != good.read_text()
+    wrong = tmp_path / "config-bad.yaml"
+    wrong.write_text(good.read_text().replace("lr: 0.001", "lr: -1.0"))
+    assert wrong.read_text() != good.read_text()
     t = time.monotonic()
-    procs += start_nodes(good, tmp_path, configs={1: bad})
+    procs += start_nodes(good, tmp_path, configs={bad: wrong})
     codes = [p.wait(30) for p in procs]
     took = time.monotonic() - t
-    assert codes == [1, 2], outputs(tmp_path)
-    assert took < 20, f"{took:.1f} s: node 0 waited for the timeout"  # nodes.timeout_s is 60
-    fatal = [e for e in read_jsonl(cfg.run_dir / "node-0" / "events.jsonl")
+    other = 1 - bad
+    assert codes[bad] == 2 and codes[other] == 1, outputs(tmp_path)
+    assert took < 20, f"{took:.1f} s: the good node waited for the timeout"  # it is 60 s
+    fatal = [e for e in read_jsonl(cfg.run_dir / f"node-{other}" / "events.jsonl")
              if isinstance(e, Error) and e.fatal]
-    assert fatal and "node 1" in fatal[0].message and "before joining" in fatal[0].message
-    assert "optim.lr" in fatal[0].message, fatal[0].message  # its cause, from node 1
-    assert "node 1" in outputs(tmp_path)[0]
+    assert fatal and f"node {bad}" in fatal[0].message and "before joining" in fatal[0].message
+    assert "optim.lr" in fatal[0].message, fatal[0].message  # its cause, from the bad node
+    assert f"on node {bad}: set optim.lr" in fatal[0].hint
+    assert f"node {bad}" in outputs(tmp_path)[other]
 
 
 def test_a_node_that_never_joins_is_named_after_the_timeout(tmp_path, assets, procs):
