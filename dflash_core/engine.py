@@ -434,7 +434,8 @@ class Engine:
                                    and torch.cuda.is_available(),
                                    waiting=lambda late: run.heartbeats.note(
                                        "waiting for " + ", ".join(f"node {k}" for k in late)
-                                       + " to join"))
+                                       + " to join"),
+                                   stopped=run.stop.is_set)
             except NodeFailure as exc:
                 link.over = True  # nothing more to tell anyone
                 if exc.ending != "aborted":

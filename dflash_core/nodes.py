@@ -5,15 +5,21 @@ torchrun starts one process per node and hands it ``RANK`` (the node number here
 store listens). Outside torchrun (no ``WORLD_SIZE``, or 1) ``node_info`` is None and nothing of
 this module runs.
 
+Joining posts each node's status in the store first (``join/K``), then makes the gloo group;
+a node that ended before it joined posts that instead (``tell_join_failure``), so the others
+fail at once naming it rather than at the timeout. The group is made once per process and kept
+across restarts (torch.distributed initialises once per process).
+
 The group carries three things, all through torch.distributed on the port torchrun already uses:
 
-- the control exchange at every step boundary (gloo, CPU: each node's small JSON summary);
+- the control exchange at the start of each run and at every step boundary (gloo, CPU: each node's small JSON summary);
 - the sum of the gradient buffer across nodes (NCCL for CUDA tensors, gloo for CPU ones);
 - a heartbeat counter per node in the store, so that when a collective fails the node that
   stopped beating is named rather than guessed.
 
 Every collective has a timeout (``nodes.timeout_s``); a failure becomes ``NodeFailure`` naming
-the node(s) that are gone.
+the node(s) that are gone (heartbeat stopped) or, when every process still beats, those that
+never reached the collective (stuck).
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ JOIN_POLL_S = 0.1  # the join looks at the other nodes' statuses this often
 # A node that ended before joining and serves the store (node 0 outside torchrun's agent) waits
 # at most this long for the others to come and read why, then exits.
 JOIN_NOTICE_S = 60.0
+ABORT_NOTICE_S = 3.0  # the same after an abort while joining (headless leaves within 5 s)
 
 
 class NodeFailure(RuntimeError):
@@ -117,7 +124,7 @@ class NodeGroup:
         self._beat_thread: threading.Thread | None = None
         self._lock = threading.Lock()  # one collective at a time from this process
         self.broken = ""  # why the group can no longer be used ("" while it can)
-        self._seq = 0  # exchanges entered by this process
+        self._seq = 0  # collectives entered by this process (the same count on every node)
 
     @property
     def connected(self) -> bool:
@@ -143,11 +150,14 @@ class NodeGroup:
         return f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
 
     def connect(self, timeout_s: float, cuda: bool,
-                waiting: Callable[[list[int]], None] | None = None) -> None:
+                waiting: Callable[[list[int]], None] | None = None,
+                stopped: Callable[[], bool] | None = None) -> None:
         """Join the other nodes (waits for all of them, up to ``timeout_s``). Each node first
         posts its status in the store (``join/K``), so a node that failed before joining
         (``tell_join_failure``) fails the others at once, named, instead of after the timeout.
-        ``waiting(nodes)``: called about once a second with the nodes not joined yet."""
+        ``waiting(nodes)``: called about once a second with the nodes not joined yet;
+        ``stopped()``: this node was asked to stop (it posts that and raises NodeFailure with
+        ending "aborted")."""
         import torch.distributed as dist
 
         if self.connected:
@@ -158,7 +168,7 @@ class NodeGroup:
         self.timeout_s = timeout_s
         timeout = datetime.timedelta(seconds=timeout_s)
         try:
-            _, store, _ = self._open_store(timeout_s)
+            _, store, serve = self._open_store(timeout_s)
         except Exception as exc:  # noqa: BLE001 - a refused or timed-out connection, said plainly
             self.broken = f"joining failed: {exc}"
             raise NodeFailure(
@@ -168,7 +178,7 @@ class NodeGroup:
                      "check that node 0 is running and reachable on that port") from exc
         try:
             store.set(f"join/{self.rank}", json.dumps({"host": self.host, "ending": ""}))
-            self._await_joins(store, timeout_s, waiting)
+            self._await_joins(store, timeout_s, waiting, stopped, serve)
             dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=self.rank,
                                     world_size=self.world, timeout=timeout)
             if cuda and dist.is_nccl_available():
@@ -195,10 +205,17 @@ class NodeGroup:
                 out[k] = json.loads(store.get(f"join/{k}").decode())
         return out
 
-    def _await_joins(self, store, timeout_s: float,
-                     waiting: Callable[[list[int]], None] | None) -> None:
+    def _await_joins(self, store, timeout_s: float, waiting: Callable[[list[int]], None] | None,
+                     stopped: Callable[[], bool] | None, serve: bool) -> None:
         t0 = last = time.monotonic()
         while True:
+            if stopped is not None and stopped():
+                store.set(f"join/{self.rank}", json.dumps({
+                    "host": self.host, "ending": "aborted", "error": "stopped while joining"}))
+                if serve:  # an abort ends the process within seconds: linger briefly only
+                    self._linger(store, ABORT_NOTICE_S)
+                raise NodeFailure(f"node {self.rank} stopped while joining; the other nodes "
+                                  "are told", [], ending="aborted")
             joined = self._joined(store)
             ended = {k: v for k, v in joined.items() if v.get("ending")}
             if ended:
@@ -246,12 +263,17 @@ class NodeGroup:
             if missing and say is not None:
                 say(f"waiting up to {wait_s:.0f} s for {', '.join(f'node {k}' for k in missing)} "
                     f"to join, to tell {'it' if len(missing) == 1 else 'them'} this node {ending}")
-            deadline = time.monotonic() + wait_s
-            while len(self._joined(store)) < self.world and time.monotonic() < deadline:
-                time.sleep(JOIN_POLL_S)
-            time.sleep(4 * JOIN_POLL_S)  # their next poll reads this node's status
+            self._linger(store, wait_s)
         except Exception:  # noqa: BLE001 - nobody to tell: the others' timeout names this node
             pass
+
+    def _linger(self, store, wait_s: float) -> None:
+        """Node 0 serving the store: keep it up until every node posted its status (so each
+        polls again and reads this one's), at most ``wait_s``."""
+        deadline = time.monotonic() + wait_s
+        while len(self._joined(store)) < self.world and time.monotonic() < deadline:
+            time.sleep(JOIN_POLL_S)
+        time.sleep(4 * JOIN_POLL_S)  # their next poll reads this node's status
 
     # -- heartbeats ----------------------------------------------------------------------------
     def _beat(self) -> None:
@@ -309,8 +331,17 @@ class NodeGroup:
         return NodeFailure(f"{what} failed after {self.timeout_s:.0f} s (nodes.timeout_s) with no "
                            f"node gone: one is stuck: {exc}", [])
 
+    def _arrive(self) -> None:
+        """Count this collective (every node makes the same ones, in the same order) where the
+        others can see it: behind() names the nodes that have not got as far."""
+        self._seq += 1
+        try:
+            self._store.set(f"at/{self.rank}", str(self._seq))
+        except Exception:  # noqa: BLE001 - only feeds behind(); the collective says more
+            pass
+
     def behind(self) -> list[int]:
-        """The other nodes that have not reached the exchange this node waits in."""
+        """The other nodes that have not reached the collective this node waits in."""
         late = []
         for k in range(self.world):
             try:
@@ -341,11 +372,7 @@ class NodeGroup:
             raise NodeFailure("another collective of this node is still in flight", [])
         try:
             self._check_usable()
-            self._seq += 1
-            try:
-                self._store.set(f"at/{self.rank}", str(self._seq))
-            except Exception:  # noqa: BLE001 - only feeds behind(); the collective says more
-                pass
+            self._arrive()
             t0 = time.monotonic()
             try:
                 work = dist.all_gather(slots, mine, async_op=True)
@@ -375,6 +402,7 @@ class NodeGroup:
             if buf.is_cuda and group is None:
                 raise NodeFailure("a CUDA gradient buffer but no NCCL group", [],
                                   hint="this build of PyTorch has no NCCL")
+            self._arrive()
             try:
                 dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group)
             except Exception as exc:  # noqa: BLE001
