@@ -12,7 +12,8 @@ across restarts (torch.distributed initialises once per process).
 
 The group carries three things, all through torch.distributed on the port torchrun already uses:
 
-- the control exchange at the start of each run and at every step boundary (gloo, CPU: each node's small JSON summary);
+- the control exchange at the start of each run and at every step boundary (gloo, CPU: each
+  node's small JSON summary);
 - the sum of the gradient buffer across nodes (NCCL for CUDA tensors, gloo for CPU ones);
 - a heartbeat counter per node in the store, so that when a collective fails the node that
   stopped beating is named rather than guessed.
@@ -131,7 +132,8 @@ class NodeGroup:
         return self._store is not None
 
     def _open_store(self, timeout_s: float):
-        """The store every node reaches at MASTER_ADDR:MASTER_PORT (keys of this launch only)."""
+        """The store every node reaches at MASTER_ADDR:MASTER_PORT (keys of this launch only),
+        and whether this process serves it."""
         import torch.distributed as dist
 
         env = os.environ
@@ -144,7 +146,7 @@ class NodeGroup:
                               wait_for_workers=False)
         # An agent's store outlives an elastic restart of the workers: keys per attempt.
         attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
-        return store, dist.PrefixStore(f"dflash/{attempt}", store), serve
+        return dist.PrefixStore(f"dflash/{attempt}", store), serve
 
     def _endpoint(self) -> str:
         return f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
@@ -168,7 +170,7 @@ class NodeGroup:
         self.timeout_s = timeout_s
         timeout = datetime.timedelta(seconds=timeout_s)
         try:
-            _, store, serve = self._open_store(timeout_s)
+            store, serve = self._open_store(timeout_s)
         except Exception as exc:  # noqa: BLE001 - a refused or timed-out connection, said plainly
             self.broken = f"joining failed: {exc}"
             raise NodeFailure(
@@ -253,17 +255,15 @@ class NodeGroup:
         if self.connected or self.broken:
             return
         self.broken = f"this node {ending} before joining"
+        if say is not None:  # it may take a while: the store's host, or the others, not up yet
+            say(f"telling the other nodes this node {ending}, through {self._endpoint()} (up to "
+                f"{wait_s:.0f} s)")
         try:
-            _, store, serve = self._open_store(wait_s)
+            store, serve = self._open_store(wait_s)
             store.set(f"join/{self.rank}", json.dumps({
                 "host": self.host, "ending": ending, "error": message[:2000], "hint": hint}))
-            if not serve:
-                return
-            missing = [k for k in range(self.world) if k not in self._joined(store)]
-            if missing and say is not None:
-                say(f"waiting up to {wait_s:.0f} s for {', '.join(f'node {k}' for k in missing)} "
-                    f"to join, to tell {'it' if len(missing) == 1 else 'them'} this node {ending}")
-            self._linger(store, wait_s)
+            if serve:
+                self._linger(store, wait_s)
         except Exception:  # noqa: BLE001 - nobody to tell: the others' timeout names this node
             pass
 

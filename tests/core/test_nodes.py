@@ -151,7 +151,7 @@ SLOW_CHECKPOINT = """
 import time
 from dflash_core import checkpoint
 _save = checkpoint.save_checkpoint
-_slow = [2.0]
+_slow = [1.5]
 def save_checkpoint(*a, **kw):
     time.sleep(_slow.pop() if _slow else 0.0)  # the first: the restart's checkpoint
     return _save(*a, **kw)
@@ -327,14 +327,14 @@ def test_a_node_whose_config_is_refused_fails_the_others_at_once(tmp_path, asset
 
 
 def test_a_node_that_never_joins_is_named_after_the_timeout(tmp_path, assets, procs):
-    cfg = node_config(tmp_path, assets, nodes__timeout_s=3.0)
+    cfg = node_config(tmp_path, assets, nodes__timeout_s=2.0)
     path = write_config(tmp_path / "config.yaml", cfg)
     procs += start_nodes(path, tmp_path)
     procs[1].kill()  # never reaches the store
     assert procs[0].wait(20) == 1, outputs(tmp_path)
     fatal = [e for e in read_jsonl(cfg.run_dir / "node-0" / "events.jsonl")
              if isinstance(e, Error) and e.fatal]
-    assert "node 1 did not join within 3 s" in fatal[0].message, fatal[0].message
+    assert "node 1 did not join within 2 s" in fatal[0].message, fatal[0].message
     assert "console of node 1" in fatal[0].hint
 
 
