@@ -150,11 +150,14 @@ class TelemetryConfig:
 @dataclass
 class NodesConfig:
     # Only read under torchrun with more than one node (docs/multi-node.md).
-    # Every collective across nodes (joining, the step-boundary exchange, the gradient all-reduce)
-    # gives up after this many seconds and fails the run naming the node that did not come. A
-    # killed node is noticed at once (its connection closes); this bounds a node that hangs. It
-    # must cover the longest wait of a healthy node for the others: the spread of target load
-    # times before the first step, and node 0's checkpoint and evaluation at a step boundary.
+    # Joining and every collective across nodes (the exchange that starts each run, the
+    # step-boundary exchange, the gradient all-reduce) give up after this many seconds and fail
+    # the run naming the node that did not come. A killed node is noticed at once (its
+    # connection closes) and a node that fails before joining tells the others at once; this
+    # bounds a node that hangs or never starts. It must cover the longest wait of a healthy node
+    # for the others: the spread of start-up and target load times before the first step, node
+    # 0's checkpoint and evaluation at a step boundary, and after a restart node 0's teardown
+    # (its checkpoint) before the new run starts.
     timeout_s: float = 900.0
     # Steps between the cross-node check that every node's drafter weights are identical (a
     # checksum compared in the step exchange; a mismatch fails the run naming the step). It is
