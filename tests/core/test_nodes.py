@@ -301,28 +301,38 @@ def test_a_node_stuck_before_the_step_exchange_is_named_then_fails_node_0(tmp_pa
 # A node that fails before it joins
 # --------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("bad", [1, 0])
-def test_a_node_whose_config_is_refused_fails_the_others_at_once(tmp_path, assets, procs, bad):
-    """Node ``bad``'s own config.yaml has a value the CLI refuses: it exits 2 without a run, but
-    first posts why where the other waits to join (node 0 serves that store, so when it is the
-    bad one it stays until node 1 came and read it)."""
+@pytest.mark.parametrize("bad, why", [(1, "config"), (0, "folder")])
+def test_a_node_refused_before_joining_fails_the_other_at_once(tmp_path, assets, procs, bad,
+                                                               why):
+    """Node ``bad`` is refused before it joins, on its own: node 1 by the CLI (its config.yaml
+    has a bad value), node 0 by the engine's preflight (the run folder holds an earlier run's
+    train.log; node 0 serves the store, so it stays until node 1 came and read why). It exits 2
+    and the other fails at once naming it and its cause, not after nodes.timeout_s."""
     cfg = node_config(tmp_path, assets, nodes__timeout_s=60.0)
     good = write_config(tmp_path / "config.yaml", cfg)
-    wrong = tmp_path / "config-bad.yaml"
-    wrong.write_text(good.read_text().replace("lr: 0.001", "lr: -1.0"))
-    assert wrong.read_text() != good.read_text()
+    configs = {}
+    if why == "config":
+        wrong = tmp_path / "config-bad.yaml"
+        wrong.write_text(good.read_text().replace("lr: 0.001", "lr: -1.0"))
+        assert wrong.read_text() != good.read_text()
+        configs[bad] = wrong
+        cause, fix = "optim.lr", f"on node {bad}: set optim.lr"
+    else:
+        cfg.run_dir.mkdir(parents=True)
+        (cfg.run_dir / "train.log").write_text("an earlier run\n")
+        cause, fix = "already holds a run", f"on node {bad}: pass --resume"
     t = time.monotonic()
-    procs += start_nodes(good, tmp_path, configs={bad: wrong})
+    procs += start_nodes(good, tmp_path, configs=configs)
     codes = [p.wait(30) for p in procs]
     took = time.monotonic() - t
     other = 1 - bad
     assert codes[bad] == 2 and codes[other] == 1, outputs(tmp_path)
-    assert took < 20, f"{took:.1f} s: the good node waited for the timeout"  # it is 60 s
+    assert took < 20, f"{took:.1f} s: the other node waited for the timeout"  # it is 60 s
     fatal = [e for e in read_jsonl(cfg.run_dir / f"node-{other}" / "events.jsonl")
              if isinstance(e, Error) and e.fatal]
     assert fatal and f"node {bad}" in fatal[0].message and "before joining" in fatal[0].message
-    assert "optim.lr" in fatal[0].message, fatal[0].message  # its cause, from the bad node
-    assert f"on node {bad}: set optim.lr" in fatal[0].hint
+    assert cause in fatal[0].message, fatal[0].message  # the bad node's own error
+    assert fatal[0].hint.startswith(fix), fatal[0].hint
     assert f"node {bad}" in outputs(tmp_path)[other]
 
 
