@@ -2,7 +2,9 @@
 
 Launched by torchrun itself (one machine, two processes: each process is a node) or by setting
 the variables torchrun sets (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) on two plain processes:
-killing one of those leaves the other alone, where torchrun's agent would stop it too.
+killing one of those leaves the other alone, where torchrun's agent would stop it too. A node
+that must misbehave (a slow checkpoint, a stuck step) runs through a small launcher script that
+patches one function before the CLI's main: the engine carries no hooks for tests.
 """
 
 import os
