@@ -179,3 +179,17 @@ def test_a_drafter_step_synchronises_with_the_gpu_once(tmp_path: Path):
     assert in_accumulate == [], in_accumulate
     assert len(syncs_in(seen)) == 1, syncs_in(seen)
     assert res.samples == len(batches[2]) and torch.isfinite(torch.tensor(res.loss))
+
+
+@pytest.mark.parametrize("S", [5, 127, 128, 129, 300])
+def test_compiled_flex_equals_dense_for_one_drafted_block(S):
+    # The exact-tau evaluation drafts one block after the whole context (anchor = S, 8 query rows
+    # in a 128-row tile): a shape the training batches never have. On an H200 the demo's exact
+    # tau ran below the CPU run's while teacher-forced tau matched; this pins the kernel down.
+    g = torch.Generator().manual_seed(S)
+    B, d, h, hkv = 8, 32, 4, 2
+    r = lambda *s: torch.randn(*s, generator=g).cuda()  # noqa: E731
+    args = (r(1, h, B, d), r(1, hkv, S, d), r(1, hkv, S, d), r(1, hkv, B, d), r(1, hkv, B, d),
+            torch.tensor([[S]], device="cuda"), B, d ** -0.5)
+    want = dense(*args)
+    assert torch.allclose(flex_block_attention(*args, compile=True), want, atol=2e-5)
