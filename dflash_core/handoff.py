@@ -46,7 +46,6 @@ class FeatureCopier:
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
         self._streams: dict[int, torch.cuda.Stream] = {}
-        self.copies = 0  # cross-GPU copies started (for tests and the bench)
 
     def _stream(self, device: torch.device) -> torch.cuda.Stream:
         if device.index not in self._streams:
@@ -71,5 +70,4 @@ class FeatureCopier:
         src.record_stream(s_src)  # the target must not reuse this memory before the copy ends
         done = torch.cuda.Event()
         done.record(s_dst)
-        self.copies += 1
         return Pending(out, done)

@@ -226,14 +226,15 @@ class DrafterReplica:
                 tail[i] += float(v)
 
 
-def _nccl_ok(flats: list[torch.Tensor]) -> bool:
+def _nccl(flats: list[torch.Tensor]):
+    """torch.cuda.nccl when it can reduce these buffers (CUDA, one per GPU), else None."""
     if len(flats) < 2 or not all(f.is_cuda for f in flats):
-        return False
+        return None
     try:
         from torch.cuda import nccl
-        return nccl.is_available(flats)
+        return nccl if nccl.is_available(flats) else None
     except (ImportError, RuntimeError):
-        return False
+        return None
 
 
 def sum_replicas(replicas: list[DrafterReplica], across=None) -> None:
@@ -241,24 +242,18 @@ def sum_replicas(replicas: list[DrafterReplica], across=None) -> None:
     all nodes). Replicas on distinct GPUs reduce with NCCL, one collective per step; others (the
     CPU, tests) add up on the first replica and copy back."""
     flats = [r.flat for r in replicas]
-    if len(flats) == 1:
-        if across is not None:
-            across.all_reduce_(flats[0])
+    nccl = _nccl(flats)
+    if nccl is not None and across is None:
+        nccl.all_reduce(flats)
         return
-    if _nccl_ok(flats):
-        from torch.cuda import nccl
-        if across is None:
-            nccl.all_reduce(flats)
-            return
+    if nccl is not None:
         nccl.reduce(flats, root=0)
     else:
-        lead = flats[0]
         for f in flats[1:]:
-            lead += f.to(lead.device)
+            flats[0] += f.to(flats[0].device)
     if across is not None:
         across.all_reduce_(flats[0])
-    if _nccl_ok(flats):
-        from torch.cuda import nccl
+    if nccl is not None:
         nccl.broadcast(flats, root=0)
     else:
         for f in flats[1:]:
