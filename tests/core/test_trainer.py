@@ -21,19 +21,8 @@ def head_copies(tm):
 
 
 def test_two_drafter_replicas_step_like_one_drafter_on_both_batches(tmp_path, assets):
-    target, data = assets
-    cfg = make_config(tmp_path, target, data)
-    tm = load_target(target, device="cpu", dtype="float32")
-    layer_ids = default_layer_ids(tm.num_layers, cfg.target.num_features)
-    stream = BatchStream.from_config(ShardedDataset.open(data), cfg.data, seed=1, epochs=1)
-    batches = list(stream.iter_batches())[:2]
+    cfg, tm, batches, feats, init = _setup(tmp_path, assets)
     assert len(batches) == 2 and batches[0].indices != batches[1].indices
-    feats = [tm.features(b.input_ids, b.attention_mask, layer_ids) for b in batches]
-
-    dcfg = build_drafter_config(tm.model.config, num_layers=1, target_layer_ids=layer_ids,
-                                block_size=4, mask_token_id=VOCAB - 1)
-    torch.manual_seed(0)
-    init = DFlashDrafter(dcfg)
     before = {k: v.clone() for k, v in init.state_dict().items()}
     cpu = torch.device("cpu")
 
@@ -63,18 +52,25 @@ def test_two_drafter_replicas_step_like_one_drafter_on_both_batches(tmp_path, as
     assert moved, "the optimizer step changed no weight: the comparison would prove nothing"
 
 
-def _setup(tmp_path, assets, n_batches=2):
-    target, data = assets
-    cfg = make_config(tmp_path, target, data)
-    tm = load_target(target, device="cpu", dtype="float32")
+def drafter_setup(cfg, target, data, n_batches: int, device="cpu", dtype="float32"):
+    """The target loaded on ``device``, the first batches of the data, their features and a
+    fresh one-layer drafter (seeded) of the target's shape: what a trainer test steps on."""
+    tm = load_target(target, device=device, dtype=dtype)
     layer_ids = default_layer_ids(tm.num_layers, cfg.target.num_features)
     stream = BatchStream.from_config(ShardedDataset.open(data), cfg.data, seed=1, epochs=1)
     batches = list(stream.iter_batches())[:n_batches]
-    feats = [tm.features(b.input_ids, b.attention_mask, layer_ids) for b in batches]
+    feats = [tm.features(b.input_ids.to(device), b.attention_mask.to(device), layer_ids)
+             for b in batches]
     dcfg = build_drafter_config(tm.model.config, num_layers=1, target_layer_ids=layer_ids,
                                 block_size=4, mask_token_id=VOCAB - 1)
     torch.manual_seed(0)
-    return cfg, tm, batches, feats, DFlashDrafter(dcfg)
+    return tm, batches, feats, DFlashDrafter(dcfg)
+
+
+def _setup(tmp_path, assets, n_batches=2):
+    target, data = assets
+    cfg = make_config(tmp_path, target, data)
+    return (cfg, *drafter_setup(cfg, target, data, n_batches))
 
 
 def test_gradients_accumulate_into_the_flat_buffer_one_reduction_sums(tmp_path, assets):

@@ -82,30 +82,15 @@ def test_two_drafter_threads_compile_and_train_at_once_on_one_gpu(tmp_path: Path
     # compile seen by another's compiled call), not between devices: two replicas on one GPU,
     # each driven by its own thread through their first compiled steps, reproduce it on a
     # one-GPU machine.
-    import copy
-
-    from dflash_core.data import BatchStream, ShardedDataset
-    from dflash_core.drafter import DFlashDrafter, build_drafter_config
-    from dflash_core.target import default_layer_ids, load_target
     from dflash_core.trainer import StepBarrier, make_replicas, reduce_and_step
-    from tests.core.engine_fixtures import VOCAB
-    from tests.core.test_trainer import head_copies
+    from tests.core.test_trainer import drafter_setup, head_copies
 
     target = make_target(tmp_path / "target", head_dim=16)
     data = make_data(tmp_path / "data")
     cfg = make_config(tmp_path, target, data, layout__device="cuda")
     gpu = torch.device("cuda", 0)
-    tm = load_target(target, device=gpu, dtype="bfloat16")
-    layer_ids = default_layer_ids(tm.num_layers, cfg.target.num_features)
-    stream = BatchStream.from_config(ShardedDataset.open(data), cfg.data, seed=1, epochs=1)
-    batches = list(stream.iter_batches())[:6]
-    feats = [tm.features(b.input_ids.to(gpu), b.attention_mask.to(gpu), layer_ids)
-             for b in batches]
-    dcfg = build_drafter_config(tm.model.config, num_layers=1, target_layer_ids=layer_ids,
-                                block_size=4, mask_token_id=VOCAB - 1)
-    torch.manual_seed(0)
-    pair = make_replicas(DFlashDrafter(dcfg), [gpu, gpu], cfg,
-                         *[m.to(gpu) for m in head_copies(tm)])
+    tm, batches, feats, init = drafter_setup(cfg, target, data, 6, gpu, "bfloat16")
+    pair = make_replicas(init, [gpu, gpu], cfg, *head_copies(tm))
     stop = threading.Event()
     barrier = StepBarrier(2, stop)
     results, failures = [], []
@@ -141,28 +126,19 @@ def test_a_drafter_step_synchronises_with_the_gpu_once(tmp_path: Path):
     # waiting for the GPU, then read the step's numbers in one synchronisation.
     import warnings
 
-    from dflash_core.data import BatchStream, ShardedDataset
-    from dflash_core.drafter import DFlashDrafter, build_drafter_config
     from dflash_core.handoff import ready_event
-    from dflash_core.target import default_layer_ids, load_target
     from dflash_core.trainer import ANCHOR_PAD, make_replicas, prepare_batch, reduce_and_step
-    from tests.core.engine_fixtures import VOCAB
-    from tests.core.test_trainer import head_copies
+    from tests.core.test_trainer import drafter_setup, head_copies
 
     target = make_target(tmp_path / "target", head_dim=16)
     data = make_data(tmp_path / "data")
     cfg = make_config(tmp_path, target, data, layout__device="cuda")
     gpu = torch.device("cuda", 0)
-    tm = load_target(target, device=gpu, dtype="bfloat16")
-    layer_ids = default_layer_ids(tm.num_layers, cfg.target.num_features)
-    stream = BatchStream.from_config(ShardedDataset.open(data), cfg.data, seed=1, epochs=1)
+    tm, batches, feats, init = drafter_setup(cfg, target, data, 3, gpu, "bfloat16")
+    # As the loader hands them over: anchors and labels made, pinned.
     batches = [prepare_batch(b, cfg.drafter.num_anchors, 4, cfg.run.seed, pad_to=ANCHOR_PAD).pin()
-               for b in list(stream.iter_batches())[:3]]
-    feats = [tm.features(b.input_ids.to(gpu), b.attention_mask.to(gpu), layer_ids)
-             for b in batches]
-    dcfg = build_drafter_config(tm.model.config, num_layers=1, target_layer_ids=layer_ids,
-                                block_size=4, mask_token_id=VOCAB - 1)
-    (rep,) = make_replicas(DFlashDrafter(dcfg), [gpu], cfg, *[m.to(gpu) for m in head_copies(tm)])
+               for b in batches]
+    (rep,) = make_replicas(init, [gpu], cfg, *head_copies(tm))
     for b, f in zip(batches[:2], feats[:2]):  # warm-up: compilation synchronises, and may
         rep.accumulate(b, f, cfg.run.seed, ready=ready_event(f))
         reduce_and_step([rep], 0, 10)

@@ -30,26 +30,15 @@ def test_copy_does_not_queue_behind_the_targets_next_forward():
 def test_two_gpu_replicas_reduce_with_nccl_like_one_drafter(tmp_path):
     from torch.cuda import nccl
 
-    from dflash_core.data import BatchStream, ShardedDataset
-    from dflash_core.drafter import DFlashDrafter, build_drafter_config
-    from dflash_core.target import default_layer_ids, load_target
     from dflash_core.trainer import make_replicas, reduce_and_step
-    from tests.core.engine_fixtures import VOCAB, make_config, make_data, make_target
-    from tests.core.test_trainer import head_copies
+    from tests.core.engine_fixtures import make_config, make_data, make_target
+    from tests.core.test_trainer import drafter_setup, head_copies
 
     target = make_target(tmp_path / "target", head_dim=16)
     data = make_data(tmp_path / "data")
     cfg = make_config(tmp_path, target, data, layout__device="cuda")
     g0, g1 = torch.device("cuda", 0), torch.device("cuda", 1)
-    tm = load_target(target, device=g0, dtype="float32")
-    layer_ids = default_layer_ids(tm.num_layers, cfg.target.num_features)
-    stream = BatchStream.from_config(ShardedDataset.open(data), cfg.data, seed=1, epochs=1)
-    batches = list(stream.iter_batches())[:2]
-    feats = [tm.features(b.input_ids.to(g0), b.attention_mask.to(g0), layer_ids) for b in batches]
-    dcfg = build_drafter_config(tm.model.config, num_layers=1, target_layer_ids=layer_ids,
-                                block_size=4, mask_token_id=VOCAB - 1)
-    torch.manual_seed(0)
-    init = DFlashDrafter(dcfg)
+    tm, batches, feats, init = drafter_setup(cfg, target, data, 2, g0)
     pair = make_replicas(copy.deepcopy(init), [g0, g1], cfg, *head_copies(tm))
     assert nccl.is_available([r.flat for r in pair])
     for rep, b, f in zip(pair, batches, feats):
