@@ -64,6 +64,15 @@ def fake_loader():
     return load
 
 
+def random_features(self, input_ids, attention_mask=None, layer_ids=None, stop=None):
+    """TargetModel.features at almost no GPU cost: random values of the real shape and dtype, so a
+    drafter runs as if a stored-features source fed it (its standalone rate on these batches)."""
+    ids = self._layer_ids(layer_ids)
+    b, s = input_ids.shape
+    return torch.randn(b, s, len(ids) * self.hidden_size, device=self.device,
+                       dtype=self.model.dtype)
+
+
 def make_data(folder: Path, vocab: int, n: int, max_length: int):
     rng = np.random.default_rng(0)
     lengths = np.clip(rng.lognormal(6.8, 0.7, n), 256, 3072) * max_length / 3072
@@ -99,6 +108,9 @@ def main():
                     help="trace K steps after warm-up with the torch profiler; print where each "
                          "GPU's time went (timeline.py) and write the chrome trace to --trace")
     ap.add_argument("--trace", default="trace.json")
+    ap.add_argument("--features", choices=("target", "random"), default="target",
+                    help="random: skip the target's forward (random features of the real shape), "
+                         "to measure the drafters alone on the same batches")
     ap.add_argument("--gpu-memory-gib", type=float, default=0.0,
                     help="layout.gpu_memory_gib: rehearse a smaller card")
     args = ap.parse_args()
@@ -118,6 +130,8 @@ def main():
     max_length = 256 if smoke else 3072
     (tfolder / "config.json").write_text(json.dumps(tcfg))
     target_stage.load_target = fake_loader()  # what the engine's target stage calls
+    if args.features == "random":
+        target_mod.TargetModel.features = random_features
     vocab = tcfg.get("text_config", tcfg)["vocab_size"]  # multimodal configs nest it
     t = time.perf_counter()
     make_data(tmp / "data", vocab, args.samples, max_length)
@@ -158,7 +172,7 @@ def main():
                 mem = "; " + ", ".join(
                     f"cuda:{d} alloc {gib(torch.cuda.max_memory_allocated(d))} reserved "
                     f"{gib(torch.cuda.max_memory_reserved(d))} nvml "
-                    f"{gib(max((g.mem_used for g in gpus if g.index == d), default=0))}"
+                    f"{gib(max((g.mem_used for _, g in gpus if g.index == d), default=0))}"
                     for d in devices)
             print(f"  step {ev.step} at {steps[-1][0]:.1f} s: loss {ev.loss:.3f}, "
                   f"{ev.samples} samples{mem}", flush=True)
@@ -169,7 +183,7 @@ def main():
         elif isinstance(ev, DrafterMetrics) and ev is not None:
             drafters.append(ev)
         elif isinstance(ev, GpuSample):
-            gpus.append(ev)
+            gpus.append((time.monotonic() - t0, ev))
         elif isinstance(ev, MemoryPlan):
             plans.append(ev)
         elif isinstance(ev, Log) and ev.level in ("warning", "error"):
@@ -224,12 +238,17 @@ def main():
                   f"compute {np.mean([m.compute_frac for m in ms]):.0%}, barrier "
                   f"{np.mean([m.barrier_frac for m in ms]):.0%}, optimizer step "
                   f"{np.mean([m.step_frac for m in ms]):.0%} ({len(ms)} reports)")
-    for g in sorted({g.index for g in gpus}):
-        util = [x.util for x in gpus if x.index == g and x.util >= 0]
-        mem = [x.mem_used for x in gpus if x.index == g]
+    # NVML busy over the whole run counts loading and compilation as idle time; the steady share
+    # is over the same steps as samples/s.
+    t_from, t_to = (train[0][0], train[-1][0]) if len(train) >= 2 else (0.0, float("inf"))
+    for g in sorted({g.index for _, g in gpus}):
+        util = [x.util for _, x in gpus if x.index == g and x.util >= 0]
+        steady = [x.util for t, x in gpus if x.index == g and x.util >= 0 and t_from <= t <= t_to]
+        mem = [x.mem_used for _, x in gpus if x.index == g]
         if util:
-            print(f"GPU {g}: busy (NVML util) mean {np.mean(util):.0f}% over {len(util)} samples, "
-                  f"max used {gib(max(mem))}")
+            print(f"GPU {g}: busy (NVML util) over steps 4-{steps[-1][1].step if steps else 0} "
+                  f"{np.mean(steady) if steady else float('nan'):.0f}% ({len(steady)} samples); "
+                  f"whole run {np.mean(util):.0f}% ({len(util)}), max used {gib(max(mem))}")
     for p in plans:
         for row in p.rows:
             print(f"plan {row['device']} {row['role']}: {gib(row['total'])} "
