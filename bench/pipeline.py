@@ -111,6 +111,9 @@ def main():
     ap.add_argument("--features", choices=("target", "random"), default="target",
                     help="random: skip the target's forward (random features of the real shape), "
                          "to measure the drafters alone on the same batches")
+    ap.add_argument("--hf-norm", action="store_true",
+                    help="the drafter with transformers' eager Qwen3RMSNorm (the norm before the "
+                         "fused one), for a before/after on the same code")
     ap.add_argument("--gpu-memory-gib", type=float, default=0.0,
                     help="layout.gpu_memory_gib: rehearse a smaller card")
     args = ap.parse_args()
@@ -130,6 +133,10 @@ def main():
     max_length = 256 if smoke else 3072
     (tfolder / "config.json").write_text(json.dumps(tcfg))
     target_stage.load_target = fake_loader()  # what the engine's target stage calls
+    if args.hf_norm:
+        import dflash_core.drafter as drafter_mod
+        from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+        drafter_mod.RMSNorm = Qwen3RMSNorm
     if args.features == "random":
         target_mod.TargetModel.features = random_features
     vocab = tcfg.get("text_config", tcfg)["vocab_size"]  # multimodal configs nest it

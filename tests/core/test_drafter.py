@@ -10,7 +10,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import Qwen3Config
 
-from dflash_core.drafter import DFlashDrafter, build_drafter_config
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+from dflash_core.drafter import DFlashDrafter, RMSNorm, build_drafter_config
 
 REFERENCE = "dflash==0.1.0"
 
@@ -95,6 +97,31 @@ def test_matches_reference_implementation(tmp_path, reference_dflash, ctx_len):
         got = m(ctx, emb, pos[:, ctx_len:], torch.tensor([[ctx_len]]))
     assert want.shape == got.shape
     assert (want - got).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_norm_is_qwen3s_norm(dtype):
+    """Same function and gradients as transformers' Qwen3RMSNorm, with fp32 weights as the trainer
+    keeps them; bf16 inputs differ by one rounding (Qwen3's rounds before the weight multiplies)."""
+    torch.manual_seed(0)
+    ours, theirs = RMSNorm(64, eps=1e-6), Qwen3RMSNorm(64, eps=1e-6)
+    with torch.no_grad():
+        ours.weight.normal_(1, 0.3)
+        theirs.weight.copy_(ours.weight)
+    x = (torch.randn(3, 5, 64) * 4).to(dtype)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    a, b = ours(xa), theirs(xb)
+    assert a.dtype == b.dtype == torch.float32
+    g = torch.randn_like(a)
+    (a * g).sum().backward()
+    (b * g).sum().backward()
+    rel = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: a few of its 2^-8 roundings
+
+    def close(u, v):
+        return (u.float() - v.float()).abs().max().item() <= rel * v.float().abs().max().item()
+    assert close(a, b) and close(ours.weight.grad, theirs.weight.grad) and close(xa.grad, xb.grad)
+    # a wrong epsilon or a missing weight would not pass
+    assert not torch.allclose(RMSNorm(64)(x.float()), b.detach(), atol=1e-3)
 
 
 def test_many_blocks_in_one_pass_equal_one_block_at_a_time():
