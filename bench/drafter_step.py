@@ -2,6 +2,8 @@
 chunked loss), 8B- and 27B-shaped, 3072-token samples, 512 anchors, block 16.
 
     python bench/drafter_step.py [--samples 8] [--steps 6]
+    # config.yaml's drafter (8 layers, one sequence per micro-group, loss chunk 4096), 27B shape:
+    python bench/drafter_step.py --shapes 27B --layers 8 --micro 8192 --loss-chunk 4096 --samples 4
 """
 
 from __future__ import annotations
@@ -21,10 +23,7 @@ from dflash_core.drafter import DFlashDrafter, build_drafter_config
 from dflash_core.memory import plan_memory
 from dflash_core.trainer import make_replicas, reduce_and_step
 
-SHAPES = {
-    "8B": ("qwen3_8b_config.json", 5),
-    "27B": ("qwen3_6_27b_config.json", 5),
-}
+SHAPES = {"8B": ("qwen3_8b_config.json",), "27B": ("qwen3_6_27b_config.json",)}
 
 
 def step_flops(dc, n, S, A, B, vocab, k=5):
@@ -56,23 +55,32 @@ def main():
     ap.add_argument("--shapes", default="8B,27B", help="one per call keeps each under a limit")
     ap.add_argument("--micro", type=int, default=16384,
                     help="drafter.micro_block_tokens: block tokens live at once (memory)")
+    ap.add_argument("--layers", type=int, default=5, help="drafter.num_layers")
+    ap.add_argument("--loss-chunk", type=int, default=8192, help="drafter.loss_chunk")
+    ap.add_argument("--hf-norm", action="store_true",
+                    help="transformers' eager Qwen3RMSNorm instead of the fused one (before/after)")
     ap.add_argument("--stacks-after", type=float, default=240,
                     help="print every thread's stack if a step takes longer than this (s)")
     args = ap.parse_args()
     print(env_line())
+    if args.hf_norm:
+        import dflash_core.drafter as drafter_mod
+        from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+        drafter_mod.RMSNorm = Qwen3RMSNorm
     S, A, B = 3072, 512, 16
     for shape in args.shapes.split(","):
-        fixture, layers = SHAPES[shape]
+        fixture, layers = SHAPES[shape][0], args.layers
         tc = hf_config(fixture)
         cfg = config_from_dict({
             "drafter": {"num_layers": layers, "block_size": B, "num_anchors": A,
-                        "micro_block_tokens": args.micro, "loss_chunk": 8192},
+                        "micro_block_tokens": args.micro, "loss_chunk": args.loss_chunk},
             "data": {"token_budget": 65536, "max_length": S},
             "layout": {"device": "cuda", "targets": [1], "drafters": [0]}})
         hf = json.loads((FIXTURES / fixture).read_text())
         plan = {r.device: r for r in plan_memory(cfg, hf).rows}["cuda:0"]
-        print(f"  {shape}: preflight plan for the drafter GPU {gib(plan.total)} "
-              f"(micro_block_tokens {args.micro})", flush=True)
+        margin = plan.components.get("cuda context", 0) + plan.components.get("allocator reserve", 0)
+        print(f"  {shape}: preflight plan for the drafter GPU {gib(plan.total)}, its tensors "
+              f"{gib(plan.total - margin)} (micro_block_tokens {args.micro})", flush=True)
         dc = build_drafter_config(tc, num_layers=layers, target_layer_ids=[1, 2, 3, 4, 5],
                                   block_size=B, mask_token_id=tc.vocab_size - 1)
         torch.manual_seed(0)

@@ -70,15 +70,18 @@ AUTOCAST_COPY_BYTES = 2  # autocast caches a bf16 copy of every fp32 weight for 
 # Tensors autograd saves, in 2-byte units (a float32 tensor counts 2), measured on drafter.py under
 # bf16 autocast with saved_tensors_hooks, attention saving q, k, v, out as flex attention does.
 # The residual stream is float32 (block embeddings enter as float32), so norms save float32
-# inputs and outputs, linears save bf16 casts, and RoPE makes float32 q / k.
-# Per block token per layer: 13 x H (2 norms, residual, casts), 8 x heads*head_dim (q path,
-# attention out), 12 x kv_heads*head_dim (block k / v path and the [context; block] concat),
-# 4 x intermediate (gate, up, act(gate), product).
-DRAFTER_SAVED_H, DRAFTER_SAVED_Q, DRAFTER_SAVED_KV, DRAFTER_SAVED_I = 13, 8, 12, 4
+# inputs, linears save bf16 casts, and RoPE makes float32 q / k.
+# Per block token per layer: 9 x H (2 norms' inputs, residual, casts), 7 x heads*head_dim (q path,
+# attention out), 11 x kv_heads*head_dim (block k / v path and the [context; block] concat),
+# 4 x intermediate (gate, up, act(gate), product). The fused RMSNorm (drafter.py) saves only its
+# float32 input; transformers' eager one also kept its normalised output (float32 in the residual
+# norms: 2 x H each; the bf16 rounding in q_norm / k_norm: 1 x each) -- 13 / 8 / 12 before, and
+# the drafter's peak on an H200 fell by the difference (bench/BENCHMARKS.md).
+DRAFTER_SAVED_H, DRAFTER_SAVED_Q, DRAFTER_SAVED_KV, DRAFTER_SAVED_I = 9, 7, 11, 4
 # Per context token, once: the features cast to float32 (2 x k*H, transient) and the bf16 copy fc
-# saves (k*H), plus fc out and hidden_norm (6 x H). Per layer: the context cast for k_proj /
-# v_proj (2 x H) and the context k / v path (12 x kv_heads*head_dim).
-CONTEXT_ONCE_KH, CONTEXT_ONCE_H, CONTEXT_LAYER_H, CONTEXT_LAYER_KV = 3, 6, 2, 12
+# saves (k*H), plus fc out and hidden_norm's float32 input (5 x H). Per layer: the context cast for
+# k_proj / v_proj (2 x H) and the context k / v path (11 x kv_heads*head_dim).
+CONTEXT_ONCE_KH, CONTEXT_ONCE_H, CONTEXT_LAYER_H, CONTEXT_LAYER_KV = 3, 5, 2, 11
 UNIT_BYTES = 2
 # Chunked cross-entropy, per logit of one chunk (each chunk is recomputed in backward, so one is
 # live): bf16 logits 2 + float32 upcast 4 + bf16 grad 2; the log-softmax and float32 grad are not

@@ -80,15 +80,15 @@ def target_row_by_hand() -> dict[str, int]:
 def drafter_row_by_hand(seqs_per_pass: int, layers: int = 8) -> dict[str, int]:
     params = layers * 340_797_952 + 25600 * 5120 + 2 * 5120  # layers, fc, hidden_norm + norm
     block_tokens = seqs_per_pass * 512 * 16  # anchors x block size per sequence
-    # saved per block token per layer, 2-byte units: 13 H + 8 q + 12 kv + 4 I = 197,632
-    saved = 13 * H + 8 * 24 * 256 + 12 * 4 * 256 + 4 * I
-    # per context token: 3 x k*H + 6 H once, 2 H + 12 kv per layer
-    context = 3 * K * H + 6 * H + layers * (2 * H + 12 * 4 * 256)
+    # saved per block token per layer, 2-byte units: 9 H + 7 q + 11 kv + 4 I = 169,984
+    saved = 9 * H + 7 * 24 * 256 + 11 * 4 * 256 + 4 * I
+    # per context token: 3 x k*H + 5 H once, 2 H + 11 kv per layer
+    context = 3 * K * H + 5 * H + layers * (2 * H + 11 * 4 * 256)
     tensors = {
         "drafter fp32+adam": params * 16,  # 42.6 GiB for 8 layers
         "autocast copies": params * 2,  # 5.3 GiB
         "embed+lm_head": 2 * V * H * 2,  # 4.7 GiB, frozen bf16, untied
-        "block activations": block_tokens * layers * saved * 2,  # 24.1 GiB per sequence
+        "block activations": block_tokens * layers * saved * 2,  # 20.8 GiB per sequence
         "context": seqs_per_pass * 3072 * context * 2,  # 1.6 GiB per sequence
         "loss chunk": 4096 * V * 8,  # 7.6 GiB
         # two micro-groups' features (one computing, the next arriving): 3072 x 25600 x 2 =
@@ -143,9 +143,9 @@ def test_drafter_of_config_yaml_does_not_fit_and_names_the_key():
     row = plan.row("cuda:7")
     assert row.role == "drafter"
     assert row.components == drafter_row_by_hand(seqs_per_pass=8)
-    # tensors 42.58 + 5.32 + 4.74 + 193.0 + 13.17 + 7.58 + 2.34 = 268.73, + 2 + 4% = 281.5 GiB
-    assert row.components["block activations"] / GiB == pytest.approx(193.0, abs=0.01)
-    assert row.total / GiB == pytest.approx(281.48, abs=0.01)
+    # tensors 42.58 + 5.32 + 4.74 + 166.0 + 12.56 + 7.58 + 2.34 = 241.12, + 2 + 4% = 252.8 GiB
+    assert row.components["block activations"] / GiB == pytest.approx(166.0, abs=0.01)
+    assert row.total / GiB == pytest.approx(252.77, abs=0.01)
     assert not row.fits and not plan.fits
     (overflow,) = plan.overflows
     assert overflow.devices == ["cuda:7"] and overflow.row is row
@@ -153,25 +153,25 @@ def test_drafter_of_config_yaml_does_not_fit_and_names_the_key():
     assert plan.key == "drafter.micro_block_tokens"
     text = format_plan(plan)
     assert "plan does NOT fit" in text
-    assert ("cuda:7 (drafter) needs 281.5 GiB but has 139.0 GiB free: "
+    assert ("cuda:7 (drafter) needs 252.8 GiB but has 139.0 GiB free: "
             "lower drafter.micro_block_tokens (now 65536)") in text
 
 
 def test_drafter_with_smaller_micro_batches_fits():
-    # two sequences per pass on an H200: tensors 42.58 + 5.32 + 4.74 + 48.25 + 3.29 + 7.58 + 0.59
-    # = 112.35, + 2 + 4% = 118.84
+    # two sequences per pass on an H200: tensors 42.58 + 5.32 + 4.74 + 41.5 + 3.14 + 7.58 + 0.59
+    # = 105.44, + 2 + 4% = 111.66
     plan = plan_memory(node(micro_block_tokens=16384), QWEN36_27B, H200, H200)
     row = plan.row("cuda:7")
     assert row.components == drafter_row_by_hand(seqs_per_pass=2)
-    assert row.total / GiB == pytest.approx(118.84, abs=0.01)
+    assert row.total / GiB == pytest.approx(111.66, abs=0.01)
     assert plan.fits and plan.overflows == [] and plan.key is None
     assert format_plan(plan).rstrip().endswith("plan fits")
-    # one sequence per pass fits a 96 GiB card: tensors 42.58 + 5.32 + 4.74 + 24.13 + 1.65 + 7.58
-    # + 0.29 = 86.29 (86.4 measured on an H200 capped at 95 GiB), + 2 + 4% = 91.74 GiB; on an
-    # 80 GiB card the anchors per sequence are the lever left
+    # one sequence per pass fits a 96 GiB card: tensors 42.58 + 5.32 + 4.74 + 20.75 + 1.57 + 7.58
+    # + 0.29 = 82.83, + 2 + 4% = 88.14 GiB; on an 80 GiB card the anchors per sequence are the
+    # lever left
     small = plan_memory(node(micro_block_tokens=8192), QWEN36_27B, GPU96, GPU96)
     assert small.row("cuda:7").components == drafter_row_by_hand(seqs_per_pass=1)
-    assert small.row("cuda:7").total / GiB == pytest.approx(91.74, abs=0.01)
+    assert small.row("cuda:7").total / GiB == pytest.approx(88.14, abs=0.01)
     assert small.fits
     gpu80 = {f"cuda:{i}": 80 * GiB for i in range(8)}
     tight = plan_memory(node(micro_block_tokens=8192), QWEN36_27B, gpu80, gpu80)
@@ -223,23 +223,23 @@ def test_cpu_layout_has_one_row_without_cuda_overhead():
 
 def test_fit_sizes_lowers_the_drafter_micro_group_to_what_fits():
     assert fit_sizes(node(micro_block_tokens=8192), QWEN36_27B, GPU96, GPU96) == {}
-    # 65536 (8 sequences, 281 GiB) -> 32768 -> 16384 (118.8 GiB) -> 8192 (91.7 GiB <= 96)
+    # 65536 (8 sequences, 253 GiB) -> 32768 -> 16384 (111.7 GiB) -> 8192 (88.1 GiB <= 96)
     sizes = fit_sizes(node(micro_block_tokens=65536), QWEN36_27B, GPU96, GPU96)
     assert sizes == {"drafter.micro_block_tokens": 8192}
-    # a 90 GiB card needs the loss chunk lower too (91.6 - 90 = 1.6 GiB; half the chunk saves
+    # an 86 GiB card needs the loss chunk lower too (88.1 - 86 = 2.1 GiB; half the chunk saves
     # 3.8 GiB + its reserve)
-    gpu90 = {f"cuda:{i}": 90 * GiB for i in range(8)}
-    sizes = fit_sizes(node(micro_block_tokens=65536), QWEN36_27B, gpu90, gpu90)
+    gpu86 = {f"cuda:{i}": 86 * GiB for i in range(8)}
+    sizes = fit_sizes(node(micro_block_tokens=65536), QWEN36_27B, gpu86, gpu86)
     assert sizes == {"drafter.micro_block_tokens": 8192, "drafter.loss_chunk": 2048}
     cfg = node(micro_block_tokens=65536)
     cfg.drafter.micro_block_tokens, cfg.drafter.loss_chunk = 8192, 2048
-    assert plan_memory(cfg, QWEN36_27B, gpu90, gpu90).fits
+    assert plan_memory(cfg, QWEN36_27B, gpu86, gpu86).fits
 
 
 def test_fit_sizes_lowers_the_target_queue_then_the_budget():
     gpu64 = {f"cuda:{i}": 64 * GiB for i in range(8)}  # targets need 77.6 GiB
     sizes = fit_sizes(node(micro_block_tokens=8192), QWEN36_27B, gpu64, gpu64)
-    assert sizes is None  # the drafters' 91.7 GiB cannot fit 64 GiB with these levers
+    assert sizes is None  # the drafters' 88.1 GiB cannot fit 64 GiB with these levers
     gpu = {f"cuda:{i}": (64 if i < 7 else 96) * GiB for i in range(8)}
     sizes = fit_sizes(node(micro_block_tokens=8192), QWEN36_27B, gpu, gpu)
     # hs_queue 8 -> 1 (one queued batch per target), then the budget: at 32768 the targets need

@@ -117,7 +117,7 @@ def test_a_plan_that_does_not_fit_is_refused_naming_the_key_it_picks(monkeypatch
     assert err is not None and err.error_kind == "config"
     assert err.key == "drafter.micro_block_tokens"
     assert "the memory plan does not fit:" in str(err) and "plan does NOT fit" in str(err)
-    assert err.hint.startswith("cuda:7 (drafter) needs 281.5 GiB but has 96.0 GiB free: "
+    assert err.hint.startswith("cuda:7 (drafter) needs 252.8 GiB but has 96.0 GiB free: "
                                "lower drafter.micro_block_tokens (now 65536)")
     # one sequence per drafter pass fits: nothing is refused
     published, err = check_node_on_96gib_cards(monkeypatch, node(micro_block_tokens=8192))
