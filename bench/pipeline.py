@@ -6,6 +6,10 @@ attached (Textual, headless driver) for the TUI-vs-headless ratio.
     python bench/pipeline.py --targets 0 --drafters 1 --steps 30            # two GPUs
     python bench/pipeline.py --targets 0 --drafters 0 --steps 30 --tui      # same, dashboard on
     python bench/pipeline.py --targets 0 --drafters 1 --steps 12 --profile 3  # where GPU time goes
+    # two nodes of one GPU each on one machine (NCCL across them; docs/multi-node.md):
+    for r in 0 1; do CUDA_VISIBLE_DEVICES=$r RANK=$r WORLD_SIZE=2 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 \
+        MASTER_ADDR=127.0.0.1 MASTER_PORT=29400 python bench/pipeline.py --targets 0 --drafters 0 \
+        --features random --steps 20 --budget 16384 > node$r.txt 2>&1 & done; wait
     # config.yaml's drafter and data sections at the 27B shape on a rehearsed 95 GiB card:
     python bench/pipeline.py --fixture qwen3_6_27b_config.json --shipped --gpu-memory-gib 95 \
         --targets 0 --drafters 1 --steps 20
@@ -35,7 +39,7 @@ from dflash_core.data import write_shards
 from dflash_core.engine import Engine
 from dflash_core import events
 from dflash_core.events import (
-    HS_QUEUE, Error, GpuSample, Log, MemoryPlan, QueueDepth, StepMetrics, TargetMetrics,
+    HS_QUEUE, Error, GpuSample, Log, MemoryPlan, NodeStatus, QueueDepth, StepMetrics, TargetMetrics,
 )
 
 # Absent before the drafters reported their time: the script also measures older engines.
@@ -167,7 +171,7 @@ def main():
     })
     devices = sorted(set(cfg.layout.targets) | set(cfg.layout.drafters))
     bus = EventBus()
-    steps, queues, targets, gpus, plans, drafters = [], [], [], [], [], []
+    steps, queues, targets, gpus, plans, drafters, nodes = [], [], [], [], [], [], []
     t0 = time.monotonic()
 
     def tap(ev):
@@ -193,6 +197,8 @@ def main():
             gpus.append((time.monotonic() - t0, ev))
         elif isinstance(ev, MemoryPlan):
             plans.append(ev)
+        elif isinstance(ev, NodeStatus):  # under torchrun with several nodes (docs/multi-node.md)
+            nodes.append(ev)
         elif isinstance(ev, Log) and ev.level in ("warning", "error"):
             print(f"{ev.level.upper()} {ev.source}: {ev.message}", flush=True)
         elif isinstance(ev, Error):
@@ -256,6 +262,12 @@ def main():
             print(f"GPU {g}: busy (NVML util) over steps 4-{steps[-1][1].step if steps else 0} "
                   f"{np.mean(steady) if steady else float('nan'):.0f}% ({len(steady)} samples); "
                   f"whole run {np.mean(util):.0f}% ({len(util)}), max used {gib(max(mem))}")
+    for k in sorted({n.node for n in nodes}):
+        ns = [n for n in nodes if n.node == k and n.step > 4]
+        if ns:
+            print(f"node {k}: all-reduce across nodes {np.mean([n.allreduce_s for n in ns]) * 1e3:.1f} ms "
+                  f"per step (mean of {len(ns)}, max {max(n.allreduce_s for n in ns) * 1e3:.1f}), "
+                  f"its drafters {np.mean([n.samples_per_s for n in ns]):.2f} samples/s")
     for p in plans:
         for row in p.rows:
             print(f"plan {row['device']} {row['role']}: {gib(row['total'])} "
