@@ -7,6 +7,7 @@ that must misbehave (a slow checkpoint, a stuck step) runs through a small launc
 patches one function before the CLI's main: the engine carries no hooks for tests.
 """
 
+import datetime
 import os
 import signal
 import socket
@@ -18,10 +19,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from dflash_core import checkpoint as ckpt
 from dflash_core.config import ConfigError
-from dflash_core.events import Error, NodeStatus, RunEnded, StepMetrics, read_jsonl
+from dflash_core.events import Error, Log, NodeStatus, RunEnded, StepMetrics, read_jsonl
 from dflash_core.node_link import NodeLink, NodeMismatch, weights_checksum
 from dflash_core.nodes import node_info
 from dflash_core.resume import check_resume_nodes
@@ -48,10 +50,11 @@ def node_env(rank: int, world: int, port: int) -> dict:
 
 
 def start_nodes(cfg_path: Path, tmp: Path, world: int = 2, *, configs: dict | None = None,
-                launchers: dict | None = None) -> list[subprocess.Popen]:
+                launchers: dict | None = None, port: int | None = None) -> list[subprocess.Popen]:
     """One process per node. ``configs``: another config file for some nodes; ``launchers``: a
-    script for some nodes that patches the engine, then runs the CLI (``launcher``)."""
-    port = free_port()
+    script for some nodes that patches the engine, then runs the CLI (``launcher``); ``port``:
+    where node 0 serves the store (a free one by default)."""
+    port = port or free_port()
     procs = []
     for rank in range(world):
         out = open(tmp / f"node{rank}.out", "w")
@@ -348,6 +351,42 @@ def test_a_node_that_never_joins_is_named_after_the_timeout(tmp_path, assets, pr
              if isinstance(e, Error) and e.fatal]
     assert "node 1 did not join within 2 s" in fatal[0].message, fatal[0].message
     assert "console of node 1" in fatal[0].hint
+
+
+def test_an_abort_while_joining_ends_that_node_and_tells_the_others(tmp_path, assets, procs):
+    """Node 1 is stopped while it waits for node 2 (never started): it ends at once as aborted,
+    and node 0, waiting too, is told who stopped and ends as aborted too, instead of waiting out
+    nodes.timeout_s."""
+    cfg = node_config(tmp_path, assets, nodes__timeout_s=60.0)
+    port = free_port()
+    procs += start_nodes(write_config(tmp_path / "config.yaml", cfg), tmp_path, world=3, port=port)
+    procs[2].kill()  # never reaches the store
+    # Node 1 is joining once it has posted itself in node 0's store (nodes.py: join/K).
+    deadline = time.monotonic() + 60
+    store = None
+    while True:
+        assert time.monotonic() < deadline, outputs(tmp_path, 2)
+        assert procs[0].poll() is None and procs[1].poll() is None, outputs(tmp_path, 2)
+        try:
+            store = store or dist.TCPStore("127.0.0.1", port, is_master=False,
+                                           timeout=datetime.timedelta(seconds=5))
+            if store.check(["dflash/0/join/1"]):
+                break
+        except (RuntimeError, OSError):  # node 0 has not opened its store yet
+            pass
+        time.sleep(0.2)
+    t = time.monotonic()
+    procs[1].send_signal(signal.SIGTERM)  # headless: abort, as the dashboard's a does
+    assert procs[1].wait(EXIT_WITHIN_S) == 130, outputs(tmp_path, 2)
+    assert procs[0].wait(EXIT_WITHIN_S) == 130, outputs(tmp_path, 2)  # an abort on any node
+    assert time.monotonic() - t < EXIT_WITHIN_S  # not the 60 s join timeout
+    for k in (1, 0):
+        ev = read_jsonl(cfg.run_dir / f"node-{k}" / "events.jsonl")
+        assert [e.status for e in ev if isinstance(e, RunEnded)] == ["aborted"]
+    said = [e.message for e in ev if isinstance(e, Log)]  # node 0's: told why, by whom
+    assert any("node 1" in m and "aborted before joining: stopped while joining" in m
+               for m in said), said
+    assert ckpt.list_checkpoints(cfg.run_dir) == []  # nothing trained, nothing written
 
 
 # --------------------------------------------------------------------------------------------
