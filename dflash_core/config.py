@@ -79,6 +79,13 @@ class DataConfig:
     max_length: int = 3072  # longer samples are truncated
     prefetch_batches: int = 4  # capacity of each target's prefetch queue
     eval_prompts: int = 8  # held-out samples used for exact tau
+    # Order each epoch's batches so that the batches of one optimizer step (one per data-parallel
+    # drafter) cost the drafters alike: sorted by drafter work (rows x anchors) into runs of a few
+    # steps, the runs in random order. Drafters step together, so a step lasts as long as its
+    # dearest batch, and at one token budget a batch of short samples (many rows) costs the
+    # drafter up to ~3x one of long samples. false = batch order fully shuffled. No effect with one
+    # drafter. A resumed run keeps the order its checkpoint was written with.
+    balance_steps: bool = True
 
 
 @dataclass

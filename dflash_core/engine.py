@@ -465,6 +465,13 @@ class Engine:
         world = len(run.target_devices)
         run.hs_queue = HiddenStateQueue(cfg.layout.hs_queue, world, self.bus.publish, run.stop,
                                         beat=run.heartbeats.beat)
+        if run.resume:  # its data position names batches of the order it was written with
+            wrote = int(run.resume.trainer_state.get("balance", 1))
+            if wrote != prep.stream.balance:
+                self.bus.publish(Log(level="info", source="engine", message=(
+                    f"resume: batches ordered for {wrote} per step as the checkpoint's run did "
+                    f"(this layout would balance {prep.stream.balance}; data.balance_steps)")))
+                prep.stream.use_balance(wrote)
         run.position = DataPosition(lambda e: len(prep.stream.plan(e)), len(run.drafter_devices),
                                     run.resume.trainer_state if run.resume else None)
         # The loader threads make each batch's drafter anchors and labels (host work the

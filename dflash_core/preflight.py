@@ -92,7 +92,9 @@ def prepare(cfg: Config, run_dir: Path, tdev: list[torch.device], ddev: list[tor
     n_eval = min(cfg.data.eval_prompts, max(0, len(dataset) - 1))
     _, eval_indices = split_eval(len(dataset), n_eval, cfg.run.seed)
     stream = BatchStream.from_config(dataset, cfg.data, seed=cfg.run.seed,
-                                     epochs=cfg.optim.epochs, exclude=eval_indices)
+                                     epochs=cfg.optim.epochs, exclude=eval_indices,
+                                     step_batches=len(ddev) * nodes * cfg.optim.grad_accum,
+                                     anchors=cfg.drafter.num_anchors)
     if stream.batches_per_epoch == 0:
         raise ConfigError("data.path", f"no trainable batch in {data_path}",
                           hint="the data needs samples of 2+ tokens")

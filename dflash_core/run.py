@@ -192,7 +192,10 @@ class Run:
             trainer_state={"epoch": epoch, "done": done, "total_steps": self.total_steps,
                            "rng": ckpt.capture_rng_state(),
                            # absent: one node (checkpoints written before several nodes existed)
-                           **({"nodes": self.link.world} if self.link is not None else {})},
+                           **({"nodes": self.link.world} if self.link is not None else {}),
+                           # the epoch plan's order, which "done" refers to (absent: 1, unbalanced)
+                           **({"balance": self.prep.stream.balance} if self.prep is not None
+                              else {})},
             keep=cfg.checkpoint.keep)
         if reason == "best":
             ckpt.mark_best(cfg.run_dir, path, self.step, tau)

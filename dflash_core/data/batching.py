@@ -42,15 +42,18 @@ def split_eval(dataset_len: int, n_eval: int, seed: int, *, lengths: np.ndarray 
 
 def plan_epoch(lengths: np.ndarray, *, token_budget: int, max_seqs: int, max_length: int,
                seed: int, epoch: int, shard: tuple[int, int] = (0, 1),
-               indices: np.ndarray | None = None, window: int = 8192) -> list[list[int]]:
+               indices: np.ndarray | None = None, window: int = 8192,
+               balance: int = 1, anchors: int = 0) -> list[list[int]]:
     """Length-bucketed batches of sample ids for one epoch.
 
     Samples (``indices``, default all) are shuffled, cut into windows of ``window`` samples, sorted
     by length inside each window (similar lengths -> little padding, while the window keeps the
     order random), and grouped greedily so that ``n * longest <= token_budget`` and
     ``n <= max_seqs``, with lengths truncated to ``max_length``. Samples shorter than 2 tokens are
-    skipped. Batch order is shuffled. Deterministic for (seed, epoch); ``shard=(rank, world)``
-    keeps global batches ``rank, rank + world, ...``.
+    skipped. Batch order is shuffled; with ``balance`` > 1 (the batches one optimizer step takes
+    across all drafters) it is shuffled in runs of similar drafter cost (``balanced_order``).
+    Deterministic for (seed, epoch); ``shard=(rank, world)`` keeps global batches
+    ``rank, rank + world, ...``.
     """
     if max_length > token_budget:
         raise ValueError(f"max_length {max_length} exceeds token_budget {token_budget}")
@@ -77,7 +80,38 @@ def plan_epoch(lengths: np.ndarray, *, token_budget: int, max_seqs: int, max_len
             batches.append(w_ids[i:i + k].tolist())
             i += k
     order = rng.permutation(len(batches))
+    if balance > 1:
+        cost = [drafter_cost(len(b), int(lengths[b[0]]) if b else 0, max_length, anchors)
+                for b in batches]
+        order = balanced_order(order, np.asarray(cost), balance, _rng(seed, epoch, 0xBA1A))
     return [batches[j] for j in order][rank::world]
+
+
+# Runs of similar-cost batches span this many optimizer steps, so targets a batch or two apart
+# still hand the drafters of one step batches of the same run.
+RUN_STEPS = 4
+
+
+def drafter_cost(rows: int, longest: int, max_length: int, anchors: int) -> int:
+    """A batch's drafter work in block tokens per block position: every row gets as many blocks
+    as the batch's most-anchored row (up to ``anchors`` each; 0 = no cap), so rows x
+    min(anchors, longest). Token-budget batches of short samples hold many rows: at the same
+    budget they cost the drafter up to several times what batches of long samples do."""
+    longest = min(longest, max_length)
+    return rows * (min(anchors, longest) if anchors > 0 else longest)
+
+
+def balanced_order(order: np.ndarray, cost: np.ndarray, group: int,
+                   rng: np.random.Generator) -> np.ndarray:
+    """``order`` (a random permutation of batch ids) rearranged so that every ``group``
+    consecutive batches cost about the same: data-parallel drafters step together, so each step
+    lasts as long as its dearest batch. Batches are sorted by cost (ties keep the random order),
+    cut into runs of ``RUN_STEPS * group``, and the runs, and the batches inside each, shuffled."""
+    by_cost = order[np.argsort(cost[order], kind="stable")]
+    size = RUN_STEPS * group
+    runs = [by_cost[i:i + size] for i in range(0, len(by_cost), size)]
+    return np.concatenate([rng.permutation(runs[k]) for k in rng.permutation(len(runs))]) \
+        if runs else order
 
 
 def padding_fraction(batches: list[list[int]], lengths: np.ndarray, max_length: int) -> float:
@@ -159,10 +193,12 @@ class BatchStream:
 
     def __init__(self, dataset: ShardedDataset, *, token_budget: int, max_seqs: int,
                  max_length: int, seed: int, epochs: int,
-                 exclude: Iterable[int] | np.ndarray = (), window: int = 8192):
+                 exclude: Iterable[int] | np.ndarray = (), window: int = 8192,
+                 balance: int = 1, anchors: int = 0):
         self.dataset = dataset
         self.token_budget, self.max_seqs, self.max_length = token_budget, max_seqs, max_length
         self.seed, self.epochs, self.window = seed, epochs, window
+        self.balance, self.anchors = balance, anchors  # plan_epoch's: batches per step, cost cap
         excl = np.fromiter(exclude, dtype=np.int64) if not isinstance(exclude, np.ndarray) \
             else exclude.astype(np.int64)
         self.indices = np.setdiff1d(np.arange(len(dataset)), excl)
@@ -171,11 +207,22 @@ class BatchStream:
 
     @classmethod
     def from_config(cls, dataset: ShardedDataset, data_cfg: Any, *, seed: int, epochs: int,
-                    exclude: Iterable[int] | np.ndarray = ()) -> "BatchStream":
-        """From a ``DataConfig`` (token_budget, max_seqs_per_batch, max_length)."""
+                    exclude: Iterable[int] | np.ndarray = (), step_batches: int = 1,
+                    anchors: int = 0) -> "BatchStream":
+        """From a ``DataConfig`` (token_budget, max_seqs_per_batch, max_length, balance_steps);
+        ``step_batches``: batches one optimizer step takes over all drafters of all nodes."""
         return cls(dataset, token_budget=data_cfg.token_budget,
                    max_seqs=data_cfg.max_seqs_per_batch, max_length=data_cfg.max_length,
-                   seed=seed, epochs=epochs, exclude=exclude)
+                   seed=seed, epochs=epochs, exclude=exclude,
+                   balance=step_batches if data_cfg.balance_steps else 1, anchors=anchors)
+
+    def use_balance(self, balance: int) -> None:
+        """Plan with another ``balance`` (a resumed run keeps the order its checkpoint's data
+        position refers to). The batches are the same; only their order changes."""
+        with self._lock:
+            if balance != self.balance:
+                self.balance = balance
+                self._plans.clear()
 
     def plan(self, epoch: int) -> list[list[int]]:
         """The global plan of one epoch (cached: several workers ask for the same one)."""
@@ -184,7 +231,8 @@ class BatchStream:
                 self._plans[epoch] = plan_epoch(
                     self.dataset.lengths, token_budget=self.token_budget, max_seqs=self.max_seqs,
                     max_length=self.max_length, seed=self.seed, epoch=epoch,
-                    indices=self.indices, window=self.window)
+                    indices=self.indices, window=self.window, balance=self.balance,
+                    anchors=self.anchors)
                 while len(self._plans) > 3:
                     self._plans.popitem(last=False)
             return self._plans[epoch]

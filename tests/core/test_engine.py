@@ -10,7 +10,7 @@ from dflash_core import checkpoint as ckpt
 from dflash_core.config import ConfigError, config_from_dict, load_config
 from dflash_core.engine import Engine
 from dflash_core.events import (
-    Checkpoint, DrafterMetrics, Error, LoadProgress, RunEnded, StepMetrics, WorkerStatus,
+    Checkpoint, DrafterMetrics, Error, LoadProgress, Log, RunEnded, StepMetrics, WorkerStatus,
     read_jsonl,
 )
 from dflash_core.trainer import DrafterReplica
@@ -138,6 +138,31 @@ def test_resume_trains_the_batches_an_uninterrupted_run_trains(tmp_path, assets,
     # and the resumed run's loss picks up where the first one was
     assert [m.loss for m in rec_b2.of(StepMetrics)] == pytest.approx(
         [m.loss for m in rec_a.of(StepMetrics)][3:], rel=1e-5)
+
+
+def test_resume_on_another_layout_keeps_the_checkpoints_batch_order(tmp_path, assets,
+                                                                     monkeypatch):
+    """Two drafters balance the epoch's batch order for two per step (data.balance_steps); a
+    resume on one drafter plans that same order, so the checkpoint's data position still names
+    the batches it trained: the epoch completes with no batch twice and none lost."""
+    target, data = assets
+    seen = record_batches(monkeypatch)
+    two = make_config(tmp_path, target, data, layout__drafters=[0, 1], data__eval_prompts=0,
+                      run__max_steps=2, checkpoint__every=0)
+    assert run_to_end(Engine(two)).of(RunEnded)[0].status == "finished"
+    first = [tuple(b) for b in seen]
+    assert len(first) == 4
+    assert ckpt.load_checkpoint(ckpt.latest_checkpoint(two.run_dir)).trainer_state["balance"] == 2
+    seen[:] = []
+    one = make_config(tmp_path, target, data, layout__drafters=[0], data__eval_prompts=0,
+                      run__max_steps=0, checkpoint__every=0)
+    rec = run_to_end(Engine(one, resume=True))
+    assert rec.of(RunEnded)[0].status == "finished"
+    assert any("batches ordered for 2 per step" in m.message for m in rec.of(Log))
+    second = [tuple(b) for b in seen]
+    assert not set(first) & set(second)
+    trained = sorted(i for b in first + second for i in b)
+    assert trained == sorted(set(trained)) and len(trained) == 64  # every sample once
 
 
 # --------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from dflash_core.data import DataError, collate, padding_fraction, plan_epoch, split_eval
+from dflash_core.data.batching import RUN_STEPS, drafter_cost
 
 from tests.core.data.samples import make_stream
 
@@ -53,6 +54,48 @@ def test_plan_buckets_lengths_and_reports_padding():
     assert padding_fraction([b], lengths, 2048) == pytest.approx(manual)
     with pytest.raises(ValueError):
         plan_epoch(lengths, token_budget=100, max_seqs=4, max_length=200, seed=0, epoch=0)
+
+
+def _step_costs(plan, lengths, group, anchors=512, max_length=3072):
+    """Per optimizer step of ``group`` consecutive batches: (its dearest batch, their mean)."""
+    cost = np.array([drafter_cost(len(b), int(max(lengths[b])), max_length, anchors)
+                     for b in plan], float)
+    m = len(cost) // group * group
+    steps = cost[:m].reshape(-1, group)
+    return steps.max(1), steps.mean(1)
+
+
+@pytest.mark.parametrize("group", [2, 6])
+def test_balanced_order_gives_each_step_batches_of_like_cost(group):
+    """Data-parallel drafters wait for the step's dearest batch: the share of drafter time spent
+    working (sum of means / sum of maxima) rises from ~0.6-0.8 to >= 0.93; the batches are the
+    same, only their order changes, deterministically per (seed, epoch)."""
+    rng = np.random.default_rng(0)
+    lengths = np.clip(rng.lognormal(6.8, 0.7, 20000), 256, 3072).astype(int)  # chat-like
+    kw = dict(token_budget=65536, max_seqs=64, max_length=3072, seed=3, epoch=1)
+    plain = plan_epoch(lengths, **kw)
+    balanced = plan_epoch(lengths, balance=group, anchors=512, **kw)
+    assert sorted(map(tuple, balanced)) == sorted(map(tuple, plain))
+    assert balanced == plan_epoch(lengths, balance=group, anchors=512, **kw)
+    assert balanced != plan_epoch(lengths, balance=group, anchors=512, **{**kw, "epoch": 2})
+    hi, mean = _step_costs(plain, lengths, group)
+    plain_eff = mean.sum() / hi.sum()
+    hi, mean = _step_costs(balanced, lengths, group)
+    eff = mean.sum() / hi.sum()
+    assert plain_eff < 0.85 and eff >= 0.93, (plain_eff, eff)
+    # Still shuffled: the runs come in random order, not cheapest first.
+    costs = [drafter_cost(len(b), int(max(lengths[b])), 3072, 512) for b in balanced]
+    run = RUN_STEPS * group
+    firsts = [costs[i] for i in range(0, len(costs) - run, run)]
+    assert firsts != sorted(firsts) and firsts != sorted(firsts, reverse=True)
+    # One drafter: the plan is the unbalanced one, as before this option existed.
+    assert plan_epoch(lengths, balance=1, anchors=512, **kw) == plain
+
+
+def test_drafter_cost_counts_rows_times_capped_anchors():
+    assert drafter_cost(64, 300, 3072, 512) == 64 * 300  # short rows: every position an anchor
+    assert drafter_cost(21, 3072, 3072, 512) == 21 * 512  # long rows: capped at the anchors
+    assert drafter_cost(5, 4000, 3072, 0) == 5 * 3072  # no cap: truncated length
 
 
 def test_split_eval():
@@ -126,3 +169,14 @@ def test_resume_yields_exactly_the_remaining_batches(dataset):
                for b in make_stream(dataset).iter_batches(1, done=done)]
     expected = [x for x in full if x[0] >= 1 and not (x[0] == 1 and x[1] in done)]
     assert resumed == expected
+
+
+def test_a_stream_planned_for_another_layout_takes_the_checkpoints_order(dataset):
+    """A resumed run's "done" batch indices refer to the order its checkpoint was written with:
+    use_balance restores that order whatever the new layout would balance for."""
+    written = make_stream(dataset, balance=4, anchors=8)
+    now = make_stream(dataset, balance=2, anchors=8)
+    assert now.plan(0) != written.plan(0)
+    assert sorted(map(tuple, now.plan(0))) == sorted(map(tuple, written.plan(0)))
+    now.use_balance(4)
+    assert now.plan(0) == written.plan(0) and now.balance == 4
