@@ -4,6 +4,8 @@ chunked loss), 8B- and 27B-shaped, 3072-token samples, 512 anchors, block 16.
     python bench/drafter_step.py [--samples 8] [--steps 6]
     # config.yaml's drafter (8 layers, one sequence per micro-group, loss chunk 4096), 27B shape:
     python bench/drafter_step.py --shapes 27B --layers 8 --micro 8192 --loss-chunk 4096 --samples 4
+    # what token-budget batches of different lengths cost the drafter (data.balance_steps):
+    python bench/drafter_step.py --shapes 8B --batches 64x256,32x512,16x1024,8x2048,5x3072
 """
 
 from __future__ import annotations
@@ -42,10 +44,35 @@ def step_flops(dc, n, S, A, B, vocab, k=5):
 def batch_of(n, S, vocab):
     ids = torch.randint(0, vocab - 1, (n, S))
     mask = torch.ones(n, S, dtype=torch.long)
-    mask[:, :256] = 0  # a prompt
+    mask[:, :min(256, S // 4)] = 0  # a prompt
     return Batch(input_ids=ids, loss_mask=mask, attention_mask=torch.ones_like(mask),
                  lengths=torch.full((n,), S), indices=list(range(n)), epoch=0, batch_index=0,
                  num_tokens=n * S, padded_tokens=n * S, padding_frac=0.0)
+
+
+def batch_costs(rep, spec: str, tc, anchors: int, stacks_after: float) -> None:
+    """One step per batch shape (after two warm-up steps of that shape): its time against the
+    drafter cost the batch planner balances (rows x min(anchors, length))."""
+    print("| batch | tokens | rows x min(anchors, length) | s / step | ms per 1k block positions |")
+    print("|---|---|---|---|---|")
+    for item in spec.split(","):
+        n, S = (int(x) for x in item.lower().split("x"))
+        batch = batch_of(n, S, tc.vocab_size)
+        feats = torch.randn(n, S, 5 * tc.hidden_size, device="cuda", dtype=torch.bfloat16)
+        times = []
+        for s in range(5):
+            faulthandler.dump_traceback_later(stacks_after, repeat=True, file=sys.stdout)
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            rep.accumulate(batch, feats, seed=s)
+            reduce_and_step([rep], s, 1000)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+            faulthandler.cancel_dump_traceback_later()
+        dt = sum(times[2:]) / 3
+        cost = n * min(anchors, S)
+        print(f"| {n} x {S} | {n * S} | {cost} | {dt:.3f} | {dt / cost * 1e6:.2f} |", flush=True)
+        del feats
 
 
 def main():
@@ -59,6 +86,9 @@ def main():
     ap.add_argument("--loss-chunk", type=int, default=8192, help="drafter.loss_chunk")
     ap.add_argument("--hf-norm", action="store_true",
                     help="transformers' eager Qwen3RMSNorm instead of the fused one (before/after)")
+    ap.add_argument("--batches", default="",
+                    help="ROWSxLENGTH,...: time one step of each batch shape instead (16384 "
+                         "tokens as 64x256 .. 5x3072), against rows x min(anchors, length)")
     ap.add_argument("--stacks-after", type=float, default=240,
                     help="print every thread's stack if a step takes longer than this (s)")
     args = ap.parse_args()
@@ -88,6 +118,11 @@ def main():
         embed = torch.nn.Embedding(tc.vocab_size, tc.hidden_size, dtype=torch.bfloat16, device="cuda")
         head = torch.nn.Linear(tc.hidden_size, tc.vocab_size, bias=False, dtype=torch.bfloat16, device="cuda")
         (rep,) = make_replicas(drafter, [torch.device("cuda:0")], cfg, embed, head)
+        if args.batches:
+            batch_costs(rep, args.batches, tc, A, args.stacks_after)
+            del rep, drafter, embed, head
+            torch.cuda.empty_cache()
+            continue
         batch = batch_of(args.samples, S, tc.vocab_size)
         feats = torch.randn(args.samples, S, 5 * tc.hidden_size, device="cuda", dtype=torch.bfloat16)
         torch.cuda.reset_peak_memory_stats()

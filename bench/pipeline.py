@@ -115,6 +115,8 @@ def main():
     ap.add_argument("--features", choices=("target", "random"), default="target",
                     help="random: skip the target's forward (random features of the real shape), "
                          "to measure the drafters alone on the same batches")
+    ap.add_argument("--no-balance", action="store_true",
+                    help="data.balance_steps: false (batch order fully shuffled)")
     ap.add_argument("--hf-norm", action="store_true",
                     help="the drafter with transformers' eager Qwen3RMSNorm (the norm before the "
                          "fused one), for a before/after on the same code")
@@ -155,6 +157,7 @@ def main():
         drafter = shipped["drafter"]
         data = {k: shipped["data"][k] for k in ("token_budget", "max_seqs_per_batch",
                                                 "max_length", "prefetch_batches")}
+    data["balance_steps"] = not args.no_balance
     if args.micro:
         drafter["micro_block_tokens"] = args.micro
     print(f"drafter {drafter}\ndata {data}")
