@@ -3,6 +3,7 @@ drafter workers, with its depth reports and the time each side spent waiting on 
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 import time
@@ -26,12 +27,23 @@ class Handoff(NamedTuple):
     ready: Any = None
 
 
+def plan_position(item) -> tuple[int, int]:
+    """Where an item's batch stands in the run's plan: (epoch, global batch index)."""
+    batch = getattr(item, "batch", None)
+    return getattr(batch, "epoch", 0), getattr(batch, "batch_index", 0)
+
+
 class HiddenStateQueue:
+    """Items leave in plan order among those present (earliest epoch and batch index first), not
+    in order of arrival: targets drift a batch or two apart, and the batches that meet in one
+    optimizer step should be the neighbours the plan put together (data.balance_steps)."""
+
     def __init__(self, capacity: int, producers: int, publish: Callable[[Any], None],
                  stop: threading.Event, beat: Callable[[str], None] | None = None):
         """``beat(phase)``: called in the waiting thread for each slice of waiting (a worker
         that waits on the other side is alive, not stalled)."""
-        self._q: queue.Queue = queue.Queue(maxsize=capacity)
+        self._q: queue.PriorityQueue = queue.PriorityQueue(maxsize=capacity)
+        self._arrivals = itertools.count()  # ties (items without a batch) leave in arrival order
         self.capacity = capacity
         self._producers = producers
         self._publish = publish
@@ -51,7 +63,7 @@ class HiddenStateQueue:
             if self._stop.is_set():
                 raise Stopped()
             try:
-                self._q.put(item, timeout=POLL_S)
+                self._q.put((plan_position(item), next(self._arrivals), item), timeout=POLL_S)
                 break
             except queue.Full:
                 self._report()  # a full queue is news: a report dropped by coalescing goes out now
@@ -66,7 +78,7 @@ class HiddenStateQueue:
         """The next item, or None when none came within ``timeout``."""
         t = time.monotonic()
         try:
-            item = self._q.get(timeout=timeout)
+            item = self._q.get(timeout=timeout)[-1]
         except queue.Empty:
             item = None
             self._beat("waiting for features")

@@ -2,7 +2,9 @@
 config errors and the restart that follows fixing them."""
 
 import math
+import threading
 
+import numpy as np
 import pytest
 import torch
 
@@ -168,6 +170,48 @@ def test_resume_on_another_layout_keeps_the_checkpoints_batch_order(tmp_path, as
 # --------------------------------------------------------------------------------------------
 # Data parallel
 # --------------------------------------------------------------------------------------------
+
+def test_two_drafters_meet_in_each_step_with_batches_of_like_cost(tmp_path, assets, monkeypatch):
+    """Half the samples short (many rows per token-budget batch: 4x the drafter work of a batch
+    of long ones). Shuffled, the two drafters' batches of a step often differ and one waits for
+    the other; with data.balance_steps and the hs queue handing batches out in plan order, the
+    batches of each step cost the same, though two target threads fill the queue."""
+    from dflash_core.data import write_shards
+    from dflash_core.data.batching import drafter_cost
+
+    from .engine_fixtures import VOCAB
+    target, _ = assets
+    rng = np.random.default_rng(0)
+    samples = []
+    for i in range(256):
+        n = int(rng.integers(10, 16)) if i % 2 else int(rng.integers(56, 64))
+        samples.append({"input_ids": rng.integers(0, VOCAB - 1, n).tolist(),
+                        "loss_mask": [0, 0] + [1] * (n - 2)})
+    data = tmp_path / "data"
+    write_shards(samples, data, samples_per_shard=128)
+    costs: dict[str, list[int]] = {}
+    original = DrafterReplica.accumulate
+
+    def accumulate(self, batch, features, seed, **kwargs):
+        costs.setdefault(threading.current_thread().name, []).append(
+            drafter_cost(len(batch), int(batch.lengths.max()), 64, 8))
+        return original(self, batch, features, seed, **kwargs)
+    monkeypatch.setattr(DrafterReplica, "accumulate", accumulate)
+
+    def working_share(balance: bool) -> float:
+        costs.clear()
+        cfg = make_config(tmp_path / str(balance), target, data, layout__targets=[0, 1],
+                          layout__drafters=[0, 1], layout__hs_queue=4, data__eval_prompts=0,
+                          data__token_budget=256, data__max_seqs_per_batch=16,
+                          data__balance_steps=balance, drafter__num_anchors=8, run__max_steps=0,
+                          checkpoint__every=0)
+        assert run_to_end(Engine(cfg)).of(RunEnded)[0].status == "finished"
+        a, b = (np.array(c) for c in costs.values())  # one batch per drafter per step
+        assert len(a) == len(b) == 20
+        return float(((a + b) / 2).sum() / np.maximum(a, b).sum())
+    assert working_share(False) < 0.8
+    assert working_share(True) >= 0.95
+
 
 def test_engine_with_two_drafters_finishes(tmp_path, assets, monkeypatch):
     from dflash_core import drafter_stage
