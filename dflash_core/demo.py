@@ -301,7 +301,9 @@ def install_target(run_dir: str | Path, cache_dir: str | Path | None = None,
 def _load_model(target_folder: Path):
     from transformers import AutoModelForCausalLM
 
-    with _quiet_hf():
+    from .target import HF_BUILD_LOCK
+
+    with _quiet_hf(), HF_BUILD_LOCK:
         model = AutoModelForCausalLM.from_pretrained(target_folder, dtype=torch.float32,
                                                      local_files_only=True, use_safetensors=True)
     return model.eval()

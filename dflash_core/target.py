@@ -143,6 +143,14 @@ def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
     return value
 
 
+# transformers builds a model inside context managers that patch process-wide functions
+# (PreTrainedModel.tie_weights, torch.linspace, ...) and put back what they found. Two threads
+# building at once can put back each other's patch: weight tying then stays off in the process,
+# and a tied lm_head (the drafter borrows it) is left untied. One build at a time; the shards are
+# still read in parallel before (load_target's progress pass), so this costs little.
+HF_BUILD_LOCK = threading.Lock()
+
+
 def load_target(
     path: str | Path,
     *,
@@ -194,10 +202,11 @@ def load_target(
 
     direct = device.type != "cpu" and _can_load_onto_device()
     try:
-        model, info = AutoModelForCausalLM.from_pretrained(
-            folder, config=config, dtype=dtype, attn_implementation=attn_implementation,
-            device_map={"": device} if direct else None, local_files_only=True,
-            use_safetensors=True, output_loading_info=True)
+        with HF_BUILD_LOCK:
+            model, info = AutoModelForCausalLM.from_pretrained(
+                folder, config=config, dtype=dtype, attn_implementation=attn_implementation,
+                device_map={"": device} if direct else None, local_files_only=True,
+                use_safetensors=True, output_loading_info=True)
     except (ValueError, ImportError) as exc:  # e.g. an attention implementation not installed
         raise TargetLoadError(
             f"transformers could not build the target from {folder}: {exc}",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 import threading
+import time
 
 import pytest
 import torch
@@ -401,3 +402,47 @@ def test_features_and_an_evaluation_forward_in_two_threads_do_not_mix(loaded):
     for t in threads:
         t.join()
     assert not errors, errors[:2]
+
+
+def test_two_threads_loading_targets_at_once_leave_weight_tying_on(tmp_path, monkeypatch):
+    """Two target workers load at the same moment. transformers builds each model inside context
+    managers that patch PreTrainedModel.tie_weights (and torch.linspace) process-wide; two builds
+    overlapping in time put back each other's patch, leaving tying off for good (and a tied
+    lm_head untied). Here the builds are made to overlap, and the thread that started second is
+    made to finish second, which leaks the patch unless load_target builds one at a time."""
+    from transformers import PreTrainedModel
+
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(Qwen3Config(**{**COMMON, "tie_word_embeddings": True})).save_pretrained(
+        tmp_path / "tied", safe_serialization=True)
+    tie_weights, linspace = PreTrainedModel.tie_weights, torch.linspace
+    meet = threading.Barrier(2, timeout=1.0)
+    arrivals: list[str] = []
+    init = Qwen3ForCausalLM.__init__
+
+    def overlapping_init(self, config):
+        arrivals.append(threading.current_thread().name)
+        try:
+            meet.wait()  # both builds inside transformers' patches at once, if they can be
+        except threading.BrokenBarrierError:
+            pass  # built alone (one at a time): nobody to meet
+        if arrivals.index(threading.current_thread().name) == 1:
+            time.sleep(0.3)  # the later starter finishes later: it puts back the first one's patch
+        init(self, config)
+    monkeypatch.setattr(Qwen3ForCausalLM, "__init__", overlapping_init)
+    models, errors = {}, []
+
+    def load(name):
+        try:
+            models[name] = load_target(tmp_path / "tied")
+        except Exception as exc:  # noqa: BLE001 - reported by the assert below
+            errors.append(exc)
+    threads = [threading.Thread(target=load, args=(f"t{k}",), name=f"t{k}") for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert PreTrainedModel.tie_weights is tie_weights and torch.linspace is linspace
+    for m in models.values():
+        assert m.lm_head.weight is m.embed_tokens.weight  # tied, as the config says
