@@ -13,10 +13,16 @@ the first backward, which runs on autograd's device thread, outside any lock of 
 compiled call ever starts while another thread compiles. A warm call holds the lock only while
 it launches its kernels (microseconds to a millisecond of host time; the GPU work runs after
 the lock is released), so the drafters still train at once.
+
+``serialize_triton_autotuning`` does the same for Triton's autotuner, which the hybrid targets'
+flash-linear-attention kernels go through: it keeps the call being tuned on the shared kernel
+object and clears it when done, so two threads tuning the same kernel at once (two targets'
+first forwards, or the evaluation's forward beside its target's) break each other's tuning.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Any, Callable
 
@@ -38,3 +44,31 @@ class SerialCompiled:
 
         with COMPILE_LOCK, functorch_config.patch(force_non_lazy_backward_lowering=True):
             return self._compiled(*args, **kwargs)
+
+
+# Separate from COMPILE_LOCK: autotuned kernels run in target threads, compiled attention in
+# drafter threads; neither calls the other, so the two locks are never held together.
+AUTOTUNE_LOCK = threading.RLock()
+
+
+def serialize_triton_autotuning() -> bool:
+    """Make every call of a ``triton.autotune`` kernel in this process take one lock (once per
+    process; False when Triton is absent). A tuned kernel's call holds it while it looks up its
+    config and launches; a call that tunes (a new shape key) holds it while it benchmarks, and a
+    second thread that wants the same or another autotuned kernel waits meanwhile."""
+    try:
+        from triton.runtime.autotuner import Autotuner
+    except ImportError:
+        return False
+    with AUTOTUNE_LOCK:
+        if getattr(Autotuner.run, "serialized_by_dflash", False):
+            return True
+        original = Autotuner.run
+
+        @functools.wraps(original)
+        def run(self, *args: Any, **kwargs: Any):
+            with AUTOTUNE_LOCK:
+                return original(self, *args, **kwargs)
+        run.serialized_by_dflash = True
+        Autotuner.run = run
+    return True

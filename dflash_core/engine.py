@@ -20,6 +20,7 @@ import torch
 from transformers.utils import logging as hf_logging
 
 from .allocator import apply_card_limit, configure_allocator
+from .compile_guard import serialize_triton_autotuning
 from .config import Config, ConfigError, NodesConfig, TelemetryConfig, load_config, save_config
 from .data import Prefetcher
 from .data_position import DataPosition
@@ -491,6 +492,8 @@ class Engine:
                 prepare=for_drafter,
                 stop=run.stop, on_depth=lambda d, c, n=name: self.bus.publish(
                     QueueDepth(name=n, depth=d, capacity=c)), beat=run.heartbeats.beat))
+        if any(d.type == "cuda" for d in run.target_devices):
+            serialize_triton_autotuning()  # targets' (and the evaluation's) FLA kernels
         for rank, dev in enumerate(run.target_devices):
             label = device_label(dev, rank)
             stage = TargetStage(

@@ -102,3 +102,70 @@ def test_two_threads_run_compiled_block_attention_at_once():
     assert errors == []
     for i in range(2):
         assert torch.allclose(results[i], chunked_block_attention(*args[i]), atol=1e-5)
+
+
+def _stand_in_triton(monkeypatch):
+    """A ``triton.runtime.autotuner`` whose Autotuner keeps the call being tuned on the shared
+    kernel object and clears it when done, as Triton's does (the CPU machine has no Triton)."""
+    import sys
+    import time
+    import types
+
+    class Autotuner:
+        def __init__(self):
+            self.nargs = None
+            self.cache = {}
+
+        def run(self, key):
+            if key not in self.cache:
+                self.nargs = {"key": key}
+                time.sleep(0.05)  # benchmarking the configs: the GPU works, the GIL is free
+                self.cache[key] = self.nargs["key"]  # fails if another call cleared nargs
+                self.nargs = None
+            return self.cache[key]
+    mod = types.ModuleType("triton.runtime.autotuner")
+    mod.Autotuner = Autotuner
+    for name, m in (("triton", types.ModuleType("triton")),
+                    ("triton.runtime", types.ModuleType("triton.runtime")),
+                    ("triton.runtime.autotuner", mod)):
+        monkeypatch.setitem(sys.modules, name, m)
+    return Autotuner
+
+
+def _tune_in_two_threads(kernel) -> list:
+    errors, meet = [], threading.Barrier(2)
+
+    def call(key):
+        meet.wait()
+        try:
+            kernel.run(key)
+        except Exception as exc:  # noqa: BLE001 - collected for the assert
+            errors.append(exc)
+    threads = [threading.Thread(target=call, args=(k,)) for k in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    return errors
+
+
+def test_two_threads_tuning_one_triton_kernel_break_each_other_unless_serialized(monkeypatch):
+    from dflash_core import compile_guard
+
+    Autotuner = _stand_in_triton(monkeypatch)
+    assert _tune_in_two_threads(Autotuner()), "the stand-in should show the race"
+    assert compile_guard.serialize_triton_autotuning()
+    assert compile_guard.serialize_triton_autotuning()  # once per process: not wrapped twice
+    assert not hasattr(Autotuner.run.__wrapped__, "__wrapped__")
+    kernel = Autotuner()
+    assert _tune_in_two_threads(kernel) == []
+    assert kernel.cache == {"a": "a", "b": "b"}
+
+
+def test_without_triton_nothing_is_patched(monkeypatch):
+    import sys
+
+    from dflash_core import compile_guard
+
+    monkeypatch.setitem(sys.modules, "triton", None)  # import fails, as on the CPU machine
+    assert compile_guard.serialize_triton_autotuning() is False
