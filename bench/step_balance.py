@@ -20,10 +20,21 @@ from common import ROOT  # noqa: F401  (puts the project on sys.path)
 from dflash_core.data.batching import drafter_cost, plan_epoch
 
 
-def lockstep_share(plan, lengths, group: int, anchors: int, max_length: int) -> float:
-    cost = np.array([drafter_cost(len(b), int(max(lengths[b])), max_length, anchors)
-                     for b in plan], float)
-    steps = cost[: len(cost) // group * group].reshape(-1, group)
+# Measured microseconds per block position by row length (8B-shaped drafter, one H200).
+US_PER_POSITION = ([256, 512, 1024, 2048, 3072], [245.9, 254.6, 342.4, 355.0, 369.2])
+
+
+def lockstep_share(plan, lengths, group: int, anchors: int, max_length: int,
+                   timed: bool = False) -> float:
+    """timed: each batch's time from its block positions and the measured time per position at
+    its length; else the planner's own cost (``drafter_cost``)."""
+    def cost(b):
+        longest = min(int(max(lengths[b])), max_length)
+        if timed:
+            return len(b) * min(anchors, longest) * np.interp(longest, *US_PER_POSITION)
+        return drafter_cost(len(b), longest, max_length, anchors)
+    c = np.array([cost(b) for b in plan], float)
+    steps = c[: len(c) // group * group].reshape(-1, group)
     return float(steps.mean(1).sum() / steps.max(1).sum())
 
 
@@ -41,11 +52,13 @@ def main():
     for epoch in range(3):
         plain = plan_epoch(lengths, epoch=epoch, **kw)
         bal = plan_epoch(lengths, epoch=epoch, balance=args.drafters, anchors=args.anchors, **kw)
-        print(f"epoch {epoch}: {len(plain)} batches, {args.drafters} per step: drafters working "
-              f"{lockstep_share(plain, lengths, args.drafters, args.anchors, args.max_length):.3f}"
-              f" of the time shuffled, "
-              f"{lockstep_share(bal, lengths, args.drafters, args.anchors, args.max_length):.3f}"
-              " balanced")
+        share = {(name, timed): lockstep_share(p, lengths, args.drafters, args.anchors,
+                                               args.max_length, timed)
+                 for name, p in (("shuffled", plain), ("balanced", bal)) for timed in (0, 1)}
+        print(f"epoch {epoch}: {len(plain)} batches, {args.drafters} per step; drafters working, "
+              f"by the planner's cost: {share['shuffled', 0]:.3f} shuffled, "
+              f"{share['balanced', 0]:.3f} balanced; by measured time: "
+              f"{share['shuffled', 1]:.3f} shuffled, {share['balanced', 1]:.3f} balanced")
 
 
 if __name__ == "__main__":

@@ -83,7 +83,7 @@ class DataConfig:
     # drafter) cost the drafters alike: sorted by drafter work (rows x anchors) into runs of a few
     # steps, the runs in random order. Drafters step together, so a step lasts as long as its
     # dearest batch, and at one token budget a batch of short samples (many rows) costs the
-    # drafter up to ~3x one of long samples. false = batch order fully shuffled. No effect with one
+    # drafter up to ~4x one of long samples. false = batch order fully shuffled. No effect with one
     # drafter. A resumed run keeps the order its checkpoint was written with.
     balance_steps: bool = True
 

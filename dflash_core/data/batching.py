@@ -92,13 +92,21 @@ def plan_epoch(lengths: np.ndarray, *, token_budget: int, max_seqs: int, max_len
 RUN_STEPS = 4
 
 
-def drafter_cost(rows: int, longest: int, max_length: int, anchors: int) -> int:
-    """A batch's drafter work in block tokens per block position: every row gets as many blocks
-    as the batch's most-anchored row (up to ``anchors`` each; 0 = no cap), so rows x
-    min(anchors, longest). Token-budget batches of short samples hold many rows: at the same
-    budget they cost the drafter up to several times what batches of long samples do."""
+# A block position of a row of L tokens costs the drafter about (1 + L / CONTEXT_SCALE) times
+# one of a very short row: its blocks attend to more context. Fitted to the 8B-shaped drafter's
+# step times on an H200 at 256..3072 tokens (bench/BENCHMARKS.md, "Balanced steps").
+CONTEXT_SCALE = 5800
+
+
+def drafter_cost(rows: int, longest: int, max_length: int, anchors: int) -> float:
+    """A batch's drafter work, in block positions of a very short row: every row gets as many
+    blocks as the batch's most-anchored row (up to ``anchors`` each; 0 = no cap), so rows x
+    min(anchors, longest), each weighted by its context. Token-budget batches of short samples
+    hold many rows: at the same budget they cost the drafter up to ~4x what batches of long
+    samples do."""
     longest = min(longest, max_length)
-    return rows * (min(anchors, longest) if anchors > 0 else longest)
+    positions = rows * (min(anchors, longest) if anchors > 0 else longest)
+    return positions * (1.0 + longest / CONTEXT_SCALE)
 
 
 def balanced_order(order: np.ndarray, cost: np.ndarray, group: int,

@@ -68,7 +68,7 @@ def _step_costs(plan, lengths, group, anchors=512, max_length=3072):
 @pytest.mark.parametrize("group", [2, 6])
 def test_balanced_order_gives_each_step_batches_of_like_cost(group):
     """Data-parallel drafters wait for the step's dearest batch: the share of drafter time spent
-    working (sum of means / sum of maxima) rises from ~0.6-0.8 to >= 0.93; the batches are the
+    working (sum of means / sum of maxima) rises from ~0.75-0.86 to >= 0.93; the batches are the
     same, only their order changes, deterministically per (seed, epoch)."""
     rng = np.random.default_rng(0)
     lengths = np.clip(rng.lognormal(6.8, 0.7, 20000), 256, 3072).astype(int)  # chat-like
@@ -82,7 +82,7 @@ def test_balanced_order_gives_each_step_batches_of_like_cost(group):
     plain_eff = mean.sum() / hi.sum()
     hi, mean = _step_costs(balanced, lengths, group)
     eff = mean.sum() / hi.sum()
-    assert plain_eff < 0.85 and eff >= 0.93, (plain_eff, eff)
+    assert plain_eff < 0.9 and eff >= 0.93, (plain_eff, eff)
     # Still shuffled: the runs come in random order, not cheapest first.
     costs = [drafter_cost(len(b), int(max(lengths[b])), 3072, 512) for b in balanced]
     run = RUN_STEPS * group
@@ -92,10 +92,17 @@ def test_balanced_order_gives_each_step_batches_of_like_cost(group):
     assert plan_epoch(lengths, balance=1, anchors=512, **kw) == plain
 
 
-def test_drafter_cost_counts_rows_times_capped_anchors():
-    assert drafter_cost(64, 300, 3072, 512) == 64 * 300  # short rows: every position an anchor
-    assert drafter_cost(21, 3072, 3072, 512) == 21 * 512  # long rows: capped at the anchors
-    assert drafter_cost(5, 4000, 3072, 0) == 5 * 3072  # no cap: truncated length
+def test_drafter_cost_counts_rows_times_capped_anchors_weighted_by_context():
+    from dflash_core.data.batching import CONTEXT_SCALE
+
+    ctx = lambda n: 1 + n / CONTEXT_SCALE  # noqa: E731
+    assert drafter_cost(64, 300, 3072, 512) == pytest.approx(64 * 300 * ctx(300))  # all anchors
+    assert drafter_cost(21, 3072, 3072, 512) == pytest.approx(21 * 512 * ctx(3072))  # capped
+    assert drafter_cost(5, 4000, 3072, 0) == pytest.approx(5 * 3072 * ctx(3072))  # truncated
+    # Measured on an H200 (8B-shaped drafter, 16384-token batches): 64 x 256 took 4.03 s a
+    # step and 5 x 3072 took 0.95 s; the cost's ratio is within 10% of the times'.
+    ratio = drafter_cost(64, 256, 3072, 512) / drafter_cost(5, 3072, 3072, 512)
+    assert ratio == pytest.approx(4.03 / 0.95, rel=0.1)
 
 
 def test_split_eval():
