@@ -12,24 +12,13 @@ first N layers of the 64 (the layer pattern repeats, so the ratio does not need 
 from __future__ import annotations
 
 import argparse
-import time
 
 import numpy as np
 import torch
 
-from common import env_line, hf_config, random_causal_lm
+from common import cuda_time, env_line, hf_config, random_causal_lm
 from dflash_core.data.batching import padding_fraction, plan_epoch
 from dflash_core.target import TargetModel
-
-
-def timed(fn, reps: int = 2) -> float:
-    fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / reps
 
 
 def main():
@@ -62,8 +51,8 @@ def main():
         # The same real tokens without padding: equal rows of the batch's mean length.
         m = max(1, round(tokens / n))
         flat = torch.randint(0, cfg.vocab_size, (n, m), device="cuda")
-        padded_s += timed(lambda: tm.features(ids, mask.long(), layers))
-        packed_s += timed(lambda: tm.features(flat, None, layers))
+        padded_s += cuda_time(lambda: tm.features(ids, mask.long(), layers), iters=2, warmup=1)
+        packed_s += cuda_time(lambda: tm.features(flat, None, layers), iters=2, warmup=1)
         real += tokens
         print(f"  batch {i}: {n} x {L}, {tokens} real tokens, padding {1 - tokens / (n * L):.1%}")
     print(f"RESULT padded {real / padded_s:,.0f} real tok/s, unpadded {real / packed_s:,.0f} "

@@ -241,19 +241,13 @@ def main():
               f"targets blocked {np.mean([s.target_blocked_frac for _, s in train]):.0%}; "
               f"loss {train[0][1].loss:.3f} -> {train[-1][1].loss:.3f}")
     # Where each stage's time went, past the first reports (warm-up and compilation).
-    for w in sorted({m.worker for m in targets}):
-        ms = [m for m in targets if m.worker == w][2:]
-        if ms:
-            print(f"{w}: tokens/s {np.mean([m.tokens_per_s for m in ms]):,.0f}, blocked on a full "
-                  f"HS queue {np.mean([m.blocked_frac for m in ms]):.0%}, starved "
-                  f"{np.mean([m.starved_frac for m in ms]):.0%} ({len(ms)} reports)")
-    for w in sorted({m.worker for m in drafters}):
-        ms = [m for m in drafters if m.worker == w][2:]
-        if ms:
-            print(f"{w}: waiting for features {np.mean([m.waiting_frac for m in ms]):.0%}, "
-                  f"compute {np.mean([m.compute_frac for m in ms]):.0%}, barrier "
-                  f"{np.mean([m.barrier_frac for m in ms]):.0%}, optimizer step "
-                  f"{np.mean([m.step_frac for m in ms]):.0%} ({len(ms)} reports)")
+    for w, mean, n in steady_reports(targets):
+        print(f"{w}: tokens/s {mean('tokens_per_s'):,.0f}, blocked on a full HS queue "
+              f"{mean('blocked_frac'):.0%}, starved {mean('starved_frac'):.0%} ({n} reports)")
+    for w, mean, n in steady_reports(drafters):
+        print(f"{w}: waiting for features {mean('waiting_frac'):.0%}, compute "
+              f"{mean('compute_frac'):.0%}, barrier {mean('barrier_frac'):.0%}, optimizer step "
+              f"{mean('step_frac'):.0%} ({n} reports)")
     # NVML busy over the whole run counts loading and compilation as idle time; the steady share
     # is over the same steps as samples/s.
     t_from, t_to = (train[0][0], train[-1][0]) if len(train) >= 2 else (0.0, float("inf"))
@@ -280,6 +274,15 @@ def main():
     if args.out:
         Path(args.out).write_text(json.dumps({"steps": [(t, s.to_dict()) for t, s in steps],
                                               "queues": queues}))
+
+
+def steady_reports(reports: list):
+    """Per worker, past its first two reports (warm-up, compilation): (worker, mean of a field,
+    reports left)."""
+    for w in sorted({m.worker for m in reports}):
+        ms = [m for m in reports if m.worker == w][2:]
+        if ms:
+            yield w, (lambda field, ms=ms: float(np.mean([getattr(m, field) for m in ms]))), len(ms)
 
 
 def profile_steps(engine, steps: list, k: int, out: Path, after: int = 5) -> None:

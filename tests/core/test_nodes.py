@@ -204,11 +204,16 @@ def test_restart_on_node_0_restarts_every_node_from_its_checkpoint(tmp_path, ass
 # Stopping: an abort on node 0, a node killed
 # --------------------------------------------------------------------------------------------
 
-def test_abort_on_node_0_ends_both_nodes_with_a_checkpoint(tmp_path, assets, procs):
+def two_nodes_training(tmp_path, assets, procs):
+    """Two nodes started on a long run, both past step 2: their config."""
     cfg = node_config(tmp_path, assets, optim__epochs=200)
     procs += start_nodes(write_config(tmp_path / "config.yaml", cfg), tmp_path)
-    node0 = cfg.run_dir / "node-0" / "events.jsonl"
-    wait_for_step(node0, 2, procs)
+    wait_for_step(cfg.run_dir / "node-0" / "events.jsonl", 2, procs)
+    return cfg
+
+
+def test_abort_on_node_0_ends_both_nodes_with_a_checkpoint(tmp_path, assets, procs):
+    cfg = two_nodes_training(tmp_path, assets, procs)
     t = time.monotonic()
     procs[0].send_signal(signal.SIGTERM)  # headless: abort, as the dashboard's a does
     codes = [p.wait(EXIT_WITHIN_S) for p in procs]
@@ -222,10 +227,8 @@ def test_abort_on_node_0_ends_both_nodes_with_a_checkpoint(tmp_path, assets, pro
 
 
 def test_killed_node_surfaces_on_node_0_which_stops_with_a_checkpoint(tmp_path, assets, procs):
-    cfg = node_config(tmp_path, assets, optim__epochs=200)
-    procs += start_nodes(write_config(tmp_path / "config.yaml", cfg), tmp_path)
+    cfg = two_nodes_training(tmp_path, assets, procs)
     node0 = cfg.run_dir / "node-0" / "events.jsonl"
-    wait_for_step(node0, 2, procs)
     t = time.monotonic()
     procs[1].kill()
     code = procs[0].wait(EXIT_WITHIN_S)
