@@ -113,7 +113,6 @@ class LossOut:
     weight_sum: float  # sum of weights in use (for exact averaging across micro-batches)
     tau_sum: torch.Tensor  # sum over blocks with a label in slot 1 of (correct prefix + 1)
     blocks: int
-    correct: torch.Tensor  # slots predicted right
 
     @property
     def tau_tf(self) -> float:
@@ -147,28 +146,26 @@ def chunked_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head_weight: tor
         loss_sum = loss_sum + part
         preds[r] = arg.detach()
     loss = loss_sum / max(rows.weight_sum, 1e-12)
-    tau_sum, correct = tau_sums(preds.view(n, A, B), labels)
-    return LossOut(loss=loss, weight_sum=rows.weight_sum, tau_sum=tau_sum, blocks=rows.blocks,
-                   correct=correct)
+    return LossOut(loss=loss, weight_sum=rows.weight_sum,
+                   tau_sum=tau_sum(preds.view(n, A, B), labels), blocks=rows.blocks)
 
 
-def tau_sums(preds: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum over blocks with a label in slot 1 of correct-prefix length + 1, slots right), as
-    tensors on the GPU: nothing here waits for it."""
+def tau_sum(preds: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum over blocks with a label in slot 1 of (correct-prefix length + 1), as a tensor on the
+    GPU: nothing here waits for it."""
     hit = (preds == labels) & (labels != IGNORE)
     prefix = hit[:, :, 1:].long().cumprod(-1).sum(-1)  # [n, A]
     has = labels[:, :, 1] != IGNORE
-    return ((prefix + 1) * has).sum().float(), hit.sum()
+    return ((prefix + 1) * has).sum().float()
 
 
-def teacher_forced_tau(preds: torch.Tensor, labels: torch.Tensor) -> tuple[float, int, int]:
-    """Per block: length of the correct prefix of slots 1..B-1, plus one; mean over blocks that have
-    a label in slot 1. A perfect predictor of full blocks gives B."""
-    tau_sum, correct = tau_sums(preds, labels)
+def teacher_forced_tau(preds: torch.Tensor, labels: torch.Tensor) -> tuple[float, int]:
+    """(tau, blocks). Per block: length of the correct prefix of slots 1..B-1, plus one; mean over
+    blocks that have a label in slot 1. A perfect predictor of full blocks gives B."""
     blocks = int((labels[:, :, 1] != IGNORE).sum())
     if blocks == 0:
-        return 0.0, 0, 0
-    return float(tau_sum) / blocks, blocks, int(correct)
+        return 0.0, 0
+    return float(tau_sum(preds, labels)) / blocks, blocks
 
 
 def dense_reference_loss(hidden, labels, lm_head_weight, gamma):

@@ -70,7 +70,7 @@ def test_chunked_loss_equals_unchunked_loss_and_gradient():
 def test_tau_of_perfect_predictor_is_block_size():
     labels = torch.randint(0, 10, (2, 3, 16))
     labels[:, :, 0] = obj.IGNORE
-    tau, blocks, _ = obj.teacher_forced_tau(labels.clone(), labels)
+    tau, blocks = obj.teacher_forced_tau(labels.clone(), labels)
     assert tau == 16 and blocks == 6
     wrong_first = labels.clone()
     wrong_first[:, :, 1] += 1

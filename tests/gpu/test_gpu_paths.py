@@ -14,6 +14,28 @@ from tests.core.engine_fixtures import make_config, make_data, make_target
 from tests.core.test_block_attention import dense, inputs
 
 
+def watched_bus() -> tuple[EventBus, list, list[str]]:
+    """A bus with its step metrics and errors (as text, with tracebacks) collected."""
+    bus = EventBus()
+    steps, errors = [], []
+    bus.tap(lambda e: steps.append(e) if isinstance(e, StepMetrics) else None)
+    bus.tap(lambda e: errors.append(f"{e.source} {e.phase}: {e.message}\n{e.traceback}")
+            if isinstance(e, Error) else None)
+    return bus, steps, errors
+
+
+def drafter_on_gpu(tmp_path: Path, n_batches: int):
+    """A tiny target's config on cuda:0, with n_batches of its batches, their bf16 features and
+    an initial drafter: (cfg, gpu, target model, batches, features, drafter)."""
+    from tests.core.test_trainer import drafter_setup
+
+    target = make_target(tmp_path / "target", head_dim=16)
+    data = make_data(tmp_path / "data")
+    cfg = make_config(tmp_path, target, data, layout__device="cuda")
+    gpu = torch.device("cuda", 0)
+    return (cfg, gpu, *drafter_setup(cfg, target, data, n_batches, gpu, "bfloat16"))
+
+
 def test_compiled_flex_equals_dense_on_gpu():
     args = [a.cuda() if torch.is_tensor(a) else a for a in inputs(S=700, A=40, B=16, d=64, seed=4)]
     want = dense(*args)
@@ -32,11 +54,7 @@ def test_engine_trains_on_one_gpu_and_frees_memory(tmp_path: Path, monkeypatch):
     target = make_target(tmp_path / "target", head_dim=16)
     data = make_data(tmp_path / "data")
     cfg = make_config(tmp_path, target, data, layout__device="cuda", target__dtype="bfloat16")
-    bus = EventBus()
-    steps, errors = [], []
-    bus.tap(lambda e: steps.append(e) if isinstance(e, StepMetrics) else None)
-    bus.tap(lambda e: errors.append(f"{e.source} {e.phase}: {e.message}\n{e.traceback}")
-            if isinstance(e, Error) else None)
+    bus, steps, errors = watched_bus()
     before_threads = {t.name for t in threading.enumerate()}
     base = torch.cuda.memory_allocated()
     engine = Engine(cfg, bus=bus)
@@ -64,11 +82,7 @@ def test_engine_trains_two_data_parallel_drafters(tmp_path: Path):
     data = make_data(tmp_path / "data")
     cfg = make_config(tmp_path, target, data, layout__device="cuda", target__dtype="bfloat16",
                       layout__drafters=drafters, run__max_steps=8)
-    bus = EventBus()
-    steps, errors = [], []
-    bus.tap(lambda e: steps.append(e) if isinstance(e, StepMetrics) else None)
-    bus.tap(lambda e: errors.append(f"{e.source} {e.phase}: {e.message}\n{e.traceback}")
-            if isinstance(e, Error) else None)
+    bus, steps, errors = watched_bus()
     engine = Engine(cfg, bus=bus)
     engine.start()
     assert engine.wait(300) == "finished", "\n".join(errors)
@@ -83,13 +97,9 @@ def test_two_drafter_threads_compile_and_train_at_once_on_one_gpu(tmp_path: Path
     # each driven by its own thread through their first compiled steps, reproduce it on a
     # one-GPU machine.
     from dflash_core.trainer import StepBarrier, make_replicas, reduce_and_step
-    from tests.core.test_trainer import drafter_setup, head_copies
+    from tests.core.test_trainer import head_copies
 
-    target = make_target(tmp_path / "target", head_dim=16)
-    data = make_data(tmp_path / "data")
-    cfg = make_config(tmp_path, target, data, layout__device="cuda")
-    gpu = torch.device("cuda", 0)
-    tm, batches, feats, init = drafter_setup(cfg, target, data, 6, gpu, "bfloat16")
+    cfg, gpu, tm, batches, feats, init = drafter_on_gpu(tmp_path, 6)
     pair = make_replicas(init, [gpu, gpu], cfg, *head_copies(tm))
     stop = threading.Event()
     barrier = StepBarrier(2, stop)
@@ -128,13 +138,9 @@ def test_a_drafter_step_synchronises_with_the_gpu_once(tmp_path: Path):
 
     from dflash_core.handoff import ready_event
     from dflash_core.trainer import ANCHOR_PAD, make_replicas, prepare_batch, reduce_and_step
-    from tests.core.test_trainer import drafter_setup, head_copies
+    from tests.core.test_trainer import head_copies
 
-    target = make_target(tmp_path / "target", head_dim=16)
-    data = make_data(tmp_path / "data")
-    cfg = make_config(tmp_path, target, data, layout__device="cuda")
-    gpu = torch.device("cuda", 0)
-    tm, batches, feats, init = drafter_setup(cfg, target, data, 3, gpu, "bfloat16")
+    cfg, gpu, tm, batches, feats, init = drafter_on_gpu(tmp_path, 3)
     # As the loader hands them over: anchors and labels made, pinned.
     batches = [prepare_batch(b, cfg.drafter.num_anchors, 4, cfg.run.seed, pad_to=ANCHOR_PAD).pin()
                for b in batches]
