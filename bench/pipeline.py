@@ -6,6 +6,10 @@ attached (Textual, headless driver) for the TUI-vs-headless ratio.
     python bench/pipeline.py --targets 0 --drafters 1 --steps 30            # two GPUs
     python bench/pipeline.py --targets 0 --drafters 0 --steps 30 --tui      # same, dashboard on
     python bench/pipeline.py --targets 0 --drafters 1 --steps 12 --profile 3  # where GPU time goes
+    # each side alone on one GPU, on the run's own batches: the drafters (random features), and
+    # the target in the engine (drafters train nothing) against the same forward outside it
+    python bench/pipeline.py --targets 0 --drafters 0 --features random --steps 16
+    python bench/pipeline.py --targets 0 --drafters 0 --drafter-work none --standalone 6 --steps 16
     # two nodes of one GPU each on one machine (NCCL across them; docs/multi-node.md):
     for r in 0 1; do CUDA_VISIBLE_DEVICES=$r RANK=$r WORLD_SIZE=2 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 \
         MASTER_ADDR=127.0.0.1 MASTER_PORT=29400 python bench/pipeline.py --targets 0 --drafters 0 \
@@ -52,20 +56,94 @@ SMOKE = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 12,
          "bos_token_id": None, "eos_token_id": None}
 
 
-def fake_loader():
-    """load_target that builds random weights of the real shape on the GPU, with progress."""
-    def load(path, *, device="cpu", dtype=torch.float32, progress=None, stop=None, **kw):
+# What --standalone times after the run: the engine's target model and batches it ran.
+KEPT: dict = {"model": None, "calls": []}
+
+
+def fake_loader(light: bool = False):
+    """load_target that builds random weights of the real shape on the GPU, with progress.
+    light: only the embedding and the output head hold memory (the layers stay on the meta
+    device), for runs whose target never runs its forward (--features random)."""
+    def load(path, *, device="cpu", dtype=torch.bfloat16, progress=None, stop=None, **kw):
         t = time.perf_counter()
         cfg = hf_config(Path(path) / "config.json")
-        model = random_causal_lm(cfg, device=device, dtype=torch.bfloat16)
+        if light:
+            model = random_causal_lm(cfg, device="meta", dtype=torch.bfloat16)
+            for m in (model.get_input_embeddings(), model.get_output_embeddings()):
+                m.to_empty(device=device)
+                torch.nn.init.normal_(m.weight, std=0.02)
+        else:
+            model = random_causal_lm(cfg, device=device, dtype=torch.bfloat16)
         if progress is not None:
             n = sum(p.numel() * p.element_size() for p in model.parameters())
             progress(target_mod.LoadInfo(bytes_loaded=n, bytes_total=n, shards_loaded=1,
                                          shards_total=1, seconds=time.perf_counter() - t, done=True,
                                          memory_after=(torch.cuda.memory_allocated(device)
                                                        if torch.device(device).type == "cuda" else 0)))
-        return target_mod.TargetModel(model)
+        KEPT["model"] = target_mod.TargetModel(model)
+        return KEPT["model"]
     return load
+
+
+def kept_features(keep: int):
+    """TargetModel.features that also keeps the inputs of the engine's batches 4..4+keep (past
+    kernel tuning), for --standalone."""
+    real = target_mod.TargetModel.features
+    seen = [0]
+
+    def features(self, input_ids, attention_mask=None, layer_ids=None, stop=None):
+        seen[0] += 1
+        if 3 < seen[0] <= 3 + keep:
+            KEPT["calls"].append((input_ids, attention_mask, layer_ids))
+        return real(self, input_ids, attention_mask, layer_ids, stop=stop)
+    return features
+
+
+def time_standalone(tm) -> str:
+    """The target's forward alone on the kept batches, one after another from this thread: the
+    rate the engine's target stage is measured against."""
+    calls = KEPT["calls"]
+    sync = torch.cuda.synchronize if tm.device.type == "cuda" else (lambda: None)
+    ids, mask, layers = calls[0]
+    tm.features(ids, mask, layers)  # warm: the engine's tuning already ran; this settles caches
+    sync()
+    t = time.perf_counter()
+    tokens = 0
+    for ids, mask, layers in calls:
+        tm.features(ids, mask, layers)
+        tokens += int(mask.sum()) if mask is not None else ids.numel()
+    sync()
+    dt = time.perf_counter() - t
+    return (f"STANDALONE target alone on {len(calls)} of the run's batches: {tokens / dt:,.0f} "
+            f"real tokens/s ({dt / len(calls):.2f} s per batch)")
+
+
+def plan_without_target_layers() -> None:
+    """With --features random the target's layers are never built, so a plan that refuses the
+    run for their memory (a 27B target and its drafter on one GPU) is reported, not obeyed."""
+    import dflash_core.preflight as preflight
+    from dflash_core.config import ConfigError
+    real = preflight.check_memory
+
+    def check_memory(*a, **k):
+        try:
+            return real(*a, **k)
+        except ConfigError as exc:
+            print(f"NOTE the memory plan counts the target's layers, not built here: {exc}")
+            return {}
+    preflight.check_memory = check_memory
+
+
+def idle_accumulate(self, batch, features, seed, stop=None, beat=None, ready=None):
+    """DrafterReplica.accumulate for --drafter-work none: wait until the batch's features exist,
+    count the batch, train nothing. The optimizer steps on zero gradients (loss 0)."""
+    from dflash_core.trainer import Micro
+    if ready is not None:
+        ready.synchronize()
+    out = Micro(tokens=int(batch.num_tokens), samples=len(batch), padded=int(batch.padded_tokens))
+    self.sample_ids.extend(int(i) for i in batch.indices)
+    self.micro.add(out)
+    return out
 
 
 def random_features(self, input_ids, attention_mask=None, layer_ids=None, stop=None):
@@ -115,6 +193,12 @@ def main():
     ap.add_argument("--features", choices=("target", "random"), default="target",
                     help="random: skip the target's forward (random features of the real shape), "
                          "to measure the drafters alone on the same batches")
+    ap.add_argument("--drafter-work", choices=("train", "none"), default="train",
+                    help="none: drafters (one layer) take each batch once its features are done "
+                         "and train nothing, to measure the targets alone inside the engine")
+    ap.add_argument("--standalone", type=int, default=0, metavar="K",
+                    help="after the run, time the target's forward alone on K of the batches it "
+                         "ran (the engine's model, from this thread)")
     ap.add_argument("--no-balance", action="store_true",
                     help="data.balance_steps: false (batch order fully shuffled)")
     ap.add_argument("--hf-norm", action="store_true",
@@ -138,13 +222,20 @@ def main():
         args.budget, args.anchors, args.samples = 2048, 16, 200
     max_length = 256 if smoke else 3072
     (tfolder / "config.json").write_text(json.dumps(tcfg))
-    target_stage.load_target = fake_loader()  # what the engine's target stage calls
+    # What the engine's target stage calls.
+    target_stage.load_target = fake_loader(light=args.features == "random")
     if args.hf_norm:
         import dflash_core.drafter as drafter_mod
         from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
         drafter_mod.RMSNorm = Qwen3RMSNorm
     if args.features == "random":
         target_mod.TargetModel.features = random_features
+        plan_without_target_layers()
+    elif args.standalone:
+        target_mod.TargetModel.features = kept_features(args.standalone)
+    if args.drafter_work == "none":
+        import dflash_core.trainer as trainer_mod
+        trainer_mod.DrafterReplica.accumulate = idle_accumulate
     vocab = tcfg.get("text_config", tcfg)["vocab_size"]  # multimodal configs nest it
     t = time.perf_counter()
     make_data(tmp / "data", vocab, args.samples, max_length)
@@ -160,6 +251,8 @@ def main():
     data["balance_steps"] = not args.no_balance
     if args.micro:
         drafter["micro_block_tokens"] = args.micro
+    if args.drafter_work == "none":
+        drafter["num_layers"] = 1  # it trains nothing; only its memory would be in the way
     print(f"drafter {drafter}\ndata {data}")
     cfg = config_from_dict({
         "run": {"name": "bench", "output_dir": str(tmp / "runs"), "max_steps": args.steps},
@@ -225,6 +318,7 @@ def main():
         if args.profile:
             profile_steps(engine, steps, args.profile, Path(args.trace))
     final = engine.wait()
+    standalone = time_standalone(KEPT["model"]) if args.standalone and KEPT["calls"] else ""
     for d in sorted(set(cfg.layout.targets) | set(cfg.layout.drafters)) if not smoke else []:
         st = torch.cuda.memory_stats(d)
         print(f"cuda:{d} peak allocated {gib(torch.cuda.max_memory_allocated(d))}, peak reserved "
@@ -269,6 +363,8 @@ def main():
         for row in p.rows:
             print(f"plan {row['device']} {row['role']}: {gib(row['total'])} "
                   + ", ".join(f"{k} {gib(v)}" for k, v in row["components"].items()))
+    if standalone:
+        print(standalone)
     hs = [(round(t, 1), d) for t, n, d, c in queues if n == HS_QUEUE]
     print("HS queue depth over time (s, depth):", hs[:: max(1, len(hs) // 20)])
     if args.out:
