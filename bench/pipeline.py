@@ -100,22 +100,39 @@ def kept_features(keep: int):
 
 
 def time_standalone(tm) -> str:
-    """The target's forward alone on the kept batches, one after another from this thread: the
-    rate the engine's target stage is measured against."""
+    """The target's forward alone on the kept batches, one after another: from this thread on the
+    default stream, then from a thread of its own on a stream of its own with an abort flag, as
+    the engine's target stage calls it (without the engine's other threads)."""
     calls = KEPT["calls"]
-    sync = torch.cuda.synchronize if tm.device.type == "cuda" else (lambda: None)
-    ids, mask, layers = calls[0]
-    tm.features(ids, mask, layers)  # warm: the engine's tuning already ran; this settles caches
-    sync()
-    t = time.perf_counter()
-    tokens = 0
-    for ids, mask, layers in calls:
-        tm.features(ids, mask, layers)
-        tokens += int(mask.sum()) if mask is not None else ids.numel()
-    sync()
-    dt = time.perf_counter() - t
-    return (f"STANDALONE target alone on {len(calls)} of the run's batches: {tokens / dt:,.0f} "
-            f"real tokens/s ({dt / len(calls):.2f} s per batch)")
+    cuda = tm.device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    def timed(stop=None) -> tuple[float, float]:
+        ids, mask, layers = calls[0]
+        tm.features(ids, mask, layers, stop=stop)  # the engine's tuning already ran; settle caches
+        sync()
+        t = time.perf_counter()
+        tokens = 0
+        for ids, mask, layers in calls:
+            tm.features(ids, mask, layers, stop=stop)
+            tokens += int(mask.sum()) if mask is not None else ids.numel()
+        sync()
+        dt = time.perf_counter() - t
+        return tokens / dt, dt / len(calls)
+
+    plain = timed()
+    own: list = []
+
+    def worker():
+        if cuda:
+            torch.cuda.set_stream(torch.cuda.Stream(tm.device))
+        own.append(timed(threading.Event()))
+    th = threading.Thread(target=worker)
+    th.start()
+    th.join()
+    return (f"STANDALONE target alone on {len(calls)} of the run's batches: {plain[0]:,.0f} real "
+            f"tokens/s ({plain[1]:.2f} s per batch); from a thread with its own stream and abort "
+            f"flag: {own[0][0]:,.0f} ({own[0][1]:.2f} s per batch)")
 
 
 def plan_without_target_layers() -> None:
