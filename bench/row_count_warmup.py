@@ -33,6 +33,12 @@ def main():
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--rows", default="3,5,7,9,11", help="row counts, each new to the process")
     ap.add_argument("--budget", type=int, default=65536, help="tokens per batch (rows x length)")
+    ap.add_argument("--lengths", type=int, default=1,
+                    help="then this many new lengths (0.9, 0.8, ... of the first) at the first "
+                         "row count")
+    ap.add_argument("--align", type=int, default=1,
+                    help="round every length down to a multiple of this (padding the batch's "
+                         "length to a multiple would do the same)")
     args = ap.parse_args()
     print(env_line())
     cfg = hf_config("qwen3_6_27b_config.json")
@@ -45,7 +51,7 @@ def main():
     timed(lambda: tm.features(x, None, layers))  # the process's first forward: every kernel
     first_total = second_total = 0.0
     for n in [int(v) for v in args.rows.split(",")]:
-        L = args.budget // n
+        L = args.budget // n // args.align * args.align
         x = torch.randint(0, cfg.vocab_size, (n, L), device="cuda")
         first = timed(lambda: tm.features(x, None, layers))
         second = timed(lambda: tm.features(x, None, layers))
@@ -53,12 +59,14 @@ def main():
         second_total += second
         print(f"  {n} x {L}: first forward {first:.3f} s, second {second:.3f} s "
               f"(+{first - second:.3f} s)")
-    n = int(args.rows.split(",")[0])  # a row count already seen, at a new length
-    L = int(args.budget // n * 0.9)
-    x = torch.randint(0, cfg.vocab_size, (n, L), device="cuda")
-    first = timed(lambda: tm.features(x, None, layers))
-    second = timed(lambda: tm.features(x, None, layers))
-    print(f"  {n} x {L} (row count seen, length new): first {first:.3f} s, second {second:.3f} s")
+    n = int(args.rows.split(",")[0])  # a row count already seen, at new lengths
+    for i in range(1, args.lengths + 1):
+        L = int(args.budget // n * (1 - 0.1 * i)) // args.align * args.align
+        x = torch.randint(0, cfg.vocab_size, (n, L), device="cuda")
+        first = timed(lambda: tm.features(x, None, layers))
+        second = timed(lambda: tm.features(x, None, layers))
+        print(f"  {n} x {L} (row count seen, length new): first {first:.3f} s, second "
+              f"{second:.3f} s")
     k = len(args.rows.split(","))
     print(f"RESULT a new row count adds {(first_total - second_total) / k:.2f} s to its first "
           f"batch (mean of {k}); the second batch of {args.layers} layers takes "
