@@ -30,6 +30,8 @@ def timed(fn) -> float:
 
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--fixture", default="qwen3_6_27b_config.json",
+                    help="target shape from tests/fixtures (qwen3_8b_config.json: plain attention)")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--rows", default="3,5,7,9,11", help="row counts, each new to the process")
     ap.add_argument("--budget", type=int, default=65536, help="tokens per batch (rows x length)")
@@ -41,12 +43,13 @@ def main():
                          "length to a multiple would do the same)")
     args = ap.parse_args()
     print(env_line())
-    cfg = hf_config("qwen3_6_27b_config.json")
+    cfg = hf_config(args.fixture)
     cfg.num_hidden_layers = args.layers
-    cfg.layer_types = cfg.layer_types[: args.layers]
+    if getattr(cfg, "layer_types", None):
+        cfg.layer_types = cfg.layer_types[: args.layers]
     tm = TargetModel(random_causal_lm(cfg))
     layers = [args.layers - 1]
-    print(f"layers {cfg.layer_types}")
+    print(f"layers {getattr(cfg, 'layer_types', None)}, attention {cfg._attn_implementation}")
     x = torch.randint(0, cfg.vocab_size, (1, 2048), device="cuda")
     timed(lambda: tm.features(x, None, layers))  # the process's first forward: every kernel
     first_total = second_total = 0.0
