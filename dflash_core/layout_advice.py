@@ -4,12 +4,16 @@ a full queue or waiting on an empty one taken out). Said once, in the log, after
 
 from __future__ import annotations
 
+import statistics
 from typing import Any, Callable
 
 from .events import Log, StepMetrics, TargetMetrics
 
 ADVISE_AT_STEP = 20  # steps of real training before the rates are trusted (compile, warm-up)
 MIN_BUSY = 0.05  # a side busier than this share of its time gives a usable rate
+# A target's rate is the median of its last reports: in the first steps a batch of a shape the
+# process has not met compiles kernels (seconds for a hybrid target), which one report can catch.
+TARGET_REPORTS = 9
 
 
 class LayoutAdvisor:
@@ -19,7 +23,7 @@ class LayoutAdvisor:
                  at_step: int | None = None):
         self.publish, self.targets, self.drafters, self.gpus = publish, targets, drafters, gpus
         self.at_step = at_step or ADVISE_AT_STEP
-        self._target_tokens: dict[str, float] = {}  # worker -> tokens/s while working
+        self._target_tokens: dict[str, list[float]] = {}  # worker -> tokens/s while working
         self._drafter_samples: list[float] = []  # per drafter, samples/s while working
         self._tokens = self._samples = 0
         self.done = False
@@ -30,7 +34,9 @@ class LayoutAdvisor:
         if isinstance(ev, TargetMetrics):
             busy = 1.0 - ev.blocked_frac - ev.starved_frac
             if busy >= MIN_BUSY and ev.tokens_per_s > 0:
-                self._target_tokens[ev.worker] = ev.tokens_per_s / busy
+                rates = self._target_tokens.setdefault(ev.worker, [])
+                rates.append(ev.tokens_per_s / busy)
+                del rates[:-TARGET_REPORTS]
         elif isinstance(ev, StepMetrics) and ev.step > 3:  # the first steps include compiling
             self._tokens += ev.tokens_per_s
             self._samples += ev.samples_per_s
@@ -44,7 +50,8 @@ class LayoutAdvisor:
     def rates(self) -> tuple[float, float]:
         """(samples/s one target can extract, samples/s one drafter can train)."""
         tokens_per_sample = self._tokens / self._samples if self._samples else 1.0
-        target = sum(self._target_tokens.values()) / len(self._target_tokens) / tokens_per_sample
+        per_target = [statistics.median(r) for r in self._target_tokens.values()]
+        target = sum(per_target) / len(per_target) / tokens_per_sample
         recent = self._drafter_samples[-10:]
         return target, sum(recent) / len(recent)
 

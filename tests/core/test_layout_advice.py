@@ -47,6 +47,20 @@ def test_a_target_bound_run_suggests_more_targets():
     assert "for 8 GPUs: 2 target(s) + 6 drafter(s)" in log.message
 
 
+def test_a_target_report_caught_compiling_does_not_set_the_rate():
+    # Batches of new shapes compile kernels: an occasional report of the target runs at a third
+    # of its rate. The median of its recent reports is the rate; the mean would be 7,000.
+    out = []
+    adv = LayoutAdvisor(out.append, targets=1, drafters=1, gpus=2, at_step=5)
+    for tokens in (9000.0, 3000.0, 9000.0, 9000.0, 3000.0):
+        adv(TargetMetrics(worker="target-0", device="cuda:0", batches=1, tokens_per_s=tokens,
+                          blocked_frac=0.0, starved_frac=0.0))
+    for n in range(1, 6):
+        adv(step(n, samples_per_s=2.0, wait=0.0, tokens_per_s=2000.0))
+    (log,) = [e for e in out if isinstance(e, Log)]
+    assert "one target extracts 9.00 samples/s" in log.message
+
+
 def test_an_engine_run_says_it(tmp_path, assets, monkeypatch):
     import dflash_core.layout_advice as mod
 
