@@ -86,12 +86,6 @@ class DataConfig:
     # drafter up to ~4x one of long samples. false = batch order fully shuffled. No effect with one
     # drafter. A resumed run keeps the order its checkpoint was written with.
     balance_steps: bool = True
-    # Pad each batch's length up to a multiple of this. 0 = auto: 64 for a target with Gated
-    # DeltaNet (linear-attention) layers on GPUs, else 1. flash-linear-attention's kernels compile
-    # again for each new class of sequence length they meet: ~12 s per first-seen length on an
-    # H200, paid by the target mid-run; lengths that are multiples of 64 share one compiled
-    # variant, for ~32 padded tokens more per row. A resumed run keeps its checkpoint's value.
-    pad_multiple: int = 0
 
 
 @dataclass
@@ -288,7 +282,6 @@ RANGES: dict[str, tuple[float | None, float | None, bool, bool]] = {
     "data.max_length": (2, None, True, False),  # a sample needs 2+ tokens to train on
     "data.prefetch_batches": (0, None, False, False),
     "data.eval_prompts": (0, None, True, False),
-    "data.pad_multiple": (0, None, True, False),  # 0 = auto (64 for hybrid targets on GPUs)
     "layout.hs_queue": (0, None, False, False),
     "layout.gpu_memory_gib": (0, None, True, False),  # 0 = the card's own size
     "optim.lr": (0, 1, False, True),

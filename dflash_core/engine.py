@@ -43,7 +43,7 @@ from .sinks.run_sinks import RunSinks
 from .target import LoadAborted
 from .target_stage import TargetStage
 from .telemetry import TelemetrySampler
-from .trainer import ANCHOR_PAD, StepBarrier, build_replicas, prepare_batch, total_steps_for
+from .trainer import ANCHOR_PAD, StepBarrier, build_replicas, prepare_batch
 from .units import GiB
 from .watchdog import Watchdog, format_stack, thread_stack, where
 from .workers import POLL_S, Stopped, UpstreamFailed
@@ -466,20 +466,13 @@ class Engine:
         world = len(run.target_devices)
         run.hs_queue = HiddenStateQueue(cfg.layout.hs_queue, world, self.bus.publish, run.stop,
                                         beat=run.heartbeats.beat)
-        if run.resume:  # its data position names batches of the plan it was written with
-            ts = run.resume.trainer_state
-            wrote = int(ts.get("balance", 1)), int(ts.get("pad_multiple", 1))
-            now = prep.stream.balance, prep.stream.pad_multiple
-            if wrote != now:
+        if run.resume:  # its data position names batches of the order it was written with
+            wrote = int(run.resume.trainer_state.get("balance", 1))
+            if wrote != prep.stream.balance:
                 self.bus.publish(Log(level="info", source="engine", message=(
-                    f"resume: batches planned as the checkpoint's run did: ordered for "
-                    f"{wrote[0]} per step, lengths padded to multiples of {wrote[1]} (this run "
-                    f"would use {now[0]} and {now[1]}; data.balance_steps, data.pad_multiple)")))
-                prep.stream.use_plan(*wrote)
-                # Other lengths put other samples together: the epoch's batch count changes.
-                prep.total_steps = total_steps_for(
-                    cfg, prep.stream.batches_per_epoch,
-                    len(run.drafter_devices) * (self.nodes.world if self.nodes is not None else 1))
+                    f"resume: batches ordered for {wrote} per step as the checkpoint's run did "
+                    f"(this layout would balance {prep.stream.balance}; data.balance_steps)")))
+                prep.stream.use_balance(wrote)
         run.position = DataPosition(lambda e: len(prep.stream.plan(e)), len(run.drafter_devices),
                                     run.resume.trainer_state if run.resume else None)
         # The loader threads make each batch's drafter anchors and labels (host work the

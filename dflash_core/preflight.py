@@ -87,7 +87,6 @@ def prepare(cfg: Config, run_dir: Path, tdev: list[torch.device], ddev: list[tor
     # Before the data is planned: layout.auto_fit may lower data.token_budget.
     fitted = check_memory(cfg, hf_config, tdev, ddev, publish)
 
-    pad_multiple = resolve_pad_multiple(cfg, hf_config, tdev)
     data_path = _resolve_data(cfg, target_path, demo_progress)
     dataset = ShardedDataset.open(data_path)
     n_eval = min(cfg.data.eval_prompts, max(0, len(dataset) - 1))
@@ -95,36 +94,13 @@ def prepare(cfg: Config, run_dir: Path, tdev: list[torch.device], ddev: list[tor
     stream = BatchStream.from_config(dataset, cfg.data, seed=cfg.run.seed,
                                      epochs=cfg.optim.epochs, exclude=eval_indices,
                                      step_batches=len(ddev) * nodes * cfg.optim.grad_accum,
-                                     anchors=cfg.drafter.num_anchors, pad_multiple=pad_multiple)
+                                     anchors=cfg.drafter.num_anchors)
     if stream.batches_per_epoch == 0:
         raise ConfigError("data.path", f"no trainable batch in {data_path}",
                           hint="the data needs samples of 2+ tokens")
     total_steps = total_steps_for(cfg, stream.batches_per_epoch, len(ddev) * nodes)
     return Prepared(target_path, layer_ids, mask_id, dataset, eval_indices, stream, total_steps,
                     fitted)
-
-
-# Lengths that are multiples of this share one compiled variant of flash-linear-attention's
-# kernels (bench/row_count_warmup.py: a new length class costs ~12 s of compiling on an H200).
-LINEAR_ATTENTION_PAD = 64
-
-
-def resolve_pad_multiple(cfg: Config, hf_config: dict, tdev: list[torch.device]) -> int:
-    """data.pad_multiple, with 0 (auto) resolved for this target and device; checked against the
-    token budget (the padded longest sample must fit in one batch)."""
-    m = cfg.data.pad_multiple
-    if m == 0:
-        hybrid = "linear_attention" in model_shape(hf_config).layer_types
-        m = LINEAR_ATTENTION_PAD if hybrid and any(d.type == "cuda" for d in tdev) else 1
-    width = -(-cfg.data.max_length // m) * m
-    if width > cfg.data.token_budget:
-        raise ConfigError(
-            "data.pad_multiple",
-            f"data.max_length {cfg.data.max_length} padded to a multiple of {m} is {width}, "
-            f"more than data.token_budget {cfg.data.token_budget}",
-            hint=f"raise data.token_budget to {width} or more, or lower data.max_length to a "
-                 f"multiple of {m}")
-    return m
 
 
 def _read_target_config(target_path: Path) -> dict:

@@ -193,11 +193,9 @@ class Run:
                            "rng": ckpt.capture_rng_state(),
                            # absent: one node (checkpoints written before several nodes existed)
                            **({"nodes": self.link.world} if self.link is not None else {}),
-                           # the epoch plan "done" refers to: its order (absent: 1, unbalanced)
-                           # and its batch lengths' multiple (absent: 1)
-                           **({"balance": self.prep.stream.balance,
-                               "pad_multiple": self.prep.stream.pad_multiple}
-                              if self.prep is not None else {})},
+                           # the epoch plan's order, which "done" refers to (absent: 1, unbalanced)
+                           **({"balance": self.prep.stream.balance} if self.prep is not None
+                              else {})},
             keep=cfg.checkpoint.keep)
         if reason == "best":
             ckpt.mark_best(cfg.run_dir, path, self.step, tau)

@@ -40,32 +40,25 @@ def split_eval(dataset_len: int, n_eval: int, seed: int, *, lengths: np.ndarray 
     return train, chosen
 
 
-def padded_width(longest: int, multiple: int = 1) -> int:
-    """A batch's padded length: its longest row rounded up to a multiple of ``multiple``."""
-    return -(-int(longest) // multiple) * multiple
-
-
 def plan_epoch(lengths: np.ndarray, *, token_budget: int, max_seqs: int, max_length: int,
                seed: int, epoch: int, shard: tuple[int, int] = (0, 1),
                indices: np.ndarray | None = None, window: int = 8192,
-               balance: int = 1, anchors: int = 0, pad_multiple: int = 1) -> list[list[int]]:
+               balance: int = 1, anchors: int = 0) -> list[list[int]]:
     """Length-bucketed batches of sample ids for one epoch.
 
     Samples (``indices``, default all) are shuffled, cut into windows of ``window`` samples, sorted
     by length inside each window (similar lengths -> little padding, while the window keeps the
-    order random), and grouped greedily so that ``n * width <= token_budget`` and
-    ``n <= max_seqs``, with lengths truncated to ``max_length`` (width: the longest row rounded up
-    to a multiple of ``pad_multiple``, as ``collate`` pads it). Samples shorter than 2 tokens are
+    order random), and grouped greedily so that ``n * longest <= token_budget`` and
+    ``n <= max_seqs``, with lengths truncated to ``max_length``. Samples shorter than 2 tokens are
     skipped. Batch order is shuffled; with ``balance`` > 1 (the batches one optimizer step takes
     across all drafters) it is shuffled in runs of similar drafter cost (``balanced_order``).
     Deterministic for (seed, epoch); ``shard=(rank, world)`` keeps global batches
     ``rank, rank + world, ...``.
     """
-    if max_seqs <= 0 or token_budget <= 0 or window <= 0 or pad_multiple <= 0:
-        raise ValueError("token_budget, max_seqs, window and pad_multiple must be > 0")
-    if padded_width(max_length, pad_multiple) > token_budget:
-        raise ValueError(f"max_length {max_length} (padded to a multiple of {pad_multiple}) "
-                         f"exceeds token_budget {token_budget}")
+    if max_length > token_budget:
+        raise ValueError(f"max_length {max_length} exceeds token_budget {token_budget}")
+    if max_seqs <= 0 or token_budget <= 0 or window <= 0:
+        raise ValueError("token_budget, max_seqs and window must be > 0")
     rank, world = shard
     lengths = np.asarray(lengths)
     ids = np.arange(len(lengths)) if indices is None else np.asarray(indices, dtype=np.int64)
@@ -83,7 +76,7 @@ def plan_epoch(lengths: np.ndarray, *, token_budget: int, max_seqs: int, max_len
         i = 0
         while i < len(w_ids):
             # the first sample is the longest of its batch, so it alone sets the padded width
-            k = min(max_seqs, token_budget // padded_width(w_len[i], pad_multiple))
+            k = min(max_seqs, token_budget // int(w_len[i]))
             batches.append(w_ids[i:i + k].tolist())
             i += k
     order = rng.permutation(len(batches))
@@ -129,15 +122,14 @@ def balanced_order(order: np.ndarray, cost: np.ndarray, group: int,
         if runs else order
 
 
-def padding_fraction(batches: list[list[int]], lengths: np.ndarray, max_length: int,
-                     pad_multiple: int = 1) -> float:
+def padding_fraction(batches: list[list[int]], lengths: np.ndarray, max_length: int) -> float:
     """Share of padded token slots that hold padding, over a plan."""
     lengths = np.asarray(lengths)
     useful = padded = 0
     for b in batches:
         eff = np.minimum(lengths[b], max_length)
         useful += int(eff.sum())
-        padded += len(b) * padded_width(eff.max(), pad_multiple)
+        padded += len(b) * int(eff.max())
     return 1.0 - useful / padded if padded else 0.0
 
 
@@ -178,12 +170,11 @@ class Batch:
 
 
 def collate(dataset: ShardedDataset, indices: list[int], *, max_length: int, epoch: int = 0,
-            batch_index: int = 0, pad_multiple: int = 1) -> Batch:
-    """Read, truncate and right-pad samples into one Batch, its length a multiple of
-    ``pad_multiple``."""
+            batch_index: int = 0) -> Batch:
+    """Read, truncate and right-pad samples into one Batch."""
     rows = [dataset.get(i) for i in indices]
     lens = np.array([min(len(ids), max_length) for ids, _ in rows], dtype=np.int64)
-    n, width = len(rows), padded_width(lens.max(), pad_multiple) if rows else 0
+    n, width = len(rows), int(lens.max()) if rows else 0
     ids_np = np.zeros((n, width), np.int64)
     mask_np = np.zeros((n, width), np.int64)
     for r, ((ids, mask), k) in enumerate(zip(rows, lens)):
@@ -211,12 +202,11 @@ class BatchStream:
     def __init__(self, dataset: ShardedDataset, *, token_budget: int, max_seqs: int,
                  max_length: int, seed: int, epochs: int,
                  exclude: Iterable[int] | np.ndarray = (), window: int = 8192,
-                 balance: int = 1, anchors: int = 0, pad_multiple: int = 1):
+                 balance: int = 1, anchors: int = 0):
         self.dataset = dataset
         self.token_budget, self.max_seqs, self.max_length = token_budget, max_seqs, max_length
         self.seed, self.epochs, self.window = seed, epochs, window
         self.balance, self.anchors = balance, anchors  # plan_epoch's: batches per step, cost cap
-        self.pad_multiple = pad_multiple  # batch lengths are multiples of it
         excl = np.fromiter(exclude, dtype=np.int64) if not isinstance(exclude, np.ndarray) \
             else exclude.astype(np.int64)
         self.indices = np.setdiff1d(np.arange(len(dataset)), excl)
@@ -226,22 +216,20 @@ class BatchStream:
     @classmethod
     def from_config(cls, dataset: ShardedDataset, data_cfg: Any, *, seed: int, epochs: int,
                     exclude: Iterable[int] | np.ndarray = (), step_batches: int = 1,
-                    anchors: int = 0, pad_multiple: int = 1) -> "BatchStream":
+                    anchors: int = 0) -> "BatchStream":
         """From a ``DataConfig`` (token_budget, max_seqs_per_batch, max_length, balance_steps);
-        ``step_batches``: batches one optimizer step takes over all drafters of all nodes;
-        ``pad_multiple``: data.pad_multiple resolved for the target (never 0 here)."""
+        ``step_batches``: batches one optimizer step takes over all drafters of all nodes."""
         return cls(dataset, token_budget=data_cfg.token_budget,
                    max_seqs=data_cfg.max_seqs_per_batch, max_length=data_cfg.max_length,
                    seed=seed, epochs=epochs, exclude=exclude,
-                   balance=step_batches if data_cfg.balance_steps else 1, anchors=anchors,
-                   pad_multiple=pad_multiple)
+                   balance=step_batches if data_cfg.balance_steps else 1, anchors=anchors)
 
-    def use_plan(self, balance: int, pad_multiple: int) -> None:
-        """Plan with another ``balance`` and ``pad_multiple``: a resumed run keeps the plan its
-        checkpoint's data position refers to."""
+    def use_balance(self, balance: int) -> None:
+        """Plan with another ``balance`` (a resumed run keeps the order its checkpoint's data
+        position refers to). The batches are the same; only their order changes."""
         with self._lock:
-            if (balance, pad_multiple) != (self.balance, self.pad_multiple):
-                self.balance, self.pad_multiple = balance, pad_multiple
+            if balance != self.balance:
+                self.balance = balance
                 self._plans.clear()
 
     def plan(self, epoch: int) -> list[list[int]]:
@@ -252,7 +240,7 @@ class BatchStream:
                     self.dataset.lengths, token_budget=self.token_budget, max_seqs=self.max_seqs,
                     max_length=self.max_length, seed=self.seed, epoch=epoch,
                     indices=self.indices, window=self.window, balance=self.balance,
-                    anchors=self.anchors, pad_multiple=self.pad_multiple)
+                    anchors=self.anchors)
                 while len(self._plans) > 3:
                     self._plans.popitem(last=False)
             return self._plans[epoch]
@@ -267,8 +255,7 @@ class BatchStream:
         return sum(len(self.plan(e)) for e in range(self.epochs))
 
     def padding_frac(self, epoch: int = 0) -> float:
-        return padding_fraction(self.plan(epoch), self.dataset.lengths, self.max_length,
-                                self.pad_multiple)
+        return padding_fraction(self.plan(epoch), self.dataset.lengths, self.max_length)
 
     def iter_batches(self, start_epoch: int = 0, done: set[int] | None = None,
                      worker: tuple[int, int] = (0, 1)) -> Iterator[Batch]:
@@ -282,4 +269,4 @@ class BatchStream:
                 if epoch == start_epoch and bi in done:
                     continue
                 yield collate(self.dataset, plan[bi], max_length=self.max_length, epoch=epoch,
-                              batch_index=bi, pad_multiple=self.pad_multiple)
+                              batch_index=bi)

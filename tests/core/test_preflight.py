@@ -11,7 +11,7 @@ from dflash_core.config import ConfigError
 from dflash_core.engine import Engine
 from dflash_core.events import Error, LoadProgress, Log, MemoryPlan, WorkerStatus, read_jsonl
 from dflash_core.memory import plan_memory
-from dflash_core.preflight import check_memory, prepare, resolve_devices, resolve_pad_multiple
+from dflash_core.preflight import check_memory, prepare, resolve_devices
 from dflash_core.units import GiB
 
 from .engine_fixtures import (  # noqa: F401 - assets, shutdown_started_engines: fixtures
@@ -19,7 +19,6 @@ from .engine_fixtures import (  # noqa: F401 - assets, shutdown_started_engines:
     wait_gone,
 )
 from .test_memory import GPU96, QWEN36_27B, node
-from .test_model_shape import QWEN3_8B
 
 
 # --------------------------------------------------------------------------------------------
@@ -170,21 +169,3 @@ def test_auto_fit_lowers_the_sizes_and_says_so(monkeypatch):
     assert "drafter.micro_block_tokens 32768 -> 8192" in log.message and log.level == "warning"
     (plan,) = [e for e in events if isinstance(e, MemoryPlan)]
     assert plan.fits
-
-
-def test_lengths_pad_to_64_for_a_hybrid_target_on_gpus_only():
-    """data.pad_multiple 0 (auto): flash-linear-attention's kernels compile again for each new
-    length class, so a Gated DeltaNet target on GPUs gets lengths in multiples of 64; a plain
-    attention target, or any target on the CPU, is not padded; a set value is kept."""
-    gpu, cpu = [torch.device("cuda", 0)], [torch.device("cpu")]
-    assert resolve_pad_multiple(node(), QWEN36_27B, gpu) == 64
-    assert resolve_pad_multiple(node(), QWEN36_27B, cpu) == 1
-    assert resolve_pad_multiple(node(), QWEN3_8B, gpu) == 1
-    cfg = node()
-    cfg.data.pad_multiple = 8
-    assert resolve_pad_multiple(cfg, QWEN3_8B, gpu) == 8
-    cfg.data.pad_multiple, cfg.data.max_length, cfg.data.token_budget = 0, 3000, 3000
-    with pytest.raises(ConfigError) as err:
-        resolve_pad_multiple(cfg, QWEN36_27B, gpu)
-    assert err.value.key == "data.pad_multiple" and "3008" in str(err.value)
-    assert "data.token_budget to 3008" in err.value.hint

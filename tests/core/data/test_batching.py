@@ -56,33 +56,6 @@ def test_plan_buckets_lengths_and_reports_padding():
         plan_epoch(lengths, token_budget=100, max_seqs=4, max_length=200, seed=0, epoch=0)
 
 
-@pytest.mark.parametrize("multiple", [1, 64])
-def test_padded_lengths_are_multiples_and_batches_still_fit_the_budget(multiple):
-    """data.pad_multiple: every batch's width is its longest row rounded up to the multiple, the
-    planner fills the budget with that width (so fewer long rows fit), and the padding the plan
-    reports is the padding collate makes."""
-    lengths = np.random.default_rng(3).integers(2, 3100, 4000)
-    kw = dict(token_budget=16384, max_seqs=64, max_length=3072, seed=0, epoch=0)
-    plan = plan_epoch(lengths, pad_multiple=multiple, **kw)
-    eff = np.minimum(lengths, 3072)
-    widths = [-(-int(eff[b].max()) // multiple) * multiple for b in plan]
-    assert all(w % multiple == 0 and w >= eff[b].max() for w, b in zip(widths, plan))
-    assert all(len(b) * w <= 16384 for w, b in zip(widths, plan))
-    assert sorted(i for b in plan for i in b) == list(range(len(lengths)))
-    useful = sum(int(eff[b].sum()) for b in plan)
-    padded = sum(len(b) * w for w, b in zip(widths, plan))
-    assert padding_fraction(plan, lengths, 3072, multiple) == pytest.approx(1 - useful / padded)
-    if multiple > 1:  # at most multiple - 1 slots more per row
-        unpadded = plan_epoch(lengths, **kw)
-        assert padding_fraction(plan, lengths, 3072, multiple) > padding_fraction(
-            unpadded, lengths, 3072)
-        assert padded - useful <= sum(len(b) for b in plan) * (multiple - 1) + sum(
-            len(b) * int(eff[b].max()) - int(eff[b].sum()) for b in plan)
-    with pytest.raises(ValueError, match="padded to a multiple of 64"):
-        plan_epoch(lengths, token_budget=3100, max_seqs=4, max_length=3080, seed=0, epoch=0,
-                   pad_multiple=64)
-
-
 def _step_costs(plan, lengths, group, anchors=512, max_length=3072):
     """Per optimizer step of ``group`` consecutive batches: (its dearest batch, their mean)."""
     cost = np.array([drafter_cost(len(b), int(max(lengths[b])), max_length, anchors)
@@ -147,18 +120,6 @@ def test_split_eval():
         split_eval(10, 10, seed=0)
 
 
-def test_collate_pads_to_a_multiple(dataset):
-    idx = [3, 10, 42]
-    plain = collate(dataset, idx, max_length=50)
-    b = collate(dataset, idx, max_length=50, pad_multiple=16)
-    width = plain.input_ids.shape[1]
-    assert width % 16  # so padding to 16 adds columns
-    assert b.input_ids.shape[1] == -(-width // 16) * 16
-    assert torch.equal(b.input_ids[:, :width], plain.input_ids)
-    assert b.attention_mask[:, width:].eq(0).all() and b.loss_mask[:, width:].eq(0).all()
-    assert b.num_tokens == plain.num_tokens and b.padded_tokens == 3 * b.input_ids.shape[1]
-
-
 def test_collate_pads_truncates_and_counts(dataset):
     idx = [3, 10, 42]
     b = collate(dataset, idx, max_length=50, epoch=2, batch_index=7)
@@ -219,10 +180,10 @@ def test_resume_yields_exactly_the_remaining_batches(dataset):
 
 def test_a_stream_planned_for_another_layout_takes_the_checkpoints_order(dataset):
     """A resumed run's "done" batch indices refer to the order its checkpoint was written with:
-    use_plan restores that order whatever the new layout would balance for."""
+    use_balance restores that order whatever the new layout would balance for."""
     written = make_stream(dataset, balance=4, anchors=8)
     now = make_stream(dataset, balance=2, anchors=8)
     assert now.plan(0) != written.plan(0)
     assert sorted(map(tuple, now.plan(0))) == sorted(map(tuple, written.plan(0)))
-    now.use_plan(4, 1)
+    now.use_balance(4)
     assert now.plan(0) == written.plan(0) and now.balance == 4
