@@ -1,12 +1,14 @@
-"""What a batch whose row count the process has not seen yet costs the hybrid target's forward.
-Some flash-linear-attention kernels of the Gated DeltaNet layers take the batch's row count as a
-compile-time constant and autotune on it, so the first batch of each new row count compiles and
-benchmarks them. This times the first and the second forward of each row count, per token.
+"""What a batch of a shape the machine has not met costs the hybrid target's forward: the first
+and the second forward of each shape. flash-linear-attention's Gated DeltaNet kernels specialise
+on a few sizes derived from the batch, each new value compiling and autotuning them: the row
+count (its chunk cumsum kernel) and, in its l2norm, the bucket ceil(rows x length x heads /
+65536), printed here per shape. Compiled kernels and tuned configs are cached on disk, so a second
+process on the same machine does not pay again for a value it met.
 
-    python bench/row_count_warmup.py [--layers 4] [--rows 3,5,7,9,11] [--budget 65536]
+    python bench/shape_warmup.py [--layers 4] [--rows 3,5,7] [--lengths 2] [--budget 65536]
 
-Qwen3.6-27B-shaped (Gated DeltaNet + full attention), random bf16 weights; ``--layers`` keeps the
-first N of the 64 (the cost is per kernel, not per layer, so a few layers show it).
+Qwen3.6-27B-shaped by default (``--fixture`` for another target), random bf16 weights;
+``--layers`` keeps the first N layers (the cost is per kernel, not per layer).
 """
 
 from __future__ import annotations
@@ -38,9 +40,6 @@ def main():
     ap.add_argument("--lengths", type=int, default=1,
                     help="then this many new lengths (0.9, 0.8, ... of the first) at the first "
                          "row count")
-    ap.add_argument("--align", type=int, default=1,
-                    help="round every length down to a multiple of this (padding the batch's "
-                         "length to a multiple would do the same)")
     args = ap.parse_args()
     print(env_line())
     cfg = hf_config(args.fixture)
@@ -48,28 +47,32 @@ def main():
     if getattr(cfg, "layer_types", None):
         cfg.layer_types = cfg.layer_types[: args.layers]
     tm = TargetModel(random_causal_lm(cfg))
+    heads = getattr(cfg, "linear_num_value_heads", 0) or cfg.num_attention_heads
+
+    def bucket(n: int, L: int) -> str:  # the l2norm kernels' size key, for value-head rows
+        return f"bucket {-(-n * L * heads // 65536)}"
     layers = [args.layers - 1]
     print(f"layers {getattr(cfg, 'layer_types', None)}, attention {cfg._attn_implementation}")
     x = torch.randint(0, cfg.vocab_size, (1, 2048), device="cuda")
     timed(lambda: tm.features(x, None, layers))  # the process's first forward: every kernel
     first_total = second_total = 0.0
     for n in [int(v) for v in args.rows.split(",")]:
-        L = args.budget // n // args.align * args.align
+        L = args.budget // n
         x = torch.randint(0, cfg.vocab_size, (n, L), device="cuda")
         first = timed(lambda: tm.features(x, None, layers))
         second = timed(lambda: tm.features(x, None, layers))
         first_total += first
         second_total += second
-        print(f"  {n} x {L}: first forward {first:.3f} s, second {second:.3f} s "
-              f"(+{first - second:.3f} s)")
+        print(f"  {n} x {L} ({bucket(n, L)}): first forward {first:.3f} s, second "
+              f"{second:.3f} s (+{first - second:.3f} s)")
     n = int(args.rows.split(",")[0])  # a row count already seen, at new lengths
     for i in range(1, args.lengths + 1):
-        L = int(args.budget // n * (1 - 0.1 * i)) // args.align * args.align
+        L = int(args.budget // n * (1 - 0.1 * i))
         x = torch.randint(0, cfg.vocab_size, (n, L), device="cuda")
         first = timed(lambda: tm.features(x, None, layers))
         second = timed(lambda: tm.features(x, None, layers))
-        print(f"  {n} x {L} (row count seen, length new): first {first:.3f} s, second "
-              f"{second:.3f} s")
+        print(f"  {n} x {L} (row count seen, length new, {bucket(n, L)}): first {first:.3f} s, "
+              f"second {second:.3f} s")
     k = len(args.rows.split(","))
     print(f"RESULT a new row count adds {(first_total - second_total) / k:.2f} s to its first "
           f"batch (mean of {k}); the second batch of {args.layers} layers takes "
