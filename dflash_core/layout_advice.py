@@ -11,8 +11,8 @@ from .events import Log, StepMetrics, TargetMetrics
 
 ADVISE_AT_STEP = 20  # steps of real training before the rates are trusted (compile, warm-up)
 MIN_BUSY = 0.05  # a side busier than this share of its time gives a usable rate
-# A target's rate is the median of its last reports: in the first steps a batch of a shape the
-# process has not met compiles kernels (seconds for a hybrid target), which one report can catch.
+# A target's rate is the median of its last reports: in a run's first steps a batch of a size the
+# machine has not met compiles kernels (seconds for a hybrid target), which one report can catch.
 TARGET_REPORTS = 9
 
 
