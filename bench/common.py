@@ -42,6 +42,14 @@ def random_causal_lm(cfg, device="cuda", dtype=torch.bfloat16):
     return model
 
 
+def use_transformers_norm() -> None:
+    """The drafter with transformers' eager Qwen3RMSNorm instead of its fused one (--hf-norm: the
+    before/after of that change on the same code)."""
+    import dflash_core.drafter as drafter_mod
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+    drafter_mod.RMSNorm = Qwen3RMSNorm
+
+
 def cuda_time(fn, iters: int, warmup: int = 2) -> float:
     """Mean seconds per call, after warm-up, synchronised."""
     for _ in range(warmup):

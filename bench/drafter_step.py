@@ -18,7 +18,8 @@ import time
 
 import torch
 
-from common import FIXTURES, H200_BF16_PEAK, decoder_flops_per_token, env_line, gib, hf_config
+from common import (FIXTURES, H200_BF16_PEAK, decoder_flops_per_token, env_line, gib, hf_config,
+                    use_transformers_norm)
 from dflash_core.config import config_from_dict
 from dflash_core.data import Batch
 from dflash_core.drafter import DFlashDrafter, build_drafter_config
@@ -94,9 +95,7 @@ def main():
     args = ap.parse_args()
     print(env_line())
     if args.hf_norm:
-        import dflash_core.drafter as drafter_mod
-        from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
-        drafter_mod.RMSNorm = Qwen3RMSNorm
+        use_transformers_norm()
     S, A, B = 3072, 512, 16
     for shape in args.shapes.split(","):
         fixture, layers = SHAPES[shape][0], args.layers

@@ -33,7 +33,7 @@ import torch
 
 import yaml
 
-from common import env_line, gib, hf_config, random_causal_lm, FIXTURES, ROOT
+from common import env_line, gib, hf_config, random_causal_lm, use_transformers_norm, FIXTURES, ROOT
 import dflash_core.target as target_mod
 import dflash_core.target_stage as target_stage
 from dflash_core.allocator import configure_allocator
@@ -242,9 +242,7 @@ def main():
     # What the engine's target stage calls.
     target_stage.load_target = fake_loader(light=args.features == "random")
     if args.hf_norm:
-        import dflash_core.drafter as drafter_mod
-        from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
-        drafter_mod.RMSNorm = Qwen3RMSNorm
+        use_transformers_norm()
     if args.features == "random":
         target_mod.TargetModel.features = random_features
         plan_without_target_layers()

@@ -14,20 +14,11 @@ Qwen3.6-27B-shaped by default (``--fixture`` for another target), random bf16 we
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
-from common import env_line, hf_config, random_causal_lm
+from common import cuda_time, env_line, hf_config, random_causal_lm
 from dflash_core.target import TargetModel
-
-
-def timed(fn) -> float:
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return time.perf_counter() - t
 
 
 def main():
@@ -53,14 +44,17 @@ def main():
         return f"bucket {-(-n * L * heads // 65536)}"
     layers = [args.layers - 1]
     print(f"layers {getattr(cfg, 'layer_types', None)}, attention {cfg._attn_implementation}")
-    x = torch.randint(0, cfg.vocab_size, (1, 2048), device="cuda")
-    timed(lambda: tm.features(x, None, layers))  # the process's first forward: every kernel
+
+    def first_and_second(n: int, L: int) -> tuple[float, float]:
+        """Seconds of the first and the second forward of an n x L batch."""
+        x = torch.randint(0, cfg.vocab_size, (n, L), device="cuda")
+        return tuple(cuda_time(lambda: tm.features(x, None, layers), iters=1, warmup=0)
+                     for _ in range(2))
+    first_and_second(1, 2048)  # the process's first forward: every kernel
     first_total = second_total = 0.0
     for n in [int(v) for v in args.rows.split(",")]:
         L = args.budget // n
-        x = torch.randint(0, cfg.vocab_size, (n, L), device="cuda")
-        first = timed(lambda: tm.features(x, None, layers))
-        second = timed(lambda: tm.features(x, None, layers))
+        first, second = first_and_second(n, L)
         first_total += first
         second_total += second
         print(f"  {n} x {L} ({bucket(n, L)}): first forward {first:.3f} s, second "
@@ -68,9 +62,7 @@ def main():
     n = int(args.rows.split(",")[0])  # a row count already seen, at new lengths
     for i in range(1, args.lengths + 1):
         L = int(args.budget // n * (1 - 0.1 * i))
-        x = torch.randint(0, cfg.vocab_size, (n, L), device="cuda")
-        first = timed(lambda: tm.features(x, None, layers))
-        second = timed(lambda: tm.features(x, None, layers))
+        first, second = first_and_second(n, L)
         print(f"  {n} x {L} (row count seen, length new, {bucket(n, L)}): first {first:.3f} s, "
               f"second {second:.3f} s")
     k = len(args.rows.split(","))
