@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from common import ROOT  # noqa: F401 - puts the project on sys.path
-from dflash_core import events as ev
+from dflash_core.observe import events as ev
 from dflash_tui.follow import FollowController
 
 

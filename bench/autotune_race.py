@@ -22,7 +22,7 @@ def main():
     ap.add_argument("--guard", action="store_true")
     args = ap.parse_args()
     if args.guard:
-        from dflash_core.compile_guard import serialize_triton_autotuning
+        from dflash_core.models.compile_guard import serialize_triton_autotuning
         print("guard applied:", serialize_triton_autotuning())
     models = [_hybrid(s) for s in (0, 1)]
     ids = torch.randint(0, 500, (2, 300), device="cuda")

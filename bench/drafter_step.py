@@ -22,9 +22,9 @@ from common import (FIXTURES, H200_BF16_PEAK, decoder_flops_per_token, env_line,
                     use_transformers_norm)
 from dflash_core.config import config_from_dict
 from dflash_core.data import Batch
-from dflash_core.drafter import DFlashDrafter, build_drafter_config
-from dflash_core.memory import plan_memory
-from dflash_core.trainer import make_replicas, reduce_and_step
+from dflash_core.models.drafter import DFlashDrafter, build_drafter_config
+from dflash_core.planning.memory import plan_memory
+from dflash_core.models.trainer import make_replicas, reduce_and_step
 
 SHAPES = {"8B": ("qwen3_8b_config.json",), "27B": ("qwen3_6_27b_config.json",)}
 

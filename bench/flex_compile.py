@@ -14,7 +14,7 @@ import time
 import torch
 
 from common import env_line
-from dflash_core.block_attention import flex_block_attention, make_block_mask
+from dflash_core.models.block_attention import flex_block_attention, make_block_mask
 
 
 def timed(label, fn):

@@ -34,15 +34,15 @@ import torch
 import yaml
 
 from common import env_line, gib, hf_config, random_causal_lm, use_transformers_norm, FIXTURES, ROOT
-import dflash_core.target as target_mod
-import dflash_core.target_stage as target_stage
-from dflash_core.allocator import configure_allocator
-from dflash_core.bus import EventBus
+import dflash_core.models.target as target_mod
+import dflash_core.pipeline.target_stage as target_stage
+from dflash_core.planning.allocator import configure_allocator
+from dflash_core.observe.bus import EventBus
 from dflash_core.config import config_from_dict
 from dflash_core.data import write_shards
-from dflash_core.engine import Engine
-from dflash_core import events
-from dflash_core.events import (
+from dflash_core.pipeline.engine import Engine
+from dflash_core.observe import events
+from dflash_core.observe.events import (
     HS_QUEUE, Error, GpuSample, Log, MemoryPlan, NodeStatus, QueueDepth, StepMetrics, TargetMetrics,
 )
 
@@ -138,7 +138,7 @@ def time_standalone(tm) -> str:
 def plan_without_target_layers() -> None:
     """With --features random the target's layers are never built, so a plan that refuses the
     run for their memory (a 27B target and its drafter on one GPU) is reported, not obeyed."""
-    import dflash_core.preflight as preflight
+    import dflash_core.planning.preflight as preflight
     from dflash_core.config import ConfigError
     real = preflight.check_memory
 
@@ -154,7 +154,7 @@ def plan_without_target_layers() -> None:
 def idle_accumulate(self, batch, features, seed, stop=None, beat=None, ready=None):
     """DrafterReplica.accumulate for --drafter-work none: wait until the batch's features exist,
     count the batch, train nothing. The optimizer steps on zero gradients (loss 0)."""
-    from dflash_core.trainer import Micro
+    from dflash_core.models.trainer import Micro
     if ready is not None:
         ready.synchronize()
     out = Micro(tokens=int(batch.num_tokens), samples=len(batch), padded=int(batch.padded_tokens))
@@ -249,7 +249,7 @@ def main():
     elif args.standalone:
         target_mod.TargetModel.features = kept_features(args.standalone)
     if args.drafter_work == "none":
-        import dflash_core.trainer as trainer_mod
+        import dflash_core.models.trainer as trainer_mod
         trainer_mod.DrafterReplica.accumulate = idle_accumulate
     vocab = tcfg.get("text_config", tcfg)["vocab_size"]  # multimodal configs nest it
     t = time.perf_counter()

@@ -38,8 +38,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .build_cache import Progress, cache_root, cached_build, is_built, report
-from .config import Config, ConfigError, config_from_dict
+from dflash_core.persist.build_cache import Progress, cache_root, cached_build, is_built, report
+from dflash_core.config import Config, ConfigError, config_from_dict
 
 # Bump when anything in the recipe below changes: the cache key changes and everything rebuilds.
 DEMO_VERSION = "tiny-v1"
@@ -301,7 +301,7 @@ def install_target(run_dir: str | Path, cache_dir: str | Path | None = None,
 def _load_model(target_folder: Path):
     from transformers import AutoModelForCausalLM
 
-    from .target import HF_BUILD_LOCK
+    from dflash_core.models.target import HF_BUILD_LOCK
 
     with _quiet_hf(), HF_BUILD_LOCK:
         model = AutoModelForCausalLM.from_pretrained(target_folder, dtype=torch.float32,
@@ -338,7 +338,7 @@ def make_demo_data(target_folder: str | Path, out_folder: str | Path, n_samples:
                    threads: int = BUILD_THREADS) -> Path:
     """Prompts from the held-out text, responses = the target's greedy continuation; written as
     Arrow shards (datasets save_to_disk layout), loss_mask 0 on the prompt and 1 on the response."""
-    from .data import write_shards
+    from dflash_core.data import write_shards
 
     model = _load_model(Path(target_folder))
     prompts = demo_prompts(n_samples, prompt_len, seed)

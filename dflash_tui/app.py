@@ -22,9 +22,9 @@ from textual.containers import Horizontal
 from textual.screen import ModalScreen
 from textual.widgets import DataTable, Footer
 
-from dflash_core import events as ev
-from dflash_core.control import Controller, dispatch
-from dflash_core.errors import error_from_exception
+from dflash_core.observe import events as ev
+from dflash_core.pipeline.control import Controller, dispatch
+from dflash_core.observe.errors import error_from_exception
 
 from . import postmortem
 from .commands import DashboardCommands

@@ -58,7 +58,7 @@ def _steps(text: str) -> int:
 
 def make_engine(args):
     from dflash_core.config import ConfigError
-    from dflash_core.engine import Engine
+    from dflash_core.pipeline.engine import Engine
 
     if args.resume and args.new_run:
         raise ConfigError("", "--resume and --new-run contradict each other",
@@ -127,15 +127,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {exc}\nhint: {exc.hint}" if exc.hint else f"config error: {exc}",
               file=sys.stderr)
         # Several nodes (torchrun): the others wait to join this one; tell them why it won't.
-        from dflash_core.nodes import tell_failure_before_joining
+        from dflash_core.multinode.nodes import tell_failure_before_joining
 
         tell_failure_before_joining(f"config error: {exc}", exc.hint)
         return 2
     if args.headless:
-        from dflash_core.headless import run_headless
+        from dflash_core.pipeline.headless import run_headless
 
         return run_headless(engine)
-    from dflash_core.inbox import open_inbox
+    from dflash_core.pipeline.inbox import open_inbox
     from dflash_tui.app import run_app
 
     run_dir = engine.run_dir()
@@ -143,8 +143,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def go_on_headless() -> int:
         """The terminal hung up: the run goes on in this process, with no screen."""
-        from dflash_core.events import Log
-        from dflash_core.headless import run_headless
+        from dflash_core.observe.events import Log
+        from dflash_core.pipeline.headless import run_headless
 
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
         engine.bus.publish(Log(level="warning", source="dashboard", message=(

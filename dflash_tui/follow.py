@@ -2,7 +2,7 @@
 
 Events come from the run's ``events.jsonl``, followed as it grows (the engine flushes one JSON line
 per event); abort and restart go to the owning process as command files
-(``dflash_core.inbox``). Quitting the dashboard detaches: the run goes on.
+(``dflash_core.pipeline.inbox``). Quitting the dashboard detaches: the run goes on.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import threading
 import time
 from pathlib import Path
 
-from dflash_core import events as ev
-from dflash_core.inbox import send_command
+from dflash_core.observe import events as ev
+from dflash_core.pipeline.inbox import send_command
 
 from .stream import StreamController
 

@@ -11,7 +11,7 @@ import threading
 
 from textual.message import Message
 
-from dflash_core import events as ev
+from dflash_core.observe import events as ev
 
 
 class EventBuffer:

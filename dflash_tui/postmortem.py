@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_core import events as ev
+from dflash_core.observe import events as ev
 
 from . import fmt
 

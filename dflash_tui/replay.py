@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Iterable
 
-from dflash_core import events as ev
+from dflash_core.observe import events as ev
 
 from .stream import StreamController
 

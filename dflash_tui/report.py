@@ -27,7 +27,7 @@ import sys
 from collections import deque
 from pathlib import Path
 
-from dflash_core import events as ev
+from dflash_core.observe import events as ev
 
 from .follow import last_run_offset
 

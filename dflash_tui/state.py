@@ -15,8 +15,8 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Iterable
 
-from dflash_core import events as ev
-from dflash_core.errors import error_from_exception
+from dflash_core.observe import events as ev
+from dflash_core.observe.errors import error_from_exception
 
 from . import fmt
 

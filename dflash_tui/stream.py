@@ -7,15 +7,15 @@ from __future__ import annotations
 import threading
 from typing import Callable
 
-from dflash_core import events as ev
-from dflash_core.bus import EventBus
+from dflash_core.observe import events as ev
+from dflash_core.observe.bus import EventBus
 
 
 class StreamController:
     """Base of ReplayController and FollowController: the bus, the state, the commands received,
     and the one thread that publishes."""
 
-    detach_on_quit = False  # see dflash_core.control.Controller
+    detach_on_quit = False  # see dflash_core.pipeline.control.Controller
 
     def __init__(self) -> None:
         self.bus = EventBus()

@@ -8,12 +8,12 @@ prefetch queue. Plain numpy/torch on the CPU; nothing here imports the engine.
 - ``prefetch``: the daemon thread that keeps ready batches ahead of the target workers.
 """
 
-from .batching import (
+from dflash_core.data.batching import (
     Batch, BatchStream, collate, padding_fraction, plan_epoch, split_eval,
 )
-from .prefetch import Prefetcher
-from .shards import IDS, MASK, MIN_LENGTH, DataError, ShardedDataset
-from .writing import write_shards
+from dflash_core.data.prefetch import Prefetcher
+from dflash_core.data.shards import IDS, MASK, MIN_LENGTH, DataError, ShardedDataset
+from dflash_core.data.writing import write_shards
 
 __all__ = [
     "Batch", "BatchStream", "DataError", "IDS", "MASK", "MIN_LENGTH", "Prefetcher",

@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterable, Iterator
 import numpy as np
 import torch
 
-from .shards import MIN_LENGTH, DataError, ShardedDataset
+from dflash_core.data.shards import MIN_LENGTH, DataError, ShardedDataset
 
 
 def _rng(*keys: int) -> np.random.Generator:

@@ -12,7 +12,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .shards import IDS, MASK, DataError
+from dflash_core.data.shards import IDS, MASK, DataError
 
 
 _FORMATS = ("arrow", "arrow-file", "parquet")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from rich.text import Text
 
-from dflash_core import events as ev
+from dflash_core.observe import events as ev
 
 from .. import fmt
 from ..state import DashboardState

@@ -12,8 +12,8 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dflash_core.config import config_from_dict
 from dflash_core.data import write_shards
-from dflash_core.engine import Engine
-from dflash_core.events import RunEnded, StateChanged
+from dflash_core.pipeline.engine import Engine
+from dflash_core.observe.events import RunEnded, StateChanged
 
 VOCAB = 128
 
@@ -139,7 +139,7 @@ def write_config(path: Path, cfg) -> Path:
 def restart_and_train(engine, rec: Recorder, timeout: float = 60.0) -> None:
     """engine.restart(), then wait until the new run has ended the old one and trained a step
     of its own (so the next restart again interrupts training)."""
-    from dflash_core.events import RunStarted, StepMetrics
+    from dflash_core.observe.events import RunStarted, StepMetrics
 
     n, started = len(rec.of(RunEnded)), len(rec.of(RunStarted))
     engine.restart()

@@ -13,8 +13,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_real_node_config_loads_and_its_plan_fits_eight_96g_gpus():
     import json
 
-    from dflash_core.memory import plan_memory
-    from dflash_core.memory_report import format_plan
+    from dflash_core.planning.memory import plan_memory
+    from dflash_core.planning.memory_report import format_plan
 
     cfg = load_config(ROOT / "config.yaml")
     assert cfg.layout.targets == [0, 1] and cfg.layout.drafters == [2, 3, 4, 5, 6, 7]

@@ -12,10 +12,10 @@ from transformers import AutoModelForCausalLM
 from dflash_core import demo
 from dflash_core.config import ConfigError, config_from_dict
 from dflash_core.data import BatchStream, ShardedDataset, split_eval
-from dflash_core.drafter import DFlashDrafter, build_drafter_config
-from dflash_core.evaluate import evaluate_tau, hf_target_fn, plain_greedy, target_fn_for
-from dflash_core.target import load_target
-from dflash_core.trainer import make_replicas, reduce_and_step
+from dflash_core.models.drafter import DFlashDrafter, build_drafter_config
+from dflash_core.models.evaluate import evaluate_tau, hf_target_fn, plain_greedy, target_fn_for
+from dflash_core.models.target import load_target
+from dflash_core.models.trainer import make_replicas, reduce_and_step
 
 
 @pytest.fixture(scope="module", autouse=True)

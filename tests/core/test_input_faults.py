@@ -18,8 +18,8 @@ import shutil
 import pytest
 
 from dflash_core.data import write_shards
-from dflash_core.engine import Engine
-from dflash_core.events import Error, RunEnded, StepMetrics
+from dflash_core.pipeline.engine import Engine
+from dflash_core.observe.events import Error, RunEnded, StepMetrics
 
 from .engine_fixtures import (  # noqa: F401 - assets is a fixture
     VOCAB, assets, make_config, run_to_end, shutdown_started_engines,

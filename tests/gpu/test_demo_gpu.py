@@ -3,9 +3,9 @@
 import torch
 
 from dflash_core import demo
-from dflash_core.bus import EventBus
-from dflash_core.engine import Engine
-from dflash_core.events import Error, EvalResult, GpuSample, RunStarted, StepMetrics
+from dflash_core.observe.bus import EventBus
+from dflash_core.pipeline.engine import Engine
+from dflash_core.observe.events import Error, EvalResult, GpuSample, RunStarted, StepMetrics
 
 
 def test_demo_trains_on_the_gpus(tmp_path, demo_data):

@@ -1,5 +1,5 @@
 """Restarting the engine on a GPU again and again leaves no device memory, thread or host memory
-behind (the CPU variant is in tests/core/test_engine_faults.py)."""
+behind (the CPU variant is in tests/core/pipeline/test_engine_faults.py)."""
 
 import threading
 from pathlib import Path
@@ -7,8 +7,8 @@ from pathlib import Path
 import psutil
 import torch
 
-from dflash_core.engine import Engine
-from dflash_core.events import RunEnded, StepMetrics
+from dflash_core.pipeline.engine import Engine
+from dflash_core.observe.events import RunEnded, StepMetrics
 from tests.core.engine_fixtures import (
     Recorder, engine_threads, make_config, make_data, make_target, restart_and_train,
     wait_no_engine_threads,

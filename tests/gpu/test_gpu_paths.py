@@ -6,12 +6,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_core.block_attention import chunked_block_attention, flex_block_attention
-from dflash_core.bus import EventBus
-from dflash_core.engine import Engine
-from dflash_core.events import Error, StepMetrics
+from dflash_core.models.block_attention import chunked_block_attention, flex_block_attention
+from dflash_core.observe.bus import EventBus
+from dflash_core.pipeline.engine import Engine
+from dflash_core.observe.events import Error, StepMetrics
 from tests.core.engine_fixtures import make_config, make_data, make_target
-from tests.core.test_block_attention import dense, inputs
+from tests.core.models.test_block_attention import dense, inputs
 
 
 def watched_bus() -> tuple[EventBus, list, list[str]]:
@@ -27,7 +27,7 @@ def watched_bus() -> tuple[EventBus, list, list[str]]:
 def drafter_on_gpu(tmp_path: Path, n_batches: int):
     """A tiny target's config on cuda:0, with n_batches of its batches, their bf16 features and
     an initial drafter: (cfg, gpu, target model, batches, features, drafter)."""
-    from tests.core.test_trainer import drafter_setup
+    from tests.core.models.test_trainer import drafter_setup
 
     target = make_target(tmp_path / "target", head_dim=16)
     data = make_data(tmp_path / "data")
@@ -45,7 +45,7 @@ def test_compiled_flex_equals_dense_on_gpu():
 
 
 def test_engine_trains_on_one_gpu_and_frees_memory(tmp_path: Path, monkeypatch):
-    import dflash_core.block_attention as ba
+    import dflash_core.models.block_attention as ba
 
     flex_calls = []
     real_flex = ba.flex_block_attention
@@ -96,8 +96,8 @@ def test_two_drafter_threads_compile_and_train_at_once_on_one_gpu(tmp_path: Path
     # compile seen by another's compiled call), not between devices: two replicas on one GPU,
     # each driven by its own thread through their first compiled steps, reproduce it on a
     # one-GPU machine.
-    from dflash_core.trainer import StepBarrier, make_replicas, reduce_and_step
-    from tests.core.test_trainer import head_copies
+    from dflash_core.models.trainer import StepBarrier, make_replicas, reduce_and_step
+    from tests.core.models.test_trainer import head_copies
 
     cfg, gpu, tm, batches, feats, init = drafter_on_gpu(tmp_path, 6)
     pair = make_replicas(init, [gpu, gpu], cfg, *head_copies(tm))
@@ -136,9 +136,9 @@ def test_a_drafter_step_synchronises_with_the_gpu_once(tmp_path: Path):
     # waiting for the GPU, then read the step's numbers in one synchronisation.
     import warnings
 
-    from dflash_core.handoff import ready_event
-    from dflash_core.trainer import ANCHOR_PAD, make_replicas, prepare_batch, reduce_and_step
-    from tests.core.test_trainer import head_copies
+    from dflash_core.pipeline.handoff import ready_event
+    from dflash_core.models.trainer import ANCHOR_PAD, make_replicas, prepare_batch, reduce_and_step
+    from tests.core.models.test_trainer import head_copies
 
     cfg, gpu, tm, batches, feats, init = drafter_on_gpu(tmp_path, 3)
     # As the loader hands them over: anchors and labels made, pinned.

@@ -6,7 +6,7 @@ import threading
 import pytest
 import torch
 
-from dflash_core.compile_guard import serialize_triton_autotuning
+from dflash_core.models.compile_guard import serialize_triton_autotuning
 
 
 def _hybrid(seed: int):

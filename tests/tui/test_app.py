@@ -13,7 +13,7 @@ import tui_scenarios as sc
 from textual.command import CommandList
 from textual.widgets import DataTable
 
-from dflash_core import events as ev
+from dflash_core.observe import events as ev
 from dflash_tui.app import DFlashApp
 from dflash_tui.messages import EngineEvents
 from dflash_tui.replay import ReplayController

@@ -9,8 +9,8 @@ import pytest
 import yaml
 
 from dflash_core.config import save_config
-from dflash_core.engine import Engine
-from dflash_core.events import Error, Log
+from dflash_core.pipeline.engine import Engine
+from dflash_core.observe.events import Error, Log
 from dflash_tui.app import DFlashApp
 from tests.core.engine_fixtures import make_config, make_data, make_target
 

@@ -9,8 +9,8 @@ import time
 import pytest
 import tui_scenarios as sc
 
-from dflash_core import events as ev
-from dflash_core.inbox import CommandInbox, command_dir
+from dflash_core.observe import events as ev
+from dflash_core.pipeline.inbox import CommandInbox, command_dir
 from dflash_tui.app import DFlashApp
 from dflash_tui.follow import FollowController
 from dflash_tui.replay import ReplayController
@@ -131,7 +131,7 @@ def test_a_dashboard_attached_to_a_headless_run_restarts_and_aborts_it(tmp_path,
     # The whole path as an operator uses it: `dflash-tui --headless` in one terminal, a follower
     # of its run folder in another; r restarts the run in place (the process goes on), a aborts.
     from tests.core.engine_fixtures import make_config, write_config
-    from tests.core.test_headless import Headless
+    from tests.core.pipeline.test_headless import Headless
 
     target, data = assets
     cfg = make_config(tmp_path, target, data, run__max_steps=0, optim__epochs=200,

@@ -5,7 +5,7 @@ import pytest
 from textual.screen import ModalScreen
 
 import tui_scenarios as sc
-from dflash_core.inbox import command_dir
+from dflash_core.pipeline.inbox import command_dir
 from dflash_tui.app import READ_ONLY_MESSAGE, DFlashApp
 from dflash_tui.follow import FollowController
 

@@ -11,7 +11,7 @@ import tracemalloc
 
 import pytest
 
-from dflash_core import events as ev
+from dflash_core.observe import events as ev
 from dflash_tui import report
 from dflash_tui.cli import main
 

@@ -18,9 +18,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from dflash_core import events as ev
+from dflash_core.observe import events as ev
 from tests.core.engine_fixtures import assets, make_config, write_config  # noqa: F401 - fixture
-from tests.core.test_headless import ROOT, Headless
+from tests.core.pipeline.test_headless import ROOT, Headless
 
 CHROMIUM = next((p for p in map(shutil.which, ("chromium", "chromium-browser")) if p), None)
 try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import tui_scenarios as sc
-from dflash_core import events as ev
+from dflash_core.observe import events as ev
 from dflash_tui import postmortem
 from dflash_tui.state import DashboardState
 

@@ -1,0 +1,394 @@
+"""The event vocabulary: everything the engine knows leaves it as one of these frozen dataclasses.
+
+Each one serialises to a single JSON line (``to_json``) and comes back with ``from_json``, so
+``events.jsonl`` replays into any subscriber (the dashboard, tests, a post-mortem). The bus that
+carries them is ``dflash_core.observe.bus``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+# Lifecycle states, in order. Terminal states end a run; the engine then waits for the operator.
+STATES = ("idle", "preflight", "loading", "warmup", "training", "finished", "aborted", "failed")
+TERMINAL_STATES = ("finished", "aborted", "failed")
+
+# What an Error is about (its error_kind): out of memory, a bad config value, unusable training
+# data, the wandb sink, a CUDA fault, a file or disk problem, or a bug in dflash itself. Each kind
+# comes with a hint of what the operator can change; see errors.classify.
+# "node": another node of a multi-node run failed, left or hung (nodes.py).
+ERROR_KINDS = ("oom", "config", "data", "wandb", "cuda", "io", "internal", "node")
+
+# A worker's own phase, WorkerStatus.status. A target goes loading -> warmup -> running -> done (its
+# loop ended: no more data, or the run stopped); a drafter goes warmup -> running and says stopped
+# when its run ends. A worker whose body raised says failed, with the reason in detail.
+WORKER_LOADING = "loading"  # reading its weights (LoadProgress events follow)
+WORKER_WARMUP = "warmup"  # first forward or step: kernels compiling
+WORKER_RUNNING = "running"
+WORKER_DONE = "done"
+WORKER_STOPPED = "stopped"
+WORKER_FAILED = "failed"
+WORKER_STATUSES = (WORKER_LOADING, WORKER_WARMUP, WORKER_RUNNING, WORKER_DONE, WORKER_STOPPED,
+                   WORKER_FAILED)
+
+# Queue names, QueueDepth.name: one prefetch queue per target ("prefetch-0", ...; batches from
+# its loader thread) and the hidden-states queue from the targets to the drafters.
+HS_QUEUE = "hs"
+_PREFETCH = "prefetch"
+
+
+def prefetch_queue(rank: int) -> str:
+    """The name of target ``rank``'s prefetch queue."""
+    return f"{_PREFETCH}-{rank}"
+
+
+def prefetch_rank(name: str) -> int | None:
+    """The target rank of a prefetch queue's name; None for any other queue."""
+    head, _, tail = name.rpartition("-")
+    return int(tail) if head == _PREFETCH and tail.isdigit() else None
+
+
+def _now() -> float:
+    return time.time()
+
+
+@dataclass(frozen=True)
+class Event:
+    """Base class: every event carries the wall-clock time it was made.
+
+    The class-level flags below say where an event matters; a subclass sets the ones where it
+    differs from these defaults.
+    """
+
+    ts: float = field(default_factory=_now, kw_only=True)
+    kind: ClassVar[str] = "Event"
+    # Fields renamed since events.jsonl files were first written: {old key: field name}, so that
+    # ``from_dict`` still reads an old file.
+    old_names: ClassVar[dict[str, str]] = {}
+    # Rare, and the operator must never miss it: a reader that has fallen far behind and drops
+    # events to catch up keeps this one (the dashboard's event buffer).
+    keep_when_behind: ClassVar[bool] = False
+    # It sets what the dashboard shows (the run, its state, a worker's phase, a plan, an error, a
+    # log line) rather than adding one more point to a series of samples that later ones replace.
+    # Attaching to a long run reads these from the whole run and the samples only from the tail
+    # of events.jsonl.
+    sets_state: ClassVar[bool] = True
+    # Worth a line in train.log and on the headless console (LineThrottle thins the periodic
+    # ones); GPU, host and queue samples are not.
+    in_text_log: ClassVar[bool] = True
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["event"] = self.kind
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), separators=(",", ":"), default=_json_default)
+
+
+def _json_default(obj: Any) -> Any:
+    # numpy / torch scalars and paths sneak in; keep the line valid JSON.
+    if hasattr(obj, "item"):
+        return obj.item()
+    return str(obj)
+
+
+@dataclass(frozen=True)
+class RunStarted(Event):
+    run_name: str
+    run_dir: str
+    config: dict
+    targets: list  # device labels of target workers, e.g. ["cuda:0", ...] or ["cpu:0"]
+    drafters: list
+    resumed_from_step: int = 0
+    total_steps: int = 0
+    allocator: str = ""  # CUDA caching-allocator settings in force ("" on CPU)
+    kind: ClassVar[str] = "RunStarted"
+    keep_when_behind: ClassVar[bool] = True
+
+
+@dataclass(frozen=True)
+class StateChanged(Event):
+    state: str
+    previous: str
+    reason: str = ""
+    kind: ClassVar[str] = "StateChanged"
+    keep_when_behind: ClassVar[bool] = True
+
+
+@dataclass(frozen=True)
+class WorkerStatus(Event):
+    """One worker's own phase: one of WORKER_STATUSES."""
+
+    worker: str  # e.g. "target-0", "drafter-0", "loader-0", "telemetry"
+    role: str  # target | drafter | loader | telemetry | sink
+    device: str  # "cuda:3", "cpu"
+    status: str
+    detail: str = ""
+    kind: ClassVar[str] = "WorkerStatus"
+
+
+@dataclass(frozen=True)
+class LoadProgress(Event):
+    worker: str
+    device: str
+    bytes_loaded: int
+    bytes_total: int
+    shards_loaded: int
+    shards_total: int
+    seconds: float
+    done: bool = False
+    memory_after: int = 0  # bytes allocated on the device once loaded (0 until done)
+    kind: ClassVar[str] = "LoadProgress"
+
+
+@dataclass(frozen=True)
+class GpuSample(Event):
+    index: int
+    name: str
+    mem_used: int
+    mem_total: int
+    util: float = -1.0  # percent, -1 unknown
+    temperature: float = -1.0  # celsius, -1 unknown
+    power: float = -1.0  # watts, -1 unknown
+    torch_allocated: int = 0
+    torch_reserved: int = 0
+    role: str = ""  # target | drafter | target+drafter | "" unused
+    limit: int = 0  # bytes this process may use on the GPU (layout.gpu_memory_gib); 0 = the card
+    alloc_retries: int = 0  # caching allocator: times it freed its cache to retry an allocation
+    ooms: int = 0  # allocations that failed even so (each one an OutOfMemoryError)
+    kind: ClassVar[str] = "GpuSample"
+    sets_state: ClassVar[bool] = False
+    in_text_log: ClassVar[bool] = False
+
+
+@dataclass(frozen=True)
+class HostSample(Event):
+    ram_used: int
+    ram_total: int
+    cpu_percent: float
+    process_rss: int = 0
+    kind: ClassVar[str] = "HostSample"
+    sets_state: ClassVar[bool] = False
+    in_text_log: ClassVar[bool] = False
+
+
+@dataclass(frozen=True)
+class QueueDepth(Event):
+    name: str  # prefetch_queue(rank) ("prefetch-0", ...) or HS_QUEUE ("hs")
+    depth: int
+    capacity: int
+    kind: ClassVar[str] = "QueueDepth"
+    sets_state: ClassVar[bool] = False
+    in_text_log: ClassVar[bool] = False
+
+
+@dataclass(frozen=True)
+class TargetMetrics(Event):
+    worker: str
+    device: str
+    batches: int
+    tokens_per_s: float
+    blocked_frac: float  # share of recent time spent waiting on a full HS queue
+    starved_frac: float = 0.0  # share of recent time spent waiting on an empty prefetch queue
+    kind: ClassVar[str] = "TargetMetrics"
+    sets_state: ClassVar[bool] = False
+
+
+@dataclass(frozen=True)
+class DrafterMetrics(Event):
+    """Where one drafter thread's time went since its last report (shares of wall time)."""
+
+    worker: str
+    device: str
+    steps: int  # optimizer steps in the window
+    waiting_frac: float  # waiting for features on an empty HS queue
+    compute_frac: float  # forward + backward (launching them; the GPU may still be busy after)
+    barrier_frac: float  # waiting at the step for the other drafters
+    step_frac: float  # the optimizer step this thread ran (reduce, the step's one GPU sync, AdamW)
+    kind: ClassVar[str] = "DrafterMetrics"
+    sets_state: ClassVar[bool] = False
+
+
+@dataclass(frozen=True)
+class StepMetrics(Event):
+    step: int
+    epoch: int
+    loss: float
+    lr: float
+    grad_norm: float
+    tokens_per_s: float
+    samples_per_s: float
+    tau_tf: float  # teacher-forced tau on this step's blocks
+    drafter_wait_frac: float = 0.0  # share of step time drafters waited on an empty HS queue
+    target_blocked_frac: float = 0.0  # share of time targets waited on a full HS queue
+    padding_frac: float = 0.0
+    samples: int = 0  # samples in this optimizer step
+    total_steps: int = 0  # planned optimizer steps of the run (known once the data is planned)
+    kind: ClassVar[str] = "StepMetrics"
+    sets_state: ClassVar[bool] = False
+
+
+@dataclass(frozen=True)
+class EvalResult(Event):
+    step: int
+    tau: float
+    acceptance: list  # histogram: acceptance[k] = rounds that accepted k drafted tokens
+    prompts: int
+    kind: ClassVar[str] = "EvalResult"
+
+
+@dataclass(frozen=True)
+class MemoryPlan(Event):
+    """Preflight plan: one row per device with its components in bytes."""
+
+    rows: list  # [{"device", "role", "components": {name: bytes}, "total", "free", "fits"}]
+    fits: bool = True
+    kind: ClassVar[str] = "MemoryPlan"
+
+
+@dataclass(frozen=True)
+class Checkpoint(Event):
+    step: int
+    path: str
+    seconds: float
+    reason: str = "periodic"  # periodic | abort | final | best (checkpoints/best now names it)
+    tau: float = -1.0  # with reason "best": the exact tau that made it the best so far
+    kind: ClassVar[str] = "Checkpoint"
+    keep_when_behind: ClassVar[bool] = True
+
+
+@dataclass(frozen=True)
+class Log(Event):
+    level: str  # debug | info | warning | error
+    source: str
+    message: str
+    kind: ClassVar[str] = "Log"
+
+
+@dataclass(frozen=True)
+class Error(Event):
+    # One of ERROR_KINDS; the same name as the ``error_kind`` attribute an exception may carry
+    # (errors.classify). Plain "kind" is the event type tag.
+    error_kind: str
+    source: str  # worker or sink name, e.g. "target-3"
+    message: str
+    traceback: str = ""
+    hint: str = ""
+    fatal: bool = True
+    device: str = ""
+    phase: str = ""  # lifecycle state or worker phase when it happened
+    kind: ClassVar[str] = "Error"
+    keep_when_behind: ClassVar[bool] = True
+    old_names: ClassVar[dict[str, str]] = {"kind_": "error_kind"}
+
+
+@dataclass(frozen=True)
+class SinkStatus(Event):
+    """A sink says where its output goes (wandb URL or offline folder, log paths)."""
+
+    sink: str
+    status: str  # ok | disabled | failed
+    detail: str = ""
+    kind: ClassVar[str] = "SinkStatus"
+
+
+@dataclass(frozen=True)
+class RunEnded(Event):
+    status: str  # finished | aborted | failed
+    step: int
+    seconds: float
+    reason: str = ""
+    kind: ClassVar[str] = "RunEnded"
+    keep_when_behind: ClassVar[bool] = True
+
+
+@dataclass(frozen=True)
+class Stall(Event):
+    """A worker made no progress for longer than several times its own usual interval (watchdog.py)
+    and where its thread is now; ``cleared``: it made progress again. A warning, never fatal."""
+
+    worker: str
+    phase: str
+    seconds: float  # silent this long when reported
+    where: str  # what its stack says it does, e.g. "compiling: torch/_inductor/... (...)"
+    stack: str  # its Python stack, innermost frame last ("" when cleared)
+    cleared: bool = False
+    kind: ClassVar[str] = "Stall"
+    keep_when_behind: ClassVar[bool] = True
+
+
+@dataclass(frozen=True)
+class NodeStatus(Event):
+    """One node of a multi-node run at a step boundary, from the summary every node sends in the
+    step exchange (node_link.py): published on every node, so node 0's dashboard shows all."""
+
+    node: int
+    host: str
+    step: int
+    samples_per_s: float = 0.0  # this node's drafters alone
+    tokens_per_s: float = 0.0
+    hs_depth: int = 0
+    hs_capacity: int = 0
+    prefetch: list = field(default_factory=list)  # [[depth, capacity], ...] per target
+    gpu_mem: list = field(default_factory=list)  # bytes allocated per CUDA device it uses
+    allreduce_s: float = 0.0  # its last gradient all-reduce across nodes, seconds
+    ending: str = ""  # "" while it trains; else the status it ended with (failed, aborted, ...)
+    error: str = ""  # its last error's message
+    kind: ClassVar[str] = "NodeStatus"
+    sets_state: ClassVar[bool] = False
+    in_text_log: ClassVar[bool] = False
+
+
+EVENT_TYPES: dict[str, type[Event]] = {
+    cls.kind: cls
+    for cls in (
+        RunStarted, StateChanged, WorkerStatus, LoadProgress, GpuSample, HostSample, QueueDepth,
+        TargetMetrics, DrafterMetrics, StepMetrics, EvalResult, MemoryPlan, Checkpoint, Log, Error,
+        SinkStatus, RunEnded, Stall, NodeStatus,
+    )
+}
+
+
+def state_after(state: str, event: Event) -> str:
+    """The lifecycle state a run is in after ``event``: controllers that do not run the engine
+    themselves (replay, attach) track it from the stream this way."""
+    if isinstance(event, StateChanged):
+        return event.state
+    if isinstance(event, RunEnded):
+        return event.status
+    return state
+
+
+def from_dict(d: dict[str, Any]) -> Event:
+    d = dict(d)
+    name = d.pop("event")
+    cls = EVENT_TYPES[name]
+    for old, new in cls.old_names.items():
+        if old in d and new not in d:
+            d[new] = d.pop(old)
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in d.items() if k in names})
+
+
+def from_json(line: str) -> Event:
+    return from_dict(json.loads(line))
+
+
+def read_jsonl(path) -> list[Event]:
+    """Read an events.jsonl file; a torn last line (process killed mid-write) is skipped."""
+    out: list[Event] = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                out.append(from_json(line))
+            except (ValueError, KeyError, TypeError):
+                continue
+    return out

@@ -1,0 +1,188 @@
+"""train.log: short human-readable lines, one fact each.
+
+``format_event`` is pure (event -> text or None) and ``LineThrottle`` decides which events are
+worth a line; the headless runner reuses both for its console output.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+from dflash_core.observe.events import (
+    Checkpoint, DrafterMetrics, Error, Event, EvalResult, LoadProgress, Log, MemoryPlan, RunEnded,
+    RunStarted, SinkStatus, Stall, StateChanged, StepMetrics, TargetMetrics, WorkerStatus,
+)
+from dflash_core.units import GiB
+
+
+
+def _gib(n: float) -> str:
+    return "-" if n is None else f"{n / GiB:.1f} GiB"
+
+
+def _duration(seconds: float) -> str:
+    s = int(round(seconds))
+    if s < 60:
+        return f"{seconds:.1f} s"
+    h, rem = divmod(s, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
+
+
+def _rate(x: float) -> str:
+    return f"{x / 1000:.1f}k" if x >= 1000 else f"{x:.1f}"
+
+
+def _indent(text: str, prefix: str = "    ") -> str:
+    return "\n".join(prefix + line for line in text.rstrip("\n").splitlines())
+
+
+def _memory_table(ev: MemoryPlan) -> str:
+    header = f"memory plan: {'fits' if ev.fits else 'DOES NOT FIT'}"
+    lines = [f"{'device':<10} {'role':<16} {'planned':>10} {'free':>10}  fits  components"]
+    for row in ev.rows:
+        comps = ", ".join(f"{k} {_gib(v)}" for k, v in (row.get("components") or {}).items())
+        lines.append(
+            f"{str(row.get('device', '?')):<10} {str(row.get('role', '')):<16} "
+            f"{_gib(row.get('total', 0)):>10} {_gib(row.get('free', 0)):>10}  "
+            f"{'yes ' if row.get('fits', True) else 'NO  '}  {comps}"
+        )
+    return header + "\n" + _indent("\n".join(lines), "  ")
+
+
+def format_event(ev: Event) -> str | None:
+    """One short text (maybe several lines) for an event, or None for events not worth a line."""
+    if not ev.in_text_log:
+        return None
+    if isinstance(ev, StepMetrics):
+        return (
+            f"step {ev.step} epoch {ev.epoch} loss {ev.loss:.4f} lr {ev.lr:.2e} "
+            f"gnorm {ev.grad_norm:.3f} tau_tf {ev.tau_tf:.2f} tok/s {_rate(ev.tokens_per_s)} "
+            f"samples/s {ev.samples_per_s:.2f} drafter-wait {ev.drafter_wait_frac:.0%} "
+            f"target-blocked {ev.target_blocked_frac:.0%}"
+        )
+    if isinstance(ev, StateChanged):
+        reason = f" ({ev.reason})" if ev.reason else ""
+        return f"state {ev.previous} -> {ev.state}{reason}"
+    if isinstance(ev, LoadProgress):
+        if ev.done:
+            after = f", {_gib(ev.memory_after)} on device" if ev.memory_after else ""
+            return (f"load {ev.worker} {ev.device} done: {_gib(ev.bytes_total)} in "
+                    f"{_duration(ev.seconds)}{after}")
+        pct = ev.bytes_loaded / ev.bytes_total if ev.bytes_total else 0.0
+        return (f"load {ev.worker} {ev.device}: {pct:.0%} {_gib(ev.bytes_loaded)}/"
+                f"{_gib(ev.bytes_total)}, shards {ev.shards_loaded}/{ev.shards_total}, "
+                f"{_duration(ev.seconds)}")
+    if isinstance(ev, EvalResult):
+        hist = " ".join(f"{k}:{n}" for k, n in enumerate(ev.acceptance))
+        return (f"eval step {ev.step}: tau {ev.tau:.3f} on {ev.prompts} prompts; "
+                f"accepted/round {hist}")
+    if isinstance(ev, Checkpoint):
+        return f"checkpoint step {ev.step} ({ev.reason}) in {_duration(ev.seconds)}: {ev.path}"
+    if isinstance(ev, Log):
+        return f"[{ev.level}] {ev.source}: {ev.message}"
+    if isinstance(ev, Stall):
+        if ev.cleared:
+            return f"[warning] {ev.worker}: progress again ({ev.phase})"
+        return (f"[warning] {ev.worker} stalled: no progress for {_duration(ev.seconds)} in "
+                f"{ev.phase or 'its work'}; {ev.where}\n" + _indent(ev.stack))
+    if isinstance(ev, Error):
+        where = ", ".join(x for x in (ev.device, ev.phase) if x)
+        where = f" ({where})" if where else ""
+        text = (f"ERROR [{ev.error_kind}] {ev.source}{where}{' fatal' if ev.fatal else ''}: "
+                f"{ev.message}")
+        if ev.hint:
+            text += f"\n  hint: {ev.hint}"
+        if ev.traceback:
+            text += "\n" + _indent(ev.traceback)
+        return text
+    if isinstance(ev, RunStarted):
+        resumed = f", resumed from step {ev.resumed_from_step}" if ev.resumed_from_step else ""
+        total = f", {ev.total_steps} steps" if ev.total_steps else ""
+        return (f"run {ev.run_name} started in {ev.run_dir}: targets {ev.targets}, "
+                f"drafters {ev.drafters}{total}{resumed}")
+    if isinstance(ev, RunEnded):
+        reason = f" ({ev.reason})" if ev.reason else ""
+        return f"run {ev.status} at step {ev.step} after {_duration(ev.seconds)}{reason}"
+    if isinstance(ev, MemoryPlan):
+        return _memory_table(ev)
+    if isinstance(ev, SinkStatus):
+        return f"sink {ev.sink}: {ev.status}{f' ({ev.detail})' if ev.detail else ''}"
+    if isinstance(ev, WorkerStatus):
+        detail = f" ({ev.detail})" if ev.detail else ""
+        return f"worker {ev.worker} {ev.device}: {ev.status}{detail}"
+    if isinstance(ev, TargetMetrics):
+        return (f"target {ev.worker} {ev.device}: {ev.batches} batches, tok/s "
+                f"{_rate(ev.tokens_per_s)}, blocked {ev.blocked_frac:.0%}, "
+                f"starved {ev.starved_frac:.0%}")
+    if isinstance(ev, DrafterMetrics):
+        return (f"drafter {ev.worker} {ev.device}: {ev.steps} steps, waiting {ev.waiting_frac:.0%}, "
+                f"compute {ev.compute_frac:.0%}, barrier {ev.barrier_frac:.0%}, "
+                f"step {ev.step_frac:.0%}")
+    return None  # an event type without a line of its own
+
+
+class LineThrottle:
+    """Keeps a log short: periodic events at most once per ``every_s`` (by event time, so a
+    replay gives the same lines), load progress only at each new 10% and when done."""
+
+    def __init__(self, every_s: float = 5.0):
+        self.every_s = every_s
+        self._last_ts: dict[tuple, float] = {}
+        self._load_decile: dict[str, int] = {}
+
+    def admit(self, ev: Event) -> bool:
+        if isinstance(ev, (StepMetrics, TargetMetrics, DrafterMetrics)):
+            key = (ev.kind, getattr(ev, "worker", ""))
+            last = self._last_ts.get(key)
+            if last is not None and ev.ts - last < self.every_s:
+                return False
+            self._last_ts[key] = ev.ts
+            return True
+        if isinstance(ev, LoadProgress):
+            if ev.done:
+                self._load_decile.pop(ev.worker, None)  # a reload starts counting afresh
+                return True
+            decile = int(10 * ev.bytes_loaded / ev.bytes_total) if ev.bytes_total else 0
+            if decile <= self._load_decile.get(ev.worker, -1):
+                return False
+            self._load_decile[ev.worker] = decile
+            return True
+        return True
+
+
+def _stamp(ts: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
+
+
+class TextLogSink:
+    """Append human-readable lines to ``path`` (train.log). Extra lines of one event (traceback,
+    table) are indented under its time-stamped first line."""
+
+    def __init__(self, path: str | os.PathLike, every_s: float = 5.0):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._throttle = LineThrottle(every_s)
+        self._lock = threading.Lock()
+        self._file = open(self.path, "a", encoding="utf-8")
+
+    def __call__(self, ev: Event) -> None:
+        text = format_event(ev)
+        if text is None or not self._throttle.admit(ev):
+            return
+        first, *rest = text.split("\n")
+        lines = [f"{_stamp(ev.ts)} {first}"] + [f"{' ' * 20}{line}" for line in rest]
+        with self._lock:
+            if self._file is None:
+                return
+            self._file.write("\n".join(lines) + "\n")
+            self._file.flush()  # so `tail -f train.log` is live
+
+    def close(self) -> None:
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None

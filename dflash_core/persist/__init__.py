@@ -1,0 +1,1 @@
+"""What outlives a process: checkpoints, resume, the run folder, the build cache, the data position."""

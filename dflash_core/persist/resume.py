@@ -1,0 +1,146 @@
+"""Which checkpoint a resume loads, and whether it is the model the config describes.
+
+- nothing to resume: said plainly (a warning), and the run starts at step 0;
+- a damaged checkpoint (a truncated or unreadable file): named, moved aside to
+  ``checkpoints/damaged-step-<N>`` (kept for inspection, never deleted, never picked again), and
+  the newest intact older one is loaded instead, saying so; none intact: refused;
+- a checkpoint of another drafter shape than the config's (layers, block size, widths, target
+  layers, mask id, target vocabulary): refused, naming every differing key with both values.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Callable
+
+from dflash_core.persist import checkpoint as ckpt
+from dflash_core.config import Config, ConfigError
+from dflash_core.observe.events import Event, Log
+
+# Drafter config.json entries that change the model, and the config key that sets each.
+SHAPE_KEYS: list[tuple[str, str]] = [
+    ("num_hidden_layers", "drafter.num_layers"),
+    ("dflash_config.block_size", "drafter.block_size"),
+    ("dflash_config.target_layer_ids", "target.layer_ids"),
+    ("dflash_config.mask_token_id", "drafter.mask_token_id"),
+    ("hidden_size", "drafter.hidden_size"),
+    ("intermediate_size", "drafter.intermediate_size"),
+    ("num_attention_heads", "drafter.num_attention_heads"),
+    ("num_key_value_heads", "drafter.num_key_value_heads"),
+    ("head_dim", "drafter.hidden_size"),
+    ("vocab_size", "target.path"),
+    ("num_target_layers", "target.path"),
+]
+
+
+def _get(d: dict, dotted: str):
+    for part in dotted.split("."):
+        if not isinstance(d, dict) or part not in d:
+            return None
+        d = d[part]
+    return d
+
+
+def shape_differences(expected: dict, found: dict) -> list[tuple[str, str, object, object]]:
+    """(config key, drafter config entry, the config's value, the checkpoint's value) for each
+    entry of SHAPE_KEYS on which the two drafter configs differ."""
+    diffs = []
+    for entry, key in SHAPE_KEYS:
+        want, have = _get(expected, entry), _get(found, entry)
+        if want is not None and want != have:
+            diffs.append((key, entry, want, have))
+    return diffs
+
+
+def expected_drafter_config(cfg: Config, target_path: Path, layer_ids: list[int],
+                            mask_id: int) -> dict:
+    """The drafter config.json a fresh run of ``cfg`` would write (what build_replicas builds)."""
+    if cfg.drafter.init_from:
+        path = Path(cfg.drafter.init_from) / "config.json"
+        try:
+            return json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise ConfigError("drafter.init_from", f"cannot read {path}: {exc}",
+                              hint="point drafter.init_from at a drafter checkpoint folder") from exc
+    from transformers import AutoConfig
+
+    from dflash_core.models.drafter import build_drafter_config
+
+    d = cfg.drafter
+    dcfg = build_drafter_config(
+        AutoConfig.from_pretrained(str(target_path)), num_layers=d.num_layers,
+        target_layer_ids=layer_ids, block_size=d.block_size, mask_token_id=mask_id,
+        hidden_size=d.hidden_size, intermediate_size=d.intermediate_size,
+        num_attention_heads=d.num_attention_heads, num_key_value_heads=d.num_key_value_heads)
+    out = dcfg.to_dict()
+    out["dflash_config"] = dict(dcfg.dflash_config)
+    out["num_target_layers"] = dcfg.num_target_layers
+    return out
+
+
+def set_aside(folder: Path) -> Path:
+    """Move a damaged checkpoint out of the way of readers, saves and pruning; returns where."""
+    dest = folder.parent / f"damaged-step-{ckpt.checkpoint_step(folder)}"
+    if dest.exists():
+        dest = dest.with_name(f"{dest.name}-{int(time.time())}-{os.getpid()}")
+    os.rename(folder, dest)
+    return dest
+
+
+def load_for_resume(run_dir: Path, expected: dict | None,
+                    publish: Callable[[Event], None]) -> ckpt.LoadedCheckpoint | None:
+    """The newest intact checkpoint of ``run_dir`` that matches ``expected`` (None: nothing to
+    resume). Raises CheckpointError when every checkpoint is damaged, ConfigError on a shape
+    mismatch."""
+    found = ckpt.list_checkpoints(run_dir)
+    if not found:
+        publish(Log(level="warning", source="engine", message=(
+            f"resume: nothing to resume, no checkpoint in {Path(run_dir) / ckpt.CHECKPOINTS}; "
+            "starting at step 0")))
+        return None
+    damaged: list[str] = []
+    for folder in reversed(found):
+        try:
+            loaded = ckpt.load_checkpoint(folder)
+        except ckpt.CheckpointError as exc:
+            moved = set_aside(folder)
+            damaged.append(str(moved))
+            publish(Log(level="warning", source="engine", message=(
+                f"resume: checkpoint {folder} is damaged ({exc}); moved it to {moved} (kept, "
+                "not deleted) and trying the next older checkpoint")))
+            continue
+        if damaged:
+            publish(Log(level="warning", source="engine", message=(
+                f"resume: resuming from {folder} (step {loaded.step}), the newest intact "
+                f"checkpoint; damaged: {damaged}")))
+        if expected is not None:
+            diffs = shape_differences(expected, loaded.drafter_config)
+            if diffs:
+                listed = "; ".join(f"{key} ({entry}): config {want!r}, checkpoint {have!r}"
+                                   for key, entry, want, have in diffs)
+                raise ConfigError(
+                    diffs[0][0], f"the checkpoint {folder} is another drafter than the config "
+                    f"describes: {listed}",
+                    hint="set these keys back to the checkpoint's values to resume it, or start "
+                         "a new run (new run.name or --new-run) to train the new shape")
+        return loaded
+    raise ckpt.CheckpointError(
+        f"resume: every checkpoint in {Path(run_dir) / ckpt.CHECKPOINTS} is damaged: {damaged}",
+        hint="restore a checkpoint from a backup, or start a new run (new run.name or --new-run)")
+
+
+def check_resume_nodes(loaded: ckpt.LoadedCheckpoint, nodes: int) -> None:
+    """A checkpoint resumes on as many nodes as wrote it: the data position, the steps of the
+    plan and the learning-rate schedule count every node's drafters. Raises ConfigError."""
+    wrote = int(loaded.trainer_state.get("nodes", 1))
+    if wrote != nodes:
+        raise ConfigError(
+            "", f"the checkpoint {loaded.path} was written by a run on {wrote} node(s) and this "
+            f"run has {nodes}: its data position, planned steps and learning-rate schedule count "
+            f"{wrote} node(s)' drafters",
+            hint=f"start {wrote} node(s) (torchrun --nnodes {wrote}) to resume it, or start a new "
+                 "run (a new run.name) on this many nodes, with drafter.init_from pointing at "
+                 "that checkpoint to keep its weights")

@@ -1,0 +1,629 @@
+"""The in-process engine: control, the lifecycle of one run at a time, and its worker threads.
+
+One supervisor thread per run walks idle -> preflight -> loading -> warmup -> training and ends in
+finished, aborted or failed. Workers (a loader and a target stage per target device, a drafter
+stage per drafter device, a telemetry sampler) only ever talk to the operator through events on
+the bus. Any exception in any of them becomes an Error event, sets the run's stop flag and sends
+the run to ``failed``; the process never dies and the engine waits for the next command.
+Everything a run owns lives in its ``Run`` (run.py), made at start and dropped at the end.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import threading
+import time
+from pathlib import Path
+
+import torch
+from transformers.utils import logging as hf_logging
+
+from dflash_core.planning.allocator import apply_card_limit, configure_allocator
+from dflash_core.models.compile_guard import serialize_triton_autotuning
+from dflash_core.config import Config, ConfigError, NodesConfig, TelemetryConfig, load_config, save_config
+from dflash_core.data import Prefetcher
+from dflash_core.persist.data_position import DataPosition
+from dflash_core.pipeline.drafter_stage import DrafterStage
+from dflash_core.observe.errors import error_event
+from dflash_core.observe.bus import EventBus
+from dflash_core.observe.events import (
+    TERMINAL_STATES, WORKER_FAILED, WORKER_STOPPED, Error, Log, QueueDepth, RunEnded, RunStarted,
+    StateChanged, WorkerStatus, prefetch_queue,
+)
+from dflash_core.pipeline.hs_queue import HiddenStateQueue
+from dflash_core.planning.layout_advice import LayoutAdvisor
+from dflash_core.multinode.node_link import NodeLink
+from dflash_core.multinode.nodes import NodeFailure, NodeGroup, node_dir_name, node_info
+from dflash_core.planning.preflight import demo_log_progress, device_label, prepare, resolve_devices
+from dflash_core.persist.resume import check_resume_nodes, expected_drafter_config, load_for_resume
+from dflash_core.pipeline.run import Run
+from dflash_core.persist.run_folder import fresh_name, refuse_if_used
+from dflash_core.observe.sinks.run_sinks import RunSinks
+from dflash_core.models.target import LoadAborted
+from dflash_core.pipeline.target_stage import TargetStage
+from dflash_core.observe.telemetry import TelemetrySampler
+from dflash_core.models.trainer import ANCHOR_PAD, StepBarrier, build_replicas, prepare_batch
+from dflash_core.units import GiB
+from dflash_core.observe.watchdog import Watchdog, format_stack, thread_stack, where
+from dflash_core.pipeline.workers import POLL_S, Stopped, UpstreamFailed
+
+# Workers check the stop flag between layers (targets) and micro-groups (drafters), so they end
+# within about one such unit of GPU work. After JOIN_TIMEOUT_S the teardown says which are still
+# busy; it waits up to GIVE_UP_S in all before ending the run without them (a hung kernel or
+# collective), and then skips the abort checkpoint rather than save weights a step may be writing.
+JOIN_TIMEOUT_S = 5.0
+GIVE_UP_S = 60.0
+
+
+def free_cuda_caches() -> None:
+    """Give the run's cached device memory back: the caching allocator's free blocks, and the
+    cuBLAS workspaces PyTorch keeps per (handle, stream) through that allocator (32 MiB each on
+    recent GPUs, one per worker thread that ran a matmul: the 96 MiB a run left allocated)."""
+    if not torch.cuda.is_available():
+        return
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
+    torch.cuda.empty_cache()
+
+
+class Engine:
+    """Owns one run at a time. Thread-safe control: start, abort, restart, shutdown."""
+
+    detach_on_quit = False  # quitting the dashboard that owns the engine ends the run
+
+    def __init__(self, config: Config | None = None, *, config_path: str | Path | None = None,
+                 bus: EventBus | None = None, resume: bool = False, max_steps: int | None = None,
+                 new_run: bool = False):
+        if config is None and config_path is None:
+            raise ValueError("Engine needs a config or a config_path")
+        self.bus = bus or EventBus()
+        self._owns_bus = bus is None
+        self.config_path = Path(config_path) if config_path else None
+        self._given_config = config
+        self.resume = resume
+        self.max_steps = max_steps
+        # Start in a fresh numbered folder when run.name's holds an earlier run (run_folder.py).
+        self.new_run = new_run
+        self._asked_name: str | None = None
+        self._fresh_name: str | None = None
+        self._state = "idle"
+        self._lock = threading.RLock()
+        self._supervisor: threading.Thread | None = None
+        self._run: Run | None = None  # the current (or last) run
+        self._restarts_pending = 0  # restart() calls whose new run has not started yet
+        self.runs_started = 0  # start() calls that began a run (each ends in one RunEnded)
+        self.runs_ended = 0  # RunEnded events published
+        self.final_status: str | None = None
+        # Before any run touches a GPU: the allocator reads its settings at the first allocation.
+        self.allocator = configure_allocator()
+        self.bus.tap(self._watch_fatal)
+        self.bus.tap(self._hold_early)
+        # Under torchrun with several nodes: this process's node group (nodes.py), joined at the
+        # first preflight and kept across runs; None on one node, where nothing changes.
+        info = node_info()
+        self.nodes = NodeGroup(info) if info is not None else None
+
+    # -- control (the Controller protocol) -------------------------------------------------------
+    @property
+    def state(self) -> str:
+        return self._state
+
+    @property
+    def config(self) -> Config | None:
+        """The config of the current (or last) run, once its preflight read it."""
+        return self._run.config if self._run is not None else None
+
+    @property
+    def step(self) -> int:
+        return self._run.step if self._run is not None else 0
+
+    @property
+    def hs_queue(self) -> HiddenStateQueue | None:
+        """The current run's hidden-state queue (None before loading and after the end)."""
+        return self._run.hs_queue if self._run is not None else None
+
+    @property
+    def stopping(self) -> bool:
+        """The current run has been asked to stop (abort, failure, or its end)."""
+        return self._run is not None and self._run.stop.is_set()
+
+    @property
+    def failure(self) -> Error | None:
+        """The first fatal error of the current (or last) run, if it failed."""
+        return self._run.failure if self._run is not None else None
+
+    def start(self) -> None:
+        with self._lock:
+            if self._supervisor is not None and self._supervisor.is_alive():
+                return
+            # A worker of the last run that never ended would keep going beside the new run:
+            # refuse to start rather than run two pipelines at once.
+            stuck = [t.name for t in self._run.threads if t.is_alive()] if self._run else []
+            if stuck:
+                self.bus.publish(Error(
+                    error_kind="internal", source="engine", message=f"threads of the last run are "
+                    f"still running: {stuck}", hint="a worker is stuck in a call that ignores the "
+                    "stop flag; quit and start the process again", fatal=True, phase=self._state))
+                return
+            self._run = Run()
+            self._supervisor = threading.Thread(target=self._supervise, args=(self._run,),
+                                                name="engine", daemon=True)
+            self.runs_started += 1
+            self._supervisor.start()
+
+    def abort(self) -> None:
+        with self._lock:
+            # The supervisor, not the state, says whether a run is live: right after start()
+            # the state is still idle (or the last run's end) and the abort must not be lost.
+            if self._supervisor is None or not self._supervisor.is_alive():
+                return
+            self._run.abort_requested = True
+            if self._run.link is not None and self._run.link.live:
+                return  # every node stops together at the next step boundary (node_link.py)
+            self._run.stop.set()
+
+    def restart(self) -> None:
+        """Abort, free memory, re-read the config file and resume from the latest checkpoint.
+        Returns at once; the work happens on a thread."""
+        def go():
+            try:
+                self.abort()
+                # The teardown may wait up to GIVE_UP_S for workers, then save a checkpoint.
+                if not self.join(timeout=GIVE_UP_S + 120):
+                    self.bus.publish(Error(
+                        error_kind="internal", source="engine", phase=self._state, fatal=False,
+                        message="restart: the previous run has not ended after "
+                        f"{GIVE_UP_S + 120:.0f} s", hint="press r again once the state shows "
+                        "aborted, or quit and start the process again"))
+                    return
+                self.resume = True
+                self.start()
+            finally:
+                with self._lock:
+                    self._restarts_pending -= 1
+        with self._lock:
+            self._restarts_pending += 1
+        threading.Thread(target=go, name="engine-restart", daemon=True).start()
+
+    @property
+    def restarting(self) -> bool:
+        """A restart is under way: the run that ends now is followed by a new one."""
+        return self._restarts_pending > 0
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        self.abort()
+        self.join(timeout)
+        # A run still in a collective keeps the group; it goes with the process.
+        if self.nodes is not None and self.join(0):
+            self.nodes.close()
+        if self._owns_bus:
+            self.bus.close(timeout=5.0)
+
+    def join(self, timeout: float | None = None) -> bool:
+        sup = self._supervisor
+        if sup is not None:
+            sup.join(timeout)
+            return not sup.is_alive()
+        return True
+
+    def _live_threads(self) -> list[threading.Thread]:
+        """The supervisor and the workers of the current run that are still alive."""
+        threads = [self._supervisor] if self._supervisor is not None else []
+        threads += self._run.threads if self._run is not None else []
+        return [t for t in threads if t.is_alive()]
+
+    def stacks(self) -> None:
+        alive = self._live_threads()
+        if not alive:
+            self.bus.publish(Log(level="info", source="engine", message="no worker is running"))
+        for t in alive:
+            frames = thread_stack(t)
+            self.bus.publish(Log(level="info", source=t.name, message=(
+                f"stack of {t.name}: {where(frames)}\n{format_stack(frames)}")))
+
+    def stuck_workers(self) -> list[str]:
+        """Threads of the current run still alive, each with where its stack is now."""
+        return [f"{t.name} ({where(thread_stack(t))})" for t in self._live_threads()]
+
+    def run_dir(self) -> Path | None:
+        """Where this process's records (events.jsonl, train.log, commands/) are, if the config
+        can be read: the run folder, or its node-K/ folder on several nodes."""
+        try:
+            return self._records_dir(self._read_config())
+        except (ConfigError, OSError):
+            return None
+
+    def _records_dir(self, cfg: Config) -> Path:
+        if self.nodes is None:
+            return cfg.run_dir
+        return cfg.run_dir / node_dir_name(self.nodes.rank)
+
+    def wait(self, timeout: float | None = None) -> str:
+        """Block until the run reaches a terminal state (or timeout); returns the state."""
+        self.join(timeout)
+        return self._state
+
+    # -- state and errors ---------------------------------------------------------------------
+    def _set_state(self, state: str, reason: str = "") -> None:
+        with self._lock:
+            prev = self._state
+            if prev == state:
+                return
+            self._state = state
+        self.bus.publish(StateChanged(state=state, previous=prev, reason=reason))
+
+    def _fail(self, run: Run, ev: Error) -> None:
+        with self._lock:
+            first = run.failure is None
+            if first:
+                run.failure = ev
+            run.stop.set()
+        self.bus.publish(ev if first else Error(**{**ev.__dict__, "fatal": False}))
+
+    def _watch_fatal(self, ev) -> None:
+        # A critical sink (events.jsonl, train.log) that breaks ends the run: we would lose records.
+        run = self._run
+        if isinstance(ev, Error) and ev.fatal and ev.source.startswith("sink:") \
+                and run is not None and self._state not in TERMINAL_STATES \
+                and self._state != "idle":
+            with self._lock:
+                if run.failure is None:
+                    run.failure = ev
+                run.stop.set()
+
+    def _hold_early(self, ev) -> None:
+        run = self._run
+        early = run.early if run is not None else None
+        if early is not None:
+            early.append(ev)
+
+    # -- worker threads ------------------------------------------------------------------------
+    def _guard(self, run: Run, source: str, role: str, device: str, fn) -> None:
+        """Run a worker body; turn its exception into an Error event and a failed run."""
+        run.heartbeats.beat("starting")  # from now on the watchdog watches this thread
+        try:
+            fn()
+            stopped = True
+        except Stopped:
+            stopped = True
+        except UpstreamFailed as up:
+            stopped = False
+            self._fail(run, error_event(up.cause, source=up.source, role=up.role, device=device,
+                                        phase=self._state))
+        except BaseException as exc:  # noqa: BLE001 - every failure must surface
+            stopped = isinstance(exc, LoadAborted) and run.stop.is_set()
+            if not stopped:
+                self._fail(run, error_event(exc, source=source, role=role, device=device,
+                                            phase=self._state))
+                self.bus.publish(WorkerStatus(worker=source, role=role, device=device,
+                                              status=WORKER_FAILED, detail=str(exc)[:200]))
+        if stopped and role == "drafter":  # targets report "done" themselves
+            self.bus.publish(WorkerStatus(worker=source, role=role, device=device,
+                                          status=WORKER_STOPPED))
+
+    def _thread(self, run: Run, name: str, role: str, device: str, fn) -> threading.Thread:
+        t = threading.Thread(target=self._guard, args=(run, name, role, device, fn),
+                             name=name, daemon=True)
+        run.threads.append(t)
+        t.start()
+        return t
+
+    # -- the run --------------------------------------------------------------------------------
+    def _supervise(self, run: Run) -> None:
+        run.heartbeats.beat("preflight")
+        try:
+            self._set_state("preflight")
+            self._preflight(run)
+            if not run.stop.is_set():
+                self._load(run)
+            if not run.stop.is_set():
+                self._train(run)
+        except Stopped:
+            pass
+        except BaseException as exc:  # noqa: BLE001
+            self._fail(run, error_event(exc, source="engine", role="engine", device="",
+                                        phase=self._state))
+        finally:
+            self._teardown(run)
+
+    def _read_config(self) -> Config:
+        cfg = load_config(self.config_path) if self.config_path else self._given_config
+        if self.max_steps is not None:
+            cfg.run.max_steps = self.max_steps
+        if self.new_run and self.nodes is not None:
+            # Each node would pick its own free name: they must write one run folder.
+            raise ConfigError("run.name", "--new-run (and --demo's fresh folder) cannot be used "
+                              "on several nodes", hint="set a new run.name in config.yaml on "
+                              "every node, or pass --resume")
+        if self.new_run:  # picked once: a restart resumes the folder this run started in
+            if self._fresh_name is None:
+                self._asked_name = cfg.run.name
+                self._fresh_name = cfg.run.name if self.resume else \
+                    fresh_name(cfg.run.output_dir, cfg.run.name)
+            cfg.run.name = self._fresh_name
+        return cfg
+
+    def _preflight(self, run: Run) -> None:
+        """Everything that can be checked before tens of GB of weights load."""
+        hf_logging.disable_progress_bar()  # its bars write behind the dashboard's back
+        if self.nodes is not None:
+            # Made first: a run that ends before it joins still tells the others (farewell).
+            run.link = NodeLink(self.nodes, self.bus.publish, fail=lambda ev: self._fail(run, ev),
+                                restart=self.restart, restarting=lambda: self.restarting,
+                                checksum_every=NodesConfig.checksum_every,
+                                stall_s=TelemetryConfig.stall_floor_s,
+                                timeout_s=NodesConfig.timeout_s)
+            self.bus.tap(run.link.note_error)
+        cfg = self._read_config()
+        run.config = cfg
+        # Before anything else can hang: a stuck read in preflight is reported like any stall.
+        watchdog = Watchdog(run.heartbeats, self.bus.publish, run.stop, cfg.telemetry.stall_floor_s)
+        self._thread(run, "watchdog", "watchdog", "host", watchdog.run)
+        run_dir, records = cfg.run_dir, self._records_dir(cfg)
+        lead = self.nodes is None or self.nodes.rank == 0
+        if not self.resume:
+            # never overwrite an earlier run's records (the run folder's own: node 0's)
+            if lead:
+                refuse_if_used(run_dir)
+            if records != run_dir:
+                refuse_if_used(records)
+        if not self.resume and self._fresh_name and self._fresh_name != self._asked_name:
+            self.bus.publish(Log(level="info", source="engine", message=(
+                f"new run in {run_dir}: {Path(cfg.run.output_dir) / self._asked_name} holds an "
+                "earlier run (--new-run)")))
+        try:
+            records.mkdir(parents=True, exist_ok=True)
+            if not self.resume and lead:  # a resume keeps config.yaml until its checkpoint fits
+                save_config(cfg, run_dir / "config.yaml")
+        except OSError as exc:
+            raise ConfigError("run.output_dir", f"cannot write run folder {run_dir}: {exc}",
+                              hint="set run.output_dir to a writable folder") from exc
+        early, run.early = run.early or [], None
+        run.sinks = RunSinks(self.bus, cfg, records, early)
+        run.target_devices, run.drafter_devices = resolve_devices(cfg)
+        self.bus.publish(RunStarted(
+            run_name=cfg.run.name, run_dir=str(records), config=cfg.to_dict(),
+            targets=[device_label(d, i) for i, d in enumerate(run.target_devices)],
+            drafters=[device_label(d, i) for i, d in enumerate(run.drafter_devices)],
+            allocator=(self.allocator.conf or "PyTorch defaults")
+            if any(d.type == "cuda" for d in run.target_devices + run.drafter_devices) else ""))
+
+        if any(d.type == "cuda" for d in run.target_devices + run.drafter_devices):
+            self.bus.publish(Log(level="info", source="engine", message=self.allocator.describe()))
+        if self.nodes is not None:
+            # With the run's records open (a failure to join is in its events and train.log),
+            # before it reads any checkpoint (a restart resumes from node 0's, written by now).
+            self._join_nodes(run, cfg)
+
+        def check_stop():  # called as the demo's assets are built: progress too
+            if run.stop.is_set():
+                raise Stopped()
+            run.heartbeats.beat("building the demo")
+        run.prep = prepare(cfg, run_dir, run.target_devices, run.drafter_devices,
+                           publish=self.bus.publish,
+                           demo_progress=demo_log_progress(self.bus.publish, check_stop),
+                           nodes=self.nodes.world if self.nodes is not None else 1)
+        if lead:  # several nodes: W&B from node 0 alone
+            run.sinks.add_wandb(cfg, run_dir)  # its settings were checked by prepare()
+        if self.resume:
+            expected = expected_drafter_config(cfg, run.prep.target_path, run.prep.layer_ids,
+                                               run.prep.mask_id)
+            run.resume = load_for_resume(run_dir, expected, self.bus.publish)
+            if run.resume is not None:
+                check_resume_nodes(run.resume, self.nodes.world if self.nodes else 1)
+                self.bus.publish(Log(level="info", source="engine", message=(
+                    f"resuming from {run.resume.path} (step {run.resume.step})")))
+        if (self.resume or run.prep.fitted) and lead:  # config.yaml: what the run really uses
+            save_config(cfg, run_dir / "config.yaml")
+
+    def _join_nodes(self, run: Run, cfg: Config) -> None:
+        """Several nodes: join the others (the first run of the process) and make this run's
+        side of the step protocol."""
+        if self.nodes.info.local_world > 1 and cfg.layout.device != "cpu":
+            raise ConfigError("layout.device", f"torchrun started {self.nodes.info.local_world} "
+                              "processes on this machine: each would use every GPU of layout.*",
+                              hint="start one process per node: torchrun --nproc-per-node 1")
+        link = run.link
+        link.checksum_every, link.stall_s = cfg.nodes.checksum_every, cfg.telemetry.stall_floor_s
+        link.timeout_s = cfg.nodes.timeout_s
+        run.heartbeats.beat(f"joining {self.nodes.world} nodes")
+        if not self.nodes.connected:
+            try:
+                self.nodes.connect(cfg.nodes.timeout_s, cuda=cfg.layout.device != "cpu"
+                                   and torch.cuda.is_available(),
+                                   waiting=lambda late: run.heartbeats.note(
+                                       "waiting for " + ", ".join(f"node {k}" for k in late)
+                                       + " to join"),
+                                   stopped=run.stop.is_set)
+            except NodeFailure as exc:
+                link.over = True  # nothing more to tell anyone
+                if exc.ending != "aborted":
+                    raise
+                self.bus.publish(Log(level="info", source="nodes", message=str(exc)))
+                run.abort_requested = True
+                raise Stopped() from exc
+        self.bus.publish(Log(level="info", source="nodes", message=(
+            f"node {self.nodes.rank} of {self.nodes.world} ({self.nodes.host}); "
+            f"{'writes checkpoints and W&B' if self.nodes.rank == 0 else 'node 0 writes checkpoints'}")))
+        link.start(run)
+        if run.stop.is_set():
+            raise Stopped()
+
+    def _load(self, run: Run) -> None:
+        cfg, prep = run.config, run.prep
+        self._set_state("loading")
+        limits: dict[int, int] = {}
+        for index in sorted({d.index for d in run.target_devices + run.drafter_devices
+                             if d.type == "cuda"}):
+            limit = apply_card_limit(torch.device("cuda", index), cfg.layout.gpu_memory_gib)
+            if cfg.layout.gpu_memory_gib:
+                limits[index] = limit
+                self.bus.publish(Log(level="info", source="engine", message=(
+                    f"cuda:{index} limited to {limit / GiB:.1f} GiB (layout.gpu_memory_gib)")))
+        self._start_telemetry(run, limits)
+        world = len(run.target_devices)
+        run.hs_queue = HiddenStateQueue(cfg.layout.hs_queue, world, self.bus.publish, run.stop,
+                                        beat=run.heartbeats.beat)
+        if run.resume:  # its data position names batches of the order it was written with
+            wrote = int(run.resume.trainer_state.get("balance", 1))
+            if wrote != prep.stream.balance:
+                self.bus.publish(Log(level="info", source="engine", message=(
+                    f"resume: batches ordered for {wrote} per step as the checkpoint's run did "
+                    f"(this layout would balance {prep.stream.balance}; data.balance_steps)")))
+                prep.stream.use_balance(wrote)
+        run.position = DataPosition(lambda e: len(prep.stream.plan(e)), len(run.drafter_devices),
+                                    run.resume.trainer_state if run.resume else None)
+        # The loader threads make each batch's drafter anchors and labels (host work the
+        # drafter's step would otherwise wait on); rounded as the drafter GPUs want them.
+        for_drafter = functools.partial(
+            prepare_batch, num_anchors=cfg.drafter.num_anchors,
+            block_size=cfg.drafter.block_size, seed=cfg.run.seed,
+            pad_to=ANCHOR_PAD if run.drafter_devices[0].type == "cuda" else 1)
+        # Several nodes: node k's targets take global shards k*T .. k*T+T-1 of N*T.
+        node, nodes = (self.nodes.rank, self.nodes.world) if self.nodes is not None else (0, 1)
+        for rank, dev in enumerate(run.target_devices):
+            name = prefetch_queue(rank)
+            batches = prep.stream.iter_batches(run.position.start_epoch, run.position.start_done,
+                                               worker=(node * world + rank, nodes * world))
+            run.prefetchers.append(Prefetcher(
+                batches, cfg.data.prefetch_batches, pin=dev.type == "cuda", name=f"loader-{rank}",
+                prepare=for_drafter,
+                stop=run.stop, on_depth=lambda d, c, n=name: self.bus.publish(
+                    QueueDepth(name=n, depth=d, capacity=c)), beat=run.heartbeats.beat))
+        if any(d.type == "cuda" for d in run.target_devices):
+            serialize_triton_autotuning()  # targets' (and the evaluation's) FLA kernels
+        for rank, dev in enumerate(run.target_devices):
+            label = device_label(dev, rank)
+            stage = TargetStage(
+                rank, dev, label, target_path=prep.target_path, dtype=cfg.target.dtype,
+                attn_implementation=cfg.target.attn_implementation, layer_ids=prep.layer_ids,
+                prefetcher=run.prefetchers[rank], hs_queue=run.hs_queue,
+                publish=self.bus.publish, stop=run.stop, heartbeats=run.heartbeats)
+            run.targets.append(stage)
+            self._thread(run, stage.name, "target", label, stage.run)
+        for stage in run.targets:
+            while not stage.loaded.is_set():
+                if run.stop.wait(POLL_S):
+                    raise Stopped()
+                run.heartbeats.beat("waiting for the targets to load")
+
+    def _start_telemetry(self, run: Run, limits: dict[int, int]) -> None:
+        roles: dict[int, str] = {}
+        for d in run.target_devices:
+            if d.type == "cuda":
+                roles[d.index] = "target"
+        for d in run.drafter_devices:
+            if d.type == "cuda":
+                roles[d.index] = "target+drafter" if roles.get(d.index) == "target" else "drafter"
+        sampler = TelemetrySampler(self.bus.publish, run.config.telemetry.interval_s, roles,
+                                   run.stop, raise_errors=True, limits=limits,
+                                   beat=run.heartbeats.beat)
+        # In a guarded thread: a sampler crash is a worker failure like any other.
+        self._thread(run, "telemetry", "telemetry", "host", sampler.run)
+
+    def _train(self, run: Run) -> None:
+        cfg = run.config
+        self._set_state("warmup")
+        run.replicas = build_replicas(cfg, run.targets[0].model, run.drafter_devices,
+                                      layer_ids=run.prep.layer_ids, mask_id=run.prep.mask_id,
+                                      resume=run.resume)
+        if run.resume is not None:
+            run.step = run.resume.step
+        run.barrier = StepBarrier(len(run.replicas), run.stop)
+        gpus = torch.cuda.device_count() if run.drafter_devices[0].type == "cuda" else 0
+        run.advisor = LayoutAdvisor(self.bus.publish, len(run.target_devices),
+                                    len(run.drafter_devices), gpus)
+        self.bus.tap(run.advisor)  # says once which side bounds the run and the balancing split
+        run.last_step_t = time.monotonic()
+        self.bus.publish(Log(level="info", source="engine",
+                             message=f"training {run.total_steps} steps on "
+                             f"{len(run.target_devices)} target(s) + {len(run.replicas)} drafter(s)"))
+        if run.step >= run.total_steps:
+            run.finished = True
+            return
+
+        def on_step():
+            run.step_once(self.bus.publish, on_metrics=lambda: self._set_state("training")
+                          if self._state == "warmup" else None)
+        for rank, rep in enumerate(run.replicas):
+            label = device_label(rep.device, rank)
+            stage = DrafterStage(rank, rep, label, hs_queue=run.hs_queue, position=run.position,
+                                 barrier=run.barrier, grad_accum=cfg.optim.grad_accum,
+                                 seed=cfg.run.seed, on_step=on_step, step_of=lambda: run.step,
+                                 publish=self.bus.publish,
+                                 stop=run.stop, heartbeats=run.heartbeats)
+            self._thread(run, stage.name, "drafter", label, stage.run)
+        while not run.stop.wait(POLL_S):
+            run.heartbeats.beat("supervising training")
+
+    # -- teardown ------------------------------------------------------------------------------
+    def _join_workers(self, run: Run) -> list[str]:
+        """Close the prefetchers and join every worker; returns the names still running."""
+        t0 = time.monotonic()
+        for pf in run.prefetchers:
+            pf.close(timeout=JOIN_TIMEOUT_S)
+        warned = False
+        while True:
+            alive = [t for t in run.threads if t.is_alive()]
+            waited = time.monotonic() - t0
+            if not alive or waited >= GIVE_UP_S:
+                break
+            if waited >= JOIN_TIMEOUT_S and not warned:
+                warned = True
+                self.bus.publish(Log(level="warning", source="engine", message=(
+                    f"waiting for {[t.name for t in alive]} to finish their current GPU call "
+                    f"(up to {GIVE_UP_S:.0f} s)")))
+            alive[0].join(min(POLL_S, GIVE_UP_S - waited))
+        stuck = [t.name for t in run.threads if t.is_alive()]
+        if stuck:
+            self.bus.publish(Log(level="warning", source="engine", message=(
+                f"threads still running after {GIVE_UP_S:.0f} s: {stuck}")))
+        return stuck
+
+    def _teardown(self, run: Run) -> None:
+        run.early = None
+        run.stop.set()
+        stuck = self._join_workers(run)
+        failed = run.failure is not None
+        status = "failed" if failed else ("finished" if run.finished and not run.abort_requested
+                                          else "aborted")
+        busy_drafters = [n for n in stuck if n.startswith("drafter")]
+        if run.link is not None:
+            run.link.farewell(run, status)
+            self.bus.untap(run.link.note_error)
+        # Another node's failure leaves this node's weights at the last step all nodes took.
+        saves = not failed or run.peer_failed
+        if busy_drafters and saves and run.step > 0:
+            self.bus.publish(Log(level="warning", source="engine", message=(
+                f"no {'final' if run.finished else 'abort'} checkpoint: {busy_drafters} still "
+                f"running after {GIVE_UP_S:.0f} s could be changing the weights; the last "
+                f"periodic checkpoint stands")))
+        if saves and run.replicas and run.step > 0 and not busy_drafters:
+            try:
+                if status == "finished" or run.config.checkpoint.on_abort:
+                    run.save_checkpoint("final" if status == "finished" else "abort",
+                                        self.bus.publish)
+                if status == "finished" and run.config.data.eval_prompts and not failed:
+                    run.evaluate(self.bus.publish)
+            except BaseException as exc:  # noqa: BLE001
+                self._fail(run, error_event(exc, source="engine", role="engine", device="",
+                                            phase="teardown"))
+                status = "failed"
+        if run.advisor is not None:
+            self.bus.untap(run.advisor)
+        # Free the run's memory before anything else can start.
+        run.release()
+        gc.collect()
+        free_cuda_caches()
+        reason = run.failure.message if run.failure is not None else ""
+        self.final_status = status
+        self._set_state(status, reason)
+        self.bus.publish(RunEnded(status=status, step=run.step,
+                                  seconds=time.monotonic() - run.started_at, reason=reason))
+        self.runs_ended += 1
+        self.bus.drain(timeout=5.0)
+        if run.sinks is not None:
+            run.sinks.close()
+            run.sinks = None

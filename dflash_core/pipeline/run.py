@@ -1,0 +1,266 @@
+"""Everything one run owns, made whole when the run starts and dropped whole when it ends (so a
+restart can never see the last run's state), and what the run does at each optimizer step:
+reduce and step, report, checkpoint, evaluate."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from dflash_core.persist import checkpoint as ckpt
+from dflash_core.config import Config
+from dflash_core.data import Prefetcher
+from dflash_core.persist.data_position import DataPosition
+from dflash_core.models.evaluate import evaluate_tau, target_fn_for
+from dflash_core.observe.events import Checkpoint, Error, EvalResult, Log, StepMetrics
+from dflash_core.pipeline.hs_queue import HiddenStateQueue
+from dflash_core.planning.preflight import Prepared
+from dflash_core.observe.sinks.run_sinks import RunSinks
+from dflash_core.pipeline.target_stage import TargetStage
+from dflash_core.models.trainer import DrafterReplica, RateMeter, StepBarrier, reduce_and_step
+from dflash_core.units import GiB
+from dflash_core.observe.watchdog import Heartbeats
+
+DISK_CHECK_S = 60.0  # free space under the run folder is looked at this often while training
+
+
+@dataclass
+class Run:
+    stop: threading.Event = field(default_factory=threading.Event)
+    abort_requested: bool = False
+    failure: Error | None = None
+    finished: bool = False
+    started_at: float = field(default_factory=time.monotonic)
+    heartbeats: Heartbeats = field(default_factory=Heartbeats)  # read by the stall watchdog
+    # Events published before the run folder (and so its sinks) exist; None once handed over.
+    early: list | None = field(default_factory=list)
+
+    # preflight
+    config: Config | None = None
+    sinks: RunSinks | None = None
+    target_devices: list[torch.device] = field(default_factory=list)
+    drafter_devices: list[torch.device] = field(default_factory=list)
+    prep: Prepared | None = None
+    resume: ckpt.LoadedCheckpoint | None = None
+
+    # loading and training
+    threads: list[threading.Thread] = field(default_factory=list)
+    prefetchers: list[Prefetcher] = field(default_factory=list)
+    targets: list[TargetStage] = field(default_factory=list)
+    hs_queue: HiddenStateQueue | None = None
+    position: DataPosition | None = None
+    replicas: list[DrafterReplica] = field(default_factory=list)
+    barrier: StepBarrier | None = None
+    rate: RateMeter = field(default_factory=RateMeter)
+    step: int = 0
+    saved_step: int = -1
+    last_step_t: float = field(default_factory=time.monotonic)
+    last_tau_tf: float | None = None  # teacher-forced tau of the last step
+    best_tau: float | None = None  # exact tau of checkpoints/best (read from it on first use)
+    saved_path: Path | None = None
+    advisor: Any = None  # layout_advice.LayoutAdvisor, a bus tap while the run trains
+    # Several nodes (node_link.NodeLink; None on one node). peer_failed: the run failed because
+    # another node did; this node's weights are those of the last step all took, so node 0
+    # still writes its checkpoint.
+    link: Any = None
+    peer_failed: bool = False
+    _ckpt_bytes: int | None = None
+    _disk_ok: bool | None = None
+    _disk_checked: float = 0.0
+    _disk_warned: bool = False
+
+    @property
+    def total_steps(self) -> int:
+        return self.prep.total_steps if self.prep is not None else 0
+
+    def finish(self) -> None:
+        self.finished = True
+        self.stop.set()
+
+    # -- at each optimizer step (runs in the last drafter thread to reach the barrier) ---------
+    def step_once(self, publish: Callable[[Any], None], on_metrics: Callable[[], None]) -> None:
+        cfg = self.config
+        link = self.link
+        if link is None:
+            if all(r.micro.weight_sum == 0 and r.micro.samples == 0 for r in self.replicas):
+                if self.hs_queue.exhausted():
+                    self.finish()
+                return
+            res = reduce_and_step(self.replicas, self.step, self.total_steps)
+        else:
+            # Every node decides the same from the same summaries (node_link.py).
+            verdict = link.boundary(self)
+            if verdict.stop:
+                return
+            if not verdict.any_work:
+                if verdict.all_exhausted:
+                    link.over = True
+                    self.finish()
+                return
+            res = reduce_and_step(self.replicas, self.step, self.total_steps,
+                                  across=link.across(self))
+        self.step = res.step
+        self.position.commit()
+        if link is not None:
+            link.after_step(self)
+        now = time.monotonic()
+        span = max(now - self.last_step_t, 1e-9)
+        self.last_step_t = now
+        wait, blocked = self.hs_queue.take_waits()
+        tps, sps = self.rate.add(res.tokens, res.samples)
+        self.last_tau_tf = res.tau_tf
+        publish(StepMetrics(
+            step=res.step, epoch=self.position.current_epoch(), loss=res.loss, lr=res.lr,
+            grad_norm=res.grad_norm, tokens_per_s=tps, samples_per_s=sps, tau_tf=res.tau_tf,
+            drafter_wait_frac=min(1.0, wait / (span * len(self.replicas))),
+            target_blocked_frac=min(1.0, blocked / (span * len(self.target_devices))),
+            padding_frac=res.padding_frac, samples=res.samples, total_steps=self.total_steps))
+        on_metrics()
+        self.disk_check(publish)
+        if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
+            self.save_checkpoint("periodic", publish)
+        if cfg.eval.every and self.step % cfg.eval.every == 0:
+            self.evaluate(publish)
+        used_up = verdict.all_exhausted if link is not None else self.hs_queue.exhausted()
+        if self.step >= self.total_steps or used_up:
+            if link is not None:
+                link.over = True  # every node ends at this same step
+            self.finish()
+
+    def checkpoint_bytes(self) -> int:
+        """About what one checkpoint takes on disk: the drafter's weights and its optimizer
+        state (the frozen embedding and head are not saved)."""
+        if self._ckpt_bytes is None:
+            rep = self.replicas[0]
+            weights = sum(p.numel() * p.element_size() for p in rep.drafter.state_dict().values()
+                          if torch.is_tensor(p))
+            optim = sum(t.numel() * t.element_size() for st in rep.optimizer.state.values()
+                        for t in st.values() if torch.is_tensor(t))
+            # before the first step the optimizer holds nothing yet: AdamW keeps two moments
+            self._ckpt_bytes = weights + (optim or 2 * weights)
+        return self._ckpt_bytes
+
+    def disk_check(self, publish: Callable[[Any], None], fresh: bool = False) -> bool:
+        """Whether one more checkpoint fits under the run folder; warns (once until it recovers)
+        while less than two checkpoints' worth is free. Looks at most every DISK_CHECK_S."""
+        now = time.monotonic()
+        if not fresh and self._disk_ok is not None and now - self._disk_checked < DISK_CHECK_S:
+            return self._disk_ok
+        self._disk_checked = now
+        need = self.checkpoint_bytes()
+        free = shutil.disk_usage(self.config.run_dir).free
+        low = free < 2 * need
+        if low and not self._disk_warned:
+            publish(Log(level="warning", source="engine", message=(
+                f"disk nearly full: {free / GiB:.1f} GiB free under {self.config.run_dir}, one "
+                f"checkpoint takes ~{need / GiB:.1f} GiB; free space or move run.output_dir")))
+        self._disk_warned = low
+        self._disk_ok = free >= need
+        return self._disk_ok
+
+    @property
+    def writes_records(self) -> bool:
+        """Checkpoints and evaluations: on one node, or on node 0 of several."""
+        return self.link is None or self.link.lead
+
+    def save_checkpoint(self, reason: str, publish: Callable[[Any], None],
+                        tau: float = -1.0) -> Path | None:
+        if not self.writes_records:
+            return None
+        if not self.replicas or self.saved_step == self.step:
+            return self.saved_path if self.saved_step == self.step else None
+        if not self.disk_check(publish, fresh=True):
+            publish(Log(level="warning", source="engine", message=(
+                f"{reason} checkpoint at step {self.step} skipped: it does not fit in the free "
+                f"space under {self.config.run_dir}; the last good checkpoint stands")))
+            return None
+        cfg = self.config
+        t = time.monotonic()
+        rep = self.replicas[0]
+        epoch, done = self.position.resume_position()
+        self.saved_step = self.step
+        path = self.saved_path = ckpt.save_checkpoint(
+            cfg.run_dir, self.step, drafter_state=rep.drafter.interchange_state(),
+            drafter_config=rep.drafter.interchange_config(),
+            optimizer_state=rep.optimizer.state_dict(), scheduler_state={"step": self.step},
+            trainer_state={"epoch": epoch, "done": done, "total_steps": self.total_steps,
+                           "rng": ckpt.capture_rng_state(),
+                           # absent: one node (checkpoints written before several nodes existed)
+                           **({"nodes": self.link.world} if self.link is not None else {}),
+                           # the epoch plan's order, which "done" refers to (absent: 1, unbalanced)
+                           **({"balance": self.prep.stream.balance} if self.prep is not None
+                              else {})},
+            keep=cfg.checkpoint.keep)
+        if reason == "best":
+            ckpt.mark_best(cfg.run_dir, path, self.step, tau)
+        publish(Checkpoint(step=self.step, path=str(path), seconds=time.monotonic() - t,
+                           reason=reason, tau=tau))
+        return path
+
+    def evaluate(self, publish: Callable[[Any], None]) -> None:
+        """Exact tau on the held-out prompts, with the first target and the first replica."""
+        cfg, prep = self.config, self.prep
+        target = self.targets[0].model if self.targets else None
+        if not self.writes_records:
+            return
+        if not len(prep.eval_indices) or not self.replicas or target is None:
+            return
+        prompts = []
+        for i in prep.eval_indices:
+            ids, mask = prep.dataset.get(int(i))
+            resp = [j for j, m in enumerate(mask) if m]
+            cut = resp[0] if resp and resp[0] > 0 else min(len(ids) - 1, cfg.eval.prompt_tokens)
+            prompts.append([int(x) for x in ids[: min(cut, cfg.eval.prompt_tokens)]])
+        drafter = self.replicas[0].drafter
+        was_training = drafter.training
+        drafter.eval()
+        try:
+            res = evaluate_tau(target_fn_for(target, prep.layer_ids), drafter, prompts,
+                               cfg.eval.max_new_tokens, prep.layer_ids)
+        finally:
+            drafter.train(was_training)
+        publish(EvalResult(step=self.step, tau=res.tau, acceptance=list(res.acceptance),
+                           prompts=len(prompts)))
+        tf = self.last_tau_tf
+        if tf is not None and tf - res.tau > cfg.eval.tau_gap_warn:
+            publish(Log(level="warning", source="eval", message=(
+                f"step {self.step}: exact tau {res.tau:.2f} is {tf - res.tau:.2f} below the "
+                f"teacher-forced {tf:.2f} (eval.tau_gap_warn {cfg.eval.tau_gap_warn}): training "
+                "and serving disagree; check target.layer_ids, drafter.mask_token_id and the "
+                "data's labels")))
+        self._mark_best(res.tau, publish)
+
+    def _mark_best(self, tau: float, publish: Callable[[Any], None]) -> None:
+        """checkpoints/best names the checkpoint with the highest exact tau so far; a better
+        evaluation at a step without a checkpoint saves one for it. Resume still uses the
+        latest."""
+        run_dir = self.config.run_dir
+        if self.best_tau is None:
+            best = ckpt.read_best(run_dir)
+            self.best_tau = float(best["tau"]) if best else float("-inf")
+        if tau <= self.best_tau or self.step == 0:
+            return
+        if self.saved_step == self.step and self.saved_path is not None:
+            ckpt.mark_best(run_dir, self.saved_path, self.step, tau)  # this step's checkpoint
+            publish(Checkpoint(step=self.step, path=str(self.saved_path), seconds=0.0,
+                               reason="best", tau=tau))
+        elif self.save_checkpoint("best", publish, tau=tau) is None:
+            return  # no room on the disk: said by save_checkpoint
+        self.best_tau = tau
+
+    def release(self) -> None:
+        """Drop the run's models, queues and buffers (teardown, after every worker ended)."""
+        for stage in self.targets:
+            stage.model = None
+        self.targets = []
+        self.replicas = []
+        self.prefetchers = []
+        if self.hs_queue is not None:
+            self.hs_queue.clear()
+        self.hs_queue = None

@@ -1,0 +1,171 @@
+"""One target worker: load the frozen target on its GPU, then turn prefetched batches into
+features of the chosen layers and hand them to the drafters through the hidden-state queue.
+
+It reports as it goes: load progress per chunk, its own status (loading, warm-up, running,
+done) and, once a second, tokens/s and the shares of time it was blocked by a full queue or
+starved by an empty prefetcher.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from dflash_core.data import Prefetcher
+from dflash_core.observe.events import (
+    WORKER_DONE, WORKER_LOADING, WORKER_RUNNING, WORKER_WARMUP, LoadProgress, Log, TargetMetrics,
+    WorkerStatus,
+)
+from dflash_core.pipeline.handoff import ready_event
+from dflash_core.pipeline.hs_queue import Handoff, HiddenStateQueue
+from dflash_core.models.target import ForwardInterrupted, LoadInfo, TargetModel, load_target
+from dflash_core.observe.watchdog import Heartbeats
+from dflash_core.pipeline.workers import POLL_S, Stopped, UpstreamFailed, use_device
+
+METRICS_EVERY_S = 1.0
+
+
+class TargetStage:
+    def __init__(self, rank: int, device: torch.device, label: str, *, target_path: Path,
+                 dtype: str, attn_implementation: str, layer_ids: list[int],
+                 prefetcher: Prefetcher, hs_queue: HiddenStateQueue,
+                 publish: Callable[[Any], None], stop: threading.Event,
+                 heartbeats: Heartbeats | None = None):
+        self.rank, self.device, self.label = rank, device, label
+        self.name = f"target-{rank}"
+        self.target_path, self.layer_ids = target_path, layer_ids
+        # Targets run in the configured dtype on GPUs; CPU kernels want float32.
+        self.dtype = dtype if device.type == "cuda" else "float32"
+        self.attn_implementation = attn_implementation
+        self.prefetcher, self.hs_queue = prefetcher, hs_queue
+        self.publish, self.stop = publish, stop
+        self.heartbeats = heartbeats or Heartbeats()
+        self.model: TargetModel | None = None
+        self.loaded = threading.Event()
+        self.splits = 1  # row groups per forward; doubled after an out-of-memory error
+
+    def _status(self, status: str, detail: str = "") -> None:
+        self.publish(WorkerStatus(worker=self.name, role="target", device=self.label,
+                                  status=status, detail=detail))
+
+    def run(self) -> None:
+        use_device(self.device)
+        if self.device.type == "cuda":
+            # Its own stream (a per-thread setting): on a GPU it shares with a drafter, its
+            # forwards neither queue behind the drafter's step nor hold up the drafter's
+            # collectives and copies, and the two can overlap.
+            torch.cuda.set_stream(torch.cuda.Stream(self.device))
+        self._status(WORKER_LOADING)
+        self.model = load_target(self.target_path, device=self.device, dtype=self.dtype,
+                                 attn_implementation=self.attn_implementation,
+                                 progress=self._progress, stop=self.stop)
+        self.loaded.set()
+        self._status(WORKER_WARMUP, "first forward (kernel compilation)")
+        self._forward_loop()
+        self.hs_queue.producer_done()
+        self._status(WORKER_DONE)
+
+    def _progress(self, info: LoadInfo) -> None:
+        self.heartbeats.beat("loading weights")
+        self.publish(LoadProgress(
+            worker=self.name, device=self.label, bytes_loaded=info.bytes_loaded,
+            bytes_total=info.bytes_total, shards_loaded=info.shards_loaded,
+            shards_total=info.shards_total, seconds=info.seconds, done=info.done,
+            memory_after=info.memory_after))
+
+    def _next_batch(self):
+        """The next prefetched batch; None when the data is exhausted or the run stops."""
+        while not self.stop.is_set():
+            try:
+                batch = self.prefetcher.get(timeout=POLL_S)
+            except BaseException as exc:
+                # The loader thread failed: name it, not this target.
+                raise UpstreamFailed(f"loader-{self.rank}", "loader", exc) from exc
+            if batch is not None:
+                return batch
+            self.heartbeats.beat("waiting for data")
+            if self.prefetcher.exhausted:
+                return None
+        return None
+
+    def _check_ids(self, batch) -> None:
+        """Token ids outside the target's vocabulary are the data's fault (it was tokenized for
+        another model): say so, naming the samples, instead of an embedding's IndexError."""
+        vocab = self.model.vocab_size
+        top, low = int(batch.input_ids.max()), int(batch.input_ids.min())
+        if top < vocab and low >= 0:
+            return
+        from dflash_core.data import DataError
+        bad = [i for i, row in zip(batch.indices, batch.input_ids)
+               if int(row.max()) >= vocab or int(row.min()) < 0]
+        raise DataError(
+            f"token id {top if top >= vocab else low} is outside the target's vocabulary "
+            f"(0..{vocab - 1}) in samples {bad[:8]} of data.path",
+            hint="the data was tokenized with another tokenizer than the target's: re-tokenize "
+                 "it with target.path's tokenizer, or set target.path to the model it was made "
+                 "for")
+
+    def _features(self, batch) -> torch.Tensor:
+        """The batch's features, in ``self.splits`` row groups. An out-of-memory error doubles
+        the split (kept for the rest of the run) and runs the same batch again; only a batch of
+        one row that still does not fit fails the run."""
+        while True:
+            oom = ""
+            try:
+                return self._features_split(batch, self.splits)
+            except torch.OutOfMemoryError as exc:
+                oom = str(exc).splitlines()[0] if str(exc) else "out of memory"
+                if self.splits >= len(batch.input_ids):
+                    raise
+            # Outside the except block: the forward's activations held by the traceback are
+            # freed before the cache is emptied.
+            old, self.splits = self.splits, min(self.splits * 2, len(batch.input_ids))
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            self.publish(Log(level="warning", source=self.name, message=(
+                f"{self.name}: out of memory in a forward of {len(batch.input_ids)} sequences "
+                f"split {old} way(s); now split {self.splits} ways, batch retried ({oom})")))
+
+    def _features_split(self, batch, splits: int) -> torch.Tensor:
+        if splits == 1:
+            return self.model.features(batch.input_ids, batch.attention_mask, self.layer_ids,
+                                       stop=self.stop)
+        # Right-padded rows are independent: each group gives the same features it would give
+        # inside the whole batch.
+        parts = [self.model.features(ids, mask, self.layer_ids, stop=self.stop)
+                 for ids, mask in zip(batch.input_ids.tensor_split(splits),
+                                      batch.attention_mask.tensor_split(splits))]
+        return torch.cat(parts)
+
+    def _forward_loop(self) -> None:
+        batches, tokens, blocked, starved = 0, 0, 0.0, 0.0
+        window_t0 = time.monotonic()
+        while not self.stop.is_set():
+            t = time.monotonic()
+            batch = self._next_batch()
+            starved += time.monotonic() - t
+            if batch is None:
+                break
+            self.heartbeats.beat("forward")
+            self._check_ids(batch)
+            try:
+                feats = self._features(batch)
+            except ForwardInterrupted:
+                raise Stopped() from None
+            if batches == 0:
+                self._status(WORKER_RUNNING)
+            blocked += self.hs_queue.put(Handoff(batch, feats, ready_event(feats)))
+            batches += 1
+            tokens += batch.num_tokens
+            now = time.monotonic()
+            if now - window_t0 >= METRICS_EVERY_S:
+                span = now - window_t0
+                self.publish(TargetMetrics(worker=self.name, device=self.label, batches=batches,
+                                           tokens_per_s=tokens / span,
+                                           blocked_frac=blocked / span,
+                                           starved_frac=starved / span))
+                tokens, blocked, starved, window_t0 = 0, 0.0, 0.0, now

@@ -1,0 +1,240 @@
+"""Preflight: everything that can be checked before tens of GB of weights load.
+
+Devices, disk space, wandb settings against the installed wandb, the target folder and its layer
+ids and mask id, the data shards and their batch plan, and the memory plan per GPU. Any problem is
+a ConfigError / DataError naming the key or file and the fix, raised before a single weight loads.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from dflash_core.persist.build_cache import Progress
+from dflash_core.config import Config, ConfigError, key_value, set_key_value
+from dflash_core.observe.events import Event, Log, MemoryPlan
+from dflash_core.models.model_shape import model_shape
+from dflash_core.units import GiB
+
+MIN_FREE_DISK = 1 * GiB  # below this a checkpoint may not fit: refuse rather than fail later
+
+
+def resolve_devices(cfg: Config) -> tuple[list[torch.device], list[torch.device]]:
+    """Target and drafter devices; on CPU every worker is a logical one on the same device."""
+    kind = cfg.layout.device
+    if kind == "auto":
+        kind = "cuda" if torch.cuda.is_available() else "cpu"
+    if kind == "cpu":
+        return ([torch.device("cpu")] * len(cfg.layout.targets),
+                [torch.device("cpu")] * len(cfg.layout.drafters))
+    if not torch.cuda.is_available():
+        raise ConfigError("layout.device", "cuda requested but no CUDA device is visible",
+                          hint="set layout.device: cpu, or check CUDA_VISIBLE_DEVICES")
+    n = torch.cuda.device_count()
+    for key, ids in (("layout.targets", cfg.layout.targets),
+                     ("layout.drafters", cfg.layout.drafters)):
+        bad = [i for i in ids if not 0 <= i < n]
+        if bad:
+            raise ConfigError(key, f"GPU(s) {bad} not present; this machine has {n} "
+                              f"(0..{n - 1})", hint=f"use GPU indices 0..{n - 1} in {key}")
+    return ([torch.device(f"cuda:{i}") for i in cfg.layout.targets],
+            [torch.device(f"cuda:{i}") for i in cfg.layout.drafters])
+
+
+def device_label(dev: torch.device, i: int) -> str:
+    return f"cuda:{dev.index}" if dev.type == "cuda" else f"cpu:{i}"
+
+
+@dataclass
+class Prepared:
+    """What preflight found, for the run to use."""
+
+    target_path: Path
+    layer_ids: list[int]
+    mask_id: int
+    dataset: Any  # data.ShardedDataset
+    eval_indices: np.ndarray
+    stream: Any  # data.BatchStream
+    total_steps: int
+    fitted: dict = field(default_factory=dict)  # sizes layout.auto_fit lowered {key: new value}
+
+
+def prepare(cfg: Config, run_dir: Path, tdev: list[torch.device], ddev: list[torch.device], *,
+            publish: Callable[[Event], None], demo_progress: Callable[[str], Progress],
+            nodes: int = 1) -> Prepared:
+    """``nodes``: the nodes of the run, each with the drafters of ``ddev`` (the steps of the
+    plan count every node's drafters)."""
+    from dflash_core.data import BatchStream, ShardedDataset, split_eval
+    from dflash_core.models.trainer import total_steps_for
+
+    free = shutil.disk_usage(run_dir).free
+    if free < MIN_FREE_DISK:
+        raise ConfigError("run.output_dir", f"only {free / GiB:.2f} GiB free in {run_dir}",
+                          hint="free disk space or point run.output_dir elsewhere")
+    if cfg.wandb.enabled:
+        from dflash_core.observe.sinks.wandb_sink import validate_wandb_settings
+        validate_wandb_settings(cfg.wandb.settings)
+
+    target_path = _resolve_target(cfg, run_dir, demo_progress)
+    hf_config = _read_target_config(target_path)
+    layer_ids, mask_id = _check_target(cfg, hf_config)
+    # Before the data is planned: layout.auto_fit may lower data.token_budget.
+    fitted = check_memory(cfg, hf_config, tdev, ddev, publish)
+
+    data_path = _resolve_data(cfg, target_path, demo_progress)
+    dataset = ShardedDataset.open(data_path)
+    n_eval = min(cfg.data.eval_prompts, max(0, len(dataset) - 1))
+    _, eval_indices = split_eval(len(dataset), n_eval, cfg.run.seed)
+    stream = BatchStream.from_config(dataset, cfg.data, seed=cfg.run.seed,
+                                     epochs=cfg.optim.epochs, exclude=eval_indices,
+                                     step_batches=len(ddev) * nodes * cfg.optim.grad_accum,
+                                     anchors=cfg.drafter.num_anchors)
+    if stream.batches_per_epoch == 0:
+        raise ConfigError("data.path", f"no trainable batch in {data_path}",
+                          hint="the data needs samples of 2+ tokens")
+    total_steps = total_steps_for(cfg, stream.batches_per_epoch, len(ddev) * nodes)
+    return Prepared(target_path, layer_ids, mask_id, dataset, eval_indices, stream, total_steps,
+                    fitted)
+
+
+def _read_target_config(target_path: Path) -> dict:
+    """The target's config.json; a malformed one is target.path's fault, named as such."""
+    path = target_path / "config.json"
+    try:
+        hf_config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ConfigError("target.path", f"{path} cannot be read as JSON: {exc}",
+                          hint="restore the model folder's config.json (e.g. download the model "
+                               "again), or set target.path to an intact model folder") from exc
+    if not isinstance(hf_config, dict):
+        raise ConfigError("target.path", f"{path} holds a {type(hf_config).__name__}, not a "
+                          "model config (a JSON object)", hint="set target.path to a model folder")
+    return hf_config
+
+
+def _check_target(cfg: Config, hf_config: dict) -> tuple[list[int], int]:
+    from dflash_core.models.target import default_layer_ids
+
+    try:
+        shape = model_shape(hf_config)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError("target.path", f"the target's config.json: {exc}",
+                          hint="set target.path to a dense causal LM folder with a complete "
+                               "config.json (hidden_size, num_hidden_layers, heads, vocab_size)"
+                          ) from exc
+    n_layers, vocab = shape.layers, shape.vocab
+    _check_drafter_heads(cfg, hf_config)
+    layer_ids = cfg.target.layer_ids or default_layer_ids(n_layers, cfg.target.num_features)
+    if len(set(layer_ids)) != len(layer_ids):
+        raise ConfigError("target.layer_ids", f"{layer_ids} repeats a layer: the target has only "
+                          f"{n_layers} layers for {len(layer_ids)} features",
+                          hint="set target.num_features lower or list distinct target.layer_ids")
+    bad = [i for i in layer_ids if i >= n_layers]
+    if bad:
+        raise ConfigError("target.layer_ids", f"{bad} out of range: the target has {n_layers} "
+                          f"layers (0..{n_layers - 1})", hint="fix target.layer_ids or leave it empty")
+    mask_id = cfg.drafter.mask_token_id if cfg.drafter.mask_token_id >= 0 else vocab - 1
+    if mask_id >= vocab:
+        raise ConfigError("drafter.mask_token_id", f"{mask_id} >= vocab size {vocab}",
+                          hint="use an id inside the target vocabulary")
+    return layer_ids, mask_id
+
+
+def _check_drafter_heads(cfg: Config, hf_config: dict) -> None:
+    """Head counts the drafter cannot be built with (its attention groups query heads by key /
+    value head), refused with the keys that set them."""
+    text = hf_config.get("text_config") or hf_config
+    d = cfg.drafter
+    heads = d.num_attention_heads or text.get("num_attention_heads") or 0
+    kv = d.num_key_value_heads or text.get("num_key_value_heads") or heads
+    if heads and kv and heads % kv:
+        raise ConfigError(
+            "drafter.num_key_value_heads" if d.num_key_value_heads else
+            "drafter.num_attention_heads",
+            f"the drafter would have {heads} attention heads and {kv} key/value heads: the "
+            "heads must be a multiple of the key/value heads",
+            hint="set drafter.num_attention_heads and drafter.num_key_value_heads so that the "
+                 "first is a multiple of the second (0 = the target's)")
+    if d.init_from and not all((Path(d.init_from).expanduser() / f).is_file()
+                               for f in ("config.json", "model.safetensors")):
+        raise ConfigError("drafter.init_from", f"{d.init_from} is not a drafter checkpoint "
+                          "folder (config.json and model.safetensors)",
+                          hint="point drafter.init_from at a checkpoint folder, e.g. "
+                               "runs/NAME/checkpoints/step-N, or leave it empty")
+
+
+def _resolve_target(cfg: Config, run_dir: Path, demo_progress) -> Path:
+    if cfg.target.path == "builtin:tiny":
+        from dflash_core import demo
+        demo.ensure_tiny_target(progress=demo_progress("demo target"))
+        return demo.install_target(run_dir)
+    path = Path(cfg.target.path).expanduser()
+    if not (path / "config.json").is_file():
+        raise ConfigError("target.path", f"{path} is not a model folder (no config.json)",
+                          hint="set target.path to a local folder with config.json and "
+                          "*.safetensors")
+    return path
+
+
+def _resolve_data(cfg: Config, target_path: Path, demo_progress) -> Path:
+    if cfg.data.path == "builtin:demo":
+        from dflash_core import demo
+        return demo.ensure_demo_data(target_path, progress=demo_progress("demo data"))
+    return Path(cfg.data.path).expanduser()
+
+
+def check_memory(cfg: Config, hf_config: dict, tdev, ddev, publish) -> dict[str, int]:
+    """Publish the memory plan; refuse a run that cannot fit, naming the key the plan picks and
+    the sizes that would fit. With layout.auto_fit, lower those sizes in ``cfg`` instead and
+    return what was changed ({key: new value})."""
+    from dflash_core.planning.memory import fit_sizes, plan_memory
+    from dflash_core.planning.memory_report import format_overflow, format_plan
+
+    free, total = {}, {}
+    limit = int(cfg.layout.gpu_memory_gib * GiB)
+    for d in set(tdev) | set(ddev):
+        if d.type == "cuda":
+            f, t = torch.cuda.mem_get_info(d)
+            if limit:  # a rehearsed smaller card: plan for what the process will be allowed
+                f, t = min(f, limit), min(t, limit)
+            free[f"cuda:{d.index}"], total[f"cuda:{d.index}"] = f, t
+    plan = plan_memory(cfg, hf_config, free or None, total or None)
+    sizes = fit_sizes(cfg, hf_config, free or None, total or None) if not plan.fits else {}
+    if sizes and cfg.layout.auto_fit:
+        was = {key: key_value(cfg, key) for key in sizes}
+        for key, value in sizes.items():
+            set_key_value(cfg, key, value)
+        publish(Log(level="warning", source="preflight", message=(
+            "memory plan: lowered " + ", ".join(f"{k} {was[k]} -> {v}" for k, v in sizes.items())
+            + " to fit (layout.auto_fit)")))
+        plan = plan_memory(cfg, hf_config, free or None, total or None)
+    publish(MemoryPlan(rows=plan.to_event_rows(), fits=plan.fits))
+    if not plan.fits:
+        hint = "; ".join(format_overflow(o) for o in plan.overflows)
+        if sizes:
+            hint += ("; these sizes fit: " + ", ".join(f"{k}: {v}" for k, v in sizes.items())
+                     + " (or set layout.auto_fit: true to pick them)")
+        raise ConfigError(plan.key or "data.token_budget",
+                          "the memory plan does not fit:\n" + format_plan(plan), hint=hint)
+    return sizes if cfg.layout.auto_fit else {}
+
+
+def demo_log_progress(publish: Callable[[Event], None], stop_check: Callable[[], None]):
+    """Progress callbacks for building the demo assets: a Log line every 10%."""
+    def for_what(what: str) -> Progress:
+        last = [-1.0]
+
+        def report(fraction: float, message: str = "") -> None:
+            stop_check()
+            if fraction - last[0] >= 0.1 or fraction >= 1.0:
+                last[0] = fraction
+                publish(Log(level="info", source="demo",
+                            message=f"{what}: {fraction:.0%} {message}".rstrip()))
+        return report
+    return for_what

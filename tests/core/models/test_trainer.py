@@ -1,0 +1,132 @@
+"""Drafter replicas and their optimizer step (trainer.py), on a tiny random target on CPU."""
+
+import copy
+
+import pytest
+import torch
+
+from dflash_core.data import BatchStream, ShardedDataset
+from dflash_core.models.drafter import DFlashDrafter, build_drafter_config
+from dflash_core.models.target import default_layer_ids, load_target
+from dflash_core.models.trainer import STATS, make_replicas, prepare_batch, reduce_and_step
+
+from ..engine_fixtures import VOCAB, assets, make_config  # noqa: F401 - assets is a fixture
+
+
+def head_copies(tm):
+    embed = torch.nn.Embedding.from_pretrained(tm.embed_tokens.weight.detach().clone(), freeze=True)
+    head = torch.nn.Linear(tm.hidden_size, tm.vocab_size, bias=False)
+    head.weight = torch.nn.Parameter(tm.lm_head.weight.detach().clone(), requires_grad=False)
+    return embed, head
+
+
+def test_two_drafter_replicas_step_like_one_drafter_on_both_batches(tmp_path, assets):
+    cfg, tm, batches, feats, init = _setup(tmp_path, assets)
+    assert len(batches) == 2 and batches[0].indices != batches[1].indices
+    before = {k: v.clone() for k, v in init.state_dict().items()}
+    cpu = torch.device("cpu")
+
+    # Two replicas, one batch each.
+    pair = make_replicas(copy.deepcopy(init), [cpu, cpu], cfg, *head_copies(tm))
+    pair[0].accumulate(batches[0], feats[0], cfg.run.seed)
+    pair[1].accumulate(batches[1], feats[1], cfg.run.seed)
+    res_pair = reduce_and_step(pair, 0, 10)
+
+    # One replica, both batches accumulated (grad_accum 2).
+    (single,) = make_replicas(copy.deepcopy(init), [cpu], cfg, *head_copies(tm))
+    single.accumulate(batches[0], feats[0], cfg.run.seed)
+    single.accumulate(batches[1], feats[1], cfg.run.seed)
+    res_single = reduce_and_step([single], 0, 10)
+
+    assert res_pair.loss == pytest.approx(res_single.loss, rel=1e-5)
+    assert res_pair.grad_norm == pytest.approx(res_single.grad_norm, rel=1e-4)
+    assert res_pair.samples == res_single.samples == len(batches[0]) + len(batches[1])
+    w_single = single.drafter.state_dict()
+    moved = False
+    for rep in pair:
+        w = rep.drafter.state_dict()
+        for name, value in w_single.items():
+            torch.testing.assert_close(w[name], value, rtol=1e-5, atol=1e-6)
+            if name in before and not torch.allclose(before[name], value):
+                moved = True
+    assert moved, "the optimizer step changed no weight: the comparison would prove nothing"
+
+
+def drafter_setup(cfg, target, data, n_batches: int, device="cpu", dtype="float32"):
+    """The target loaded on ``device``, the first batches of the data, their features and a
+    fresh one-layer drafter (seeded) of the target's shape: what a trainer test steps on."""
+    tm = load_target(target, device=device, dtype=dtype)
+    layer_ids = default_layer_ids(tm.num_layers, cfg.target.num_features)
+    stream = BatchStream.from_config(ShardedDataset.open(data), cfg.data, seed=1, epochs=1)
+    batches = list(stream.iter_batches())[:n_batches]
+    feats = [tm.features(b.input_ids.to(device), b.attention_mask.to(device), layer_ids)
+             for b in batches]
+    dcfg = build_drafter_config(tm.model.config, num_layers=1, target_layer_ids=layer_ids,
+                                block_size=4, mask_token_id=VOCAB - 1)
+    torch.manual_seed(0)
+    return tm, batches, feats, DFlashDrafter(dcfg)
+
+
+def _setup(tmp_path, assets, n_batches=2):
+    target, data = assets
+    cfg = make_config(tmp_path, target, data)
+    return (cfg, *drafter_setup(cfg, target, data, n_batches))
+
+
+def test_gradients_accumulate_into_the_flat_buffer_one_reduction_sums(tmp_path, assets):
+    cfg, tm, batches, feats, init = _setup(tmp_path, assets)
+    (rep,) = make_replicas(init, [torch.device("cpu")], cfg, *head_copies(tm))
+    rep.accumulate(batches[0], feats[0], cfg.run.seed)
+    lo, hi = rep.flat.data_ptr(), rep.flat.data_ptr() + rep.grad_numel * 4
+    for p in rep.params():
+        assert lo <= p.grad.data_ptr() < hi, "a gradient left the flat buffer: not reduced"
+    assert rep.grads.abs().sum() > 0
+    assert torch.equal(torch.cat([p.grad.reshape(-1) for p in rep.params()]), rep.grads)
+
+
+def test_loader_made_anchors_and_labels_train_like_the_drafters_own(tmp_path, assets):
+    # The loader thread prepares each batch's anchors and labels; the step must be the same as
+    # when the drafter makes them itself (an older or foreign batch).
+    cfg, tm, batches, feats, init = _setup(tmp_path, assets, 1)
+    cpu = torch.device("cpu")
+    prepared = prepare_batch(batches[0], cfg.drafter.num_anchors, 4, cfg.run.seed)
+    assert prepared.labels.shape[:2] == prepared.anchors.shape and prepared.labels.shape[2] == 4
+    results = []
+    for batch in (batches[0], prepared):
+        (rep,) = make_replicas(copy.deepcopy(init), [cpu], cfg, *head_copies(tm))
+        rep.accumulate(batch, feats[0], cfg.run.seed)
+        results.append((reduce_and_step([rep], 0, 10), rep.drafter.state_dict()))
+    (a, wa), (b, wb) = results
+    assert a.loss == b.loss and a.grad_norm == b.grad_norm and a.tau_tf == b.tau_tf
+    for k in wa:
+        assert torch.equal(wa[k], wb[k])
+
+
+class Doubling:
+    """A stand-in for a second node that saw exactly the same batches."""
+
+    def __init__(self):
+        self.calls = []
+
+    def all_reduce_(self, buf):
+        self.calls.append(buf.numel())
+        buf.mul_(2)
+
+
+def test_a_step_reduces_across_nodes_once_with_its_statistics(tmp_path, assets):
+    cfg, tm, batches, feats, init = _setup(tmp_path, assets, 1)
+    cpu = torch.device("cpu")
+    runs = []
+    for across in (None, Doubling()):
+        pair = make_replicas(copy.deepcopy(init), [cpu, cpu], cfg, *head_copies(tm))
+        for rep in pair:
+            rep.accumulate(batches[0], feats[0], cfg.run.seed)
+        runs.append((reduce_and_step(pair, 0, 10, across=across), pair, across))
+    (one, pair1, _), (two, pair2, across) = runs
+    assert across.calls == [pair2[0].grad_numel + len(STATS)]
+    # Twice the same samples over twice the weight: same loss, gradient and weights; counts double.
+    assert two.loss == pytest.approx(one.loss, rel=1e-6)
+    assert two.grad_norm == pytest.approx(one.grad_norm, rel=1e-5)
+    assert two.samples == 2 * one.samples and two.tokens == 2 * one.tokens
+    for p, q in zip(pair1[0].params(), pair2[1].params()):
+        torch.testing.assert_close(p, q)

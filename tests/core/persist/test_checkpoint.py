@@ -1,0 +1,212 @@
+import errno
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import safetensors.torch
+import torch
+
+from dflash_core.persist.checkpoint import (
+    FILES, CheckpointError, capture_rng_state, checkpoint_step, latest_checkpoint,
+    list_checkpoints, load_checkpoint, restore_rng_state, save_checkpoint,
+)
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def _save(run_dir, step, keep=3, fill=None, **extra):
+    value = float(step if fill is None else fill)
+    state = {"fc.weight": torch.full((8, 4), value), "norm.weight": torch.full((4,), value)}
+    args = dict(drafter_state=state, drafter_config={"architectures": ["DFlashDraftModel"],
+                                                     "value": value},
+                optimizer_state={}, scheduler_state={}, trainer_state={"value": value}, keep=keep)
+    args.update(extra)
+    return save_checkpoint(run_dir, step, **args)
+
+
+def _draws():
+    return (random.random(), np.random.rand(3).tolist(), torch.rand(3).tolist(),
+            torch.randint(0, 1000, (4,)).tolist())
+
+
+def test_round_trip_and_rng(tmp_path):
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5)
+    random.gauss(0, 1)  # leaves a cached gaussian in python's state
+    rng = capture_rng_state()
+    expected = _draws()
+    drafter = {"fc.weight": torch.randn(3, 4).t(),  # non-contiguous on purpose
+               "layers.0.mlp.up_proj.weight": torch.randn(5, 2, dtype=torch.bfloat16)}
+    config = {"architectures": ["DFlashDraftModel"], "num_target_layers": 36,
+              "dflash_config": {"target_layer_ids": [1, 9], "block_size": 16, "mask_token_id": 7}}
+    trainer = {"epoch": 1, "position": 123, "order": torch.arange(5), "rng": rng}
+    path = save_checkpoint(tmp_path, 42, drafter_state=drafter, drafter_config=config,
+                           optimizer_state=opt.state_dict(), scheduler_state=sched.state_dict(),
+                           trainer_state=trainer, keep=2)
+    assert path == tmp_path / "checkpoints" / "step-42"
+    assert sorted(p.name for p in path.iterdir()) == sorted(FILES)
+    # The weights are plain interchange format, readable without this package.
+    assert set(safetensors.torch.load_file(str(path / "model.safetensors"))) == set(drafter)
+
+    _draws()  # move every generator on
+    ck = load_checkpoint(path)
+    assert ck.step == 42 and ck.drafter_config == config
+    for k, v in drafter.items():
+        assert torch.equal(ck.drafter_state[k], v)
+    assert ck.trainer_state["position"] == 123
+    assert torch.equal(ck.trainer_state["order"], torch.arange(5))
+    assert ck.scheduler_state == sched.state_dict()
+    opt2 = torch.optim.AdamW(torch.nn.Linear(4, 3).parameters(), lr=1e-3)
+    opt2.load_state_dict(ck.optimizer_state)
+    assert torch.equal(opt2.state_dict()["state"][0]["exp_avg"],
+                       opt.state_dict()["state"][0]["exp_avg"])
+    restore_rng_state(ck.trainer_state["rng"])
+    assert _draws() == expected
+
+
+def test_keep_pruning_and_replace(tmp_path):
+    for step in range(1, 6):
+        _save(tmp_path, step, keep=2)
+    assert [checkpoint_step(p) for p in list_checkpoints(tmp_path)] == [4, 5]
+    _save(tmp_path, 5, keep=2, fill=99)  # same step again (e.g. abort right after resume)
+    assert load_checkpoint(latest_checkpoint(tmp_path)).trainer_state["value"] == 99
+    _save(tmp_path, 2, keep=2)  # the folder just written is never pruned
+    assert [checkpoint_step(p) for p in list_checkpoints(tmp_path)] == [2, 4, 5]
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith(".")] == []
+
+
+def test_latest_ignores_tmp_and_incomplete(tmp_path):
+    assert latest_checkpoint(tmp_path) is None
+    _save(tmp_path, 2)
+    root = tmp_path / "checkpoints"
+    (root / ".tmp-step-9-12345").mkdir()
+    for name in FILES:
+        (root / ".tmp-step-9-12345" / name).write_bytes(b"x")
+    (root / "step-8").mkdir()
+    (root / "step-8" / "config.json").write_text("{}")
+    (root / "notes").mkdir()
+    assert latest_checkpoint(tmp_path) == root / "step-2"
+    with pytest.raises(CheckpointError, match="incomplete"):
+        load_checkpoint(root / "step-8")
+    _save(tmp_path, 3)  # cleans stale tmp folders of dead processes
+    assert not (root / ".tmp-step-9-12345").exists()
+
+
+def test_crash_while_replacing_keeps_the_old_copy(tmp_path):
+    _save(tmp_path, 1)
+    _save(tmp_path, 2, fill=7)
+    root = tmp_path / "checkpoints"
+    # As if a save of step 2 died after moving the old step-2 aside, before the new one landed.
+    os.rename(root / "step-2", root / ".old-step-2-999999")
+    (root / ".tmp-step-2-999999").mkdir()
+    latest = latest_checkpoint(tmp_path)
+    assert checkpoint_step(latest) == 2 and load_checkpoint(latest).trainer_state["value"] == 7
+    _save(tmp_path, 3)  # the next save puts it back under its name
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-1", "step-2", "step-3"]
+    assert load_checkpoint(root / "step-2").trainer_state["value"] == 7
+
+
+@pytest.mark.parametrize("exc", [
+    OSError(errno.ENOSPC, "No space left on device"),
+    # safetensors wraps I/O errors in its own exception type
+    Exception("Error while serializing: I/O error: No space left on device (os error 28)"),
+])
+def test_write_failure_leaves_nothing(tmp_path, monkeypatch, exc):
+    _save(tmp_path, 1)
+
+    def full_disk(*args, **kwargs):
+        raise exc
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    with pytest.raises(CheckpointError) as err:
+        _save(tmp_path, 2)
+    assert isinstance(err.value, OSError) and err.value.error_kind == "io"
+    assert err.value.errno == errno.ENOSPC and "free disk space" in err.value.hint
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-1"]
+    assert load_checkpoint(latest_checkpoint(tmp_path)).step == 1
+
+
+def test_unpicklable_state_refused_before_writing(tmp_path):
+    with pytest.raises(TypeError, match="weights_only"):
+        _save(tmp_path, 1, trainer_state={"rng": np.random.get_state()})
+    assert not (tmp_path / "checkpoints").exists()
+
+
+# One python process imports torch once, then forks a writer per round (a fresh interpreter per
+# kill would spend seconds importing torch). The writer saves ~4 MiB checkpoints in a loop, every
+# tensor holding its step number; it first re-saves the latest step (the replace path).
+ZYGOTE = """
+import os, sys, torch
+from dflash_core.persist.checkpoint import checkpoint_step, latest_checkpoint, save_checkpoint
+run_dir = sys.argv[1]
+print("ready", flush=True)
+for _ in sys.stdin:
+    pid = os.fork()
+    if pid == 0:
+        last = latest_checkpoint(run_dir)
+        step = checkpoint_step(last) if last else 1
+        while True:
+            v = float(step)
+            save_checkpoint(
+                run_dir, step,
+                drafter_state={f"w{i}": torch.full((256, 1024), v) for i in range(4)},
+                drafter_config={"step": step}, optimizer_state={"m": torch.full((4096,), v)},
+                scheduler_state={"last_epoch": step}, trainer_state={"step": step}, keep=3)
+            step += 1
+    print(pid, flush=True)
+    print(os.waitpid(pid, 0)[1], flush=True)  # reaped: the writer is gone before the check
+"""
+
+
+def _check_consistent(run_dir):
+    root = Path(run_dir) / "checkpoints"
+    for folder in root.glob("step-*"):
+        assert all((folder / name).is_file() for name in FILES), f"{folder} is missing files"
+    latest = latest_checkpoint(run_dir)
+    assert latest is not None
+    ck = load_checkpoint(latest)
+    step = checkpoint_step(latest)
+    assert ck.step == step and ck.drafter_config == {"step": step}
+    assert ck.scheduler_state == {"last_epoch": step} and ck.trainer_state == {"step": step}
+    assert torch.all(ck.optimizer_state["m"] == step)
+    assert len(ck.drafter_state) == 4
+    assert all(torch.all(t == step) for t in ck.drafter_state.values())
+    return step
+
+
+def test_sigkill_never_leaves_a_half_checkpoint(tmp_path):
+    rng = random.Random(1234)
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    zygote = subprocess.Popen([sys.executable, "-c", ZYGOTE, str(tmp_path)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, env=env, cwd=REPO, text=True)
+    steps = []
+    try:
+        assert zygote.stdout.readline().strip() == "ready"
+        for _ in range(6):
+            zygote.stdin.write("go\n")
+            zygote.stdin.flush()
+            writer = int(zygote.stdout.readline())
+            time.sleep(rng.uniform(0.05, 0.5))
+            deadline = time.monotonic() + 20  # at least one save has landed before the kill
+            while latest_checkpoint(tmp_path) is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+            os.kill(writer, signal.SIGKILL)
+            assert int(zygote.stdout.readline()) == signal.SIGKILL  # wait status: killed
+            steps.append(_check_consistent(tmp_path))
+    finally:
+        zygote.kill()
+        zygote.wait(10)
+    assert steps == sorted(steps) and steps[-1] > 1, steps
+    # The next save cleans whatever the killed writers left behind.
+    _save(tmp_path, steps[-1] + 1, keep=3)
+    leftovers = [p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith(".")]
+    assert leftovers == []

@@ -1,0 +1,90 @@
+"""What a run does at its steps that keeps a long run from being lost: a NaN loss stops it with
+the last good checkpoint kept, and a filling disk is warned about before a checkpoint cannot fit."""
+
+import math
+from collections import namedtuple
+
+import torch
+
+from dflash_core.persist import checkpoint as ckpt
+from dflash_core.models import objective
+from dflash_core.pipeline import run as run_mod
+from dflash_core.observe.events import Checkpoint, Error, Log, StepMetrics
+
+from ..engine_fixtures import assets, make_config, run_config  # noqa: F401 - assets is a fixture
+
+
+def test_a_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, assets,
+                                                                    monkeypatch):
+    calls = []
+    original = objective.chunked_loss
+
+    def poisoned(*args, **kwargs):
+        out = original(*args, **kwargs)
+        calls.append(1)
+        if len(calls) > 4:  # from the 5th micro-group on (step 5 with one group a step)
+            out.loss = out.loss * float("nan")
+        return out
+
+    monkeypatch.setattr(objective, "chunked_loss", poisoned)
+    target, data = assets
+    cfg = make_config(tmp_path, target, data, run__max_steps=8, data__eval_prompts=0,
+                      checkpoint__every=2, drafter__micro_block_tokens=1 << 20)
+    end, rec = run_config(cfg)
+    assert end.status == "failed"
+    assert [m.step for m in rec.of(StepMetrics)] == [1, 2, 3, 4]
+    (err,) = [e for e in rec.of(Error) if e.fatal]
+    assert err.error_kind == "data" and "the loss is nan at step 5" in err.message
+    assert "samples (data indices):" in err.message and "last checkpoint stands" in err.hint
+    assert [c.step for c in rec.of(Checkpoint)] == [2, 4]  # nothing saved after the NaN
+    latest = ckpt.load_checkpoint(ckpt.latest_checkpoint(cfg.run_dir))
+    assert latest.step == 4
+    assert all(torch.isfinite(t).all() for t in latest.drafter_state.values())
+
+
+Usage = namedtuple("Usage", "total used free")
+
+
+def test_a_checkpoint_that_cannot_fit_is_skipped_and_said_so(tmp_path, assets, monkeypatch):
+    free = [10 * 2**30]
+    monkeypatch.setattr(run_mod.shutil, "disk_usage", lambda p: Usage(free[0] * 2, 0, free[0]))
+    real_save = ckpt.save_checkpoint
+
+    def save(*args, **kwargs):
+        path = real_save(*args, **kwargs)
+        free[0] = 1000  # the disk fills up after the first checkpoint
+        return path
+
+    monkeypatch.setattr(ckpt, "save_checkpoint", save)
+    target, data = assets
+    cfg = make_config(tmp_path, target, data, run__max_steps=6, data__eval_prompts=0,
+                      checkpoint__every=2)
+    end, rec = run_config(cfg)
+    assert end.status == "finished"  # the run goes on; only the checkpoint is skipped
+    assert [c.step for c in rec.of(Checkpoint)] == [2]
+    warnings = [e.message for e in rec.of(Log) if e.level == "warning"]
+    assert any("disk nearly full" in w for w in warnings)
+    skipped = [w for w in warnings if "skipped" in w]
+    assert [w.split(":")[0] for w in skipped] == [
+        "periodic checkpoint at step 4 skipped", "periodic checkpoint at step 6 skipped",
+        "final checkpoint at step 6 skipped"]
+    assert ckpt.load_checkpoint(ckpt.latest_checkpoint(cfg.run_dir)).step == 2
+    assert math.isfinite(rec.of(StepMetrics)[-1].loss)
+
+
+def test_exact_tau_far_below_teacher_forced_is_a_warning(tmp_path, assets, monkeypatch):
+    from dflash_core.models.evaluate import EvalSummary
+
+    # an evaluation that accepts nothing, as a wrong mask token or layer ids would give
+    monkeypatch.setattr(run_mod, "evaluate_tau",
+                        lambda *a, **k: EvalSummary(tau=0.5, acceptance=[8], prompts=2, tokens=8))
+    target, data = assets
+    for warn_at, warned in ((0.4, True), (2.0, False)):
+        cfg = make_config(tmp_path, target, data, run__name=f"gap-{warn_at}", run__max_steps=3,
+                          eval__tau_gap_warn=warn_at)
+        end, rec = run_config(cfg)
+        assert end.status == "finished"
+        gaps = [e for e in rec.of(Log) if "below the teacher-forced" in e.message]
+        assert bool(gaps) == warned
+        if warned:
+            assert gaps[0].level == "warning" and "drafter.mask_token_id" in gaps[0].message
