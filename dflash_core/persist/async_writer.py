@@ -534,9 +534,12 @@ class CheckpointWriter:
                     q.put(None)
                 except (OSError, ValueError):
                     pass
+        idle = self._idle.is_set()
         for p in self._procs:
             if p is None:
                 continue
+            if idle and self.mode == "process":
+                p.kill()  # nothing in flight: no need to wait for its interpreter to wind down
             p.join(timeout)
             if self.mode == "process" and p.is_alive():
                 p.kill()
