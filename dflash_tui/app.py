@@ -302,12 +302,16 @@ class DFlashApp(App[None]):
 
 
 def run_app(controller: Controller, run_dir: Path | str | None = None, *,
-            on_hangup: Callable[[], int] | None = None, read_only: bool = False) -> int:
+            on_hangup: Callable[[], int] | None = None, read_only: bool = False,
+            lifeline=None) -> int:
     """Run the dashboard until the operator quits; returns the process exit code (0 normal).
     ``on_hangup``: the controller is this process's engine; when the terminal hangs up the
     dashboard leaves and this goes on with the run (and returns the exit code).
-    ``read_only``: abort and restart are refused (see DFlashApp)."""
+    ``read_only``: abort and restart are refused (see DFlashApp). ``lifeline``: an armed
+    `dflash_tui.lifeline.Lifeline` (a dashboard serve started), told which app to end."""
     app = DFlashApp(controller, run_dir, owns_run=on_hangup is not None, read_only=read_only)
+    if lifeline is not None:
+        lifeline.watch(app)
     app.run()
     if app.hung_up and on_hangup is not None:
         return on_hangup()

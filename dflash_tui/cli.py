@@ -107,9 +107,12 @@ def main(argv: list[str] | None = None) -> int:
                   f"run folder of a running dflash-tui (run.output_dir/run.name, e.g. runs/demo)",
                   file=sys.stderr)
             return 2
+        from dflash_tui import lifeline
         from dflash_tui.app import run_app
 
-        return run_app(follower, run_dir=None, read_only=args.read_only)
+        # A browser's dashboard (serve): ends with its session or server, whatever its loop does.
+        guard = lifeline.Lifeline().arm() if lifeline.served() else None
+        return run_app(follower, run_dir=None, read_only=args.read_only, lifeline=guard)
     if args.replay is not None:
         from dflash_tui.app import run_app
         from dflash_tui.replay import ReplayController

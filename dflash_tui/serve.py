@@ -10,12 +10,20 @@ random token: the page as `/?token=T`, its websocket as `/ws/T` (the page's scri
 `?width=..&height=..` to the websocket address, so the token travels in the path there). A request
 without the right token gets 403. Only textual-serve's own scripts and styles (/static) are
 served without it; they say nothing about the run.
+
+Serve owns its dashboards: each runs in a process group of its own (``exec``'d by the shell, so
+the group leader is the dashboard itself) and knows serve's pid (``DFLASH_SERVE_PID``), so it ends
+when serve does, even by SIGKILL (`dflash_tui.lifeline`). When a session ends (the browser closed,
+crashed or was killed) its dashboard is asked to quit, then sent SIGTERM after ``QUIT_GRACE_S``,
+then SIGKILL, and always reaped; SIGINT, SIGTERM and SIGHUP end serve the same way for all.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import os
 import secrets
 import shlex
 import signal
@@ -27,6 +35,9 @@ from typing import Any
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+QUIT_GRACE_S = 2.0  # a dashboard asked to quit has this long before SIGTERM ...
+KILL_GRACE_S = 1.0  # ... and then this long before SIGKILL
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def attach_command(run_dir: Path, read_only: bool) -> str:
@@ -34,7 +45,25 @@ def attach_command(run_dir: Path, read_only: bool) -> str:
     cmd = [sys.executable, "-m", "dflash_tui.cli", "--attach", str(run_dir.resolve())]
     if read_only:
         cmd.append("--read-only")
-    return " ".join(shlex.quote(part) for part in cmd)
+    # exec: the shell becomes the dashboard, so signals and the parent's death reach it directly.
+    return "exec " + " ".join(shlex.quote(part) for part in cmd)
+
+
+async def end_process(process, quit_grace: float = 0.0) -> None:
+    """Wait ``quit_grace`` for ``process`` to end by itself, then SIGTERM its group, then SIGKILL
+    it; reap it in every case (no zombie, no orphan)."""
+    for sig, grace in ((None, quit_grace), (signal.SIGTERM, KILL_GRACE_S),
+                       (signal.SIGKILL, None)):
+        if process.returncode is not None:
+            return
+        if sig is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.pid, sig)  # its own group (start_new_session)
+        try:
+            await asyncio.wait_for(process.wait(), grace)
+            return
+        except asyncio.TimeoutError:
+            continue
 
 
 def page_url(host: str, port: int, token: str | None) -> str:
@@ -49,7 +78,40 @@ def make_server(run_dir: Path, host: str = DEFAULT_HOST, port: int = DEFAULT_POR
     """A textual-serve Server for the run; ``token`` set = control mode (a, r reach the run)."""
     import aiohttp_jinja2
     from aiohttp import web
+    from textual_serve.app_service import AppService
     from textual_serve.server import Server, to_int
+
+    from dflash_tui.lifeline import PARENT_ENV
+
+    class Session(AppService):
+        """One browser's dashboard process, which serve ends and reaps whatever happens."""
+
+        def _build_environment(self, width: int = 80, height: int = 24) -> dict[str, str]:
+            env = super()._build_environment(width, height)
+            env[PARENT_ENV] = str(os.getpid())
+            return env
+
+        async def _open_app_process(self, width: int = 80, height: int = 24):
+            self._process = await asyncio.create_subprocess_shell(
+                self.command, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE, env=self._build_environment(width, height),
+                start_new_session=True)  # its own group: one killpg reaches all of it
+            self._stdin = self._process.stdin
+            return self._process
+
+        async def stop(self) -> None:
+            process = self._process
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + QUIT_GRACE_S
+            if self._task is not None:
+                # Asks the dashboard to quit and reads its screen until it does. The reading
+                # may have ended already (a write to a closed websocket ends it): then the
+                # dashboard may be stuck writing to a pipe nobody reads; end_process ends it.
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(super().stop(), QUIT_GRACE_S)
+                self._task = None
+            if process is not None:
+                await end_process(process, max(0.0, deadline - loop.time()))
 
     class DashboardServer(Server):
         def __init__(self) -> None:
@@ -58,14 +120,38 @@ def make_server(run_dir: Path, host: str = DEFAULT_HOST, port: int = DEFAULT_POR
             self.token = token
             self.run_dir = run_dir
             self._sessions: set[asyncio.Task] = set()
+            self._services: set[Session] = set()
 
         async def handle_websocket(self, request: web.Request) -> web.StreamResponse:
             task = asyncio.current_task()
             self._sessions.add(task)
+            websocket = web.WebSocketResponse(heartbeat=15)  # a vanished browser: ~15 s
+            service: Session | None = None
             try:
-                return await super().handle_websocket(request)
+                await websocket.prepare(request)
+                service = Session(self.command, write_bytes=websocket.send_bytes,
+                                  write_str=websocket.send_str, close=websocket.close,
+                                  download_manager=self.download_manager, debug=self.debug)
+                self._services.add(service)
+                await service.start(to_int(request.query.get("width", "80"), 80),
+                                    to_int(request.query.get("height", "24"), 24))
+                await self._process_messages(websocket, service)
+            except asyncio.CancelledError:  # serve is stopping
+                await websocket.close()
+            except Exception as exc:  # one broken session must not stop the server
+                print(f"dashboard session ended: {exc!r}", file=sys.stderr, flush=True)
             finally:
+                if service is not None:
+                    await asyncio.shield(service.stop())
+                    self._services.discard(service)
                 self._sessions.discard(task)
+            return websocket
+
+        async def end_all(self) -> None:
+            """Last resort when serve ends: no dashboard outlives it."""
+            for service in list(self._services):
+                if service._process is not None:
+                    await end_process(service._process)
 
         async def on_shutdown(self, app: web.Application) -> None:
             # Ctrl+C: end each browser's session now (its dashboard detaches, the page says the
@@ -125,11 +211,14 @@ def make_server(run_dir: Path, host: str = DEFAULT_HOST, port: int = DEFAULT_POR
                 print(describe(self.run_dir, host, port, self.token), flush=True)
                 stop = asyncio.Event()
                 loop = asyncio.get_running_loop()
-                for sig in (signal.SIGINT, signal.SIGTERM):
+                for sig in STOP_SIGNALS:
                     loop.add_signal_handler(sig, stop.set)
                 await stop.wait()
             finally:
-                await runner.cleanup()  # on_shutdown ends the sessions
+                try:
+                    await runner.cleanup()  # on_shutdown ends the sessions
+                finally:
+                    await self.end_all()
 
     return DashboardServer()
 

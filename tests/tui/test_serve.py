@@ -4,8 +4,10 @@
 The page draws the terminal on a canvas, so what it shows is read from the websocket: every byte
 the attached dashboard writes to the browser, escape sequences dropped."""
 
+import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -206,6 +208,91 @@ def test_read_only_view_shows_the_run_and_refuses_abort(run, page):
     # Stopping the server ends its sessions: their dashboards detach, the run goes on.
     assert psutil.wait_procs(sessions, timeout=10)[1] == []
     assert run.proc.poll() is None
+
+
+def browse(url: str, profile: Path, *extra: str) -> subprocess.Popen:
+    """Chromium on the page, in a session of its own: killing the session kills all of it."""
+    return subprocess.Popen(
+        [CHROMIUM, "--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run",
+         f"--user-data-dir={profile}", "--window-size=1600,900", *extra, url],
+        start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def dashboards(run_dir: Path) -> list[psutil.Process]:
+    """Every `--attach RUN_DIR` process on the machine, whoever its parent is now (an orphan of
+    serve is reparented and no longer its child)."""
+    wanted = str(run_dir.resolve())
+    found = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        cmd = p.info["cmdline"] or []
+        if "--attach" in cmd and wanted in cmd and p.info["status"] != psutil.STATUS_ZOMBIE:
+            found.append(p)
+    return found
+
+
+def started(run_dir: Path, served: Served, timeout: float = 60) -> list[psutil.Process]:
+    """The browser's dashboard, once it has been running for a while."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = dashboards(run_dir)
+        if found:
+            time.sleep(3)  # let it draw and follow the run
+            return found
+        time.sleep(0.2)
+    raise AssertionError(f"no attached dashboard within {timeout} s: " + "".join(served.out))
+
+
+def left_after(run_dir: Path, timeout: float) -> list[str]:
+    """The dashboards still there after ``timeout`` s, with their CPU use and parent."""
+    deadline = time.monotonic() + timeout
+    while dashboards(run_dir) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = []
+    for p in dashboards(run_dir):
+        try:
+            left.append(f"pid {p.pid}: {p.cpu_percent(0.5):.0f}% CPU, parent {p.ppid()}")
+        except psutil.NoSuchProcess:
+            pass
+    return left
+
+
+@pytest.mark.parametrize("how", ["killed", pytest.param("screenshot", marks=pytest.mark.slow)])
+def test_a_browser_gone_mid_session_leaves_no_dashboard(run, tmp_path, how):
+    served = Served(run.run_dir)
+    try:
+        if how == "killed":  # SIGKILL: no goodbye on the websocket, the tab is simply gone
+            browser = browse(served.url, tmp_path / "profile")
+            try:
+                started(run.run_dir, served)
+            finally:
+                os.killpg(browser.pid, signal.SIGKILL)
+                browser.wait(10)
+        else:  # a headless screenshot: the browser loads the page, shoots it and quits
+            browser = browse(served.url, tmp_path / "profile", f"--screenshot={tmp_path}/p.png",
+                             "--virtual-time-budget=8000")
+            browser.wait(120)
+        assert left_after(run.run_dir, 5) == []
+        assert served.proc.poll() is None  # the server goes on for the next browser
+    finally:
+        served.close()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP,
+                                 pytest.param(signal.SIGINT, marks=pytest.mark.slow),
+                                 signal.SIGKILL], ids=["SIGTERM", "SIGHUP", "SIGINT", "SIGKILL"])
+def test_serve_ended_by_a_signal_leaves_no_dashboard(run, tmp_path, sig):
+    served = Served(run.run_dir)
+    browser = browse(served.url, tmp_path / "profile")
+    try:
+        started(run.run_dir, served)
+        served.proc.send_signal(sig)
+        served.proc.wait(10)
+        assert left_after(run.run_dir, 5) == []
+    finally:
+        os.killpg(browser.pid, signal.SIGKILL)
+        browser.wait(10)
+        served.close()
+    assert run.proc.poll() is None  # the run goes on
 
 
 def test_control_view_needs_its_token_and_aborts_the_run(run, page):
