@@ -28,9 +28,10 @@ from dflash_core.observe.errors import error_from_exception
 
 from . import postmortem
 from .commands import DashboardCommands
-from .messages import EngineEvents, EventBuffer
+from .messages import EngineEvents, EventBuffer, TerminalLost
 from .screens import ConfirmScreen, HelpScreen
 from .state import DashboardState
+from .terminal import guarded_driver
 from .widgets.errors import ErrorsPanel
 from .widgets.gpus import GpusPanel
 from .widgets.header import HeaderBar
@@ -105,6 +106,26 @@ class DFlashApp(App[None]):
             yield ErrorsPanel(id="errors")
             yield LogPanel(id="log")
         yield Footer()
+
+    def get_driver_class(self):
+        driver = super().get_driver_class()
+        try:
+            from textual.drivers.linux_driver import LinuxDriver
+        except ImportError:  # not a POSIX terminal
+            return driver
+        if issubclass(driver, LinuxDriver):
+            return guarded_driver(driver, self._lost_terminal)
+        return driver
+
+    def _lost_terminal(self, exc: BaseException) -> None:
+        # On Textual's writer thread: post (never waits on the loop), the loop handles it.
+        self.post_message(TerminalLost(str(exc)))
+
+    def on_terminal_lost(self, message: TerminalLost) -> None:
+        if self.owns_run:
+            self._hang_up()  # the run goes on headless, as on SIGHUP
+        else:
+            self.exit()  # a view or a replay: nothing to keep going
 
     def on_mount(self) -> None:
         self.theme = "ansi-dark"  # terminal's own palette: reads in 256 colours over SSH/tmux

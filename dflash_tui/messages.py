@@ -45,3 +45,11 @@ class EngineEvents(Message):
     def __init__(self, events: list[ev.Event]) -> None:
         super().__init__()
         self.events = events
+
+
+class TerminalLost(Message):
+    """The terminal refused a write (it hung up); posted from Textual's writer thread."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__()
+        self.reason = reason

@@ -144,3 +144,35 @@ def test_sigterm_to_a_dashboard_owned_run_aborts_with_a_checkpoint(owner):
     (end,) = [e for e in evs if e["event"] == "RunEnded"]
     assert end["status"] == "aborted"
     assert [e["reason"] for e in evs if e["event"] == "Checkpoint"] == ["abort"]
+
+
+@pytest.mark.parametrize("then_sighup", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["no-sighup", "sighup-after"])
+def test_a_stop_after_the_terminal_died_takes_seconds(owner, then_sighup):
+    """The program holding the terminal's master is killed. Without a controlling terminal no
+    SIGHUP comes; with one it may come after the dashboard's next write has already failed. Once,
+    that failed write froze the dashboard's loop, and SIGTERM was ignored for good."""
+    owner.training()
+    died_at = time.time()
+    os.close(owner.master)  # the master's holder is gone: the next write to the terminal fails
+    owner.master = -1
+    if then_sighup:
+        time.sleep(1)
+        owner.proc.send_signal(signal.SIGHUP)
+    wait_until(lambda: [e for e in events(owner.run_dir) if e["event"] == "Log"
+                        and "terminal hung up" in e["message"]], 30, "the hang-up log line")
+    wait_until(lambda: len(steps(owner.run_dir, after=died_at + 1)) >= 2, 60,
+               "steps after the terminal died")  # the run went on headless
+    t0 = time.monotonic()
+    owner.proc.send_signal(signal.SIGTERM)
+    try:
+        rc = owner.proc.wait(30)
+    except subprocess.TimeoutExpired:
+        raise AssertionError("SIGTERM ignored for 30 s after the terminal died") from None
+    took = time.monotonic() - t0
+    assert rc == 130
+    evs = events(owner.run_dir)
+    assert [e["status"] for e in evs if e["event"] == "RunEnded"] == ["aborted"]
+    assert [e["reason"] for e in evs if e["event"] == "Checkpoint"] == ["abort"]
+    # <= 5 s plus the abort checkpoint's write (a tiny model's: well under a second)
+    assert took < 8, f"the stop took {took:.1f} s"
