@@ -7,7 +7,7 @@ resolved config. Plots are inline SVG drawn with matplotlib (imported here, lazi
 backend: the dashboard never imports it); the CSS is inline; there are no scripts.
 
 Only the file's last run is read (a file may hold several, each beginning with RunStarted); it is
-found by reading backwards (``follow.last_run_offset``) and then streamed line by line into series
+found by reading backwards (``event_log.last_run_offset``) and then streamed line by line into series
 of at most ``cap`` points each (``Series``), so a multi-day events.jsonl is never held in memory.
 An unreadable line (a torn last line of a running or killed run) is counted and skipped.
 """
@@ -15,7 +15,6 @@ An unreadable line (a torn last line of a running or killed run) is counted and 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime as _dt
 import html
 import io
@@ -27,19 +26,14 @@ import sys
 from collections import deque
 from pathlib import Path
 
+from dflash_core.observe import event_log
 from dflash_core.observe import events as ev
+from dflash_core.observe.fold import EventFold
 
-from .follow import last_run_offset
 
 DEFAULT_CAP = 2000  # points kept per series
 from dflash_core.units import GiB as GIB
 MAX_SERIES = 64  # queues or GPUs with their own series; more names than this are counted only
-# Events the report reads; any other line is skipped before it is parsed.
-WANTED = frozenset(("RunStarted", "StateChanged", "StepMetrics", "EvalResult", "GpuSample",
-                    "QueueDepth", "MemoryPlan", "Checkpoint", "Error", "Stall", "RunEnded"))
-_KIND_TAG = '"event":'
-
-
 class Series:
     """A bounded series of (x, y) points.
 
@@ -136,7 +130,7 @@ class FirstLast:
         return len(self.head) + len(self.tail)
 
 
-class RunData:
+class RunData(EventFold):
     """What the report shows of one run, fed one event at a time (``feed``); bounded in memory
     whatever the number of events."""
 
@@ -171,15 +165,18 @@ class RunData:
     def feed(self, e: ev.Event) -> None:
         if isinstance(e, ev.RunStarted):
             self.__init__(self.cap)  # a later run in the same file starts the page over
-            self.started, self.t0 = e, e.ts
         if self.t0 is None:
             self.t0 = e.ts
         self.events += 1
         self.last_ts = e.ts if self.last_ts is None else max(self.last_ts, e.ts)
         self.state = ev.state_after(self.state, e)
-        handler = getattr(self, "_on_" + e.kind, None)
-        if handler is not None:
-            handler(e)
+        self.dispatch(e)
+
+    def count_unreadable(self, line: str) -> None:
+        self.unreadable += 1
+
+    def _on_RunStarted(self, e: ev.RunStarted) -> None:
+        self.started, self.t0 = e, e.ts
 
     def _on_StateChanged(self, e: ev.StateChanged) -> None:
         self.states.add(e)
@@ -250,61 +247,15 @@ class RunData:
         return f"{self.state} (no end recorded: still running, or killed)"
 
 
-def _kind_of(line: str) -> str | None:
-    """The event type a line names ("event" is its last key), without parsing it; None when the
-    line does not say (it is parsed then, and a damaged one counted)."""
-    tag = line.rfind(_KIND_TAG)
-    if tag < 0:
-        return None
-    start = line.find('"', tag + len(_KIND_TAG)) + 1
-    end = line.find('"', start)
-    return line[start:end] if start and end > 0 else None
-
-
-_FIELDS: dict[type, frozenset] = {}
-
-
-def _parse(line: str) -> ev.Event:
-    """``events.from_json`` with each type's field names looked up once, not per line: a
-    multi-day file has millions of lines."""
-    d = json.loads(line)
-    cls = ev.EVENT_TYPES[d.pop("event")]
-    names = _FIELDS.get(cls)
-    if names is None:
-        names = _FIELDS[cls] = frozenset(f.name for f in dataclasses.fields(cls))
-    for old, new in cls.old_names.items():
-        if old in d and new not in d:
-            d[new] = d.pop(old)
-    return cls(**{k: v for k, v in d.items() if k in names})
-
-
 def read_run(path: str | os.PathLike, cap: int = DEFAULT_CAP) -> RunData:
     """The last run of an events.jsonl (a run folder or the file itself), streamed: memory stays
-    bounded by ``cap`` whatever the file's size. Lines appended while it reads are left out."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / "events.jsonl"
+    bounded by ``cap`` whatever the file's size. Only the kinds ``RunData`` handles are parsed
+    (host samples, worker phases and logs are not on the page). Lines appended while it reads
+    are left out."""
     data = RunData(cap)
-    with open(path, "rb") as f:
-        f.seek(0, 2)
-        size = f.tell()
-        f.seek(last_run_offset(f, size))
-        while f.tell() < size:
-            raw = f.readline()
-            if not raw:
-                break
-            line = raw.decode("utf-8", "replace").strip()
-            if not line:
-                continue
-            kind = _kind_of(line)
-            if kind is not None and kind not in WANTED:
-                continue  # host samples, worker phases, logs: not on the page
-            try:
-                event = _parse(line)
-            except (ValueError, KeyError, TypeError, AttributeError):
-                data.unreadable += 1
-                continue
-            data.feed(event)
+    for event in event_log.read_last_run(path, kinds=RunData.kinds(),
+                                         on_unreadable=data.count_unreadable):
+        data.feed(event)
     return data
 
 
@@ -789,7 +740,7 @@ def write_report(run_dir: str | os.PathLike, out: str | os.PathLike | None = Non
                  cap: int = DEFAULT_CAP) -> Path:
     """Read the run's events.jsonl and write its report (default RUN_DIR/report.html)."""
     run_dir = Path(run_dir)
-    events_path = run_dir if run_dir.is_file() else run_dir / "events.jsonl"
+    events_path = event_log.events_path(run_dir)
     out = Path(out) if out is not None else events_path.parent / "report.html"
     page = render_html(read_run(events_path, cap), source=str(events_path))
     tmp = out.with_name(out.name + ".tmp")
@@ -810,7 +761,7 @@ def main(argv: list[str]) -> int:
                    help="where to write the page (default RUN_DIR/report.html)")
     args = p.parse_args(argv)
     run_dir = args.run_dir
-    events_path = run_dir if run_dir.is_file() else run_dir / "events.jsonl"
+    events_path = event_log.events_path(run_dir)
     if not events_path.is_file():
         print(f"nothing to report: {events_path} does not exist\nhint: pass the folder of a run "
               f"(run.output_dir/run.name, e.g. runs/demo)", file=sys.stderr)

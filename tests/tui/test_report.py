@@ -233,3 +233,10 @@ def test_the_dashboard_does_not_import_matplotlib():
     code = ("import sys, dflash_tui.app, dflash_tui.cli, dflash_tui.report; "
             "assert 'matplotlib' not in sys.modules, 'matplotlib imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_report_reads_only_the_kinds_it_folds():
+    # the page's events; host samples, worker phases and logs are passed over unparsed
+    assert report.RunData.kinds() == {
+        "RunStarted", "StateChanged", "StepMetrics", "EvalResult", "GpuSample", "QueueDepth",
+        "MemoryPlan", "Checkpoint", "Error", "Stall", "RunEnded"}
