@@ -32,6 +32,7 @@ class RunData(EventFold):
         self.last_ts: float | None = None
         self.state = "unknown"
         self.ended: ev.RunEnded | None = None
+        self.end_reason = ""  # of the state change that ended the run
         self.states = FirstLast(100, 100)  # StateChanged
         self.loss = Series(cap)
         self.tau_tf = Series(cap)
@@ -71,6 +72,8 @@ class RunData(EventFold):
 
     def _on_StateChanged(self, e: ev.StateChanged) -> None:
         self.states.add(e)
+        if e.state in ev.TERMINAL_STATES:
+            self.end_reason = e.reason
 
     def _on_RunEnded(self, e: ev.RunEnded) -> None:
         self.ended = e
@@ -131,6 +134,17 @@ class RunData(EventFold):
     @property
     def run_name(self) -> str:
         return self.started.run_name if self.started else "(no RunStarted in the file)"
+
+    @property
+    def total_steps(self) -> int:
+        """The run's planned steps (0 = not known): the latest step's, else its RunStarted's."""
+        last, s = self.last_step, self.started
+        return last.total_steps if last and last.total_steps else (s.total_steps if s else 0)
+
+    @property
+    def over(self) -> bool:
+        """The run has ended (finished, failed or aborted)."""
+        return self.state in ev.TERMINAL_STATES
 
     def status(self) -> str:
         if self.state in ev.TERMINAL_STATES:

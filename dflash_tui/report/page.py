@@ -47,6 +47,29 @@ def _fmt(x, spec: str = ".4g") -> str:
     return "-" if x is None else format(x, spec)
 
 
+def _plan_html(plan: ev.MemoryPlan) -> str:
+    """The preflight memory plan, per device. A row without a free-memory figure (a CPU device:
+    no card to read it from) was not checked: it says so rather than "free 0, fits"."""
+    rows, unchecked = [], []
+    for r in plan.rows:
+        device, free = str(r.get("device", "?")), r.get("free")
+        if free is None:
+            unchecked.append(device)
+        rows.append([device, r.get("role", ""), _fmt((r.get("total") or 0) / GIB, ".1f"),
+                     "-" if free is None else _fmt(free / GIB, ".1f"),
+                     "not checked" if free is None else ("yes" if r.get("fits") else "no")])
+    out = ("<p>Memory plan (preflight)" + ("" if plan.fits else " — <strong>does not fit</strong>")
+           + ":</p>" + _table(["device", "role", "planned GiB", "free GiB", "fits"], rows))
+    if unchecked:
+        on_cpu = all(d.partition(":")[0] == "cpu" for d in unchecked)
+        out += ('<p class="muted">' + _esc(
+            "On the CPU the plan is not checked against a card: there is no free memory to "
+            "compare it with, so the planned GiB is an estimate of what the run holds."
+            if on_cpu else f"Not checked on {', '.join(unchecked)}: no free memory was measured "
+            "there.") + "</p>")
+    return out
+
+
 def _config_text(config: dict) -> str:
     try:
         import yaml
@@ -75,6 +98,21 @@ details{margin:.3rem 0}
 
 
 
+def ending(data: RunData) -> str:
+    """How the run ended, in one sentence ("" when it has not): its RunEnded, else the state
+    change into a terminal state, with the reason given."""
+    if not data.over:
+        return ""
+    e, last = data.ended, data.last_step
+    step = e.step if e else (last.step if last else None)
+    seconds = e.seconds if e else (data.last_ts or 0.0) - (data.t0 or 0.0)
+    reason = (e.reason if e else "") or data.end_reason
+    total = data.total_steps
+    at = "" if step is None else f" at step {step}" + (f" of {total}" if total else "")
+    return (f"{data.state.capitalize()}{at} after {_duration(seconds)}"
+            + (f": {reason}" if reason else "") + ".")
+
+
 def render_html(data: RunData, source: str = "") -> str:
     """The report page for ``data`` (a ``read_run`` result): one self-contained HTML string."""
     plots = P.Plots()
@@ -91,6 +129,8 @@ def render_html(data: RunData, source: str = "") -> str:
     add(f'<p><span class="status {css_status}">{_esc(status)}</span> '
         f'<span class="muted">made {_esc(_utc(_dt.datetime.now(_dt.timezone.utc).timestamp()))}'
         f"{' from ' + _esc(source) if source else ''}</span></p>")
+    if data.over:
+        add(f'<p class="ending">{_esc(ending(data))}</p>')
     add('<nav><a href="#summary">summary</a><a href="#loss">loss</a><a href="#tau">tau</a>'
         '<a href="#throughput">samples/s</a><a href="#queues">queues</a>'
         '<a href="#memory">GPU memory</a><a href="#errors">errors and stalls</a>'
@@ -98,7 +138,7 @@ def render_html(data: RunData, source: str = "") -> str:
 
     # -- summary
     last = data.last_step
-    total = (last.total_steps if last and last.total_steps else (s.total_steps if s else 0))
+    total = data.total_steps
     rows = [
         ["run", data.run_name],
         ["run folder", s.run_dir if s else "-"],
@@ -153,12 +193,13 @@ def render_html(data: RunData, source: str = "") -> str:
             + "</details>")
 
     def none(what: str) -> str:
-        return f'<p class="muted">No {what} in this run yet.</p>'
+        # "yet" only while the run may still make some
+        return f'<p class="muted">No {what} in this run{"" if data.over else " yet"}.</p>'
 
     # -- loss, tau, samples/s
     add('<h2 id="loss">Loss</h2>')
-    add(P.line_plot(plots, data, clock, data.loss, "loss", "training loss (per step)",
-                   "tab:blue") if len(data.loss) else none("steps"))
+    add(P.line_plot(plots, data, clock, data.loss, "loss", "training loss per step",
+                    "tab:blue", log=True) if len(data.loss) else none("steps"))
     add('<h2 id="tau">Tau</h2>')
     if len(data.tau_tf) or len(data.evals):
         add(P.tau_plot(plots, data, clock))
@@ -174,22 +215,16 @@ def render_html(data: RunData, source: str = "") -> str:
                       for ts, st, tau, n in reversed(evals)]) + "</details>")
     add('<h2 id="throughput">Samples per second</h2>')
     add(P.line_plot(plots, data, clock, data.samples_per_s, "samples/s", "training throughput",
-                   "tab:green") if len(data.samples_per_s) else none("steps"))
+                    "tab:green") if len(data.samples_per_s) else none("steps"))
 
     # -- queues, memory
     add('<h2 id="queues">Queue depths</h2>')
     add(P.queue_plot(plots, data, clock) if data.queues else none("queue samples"))
     add('<h2 id="memory">GPU memory</h2>')
-    add(P.memory_plot(plots, data, clock) if data.gpus else 
+    add(P.memory_plot(plots, data, clock) if data.gpus else
         '<p class="muted">No GPU samples in this run (a run on the CPU has none).</p>')
     if data.plan:
-        add("<p>Memory plan (preflight)" + ("" if data.plan.fits else
-                                             " — <strong>does not fit</strong>") + ":</p>")
-        add(_table(["device", "role", "planned GiB", "free GiB", "fits"],
-                   [[r.get("device", "?"), r.get("role", ""),
-                     _fmt((r.get("total") or 0) / GIB, ".1f"),
-                     _fmt((r.get("free") or 0) / GIB, ".1f"), r.get("fits", "")]
-                    for r in data.plan.rows]))
+        add(_plan_html(data.plan))
     if data.gpus:
         add(_table(["GPU", "name", "role", "last used GiB", "last torch allocated GiB",
                     "card GiB", "limit GiB", "allocator retries", "OOMs"],
@@ -203,6 +238,8 @@ def render_html(data: RunData, source: str = "") -> str:
     errors, stalls = data.errors.items(), data.stalls.items()
     if errors or stalls:
         add(P.timeline_plot(plots, data, clock))
+    elif data.state in ("failed", "aborted"):
+        add(f'<p class="muted">No errors or stalls were recorded. {_esc(ending(data))}</p>')
     else:
         add(none("errors or stalls"))
     if errors:

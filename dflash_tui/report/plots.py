@@ -13,6 +13,8 @@ from dflash_core.units import GiB as GIB
 from .data import RunData
 from .series import Series
 
+EVAL_COLOR = "tab:red"  # exact tau and the evaluations' steps
+
 
 class Clock:
     """Elapsed time since the run began, in a unit that suits its length."""
@@ -37,7 +39,6 @@ class Clock:
         return f"time since the run started ({self.unit})"
 
 
-
 def svg_element(fig, prefix: str = "f") -> str:
     """The figure as an <svg> element for inline HTML: no XML prolog, DTD or metadata, no
     namespace URLs, a width set by the page's CSS, and its ids prefixed (``figure_1``,
@@ -59,7 +60,8 @@ def svg_element(fig, prefix: str = "f") -> str:
 class Plots:
     """matplotlib, loaded on first use with the Agg backend; figures drawn without pyplot."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep: bool = False) -> None:
+        """``keep``: hold on to each figure drawn (``drawn``), for a test to look at its axes."""
         import matplotlib
 
         matplotlib.use("Agg")
@@ -68,6 +70,7 @@ class Plots:
         self.matplotlib = matplotlib
         self.Figure = Figure
         self.figures = 0
+        self.keep, self.drawn = keep, []
         # a fixed salt: the same events make the same page (matplotlib's default is random)
         self.rc = {"svg.fonttype": "none", "svg.hashsalt": "dflash-report", "font.size": 9,
                    "axes.grid": True, "grid.alpha": 0.3, "path.simplify": True,
@@ -80,29 +83,100 @@ class Plots:
         self.figures += 1
         with self.matplotlib.rc_context(self.rc):
             fig = draw()
+            if self.keep:
+                self.drawn.append(fig)
             return svg_element(fig, prefix=f"fig{self.figures}")
 
 
+def integer_ticks():
+    """A tick locator that never puts a tick between two whole numbers."""
+    from matplotlib.ticker import MaxNLocator
 
-def _step_axis(ax, data: RunData, clock: Clock) -> None:
-    """A second x axis on top: the optimizer step at that time (from the step series)."""
+    return MaxNLocator(integer=True)
+
+
+# Two step labels on the top axis are at least this share of its width apart: closer ones overlap.
+MIN_TICK_GAP = 0.08
+
+
+def step_positions(data: RunData, clock: Clock):
+    """A function from an optimizer step to the x (``clock`` units) at which the run reached it,
+    read off the step series; None when the run has fewer than two distinct steps. Both the top
+    step axis and the exact-tau points use it, so an evaluation stands under its own step."""
     ts, steps = data.step_at.points()
-    xs = clock(ts)
-    if len(xs) < 2 or xs[-1] <= xs[0] or steps[-1] <= steps[0]:
-        return
+    if len(ts) < 2 or max(steps) <= steps[0]:
+        return None
     import numpy as np
 
-    xs_a, st_a = np.asarray(xs), np.maximum.accumulate(np.asarray(steps, dtype=float))
-    try:
-        top = ax.secondary_xaxis("top", functions=(lambda x: np.interp(x, xs_a, st_a),
-                                                   lambda s: np.interp(s, st_a, xs_a)))
-        top.set_xlabel("step")
-    except Exception:  # noqa: BLE001 - the step axis is a convenience; the plot stands without it
-        pass
+    xs_a = np.asarray(clock(ts), dtype=float)
+    st_a = np.maximum.accumulate(np.asarray(steps, dtype=float))
+    first = np.concatenate(([True], np.diff(st_a) > 0))  # a step held for several points: its first
+    xs_a, st_a = xs_a[first], st_a[first]
+    return lambda step: float(np.interp(step, st_a, xs_a))
+
+
+def step_ticks(data: RunData, at_step, lo: float, hi: float) -> list[tuple[float, int, bool]]:
+    """(x, step, is an evaluation) of each label of the top step axis within [lo, hi]: every
+    evaluation's step first, then round steps in the gaps, no two closer than MIN_TICK_GAP of the
+    width (the latest ones kept when they crowd)."""
+    gap = MIN_TICK_GAP * (hi - lo)
+    kept: list[tuple[float, int, bool]] = []
+
+    def add(steps, is_eval: bool) -> None:
+        for x, step in sorted(((at_step(s), s) for s in steps), reverse=True):
+            if lo <= x <= hi and all(abs(x - k[0]) >= gap for k in kept):
+                kept.append((x, int(step), is_eval))
+
+    evals = {step for _, step, _, _ in data.evals.items()}
+    add(evals, True)
+    from matplotlib.ticker import MaxNLocator
+
+    _, steps = data.step_at.points()
+    first, last = steps[0], max(steps)
+    add({int(v) for v in MaxNLocator(nbins=8, integer=True).tick_values(first, last)
+         if first <= v <= last} - evals, False)
+    return sorted(kept)
+
+
+def _step_axis(ax, data: RunData, clock: Clock) -> None:
+    """A second x axis on top naming the optimizer step (``step_ticks``), evaluations in red;
+    drawn once the plot's own x range is known."""
+    at_step = step_positions(data, clock)
+    if at_step is None:
+        return
+    lo, hi = ax.get_xlim()
+    ticks = step_ticks(data, at_step, lo, hi)
+    if not ticks:
+        return
+    top = ax.secondary_xaxis("top")
+    top.set_xticks([x for x, _, _ in ticks], [str(s) for _, s, _ in ticks])
+    for label, (_, _, is_eval) in zip(top.get_xticklabels(), ticks):
+        if is_eval:
+            label.set_color(EVAL_COLOR)
+    top.set_xlabel("step" + (" (red: an evaluation)" if any(t[2] for t in ticks) else ""))
+
+
+# A loss that falls by more than this factor is drawn on a log scale: the first steps' values
+# would otherwise flatten the range where training spends its time.
+LOG_SCALE_RATIO = 5.0
+
+
+def _log_scale(ax, ys: list[float]) -> bool:
+    """A log y axis labelled 1, 2, 5, 10, ... in plain numbers, when ``ys`` span enough."""
+    if not ys or min(ys) <= 0 or max(ys) / min(ys) < LOG_SCALE_RATIO:
+        return False
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    ax.set_yscale("log")
+    ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+    return True
 
 
 def line_plot(plots: Plots, data: RunData, clock: Clock, series: Series, ylabel: str,
-               title: str, color: str) -> str:
+              title: str, color: str, log: bool = False) -> str:
+    """``series`` over time; ``log``: on a log scale when its values span LOG_SCALE_RATIO."""
     def draw():
         fig = plots.figure()
         ax = fig.add_subplot()
@@ -110,7 +184,8 @@ def line_plot(plots: Plots, data: RunData, clock: Clock, series: Series, ylabel:
         ax.plot(clock(xs), ys, color=color, linewidth=1.0)
         ax.set_xlabel(clock.label)
         ax.set_ylabel(ylabel)
-        ax.set_title(title, loc="left")
+        scaled = log and _log_scale(ax, ys)
+        ax.set_title(title + (" (log scale)" if scaled else ""), loc="left")
         _step_axis(ax, data, clock)
         return fig
     return plots.render(draw)
@@ -126,12 +201,16 @@ def tau_plot(plots: Plots, data: RunData, clock: Clock) -> str:
                     label="teacher-forced tau (each step)")
         evals = data.evals.items()
         if evals:
-            ax.plot(clock([e[0] for e in evals]), [e[2] for e in evals], "o-", color="tab:red",
-                    markersize=4, linewidth=1.0, label="exact tau (evaluation)")
+            at_step = step_positions(data, clock)
+            xs = ([at_step(e[1]) for e in evals] if at_step is not None
+                  else clock([e[0] for e in evals]))  # no step series: when each one ended
+            ax.plot(xs, [e[2] for e in evals], "o-", color=EVAL_COLOR, markersize=4,
+                    linewidth=1.0, label="exact tau (evaluation, at its step)")
         ax.set_xlabel(clock.label)
         ax.set_ylabel("tau (accepted tokens per round)")
         ax.set_title("tau", loc="left")
-        ax.legend(loc="lower right")
+        # outside the axes: inside, it hid the exact-tau points, which sit low in the range
+        fig.legend(loc="outside lower center", ncol=2, fontsize=8)
         _step_axis(ax, data, clock)
         return fig
     return plots.render(draw)
@@ -152,6 +231,7 @@ def queue_plot(plots: Plots, data: RunData, clock: Clock) -> str:
                 ax.plot(clock(xs), ys, linewidth=1.0,
                         label=f"{name} (capacity {data.queue_capacity.get(name, '?')})")
             ax.set_ylabel("depth")
+            ax.yaxis.set_major_locator(integer_ticks())  # a depth is a whole number of batches
             ax.set_title(title, loc="left")
             ax.legend(loc="upper left", fontsize=7, ncol=min(4, len(group)))
         axes[-1].set_xlabel(clock.label)
@@ -250,6 +330,7 @@ def acceptance_plot(plots: Plots, e: ev.EvalResult) -> str:
         ax.set_xticks(range(len(counts)))
         ax.set_xlabel("drafted tokens accepted in a round")
         ax.set_ylabel("rounds")
+        ax.yaxis.set_major_locator(integer_ticks())
         ax.set_title(f"step {e.step}: exact tau {e.tau:.4f} over {e.prompts} prompts", loc="left")
         ax.grid(axis="x", visible=False)
         return fig
