@@ -195,7 +195,7 @@ class ChatRenderer:
             p, f = self.ids(msgs[:i], True), self.ids(msgs[:i + 1])
             if not _is_prefix(p, f) or not _is_prefix(f, full):
                 break
-            spans.append((i, p, f, msgs[:i]))
+            spans.append((i, p, f, msgs[:i], msgs[i]))
         if len(spans) == len(turns):
             return [self._sample(full, spans, conv, stats)]
         # The template renders history otherwise than the turn being written: one sample per
@@ -208,7 +208,7 @@ class ChatRenderer:
             if not _is_prefix(p, f):
                 raise RowError("prefix_mismatch", f"turn {i}: the generation prompt's tokens are "
                                "not a prefix of the rendered turn's")
-            out.append(self._sample(f, [(i, p, f, sub[:i])], conv, stats))
+            out.append(self._sample(f, [(i, p, f, sub[:i], sub[i])], conv, stats))
         return out
 
     def _sample(self, full: list[int], spans: list, conv: Conversation,
@@ -216,10 +216,15 @@ class ChatRenderer:
         ids: list[int] = []
         mask: list[int] = []
         at = 0
-        for i, p, f, hist in spans:
+        for i, p, f, hist, shown in spans:
             ids += full[at:len(p)]
             mask += [0] * (len(p) - at)
-            span = self._server_span(conv.messages[i], p, f[len(p):], hist, stats)
+            msg = conv.messages[i]
+            # The server's ids hold the reasoning it wrote: usable only where the policy kept it.
+            dropped = msg.get("reasoning_content") and not (
+                "reasoning_content" in shown or shown["content"] != msg["content"])
+            span = (f[len(p):] if dropped
+                    else self._server_span(msg, p, f[len(p):], hist, stats))
             ids += span
             mask += [1] * len(span)
             at = len(f)

@@ -117,6 +117,9 @@ def normalise(row: Any, index: int) -> Conversation:
                 msg["content"], reasoning = answer, inline if reasoning is None else reasoning
             if reasoning:
                 msg["reasoning_content"] = str(reasoning)
+            ids = t.get("token_ids")  # the server's own ids for this answer (regenerate)
+            if isinstance(ids, list) and ids and all(isinstance(x, int) for x in ids):
+                msg["token_ids"] = ids
             if not msg["content"].strip() and not msg.get("reasoning_content"):
                 raise RowError("empty_assistant", f"turn {k}")
         messages.append(msg)
