@@ -88,7 +88,9 @@ class Run:
         cfg = self.config
         link = self.link
         if link is None:
-            if all(r.micro.weight_sum == 0 and r.micro.samples == 0 for r in self.replicas):
+            # No batch since the last step (a batch is what brings weight; D-PACE's weight sum is
+            # a GPU tensor, and reading it here would wait for the GPU).
+            if all(r.micro.samples == 0 for r in self.replicas):
                 if self.hs_queue.exhausted():
                     self.finish()
                 return
@@ -191,6 +193,8 @@ class Run:
             optimizer_state=rep.optimizer.state_dict(), scheduler_state={"step": self.step},
             trainer_state={"epoch": epoch, "done": done, "total_steps": self.total_steps,
                            "rng": ckpt.capture_rng_state(),
+                           # optimizer_state's kind: a resume with another optim.name is refused
+                           "optimizer": cfg.optim.name,
                            # absent: one node (checkpoints written before several nodes existed)
                            **({"nodes": self.link.world} if self.link is not None else {}),
                            # the epoch plan's order, which "done" refers to (absent: 1, unbalanced)
