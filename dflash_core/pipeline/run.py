@@ -215,12 +215,7 @@ class Run:
             return
         if not len(prep.eval_indices) or not self.replicas or target is None:
             return
-        prompts = []
-        for i in prep.eval_indices:
-            ids, mask = prep.dataset.get(int(i))
-            resp = [j for j, m in enumerate(mask) if m]
-            cut = resp[0] if resp and resp[0] > 0 else min(len(ids) - 1, cfg.eval.prompt_tokens)
-            prompts.append([int(x) for x in ids[: min(cut, cfg.eval.prompt_tokens)]])
+        prompts = eval_prompts(prep.dataset, prep.eval_indices, cfg.eval.prompt_tokens)
         drafter = self.replicas[0].drafter
         was_training = drafter.training
         drafter.eval()
@@ -268,3 +263,15 @@ class Run:
         if self.hs_queue is not None:
             self.hs_queue.clear()
         self.hs_queue = None
+
+
+def eval_prompts(dataset, indices, prompt_tokens: int) -> list[list[int]]:
+    """The prompts of exact tau: each held-out sample cut before its first trained token (or to
+    ``prompt_tokens`` when the trained part starts at 0), at most ``prompt_tokens`` long."""
+    prompts = []
+    for i in indices:
+        ids, mask = dataset.get(int(i))
+        resp = [j for j, m in enumerate(mask) if m]
+        cut = resp[0] if resp and resp[0] > 0 else min(len(ids) - 1, prompt_tokens)
+        prompts.append([int(x) for x in ids[: min(cut, prompt_tokens)]])
+    return prompts
