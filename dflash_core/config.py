@@ -58,8 +58,8 @@ class DrafterConfig:
     # The loss's slot weights (docs/algorithm.md, "The loss"): "dflash" = the paper's fixed decay
     # exp(-(k-1)/gamma); "dpace" = D-PACE (arXiv 2605.18810), weights from the step's own
     # cross-entropies, w_j = sum over m >= j of prod over i <= m of q_i with
-    # q = (1 - dpace_alpha) exp(-CE) + dpace_alpha, detached. Default: see bench/BENCHMARKS.md
-    # ("Training recipe"), which measured both.
+    # q = (1 - dpace_alpha) exp(-CE) + dpace_alpha, detached. The default stays "dflash" until
+    # bench/recipe.py (bench/BENCHMARKS.md, "Training recipe") shows a gain beyond the seed spread.
     loss: Literal["dflash", "dpace"] = "dflash"
     gamma: float = 0.0  # dflash loss decay; 0 = 7 for B=16, 5 for B=10, 4 for B=8, else B/2.3
     dpace_alpha: float = 0.5  # D-PACE's floor of q: 1 = fixed linear weights B-j; 0 = exp(-CE)
@@ -115,7 +115,8 @@ class LayoutConfig:
 class OptimConfig:
     # "adamw" = AdamW on every drafter parameter; "muon" = torch.optim.Muon (torch 2.9+) on the
     # 2-D weight matrices (the layers' projections and fc) with AdamW on the norms
-    # (models/optimizers.py says why). Default: see bench/BENCHMARKS.md ("Training recipe").
+    # (models/optimizers.py says why). The default stays "adamw" until bench/recipe.py
+    # (bench/BENCHMARKS.md, "Training recipe") shows a gain beyond the seed spread.
     name: Literal["adamw", "muon"] = "adamw"
     lr: float = 6e-4  # AdamW's peak learning rate (warmup then cosine, below)
     # Muon's peak learning rate, on the same schedule; 0 = optim.lr. Muon scales it per matrix to
