@@ -77,6 +77,9 @@ def prepare(cfg: Config, run_dir: Path, tdev: list[torch.device], ddev: list[tor
     if free < MIN_FREE_DISK:
         raise ConfigError("run.output_dir", f"only {free / GiB:.2f} GiB free in {run_dir}",
                           hint="free disk space or point run.output_dir elsewhere")
+    if cfg.optim.name == "muon":  # before tens of GB of weights load, not at the first step
+        from dflash_core.models.optimizers import muon_class
+        muon_class()
     if cfg.wandb.enabled:
         from dflash_core.observe.sinks.wandb_sink import validate_wandb_settings
         validate_wandb_settings(cfg.wandb.settings)
