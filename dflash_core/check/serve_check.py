@@ -57,25 +57,46 @@ class CheckResult:
         return 0 if self.verdict.passed else 1
 
 
+@dataclass
+class Prepared:
+    """What the check works on once the target is loaded and has written the samples."""
+
+    cfg: Config
+    folder: Path
+    target: object  # target.TargetModel, on the first target device
+    target_fn: Callable
+    samples: list
+    layer_ids: list[int]
+    mask_id: int
+    drafter_devices: list[torch.device]
+    started: float
+
+
 def run_check(cfg: Config, opts: CheckOptions | None = None,
               say: Callable[[str], None] = print) -> CheckResult:
     """Run the check; ``say`` gets one line per phase (and progress inside long ones). Raises
     ConfigError / DataError / TargetLoadError for bad input (nothing trained yet)."""
     opts = opts or CheckOptions()
+    prep = prepare(cfg, opts, say)
+    try:
+        return judge(prep, train(prep, opts, say), opts, say)
+    finally:
+        release(prep)
+
+
+def prepare(cfg: Config, opts: CheckOptions, say: Callable[[str], None]) -> Prepared:
+    """Preflight, the target, and the samples it writes."""
     t0 = time.monotonic()
     run_dir = cfg.run_dir
-    folder = run_dir / CHECK_FOLDER
-    folder.mkdir(parents=True, exist_ok=True)
-
     say("preflight: devices, target, data")
     tdev, ddev = preflight.resolve_devices(cfg)
+    run_dir.mkdir(parents=True, exist_ok=True)
     progress = preflight.demo_log_progress(lambda e: say(e.message), lambda: None)
     target_path, _, layer_ids, mask_id = preflight.resolve_target(cfg, run_dir, progress)
     from dflash_core.data import ShardedDataset
 
     dataset = ShardedDataset.open(preflight.resolve_data(cfg, target_path, progress))
-    max_prompt = cfg.data.max_length - opts.response_tokens
-    prompts = pick_prompts(dataset, opts.samples, max_prompt)
+    prompts = pick_prompts(dataset, opts.samples, cfg.data.max_length - opts.response_tokens)
 
     say(f"loading the target {target_path} on {tdev[0]}")
     dtype = cfg.target.dtype if tdev[0].type == "cuda" else "float32"
@@ -87,19 +108,31 @@ def run_check(cfg: Config, opts: CheckOptions | None = None,
         f"{len(prompts)} prompts (data samples {[i for i, _ in prompts]})")
     samples = write_responses(target_fn, prompts, opts.response_tokens, eos_token_id=None,
                               device=target.device)
+    folder = run_dir / CHECK_FOLDER
+    folder.mkdir(parents=True, exist_ok=True)
+    return Prepared(cfg, folder, target, target_fn, samples, layer_ids, mask_id, ddev, t0)
 
-    drafters = ", ".join(str(d) for d in ddev)
+
+def train(prep: Prepared, opts: CheckOptions, say: Callable[[str], None]):
+    """Memorise the samples (memorise.Memorised)."""
+    drafters = ", ".join(str(d) for d in prep.drafter_devices)
     say(f"memorise: training the drafter on them on {drafters} (at most {opts.max_steps} steps)")
-    mem = memorise(cfg, target, samples, ddev, layer_ids=layer_ids, mask_id=mask_id,
-                   folder=folder, max_steps=opts.max_steps, say=lambda m: say(f"  {m}"))
+    mem = memorise(prep.cfg, prep.target, prep.samples, prep.drafter_devices,
+                   layer_ids=prep.layer_ids, mask_id=prep.mask_id, folder=prep.folder,
+                   max_steps=opts.max_steps, say=lambda m: say(f"  {m}"))
     say(f"memorise: {'done' if mem.reached else 'stopped at the cap'} after {mem.steps} steps "
         f"({mem.seconds:.0f} s): teacher-forced tau {mem.tau_tf:.2f} of {mem.tau_ceiling:.2f}")
-    drafter = mem.drafter
-    ckpt = folder / "drafter"
+    return mem
+
+
+def judge(prep: Prepared, mem, opts: CheckOptions, say: Callable[[str], None]) -> CheckResult:
+    """Save the checkpoint, decode exactly (ours, the reference), probe, and give the verdict."""
+    drafter, samples, target = mem.drafter, prep.samples, prep.target
+    ckpt = prep.folder / "drafter"
     drafter.save(ckpt)
 
     say("decode: exact speculative decoding of the prompts, the target verifying")
-    ours = dec.decode("this engine", target_fn, drafter, samples, layer_ids,
+    ours = dec.decode("this engine", prep.target_fn, drafter, samples, prep.layer_ids,
                       eos_token_id=None, device=target.device)
     say(f"  this engine: exact tau {ours.tau:.2f} of {ours.ceiling:.2f}")
     ref, ref_note, ref_mask = None, "not asked for (--no-reference)", None
@@ -122,18 +155,24 @@ def run_check(cfg: Config, opts: CheckOptions | None = None,
     say("diagnose: probes of the trained drafter")
     s0 = samples[0]
     probes = probe(drafter, mem.batch.input_ids, mem.features, len(s0.prompt), len(s0.input_ids))
-    probes.features = feature_gap(target, mem.batch.input_ids, layer_ids, mem.features,
+    probes.features = feature_gap(target, mem.batch.input_ids, prep.layer_ids, mem.features,
                                   len(s0.input_ids))
     verdict = diagnose(ours, ref, memorised=mem.reached, tau_tf=mem.tau_tf,
                        ceiling_tf=mem.tau_ceiling, probes=probes, steps=mem.steps,
-                       trained_mask_id=drafter.mask_token_id, reference_mask_id=ref_mask)
+                       trained_mask_id=drafter.mask_token_id, reference_mask_id=ref_mask,
+                       target_layers=target.num_layers)
     evidence = evidence_lines(ours, ref, mem.tau_tf, mem.tau_ceiling, probes)
-    result = CheckResult(verdict, folder, evidence, ref_note, time.monotonic() - t0)
-    _write_record(folder / "check.json", result, mem, ours, ref)
-    del target
-    if any(d.type == "cuda" for d in tdev + ddev):
-        torch.cuda.empty_cache()
+    result = CheckResult(verdict, prep.folder, evidence, ref_note,
+                         time.monotonic() - prep.started)
+    _write_record(prep.folder / "check.json", result, mem, ours, ref)
     return result
+
+
+def release(prep: Prepared) -> None:
+    """Drop the target (GPU memory back to the driver's cache)."""
+    prep.target = prep.target_fn = None
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _finite(x: float):
