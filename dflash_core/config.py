@@ -65,7 +65,10 @@ class DrafterConfig:
     intermediate_size: int = 0
     num_attention_heads: int = 0
     num_key_value_heads: int = 0
-    dtype: Literal["bfloat16", "float32"] = "bfloat16"  # autocast dtype on GPU; CPU uses float32
+    # Autocast dtype on GPU (CPU trains in float32), and the dtype the drafter is served in:
+    # checkpoints' model.safetensors holds the weights in it (the float32 master weights are in
+    # the training state).
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
     init_from: str = ""  # optional interchange-format checkpoint to start from
 
 
@@ -121,6 +124,13 @@ class CheckpointConfig:
     every: int = 1000  # optimizer steps between checkpoints; 0 = only on abort and at the end
     keep: int = 3  # newest checkpoints kept; 0 = all
     on_abort: bool = True
+    # An abort's checkpoint (SIGTERM, SIGINT, a) must be durable within this many seconds, so the
+    # process exits before the SIGKILL that systemd, Kubernetes and Slurm send 30 s after SIGTERM.
+    # When the measured write rate says it cannot be (the run says so at start), the abort writes
+    # none and names the periodic checkpoint that stands; one that runs over is abandoned.
+    abort_budget_s: float = 25.0
+    # Writers of a checkpoint, each writing a disjoint shard at once; 0 = one per drafter.
+    writers: int = 0
 
 
 @dataclass
@@ -293,6 +303,8 @@ RANGES: dict[str, tuple[float | None, float | None, bool, bool]] = {
     "optim.epochs": (0, None, False, False),
     "checkpoint.every": (0, None, True, False),  # 0 = only on abort and at the end
     "checkpoint.keep": (0, None, True, False),  # 0 = keep every checkpoint
+    "checkpoint.abort_budget_s": (0, None, False, False),
+    "checkpoint.writers": (0, None, True, False),  # 0 = one per drafter
     "eval.every": (0, None, True, False),  # 0 = only at the end
     "eval.max_new_tokens": (0, None, False, False),
     "eval.prompt_tokens": (0, None, False, False),

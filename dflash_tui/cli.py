@@ -12,6 +12,9 @@
                                        memorise a few samples, decode them exactly, diagnose
     dflash-tui report runs/NAME        write runs/NAME/report.html: plots, errors, stalls, config
                                        of the run (finished or running), one self-contained file
+    dflash-tui data prepare|regenerate|inspect
+                                       conversations -> training shards; responses rewritten by
+                                       the target through OpenAI-compatible servers; inspect data
 """
 
 from __future__ import annotations
@@ -88,6 +91,13 @@ def make_engine(args):
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "data":  # dflash-tui data prepare | regenerate | inspect
+        from dflash_tui.verbs import data as data_verb
+
+        parser = argparse.ArgumentParser(prog="dflash-tui data",
+                                         description=data_verb.__doc__.splitlines()[0])
+        data_verb.add_arguments(parser)
+        return data_verb.run(parser.parse_args(argv[1:]))
     if argv and argv[0] == "report":  # dflash-tui report RUN_DIR [--out FILE]
         from dflash_tui.report import main as report_main
 

@@ -95,7 +95,9 @@ def prepare(cfg: Config, opts: CheckOptions, say: Callable[[str], None]) -> Prep
     target_path, _, layer_ids, mask_id = preflight.resolve_target(cfg, run_dir, progress)
     from dflash_core.data import ShardedDataset
 
-    dataset = ShardedDataset.open(preflight.resolve_data(cfg, target_path, progress))
+    data_path = preflight.resolve_data(cfg, target_path, progress)
+    preflight.check_data_manifest(cfg, data_path, target_path)
+    dataset = ShardedDataset.open(data_path)
     prompts = pick_prompts(dataset, opts.samples, cfg.data.max_length - opts.response_tokens)
 
     say(f"loading the target {target_path} on {tdev[0]}")

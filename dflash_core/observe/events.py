@@ -258,8 +258,24 @@ class Checkpoint(Event):
     seconds: float
     reason: str = "periodic"  # periodic | abort | final | best (checkpoints/best now names it)
     tau: float = -1.0  # with reason "best": the exact tau that made it the best so far
+    bytes: int = 0  # on disk (0: not known, e.g. "best" naming an existing one)
+    blocked_s: float = 0.0  # training stopped for this; ``seconds`` is staging to durable
     kind: ClassVar[str] = "Checkpoint"
     keep_when_behind: ClassVar[bool] = True
+
+
+@dataclass(frozen=True)
+class CheckpointProgress(Event):
+    """A checkpoint being written in the background (about once a second): it is progress,
+    not a stall. Ends with its Checkpoint event (or an Error)."""
+
+    step: int
+    bytes_written: int
+    bytes_total: int
+    seconds: float  # since it was staged
+    reason: str = "periodic"
+    kind: ClassVar[str] = "CheckpointProgress"
+    sets_state: ClassVar[bool] = False
 
 
 @dataclass(frozen=True)
@@ -349,7 +365,7 @@ EVENT_TYPES: dict[str, type[Event]] = {
     for cls in (
         RunStarted, StateChanged, WorkerStatus, LoadProgress, GpuSample, HostSample, QueueDepth,
         TargetMetrics, DrafterMetrics, StepMetrics, EvalResult, MemoryPlan, Checkpoint, Log, Error,
-        SinkStatus, RunEnded, Stall, NodeStatus,
+        SinkStatus, CheckpointProgress, RunEnded, Stall, NodeStatus,
     )
 }
 

@@ -18,7 +18,8 @@ from typing import Callable
 
 from dflash_core.persist import checkpoint as ckpt
 from dflash_core.config import Config, ConfigError
-from dflash_core.observe.events import Event, Log
+from dflash_core.observe.events import Event, LoadProgress, Log
+from dflash_core.units import GiB
 
 # Drafter config.json entries that change the model, and the config key that sets each.
 SHAPE_KEYS: list[tuple[str, str]] = [
@@ -103,8 +104,18 @@ def load_for_resume(run_dir: Path, expected: dict | None,
         return None
     damaged: list[str] = []
     for folder in reversed(found):
+        t0 = time.monotonic()
+        last = [0.0]
+
+        def progress(done: int, total: int) -> None:
+            now = time.monotonic()
+            if now - last[0] >= 0.5 or done == total:  # a line a second at most, and the end
+                last[0] = now
+                publish(LoadProgress(worker="checkpoint", device="host", bytes_loaded=done,
+                                     bytes_total=total, shards_loaded=0, shards_total=0,
+                                     seconds=now - t0, done=done == total))
         try:
-            loaded = ckpt.load_checkpoint(folder)
+            loaded = ckpt.load_checkpoint(folder, progress=progress)
         except ckpt.CheckpointError as exc:
             moved = set_aside(folder)
             damaged.append(str(moved))
@@ -112,6 +123,11 @@ def load_for_resume(run_dir: Path, expected: dict | None,
                 f"resume: checkpoint {folder} is damaged ({exc}); moved it to {moved} (kept, "
                 "not deleted) and trying the next older checkpoint")))
             continue
+        size = sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
+        took = time.monotonic() - t0
+        publish(Log(level="info", source="engine", message=(
+            f"resume: read {folder} ({size / GiB:.1f} GiB) in {took:.1f} s "
+            f"({size / GiB / max(took, 1e-9):.2f} GiB/s)")))
         if damaged:
             publish(Log(level="warning", source="engine", message=(
                 f"resume: resuming from {folder} (step {loaded.step}), the newest intact "

@@ -410,6 +410,7 @@ class Engine:
         if self.resume:
             expected = expected_drafter_config(cfg, run.prep.target_path, run.prep.layer_ids,
                                                run.prep.mask_id)
+            run.resume_t0 = time.monotonic()
             run.resume = load_for_resume(run_dir, expected, self.bus.publish)
             if run.resume is not None:
                 check_resume_nodes(run.resume, self.nodes.world if self.nodes else 1)
@@ -531,6 +532,7 @@ class Engine:
                                       resume=run.resume)
         if run.resume is not None:
             run.step = run.resume.step
+        run.start_writer(self.bus.publish)
         run.barrier = StepBarrier(len(run.replicas), run.stop)
         gpus = torch.cuda.device_count() if run.drafter_devices[0].type == "cuda" else 0
         run.advisor = LayoutAdvisor(self.bus.publish, len(run.target_devices),
@@ -611,6 +613,12 @@ class Engine:
                 self._fail(run, error_event(exc, source="engine", role="engine", device="",
                                             phase="teardown"))
                 status = "failed"
+        try:
+            run.close_writer()  # after the last write is durable
+        except BaseException as exc:  # noqa: BLE001
+            self._fail(run, error_event(exc, source="engine", role="engine", device="",
+                                        phase="teardown"))
+            status = "failed"
         if run.advisor is not None:
             self.bus.untap(run.advisor)
         # Free the run's memory before anything else can start.

@@ -86,6 +86,7 @@ def prepare(cfg: Config, run_dir: Path, tdev: list[torch.device], ddev: list[tor
     fitted = check_memory(cfg, hf_config, tdev, ddev, publish)
 
     data_path = resolve_data(cfg, target_path, demo_progress)
+    check_data_manifest(cfg, data_path, target_path)
     dataset = ShardedDataset.open(data_path)
     n_eval = min(cfg.data.eval_prompts, max(0, len(dataset) - 1))
     _, eval_indices = split_eval(len(dataset), n_eval, cfg.run.seed)
@@ -195,6 +196,39 @@ def resolve_data(cfg: Config, target_path: Path, demo_progress) -> Path:
         from dflash_core import demo
         return demo.ensure_demo_data(target_path, progress=demo_progress("demo data"))
     return Path(cfg.data.path).expanduser()
+
+
+def check_data_manifest(cfg: Config, data_path: Path, target_path: Path) -> None:
+    """Refuse a data folder whose prepare did not finish, or that was tokenized with another
+    tokenizer or chat template than the target's (both fingerprints named). Data made otherwise
+    (no manifest) is not checked."""
+    from dflash_core.data.manifest import check_data_folder, read_manifest
+
+    manifest = read_manifest(data_path) if data_path.is_dir() else None
+    fps = _target_fingerprints(cfg, target_path, manifest) if manifest else None
+    check_data_folder(data_path, fps, f"the target {cfg.target.path}")
+
+
+def _target_fingerprints(cfg: Config, target_path: Path, manifest: dict) -> dict | None:
+    from dflash_core.data.chat_render import tokenizer_fingerprint, template_fingerprint
+
+    if cfg.target.path == "builtin:tiny":
+        from dflash_core.data.demo_chat import demo_tokenizer
+        tok = demo_tokenizer()
+    elif any((target_path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        from transformers import AutoTokenizer
+        try:
+            tok = AutoTokenizer.from_pretrained(str(target_path), local_files_only=True)
+        except (OSError, ValueError, TypeError):
+            return None  # the target's own check reports an unusable folder
+    else:
+        return None  # no tokenizer beside the weights: nothing to compare with
+    fps = {"tokenizer": tokenizer_fingerprint(tok)}
+    if not manifest.get("tokenizer", {}).get("chat_template_file") and tok.chat_template:
+        # A template given to prepare by file was chosen on purpose (the serving one): only
+        # the folder's own template is compared.
+        fps["chat_template"] = template_fingerprint(tok)
+    return fps
 
 
 def check_memory(cfg: Config, hf_config: dict, tdev, ddev, publish) -> dict[str, int]:

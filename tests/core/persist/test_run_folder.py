@@ -159,7 +159,7 @@ def test_every_checkpoint_damaged_fails_naming_them(tmp_path, assets, done_run):
     target, data = assets
     run_dir = copy_run(done_run, tmp_path)
     for step in (3, 6):
-        (run_dir / "checkpoints" / f"step-{step}" / "training_state.pt").write_bytes(b"junk")
+        (run_dir / "checkpoints" / f"step-{step}" / "training_state.json").write_bytes(b"junk")
     engine, rec = run(make_config(tmp_path, target, data, data__eval_prompts=0), resume=True)
     assert rec.of(RunEnded)[0].status == "failed"
     err = fatal(rec)
