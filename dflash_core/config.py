@@ -228,6 +228,28 @@ def _type_name(tp: Any) -> str:
 
 
 def _coerce(value: Any, tp: Any, key: str) -> Any:
+    try:
+        return _coerce_value(value, tp, key)
+    except ConfigError as exc:
+        if not exc.hint and exc.key == key:
+            exc.hint = f"set {key} to {_wanted(tp)} in config.yaml"
+        raise
+
+
+def _wanted(tp: Any) -> str:
+    """What a value of type ``tp`` looks like, for a hint."""
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp) or origin is dict:
+        return "a section of 'name: value' lines (indented under it)"
+    if origin is Literal:
+        return "one of " + ", ".join(repr(c) for c in typing.get_args(tp))
+    if origin is list:
+        return f"a list [..., ...], each item {_wanted(typing.get_args(tp)[0])}"
+    return {bool: "true or false (unquoted)", int: "a whole number", float: "a number",
+            str: "a string"}.get(tp, f"a {_type_name(tp)}")
+
+
+def _coerce_value(value: Any, tp: Any, key: str) -> Any:
     origin = typing.get_origin(tp)
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
@@ -375,21 +397,27 @@ def _check(cfg: Config) -> None:
             hint="raise data.token_budget or lower data.max_length",
         )
     if not cfg.layout.targets:
-        raise ConfigError("layout.targets", "needs at least one target device")
+        raise ConfigError("layout.targets", "needs at least one target device",
+                          hint="set layout.targets to a list of GPU indices, e.g. [0]")
     if not cfg.layout.drafters:
-        raise ConfigError("layout.drafters", "needs at least one drafter device")
+        raise ConfigError("layout.drafters", "needs at least one drafter device",
+                          hint="set layout.drafters to a list of GPU indices, e.g. [1]")
     for key, ids in (("layout.targets", cfg.layout.targets),
                      ("layout.drafters", cfg.layout.drafters)):
         if len(set(ids)) != len(ids):
-            raise ConfigError(key, f"repeats a device: {ids}")
+            raise ConfigError(key, f"repeats a device: {ids}", hint=f"list each device once in {key}")
         if any(i < 0 for i in ids):
-            raise ConfigError(key, f"device indices must be >= 0, got {ids}")
+            raise ConfigError(key, f"device indices must be >= 0, got {ids}",
+                              hint=f"list GPU indices (0, 1, ...) in {key}")
     if len(cfg.optim.betas) != 2 or not all(0 <= b < 1 for b in cfg.optim.betas):
-        raise ConfigError("optim.betas", f"expected two numbers in [0, 1), got {cfg.optim.betas}")
+        raise ConfigError("optim.betas", f"expected two numbers in [0, 1), got {cfg.optim.betas}",
+                          hint="set optim.betas to [0.9, 0.95] or similar in config.yaml")
     if any(i < 0 for i in cfg.target.layer_ids):
-        raise ConfigError("target.layer_ids", f"ids must be >= 0, got {cfg.target.layer_ids}")
+        raise ConfigError("target.layer_ids", f"ids must be >= 0, got {cfg.target.layer_ids}",
+                          hint="list layer indices of the target (0 = the first layer)")
     if "/" in cfg.run.name or not cfg.run.name or cfg.run.name in (".", ".."):
-        raise ConfigError("run.name", f"must be a plain folder name, got {cfg.run.name!r}")
+        raise ConfigError("run.name", f"must be a plain folder name, got {cfg.run.name!r}",
+                          hint="set run.name to a name without '/', e.g. my-run")
 
 
 def config_from_dict(data: dict | None) -> Config:
@@ -413,9 +441,38 @@ def load_config(path: str | Path) -> Config:
     except yaml.YAMLError as exc:
         raise ConfigError("", f"{path} is not valid YAML: {exc}",
                           hint="fix the YAML syntax at the line shown") from exc
-    if data is not None and not isinstance(data, dict):
-        raise ConfigError("", f"{path} must hold a mapping at top level, got {type(data).__name__}")
+    if data is None:  # empty, or only comments: not "all defaults" in silence
+        raise ConfigError("", f"{path} is empty (no keys)",
+                          hint="write the run's config into it (see config.yaml in the "
+                               "repository), or run --demo for the built-in demo")
+    if not isinstance(data, dict):
+        raise ConfigError("", f"{path} must hold a mapping at top level, got "
+                          f"{type(data).__name__}",
+                          hint="the file holds sections such as 'run:', 'target:', 'data:'")
+    _refuse_duplicate_keys(text, path)
     return config_from_dict(data)
+
+
+def _refuse_duplicate_keys(text: str, path: Path) -> None:
+    """YAML keeps the last of two equal keys without a word; a config that sets a key twice is
+    ambiguous, so name the key and both lines. Walks the composed node tree (no objects made)."""
+    root = yaml.compose(text, Loader=yaml.SafeLoader)
+    stack = [(root, "")]
+    while stack:
+        node, prefix = stack.pop()
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[str, int] = {}
+            for key, value in node.value:
+                name = f"{prefix}.{key.value}" if prefix else str(key.value)
+                line = key.start_mark.line + 1
+                if name in seen:
+                    raise ConfigError(name, f"set twice in {path} (lines {seen[name]} and "
+                                      f"{line}); YAML would silently keep the last",
+                                      hint=f"keep one '{key.value}:' in that section")
+                seen[name] = line
+                stack.append((value, name))
+        elif isinstance(node, yaml.SequenceNode):
+            stack.extend((item, f"{prefix}[{i}]") for i, item in enumerate(node.value))
 
 
 def save_config(cfg: Config, path: str | Path) -> None:

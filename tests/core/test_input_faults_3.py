@@ -1,0 +1,65 @@
+"""Bad-input sweep, round three: config files of the wrong shape (docs/bad-input.md). Each is
+refused at load, before any run folder or model, with the key, the cause and a hint."""
+
+import pytest
+import yaml
+
+from dflash_core.config import ConfigError, load_config
+
+from .engine_fixtures import make_config
+
+
+
+def valid(tmp_path) -> dict:
+    return make_config(tmp_path, tmp_path / "target", tmp_path / "data").to_dict()
+
+
+def set_in(section: str, key: str, value):
+    def edit(d: dict) -> str:
+        d[section][key] = value
+        return yaml.safe_dump(d, sort_keys=False)
+    return edit
+
+
+# name: (text, or a function of a valid config dict giving the text; the words the error names)
+CASES = {
+    "empty file": ("", ["is empty", "--demo"]),
+    "only a comment": ("# to do\n", ["is empty"]),
+    "a list at top level": ("- run\n- data\n", ["mapping at top level", "list", "sections"]),
+    "a number at top level": ("42\n", ["mapping at top level", "int"]),
+    "a key set twice": ("data:\n  token_budget: 256\n  token_budget: 512\n",
+                        ["data.token_budget", "set twice", "lines 2 and 3", "keep one"]),
+    "a section set twice": ("run:\n  name: a\nrun:\n  name: b\n", ["run: set twice"]),
+    "a list where a number goes": (set_in("data", "token_budget", [256]),
+                                   ["data.token_budget", "expected an integer", "a whole number"]),
+    "a string for a bool": (set_in("data", "balance_steps", "yes"),
+                            ["data.balance_steps", "true or false"]),
+    "nested where flat": (set_in("optim", "lr", {"value": 1e-4}),
+                          ["optim.lr", "expected a number"]),
+    "an empty section": ("data:\n", ["data: expected a mapping", "section"]),
+    "a section that is a list": ("data:\n  - 1\n", ["data: expected a mapping"]),
+    "a flat key at top level": ("token_budget: 256\n", ["token_budget: unknown key"]),
+    "a fraction where a whole number goes": (set_in("data", "token_budget", 256.5),
+                                             ["data.token_budget", "expected an integer"]),
+    "an infinite learning rate": (set_in("optim", "lr", float("inf")), ["optim.lr", "in (0, 1]"]),
+    "layer ids a number": (set_in("target", "layer_ids", 3),
+                           ["target.layer_ids", "expected a list"]),
+    "a layer id a string": (set_in("target", "layer_ids", [1, "x"]),
+                            ["target.layer_ids[1]", "expected an integer"]),
+    "three betas": (set_in("optim", "betas", [0.9, 0.9, 0.9]), ["optim.betas", "two numbers"]),
+    "run name null": (set_in("run", "name", None), ["run.name", "expected a string"]),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_badly_shaped_config_is_refused_with_its_cause_and_a_hint(tmp_path, name):
+    text, words = CASES[name]
+    path = tmp_path / "config.yaml"
+    path.write_text(text if isinstance(text, str) else text(valid(tmp_path)), encoding="utf-8")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    said = f"{info.value} | {info.value.hint}"
+    for word in words:
+        assert word in said, said
+    assert info.value.hint, f"no hint: {said}"
+    assert not (tmp_path / "runs").exists()  # nothing made
