@@ -66,7 +66,12 @@ class CommandInbox:
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        stale = self._pending()
+        try:
+            stale = self._pending()
+        except OSError:
+            # The run folder cannot be read or made (under a file, no permission): preflight
+            # says so with the key and a hint; the inbox has nothing to clear.
+            stale = []
         for path in stale:
             path.unlink(missing_ok=True)
         if stale:
@@ -86,7 +91,7 @@ class CommandInbox:
         try:
             return sorted(p for p in self.folder.iterdir()
                           if not p.name.endswith(_TMP) and not p.name.startswith("."))
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return []
 
     def poll_once(self) -> list[str]:

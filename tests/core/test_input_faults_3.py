@@ -63,3 +63,19 @@ def test_a_badly_shaped_config_is_refused_with_its_cause_and_a_hint(tmp_path, na
         assert word in said, said
     assert info.value.hint, f"no hint: {said}"
     assert not (tmp_path / "runs").exists()  # nothing made
+
+
+def test_a_run_folder_under_a_file_is_a_config_error_not_a_crash_of_the_inbox(tmp_path):
+    # run.output_dir under a file: the command inbox started before preflight once raised
+    # NotADirectoryError (a traceback, exit 1); preflight names run.output_dir (exit 2).
+    from dflash_core.pipeline.inbox import CommandInbox
+
+    (tmp_path / "afile").write_text("x")
+    said = []
+    inbox = CommandInbox(None, tmp_path / "afile" / "runs" / "t", said.append, poll_s=0.01)
+    inbox.start()
+    try:
+        assert inbox.poll_once() == []
+    finally:
+        inbox.close()
+    assert (tmp_path / "afile").read_text() == "x"  # nothing lost
