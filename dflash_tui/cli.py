@@ -123,9 +123,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.attach is not None:
         from dflash_tui.follow import FollowController
 
+        from dflash_core.observe.event_log import not_a_run
+
         follower = FollowController(args.attach)
-        if not follower.events_path.exists():
-            print(f"nothing to attach to: {follower.events_path} does not exist\nhint: pass the "
+        why = not_a_run(args.attach) or (None if follower.events_path.exists()
+                                         else f"{follower.events_path} does not exist")
+        if why:
+            print(f"nothing to attach to: {why}\nhint: pass the "
                   f"run folder of a running dflash-tui (run.output_dir/run.name, e.g. runs/demo)",
                   file=sys.stderr)
             return 2
@@ -139,8 +143,25 @@ def main(argv: list[str] | None = None) -> int:
         from dflash_tui.app import run_app
         from dflash_tui.replay import ReplayController
 
+        from dflash_core.observe.event_log import events_path, not_a_run
+
+        path = events_path(args.replay)
+        try:
+            if not_a_run(args.replay):
+                raise ValueError(not_a_run(args.replay))
+            controller = ReplayController.from_jsonl(path)
+        except (OSError, UnicodeDecodeError, ValueError) as exc:
+            if isinstance(exc, FileNotFoundError):
+                why = "does not exist"
+            elif isinstance(exc, OSError):
+                why = f"cannot be read ({exc})"
+            else:
+                why = "is not an events.jsonl (not UTF-8 JSON lines)"
+            print(f"nothing to replay: {path} {why}\nhint: pass a run folder (run.output_dir/"
+                  f"run.name, e.g. runs/demo) or its events.jsonl", file=sys.stderr)
+            return 2
         # No post-mortem: the replay itself shows how that run ended.
-        return run_app(ReplayController.from_jsonl(args.replay), run_dir=None)
+        return run_app(controller, run_dir=None)
     from dflash_core.config import ConfigError
 
     try:

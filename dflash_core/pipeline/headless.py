@@ -1,6 +1,6 @@
 """Run the engine with no screen: readable lines on stdout, logs in the run folder.
 
-Exit codes: 0 finished, 1 failed, 2 failed on the config (a bad value, a run folder that holds an
+Exit codes: 0 finished, 1 failed, 2 failed on its input (a bad value, bad data, a run folder that holds an
 earlier run, a checkpoint that does not match), 130 aborted. SIGINT / SIGTERM abort gracefully
 (with a checkpoint when training). No terminal control codes, so it behaves under nohup and in
 pipes. An error shows as its message and hint; its traceback goes to the run's train.log (only an
@@ -20,7 +20,8 @@ from dflash_core.observe.events import Error, Event, RunEnded, RunStarted, State
 from dflash_core.observe.sinks.textlog import LineThrottle, format_event
 
 EXIT_CODES = {"finished": 0, "failed": 1, "aborted": 130}
-EXIT_CONFIG = 2  # the run failed on its config, as the CLI exits on a config it cannot load
+EXIT_CONFIG = 2  # the run failed on its input, as the CLI exits on a config it cannot load
+INPUT_KINDS = ("config", "data")  # the input's fault, not the run's: exit EXIT_CONFIG
 # After SIGINT / SIGTERM before training (nothing to checkpoint yet), how long the run may take to
 # end before the process leaves without its stuck threads. From warm-up on, the engine itself
 # gives up on a stuck worker (engine.GIVE_UP_S) and skips the checkpoint it cannot trust.
@@ -125,6 +126,6 @@ def run_headless(engine: Engine, *, every_s: float | None = None, out=None, star
         engine.shutdown(timeout=1 if interrupted.is_set() else 10)
     status = engine.final_status or engine.state
     failure = engine.failure
-    if status == "failed" and failure is not None and failure.error_kind == "config":
+    if status == "failed" and failure is not None and failure.error_kind in INPUT_KINDS:
         return EXIT_CONFIG
     return EXIT_CODES.get(status, 1)

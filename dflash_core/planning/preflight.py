@@ -100,6 +100,7 @@ def prepare(cfg: Config, run_dir: Path, tdev: list[torch.device], ddev: list[tor
     if stream.batches_per_epoch == 0:
         raise ConfigError("data.path", f"no trainable batch in {data_path}",
                           hint="the data needs samples of 2+ tokens")
+    check_something_trains(dataset, data_path)
     total_steps = total_steps_for(cfg, stream.batches_per_epoch, len(ddev) * nodes)
     return Prepared(target_path, layer_ids, mask_id, dataset, eval_indices, stream, total_steps,
                     fitted)
@@ -249,6 +250,11 @@ def check_memory(cfg: Config, hf_config: dict, tdev, ddev, publish) -> dict[str,
             if limit:  # a rehearsed smaller card: plan for what the process will be allowed
                 f, t = min(f, limit), min(t, limit)
             free[f"cuda:{d.index}"], total[f"cuda:{d.index}"] = f, t
+        else:  # a CPU run plans against host memory (every role shares it: one "cpu" row)
+            import psutil
+
+            vm = psutil.virtual_memory()
+            free["cpu"], total["cpu"] = vm.available, vm.total
     plan = plan_memory(cfg, hf_config, free or None, total or None)
     sizes = fit_sizes(cfg, hf_config, free or None, total or None) if not plan.fits else {}
     if sizes and cfg.layout.auto_fit:
@@ -283,3 +289,26 @@ def demo_log_progress(publish: Callable[[Event], None], stop_check: Callable[[],
                             message=f"{what}: {fraction:.0%} {message}".rstrip()))
         return report
     return for_what
+
+
+MASK_PROBE_SAMPLES = 2000  # spread over the data set: milliseconds, whatever its size
+
+
+def check_something_trains(dataset: Any, data_path: Path) -> None:
+    """A loss mask of zeros everywhere trains nothing: every step's loss weight would be 0 and
+    the run would "finish" having learnt nothing. Probes samples spread over the data set (all
+    of them when there are fewer than MASK_PROBE_SAMPLES) for one trained position past the
+    first token (the first is never predicted)."""
+
+    n = len(dataset)
+    picks = np.unique(np.linspace(0, n - 1, min(n, MASK_PROBE_SAMPLES)).astype(np.int64))
+    for i in picks:
+        _, mask = dataset.get(int(i))
+        if np.any(np.asarray(mask)[1:]):
+            return
+    scope = "every sample" if len(picks) == n else f"all {len(picks)} samples probed (of {n})"
+    raise ConfigError("data.path", f"the loss mask is 0 in {scope} of {data_path}: no token "
+                      f"would be trained",
+                      hint="loss_mask marks the tokens to learn (1 = the assistant's answer); "
+                           "re-make the data (dflash-tui data prepare) or drop the loss_mask "
+                           "column to train on every token")

@@ -51,8 +51,10 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     run_dir = args.run_dir
     events_path = event_log.events_path(run_dir)
-    if not events_path.is_file():
-        print(f"nothing to report: {events_path} does not exist\nhint: pass the folder of a run "
+    why = event_log.not_a_run(run_dir) or (None if events_path.is_file()
+                                           else f"{events_path} does not exist")
+    if why:
+        print(f"nothing to report: {why}\nhint: pass the folder of a run "
               f"(run.output_dir/run.name, e.g. runs/demo)", file=sys.stderr)
         return 2
     try:

@@ -68,8 +68,15 @@ def _config(args):
 
 
 def run(args: argparse.Namespace) -> int:
-    from dflash_core.check.serve_check import CheckOptions, run_check
     from dflash_core.config import ConfigError
+
+    try:  # before the model libraries load (seconds): a bad config answers at once
+        cfg = _config(args)
+    except ConfigError as exc:
+        print(f"config error: {exc}" + (f"\nhint: {exc.hint}" if exc.hint else ""),
+              file=sys.stderr)
+        return 2
+    from dflash_core.check.serve_check import CheckOptions, run_check
     from dflash_core.data import DataError
     from dflash_core.models.target import TargetLoadError
 
@@ -80,7 +87,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"[{s // 60}:{s % 60:02d}] {message}", flush=True)
 
     try:
-        cfg = _config(args)
         result = run_check(cfg, CheckOptions(args.samples, args.response_tokens, args.max_steps,
                                              reference=not args.no_reference), say)
     except (ConfigError, DataError, TargetLoadError) as exc:

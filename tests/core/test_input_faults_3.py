@@ -79,3 +79,40 @@ def test_a_run_folder_under_a_file_is_a_config_error_not_a_crash_of_the_inbox(tm
     finally:
         inbox.close()
     assert (tmp_path / "afile").read_text() == "x"  # nothing lost
+
+
+def test_a_loss_mask_of_zeros_everywhere_is_refused_before_any_model_loads(tmp_path):
+    from dflash_core.data import ShardedDataset, write_shards
+    from dflash_core.planning.preflight import check_something_trains
+
+    ids = list(range(1, 40))
+    write_shards([{"input_ids": ids, "loss_mask": [0] * 39}] * 8, tmp_path / "zero")
+    with pytest.raises(ConfigError) as info:
+        check_something_trains(ShardedDataset.open(tmp_path / "zero"), tmp_path / "zero")
+    assert "loss mask is 0 in every sample" in str(info.value) and "data prepare" in info.value.hint
+    # one trained token past the first is enough
+    write_shards([{"input_ids": ids, "loss_mask": [0] * 38 + [1]}] + [
+        {"input_ids": ids, "loss_mask": [0] * 39}] * 7, tmp_path / "one")
+    check_something_trains(ShardedDataset.open(tmp_path / "one"), tmp_path / "one")
+
+
+def test_a_cpu_run_whose_plan_exceeds_host_memory_is_refused_with_the_numbers(tmp_path):
+    import json
+    from pathlib import Path
+
+    import psutil
+    import torch
+
+    from dflash_core.planning.preflight import check_memory
+
+    hf = json.loads((Path(__file__).parents[1] / "fixtures" / "qwen3_8b_config.json").read_text())
+    cfg = make_config(tmp_path, tmp_path / "t", tmp_path / "d", layout__device="cpu",
+                      data__token_budget=1 << 30, data__max_seqs_per_batch=1 << 16,
+                      target__num_features=5)
+    cpu = [torch.device("cpu")]
+    with pytest.raises(ConfigError) as info:
+        check_memory(cfg, hf, cpu, cpu, publish=lambda e: None)
+    said = str(info.value)
+    assert "does not fit" in said and "cpu" in said
+    free_gib = psutil.virtual_memory().available / 2**30
+    assert free_gib < 10**6  # the plan's numbers are in GiB against this machine's free memory
