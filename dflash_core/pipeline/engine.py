@@ -384,6 +384,8 @@ class Engine:
                               hint="set run.output_dir to a writable folder") from exc
         early, run.early = run.early or [], None
         run.sinks = RunSinks(self.bus, cfg, records, early)
+        if lead:  # with the records open: the refusal is in events.jsonl and train.log too
+            check_checkpoints_writable(run_dir)
         run.target_devices, run.drafter_devices = resolve_devices(cfg)
         self.bus.publish(RunStarted(
             run_name=cfg.run.name, run_dir=str(records), config=cfg.to_dict(),
@@ -638,3 +640,26 @@ class Engine:
         if run.sinks is not None:
             run.sinks.close()
             run.sinks = None
+
+
+def check_checkpoints_writable(run_dir: Path) -> None:
+    """A checkpoints folder that is there but cannot take a checkpoint (a file of that name, a
+    folder without write permission) is found now, not at the first save after an hour of
+    training. One that is not there yet is made, in the writable run folder, at the first save."""
+    import os
+
+    from dflash_core.persist.checkpoint import CHECKPOINTS
+
+    folder = run_dir / CHECKPOINTS
+    if not os.path.lexists(folder):
+        return
+    try:
+        if not folder.is_dir():
+            raise NotADirectoryError(f"{folder} is a file, not a folder")
+        probe = folder / f".write-probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError("run.output_dir", f"cannot write checkpoints to {folder}: {exc}",
+                          hint=f"make {folder} a folder you can write (move a file of that name "
+                               "away), or set run.output_dir elsewhere") from exc

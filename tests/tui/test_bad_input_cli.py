@@ -59,3 +59,39 @@ def test_a_path_that_is_not_usable_is_one_line_and_exit_2(tmp_path, capsys, name
     for word in words:
         assert word in err, err
     assert sorted(p.name for p in tmp_path.rglob("*")) == before  # nothing written
+
+
+def test_unusable_training_data_exits_2_as_an_input_error(tmp_path, capsys):
+    """A data error (a shard of zero rows) is the input's fault: exit 2 like a config error, the
+    message and hint on the console, its traceback only in train.log."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tests.core.engine_fixtures import make_config, make_target, write_config
+
+    data = tmp_path / "data"
+    data.mkdir()
+    pq.write_table(pa.table({"input_ids": pa.array([], pa.list_(pa.int64()))}),
+                   data / "part-0.parquet")
+    cfg = make_config(tmp_path, make_target(tmp_path / "target"), data)
+    code = main(["--headless", "--config", str(write_config(tmp_path / "c.yaml", cfg))])
+    out, err = capsys.readouterr()
+    assert code == 2, out + err
+    assert "[data]" in out and "holds no samples" in out and "hint:" in out
+    assert "Traceback" not in out + err
+
+
+def test_a_checkpoints_folder_that_cannot_be_written_is_refused_in_preflight(tmp_path, capsys):
+    """Found before training, not at the first save (which failed the run after its steps)."""
+    from tests.core.engine_fixtures import make_config, make_data, make_target, write_config
+
+    cfg = make_config(tmp_path, make_target(tmp_path / "target"), make_data(tmp_path / "data"))
+    cfg.run_dir.mkdir(parents=True)
+    (cfg.run_dir / "checkpoints").write_text("a file where the checkpoints go")
+    code = main(["--headless", "--resume", "--config",
+                 str(write_config(tmp_path / "c.yaml", cfg))])
+    out, err = capsys.readouterr()
+    assert code == 2, out + err
+    assert "cannot write checkpoints" in out and "is a file, not a folder" in out
+    assert "StepMetrics" not in (cfg.run_dir / "events.jsonl").read_text()  # no step was run
+    assert (cfg.run_dir / "checkpoints").read_text() == "a file where the checkpoints go"
