@@ -14,7 +14,6 @@ An unreadable line (a torn last line of a running or killed run) is counted and 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime as _dt
 import html
@@ -23,7 +22,6 @@ import json
 import math
 import os
 import re
-import sys
 from collections import deque
 from pathlib import Path
 
@@ -796,29 +794,3 @@ def write_report(run_dir: str | os.PathLike, out: str | os.PathLike | None = Non
     tmp.write_text(page, encoding="utf-8")
     os.replace(tmp, out)  # a reader never sees half a page
     return out
-
-
-def main(argv: list[str]) -> int:
-    """``dflash-tui report RUN_DIR [--out FILE]``."""
-    p = argparse.ArgumentParser(
-        prog="dflash-tui report",
-        description="Write one self-contained HTML report of a run (finished, failed or still "
-                    "running) from its events.jsonl: plots, errors, stalls and its config.")
-    p.add_argument("run_dir", type=Path, metavar="RUN_DIR",
-                   help="the run folder (run.output_dir/run.name, e.g. runs/demo)")
-    p.add_argument("--out", type=Path, default=None, metavar="FILE",
-                   help="where to write the page (default RUN_DIR/report.html)")
-    args = p.parse_args(argv)
-    run_dir = args.run_dir
-    events_path = run_dir if run_dir.is_file() else run_dir / "events.jsonl"
-    if not events_path.is_file():
-        print(f"nothing to report: {events_path} does not exist\nhint: pass the folder of a run "
-              f"(run.output_dir/run.name, e.g. runs/demo)", file=sys.stderr)
-        return 2
-    try:
-        out = write_report(run_dir, args.out)
-    except OSError as exc:
-        print(f"could not write the report: {exc}", file=sys.stderr)
-        return 1
-    print(f"report written to {out} ({out.stat().st_size / 1024:.0f} KiB)")
-    return 0
