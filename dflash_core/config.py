@@ -373,7 +373,7 @@ def load_config(path: str | Path) -> Config:
     path = Path(path)
     if not path.exists():
         raise ConfigError("", f"config file {path} does not exist",
-                          hint="pass --config PATH, or run --demo for the built-in demo")
+                          hint="pass --config PATH, or try the built-in demo: dflash-tui demo")
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:  # a folder, no permission, a binary file

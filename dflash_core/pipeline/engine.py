@@ -88,6 +88,9 @@ class Engine:
         self.new_run = new_run
         self._asked_name: str | None = None
         self._fresh_name: str | None = None
+        # Set by an abort while no run is live: ends a wait for node 0's run folder name, which
+        # may come before the first run starts (run_dir()).
+        self._stop_waiting = threading.Event()
         self._state = "idle"
         self._lock = threading.RLock()
         self._supervisor: threading.Thread | None = None
@@ -158,6 +161,7 @@ class Engine:
             # The supervisor, not the state, says whether a run is live: right after start()
             # the state is still idle (or the last run's end) and the abort must not be lost.
             if self._supervisor is None or not self._supervisor.is_alive():
+                self._stop_waiting.set()
                 return
             self._run.abort_requested = True
             if self._run.link is not None and self._run.link.live:
@@ -232,7 +236,7 @@ class Engine:
         can be read: the run folder, or its node-K/ folder on several nodes."""
         try:
             return self._records_dir(self._read_config())
-        except (ConfigError, OSError):
+        except (ConfigError, OSError, NodeFailure):  # the run's preflight says why
             return None
 
     def _records_dir(self, cfg: Config) -> Path:
@@ -332,18 +336,31 @@ class Engine:
         cfg = load_config(self.config_path) if self.config_path else self._given_config
         if self.max_steps is not None:
             cfg.run.max_steps = self.max_steps
-        if self.new_run and self.nodes is not None:
-            # Each node would pick its own free name: they must write one run folder.
-            raise ConfigError("run.name", "--new-run (and --demo's fresh folder) cannot be used "
-                              "on several nodes", hint="set a new run.name in config.yaml on "
-                              "every node, or pass --resume")
         if self.new_run:  # picked once: a restart resumes the folder this run started in
             if self._fresh_name is None:
                 self._asked_name = cfg.run.name
-                self._fresh_name = cfg.run.name if self.resume else \
-                    fresh_name(cfg.run.output_dir, cfg.run.name)
+                self._fresh_name = cfg.run.name if self.resume else self._pick_fresh_name(cfg)
             cfg.run.name = self._fresh_name
         return cfg
+
+    def _pick_fresh_name(self, cfg: Config) -> str:
+        """The first free run.name-N beside an earlier run; on several nodes node 0's pick,
+        which the others learn through the store (each would otherwise look at its own disk and
+        they would write different folders)."""
+        def pick() -> str:
+            return fresh_name(cfg.run.output_dir, cfg.run.name)
+
+        if self.nodes is None:
+            return pick()
+
+        def waiting() -> None:
+            self.bus.publish(Log(level="info", source="nodes", message=(
+                f"waiting for node 0 to name the run folder (a fresh one beside "
+                f"{Path(cfg.run.output_dir) / cfg.run.name})")))
+
+        return self.nodes.agree("run.name", pick, cfg.nodes.timeout_s, waiting=waiting,
+                                stopped=lambda: self._stop_waiting.is_set() or (
+                                    self._run is not None and self._run.stop.is_set()))
 
     def _preflight(self, run: Run) -> None:
         """Everything that can be checked before tens of GB of weights load."""
@@ -356,7 +373,13 @@ class Engine:
                                 stall_s=TelemetryConfig.stall_floor_s,
                                 timeout_s=NodesConfig.timeout_s)
             self.bus.tap(run.link.note_error)
-        cfg = self._read_config()
+        try:
+            cfg = self._read_config()
+        except NodeFailure as exc:  # waiting for node 0's run folder name
+            if exc.ending != "aborted":  # an abort here or on node 0 ends the run as aborted
+                raise
+            run.abort_requested = True
+            raise Stopped() from exc
         run.config = cfg
         # Before anything else can hang: a stuck read in preflight is reported like any stall.
         watchdog = Watchdog(run.heartbeats, self.bus.publish, run.stop, cfg.telemetry.stall_floor_s)
@@ -370,9 +393,10 @@ class Engine:
             if records != run_dir:
                 refuse_if_used(records)
         if not self.resume and self._fresh_name and self._fresh_name != self._asked_name:
+            why = (f"{Path(cfg.run.output_dir) / self._asked_name} holds an earlier run" if lead
+                   else "the folder node 0 picked")  # on its disk, beside an earlier run
             self.bus.publish(Log(level="info", source="engine", message=(
-                f"new run in {run_dir}: {Path(cfg.run.output_dir) / self._asked_name} holds an "
-                "earlier run (--new-run)")))
+                f"new run in {run_dir}: {why} (--new-run)")))
         try:
             records.mkdir(parents=True, exist_ok=True)
             if not self.resume and lead:  # a resume keeps config.yaml until its checkpoint fits
