@@ -479,3 +479,4 @@ class NodeGroup:
             except Exception:  # noqa: BLE001 - a broken group may refuse; the process ends anyway
                 pass
         self._store = None
+        self._opened = None  # node 0's store server ends with its last reference
