@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Iterable
 
 from dflash_tui.verbs import DEFAULT_VERB, VERBS, load
 
@@ -97,18 +98,21 @@ def translate(argv: list[str]) -> list[str]:
     return ["demo", *rest]
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(verbs: Iterable[str] | None = None) -> argparse.ArgumentParser:
+    """Every verb as a sub-command; only ``verbs`` (None: all) get their options, so a command
+    imports only what its own verb's options need."""
     p = argparse.ArgumentParser(
         prog="dflash-tui", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
         description="The console and engine that train DFlash drafters: one verb per job.")
     p.add_argument("--version", action="version", version=f"dflash-tui {_version()}")
-    verbs = p.add_subparsers(title="verbs", metavar="VERB", dest="verb", required=True)
+    subs = p.add_subparsers(title="verbs", metavar="VERB", dest="verb", required=True)
     for name in VERBS:
         module = load(name)
         doc = (module.__doc__ or name).strip()
-        sub = verbs.add_parser(name, help=doc.splitlines()[0], description=doc,
-                               formatter_class=argparse.RawDescriptionHelpFormatter)
-        module.add_arguments(sub)
+        sub = subs.add_parser(name, help=doc.splitlines()[0], description=doc,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+        if verbs is None or name in verbs:
+            module.add_arguments(sub)
         sub.set_defaults(verb_module=module)
     return p
 
@@ -125,12 +129,11 @@ def _version() -> str:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """Either grammar's arguments as the verb's namespace (``verb``, ``verb_module``, its
     options); exits 2 with one line on contradicting old flags, as argparse does on bad ones."""
-    parser = build_parser()
     try:
         translated = translate(argv)
     except UsageError as exc:
-        parser.exit(2, f"dflash-tui: {exc}\n")
-    return parser.parse_args(translated)
+        build_parser(()).exit(2, f"dflash-tui: {exc}\n")
+    return build_parser(translated[:1]).parse_args(translated)
 
 
 def main(argv: list[str] | None = None) -> int:

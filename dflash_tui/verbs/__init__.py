@@ -15,6 +15,8 @@ from types import ModuleType
 VERBS: dict[str, str] = {  # verb -> module of this package
     "run": "run",
     "demo": "demo",
+    "check": "check",
+    "data": "data",
     "attach": "attach",
     "replay": "replay",
     "serve": "serve",

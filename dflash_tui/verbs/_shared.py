@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from dflash_core.persist.events_path import NotARun, events_of
+from dflash_core.persist.run_path import NotARun, events_of
 
 
 def run_events(path: Path, action: str, *, file_ok: bool = False) -> Path | None:

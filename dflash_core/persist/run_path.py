@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-EVENTS = "events.jsonl"
+from dflash_core.observe.event_log import EVENTS_FILE as EVENTS
+
 EXAMPLE = "run.output_dir/run.name, e.g. runs/demo"
 
 
