@@ -38,7 +38,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from dflash_core.persist.build_cache import Progress, cache_root, cached_build, is_built, report
+from dflash_core.persist.build_cache import (
+    Progress, build_lock, cache_root, cached_build, is_built, report,
+)
 from dflash_core.config import Config, ConfigError, config_from_dict
 
 # Bump when anything in the recipe below changes: the cache key changes and everything rebuilds.
@@ -277,20 +279,42 @@ def ensure_tiny_target(cache_dir: str | Path | None = None, progress: Progress |
 def install_target(run_dir: str | Path, cache_dir: str | Path | None = None,
                    progress: Progress | None = None) -> Path:
     """Copy the cached demo target into ``<run_dir>/target/`` (the run folder layout other tools
-    rely on) and return that path. An up-to-date copy is kept as it is."""
+    rely on) and return that path. An up-to-date copy is kept as it is.
+
+    Several nodes sharing one run folder each install it at once: the copies are made under the
+    build lock (one machine, or a filesystem whose locks reach every node), and without it each
+    node's copy goes to its own temporary folder and the rename's loser keeps the winner's
+    complete copy (same meta: same files). An out-of-date copy is renamed aside, never deleted in
+    place, so no node reads a half-deleted folder."""
     src = ensure_tiny_target(cache_dir, progress)
     dst = Path(run_dir) / "target"
-    if is_built(dst, META_NAME) and read_meta(dst) == read_meta(src):
+
+    def current() -> bool:
+        return is_built(dst, META_NAME) and read_meta(dst) == read_meta(src)
+
+    if current():
         return dst
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.parent / f".tmp-target-{uuid.uuid4().hex[:8]}"
-    try:
-        shutil.copytree(src, tmp)
-        if dst.exists():
-            shutil.rmtree(dst)
-        os.rename(tmp, dst)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp, old = dst.parent / f".tmp-target-{tag}", dst.parent / f".old-target-{tag}"
+    with build_lock(dst):
+        try:
+            if current():  # another process installed it while this one waited
+                return dst
+            shutil.copytree(src, tmp)
+            if dst.exists() and not current():
+                try:
+                    os.rename(dst, old)
+                except FileNotFoundError:
+                    pass  # another node moved it aside first
+            try:
+                os.rename(tmp, dst)
+            except OSError:
+                if not current():  # the winner's copy must be complete and of this target
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(old, ignore_errors=True)
     return dst
 
 
