@@ -38,9 +38,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from dflash_core.persist.build_cache import (
-    Progress, build_lock, cache_root, cached_build, is_built, report,
-)
+from dflash_core.persist.build_cache import Progress, cache_root, cached_build, is_built, report
 from dflash_core.config import Config, ConfigError, config_from_dict
 
 # Bump when anything in the recipe below changes: the cache key changes and everything rebuilds.
@@ -281,11 +279,10 @@ def install_target(run_dir: str | Path, cache_dir: str | Path | None = None,
     """Copy the cached demo target into ``<run_dir>/target/`` (the run folder layout other tools
     rely on) and return that path. An up-to-date copy is kept as it is.
 
-    Several nodes sharing one run folder each install it at once: the copies are made under the
-    build lock (one machine, or a filesystem whose locks reach every node), and without it each
-    node's copy goes to its own temporary folder and the rename's loser keeps the winner's
-    complete copy (same meta: same files). An out-of-date copy is renamed aside, never deleted in
-    place, so no node reads a half-deleted folder."""
+    Several nodes sharing one run folder install it at the same moment, with no lock that
+    reaches across machines: each copies into its own temporary folder, and when the rename
+    finds the winner's copy in place the loser keeps that one (complete, and of the same
+    target). An out-of-date copy is renamed aside and then deleted, never deleted in place."""
     src = ensure_tiny_target(cache_dir, progress)
     dst = Path(run_dir) / "target"
 
@@ -297,24 +294,19 @@ def install_target(run_dir: str | Path, cache_dir: str | Path | None = None,
     dst.parent.mkdir(parents=True, exist_ok=True)
     tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp, old = dst.parent / f".tmp-target-{tag}", dst.parent / f".old-target-{tag}"
-    with build_lock(dst):
+    try:
+        shutil.copytree(src, tmp)
+        if dst.exists() and not current():
+            with contextlib.suppress(FileNotFoundError):  # another node moved it first
+                os.rename(dst, old)
         try:
-            if current():  # another process installed it while this one waited
-                return dst
-            shutil.copytree(src, tmp)
-            if dst.exists() and not current():
-                try:
-                    os.rename(dst, old)
-                except FileNotFoundError:
-                    pass  # another node moved it aside first
-            try:
-                os.rename(tmp, dst)
-            except OSError:
-                if not current():  # the winner's copy must be complete and of this target
-                    raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-            shutil.rmtree(old, ignore_errors=True)
+            os.rename(tmp, dst)
+        except OSError:
+            if not current():  # what is there must be the winner's complete copy
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
     return dst
 
 

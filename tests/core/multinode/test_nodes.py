@@ -152,6 +152,30 @@ def test_two_nodes_under_torchrun_match_one_node_with_the_same_global_batch(tmp_
     assert final.trainer_state["nodes"] == 2
 
 
+@pytest.mark.slow  # the fast path: test_demo.py, nodes installing the target at once
+def test_two_nodes_share_one_run_folder_with_the_demo_target(tmp_path, demo_data, procs):
+    """The demo's config with a fixed run.name on two nodes of one shared folder: both install
+    the demo target into runs/mn/target at once, each writes its records in node-K/, node 0
+    alone the shared files; both train and end together."""
+    from dflash_core.demo import META_NAME, demo_config
+
+    cfg = demo_config(output_dir=str(tmp_path / "runs"), name="mn", device="cpu")
+    cfg.run.max_steps, cfg.data.eval_prompts, cfg.checkpoint.every = 1, 0, 0
+    cfg.nodes.timeout_s = 60.0
+    procs += start_nodes(write_config(tmp_path / "config.yaml", cfg), tmp_path)
+    codes = [p.wait(240) for p in procs]
+    assert codes == [0, 0], outputs(tmp_path)
+    run_dir = cfg.run_dir
+    assert (run_dir / "target" / META_NAME).is_file()
+    assert sorted(p.name for p in run_dir.iterdir() if p.name.startswith(".")) == []
+    for k in (0, 1):
+        ended = [e for e in read_jsonl(run_dir / f"node-{k}" / "events.jsonl")
+                 if isinstance(e, RunEnded)]
+        assert [(e.status, e.step) for e in ended] == [("finished", 1)]
+    assert [p.name for p in ckpt.list_checkpoints(run_dir)] == ["step-1"]  # node 0's
+    assert not (run_dir / "node-1" / "config.yaml").exists()
+
+
 SLOW_CHECKPOINT = """
 import time
 from dflash_core.persist import checkpoint
