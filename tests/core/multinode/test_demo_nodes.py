@@ -2,6 +2,7 @@
 demo) and the others learn it through the store, so every node writes the same folder name even
 when each looks at its own disk."""
 
+import os
 import signal
 import subprocess
 import sys
@@ -77,9 +78,9 @@ def test_the_demo_trains_on_two_nodes_in_the_folder_node_0_picked(tmp_path, proc
     disks = [tmp_path / "node0", tmp_path / "node1"]
     for disk in disks:
         disk.mkdir()
-    earlier = disks[0] / "runs" / "demo"
+    earlier = disks[0] / "runs" / "demo" / "checkpoints" / "step-9"  # a run with something to lose
     earlier.mkdir(parents=True)
-    (earlier / "config.yaml").write_text("run: {name: demo}\n")
+    (earlier / "config.json").write_text("{}\n")
     port = free_port()
     for rank, disk in enumerate(disks):
         procs.append(subprocess.Popen(
@@ -101,4 +102,4 @@ def test_the_demo_trains_on_two_nodes_in_the_folder_node_0_picked(tmp_path, proc
     started = [[e for e in read_jsonl(p) if isinstance(e, RunStarted)] for p in events]
     assert [s[0].run_name for s in started] == ["demo-2", "demo-2"]
     assert not (disks[1] / "runs" / "demo").exists()  # node 1 did not pick on its own
-    assert (earlier / "config.yaml").read_text() == "run: {name: demo}\n"  # left as it was
+    assert os.listdir(earlier.parents[1]) == ["checkpoints"]  # the earlier run left as it was
