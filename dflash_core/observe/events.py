@@ -23,9 +23,10 @@ TERMINAL_STATES = ("finished", "aborted", "failed")
 # "node": another node of a multi-node run failed, left or hung (nodes.py).
 ERROR_KINDS = ("oom", "config", "data", "wandb", "cuda", "io", "internal", "node")
 
-# A worker's own phase, WorkerStatus.status. A target goes loading -> warmup -> running -> done (its
-# loop ended: no more data, or the run stopped); a drafter goes warmup -> running and says stopped
-# when its run ends. A worker whose body raised says failed, with the reason in detail.
+# A worker's own phase, WorkerStatus.status. A target goes loading -> warmup -> running, a drafter
+# warmup -> running; each ends with one last status whichever way it ends: done (a target whose
+# data ran out), stopped (the run stopped it: an abort, the end, another worker's failure) or
+# failed (its body raised; the reason in detail).
 WORKER_LOADING = "loading"  # reading its weights (LoadProgress events follow)
 WORKER_WARMUP = "warmup"  # first forward or step: kernels compiling
 WORKER_RUNNING = "running"

@@ -281,15 +281,18 @@ class Engine:
 
     # -- worker threads ------------------------------------------------------------------------
     def _guard(self, run: Run, source: str, role: str, device: str, fn) -> None:
-        """Run a worker body; turn its exception into an Error event and a failed run."""
+        """Run a worker body; turn its exception into an Error event and a failed run. A target
+        or drafter publishes its last state here, whichever way its body ends: what the body
+        returns (a target's "done" when its data ran out), else stopped or failed."""
         run.heartbeats.beat("starting")  # from now on the watchdog watches this thread
+        last, detail = None, ""
         try:
-            fn()
+            last = fn()
             stopped = True
         except Stopped:
             stopped = True
         except UpstreamFailed as up:
-            stopped = False
+            stopped, detail = True, f"{up.source} failed"  # the Error names the one that did
             self._fail(run, error_event(up.cause, source=up.source, role=up.role, device=device,
                                         phase=self._state))
         except BaseException as exc:  # noqa: BLE001 - every failure must surface
@@ -299,9 +302,9 @@ class Engine:
                                             phase=self._state))
                 self.bus.publish(WorkerStatus(worker=source, role=role, device=device,
                                               status=WORKER_FAILED, detail=str(exc)[:200]))
-        if stopped and role == "drafter":  # targets report "done" themselves
+        if stopped and role in ("target", "drafter"):
             self.bus.publish(WorkerStatus(worker=source, role=role, device=device,
-                                          status=WORKER_STOPPED))
+                                          status=last or WORKER_STOPPED, detail=detail))
 
     def _thread(self, run: Run, name: str, role: str, device: str, fn) -> threading.Thread:
         t = threading.Thread(target=self._guard, args=(run, name, role, device, fn),
