@@ -29,7 +29,7 @@ from dflash_core.observe.errors import error_event
 from dflash_core.observe.bus import EventBus
 from dflash_core.observe.events import (
     TERMINAL_STATES, WORKER_FAILED, WORKER_STOPPED, Error, Log, QueueDepth, RunEnded, RunStarted,
-    StateChanged, WorkerStatus, prefetch_queue,
+    StateChanged, TrainingPlan, WorkerStatus, prefetch_queue,
 )
 from dflash_core.pipeline.hs_queue import HiddenStateQueue
 from dflash_core.planning.layout_advice import LayoutAdvisor
@@ -391,7 +391,8 @@ class Engine:
             targets=[device_label(d, i) for i, d in enumerate(run.target_devices)],
             drafters=[device_label(d, i) for i, d in enumerate(run.drafter_devices)],
             allocator=(self.allocator.conf or "PyTorch defaults")
-            if any(d.type == "cuda" for d in run.target_devices + run.drafter_devices) else ""))
+            if any(d.type == "cuda" for d in run.target_devices + run.drafter_devices) else "",
+            resume=self.resume))
 
         if any(d.type == "cuda" for d in run.target_devices + run.drafter_devices):
             self.bus.publish(Log(level="info", source="engine", message=self.allocator.describe()))
@@ -542,9 +543,12 @@ class Engine:
                                     len(run.drafter_devices), gpus)
         self.bus.tap(run.advisor)  # says once which side bounds the run and the balancing split
         run.last_step_t = time.monotonic()
-        self.bus.publish(Log(level="info", source="engine",
-                             message=f"training {run.total_steps} steps on "
-                             f"{len(run.target_devices)} target(s) + {len(run.replicas)} drafter(s)"))
+        # Where it starts and which limit ends it: said once, for every reader alike.
+        self.bus.publish(TrainingPlan(
+            start_step=run.step, total_steps=run.total_steps, epochs=cfg.optim.epochs,
+            epoch_steps=run.prep.epoch_steps, max_steps=cfg.run.max_steps,
+            max_steps_from="--max-steps" if self.max_steps is not None else "run.max_steps",
+            targets=len(run.target_devices), drafters=len(run.replicas)))
         if run.step >= run.total_steps:
             run.finished = True
             return

@@ -12,7 +12,7 @@ from textual.widgets import Sparkline, Static
 
 from .. import fmt
 from ..state import DashboardState
-from .panel import Panel, field, pack
+from .panel import Panel, field, note, pack
 
 
 # Narrower than this (an 80-column terminal) the drafters' time split gives way to the loss plot.
@@ -38,7 +38,7 @@ class TrainingPanel(Panel):
         st = s.step
         if st is None:
             caption.update("")
-            return Text(self.EMPTY, style="dim")
+            return note(empty_reason(s), width)
         hist = s.loss_history
         caption.update(Text(f"loss (log scale) over the last {len(hist)} steps: "
                             f"{min(hist):.3f} .. {max(hist):.3f}", style="dim"))
@@ -63,6 +63,17 @@ class TrainingPanel(Panel):
         if s.eval_history:
             lines.append(eval_line(s, width))
         return Text("\n").join(lines)
+
+
+def empty_reason(s: DashboardState) -> str:
+    """What a Training panel with no step says: why there is none."""
+    if s.plan is not None and s.plan.start_step and s.plan.start_step >= s.plan.total_steps:
+        return (f"no step to take: the run resumed at step {s.plan.start_step}, where it ends "
+                f"({s.plan.limit()})")
+    why = s.ended_before("training")
+    if why:
+        return f"no step: {why}"
+    return "no step in this run" if s.ended else TrainingPanel.EMPTY
 
 
 def eval_line(s: DashboardState, width: int) -> Text:
