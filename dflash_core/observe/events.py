@@ -2,7 +2,8 @@
 
 Each one serialises to a single JSON line (``to_json``) and comes back with ``from_json``, so
 ``events.jsonl`` replays into any subscriber (the dashboard, tests, a post-mortem). The bus that
-carries them is ``dflash_core.observe.bus``.
+carries them is ``dflash_core.observe.bus``; the file they are written to and read back from is
+``dflash_core.observe.event_log``'s.
 """
 
 from __future__ import annotations
@@ -428,14 +429,19 @@ def state_after(state: str, event: Event) -> str:
     return state
 
 
+# Each type's field names, looked up once: a multi-day events.jsonl has millions of lines.
+_FIELD_NAMES: dict[type[Event], frozenset[str]] = {}
+
+
 def from_dict(d: dict[str, Any]) -> Event:
     d = dict(d)
-    name = d.pop("event")
-    cls = EVENT_TYPES[name]
+    cls = EVENT_TYPES[d.pop("event")]
     for old, new in cls.old_names.items():
         if old in d and new not in d:
             d[new] = d.pop(old)
-    names = {f.name for f in dataclasses.fields(cls)}
+    names = _FIELD_NAMES.get(cls)
+    if names is None:
+        names = _FIELD_NAMES[cls] = frozenset(f.name for f in dataclasses.fields(cls))
     return cls(**{k: v for k, v in d.items() if k in names})
 
 
@@ -444,15 +450,8 @@ def from_json(line: str) -> Event:
 
 
 def read_jsonl(path) -> list[Event]:
-    """Read an events.jsonl file; a torn last line (process killed mid-write) is skipped."""
-    out: list[Event] = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                out.append(from_json(line))
-            except (ValueError, KeyError, TypeError):
-                continue
-    return out
+    """Every event of an events.jsonl; a torn last line (process killed mid-write) is skipped.
+    The file itself is ``event_log``'s: this is ``event_log.read_events``."""
+    from dflash_core.observe.event_log import read_events  # event_log imports this module
+
+    return read_events(path)

@@ -5,7 +5,8 @@
   ``checkpoints/damaged-step-<N>`` (kept for inspection, never deleted, never picked again), and
   the newest intact older one is loaded instead, saying so; none intact: refused;
 - a checkpoint of another drafter shape than the config's (layers, block size, widths, target
-  layers, mask id, target vocabulary): refused, naming every differing key with both values.
+  layers, mask id, target vocabulary): refused, naming every differing key with both values;
+- a checkpoint written with another optimizer than ``optim.name``: refused, naming both.
 """
 
 from __future__ import annotations
@@ -160,3 +161,19 @@ def check_resume_nodes(loaded: ckpt.LoadedCheckpoint, nodes: int) -> None:
             hint=f"start {wrote} node(s) (torchrun --nnodes {wrote}) to resume it, or start a new "
                  "run (a new run.name) on this many nodes, with drafter.init_from pointing at "
                  "that checkpoint to keep its weights")
+
+
+def check_resume_optimizer(loaded: ckpt.LoadedCheckpoint, cfg: Config) -> None:
+    """A checkpoint resumes with the optimizer that wrote it: AdamW's two moments and Muon's
+    momentum are not each other's state, and a silent fresh start would not be the exact resume
+    asked for. Raises ConfigError naming both."""
+    from dflash_core.models.optimizers import state_name
+
+    wrote = state_name(loaded.trainer_state)
+    if wrote != cfg.optim.name:
+        raise ConfigError(
+            "optim.name", f"the checkpoint {loaded.path} was written with optim.name {wrote!r} "
+            f"and the config asks for {cfg.optim.name!r}: its optimizer state is {wrote}'s",
+            hint=f"set optim.name: {wrote} to resume it, or start a new run (a new run.name or "
+                 "--new-run) with drafter.init_from pointing at that checkpoint to keep its "
+                 f"weights and train on with {cfg.optim.name}")

@@ -36,7 +36,9 @@ from dflash_core.planning.layout_advice import LayoutAdvisor
 from dflash_core.multinode.node_link import NodeLink
 from dflash_core.multinode.nodes import NodeFailure, NodeGroup, node_dir_name, node_info
 from dflash_core.planning.preflight import demo_log_progress, device_label, prepare, resolve_devices
-from dflash_core.persist.resume import check_resume_nodes, expected_drafter_config, load_for_resume
+from dflash_core.persist.resume import (
+    check_resume_nodes, check_resume_optimizer, expected_drafter_config, load_for_resume,
+)
 from dflash_core.pipeline.run import Run
 from dflash_core.persist.run_folder import fresh_name, refuse_if_used
 from dflash_core.observe.sinks.run_sinks import RunSinks
@@ -418,6 +420,7 @@ class Engine:
             run.resume = load_for_resume(run_dir, expected, self.bus.publish)
             if run.resume is not None:
                 check_resume_nodes(run.resume, self.nodes.world if self.nodes else 1)
+                check_resume_optimizer(run.resume, cfg)
                 self.bus.publish(Log(level="info", source="engine", message=(
                     f"resuming from {run.resume.path} (step {run.resume.step})")))
         if (self.resume or run.prep.fitted) and lead:  # config.yaml: what the run really uses

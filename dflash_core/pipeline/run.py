@@ -99,7 +99,9 @@ class Run:
         cfg = self.config
         link = self.link
         if link is None:
-            if all(r.micro.weight_sum == 0 and r.micro.samples == 0 for r in self.replicas):
+            # No batch since the last step (a batch is what brings weight; D-PACE's weight sum is
+            # a GPU tensor, and reading it here would wait for the GPU).
+            if all(r.micro.samples == 0 for r in self.replicas):
                 if self.hs_queue.exhausted():
                     self.finish()
                 return
@@ -199,6 +201,8 @@ class Run:
             optimizer_state=rep.optimizer.state_dict(), scheduler_state={"step": self.step},
             trainer_state={"epoch": epoch, "done": done, "total_steps": self.total_steps,
                            "rng": ckpt.capture_rng_state(),
+                           # optimizer_state's kind: a resume with another optim.name is refused
+                           "optimizer": self.config.optim.name,
                            # absent: one node (checkpoints written before several nodes existed)
                            **({"nodes": self.link.world} if self.link is not None else {}),
                            # the epoch plan's order, which "done" refers to (absent: 1, unbalanced)
@@ -371,12 +375,7 @@ class Run:
             return
         if not len(prep.eval_indices) or not self.replicas or target is None:
             return
-        prompts = []
-        for i in prep.eval_indices:
-            ids, mask = prep.dataset.get(int(i))
-            resp = [j for j, m in enumerate(mask) if m]
-            cut = resp[0] if resp and resp[0] > 0 else min(len(ids) - 1, cfg.eval.prompt_tokens)
-            prompts.append([int(x) for x in ids[: min(cut, cfg.eval.prompt_tokens)]])
+        prompts = eval_prompts(prep.dataset, prep.eval_indices, cfg.eval.prompt_tokens)
         drafter = self.replicas[0].drafter
         was_training = drafter.training
         drafter.eval()
@@ -428,3 +427,15 @@ class Run:
         if self.hs_queue is not None:
             self.hs_queue.clear()
         self.hs_queue = None
+
+
+def eval_prompts(dataset, indices, prompt_tokens: int) -> list[list[int]]:
+    """The prompts of exact tau: each held-out sample cut before its first trained token (or to
+    ``prompt_tokens`` when the trained part starts at 0), at most ``prompt_tokens`` long."""
+    prompts = []
+    for i in indices:
+        ids, mask = dataset.get(int(i))
+        resp = [j for j, m in enumerate(mask) if m]
+        cut = resp[0] if resp and resp[0] > 0 else min(len(ids) - 1, prompt_tokens)
+        prompts.append([int(x) for x in ids[: min(cut, prompt_tokens)]])
+    return prompts
