@@ -419,3 +419,45 @@ def test_the_dashboard_exits_with_the_code_headless_would():
     assert owned_exit_code(Owned("failed", "failed", "config")) == 2  # as headless: input error
     assert owned_exit_code(Owned("aborted", "aborted")) == 130  # q on a live run aborts it
     assert owned_exit_code(Owned("idle")) == 0  # nothing was started
+
+
+@pytest.mark.parametrize("size", [(80, 24), (120, 40)])
+async def test_after_an_evaluation_the_training_panel_keeps_its_plot_in_view(size):
+    from textual.widgets import Sparkline
+
+    app = DFlashApp(ReplayController(sc.evaluated()))
+    async with app.run_test(size=size) as pilot:
+        await settle(pilot)
+        training = app.query_one("#training")
+        plot = training.query_one(Sparkline)
+        assert training.max_scroll_y == 0  # nothing scrolled out of the panel
+        assert plot.display and plot.region.height >= 1
+        assert training.content_region.contains_region(plot.region)
+        text = training.text + "\n" + str(training.query_one(".caption").content)
+        assert "39.012" in text and "1.106" in text  # the loss range, both ends
+        accepted = next(x for x in text.split("\n") if "accepted@k" in x)
+        assert accepted.startswith("accepted@k 94% 84% 70%") and "…" in accepted
+        width = training.scrollable_content_region.width
+        assert all(len(x) <= width for x in text.split("\n"))
+
+
+async def test_help_fits_an_80x24_terminal_and_notices_leave_the_log_in_view():
+    from textual.widgets._toast import Toast
+
+    app = DFlashApp(ReplayController(sc.training()))
+    async with app.run_test(size=(80, 24), notifications=True) as pilot:
+        await settle(pilot)
+        await pilot.press("question_mark")
+        await pilot.pause(0.3)
+        box = app.screen.query_one("#help")
+        assert box.max_scroll_y == 0  # its last paragraph too
+        assert app.screen.query_one("#help-foot").region.bottom <= box.region.bottom
+        await pilot.press("escape")
+        await pilot.pause()
+        app.notify("a notice", timeout=30)
+        await pilot.pause(0.5)
+        # notices show at the top, under the header, in one row: not over the log's newest lines
+        toast = app.screen.query_one(Toast)
+        log = app.query_one("#log")
+        assert toast.region.height == 1 and toast.region.y >= 2
+        assert not toast.region.overlaps(log.region)

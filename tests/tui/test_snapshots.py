@@ -67,3 +67,25 @@ def test_snapshot_resumed_at_the_end(snap_compare):
 def test_snapshot_checkpoint_writing(snap_compare):
     app, until_shown = replayed(sc.checkpoint_writing())
     assert snap_compare(app, terminal_size=(120, 40), run_before=until_shown)
+
+
+# Small terminals after an evaluation: at 80x24 the Training panel keeps loss, tok/s and the
+# teacher-forced tau, the exact tau and its gap, as many accepted@k positions as fit, the loss
+# range and one row of its plot (lr, grad, samples/s and padding give way); at 120x40 two rows of
+# numbers and a taller plot. The loss range is never what is cut.
+@pytest.mark.parametrize("size", {"80x24": (80, 24), "120x40": (120, 40)})
+def test_snapshot_evaluated(snap_compare, size):
+    app, until_shown = replayed(sc.evaluated())
+    assert snap_compare(app, terminal_size=(80, 24) if size == "80x24" else (120, 40),
+                        run_before=until_shown)
+
+
+def test_snapshot_help_at_80x24(snap_compare):
+    app, until_shown = replayed(sc.training())
+
+    async def with_help(pilot) -> None:
+        await until_shown(pilot)
+        await pilot.press("question_mark")
+        await pilot.pause(0.3)
+
+    assert snap_compare(app, terminal_size=(80, 24), run_before=with_help)
