@@ -22,6 +22,7 @@ from torch import nn
 from dflash_core.models import objective as obj
 from dflash_core.models.optimizers import build_optimizer, set_lr
 from dflash_core.config import Config, default_gamma
+from dflash_core.levers import halve
 from dflash_core.models.drafter import DFlashDrafter, build_drafter_config
 from dflash_core.pipeline.handoff import FeatureCopier
 
@@ -207,10 +208,11 @@ class DrafterReplica:
         when a group is already one sequence (no smaller size exists)."""
         per_seq = self.last_block_tokens
         group = min(self.micro_block_tokens // per_seq, self.last_rows) if per_seq else 0
-        if group <= 1:
+        smaller = halve(group, 1)  # the levers' one rule, counted in sequences
+        if smaller is None:
             return None
         old = self.micro_block_tokens
-        self.micro_block_tokens = (group // 2) * per_seq
+        self.micro_block_tokens = smaller * per_seq
         return old, self.micro_block_tokens
 
     def write_stats(self) -> None:

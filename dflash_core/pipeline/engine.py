@@ -320,7 +320,7 @@ class Engine:
         run.heartbeats.beat("preflight")
         try:
             self._set_state("preflight")
-            self._preflight(run)
+            self._set_up(run)
             if not run.stop.is_set():
                 self._load(run)
             if not run.stop.is_set():
@@ -350,81 +350,112 @@ class Engine:
             cfg.run.name = self._fresh_name
         return cfg
 
-    def _preflight(self, run: Run) -> None:
-        """Everything that can be checked before tens of GB of weights load."""
+    def _set_up(self, run: Run) -> None:
+        """Everything before tens of GB of weights load, in order: read the config, open the
+        run's records, announce the run, join the other nodes, run the preflight checks
+        (planning/preflight.py), find the checkpoint to resume."""
         hf_logging.disable_progress_bar()  # its bars write behind the dashboard's back
+        cfg = run.config = self._read_config()
         if self.nodes is not None:
             # Made first: a run that ends before it joins still tells the others (farewell).
-            run.link = NodeLink(self.nodes, self.bus.publish, fail=lambda ev: self._fail(run, ev),
-                                restart=self.restart, restarting=lambda: self.restarting,
-                                checksum_every=NodesConfig.checksum_every,
-                                stall_s=TelemetryConfig.stall_floor_s,
-                                timeout_s=NodesConfig.timeout_s)
-            self.bus.tap(run.link.note_error)
-        cfg = self._read_config()
-        run.config = cfg
+            run.link = self._link(run, cfg.nodes, cfg.telemetry.stall_floor_s)
         # Before anything else can hang: a stuck read in preflight is reported like any stall.
         watchdog = Watchdog(run.heartbeats, self.bus.publish, run.stop, cfg.telemetry.stall_floor_s)
         self._thread(run, "watchdog", "watchdog", "host", watchdog.run)
+        self._open_records(run, cfg)
+        self._announce(run, cfg)
+        if self.nodes is not None:
+            # With the run's records open (a failure to join is in its events and train.log),
+            # before it reads any checkpoint (a restart resumes from node 0's, written by now).
+            self._join_nodes(run, cfg)
+        self._check(run, cfg)
+        if self.resume:
+            self._find_resume(run, cfg)
+        if (self.resume or run.prep.fitted) and self._lead:  # config.yaml: what the run uses
+            save_config(cfg, cfg.run_dir / "config.yaml")
+
+    @property
+    def _lead(self) -> bool:
+        """This process writes the run folder's shared files (config.yaml, checkpoints, W&B):
+        on one node, or node 0 of several. Every node writes its own records in node-K/."""
+        return self.nodes is None or self.nodes.rank == 0
+
+    def _link(self, run: Run, nodes: NodesConfig, stall_s: float) -> NodeLink:
+        link = NodeLink.from_config(nodes, stall_s, run, self.nodes, self.bus.publish,
+                                    fail=lambda ev: self._fail(run, ev), restart=self.restart,
+                                    restarting=lambda: self.restarting)
+        self.bus.tap(link.note_error)
+        return link
+
+    def _open_records(self, run: Run, cfg: Config) -> None:
+        """Make the run folder (refusing one that holds an earlier run), write the resolved
+        config.yaml and attach the sinks, handing them the events published so far."""
         run_dir, records = cfg.run_dir, self._records_dir(cfg)
-        lead = self.nodes is None or self.nodes.rank == 0
         if not self.resume:
             # never overwrite an earlier run's records (the run folder's own: node 0's)
-            if lead:
-                refuse_if_used(run_dir)
+            if self._lead:
+                self._say_reused(refuse_if_used(run_dir))
             if records != run_dir:
-                refuse_if_used(records)
+                self._say_reused(refuse_if_used(records))
         if not self.resume and self._fresh_name and self._fresh_name != self._asked_name:
             self.bus.publish(Log(level="info", source="engine", message=(
                 f"new run in {run_dir}: {Path(cfg.run.output_dir) / self._asked_name} holds an "
                 "earlier run (--new-run)")))
         try:
             records.mkdir(parents=True, exist_ok=True)
-            if not self.resume and lead:  # a resume keeps config.yaml until its checkpoint fits
+            if not self.resume and self._lead:  # a resume keeps it until its checkpoint fits
                 save_config(cfg, run_dir / "config.yaml")
         except OSError as exc:
             raise ConfigError("run.output_dir", f"cannot write run folder {run_dir}: {exc}",
                               hint="set run.output_dir to a writable folder") from exc
         early, run.early = run.early or [], None
         run.sinks = RunSinks(self.bus, cfg, records, early)
+
+    def _say_reused(self, attempts: str) -> None:
+        if attempts:
+            self.bus.publish(Log(level="info", source="engine", message=(
+                f"starting in {attempts}: they ended before a step, so there is no run to keep")))
+
+    def _announce(self, run: Run, cfg: Config) -> None:
+        """Resolve the devices and publish RunStarted (and the allocator's settings on CUDA)."""
         run.target_devices, run.drafter_devices = resolve_devices(cfg)
+        cuda = any(d.type == "cuda" for d in run.target_devices + run.drafter_devices)
         self.bus.publish(RunStarted(
-            run_name=cfg.run.name, run_dir=str(records), config=cfg.to_dict(),
+            run_name=cfg.run.name, run_dir=str(self._records_dir(cfg)), config=cfg.to_dict(),
             targets=[device_label(d, i) for i, d in enumerate(run.target_devices)],
             drafters=[device_label(d, i) for i, d in enumerate(run.drafter_devices)],
-            allocator=(self.allocator.conf or "PyTorch defaults")
-            if any(d.type == "cuda" for d in run.target_devices + run.drafter_devices) else "",
+            allocator=(self.allocator.conf or "PyTorch defaults") if cuda else "",
             resume=self.resume))
-
-        if any(d.type == "cuda" for d in run.target_devices + run.drafter_devices):
+        if cuda:
             self.bus.publish(Log(level="info", source="engine", message=self.allocator.describe()))
-        if self.nodes is not None:
-            # With the run's records open (a failure to join is in its events and train.log),
-            # before it reads any checkpoint (a restart resumes from node 0's, written by now).
-            self._join_nodes(run, cfg)
 
+    def _check(self, run: Run, cfg: Config) -> None:
+        """The preflight (planning/preflight.py): every check that needs no weights, the demo's
+        assets built; then W&B, whose settings it checked."""
         def check_stop():  # called as the demo's assets are built: progress too
             if run.stop.is_set():
                 raise Stopped()
             run.heartbeats.beat("building the demo")
-        run.prep = prepare(cfg, run_dir, run.target_devices, run.drafter_devices,
+        run.prep = prepare(cfg, cfg.run_dir, run.target_devices, run.drafter_devices,
                            publish=self.bus.publish,
                            demo_progress=demo_log_progress(self.bus.publish, check_stop),
                            nodes=self.nodes.world if self.nodes is not None else 1)
-        if lead:  # several nodes: W&B from node 0 alone
-            run.sinks.add_wandb(cfg, run_dir)  # its settings were checked by prepare()
-        if self.resume:
-            expected = expected_drafter_config(cfg, run.prep.target_path, run.prep.layer_ids,
-                                               run.prep.mask_id)
-            run.resume_t0 = time.monotonic()
-            run.resume = load_for_resume(run_dir, expected, self.bus.publish)
-            if run.resume is not None:
-                check_resume_nodes(run.resume, self.nodes.world if self.nodes else 1)
-                check_resume_optimizer(run.resume, cfg)
-                self.bus.publish(Log(level="info", source="engine", message=(
-                    f"resuming from {run.resume.path} (step {run.resume.step})")))
-        if (self.resume or run.prep.fitted) and lead:  # config.yaml: what the run really uses
-            save_config(cfg, run_dir / "config.yaml")
+        if self._lead:  # several nodes: W&B from node 0 alone
+            run.sinks.add_wandb(cfg, cfg.run_dir)
+
+    def _find_resume(self, run: Run, cfg: Config) -> None:
+        """The newest intact checkpoint of this drafter's shape (None: nothing to resume)."""
+        expected = expected_drafter_config(cfg, run.prep.target_path, run.prep.layer_ids,
+                                           run.prep.mask_id)
+        # Several nodes read one folder: node 0 alone moves a damaged checkpoint aside.
+        run.resume_t0 = time.monotonic()  # the time from --resume to the first step is shown
+        run.resume = load_for_resume(cfg.run_dir, expected, self.bus.publish,
+                                     set_aside_damaged=self._lead)
+        if run.resume is not None:
+            check_resume_nodes(run.resume, self.nodes.world if self.nodes else 1)
+            check_resume_optimizer(run.resume, cfg)
+            self.bus.publish(Log(level="info", source="engine", message=(
+                f"resuming from {run.resume.path} (step {run.resume.step})")))
 
     def _join_nodes(self, run: Run, cfg: Config) -> None:
         """Several nodes: join the others (the first run of the process) and make this run's
@@ -434,8 +465,6 @@ class Engine:
                               "processes on this machine: each would use every GPU of layout.*",
                               hint="start one process per node: torchrun --nproc-per-node 1")
         link = run.link
-        link.checksum_every, link.stall_s = cfg.nodes.checksum_every, cfg.telemetry.stall_floor_s
-        link.timeout_s = cfg.nodes.timeout_s
         run.heartbeats.beat(f"joining {self.nodes.world} nodes")
         if not self.nodes.connected:
             try:
@@ -455,7 +484,7 @@ class Engine:
         self.bus.publish(Log(level="info", source="nodes", message=(
             f"node {self.nodes.rank} of {self.nodes.world} ({self.nodes.host}); "
             f"{'writes checkpoints and W&B' if self.nodes.rank == 0 else 'node 0 writes checkpoints'}")))
-        link.start(run)
+        link.start()
         if run.stop.is_set():
             raise Stopped()
 
@@ -602,9 +631,12 @@ class Engine:
         status = "failed" if failed else ("finished" if run.finished and not run.abort_requested
                                           else "aborted")
         busy_drafters = [n for n in stuck if n.startswith("drafter")]
-        if run.link is not None:
-            run.link.farewell(run, status)
-            self.bus.untap(run.link.note_error)
+        if self.nodes is not None:
+            # A run whose config could not be read has no link yet: it says farewell by the
+            # defaults of nodes.* (the others wait for it at the start of the run).
+            link = run.link or self._link(run, NodesConfig(), TelemetryConfig.stall_floor_s)
+            link.farewell(status)
+            self.bus.untap(link.note_error)
         # Another node's failure leaves this node's weights at the last step all nodes took.
         saves = not failed or run.peer_failed
         if busy_drafters and saves and run.step > 0:

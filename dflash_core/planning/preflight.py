@@ -20,6 +20,7 @@ from dflash_core.persist.build_cache import Progress
 from dflash_core.config import Config, ConfigError, key_value, set_key_value
 from dflash_core.observe.events import Event, Log, MemoryPlan
 from dflash_core.models.model_shape import model_shape
+from dflash_core.planning.card_budget import card_budget, limit_bytes
 from dflash_core.units import GiB
 
 MIN_FREE_DISK = 1 * GiB  # below this a checkpoint may not fit: refuse rather than fail later
@@ -244,13 +245,13 @@ def check_memory(cfg: Config, hf_config: dict, tdev, ddev, publish) -> dict[str,
     from dflash_core.planning.memory_report import format_overflow, format_plan
 
     free, total = {}, {}
-    limit = int(cfg.layout.gpu_memory_gib * GiB)
+    limit = limit_bytes(cfg.layout.gpu_memory_gib)
     for d in set(tdev) | set(ddev):
         if d.type == "cuda":
             f, t = torch.cuda.mem_get_info(d)
-            if limit:  # a rehearsed smaller card: plan for what the process will be allowed
-                f, t = min(f, limit), min(t, limit)
-            free[f"cuda:{d.index}"], total[f"cuda:{d.index}"] = f, t
+            # a rehearsed smaller card: plan for what the process will be allowed
+            t = card_budget(t, limit)
+            free[f"cuda:{d.index}"], total[f"cuda:{d.index}"] = min(f, t), t
     plan = plan_memory(cfg, hf_config, free or None, total or None)
     sizes = fit_sizes(cfg, hf_config, free or None, total or None) if not plan.fits else {}
     if sizes and cfg.layout.auto_fit:
