@@ -382,9 +382,14 @@ def make_replicas(drafter: DFlashDrafter, devices: list[torch.device], cfg: Conf
     return reps
 
 
-def total_steps_for(cfg: Config, batches_per_epoch: int, world: int) -> int:
+def epoch_steps_for(cfg: Config, batches_per_epoch: int, world: int) -> int:
+    """The optimizer steps that optim.epochs of the data make on ``world`` drafters."""
     per_step = max(1, cfg.optim.grad_accum * world)
-    steps = math.ceil(batches_per_epoch * cfg.optim.epochs / per_step)
+    return math.ceil(batches_per_epoch * cfg.optim.epochs / per_step)
+
+
+def total_steps_for(cfg: Config, batches_per_epoch: int, world: int) -> int:
+    steps = epoch_steps_for(cfg, batches_per_epoch, world)
     return min(steps, cfg.run.max_steps) if cfg.run.max_steps else steps
 
 

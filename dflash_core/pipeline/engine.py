@@ -29,7 +29,7 @@ from dflash_core.observe.errors import error_event
 from dflash_core.observe.bus import EventBus
 from dflash_core.observe.events import (
     TERMINAL_STATES, WORKER_FAILED, WORKER_STOPPED, Error, Log, QueueDepth, RunEnded, RunStarted,
-    StateChanged, WorkerStatus, prefetch_queue,
+    StateChanged, TrainingPlan, WorkerStatus, prefetch_queue,
 )
 from dflash_core.pipeline.hs_queue import HiddenStateQueue
 from dflash_core.planning.layout_advice import LayoutAdvisor
@@ -287,15 +287,18 @@ class Engine:
 
     # -- worker threads ------------------------------------------------------------------------
     def _guard(self, run: Run, source: str, role: str, device: str, fn) -> None:
-        """Run a worker body; turn its exception into an Error event and a failed run."""
+        """Run a worker body; turn its exception into an Error event and a failed run. A target
+        or drafter publishes its last state here, whichever way its body ends: what the body
+        returns (a target's "done" when its data ran out), else stopped or failed."""
         run.heartbeats.beat("starting")  # from now on the watchdog watches this thread
+        last, detail = None, ""
         try:
-            fn()
+            last = fn()
             stopped = True
         except Stopped:
             stopped = True
         except UpstreamFailed as up:
-            stopped = False
+            stopped, detail = True, f"{up.source} failed"  # the Error names the one that did
             self._fail(run, error_event(up.cause, source=up.source, role=up.role, device=device,
                                         phase=self._state))
         except BaseException as exc:  # noqa: BLE001 - every failure must surface
@@ -305,9 +308,9 @@ class Engine:
                                             phase=self._state))
                 self.bus.publish(WorkerStatus(worker=source, role=role, device=device,
                                               status=WORKER_FAILED, detail=str(exc)[:200]))
-        if stopped and role == "drafter":  # targets report "done" themselves
+        if stopped and role in ("target", "drafter"):
             self.bus.publish(WorkerStatus(worker=source, role=role, device=device,
-                                          status=WORKER_STOPPED))
+                                          status=last or WORKER_STOPPED, detail=detail))
 
     def _thread(self, run: Run, name: str, role: str, device: str, fn) -> threading.Thread:
         t = threading.Thread(target=self._guard, args=(run, name, role, device, fn),
@@ -445,7 +448,8 @@ class Engine:
             run_name=cfg.run.name, run_dir=str(self._records_dir(cfg)), config=cfg.to_dict(),
             targets=[device_label(d, i) for i, d in enumerate(run.target_devices)],
             drafters=[device_label(d, i) for i, d in enumerate(run.drafter_devices)],
-            allocator=(self.allocator.conf or "PyTorch defaults") if cuda else ""))
+            allocator=(self.allocator.conf or "PyTorch defaults") if cuda else "",
+            resume=self.resume))
         if cuda:
             self.bus.publish(Log(level="info", source="engine", message=self.allocator.describe()))
 
@@ -595,9 +599,12 @@ class Engine:
                                     len(run.drafter_devices), gpus)
         self.bus.tap(run.advisor)  # says once which side bounds the run and the balancing split
         run.last_step_t = time.monotonic()
-        self.bus.publish(Log(level="info", source="engine",
-                             message=f"training {run.total_steps} steps on "
-                             f"{len(run.target_devices)} target(s) + {len(run.replicas)} drafter(s)"))
+        # Where it starts and which limit ends it: said once, for every reader alike.
+        self.bus.publish(TrainingPlan(
+            start_step=run.step, total_steps=run.total_steps, epochs=cfg.optim.epochs,
+            epoch_steps=run.prep.epoch_steps, max_steps=cfg.run.max_steps,
+            max_steps_from="--max-steps" if self.max_steps is not None else "run.max_steps",
+            targets=len(run.target_devices), drafters=len(run.replicas)))
         if run.step >= run.total_steps:
             run.finished = True
             return

@@ -64,6 +64,7 @@ class Prepared:
     stream: Any  # data.BatchStream
     total_steps: int
     fitted: dict = field(default_factory=dict)  # sizes layout.auto_fit lowered {key: new value}
+    epoch_steps: int = 0  # the steps optim.epochs make; total_steps is less when max_steps is
 
 
 def prepare(cfg: Config, run_dir: Path, tdev: list[torch.device], ddev: list[torch.device], *,
@@ -72,7 +73,7 @@ def prepare(cfg: Config, run_dir: Path, tdev: list[torch.device], ddev: list[tor
     """``nodes``: the nodes of the run, each with the drafters of ``ddev`` (the steps of the
     plan count every node's drafters)."""
     from dflash_core.data import BatchStream, ShardedDataset, split_eval
-    from dflash_core.models.trainer import total_steps_for
+    from dflash_core.models.trainer import epoch_steps_for, total_steps_for
 
     free = shutil.disk_usage(run_dir).free
     if free < MIN_FREE_DISK:
@@ -101,9 +102,10 @@ def prepare(cfg: Config, run_dir: Path, tdev: list[torch.device], ddev: list[tor
     if stream.batches_per_epoch == 0:
         raise ConfigError("data.path", f"no trainable batch in {data_path}",
                           hint="the data needs samples of 2+ tokens")
-    total_steps = total_steps_for(cfg, stream.batches_per_epoch, len(ddev) * nodes)
+    world = len(ddev) * nodes
+    total_steps = total_steps_for(cfg, stream.batches_per_epoch, world)
     return Prepared(target_path, layer_ids, mask_id, dataset, eval_indices, stream, total_steps,
-                    fitted)
+                    fitted, epoch_steps_for(cfg, stream.batches_per_epoch, world))
 
 
 def resolve_target(cfg: Config, run_dir: Path, demo_progress) -> tuple[Path, dict, list[int], int]:
