@@ -404,7 +404,8 @@ class Engine:
         run.prep = prepare(cfg, run_dir, run.target_devices, run.drafter_devices,
                            publish=self.bus.publish,
                            demo_progress=demo_log_progress(self.bus.publish, check_stop),
-                           nodes=self.nodes.world if self.nodes is not None else 1)
+                           nodes=self.nodes.world if self.nodes is not None else 1,
+                           checkpoints=lead)
         if lead:  # several nodes: W&B from node 0 alone
             run.sinks.add_wandb(cfg, run_dir)  # its settings were checked by prepare()
         if self.resume:

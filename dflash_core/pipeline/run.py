@@ -21,7 +21,7 @@ from dflash_core.models.evaluate import evaluate_tau, target_fn_for
 from dflash_core.observe.events import (
     Checkpoint, CheckpointProgress, Error, EvalResult, Log, StepMetrics,
 )
-from dflash_core.persist import state_tree
+from dflash_core.persist import checkpoint_size, state_tree
 from dflash_core.persist.async_writer import (
     CheckpointWriter, Outcome, enough_shared_memory, stepped_optimizer_state,
 )
@@ -154,18 +154,13 @@ class Run:
         return getattr(torch, self.config.drafter.dtype)
 
     def checkpoint_bytes(self) -> int:
-        """What one checkpoint takes on disk: the served weights, the float32 master weights
-        and the optimizer's two moments (the frozen embedding and head are not saved)."""
+        """What one checkpoint takes on disk (checkpoint_size.py, as preflight counts it): the
+        served weights, the float32 master weights and the optimizer's state."""
         if self._ckpt_bytes is None:
-            rep = self.replicas[0]
-            params = [p for p in rep.drafter.state_dict().values() if torch.is_tensor(p)]
-            numel = sum(p.numel() for p in params)
-            master = sum(p.numel() * p.element_size() for p in params)
-            optim = sum(t.numel() * t.element_size() for st in rep.optimizer.state.values()
-                        for t in st.values() if torch.is_tensor(t))
-            # before the first step the optimizer holds nothing yet: AdamW keeps two moments
-            self._ckpt_bytes = (numel * self.served_dtype().itemsize + master
-                                + (optim or 2 * master))
+            params, matrices = checkpoint_size.state_counts(self.replicas[0].drafter.state_dict())
+            self._ckpt_bytes = checkpoint_size.checkpoint_bytes(
+                params, matrices, self.served_dtype().itemsize,
+                checkpoint_size.optimizer_name(self.config))
         return self._ckpt_bytes
 
     def disk_check(self, publish: Callable[[Any], None], fresh: bool = False) -> bool:
