@@ -22,8 +22,9 @@ from dflash_core.observe.events import (
     Checkpoint, CheckpointProgress, Error, EvalResult, Log, StepMetrics,
 )
 from dflash_core.persist import checkpoint_size, state_tree
+from dflash_core.persist.checkpoint_size import gib
 from dflash_core.persist.async_writer import (
-    CheckpointWriter, Outcome, enough_shared_memory, stepped_optimizer_state,
+    PROBE_BYTES, CheckpointWriter, Outcome, enough_shared_memory, stepped_optimizer_state,
 )
 from dflash_core.pipeline.hs_queue import HiddenStateQueue
 from dflash_core.planning.preflight import Prepared
@@ -228,13 +229,14 @@ class Run:
         self.writer.start()
         self.writer.reserve(ckpt.make_job(self.step, served_dtype=self.served_dtype(),
                                           writers=writers, **state).tensors)
-        rate = self.writer.probe() if mode == "process" else None
+        # As much as one checkpoint at most: a small one's probe must not cost more than it.
+        rate = self.writer.probe(min(PROBE_BYTES, need))
         pinned = "pinned " if self.writer.staging.pinned else ""
         publish(Log(level="info", source="engine", message=(
-            f"checkpoints: {need / GiB:.1f} GiB each, staged in {self.writer.staging.nbytes / GiB:.1f}"
-            f" GiB of {pinned}host memory, written by {writers} writer "
+            f"checkpoints: {gib(need)} each, staged in {gib(self.writer.staging.nbytes)}"
+            f" of {pinned}host memory, written by {writers} writer "
             f"{'processes' if self.writer.mode == 'process' else 'threads'}"
-            + (f" at {rate / GiB:.2f} GiB/s (measured)" if rate else "")
+            + (f" at {gib(int(rate))}/s (measured)" if rate else "")
             + f"; ready in {time.monotonic() - t0:.1f} s")))
         est = self.writer.estimate_s(need)
         budget = cfg.checkpoint.abort_budget_s
@@ -249,6 +251,9 @@ class Run:
         prev = (self.saved_path, self.saved_step)
 
         def done(o: Outcome) -> None:
+            if o.path is None and o.abandoned:  # an abort out of time: its caller says so
+                self.saved_path, self.saved_step = prev
+                return
             if o.path is None:
                 self.saved_path, self.saved_step = prev
                 stands = (f"the checkpoint at step {ckpt.checkpoint_step(prev[0])} stands"
