@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,7 +56,14 @@ class DrafterConfig:
     block_size: int = 16  # B
     mask_token_id: int = -1  # id of the MASK token; -1 = last id of the target vocab
     num_anchors: int = 512  # A, anchors drawn per sequence per epoch
-    gamma: float = 0.0  # loss decay; 0 = 7 for B=16, 5 for B=10, 4 for B=8, else B/2.3
+    # The loss's slot weights (docs/algorithm.md, "The loss"): "dflash" = the paper's fixed decay
+    # exp(-(k-1)/gamma); "dpace" = D-PACE (arXiv 2605.18810), weights from the step's own
+    # cross-entropies, w_j = sum over m >= j of prod over i <= m of q_i with
+    # q = (1 - dpace_alpha) exp(-CE) + dpace_alpha, detached. The default stays "dflash" until
+    # bench/recipe.py (bench/BENCHMARKS.md, "Training recipe") shows a gain beyond the seed spread.
+    loss: Literal["dflash", "dpace"] = "dflash"
+    gamma: float = 0.0  # dflash loss decay; 0 = 7 for B=16, 5 for B=10, 4 for B=8, else B/2.3
+    dpace_alpha: float = 0.5  # D-PACE's floor of q: 1 = fixed linear weights B-j; 0 = exp(-CE)
     loss_chunk: int = 4096  # block tokens per chunk of the chunked cross-entropy
     # Block tokens (sequences x anchors x block) per drafter forward; a batch with more is split
     # into sequence groups with gradients accumulated, bounding activation memory.
@@ -109,7 +117,15 @@ class LayoutConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = 6e-4
+    # "adamw" = AdamW on every drafter parameter; "muon" = torch.optim.Muon (torch 2.9+) on the
+    # 2-D weight matrices (the layers' projections and fc) with AdamW on the norms
+    # (models/optimizers.py says why). The default stays "adamw" until bench/recipe.py
+    # (bench/BENCHMARKS.md, "Training recipe") shows a gain beyond the seed spread.
+    name: Literal["adamw", "muon"] = "adamw"
+    lr: float = 6e-4  # AdamW's peak learning rate (warmup then cosine, below)
+    # Muon's peak learning rate, on the same schedule; 0 = optim.lr. Muon scales it per matrix to
+    # match AdamW's update size (Moonshot's match_rms_adamw), so AdamW's rate is the start.
+    muon_lr: float = 0.0
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     warmup_frac: float = 0.04  # share of total steps with linear warmup
@@ -283,6 +299,7 @@ RANGES: dict[str, tuple[float | None, float | None, bool, bool]] = {
     "drafter.mask_token_id": (-1, None, True, False),  # -1 = last id of the target vocab
     "drafter.num_anchors": (0, None, False, False),
     "drafter.gamma": (0, None, True, False),  # 0 = the paper's value for the block size
+    "drafter.dpace_alpha": (0, 1, True, True),
     "drafter.loss_chunk": (0, None, False, False),
     "drafter.micro_block_tokens": (0, None, False, False),
     "drafter.hidden_size": (0, None, True, False),  # 0 = same as the target
@@ -297,6 +314,7 @@ RANGES: dict[str, tuple[float | None, float | None, bool, bool]] = {
     "layout.hs_queue": (0, None, False, False),
     "layout.gpu_memory_gib": (0, None, True, False),  # 0 = the card's own size
     "optim.lr": (0, 1, False, True),
+    "optim.muon_lr": (0, 1, True, True),  # 0 = optim.lr
     "optim.weight_decay": (0, 1, True, True),
     "optim.warmup_frac": (0, 1, True, False),
     "optim.min_lr_frac": (0, 1, True, True),
@@ -387,7 +405,7 @@ def load_config(path: str | Path) -> Config:
     path = Path(path)
     if not path.exists():
         raise ConfigError("", f"config file {path} does not exist",
-                          hint="pass --config PATH, or run --demo for the built-in demo")
+                          hint="pass --config PATH, or try the built-in demo: dflash-tui demo")
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:  # a folder, no permission, a binary file
@@ -404,7 +422,15 @@ def load_config(path: str | Path) -> Config:
 
 
 def save_config(cfg: Config, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False), encoding="utf-8")
+    """Write ``cfg`` as YAML to ``path`` whole: under a temporary name, then renamed, so a reader
+    (an attached dashboard, the report) never sees half a file."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False), encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def default_gamma(block_size: int) -> float:

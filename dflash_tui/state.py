@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Iterable
 from dflash_core.observe import events as ev
 from dflash_core.observe.errors import error_from_exception
 from dflash_core.observe.fold import EventFold
+from dflash_core.planning.card_budget import card_budget
 
 from . import fmt
 
@@ -62,6 +63,11 @@ class GpuRow:
     util: float = -1.0
     temperature: float = -1.0
     sampled: bool = False  # a GpuSample arrived (plan-only rows have none)
+
+    @property
+    def budget(self) -> int:
+        """What the run may use here: the card, or the rehearsed smaller card of its limit."""
+        return card_budget(self.mem_total, self.limit)
 
 
 @dataclass
@@ -276,7 +282,7 @@ class DashboardState(EventFold):
         row.alloc_retries, row.ooms = e.alloc_retries, e.ooms
         row.role = e.role
         row.sampled = True
-        cap = row.limit or row.mem_total
+        cap = row.budget
         low = cap > 0 and row.mem_used >= 0 and (cap - row.mem_used) < TIGHT_HEADROOM * cap
         if (low or retried) and not row.tight:
             why = (f"{(cap - row.mem_used) / fmt.GIB:.1f} GiB left of {cap / fmt.GIB:.1f}" if low

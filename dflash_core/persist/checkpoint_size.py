@@ -20,11 +20,6 @@ MASTER_BYTES = 4  # the replicas train in float32: the master weights
 OPTIMIZER_STATE_BYTES = {"adamw": (8, 8), "muon": (4, 8)}
 
 
-def optimizer_name(cfg) -> str:
-    """optim.name where the config has it; AdamW otherwise (the only optimizer before it)."""
-    return getattr(cfg.optim, "name", "adamw")
-
-
 def optimizer_state_bytes(name: str, params: int, matrix_params: int) -> int:
     """Bytes of the optimizer state a checkpoint holds for ``params`` parameter entries, of which
     ``matrix_params`` are in 2-D weight matrices."""
@@ -43,15 +38,10 @@ def checkpoint_bytes(params: int, matrix_params: int, served_bytes: int,
 
 
 def drafter_counts(cfg, hf_config: dict) -> tuple[int, int]:
-    """(parameters, of which in 2-D matrices) of the drafter the config builds on this target:
-    everything but the norms (the layers' two RMSNorms and q/k norms, hidden_norm, norm) is a
-    matrix (the drafter has no biases)."""
-    from dflash_core.models.model_shape import drafter_param_count, drafter_shape, model_shape
+    """(parameters, of which in 2-D matrices) of the drafter the config builds on this target."""
+    from dflash_core.models.model_shape import drafter_matrix_param_count, drafter_param_count
 
-    params = drafter_param_count(cfg, hf_config)
-    s = drafter_shape(cfg, model_shape(hf_config))
-    norms = cfg.drafter.num_layers * (2 * s.hidden + 2 * s.head_dim) + 2 * s.hidden
-    return params, params - norms
+    return drafter_param_count(cfg, hf_config), drafter_matrix_param_count(cfg, hf_config)
 
 
 def state_counts(state: dict) -> tuple[int, int]:

@@ -5,7 +5,8 @@
   ``checkpoints/damaged-step-<N>`` (kept for inspection, never deleted, never picked again), and
   the newest intact older one is loaded instead, saying so; none intact: refused;
 - a checkpoint of another drafter shape than the config's (layers, block size, widths, target
-  layers, mask id, target vocabulary): refused, naming every differing key with both values.
+  layers, mask id, target vocabulary): refused, naming every differing key with both values;
+- a checkpoint written with another optimizer than ``optim.name``: refused, naming both.
 """
 
 from __future__ import annotations
@@ -91,11 +92,12 @@ def set_aside(folder: Path) -> Path:
     return dest
 
 
-def load_for_resume(run_dir: Path, expected: dict | None,
-                    publish: Callable[[Event], None]) -> ckpt.LoadedCheckpoint | None:
+def load_for_resume(run_dir: Path, expected: dict | None, publish: Callable[[Event], None], *,
+                    set_aside_damaged: bool = True) -> ckpt.LoadedCheckpoint | None:
     """The newest intact checkpoint of ``run_dir`` that matches ``expected`` (None: nothing to
     resume). Raises CheckpointError when every checkpoint is damaged, ConfigError on a shape
-    mismatch."""
+    mismatch. ``set_aside_damaged`` False: a damaged one is only skipped (the other nodes of a
+    shared run folder leave the move to node 0, which makes the same choice)."""
     found = ckpt.list_checkpoints(run_dir)
     if not found:
         publish(Log(level="warning", source="engine", message=(
@@ -117,6 +119,12 @@ def load_for_resume(run_dir: Path, expected: dict | None,
         try:
             loaded = ckpt.load_checkpoint(folder, progress=progress)
         except ckpt.CheckpointError as exc:
+            if not set_aside_damaged:
+                damaged.append(str(folder))
+                publish(Log(level="warning", source="engine", message=(
+                    f"resume: checkpoint {folder} is damaged ({exc}); node 0 sets it aside; "
+                    "trying the next older checkpoint")))
+                continue
             moved = set_aside(folder)
             damaged.append(str(moved))
             publish(Log(level="warning", source="engine", message=(
@@ -160,3 +168,19 @@ def check_resume_nodes(loaded: ckpt.LoadedCheckpoint, nodes: int) -> None:
             hint=f"start {wrote} node(s) (torchrun --nnodes {wrote}) to resume it, or start a new "
                  "run (a new run.name) on this many nodes, with drafter.init_from pointing at "
                  "that checkpoint to keep its weights")
+
+
+def check_resume_optimizer(loaded: ckpt.LoadedCheckpoint, cfg: Config) -> None:
+    """A checkpoint resumes with the optimizer that wrote it: AdamW's two moments and Muon's
+    momentum are not each other's state, and a silent fresh start would not be the exact resume
+    asked for. Raises ConfigError naming both."""
+    from dflash_core.models.optimizers import state_name
+
+    wrote = state_name(loaded.trainer_state)
+    if wrote != cfg.optim.name:
+        raise ConfigError(
+            "optim.name", f"the checkpoint {loaded.path} was written with optim.name {wrote!r} "
+            f"and the config asks for {cfg.optim.name!r}: its optimizer state is {wrote}'s",
+            hint=f"set optim.name: {wrote} to resume it, or start a new run (a new run.name or "
+                 "--new-run) with drafter.init_from pointing at that checkpoint to keep its "
+                 f"weights and train on with {cfg.optim.name}")

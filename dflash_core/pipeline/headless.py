@@ -89,7 +89,7 @@ def run_headless(engine: Engine, *, every_s: float | None = None, out=None, star
         engine.abort()
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    # A dashboard attached from another terminal (dflash-tui --attach RUN_DIR) sends its abort
+    # A dashboard attached from another terminal (dflash-tui attach RUN_DIR --control) sends its abort
     # and restart through the run folder.
     inbox = open_inbox(engine, engine.run_dir()) if serve_inbox else None
     try:

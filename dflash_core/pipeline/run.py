@@ -31,6 +31,8 @@ from dflash_core.planning.preflight import Prepared
 from dflash_core.observe.sinks.run_sinks import RunSinks
 from dflash_core.pipeline.target_stage import TargetStage
 from dflash_core.models.trainer import DrafterReplica, RateMeter, StepBarrier, reduce_and_step
+from dflash_core.multinode.node_link import NodeLink
+from dflash_core.planning.layout_advice import LayoutAdvisor
 from dflash_core.units import GiB
 from dflash_core.observe.watchdog import Heartbeats
 
@@ -74,11 +76,12 @@ class Run:
     last_tau_tf: float | None = None  # teacher-forced tau of the last step
     best_tau: float | None = None  # exact tau of checkpoints/best (read from it on first use)
     saved_path: Path | None = None
-    advisor: Any = None  # layout_advice.LayoutAdvisor, a bus tap while the run trains
-    # Several nodes (node_link.NodeLink; None on one node). peer_failed: the run failed because
+    advisor: LayoutAdvisor | None = None  # a bus tap while the run trains
+    # Several nodes (None on one node): made from the run's config once it is read; it reads
+    # and sets this run only as node_link.LinkedRun says. peer_failed: the run failed because
     # another node did; this node's weights are those of the last step all took, so node 0
     # still writes its checkpoint.
-    link: Any = None
+    link: NodeLink | None = None
     peer_failed: bool = False
     _ckpt_bytes: int | None = None
     writer: CheckpointWriter | None = None  # background checkpoints, from warm-up on
@@ -100,14 +103,16 @@ class Run:
         cfg = self.config
         link = self.link
         if link is None:
-            if all(r.micro.weight_sum == 0 and r.micro.samples == 0 for r in self.replicas):
+            # No batch since the last step (a batch is what brings weight; D-PACE's weight sum is
+            # a GPU tensor, and reading it here would wait for the GPU).
+            if all(r.micro.samples == 0 for r in self.replicas):
                 if self.hs_queue.exhausted():
                     self.finish()
                 return
             res = reduce_and_step(self.replicas, self.step, self.total_steps)
         else:
             # Every node decides the same from the same summaries (node_link.py).
-            verdict = link.boundary(self)
+            verdict = link.boundary()
             if verdict.stop:
                 return
             if not verdict.any_work:
@@ -116,11 +121,11 @@ class Run:
                     self.finish()
                 return
             res = reduce_and_step(self.replicas, self.step, self.total_steps,
-                                  across=link.across(self))
+                                  across=link.across())
         self.step = res.step
         self.position.commit()
         if link is not None:
-            link.after_step(self)
+            link.after_step()
         now = time.monotonic()
         span = max(now - self.last_step_t, 1e-9)
         self.last_step_t = now
@@ -161,7 +166,7 @@ class Run:
             params, matrices = checkpoint_size.state_counts(self.replicas[0].drafter.state_dict())
             self._ckpt_bytes = checkpoint_size.checkpoint_bytes(
                 params, matrices, self.served_dtype().itemsize,
-                checkpoint_size.optimizer_name(self.config))
+                self.config.optim.name)
         return self._ckpt_bytes
 
     def disk_check(self, publish: Callable[[Any], None], fresh: bool = False) -> bool:
@@ -195,6 +200,8 @@ class Run:
             optimizer_state=rep.optimizer.state_dict(), scheduler_state={"step": self.step},
             trainer_state={"epoch": epoch, "done": done, "total_steps": self.total_steps,
                            "rng": ckpt.capture_rng_state(),
+                           # optimizer_state's kind: a resume with another optim.name is refused
+                           "optimizer": self.config.optim.name,
                            # absent: one node (checkpoints written before several nodes existed)
                            **({"nodes": self.link.world} if self.link is not None else {}),
                            # the epoch plan's order, which "done" refers to (absent: 1, unbalanced)
@@ -371,12 +378,7 @@ class Run:
             return
         if not len(prep.eval_indices) or not self.replicas or target is None:
             return
-        prompts = []
-        for i in prep.eval_indices:
-            ids, mask = prep.dataset.get(int(i))
-            resp = [j for j, m in enumerate(mask) if m]
-            cut = resp[0] if resp and resp[0] > 0 else min(len(ids) - 1, cfg.eval.prompt_tokens)
-            prompts.append([int(x) for x in ids[: min(cut, cfg.eval.prompt_tokens)]])
+        prompts = eval_prompts(prep.dataset, prep.eval_indices, cfg.eval.prompt_tokens)
         drafter = self.replicas[0].drafter
         was_training = drafter.training
         drafter.eval()
@@ -428,3 +430,15 @@ class Run:
         if self.hs_queue is not None:
             self.hs_queue.clear()
         self.hs_queue = None
+
+
+def eval_prompts(dataset, indices, prompt_tokens: int) -> list[list[int]]:
+    """The prompts of exact tau: each held-out sample cut before its first trained token (or to
+    ``prompt_tokens`` when the trained part starts at 0), at most ``prompt_tokens`` long."""
+    prompts = []
+    for i in indices:
+        ids, mask = dataset.get(int(i))
+        resp = [j for j, m in enumerate(mask) if m]
+        cut = resp[0] if resp and resp[0] > 0 else min(len(ids) - 1, prompt_tokens)
+        prompts.append([int(x) for x in ids[: min(cut, prompt_tokens)]])
+    return prompts

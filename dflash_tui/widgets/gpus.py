@@ -24,7 +24,7 @@ def gpu_line(r: GpuRow, width: int) -> Text:
         else Text()
     if not r.sampled:
         return line([head, Text("no sample yet", style="dim"), plan], width)
-    cap = r.limit or r.mem_total  # a rehearsed smaller card: the limit is the card
+    cap = r.budget  # a rehearsed smaller card: the limit is the card
     frac = r.mem_used / cap if cap else 0.0
     mem = Text(f"{r.mem_used / fmt.GIB:.1f}/{fmt.gib(cap)}" + (" lim" if r.limit else ""))
     alarms = Text()
@@ -53,7 +53,7 @@ def gpu_cell(r: GpuRow, width: int) -> Text:
                                                       "cyan"))
     if not r.sampled:
         return line([head, Text("no sample", style="dim")], width)
-    cap = r.limit or r.mem_total
+    cap = r.budget
     frac = r.mem_used / cap if cap else 0.0
     mem = Text(f"{r.mem_used / fmt.GIB:.0f}/{cap / fmt.GIB:.0f}G", style=mem_style(frac))
     alarm = (Text(" OOM", style="bold red") if r.ooms else
