@@ -239,6 +239,11 @@ def test_the_shipped_drafter_checkpoint_size_and_keep_3(monkeypatch, tmp_path):
     assert said[0].message.startswith(
         "checkpoints: a checkpoint is 37.3 GiB; keep 3 needs 149.0 GiB (one being written); "
         "500.0 GiB free under")
+    # optim.name muon: one float32 momentum per matrix entry instead of AdamW's two
+    cfg.optim.name = "muon"
+    preflight.check_checkpoint_disk(cfg, QWEN36_27B, tmp_path, 30_000, said.append)
+    assert said[1].message.startswith("checkpoints: a checkpoint is 26.6 GiB; keep 3 needs "
+                                      "106.5 GiB (one being written);")
 
 
 @pytest.mark.parametrize("free_checkpoints, key, keep", [(2.5, "checkpoint.keep", 1),
