@@ -138,7 +138,9 @@ class OptimConfig:
 @dataclass
 class CheckpointConfig:
     every: int = 1000  # optimizer steps between checkpoints; 0 = only on abort and at the end
-    keep: int = 3  # newest checkpoints kept; 0 = all
+    # Newest checkpoints kept; 0 = all. Preflight refuses a run whose disk cannot hold keep of them
+    # plus the one being written (checkpoint_size.py counts one), naming a keep that fits.
+    keep: int = 3
     on_abort: bool = True
     # An abort's checkpoint (SIGTERM, SIGINT, a) must be durable within this many seconds, so the
     # process exits before the SIGKILL that systemd, Kubernetes and Slurm send 30 s after SIGTERM.

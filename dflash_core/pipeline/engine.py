@@ -463,7 +463,8 @@ class Engine:
         run.prep = prepare(cfg, cfg.run_dir, run.target_devices, run.drafter_devices,
                            publish=self.bus.publish,
                            demo_progress=demo_log_progress(self.bus.publish, check_stop),
-                           nodes=self.nodes.world if self.nodes is not None else 1)
+                           nodes=self.nodes.world if self.nodes is not None else 1,
+                           checkpoints=self._lead)
         if self._lead:  # several nodes: W&B from node 0 alone
             run.sinks.add_wandb(cfg, cfg.run_dir)
 

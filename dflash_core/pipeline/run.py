@@ -21,9 +21,10 @@ from dflash_core.models.evaluate import evaluate_tau, target_fn_for
 from dflash_core.observe.events import (
     Checkpoint, CheckpointProgress, Error, EvalResult, Log, StepMetrics,
 )
-from dflash_core.persist import state_tree
+from dflash_core.persist import checkpoint_size, state_tree
+from dflash_core.persist.checkpoint_size import gib
 from dflash_core.persist.async_writer import (
-    CheckpointWriter, Outcome, enough_shared_memory, stepped_optimizer_state,
+    PROBE_BYTES, CheckpointWriter, Outcome, enough_shared_memory, stepped_optimizer_state,
 )
 from dflash_core.pipeline.hs_queue import HiddenStateQueue
 from dflash_core.planning.preflight import Prepared
@@ -159,18 +160,13 @@ class Run:
         return getattr(torch, self.config.drafter.dtype)
 
     def checkpoint_bytes(self) -> int:
-        """What one checkpoint takes on disk: the served weights, the float32 master weights
-        and the optimizer's two moments (the frozen embedding and head are not saved)."""
+        """What one checkpoint takes on disk (checkpoint_size.py, as preflight counts it): the
+        served weights, the float32 master weights and the optimizer's state."""
         if self._ckpt_bytes is None:
-            rep = self.replicas[0]
-            params = [p for p in rep.drafter.state_dict().values() if torch.is_tensor(p)]
-            numel = sum(p.numel() for p in params)
-            master = sum(p.numel() * p.element_size() for p in params)
-            optim = sum(t.numel() * t.element_size() for st in rep.optimizer.state.values()
-                        for t in st.values() if torch.is_tensor(t))
-            # before the first step the optimizer holds nothing yet: AdamW keeps two moments
-            self._ckpt_bytes = (numel * self.served_dtype().itemsize + master
-                                + (optim or 2 * master))
+            params, matrices = checkpoint_size.state_counts(self.replicas[0].drafter.state_dict())
+            self._ckpt_bytes = checkpoint_size.checkpoint_bytes(
+                params, matrices, self.served_dtype().itemsize,
+                self.config.optim.name)
         return self._ckpt_bytes
 
     def disk_check(self, publish: Callable[[Any], None], fresh: bool = False) -> bool:
@@ -240,13 +236,14 @@ class Run:
         self.writer.start()
         self.writer.reserve(ckpt.make_job(self.step, served_dtype=self.served_dtype(),
                                           writers=writers, **state).tensors)
-        rate = self.writer.probe() if mode == "process" else None
+        # As much as one checkpoint at most: a small one's probe must not cost more than it.
+        rate = self.writer.probe(min(PROBE_BYTES, need))
         pinned = "pinned " if self.writer.staging.pinned else ""
         publish(Log(level="info", source="engine", message=(
-            f"checkpoints: {need / GiB:.1f} GiB each, staged in {self.writer.staging.nbytes / GiB:.1f}"
-            f" GiB of {pinned}host memory, written by {writers} writer "
+            f"checkpoints: {gib(need)} each, staged in {gib(self.writer.staging.nbytes)}"
+            f" of {pinned}host memory, written by {writers} writer "
             f"{'processes' if self.writer.mode == 'process' else 'threads'}"
-            + (f" at {rate / GiB:.2f} GiB/s (measured)" if rate else "")
+            + (f" at {gib(int(rate))}/s (measured)" if rate else "")
             + f"; ready in {time.monotonic() - t0:.1f} s")))
         est = self.writer.estimate_s(need)
         budget = cfg.checkpoint.abort_budget_s
@@ -261,6 +258,9 @@ class Run:
         prev = (self.saved_path, self.saved_step)
 
         def done(o: Outcome) -> None:
+            if o.path is None and o.abandoned:  # an abort out of time: its caller says so
+                self.saved_path, self.saved_step = prev
+                return
             if o.path is None:
                 self.saved_path, self.saved_step = prev
                 stands = (f"the checkpoint at step {ckpt.checkpoint_step(prev[0])} stands"
