@@ -7,17 +7,26 @@ from __future__ import annotations
 import shutil
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from dflash_core.persist import checkpoint as ckpt
 from dflash_core.config import Config
 from dflash_core.data import Prefetcher
 from dflash_core.persist.data_position import DataPosition
-from dflash_core.models.evaluate import evaluate_tau, target_fn_for
+from dflash_core.models import acceptance
+from dflash_core.models.agreement import label_agreement
+from dflash_core.models.evaluate import (
+    evaluate_tau,
+    features_fn_for,
+    target_fn_for,
+    teacher_forced_eval,
+)
 from dflash_core.observe.events import Checkpoint, Error, EvalResult, Log, StepMetrics
 from dflash_core.pipeline.hs_queue import HiddenStateQueue
 from dflash_core.planning.preflight import Prepared
@@ -62,6 +71,9 @@ class Run:
     saved_step: int = -1
     last_step_t: float = field(default_factory=time.monotonic)
     last_tau_tf: float | None = None  # teacher-forced tau of the last step
+    # teacher-forced tau of the recent steps: the training tau (d) of an evaluation is their mean
+    recent_tau_tf: deque = field(default_factory=lambda: deque(maxlen=50))
+    agreement: tuple[int, int] | None = None  # (agree, total), measured at the first evaluation
     best_tau: float | None = None  # exact tau of checkpoints/best (read from it on first use)
     saved_path: Path | None = None
     advisor: Any = None  # layout_advice.LayoutAdvisor, a bus tap while the run trains
@@ -115,6 +127,9 @@ class Run:
         wait, blocked = self.hs_queue.take_waits()
         tps, sps = self.rate.add(res.tokens, res.samples)
         self.last_tau_tf = res.tau_tf
+        if self.recent_tau_tf.maxlen != cfg.eval.train_tau_steps:
+            self.recent_tau_tf = deque(self.recent_tau_tf, maxlen=cfg.eval.train_tau_steps)
+        self.recent_tau_tf.append(res.tau_tf)
         publish(StepMetrics(
             step=res.step, epoch=self.position.current_epoch(), loss=res.loss, lr=res.lr,
             grad_norm=res.grad_norm, tokens_per_s=tps, samples_per_s=sps, tau_tf=res.tau_tf,
@@ -204,37 +219,73 @@ class Run:
         return path
 
     def evaluate(self, publish: Callable[[Any], None]) -> None:
-        """Exact tau on the held-out prompts, with the first target and the first replica."""
+        """The measures of acceptance (models/acceptance.py), with the first target and the
+        first replica: exact tau on the held-out prompts, teacher-forced tau on the target's
+        own decoding of them and on the held-out samples, the training tau of the recent steps,
+        and at the first evaluation the data/target agreement; then each finding's message."""
         cfg, prep = self.config, self.prep
         target = self.targets[0].model if self.targets else None
         if not self.writes_records:
             return
         if not len(prep.eval_indices) or not self.replicas or target is None:
             return
-        prompts = []
+        t0 = time.monotonic()
+        prompts, heldout = [], []
         for i in prep.eval_indices:
             ids, mask = prep.dataset.get(int(i))
-            resp = [j for j, m in enumerate(mask) if m]
-            cut = resp[0] if resp and resp[0] > 0 else min(len(ids) - 1, cfg.eval.prompt_tokens)
+            resp = np.flatnonzero(mask)
+            cut = (resp[0] if len(resp) and resp[0] > 0
+                   else min(len(ids) - 1, cfg.eval.prompt_tokens))
             prompts.append([int(x) for x in ids[: min(cut, cfg.eval.prompt_tokens)]])
+            # (c) scores as many response tokens as (a) decodes, on the data's own labels
+            end = min(len(ids), int(cut) + cfg.eval.max_new_tokens, cfg.data.max_length)
+            heldout.append((ids[:end], mask[:end]))
         drafter = self.replicas[0].drafter
         was_training = drafter.training
         drafter.eval()
         try:
             res = evaluate_tau(target_fn_for(target, prep.layer_ids), drafter, prompts,
                                cfg.eval.max_new_tokens, prep.layer_ids)
+            decoded = [(p + out, [0] * len(p) + [1] * len(out))
+                       for p, out in zip(prompts, res.outputs)]
+            feats = features_fn_for(target, prep.layer_ids)
+            chunk = cfg.drafter.loss_chunk
+            tf_target, n_target = teacher_forced_eval(feats, drafter, decoded, chunk)
+            tf_heldout, n_heldout = teacher_forced_eval(feats, drafter, heldout, chunk)
         finally:
             drafter.train(was_training)
-        publish(EvalResult(step=self.step, tau=res.tau, acceptance=list(res.acceptance),
-                           prompts=len(prompts)))
-        tf = self.last_tau_tf
-        if tf is not None and tf - res.tau > cfg.eval.tau_gap_warn:
-            publish(Log(level="warning", source="eval", message=(
-                f"step {self.step}: exact tau {res.tau:.2f} is {tf - res.tau:.2f} below the "
-                f"teacher-forced {tf:.2f} (eval.tau_gap_warn {cfg.eval.tau_gap_warn}): training "
-                "and serving disagree; check target.layer_ids, drafter.mask_token_id and the "
-                "data's labels")))
+        if self.agreement is None and cfg.eval.agreement_samples:
+            self.agreement = self._agreement(target)
+        agree, total = self.agreement or (0, 0)
+        share = agree / total if total else acceptance.MISSING
+        train = (float(np.mean(self.recent_tau_tf)) if self.recent_tau_tf
+                 else acceptance.MISSING)
+        found = acceptance.findings(
+            self.step, res.tau, tf_target if n_target else None,
+            tf_heldout if n_heldout else None, train, share, cfg.eval)
+        publish(EvalResult(
+            step=self.step, tau=res.tau, acceptance=list(res.acceptance), prompts=len(prompts),
+            tau_tf_target=tf_target if n_target else acceptance.MISSING,
+            tau_tf_heldout=tf_heldout if n_heldout else acceptance.MISSING,
+            tau_tf_train=train, agreement=share, agreement_positions=total,
+            findings=[f.kind for f in found], seconds=time.monotonic() - t0))
+        for f in found:
+            publish(Log(level=f.level, source="eval", message=f.message))
         self._mark_best(res.tau, publish)
+
+    def _agreement(self, target_model) -> tuple[int, int]:
+        """(agree, total) on ``eval.agreement_samples`` training samples spread over the data
+        set (never the held-out ones), each cut to data.max_length as training cuts it."""
+        cfg, prep = self.config, self.prep
+        train = np.setdiff1d(np.arange(len(prep.dataset)), prep.eval_indices)
+        if not len(train):
+            return 0, 0
+        k = min(cfg.eval.agreement_samples, len(train))
+        picks = np.unique(train[np.linspace(0, len(train) - 1, k).round().astype(int)])
+        rows = [prep.dataset.get(int(i)) for i in picks]
+        L = cfg.data.max_length
+        return label_agreement(target_model, [r[0][:L] for r in rows], [r[1][:L] for r in rows],
+                               max_positions=cfg.eval.agreement_positions, seed=cfg.run.seed)
 
     def _mark_best(self, tau: float, publish: Callable[[Any], None]) -> None:
         """checkpoints/best names the checkpoint with the highest exact tau so far; a better

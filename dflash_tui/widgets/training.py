@@ -10,6 +10,8 @@ from rich.text import Text
 from textual.app import ComposeResult
 from textual.widgets import Sparkline, Static
 
+from dflash_core.models import acceptance
+
 from .. import fmt
 from ..state import DashboardState
 from .panel import Panel, field, pack
@@ -61,25 +63,41 @@ class TrainingPanel(Panel):
                     ("data", "waiting"), ("compute", "compute"), ("peers", "barrier"),
                     ("step", "step"))], width))
         if s.eval_history:
-            lines.append(eval_line(s, width))
+            lines.extend(eval_lines(s, width))
         return Text("\n").join(lines)
 
 
-def eval_line(s: DashboardState, width: int) -> Text:
-    """Exact tau over the run (a small plot), the gap to teacher-forced tau (red past
-    eval.tau_gap_warn: training and serving disagree), how often each block position was
-    accepted at the latest evaluation."""
+def eval_lines(s: DashboardState, width: int) -> list[Text]:
+    """Exact tau over the run (a small plot) beside the teacher-forced taus of the latest
+    evaluation and the mismatch gap (red past eval.tau_gap_warn: training and decoding
+    disagree); under them the data/target agreement, how often each block position was
+    accepted, and the findings raised (acceptance.py: what each measure and gap means)."""
+    e = s.eval
     taus = [tau for _, tau, _ in s.eval_history]
-    gap = s.tau_gap
-    warn = gap is not None and gap > s.tau_gap_warn
-    parts = [Text("τ exact ", style="dim"), Text(fmt.spark(taus, 16), style="cyan"),
+    first = acceptance.MEASURES[0]
+    parts = [Text(f"{first.label} ", style="dim"), Text(fmt.spark(taus, 16), style="cyan"),
              Text(f" {taus[-1]:.2f}", style="bold")]
+    for m in acceptance.MEASURES[1:]:
+        value = getattr(e, m.key, acceptance.MISSING) if e else acceptance.MISSING
+        if value >= 0:
+            parts += [Text(f"  {m.label} ", style="dim"), Text(f"{value:.2f}")]
+    gap = s.tau_gap
     if gap is not None:
-        parts.append(Text(f" tf gap {gap:+.2f}", style="bold white on red" if warn else "dim"))
+        warn = gap > s.tau_gap_warn
+        parts.append(Text(f"  gap {gap:+.2f}", style="bold white on red" if warn else "dim"))
+    lines = [Text.assemble(*parts)]
+    more: list[Text] = []
+    if e is not None and e.agreement >= 0:
+        more += [Text(f"{acceptance.AGREEMENT.label} ", style="dim"), Text(f"{e.agreement:.0%}"),
+                 Text("  ")]
     rates = s.accepted_by_position()
     if rates:
-        parts.append(Text("  accepted@k ", style="dim"))
-        parts.append(Text(" ".join(f"{r:.0%}" for r in rates[:15])))
-    text = Text.assemble(*parts)
-    text.truncate(max(1, width), overflow="ellipsis")
-    return text
+        more += [Text(f"{acceptance.ACCEPTED.label} ", style="dim"),
+                 Text(" ".join(f"{r:.0%}" for r in rates[:15]))]
+    for kind in (e.findings if e is not None else []):
+        more.append(Text(f"  {kind}", style="bold white on red"))
+    if more:
+        lines.append(Text.assemble(*more))
+    for line in lines:
+        line.truncate(max(1, width), overflow="ellipsis")
+    return lines

@@ -15,6 +15,7 @@ from dflash_core.observe.events import (
     Checkpoint, DrafterMetrics, Error, Event, EvalResult, LoadProgress, Log, MemoryPlan, RunEnded,
     RunStarted, SinkStatus, Stall, StateChanged, StepMetrics, TargetMetrics, WorkerStatus,
 )
+from dflash_core.models.acceptance import summary_line
 from dflash_core.units import GiB
 
 
@@ -78,7 +79,7 @@ def format_event(ev: Event) -> str | None:
                 f"{_duration(ev.seconds)}")
     if isinstance(ev, EvalResult):
         hist = " ".join(f"{k}:{n}" for k, n in enumerate(ev.acceptance))
-        return (f"eval step {ev.step}: tau {ev.tau:.3f} on {ev.prompts} prompts; "
+        return (f"eval step {ev.step} on {ev.prompts} prompts: {summary_line(ev)}; "
                 f"accepted/round {hist}")
     if isinstance(ev, Checkpoint):
         return f"checkpoint step {ev.step} ({ev.reason}) in {_duration(ev.seconds)}: {ev.path}"
