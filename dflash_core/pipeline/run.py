@@ -250,7 +250,11 @@ class Run:
                        for p, out in zip(prompts, res.outputs)]
             feats = features_fn_for(target, prep.layer_ids)
             chunk = cfg.drafter.loss_chunk
-            tf_target, n_target = teacher_forced_eval(feats, drafter, decoded, chunk)
+            # (b) at the anchors decoding used, to compare with (a); at every position, to
+            # compare with (c), which has no decoding anchors
+            tf_target, n_target = teacher_forced_eval(feats, drafter, decoded, chunk,
+                                                      anchors=res.anchors)
+            tf_all, n_all = teacher_forced_eval(feats, drafter, decoded, chunk)
             tf_heldout, n_heldout = teacher_forced_eval(feats, drafter, heldout, chunk)
         finally:
             drafter.train(was_training)
@@ -260,13 +264,15 @@ class Run:
         share = agree / total if total else acceptance.MISSING
         train = (float(np.mean(self.recent_tau_tf)) if self.recent_tau_tf
                  else acceptance.MISSING)
-        found = acceptance.findings(
-            self.step, res.tau, tf_target if n_target else None,
-            tf_heldout if n_heldout else None, train, share, cfg.eval)
+        miss = acceptance.MISSING
+        tf_target = tf_target if n_target else miss
+        tf_all = tf_all if n_all else miss
+        tf_heldout = tf_heldout if n_heldout else miss
+        found = acceptance.findings(self.step, res.tau, tf_target, tf_heldout, train, share,
+                                    cfg.eval, target_all=tf_all)
         publish(EvalResult(
             step=self.step, tau=res.tau, acceptance=list(res.acceptance), prompts=len(prompts),
-            tau_tf_target=tf_target if n_target else acceptance.MISSING,
-            tau_tf_heldout=tf_heldout if n_heldout else acceptance.MISSING,
+            tau_tf_target=tf_target, tau_tf_target_all=tf_all, tau_tf_heldout=tf_heldout,
             tau_tf_train=train, agreement=share, agreement_positions=total,
             findings=[f.kind for f in found], seconds=time.monotonic() - t0))
         for f in found:

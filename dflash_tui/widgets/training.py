@@ -77,14 +77,15 @@ def eval_lines(s: DashboardState, width: int) -> list[Text]:
     first = acceptance.MEASURES[0]
     parts = [Text(f"{first.label} ", style="dim"), Text(fmt.spark(taus, 16), style="cyan"),
              Text(f" {taus[-1]:.2f}", style="bold")]
+    gap = s.tau_gap
     for m in acceptance.MEASURES[1:]:
         value = getattr(e, m.key, acceptance.MISSING) if e else acceptance.MISSING
         if value >= 0:
             parts += [Text(f"  {m.label} ", style="dim"), Text(f"{value:.2f}")]
-    gap = s.tau_gap
-    if gap is not None:
-        warn = gap > s.tau_gap_warn
-        parts.append(Text(f"  gap {gap:+.2f}", style="bold white on red" if warn else "dim"))
+        if m is acceptance.MEASURES[1] and gap is not None:
+            # next to (b): the gap the mismatch alarm watches
+            warn = gap > s.tau_gap_warn
+            parts.append(Text(f" gap {gap:+.2f}", style="bold white on red" if warn else "dim"))
     lines = [Text.assemble(*parts)]
     more: list[Text] = []
     if e is not None and e.agreement >= 0:

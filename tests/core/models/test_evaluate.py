@@ -233,4 +233,14 @@ def test_teacher_forced_eval_makes_the_pass_decoding_makes(target, target_fn, dr
         rounds.append(k + 1)
     assert tau == pytest.approx(sum(rounds) / len(rounds))
     assert all(rounds[S - len(prompt)] == B for S in starts)  # the drafter's own text: all
+    # at the anchors decoding used: what those rounds accepted
+    assert teacher_forced_eval(features, drafter, [(ids, mask)], anchors=[starts]) == (B, 3)
+    ev = evaluate_tau(target_fn, drafter, [prompt], 12, LAYERS)
+    (out,), (at,) = ev.outputs, ev.anchors
+    assert at[0] == len(prompt) and len(at) == ev.rounds
+    decoded = [(prompt + out, [0] * len(prompt) + [1] * len(out))]
+    tau_b, rounds_b = teacher_forced_eval(features, drafter, decoded, anchors=[at])
+    # every round but a last one with nothing left to draft has a labelled block
+    assert rounds_b >= ev.rounds - 1 and tau_b * rounds_b == pytest.approx(
+        sum((k + 1) * c for k, c in enumerate(ev.acceptance)) - (ev.rounds - rounds_b))
     assert teacher_forced_eval(features, drafter, [(prompt, [0] * len(prompt))]) == (0.0, 0)
