@@ -130,23 +130,29 @@ class EvalConfig:
     prompt_tokens: int = 64  # prompt length cut from each held-out sample
     # What each tau is and what each gap means: dflash_core/models/acceptance.py.
     # The mismatch alarm: warn when the teacher-forced tau on the target's own decoding of the
-    # held-out prompts exceeds the exact tau of that decoding by more than this (a leak in
-    # training, a position or mask error). Set from measured noise: on the healthy demo the gap
-    # spread over -0.04 .. 0.31 over 3 seeds and 3 evaluations each (bench/BENCHMARKS.md,
-    # "Acceptance gaps"); a planted leak gives 2 and more. 0.75 leaves twice the noise as margin.
-    tau_gap_warn: float = 0.75
+    # held-out prompts, at the anchors decoding used, exceeds the exact tau of that decoding by
+    # more than this (a leak in training, a position or mask error). Both score the same blocks
+    # of the same text, so a healthy run's gap is float noise: measured on the demo (CPU, 3
+    # seeds, step 50) +0.01 each, while a planted leak (blocks see 4 positions past their
+    # anchor) gave +0.17 at step 30 and +0.46 at step 60 (bench/BENCHMARKS.md, "Acceptance
+    # gaps"). 0.15 is 7x the healthy gap; bf16 GPU numerics are yet to be measured.
+    tau_gap_warn: float = 0.15
     # The data is not the target's own text: warn when the teacher-forced tau on held-out data and
-    # on the target's own text differ by more than this (healthy demo: within 0.0x) ...
-    data_gap_warn: float = 0.75
+    # on the target's own text (every position) differ by more than this (demo: 0.00 on its own
+    # data, 0.21-0.24 with corpus text as responses: real data, with full prompts and sampled
+    # responses, differs more, hence 0.5) ...
+    data_gap_warn: float = 0.5
     # ... or when fewer than this share of the trained labels are the target's greedy next token
-    # (measured once, at the first evaluation; the demo's own data: 1.00; responses sampled
-    # from the target at temperature 1 agree less, hence well below 1).
-    agreement_warn: float = 0.5
+    # (measured once, at the first evaluation: the demo's own data 1.00, the demo's prompts with
+    # corpus text as responses 0.69; responses sampled from the target at a temperature agree
+    # less than 1, hence 0.8).
+    agreement_warn: float = 0.8
     agreement_samples: int = 8  # training samples the agreement is measured on
     agreement_positions: int = 512  # labels sampled among them
     # Over-fitting (information): the training tau (mean of the last train_tau_steps steps)
-    # above the teacher-forced tau on held-out data by more than this.
-    overfit_gap: float = 1.0
+    # above the teacher-forced tau on held-out data by more than this. Eight held-out samples
+    # are a noisy measure: on the healthy demo the difference ran -1.17 .. +1.05 (3 seeds).
+    overfit_gap: float = 1.5
     train_tau_steps: int = 50
 
 
