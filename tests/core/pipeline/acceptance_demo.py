@@ -96,15 +96,18 @@ def demo_cfg(tmp: Path, *, seed: int, steps: int, every: int, data: str = "built
 
 
 def run_demo(tmp: Path, demo_data: Path, *, fault: str = "none", seed: int = 0,
-             steps: int = 100, every: int = 100, timeout: float = 900.0, **over) -> DemoRun:
-    """Train the demo for ``steps`` with ``fault`` planted; evaluate every ``every`` steps."""
+             steps: int = 100, every: int = 100, timeout: float = 900.0,
+             overfit_samples: int = 16, **over) -> DemoRun:
+    """Train the demo for ``steps`` with ``fault`` planted; evaluate every ``every`` steps
+    (``overfit_samples``: the data set of the over-fitting fault, held-out ones included)."""
     tmp = Path(tmp) / f"{fault}-s{seed}"
     tmp.mkdir(parents=True, exist_ok=True)
     data = "builtin:demo"
     if fault == "foreign":
         data = str(foreign_data(tmp / "data", seed=seed))
     elif fault == "overfit":
-        data = str(few_samples(tmp / "data", demo_data, 24))  # 8 held out: 16 to train on
+        # data.eval_prompts of them are held out, the rest trained on every step
+        data = str(few_samples(tmp / "data", demo_data, overfit_samples))
         over = {"optim__epochs": 10_000, **over}
     cfg = demo_cfg(tmp, seed=seed, steps=steps, every=every, data=data, **over)
     engine = Engine(cfg)
