@@ -6,6 +6,8 @@ chunked loss), 8B- and 27B-shaped, 3072-token samples, 512 anchors, block 16.
     python bench/drafter_step.py --shapes 27B --layers 8 --micro 8192 --loss-chunk 4096 --samples 4
     # what token-budget batches of different lengths cost the drafter (data.balance_steps):
     python bench/drafter_step.py --shapes 8B --batches 64x256,32x512,16x1024,8x2048,5x3072
+    # the training recipe (drafter.loss, optim.name): step time and peak memory of each
+    python bench/drafter_step.py --shapes 8B --loss dpace --optim muon
 """
 
 from __future__ import annotations
@@ -85,6 +87,8 @@ def main():
                     help="drafter.micro_block_tokens: block tokens live at once (memory)")
     ap.add_argument("--layers", type=int, default=5, help="drafter.num_layers")
     ap.add_argument("--loss-chunk", type=int, default=8192, help="drafter.loss_chunk")
+    ap.add_argument("--loss", choices=("dflash", "dpace"), default="dflash", help="drafter.loss")
+    ap.add_argument("--optim", choices=("adamw", "muon"), default="adamw", help="optim.name")
     ap.add_argument("--hf-norm", action="store_true",
                     help="transformers' eager Qwen3RMSNorm instead of the fused one (before/after)")
     ap.add_argument("--batches", default="",
@@ -102,7 +106,9 @@ def main():
         tc = hf_config(fixture)
         cfg = config_from_dict({
             "drafter": {"num_layers": layers, "block_size": B, "num_anchors": A,
-                        "micro_block_tokens": args.micro, "loss_chunk": args.loss_chunk},
+                        "micro_block_tokens": args.micro, "loss_chunk": args.loss_chunk,
+                        "loss": args.loss},
+            "optim": {"name": args.optim},
             "data": {"token_budget": 65536, "max_length": S},
             "layout": {"device": "cuda", "targets": [1], "drafters": [0]}})
         hf = json.loads((FIXTURES / fixture).read_text())
@@ -125,26 +131,30 @@ def main():
         batch = batch_of(args.samples, S, tc.vocab_size)
         feats = torch.randn(args.samples, S, 5 * tc.hidden_size, device="cuda", dtype=torch.bfloat16)
         torch.cuda.reset_peak_memory_stats()
-        times = []
+        times, opt_times = [], []
         for s in range(args.steps + 2):
             # A step stuck (compiling or otherwise) shows where it is instead of a silent limit.
             faulthandler.dump_traceback_later(args.stacks_after, repeat=True, file=sys.stdout)
             torch.cuda.synchronize()
             t = time.perf_counter()
             rep.accumulate(batch, feats, seed=0)
+            torch.cuda.synchronize()
+            t_opt = time.perf_counter()
             reduce_and_step([rep], s, 1000)
             torch.cuda.synchronize()
             times.append(time.perf_counter() - t)
+            opt_times.append(time.perf_counter() - t_opt)  # reduce, clip, optimizer step
             faulthandler.cancel_dump_traceback_later()
             # Each step as it happens: the first ones compile FlexAttention (forward and backward).
             print(f"  {shape} step {s}: {times[-1]:.1f} s", flush=True)
         dt = sum(times[2:]) / len(times[2:])
         fl = step_flops(dc, args.samples, S, A, B, tc.vocab_size)
         n_params = sum(p.numel() for p in rep.params())
-        print(f"| {shape}-shaped drafter (H {dc.hidden_size}, {layers} layers, vocab "
+        print(f"| {shape}-shaped drafter, {args.loss} + {args.optim} (H {dc.hidden_size}, {layers} layers, vocab "
               f"{tc.vocab_size}, {n_params / 1e9:.2f}B trainable) | {args.samples / dt:.2f} "
               f"samples/s | MFU {fl / dt / H200_BF16_PEAK:.2f} | peak {gib(torch.cuda.max_memory_allocated())} "
-              f"| plan {gib(plan.total)} | first step {times[0]:.1f} s (compile) |")
+              f"| plan {gib(plan.total)} | first step {times[0]:.1f} s (compile) "
+              f"| step {dt:.3f} s, of it optimizer {sum(opt_times[2:]) / len(opt_times[2:]):.3f} s |")
         del rep, drafter, embed, head, feats
         torch.cuda.empty_cache()
 

@@ -55,7 +55,14 @@ class DrafterConfig:
     block_size: int = 16  # B
     mask_token_id: int = -1  # id of the MASK token; -1 = last id of the target vocab
     num_anchors: int = 512  # A, anchors drawn per sequence per epoch
-    gamma: float = 0.0  # loss decay; 0 = 7 for B=16, 5 for B=10, 4 for B=8, else B/2.3
+    # The loss's slot weights (docs/algorithm.md, "The loss"): "dflash" = the paper's fixed decay
+    # exp(-(k-1)/gamma); "dpace" = D-PACE (arXiv 2605.18810), weights from the step's own
+    # cross-entropies, w_j = sum over m >= j of prod over i <= m of q_i with
+    # q = (1 - dpace_alpha) exp(-CE) + dpace_alpha, detached. The default stays "dflash" until
+    # bench/recipe.py (bench/BENCHMARKS.md, "Training recipe") shows a gain beyond the seed spread.
+    loss: Literal["dflash", "dpace"] = "dflash"
+    gamma: float = 0.0  # dflash loss decay; 0 = 7 for B=16, 5 for B=10, 4 for B=8, else B/2.3
+    dpace_alpha: float = 0.5  # D-PACE's floor of q: 1 = fixed linear weights B-j; 0 = exp(-CE)
     loss_chunk: int = 4096  # block tokens per chunk of the chunked cross-entropy
     # Block tokens (sequences x anchors x block) per drafter forward; a batch with more is split
     # into sequence groups with gradients accumulated, bounding activation memory.
@@ -65,7 +72,10 @@ class DrafterConfig:
     intermediate_size: int = 0
     num_attention_heads: int = 0
     num_key_value_heads: int = 0
-    dtype: Literal["bfloat16", "float32"] = "bfloat16"  # autocast dtype on GPU; CPU uses float32
+    # Autocast dtype on GPU (CPU trains in float32), and the dtype the drafter is served in:
+    # checkpoints' model.safetensors holds the weights in it (the float32 master weights are in
+    # the training state).
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
     init_from: str = ""  # optional interchange-format checkpoint to start from
 
 
@@ -106,7 +116,15 @@ class LayoutConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = 6e-4
+    # "adamw" = AdamW on every drafter parameter; "muon" = torch.optim.Muon (torch 2.9+) on the
+    # 2-D weight matrices (the layers' projections and fc) with AdamW on the norms
+    # (models/optimizers.py says why). The default stays "adamw" until bench/recipe.py
+    # (bench/BENCHMARKS.md, "Training recipe") shows a gain beyond the seed spread.
+    name: Literal["adamw", "muon"] = "adamw"
+    lr: float = 6e-4  # AdamW's peak learning rate (warmup then cosine, below)
+    # Muon's peak learning rate, on the same schedule; 0 = optim.lr. Muon scales it per matrix to
+    # match AdamW's update size (Moonshot's match_rms_adamw), so AdamW's rate is the start.
+    muon_lr: float = 0.0
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     warmup_frac: float = 0.04  # share of total steps with linear warmup
@@ -121,6 +139,13 @@ class CheckpointConfig:
     every: int = 1000  # optimizer steps between checkpoints; 0 = only on abort and at the end
     keep: int = 3  # newest checkpoints kept; 0 = all
     on_abort: bool = True
+    # An abort's checkpoint (SIGTERM, SIGINT, a) must be durable within this many seconds, so the
+    # process exits before the SIGKILL that systemd, Kubernetes and Slurm send 30 s after SIGTERM.
+    # When the measured write rate says it cannot be (the run says so at start), the abort writes
+    # none and names the periodic checkpoint that stands; one that runs over is abandoned.
+    abort_budget_s: float = 25.0
+    # Writers of a checkpoint, each writing a disjoint shard at once; 0 = one per drafter.
+    writers: int = 0
 
 
 @dataclass
@@ -292,6 +317,7 @@ RANGES: dict[str, tuple[float | None, float | None, bool, bool]] = {
     "drafter.mask_token_id": (-1, None, True, False),  # -1 = last id of the target vocab
     "drafter.num_anchors": (0, None, False, False),
     "drafter.gamma": (0, None, True, False),  # 0 = the paper's value for the block size
+    "drafter.dpace_alpha": (0, 1, True, True),
     "drafter.loss_chunk": (0, None, False, False),
     "drafter.micro_block_tokens": (0, None, False, False),
     "drafter.hidden_size": (0, None, True, False),  # 0 = same as the target
@@ -306,6 +332,7 @@ RANGES: dict[str, tuple[float | None, float | None, bool, bool]] = {
     "layout.hs_queue": (0, None, False, False),
     "layout.gpu_memory_gib": (0, None, True, False),  # 0 = the card's own size
     "optim.lr": (0, 1, False, True),
+    "optim.muon_lr": (0, 1, True, True),  # 0 = optim.lr
     "optim.weight_decay": (0, 1, True, True),
     "optim.warmup_frac": (0, 1, True, False),
     "optim.min_lr_frac": (0, 1, True, True),
@@ -314,6 +341,8 @@ RANGES: dict[str, tuple[float | None, float | None, bool, bool]] = {
     "optim.epochs": (0, None, False, False),
     "checkpoint.every": (0, None, True, False),  # 0 = only on abort and at the end
     "checkpoint.keep": (0, None, True, False),  # 0 = keep every checkpoint
+    "checkpoint.abort_budget_s": (0, None, False, False),
+    "checkpoint.writers": (0, None, True, False),  # 0 = one per drafter
     "eval.every": (0, None, True, False),  # 0 = only at the end
     "eval.max_new_tokens": (0, None, False, False),
     "eval.prompt_tokens": (0, None, False, False),

@@ -8,8 +8,13 @@
                                        a / r reach that run, q detaches and leaves it running
     dflash-tui serve runs/NAME         the attached dashboard in a browser (127.0.0.1:8000;
                                        read-only unless --control, which puts a token in the URL)
+    dflash-tui check --config FILE     train-to-serve check before a long run (also --demo):
+                                       memorise a few samples, decode them exactly, diagnose
     dflash-tui report runs/NAME        write runs/NAME/report.html: plots, errors, stalls, config
                                        of the run (finished or running), one self-contained file
+    dflash-tui data prepare|regenerate|inspect
+                                       conversations -> training shards; responses rewritten by
+                                       the target through OpenAI-compatible servers; inspect data
 """
 
 from __future__ import annotations
@@ -86,10 +91,27 @@ def make_engine(args):
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "data":  # dflash-tui data prepare | regenerate | inspect
+        from dflash_tui.verbs import data as data_verb
+
+        parser = argparse.ArgumentParser(prog="dflash-tui data",
+                                         description=data_verb.__doc__.splitlines()[0])
+        data_verb.add_arguments(parser)
+        return data_verb.run(parser.parse_args(argv[1:]))
     if argv and argv[0] == "report":  # dflash-tui report RUN_DIR [--out FILE]
         from dflash_tui.report import main as report_main
 
         return report_main(argv[1:])
+    if argv and argv[0] == "check":  # dflash-tui check --config FILE | --demo (until the verb
+        # registry lands: then this is its line in dflash_tui/verbs/__init__.py)
+        from dflash_tui.verbs import check
+
+        parser = argparse.ArgumentParser(prog="dflash-tui check",
+                                         description=check.__doc__.splitlines()[0],
+                                         epilog="\n".join(check.__doc__.splitlines()[2:]),
+                                         formatter_class=argparse.RawDescriptionHelpFormatter)
+        check.add_arguments(parser)
+        return check.run(parser.parse_args(argv[1:]))
     if argv and argv[0] == "serve":  # dflash-tui serve RUN_DIR [--port P] [--host H] [--control]
         from dflash_tui.serve import main as serve_main
 

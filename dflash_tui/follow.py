@@ -12,7 +12,9 @@ import threading
 import time
 from pathlib import Path
 
+from dflash_core.observe import event_log
 from dflash_core.observe import events as ev
+from dflash_core.observe.event_log import last_run_offset, line_start, state_lines
 from dflash_core.pipeline.inbox import send_command
 
 from .stream import StreamController
@@ -24,66 +26,7 @@ PICKUP_S = 3.0  # a command file still there after this: the owner is not readin
 # its history: Event.sets_state), so it takes seconds whatever the run's age.
 TAIL_BYTES = 16 << 20
 KEEP_LOGS = 200  # Log lines kept from before the tail
-
-
-def _marker(kind: str) -> bytes:
-    return f'"event":"{kind}"'.encode()
-
-
-def last_run_offset(f, size: int, chunk: int = 1 << 20) -> int:
-    """Byte offset of the line holding the file's last RunStarted (0 when there is none). Reads
-    backwards in chunks, so only the last run's part of the file is touched."""
-    marker = _marker("RunStarted")
-    end, carry = size, b""
-    while end > 0:
-        start = max(0, end - chunk)
-        f.seek(start)
-        block = f.read(end - start) + carry  # carry: a marker cut by the chunk edge
-        hit = block.rfind(marker)
-        if hit >= 0:
-            return _line_start(f, start + hit)
-        carry, end = block[: len(marker)], start
-    return 0
-
-
-def _line_start(f, pos: int) -> int:
-    """Start of the line holding byte ``pos``."""
-    while pos > 0:
-        start = max(0, pos - (1 << 16))
-        f.seek(start)
-        nl = f.read(pos - start).rfind(b"\n")
-        if nl >= 0:
-            return start + nl + 1
-        pos = start
-    return 0
-
-
-def _state_lines(f, start: int, end: int, block: int = 8 << 20) -> tuple[list, int]:
-    """(offset, line) of every state-setting event in [start, end), which holds whole lines,
-    and how many other lines there were. Searches blocks for the rare markers instead of
-    reading line by line: a 1.5 GB stretch takes seconds."""
-    markers = [_marker(kind) for kind, cls in ev.EVENT_TYPES.items() if cls.sets_state]
-    found: dict[int, bytes] = {}
-    total = 0
-    pos = start
-    while pos < end:
-        f.seek(pos)
-        blk = f.read(min(block, end - pos))
-        cut = blk.rfind(b"\n") + 1
-        if cut == 0:  # one line longer than a block: take it whole
-            blk = blk + f.readline()
-            cut = len(blk)
-        blk = blk[:cut]
-        total += blk.count(b"\n")
-        for m in markers:
-            i = blk.find(m)
-            while i >= 0:
-                ls = blk.rfind(b"\n", 0, i) + 1
-                le = blk.find(b"\n", i)
-                found[pos + ls] = blk[ls:le]
-                i = blk.find(m, le)
-        pos += cut
-    return sorted(found.items()), total - len(found)
+_state_lines = state_lines  # the name the block search had here
 
 
 class FollowController(StreamController):
@@ -92,8 +35,7 @@ class FollowController(StreamController):
     def __init__(self, run_dir: str | Path, *, poll_s: float = POLL_S,
                  pickup_s: float = PICKUP_S, tail_bytes: int = TAIL_BYTES) -> None:
         super().__init__()
-        path = Path(run_dir)
-        self.events_path = path if path.name.endswith(".jsonl") else path / "events.jsonl"
+        self.events_path = event_log.events_path(run_dir)
         self.run_dir = self.events_path.parent
         self.poll_s, self.pickup_s, self.tail_bytes = poll_s, pickup_s, tail_bytes
 
@@ -142,9 +84,9 @@ class FollowController(StreamController):
         tail = max(start, size - self.tail_bytes)
         out: list[ev.Event] = []
         if tail > start:
-            tail = _line_start(f, tail)  # the tail begins with a whole line
-            lines, skipped = _state_lines(f, start, tail)
-            log = _marker("Log")
+            tail = line_start(f, tail)  # the tail begins with a whole line
+            lines, skipped = state_lines(f, start, tail)
+            log = event_log.kind_marker("Log")
             logs = [x for x in lines if log in x[1]]
             head = sorted([x for x in lines if log not in x[1]] + logs[-KEEP_LOGS:])
             out = self._events(r.decode("utf-8", "replace") for _, r in head)
@@ -172,8 +114,8 @@ class FollowController(StreamController):
         out = []
         for line in lines:
             try:
-                out.append(ev.from_json(line))
-            except (ValueError, KeyError, TypeError) as exc:
+                out.append(event_log.parse(line))
+            except event_log.UNREADABLE as exc:
                 self.publish(ev.Log(level="warning", source="attach",
                                     message=f"skipped an unreadable events.jsonl line: {exc}"))
         return out

@@ -7,11 +7,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflash_core.observe import event_log
 from dflash_core.observe import events as ev
+from dflash_core.observe.event_log import EVENTS_FILE
 
 from . import fmt
-
-EVENTS_FILE = "events.jsonl"
 
 
 @dataclass
@@ -87,4 +87,4 @@ def load(run_dir: str | Path) -> PostMortem | None:
         path = path / EVENTS_FILE
     if not path.is_file():
         return None
-    return summarise(ev.read_jsonl(path))
+    return summarise(list(event_log.read_last_run(path)))  # the earlier runs are not read

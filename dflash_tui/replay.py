@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Iterable
 
+from dflash_core.observe import event_log
 from dflash_core.observe import events as ev
 
 from .stream import StreamController
@@ -27,7 +28,7 @@ class ReplayController(StreamController):
         engine whose workers take a while to stop."""
         super().__init__()
         if isinstance(events, (str, Path)):
-            events = ev.read_jsonl(events)
+            events = event_log.read_events(events)
         self.events: list[ev.Event] = list(events)
         self.delay, self.speed, self.shutdown_gate = delay, speed, shutdown_gate
         self._last_ts: float | None = None

@@ -19,6 +19,7 @@ from dflash_core.config import EvalConfig
 from dflash_core.models import acceptance
 from dflash_core.observe import events as ev
 from dflash_core.observe.errors import error_from_exception
+from dflash_core.observe.fold import EventFold
 
 from . import fmt
 
@@ -122,7 +123,9 @@ def _device_index(label: str) -> int | None:
     return int(idx) if kind == "cuda" and idx.isdigit() else None
 
 
-class DashboardState:
+class DashboardState(EventFold):
+    """The screen's facts, folded from events by ``_on_<Kind>`` handlers (``EventFold``)."""
+
     def __init__(self, *, log_lines: int = 1000, loss_points: int = 600) -> None:
         self.log: deque[LogLine] = deque(maxlen=log_lines)
         self.log_seq = 0
@@ -175,7 +178,7 @@ class DashboardState:
     def apply(self, e: ev.Event) -> set[str]:
         """Fold one event; returns the names of the panels it changed."""
         self.now = max(self.now, e.ts)
-        handler = getattr(self, "_on_" + e.kind, None)
+        handler = self.handler(e)
         if handler is None:
             return set()
         try:

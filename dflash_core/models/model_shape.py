@@ -149,6 +149,14 @@ def drafter_param_count(cfg: Config, hf_config: dict) -> int:
     return layers + num_features(cfg) * t.hidden * s.hidden + 2 * s.hidden
 
 
+def drafter_matrix_param_count(cfg: Config, hf_config: dict) -> int:
+    """The drafter's parameters in 2-D weight matrices (what optim.name muon gives Muon): all of
+    drafter_param_count but its norm weights (no biases: drafter_shape has none)."""
+    s = drafter_shape(cfg, model_shape(hf_config))
+    norms = cfg.drafter.num_layers * (2 * s.hidden + 2 * s.head_dim) + 2 * s.hidden
+    return drafter_param_count(cfg, hf_config) - norms
+
+
 def drafter_shape(cfg: Config, t: ModelShape) -> ModelShape:
     """The drafter's decoder layers for target shape ``t``."""
     d = cfg.drafter

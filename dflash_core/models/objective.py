@@ -1,10 +1,11 @@
-"""The DFlash training objective (docs/algorithm.md): anchors, block labels, decayed weights, chunked
+"""The drafter's training objective (docs/algorithm.md): anchors, block labels, the slot weights of
+the two losses (``drafter.loss``: DFlash's decayed weights or D-PACE's detached ones), chunked
 cross-entropy over the borrowed lm_head, and teacher-forced tau."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -77,40 +78,85 @@ def slot_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:
     return w
 
 
-def _chunk_ce(hidden, weight, labels, w):
+def _chunk_ce(hidden, weight, labels):
+    """Per-row cross-entropy of one chunk (float32) and its argmax."""
     logits = F.linear(hidden.to(weight.dtype), weight).float()
-    ce = F.cross_entropy(logits, labels, reduction="none")
-    return (ce * w).sum(), logits.argmax(-1)
+    return F.cross_entropy(logits, labels, reduction="none"), logits.argmax(-1)
 
 
 @dataclass
 class LabelRows:
     """Which slots of a group carry a label, and their weights: worked out where the labels live
-    (on the host, from the batch) so the GPU step never waits to learn its own loss's shape."""
+    (on the host, from the batch) so the GPU step never waits to learn its own loss's shape.
+    D-PACE's weights depend on the step's own cross-entropies, so with ``dpace_alpha`` set they
+    are made on the GPU in chunked_loss and ``weights`` / ``weight_sum`` are None here."""
 
-    rows: torch.Tensor  # flat indices into n*A*B of the labelled slots
-    weights: torch.Tensor  # their slot weights
-    weight_sum: float
+    rows: torch.Tensor  # flat indices into n*A*B of the slots the loss reads
+    weights: torch.Tensor | None  # their slot weights (the DFlash loss)
+    weight_sum: float | None
     blocks: int  # blocks with a label in slot 1 (the ones teacher-forced tau averages over)
+    block_size: int = 0
+    dpace_alpha: float | None = None  # None: the DFlash loss
 
     def to(self, device) -> "LabelRows":
-        return LabelRows(self.rows.to(device, non_blocking=True),
-                         self.weights.to(device, non_blocking=True), self.weight_sum, self.blocks)
+        w = None if self.weights is None else self.weights.to(device, non_blocking=True)
+        return replace(self, rows=self.rows.to(device, non_blocking=True), weights=w)
 
 
-def label_rows(labels: torch.Tensor, gamma: float) -> LabelRows:
-    """The labelled slots of [n, A, B] labels, on the labels' device (host labels: no GPU sync)."""
+def valid_prefix(labels: torch.Tensor) -> torch.Tensor:
+    """[n, A, B] bool: the slots 1, 2, ... of each block up to (not including) its first slot
+    without a label. Slot 0 is never in it."""
+    has = labels != IGNORE
+    out = torch.zeros_like(has)
+    out[..., 1:] = has[..., 1:].long().cumprod(-1).bool()
+    return out
+
+
+def label_rows(labels: torch.Tensor, gamma: float, dpace_alpha: float | None = None) -> LabelRows:
+    """The labelled slots of [n, A, B] labels, on the labels' device (host labels: no GPU sync).
+
+    The DFlash loss reads every labelled slot. D-PACE (``dpace_alpha`` set) reads each block's
+    valid prefix only: its weights are the chances that drafting reaches each slot, and drafting
+    cannot get past a slot the loss knows nothing of (outside the loss mask: another turn's
+    tokens), so the slots after the first unlabelled one get weight 0 and are not projected."""
     B = labels.shape[-1]
+    blocks = int((labels[:, :, 1] != IGNORE).sum()) if B > 1 else 0
+    if dpace_alpha is not None:
+        rows = torch.nonzero(valid_prefix(labels).reshape(-1)).squeeze(1)
+        return LabelRows(rows, None, None, blocks, B, float(dpace_alpha))
     rows = torch.nonzero(labels.reshape(-1) != IGNORE).squeeze(1)
     weights = slot_weights(B, gamma, labels.device)[rows % B]
-    blocks = int((labels[:, :, 1] != IGNORE).sum()) if B > 1 else 0
-    return LabelRows(rows, weights, float(weights.sum()), blocks)
+    return LabelRows(rows, weights, float(weights.sum()), blocks, B)
+
+
+def dpace_weights(ce: torch.Tensor, rows: torch.Tensor, slots: int, block_size: int,
+                  alpha: float) -> torch.Tensor:
+    """D-PACE's weights (arXiv 2605.18810) of the slots ``rows`` (flat indices into ``slots``
+    = n*A*B, each block's valid prefix, as label_rows gives them) from their cross-entropies
+    ``ce``: with q_i = (1 - alpha) exp(-CE_i) + alpha, slot j weighs
+    w_j = sum over m >= j of prod over i <= m of q_i (i, m over the block's valid prefix).
+    exp(-CE) is the probability the drafter gives the label, so prod q is a softened chance of
+    accepting every slot up to m. Computed without gradient: the weights steer the loss, they are
+    not trained."""
+    with torch.no_grad():
+        q = (1.0 - alpha) * torch.exp(-ce.float()) + alpha
+        dense = torch.ones(slots, device=ce.device, dtype=torch.float32)
+        dense[rows] = q
+        valid = torch.zeros(slots, device=ce.device, dtype=torch.float32)
+        valid[rows] = 1.0
+        # Outside the valid prefix q is 1 and the reach is masked to 0, so those slots add
+        # nothing to any valid slot's sum.
+        reach = dense.view(-1, block_size).cumprod(-1) * valid.view(-1, block_size)
+        w = reach.flip(-1).cumsum(-1).flip(-1)
+        return w.reshape(-1)[rows]
 
 
 @dataclass
 class LossOut:
     loss: torch.Tensor  # weighted mean CE (differentiable)
-    weight_sum: float  # sum of weights in use (for exact averaging across micro-batches)
+    # Sum of weights in use (for exact averaging across micro-batches): a float for the DFlash
+    # loss, a tensor on hidden's device for D-PACE (reading it would wait for the GPU).
+    weight_sum: float | torch.Tensor
     tau_sum: torch.Tensor  # sum over blocks with a label in slot 1 of (correct prefix + 1)
     blocks: int
 
@@ -121,32 +167,42 @@ class LossOut:
 
 
 def chunked_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head_weight: torch.Tensor,
-                 gamma: float, chunk: int = 4096, rows: LabelRows | None = None) -> LossOut:
+                 gamma: float, chunk: int = 4096, rows: LabelRows | None = None,
+                 dpace_alpha: float | None = None) -> LossOut:
     """hidden: [n, A*B, H] final drafter states; labels: [n, A, B] (on hidden's device). The (A*B)
     x V logits never exist at once: only slots with a label are projected, ``chunk`` rows at a
-    time, and each chunk is recomputed in backward instead of kept. ``rows``: label_rows() of the
-    same labels, made on the host; without it they are found here, which waits for the GPU."""
+    time, and each chunk is recomputed in backward instead of kept; what stays is one float32
+    cross-entropy per row, which both losses weight outside the recomputed part. ``rows``:
+    label_rows() of the same labels, made on the host; without it they are found here (with
+    ``dpace_alpha``: the D-PACE loss), which waits for the GPU."""
     n, A, B = labels.shape
     flat_labels = labels.reshape(-1)
     if rows is None:
-        rows = label_rows(labels, gamma)
+        rows = label_rows(labels, gamma, dpace_alpha)
     rows = rows.to(hidden.device)
     h = hidden.reshape(n * A * B, -1)
     preds = torch.full_like(flat_labels, IGNORE)
-    loss_sum = hidden.new_zeros((), dtype=torch.float32)
+    parts = []
     for s in range(0, len(rows.rows), chunk):
         r = rows.rows[s : s + chunk]
-        w = rows.weights[s : s + chunk]
         hs = h.index_select(0, r)
         if torch.is_grad_enabled() and hs.requires_grad:
-            part, arg = checkpoint(_chunk_ce, hs, lm_head_weight, flat_labels[r], w,
-                                   use_reentrant=False)
+            ce, arg = checkpoint(_chunk_ce, hs, lm_head_weight, flat_labels[r],
+                                 use_reentrant=False)
         else:
-            part, arg = _chunk_ce(hs, lm_head_weight, flat_labels[r], w)
-        loss_sum = loss_sum + part
+            ce, arg = _chunk_ce(hs, lm_head_weight, flat_labels[r])
+        parts.append(ce)
         preds[r] = arg.detach()
-    loss = loss_sum / max(rows.weight_sum, 1e-12)
-    return LossOut(loss=loss, weight_sum=rows.weight_sum,
+    ce = torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)
+    if rows.dpace_alpha is not None:
+        w = dpace_weights(ce.detach(), rows.rows, n * A * B, B, rows.dpace_alpha)
+        weight_sum = w.sum()
+        denom = weight_sum.clamp(min=1e-12)
+    else:
+        w, weight_sum = rows.weights, rows.weight_sum
+        denom = max(weight_sum, 1e-12)
+    loss_sum = (ce * w).sum()
+    return LossOut(loss=loss_sum / denom, weight_sum=weight_sum,
                    tau_sum=tau_sum(preds.view(n, A, B), labels), blocks=rows.blocks)
 
 

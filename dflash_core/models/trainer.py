@@ -3,7 +3,8 @@
 Every replica backpropagates the UN-normalised weighted loss sum of its samples; at the step, the
 gradients of all replicas are summed and divided by the total weight in use. So N replicas on
 disjoint samples give exactly the gradient one drafter would compute on their union, and every
-replica then applies the same AdamW update (same init, same gradients: the weights stay equal).
+replica then applies the same optimizer update (optim.name; same init, same gradients, same
+optimizer state: the weights stay equal).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from torch import nn
 
 from dflash_core.models import objective as obj
+from dflash_core.models.optimizers import build_optimizer, set_lr
 from dflash_core.config import Config, default_gamma
 from dflash_core.models.drafter import DFlashDrafter, build_drafter_config
 from dflash_core.pipeline.handoff import FeatureCopier
@@ -54,7 +56,7 @@ class Micro:
     the replica's device (tensors) until the step reads them, once, with everything else."""
 
     loss_sum: torch.Tensor | float = 0.0
-    weight_sum: float = 0.0
+    weight_sum: torch.Tensor | float = 0.0  # a tensor when D-PACE made the weights on the GPU
     tau_sum: torch.Tensor | float = 0.0
     blocks: int = 0
     tokens: int = 0
@@ -115,11 +117,9 @@ class DrafterReplica:
             # Backward adds into an existing .grad in place, so the views stay views.
             p.grad = self.flat[offset: offset + p.numel()].view_as(p)
             offset += p.numel()
-        o = cfg.optim
-        self.optimizer = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas),
-                                           weight_decay=o.weight_decay,
-                                           fused=self.device.type == "cuda")
+        self.optimizer = build_optimizer(self.drafter, params, cfg.optim, self.device)
         self.gamma = cfg.drafter.gamma or default_gamma(self.drafter.block_size)
+        self.dpace_alpha = cfg.drafter.dpace_alpha if cfg.drafter.loss == "dpace" else None
         self.autocast = (self.device.type == "cuda" and cfg.drafter.dtype == "bfloat16")
         self.copier = FeatureCopier(self.device)
         self.micro = Micro()
@@ -176,14 +176,14 @@ class DrafterReplica:
                 nxt = self.copier.start(features[starts[i + 1]: starts[i + 1] + group], ready)
             a = anchors[rows]
             labels_host = batch.labels[rows]
-            picked = obj.label_rows(labels_host, self.gamma)
+            picked = obj.label_rows(labels_host, self.gamma, self.dpace_alpha)
             labels = labels_host.to(self.device, non_blocking=True)
             ids, pos = d.block_inputs(ids_all[rows], a)
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
                 hidden = d(feats, d.embed_tokens(ids).float(), pos, a)
             lo = obj.chunked_loss(hidden, labels, d.lm_head.weight, self.gamma,
                                   self.cfg.drafter.loss_chunk, rows=picked)
-            if lo.weight_sum > 0:
+            if len(picked.rows):  # the weights of labelled slots are > 0 under either loss
                 (lo.loss * lo.weight_sum).backward()
             loss_sum += lo.loss.detach() * lo.weight_sum
             tau_sum += lo.tau_sum
@@ -217,9 +217,9 @@ class DrafterReplica:
         """The accumulated statistics into the tail of the flat buffer, behind the gradient."""
         m = self.micro
         tail = self.flat[self.grad_numel:]
-        tail.copy_(torch.tensor([m.weight_sum, 0.0, 0.0, m.blocks, m.tokens, m.samples, m.padded],
+        tail.copy_(torch.tensor([0.0, 0.0, 0.0, m.blocks, m.tokens, m.samples, m.padded],
                                 dtype=torch.float32), non_blocking=True)
-        for i, v in ((1, m.loss_sum), (2, m.tau_sum)):
+        for i, v in ((0, m.weight_sum), (1, m.loss_sum), (2, m.tau_sum)):
             if torch.is_tensor(v):
                 tail[i] += v.to(self.device)
             else:
@@ -294,8 +294,7 @@ def reduce_and_step(replicas: list[DrafterReplica], step: int, total_steps: int,
     with torch.no_grad():
         for r, coef in zip(replicas, coefs):
             r.grads.mul_(coef)
-            for g in r.optimizer.param_groups:
-                g["lr"] = lr
+            set_lr(r.optimizer, cfg.optim, lr / cfg.optim.lr)
             r.optimizer.step()
             r.flat.zero_()
             r.micro = Micro()

@@ -144,7 +144,7 @@ class NodeLink:
             "ending": ending, "error": self.last_error[:ERROR_CHARS],
             "abort": bool(run.abort_requested),
             "restart": bool(run.abort_requested and self._restarting()),
-            "work": any(r.micro.weight_sum or r.micro.samples for r in reps),
+            "work": any(r.micro.samples for r in reps),  # a batch since the last step
             "exhausted": bool(q.exhausted()) if q is not None else False,
             "sps": self.local_sps, "tps": self.local_tps, "reduce_s": self.reduce_s,
             "hs": [q.depth(), q.capacity] if q is not None else [0, 0],

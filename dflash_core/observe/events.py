@@ -2,7 +2,8 @@
 
 Each one serialises to a single JSON line (``to_json``) and comes back with ``from_json``, so
 ``events.jsonl`` replays into any subscriber (the dashboard, tests, a post-mortem). The bus that
-carries them is ``dflash_core.observe.bus``.
+carries them is ``dflash_core.observe.bus``; the file they are written to and read back from is
+``dflash_core.observe.event_log``'s.
 """
 
 from __future__ import annotations
@@ -270,8 +271,24 @@ class Checkpoint(Event):
     seconds: float
     reason: str = "periodic"  # periodic | abort | final | best (checkpoints/best now names it)
     tau: float = -1.0  # with reason "best": the exact tau that made it the best so far
+    bytes: int = 0  # on disk (0: not known, e.g. "best" naming an existing one)
+    blocked_s: float = 0.0  # training stopped for this; ``seconds`` is staging to durable
     kind: ClassVar[str] = "Checkpoint"
     keep_when_behind: ClassVar[bool] = True
+
+
+@dataclass(frozen=True)
+class CheckpointProgress(Event):
+    """A checkpoint being written in the background (about once a second): it is progress,
+    not a stall. Ends with its Checkpoint event (or an Error)."""
+
+    step: int
+    bytes_written: int
+    bytes_total: int
+    seconds: float  # since it was staged
+    reason: str = "periodic"
+    kind: ClassVar[str] = "CheckpointProgress"
+    sets_state: ClassVar[bool] = False
 
 
 @dataclass(frozen=True)
@@ -361,7 +378,7 @@ EVENT_TYPES: dict[str, type[Event]] = {
     for cls in (
         RunStarted, StateChanged, WorkerStatus, LoadProgress, GpuSample, HostSample, QueueDepth,
         TargetMetrics, DrafterMetrics, StepMetrics, EvalResult, MemoryPlan, Checkpoint, Log, Error,
-        SinkStatus, RunEnded, Stall, NodeStatus,
+        SinkStatus, CheckpointProgress, RunEnded, Stall, NodeStatus,
     )
 }
 
@@ -376,14 +393,19 @@ def state_after(state: str, event: Event) -> str:
     return state
 
 
+# Each type's field names, looked up once: a multi-day events.jsonl has millions of lines.
+_FIELD_NAMES: dict[type[Event], frozenset[str]] = {}
+
+
 def from_dict(d: dict[str, Any]) -> Event:
     d = dict(d)
-    name = d.pop("event")
-    cls = EVENT_TYPES[name]
+    cls = EVENT_TYPES[d.pop("event")]
     for old, new in cls.old_names.items():
         if old in d and new not in d:
             d[new] = d.pop(old)
-    names = {f.name for f in dataclasses.fields(cls)}
+    names = _FIELD_NAMES.get(cls)
+    if names is None:
+        names = _FIELD_NAMES[cls] = frozenset(f.name for f in dataclasses.fields(cls))
     return cls(**{k: v for k, v in d.items() if k in names})
 
 
@@ -392,15 +414,8 @@ def from_json(line: str) -> Event:
 
 
 def read_jsonl(path) -> list[Event]:
-    """Read an events.jsonl file; a torn last line (process killed mid-write) is skipped."""
-    out: list[Event] = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                out.append(from_json(line))
-            except (ValueError, KeyError, TypeError):
-                continue
-    return out
+    """Every event of an events.jsonl; a torn last line (process killed mid-write) is skipped.
+    The file itself is ``event_log``'s: this is ``event_log.read_events``."""
+    from dflash_core.observe.event_log import read_events  # event_log imports this module
+
+    return read_events(path)

@@ -1,10 +1,15 @@
 """Atomic checkpoints and resume.
 
 A checkpoint is ``<run_dir>/checkpoints/step-<N>/`` with
-  config.json        the drafter config (interchange format, docs/checkpoint-format.md)
-  model.safetensors  the drafter weights (interchange format)
-  training_state.pt  optimizer, scheduler and trainer state; loads with weights_only=True
-Everything is written to a hidden ``.tmp-step-<N>-<pid>`` folder, fsynced, then renamed into
+  config.json          the drafter config (interchange format, docs/checkpoint-format.md)
+  model.safetensors    the drafter weights in the dtype it is served in (interchange format)
+  training_state.json  step, scheduler and trainer state, and the skeleton of the optimizer state
+  training_state-<k>-of-<n>.safetensors  float32 master weights, optimizer moments, RNG tensors:
+                       n disjoint shards (one per writer, so several write at once)
+No pickle anywhere. Folders of format 1 (``training_state.pt``, float32 ``model.safetensors``)
+still load. The folder is assembled by ``begin_save`` (hidden folder, the small files), the
+writers (``write_plans``: here, or in writer processes, async_writer.py) and ``finish_save``
+(fsync, rename, prune). Everything is written to a hidden ``.tmp-step-<N>-<pid>`` folder, fsynced, then renamed into
 place, so a crash at any moment leaves only complete ``step-*`` folders. Hidden folders (``.tmp-``,
 ``.old-``, ``.del-``) are ignored by readers and cleaned by the next save.
 """
@@ -19,10 +24,13 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
+from safetensors import safe_open
 from safetensors import torch as st
+
+from dflash_core.persist import safetensors_io, state_tree
 
 try:
     import numpy as np
@@ -30,8 +38,11 @@ except ImportError:  # numpy is optional for the engine; its RNG is then simply 
     np = None
 
 CHECKPOINTS = "checkpoints"
-FILES = ("config.json", "model.safetensors", "training_state.pt")
-FORMAT_VERSION = 1
+STATE_JSON = "training_state.json"
+FILES = ("config.json", "model.safetensors", STATE_JSON)  # plus the shards STATE_JSON names
+LEGACY_STATE = "training_state.pt"  # format 1, read only
+FORMAT_VERSION = 2
+MASTER = "master"  # prefix of the float32 master weights in the shards
 _STEP_RE = re.compile(r"^step-(\d+)$")
 _HIDDEN_RE = re.compile(r"^\.(tmp|old|del)-step-(\d+)-(\d+)$")  # kind, step, pid
 
@@ -98,7 +109,11 @@ def restore_rng_state(state: dict) -> None:
 # --------------------------------------------------------------------------------------------
 
 def _is_complete(folder: Path) -> bool:
-    return all((folder / name).is_file() for name in FILES)
+    """All fixed files there (format 2, or format 1's training_state.pt). The folder was renamed
+    into place only once every file was written; load_checkpoint checks the shards."""
+    if not all((folder / name).is_file() for name in FILES[:2]):
+        return False
+    return (folder / STATE_JSON).is_file() or (folder / LEGACY_STATE).is_file()
 
 
 def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
@@ -157,26 +172,6 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def _check_weights_only(obj: Any, where: str) -> None:
-    """Refuse (before writing) anything torch.load(weights_only=True) would refuse to read."""
-    if isinstance(obj, (torch.Tensor, str, bytes, int, float, bool, type(None), torch.Size,
-                        torch.dtype, torch.device)):
-        return
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            if not isinstance(k, (str, int, float, bool, type(None))):
-                raise TypeError(f"{where}: key {k!r} of type {type(k).__name__} is not loadable "
-                                "with weights_only=True")
-            _check_weights_only(v, f"{where}[{k!r}]")
-        return
-    if isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            _check_weights_only(v, f"{where}[{i}]")
-        return
-    raise TypeError(f"{where}: {type(obj).__name__} is not loadable with weights_only=True; "
-                    "store tensors, numbers, strings, lists or dicts")
 
 
 def _io_error(exc: BaseException, root: Path) -> CheckpointError | None:
@@ -260,40 +255,138 @@ def _prune(root: Path, keep: int, protect: Path) -> None:
         _remove(doomed)
 
 
-def save_checkpoint(
-    run_dir: str | os.PathLike, step: int, *, drafter_state: dict[str, torch.Tensor],
-    drafter_config: dict, optimizer_state: dict, scheduler_state: dict, trainer_state: dict,
-    keep: int,
-) -> Path:
-    """Write ``run_dir/checkpoints/step-<step>/`` atomically and prune to the newest ``keep``.
+@dataclass
+class FilePlan:
+    """One safetensors file of a checkpoint: (name in the file, name of the source tensor, dtype
+    to store or None to keep it) in file order."""
 
-    Raises CheckpointError (an OSError, error_kind "io", with a hint) when the disk refuses; no
-    partial folder is left either way. Put ``capture_rng_state()`` into ``trainer_state`` to make
-    a resume reproducible.
-    """
-    training_state = {"format": FORMAT_VERSION, "step": int(step), "optimizer": optimizer_state,
-                      "scheduler": scheduler_state, "trainer": trainer_state}
-    _check_weights_only(training_state, "training_state")
-    tensors = {k: v.detach().contiguous() for k, v in drafter_state.items()}
+    name: str
+    entries: list[tuple[str, str, torch.dtype | None]]
 
+
+def shard_name(k: int, n: int) -> str:
+    return f"training_state-{k + 1:05d}-of-{n:05d}.safetensors"
+
+
+def plan_files(tensors: dict[str, torch.Tensor], drafter_keys: list[str],
+               served_dtype: torch.dtype | None, writers: int) -> list[list[FilePlan]]:
+    """Split a checkpoint's tensors over ``writers``: writer 0 writes model.safetensors (the
+    master weights cast to ``served_dtype``) and every writer one shard of the training state,
+    the largest tensors first to the writer with the fewest bytes so far, so all finish together.
+    ``tensors`` maps source names (``master/<key>``, ``optimizer/...``) to tensors (or anything
+    with numel, shape and dtype). Returns each writer's files."""
+    def nbytes(t, dtype=None):
+        return t.numel() * (dtype or t.dtype).itemsize
+    model = [(k, f"{MASTER}/{k}", served_dtype if tensors[f"{MASTER}/{k}"].dtype.is_floating_point
+              else None) for k in drafter_keys]
+    load = [0] * writers
+    load[0] = sum(nbytes(tensors[src], dt) for _, src, dt in model)
+    shards: list[list[str]] = [[] for _ in range(writers)]
+    for name in sorted(tensors, key=lambda n: -nbytes(tensors[n])):
+        w = min(range(writers), key=lambda i: load[i])
+        shards[w].append(name)
+        load[w] += nbytes(tensors[name])
+    plans = [[FilePlan(shard_name(w, writers), [(n, n, None) for n in sorted(shards[w])])]
+             for w in range(writers)]
+    plans[0].insert(0, FilePlan("model.safetensors", model))
+    return plans
+
+
+@dataclass
+class SaveJob:
+    """What one checkpoint writes: the small files (written by begin_save) and each writer's
+    safetensors files, whose tensors are named in ``tensors``."""
+
+    step: int
+    drafter_config: dict
+    state: dict  # training_state.json
+    tensors: dict[str, torch.Tensor]
+    plans: list[list[FilePlan]]
+
+    @property
+    def bytes_total(self) -> int:
+        return sum(_plan_bytes(f, self.tensors) for files in self.plans for f in files)
+
+
+def _plan_bytes(f: FilePlan, tensors) -> int:
+    return sum(tensors[src].numel() * (dt or tensors[src].dtype).itemsize
+               for _, src, dt in f.entries)
+
+
+def make_job(step: int, *, drafter_state: dict[str, torch.Tensor], drafter_config: dict,
+             optimizer_state: dict, scheduler_state: dict, trainer_state: dict,
+             served_dtype: torch.dtype | None = None, writers: int = 1) -> SaveJob:
+    """Take a checkpoint's state apart into JSON and named tensors (references, not copies).
+    Raises TypeError, before anything is written, on state a checkpoint cannot hold."""
+    tensors: dict[str, torch.Tensor] = {}
+    for k, v in drafter_state.items():
+        if not torch.is_tensor(v):
+            raise TypeError(f"drafter_state[{k!r}]: {type(v).__name__} is not a tensor")
+        tensors[f"{MASTER}/{k}"] = v.detach()
+    state = {"format": FORMAT_VERSION, "step": int(step),
+             "served_dtype": str(served_dtype).removeprefix("torch.") if served_dtype else "",
+             "optimizer": state_tree.flatten(optimizer_state, "optimizer", tensors),
+             "scheduler": state_tree.flatten(scheduler_state, "scheduler", tensors),
+             "trainer": state_tree.flatten(trainer_state, "trainer", tensors)}
+    for name, t in tensors.items():
+        if t.dtype not in safetensors_io.DTYPES:
+            raise TypeError(f"{name}: dtype {t.dtype} cannot be stored in safetensors here")
+    plans = plan_files(tensors, list(drafter_state), served_dtype, writers)
+    state["shards"] = [f.name for files in plans for f in files if f.name != "model.safetensors"]
+    return SaveJob(int(step), drafter_config, state, tensors, plans)
+
+
+def tmp_folder(run_dir: str | os.PathLike, step: int) -> Path:
+    """Where step ``step`` is assembled; named after this process, which renames it."""
+    return Path(run_dir) / CHECKPOINTS / f".tmp-step-{step}-{os.getpid()}"
+
+
+def _fail(exc: BaseException, root: Path, tmp: Path | None):
+    if tmp is not None:
+        _remove(tmp)
+    err = _io_error(exc, root) if isinstance(exc, Exception) else None
+    if err is not None:
+        raise err from exc
+    raise exc
+
+
+def begin_save(run_dir: str | os.PathLike, job: SaveJob) -> Path:
+    """Make the hidden folder of ``job`` with its small files (config.json, training_state.json);
+    returns it. Raises CheckpointError when the disk refuses (nothing left behind)."""
     root = Path(run_dir) / CHECKPOINTS
-    final = root / f"step-{step}"
-    tmp = root / f".tmp-step-{step}-{os.getpid()}"
+    tmp = tmp_folder(run_dir, job.step)
     try:
         root.mkdir(parents=True, exist_ok=True)
         _clean_hidden(root)
         _remove(tmp)
         tmp.mkdir()
-        with open(tmp / "config.json", "w", encoding="utf-8") as f:
-            json.dump(drafter_config, f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())
-        st.save_file(tensors, str(tmp / "model.safetensors"))
-        _fsync_path(tmp / "model.safetensors")
-        with open(tmp / "training_state.pt", "wb") as f:
-            torch.save(training_state, f)
-            f.flush()
-            os.fsync(f.fileno())
+        for name, obj in (("config.json", job.drafter_config), (STATE_JSON, job.state)):
+            with open(tmp / name, "w", encoding="utf-8") as f:
+                json.dump(obj, f, indent=1 if name == STATE_JSON else 2)
+                f.flush()
+                os.fsync(f.fileno())
+    except BaseException as exc:
+        _fail(exc, root, tmp)
+    return tmp
+
+
+def write_plans(folder: Path, files: list[FilePlan], tensors: dict[str, torch.Tensor],
+                progress: Callable[[int], None] | None = None,
+                cancelled: Callable[[], bool] | None = None) -> int:
+    """One writer's files into ``folder`` (each fsynced); returns the bytes written. Errors are
+    raised as they come (the caller maps them: CheckpointError or a writer's report)."""
+    done = 0
+    for f in files:
+        entries = [(name, tensors[src], dt) for name, src, dt in f.entries]
+        done += safetensors_io.write_file(folder / f.name, entries, progress, cancelled)
+    return done
+
+
+def finish_save(run_dir: str | os.PathLike, step: int, tmp: Path, keep: int) -> Path:
+    """Make the written hidden folder step-<step> (fsync, rename) and prune to ``keep``."""
+    root = Path(run_dir) / CHECKPOINTS
+    final = root / f"step-{step}"
+    try:
         _fsync_path(tmp)
         aside = None
         if final.exists():
@@ -306,11 +399,7 @@ def save_checkpoint(
         if aside is not None:
             _remove(aside)
     except BaseException as exc:
-        _remove(tmp)
-        err = _io_error(exc, root) if isinstance(exc, Exception) else None
-        if err is not None:
-            raise err from exc
-        raise
+        _fail(exc, root, tmp)
     try:
         _prune(root, keep, protect=final)
     except OSError:
@@ -318,30 +407,113 @@ def save_checkpoint(
     return final
 
 
+def abandon_save(tmp: Path) -> None:
+    """A save that failed or whose writer died: its hidden folder goes, the previous stands."""
+    _remove(tmp)
+
+
+def save_checkpoint(
+    run_dir: str | os.PathLike, step: int, *, drafter_state: dict[str, torch.Tensor],
+    drafter_config: dict, optimizer_state: dict, scheduler_state: dict, trainer_state: dict,
+    keep: int, served_dtype: torch.dtype | None = None,
+) -> Path:
+    """Write ``run_dir/checkpoints/step-<step>/`` atomically, in this thread, and prune to the
+    newest ``keep``. ``served_dtype``: the dtype of model.safetensors (None: as given).
+
+    Raises CheckpointError (an OSError, error_kind "io", with a hint) when the disk refuses; no
+    partial folder is left either way. Put ``capture_rng_state()`` into ``trainer_state`` to make
+    a resume reproducible. The training loop writes in the background instead (async_writer.py).
+    """
+    job = make_job(step, drafter_state={k: v.detach().cpu() for k, v in drafter_state.items()},
+                   drafter_config=drafter_config, optimizer_state=optimizer_state,
+                   scheduler_state=scheduler_state, trainer_state=trainer_state,
+                   served_dtype=served_dtype)
+    tensors = {k: v.cpu() for k, v in job.tensors.items()}
+    tmp = begin_save(run_dir, job)
+    try:
+        for files in job.plans:
+            write_plans(tmp, files, tensors)
+    except BaseException as exc:
+        _fail(exc, Path(run_dir) / CHECKPOINTS, tmp)
+    return finish_save(run_dir, step, tmp, keep)
+
+
 # --------------------------------------------------------------------------------------------
 # Loading
 # --------------------------------------------------------------------------------------------
 
-def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu"
-                    ) -> LoadedCheckpoint:
-    """Read a checkpoint folder without pickle (safetensors + torch.load(weights_only=True))."""
+def _check_safetensors(path: Path) -> None:
+    """A safetensors file whose size is what its header says (a truncated one is damaged)."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError("shorter than its header")
+        n = int.from_bytes(head, "little")
+        meta = json.loads(f.read(n))
+    end = max((v["data_offsets"][1] for k, v in meta.items() if k != "__metadata__"), default=0)
+    size = path.stat().st_size
+    if size != 8 + n + end:
+        raise ValueError(f"truncated: {size} bytes, its header says {8 + n + end}")
+
+
+def checkpoint_files(path: str | os.PathLike) -> list[Path]:
+    """The files of a format-2 checkpoint folder (for sizes and progress)."""
     path = Path(path)
-    missing = [name for name in FILES if not (path / name).is_file()]
+    state = json.loads((path / STATE_JSON).read_text(encoding="utf-8"))
+    return [path / n for n in ("config.json", "model.safetensors", STATE_JSON, *state["shards"])]
+
+
+def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu",
+                    progress: Callable[[int, int], None] | None = None) -> LoadedCheckpoint:
+    """Read a checkpoint folder without pickle (safetensors, JSON; format 1's training_state.pt
+    with weights_only=True). The drafter state is the float32 master weights where the folder
+    holds them. ``progress(bytes_read, bytes_total)`` is called as the shards are read."""
+    path = Path(path)
+    legacy = not (path / STATE_JSON).is_file() and (path / LEGACY_STATE).is_file()
+    need = FILES[:2] + ((LEGACY_STATE,) if legacy else (STATE_JSON,))
+    missing = [name for name in need if not (path / name).is_file()]
     if missing:
         raise CheckpointError(f"checkpoint {path} is incomplete: missing {missing}",
                               hint="resume from another checkpoint (latest_checkpoint skips "
                                    "incomplete ones)", errno=errno_mod.ENOENT)
     device = str(map_location)
-    name = "model.safetensors"
+    name = "config.json"
     try:  # a truncated or garbled file is the checkpoint's fault: name it, not "a bug"
-        drafter_state = st.load_file(str(path / name), device=device)
-        name = "config.json"
         with open(path / name, encoding="utf-8") as f:
             drafter_config = json.load(f)
-        name = "training_state.pt"
-        state = torch.load(path / name, map_location=map_location, weights_only=True)
-        name = "training_state.pt (its entries)"
-        state = {k: state[k] for k in ("step", "optimizer", "scheduler", "trainer")}
+        name = "model.safetensors"
+        _check_safetensors(path / name)
+        if legacy:
+            drafter_state = st.load_file(str(path / name), device=device)
+            name = LEGACY_STATE
+            state = torch.load(path / name, map_location=map_location, weights_only=True)
+            name = f"{LEGACY_STATE} (its entries)"
+            state = {k: state[k] for k in ("step", "optimizer", "scheduler", "trainer")}
+        else:
+            name = STATE_JSON
+            with open(path / name, encoding="utf-8") as f:
+                skeleton = json.load(f)
+            shards = [path / n for n in skeleton["shards"]]
+            total = sum(p.stat().st_size for p in shards)
+            tensors: dict[str, torch.Tensor] = {}
+            read = 0
+            for shard in shards:
+                name = shard.name
+                _check_safetensors(shard)
+                with safe_open(str(shard), framework="pt", device=device) as f:
+                    for key in f.keys():
+                        t = tensors[key] = f.get_tensor(key)
+                        read += t.numel() * t.element_size()
+                        if progress is not None:
+                            progress(read, total)
+            name = f"{STATE_JSON} (its entries)"
+            prefix = f"{MASTER}/"
+            drafter_state = {k[len(prefix):]: v for k, v in tensors.items()
+                             if k.startswith(prefix)}
+            if not drafter_state:  # no master copy: the served weights are the state
+                drafter_state = st.load_file(str(path / "model.safetensors"), device=device)
+            state = {k: state_tree.unflatten(skeleton[k], tensors)
+                     for k in ("step", "optimizer", "scheduler", "trainer")}
     except Exception as exc:  # SafetensorError, JSONDecodeError, UnpicklingError, KeyError, ...
         raise CheckpointError(
             f"checkpoint {path} is damaged: {name} cannot be read ({type(exc).__name__}: {exc})",

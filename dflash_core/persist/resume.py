@@ -5,7 +5,8 @@
   ``checkpoints/damaged-step-<N>`` (kept for inspection, never deleted, never picked again), and
   the newest intact older one is loaded instead, saying so; none intact: refused;
 - a checkpoint of another drafter shape than the config's (layers, block size, widths, target
-  layers, mask id, target vocabulary): refused, naming every differing key with both values.
+  layers, mask id, target vocabulary): refused, naming every differing key with both values;
+- a checkpoint written with another optimizer than ``optim.name``: refused, naming both.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from typing import Callable
 
 from dflash_core.persist import checkpoint as ckpt
 from dflash_core.config import Config, ConfigError
-from dflash_core.observe.events import Event, Log
+from dflash_core.observe.events import Event, LoadProgress, Log
+from dflash_core.units import GiB
 
 # Drafter config.json entries that change the model, and the config key that sets each.
 SHAPE_KEYS: list[tuple[str, str]] = [
@@ -103,8 +105,18 @@ def load_for_resume(run_dir: Path, expected: dict | None,
         return None
     damaged: list[str] = []
     for folder in reversed(found):
+        t0 = time.monotonic()
+        last = [0.0]
+
+        def progress(done: int, total: int) -> None:
+            now = time.monotonic()
+            if now - last[0] >= 0.5 or done == total:  # a line a second at most, and the end
+                last[0] = now
+                publish(LoadProgress(worker="checkpoint", device="host", bytes_loaded=done,
+                                     bytes_total=total, shards_loaded=0, shards_total=0,
+                                     seconds=now - t0, done=done == total))
         try:
-            loaded = ckpt.load_checkpoint(folder)
+            loaded = ckpt.load_checkpoint(folder, progress=progress)
         except ckpt.CheckpointError as exc:
             moved = set_aside(folder)
             damaged.append(str(moved))
@@ -112,6 +124,11 @@ def load_for_resume(run_dir: Path, expected: dict | None,
                 f"resume: checkpoint {folder} is damaged ({exc}); moved it to {moved} (kept, "
                 "not deleted) and trying the next older checkpoint")))
             continue
+        size = sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
+        took = time.monotonic() - t0
+        publish(Log(level="info", source="engine", message=(
+            f"resume: read {folder} ({size / GiB:.1f} GiB) in {took:.1f} s "
+            f"({size / GiB / max(took, 1e-9):.2f} GiB/s)")))
         if damaged:
             publish(Log(level="warning", source="engine", message=(
                 f"resume: resuming from {folder} (step {loaded.step}), the newest intact "
@@ -144,3 +161,19 @@ def check_resume_nodes(loaded: ckpt.LoadedCheckpoint, nodes: int) -> None:
             hint=f"start {wrote} node(s) (torchrun --nnodes {wrote}) to resume it, or start a new "
                  "run (a new run.name) on this many nodes, with drafter.init_from pointing at "
                  "that checkpoint to keep its weights")
+
+
+def check_resume_optimizer(loaded: ckpt.LoadedCheckpoint, cfg: Config) -> None:
+    """A checkpoint resumes with the optimizer that wrote it: AdamW's two moments and Muon's
+    momentum are not each other's state, and a silent fresh start would not be the exact resume
+    asked for. Raises ConfigError naming both."""
+    from dflash_core.models.optimizers import state_name
+
+    wrote = state_name(loaded.trainer_state)
+    if wrote != cfg.optim.name:
+        raise ConfigError(
+            "optim.name", f"the checkpoint {loaded.path} was written with optim.name {wrote!r} "
+            f"and the config asks for {cfg.optim.name!r}: its optimizer state is {wrote}'s",
+            hint=f"set optim.name: {wrote} to resume it, or start a new run (a new run.name or "
+                 "--new-run) with drafter.init_from pointing at that checkpoint to keep its "
+                 f"weights and train on with {cfg.optim.name}")

@@ -36,7 +36,9 @@ from dflash_core.planning.layout_advice import LayoutAdvisor
 from dflash_core.multinode.node_link import NodeLink
 from dflash_core.multinode.nodes import NodeFailure, NodeGroup, node_dir_name, node_info
 from dflash_core.planning.preflight import demo_log_progress, device_label, prepare, resolve_devices
-from dflash_core.persist.resume import check_resume_nodes, expected_drafter_config, load_for_resume
+from dflash_core.persist.resume import (
+    check_resume_nodes, check_resume_optimizer, expected_drafter_config, load_for_resume,
+)
 from dflash_core.pipeline.run import Run
 from dflash_core.persist.run_folder import fresh_name, refuse_if_used
 from dflash_core.observe.sinks.run_sinks import RunSinks
@@ -410,9 +412,11 @@ class Engine:
         if self.resume:
             expected = expected_drafter_config(cfg, run.prep.target_path, run.prep.layer_ids,
                                                run.prep.mask_id)
+            run.resume_t0 = time.monotonic()
             run.resume = load_for_resume(run_dir, expected, self.bus.publish)
             if run.resume is not None:
                 check_resume_nodes(run.resume, self.nodes.world if self.nodes else 1)
+                check_resume_optimizer(run.resume, cfg)
                 self.bus.publish(Log(level="info", source="engine", message=(
                     f"resuming from {run.resume.path} (step {run.resume.step})")))
         if (self.resume or run.prep.fitted) and lead:  # config.yaml: what the run really uses
@@ -531,6 +535,7 @@ class Engine:
                                       resume=run.resume)
         if run.resume is not None:
             run.step = run.resume.step
+        run.start_writer(self.bus.publish)
         run.barrier = StepBarrier(len(run.replicas), run.stop)
         gpus = torch.cuda.device_count() if run.drafter_devices[0].type == "cuda" else 0
         run.advisor = LayoutAdvisor(self.bus.publish, len(run.target_devices),
@@ -611,6 +616,12 @@ class Engine:
                 self._fail(run, error_event(exc, source="engine", role="engine", device="",
                                             phase="teardown"))
                 status = "failed"
+        try:
+            run.close_writer()  # after the last write is durable
+        except BaseException as exc:  # noqa: BLE001
+            self._fail(run, error_event(exc, source="engine", role="engine", device="",
+                                        phase="teardown"))
+            status = "failed"
         if run.advisor is not None:
             self.bus.untap(run.advisor)
         # Free the run's memory before anything else can start.

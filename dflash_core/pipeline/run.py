@@ -27,7 +27,13 @@ from dflash_core.models.evaluate import (
     target_fn_for,
     teacher_forced_eval,
 )
-from dflash_core.observe.events import Checkpoint, Error, EvalResult, Log, StepMetrics
+from dflash_core.observe.events import (
+    Checkpoint, CheckpointProgress, Error, EvalResult, Log, StepMetrics,
+)
+from dflash_core.persist import state_tree
+from dflash_core.persist.async_writer import (
+    CheckpointWriter, Outcome, enough_shared_memory, stepped_optimizer_state,
+)
 from dflash_core.pipeline.hs_queue import HiddenStateQueue
 from dflash_core.planning.preflight import Prepared
 from dflash_core.observe.sinks.run_sinks import RunSinks
@@ -37,6 +43,9 @@ from dflash_core.units import GiB
 from dflash_core.observe.watchdog import Heartbeats
 
 DISK_CHECK_S = 60.0  # free space under the run folder is looked at this often while training
+# Checkpoints at least this big are written by writer processes; smaller ones (the demo, tests)
+# by writer threads, since starting a process (it imports torch) costs more than their write.
+PROCESS_WRITER_BYTES = 256 << 20
 
 
 @dataclass
@@ -83,6 +92,8 @@ class Run:
     link: Any = None
     peer_failed: bool = False
     _ckpt_bytes: int | None = None
+    writer: CheckpointWriter | None = None  # background checkpoints, from warm-up on
+    resume_t0: float | None = None  # when --resume began reading, until the first step
     _disk_ok: bool | None = None
     _disk_checked: float = 0.0
     _disk_warned: bool = False
@@ -100,7 +111,9 @@ class Run:
         cfg = self.config
         link = self.link
         if link is None:
-            if all(r.micro.weight_sum == 0 and r.micro.samples == 0 for r in self.replicas):
+            # No batch since the last step (a batch is what brings weight; D-PACE's weight sum is
+            # a GPU tensor, and reading it here would wait for the GPU).
+            if all(r.micro.samples == 0 for r in self.replicas):
                 if self.hs_queue.exhausted():
                     self.finish()
                 return
@@ -137,6 +150,11 @@ class Run:
             target_blocked_frac=min(1.0, blocked / (span * len(self.target_devices))),
             padding_frac=res.padding_frac, samples=res.samples, total_steps=self.total_steps))
         on_metrics()
+        if self.resume_t0 is not None:
+            publish(Log(level="info", source="engine", message=(
+                f"resume: first step ({res.step}) {time.monotonic() - self.resume_t0:.1f} s "
+                "after the resume began reading its checkpoint")))
+            self.resume_t0 = None
         self.disk_check(publish)
         if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
             self.save_checkpoint("periodic", publish)
@@ -148,17 +166,23 @@ class Run:
                 link.over = True  # every node ends at this same step
             self.finish()
 
+    def served_dtype(self) -> torch.dtype:
+        """model.safetensors' dtype: the drafter's (drafter.dtype), whatever it trains in."""
+        return getattr(torch, self.config.drafter.dtype)
+
     def checkpoint_bytes(self) -> int:
-        """About what one checkpoint takes on disk: the drafter's weights and its optimizer
-        state (the frozen embedding and head are not saved)."""
+        """What one checkpoint takes on disk: the served weights, the float32 master weights
+        and the optimizer's two moments (the frozen embedding and head are not saved)."""
         if self._ckpt_bytes is None:
             rep = self.replicas[0]
-            weights = sum(p.numel() * p.element_size() for p in rep.drafter.state_dict().values()
-                          if torch.is_tensor(p))
+            params = [p for p in rep.drafter.state_dict().values() if torch.is_tensor(p)]
+            numel = sum(p.numel() for p in params)
+            master = sum(p.numel() * p.element_size() for p in params)
             optim = sum(t.numel() * t.element_size() for st in rep.optimizer.state.values()
                         for t in st.values() if torch.is_tensor(t))
             # before the first step the optimizer holds nothing yet: AdamW keeps two moments
-            self._ckpt_bytes = weights + (optim or 2 * weights)
+            self._ckpt_bytes = (numel * self.served_dtype().itemsize + master
+                                + (optim or 2 * master))
         return self._ckpt_bytes
 
     def disk_check(self, publish: Callable[[Any], None], fresh: bool = False) -> bool:
@@ -184,8 +208,96 @@ class Run:
         """Checkpoints and evaluations: on one node, or on node 0 of several."""
         return self.link is None or self.link.lead
 
+    def _state(self, rep) -> dict:
+        epoch, done = self.position.resume_position()
+        return dict(
+            drafter_state={k: v.detach() for k, v in rep.drafter.state_dict().items()},
+            drafter_config=rep.drafter.interchange_config(),
+            optimizer_state=rep.optimizer.state_dict(), scheduler_state={"step": self.step},
+            trainer_state={"epoch": epoch, "done": done, "total_steps": self.total_steps,
+                           "rng": ckpt.capture_rng_state(),
+                           # optimizer_state's kind: a resume with another optim.name is refused
+                           "optimizer": self.config.optim.name,
+                           # absent: one node (checkpoints written before several nodes existed)
+                           **({"nodes": self.link.world} if self.link is not None else {}),
+                           # the epoch plan's order, which "done" refers to (absent: 1, unbalanced)
+                           **({"balance": self.prep.stream.balance} if self.prep is not None
+                              else {})})
+
+    def start_writer(self, publish: Callable[[Any], None]) -> None:
+        """At warm-up: the background writers, their staging arena, and the write rate, so
+        the first checkpoint only copies and an abort knows whether it fits its budget."""
+        if not self.writes_records or not self.replicas:
+            return
+        cfg = self.config
+        t0 = time.monotonic()
+        need = self.checkpoint_bytes()
+        writers = cfg.checkpoint.writers or len(self.replicas)
+        mode = "process" if need >= PROCESS_WRITER_BYTES else "thread"
+        if mode == "process" and not enough_shared_memory(need):
+            mode = "thread"
+            publish(Log(level="warning", source="engine", message=(
+                f"checkpoints: /dev/shm cannot hold the {need / GiB:.1f} GiB staging buffer; "
+                "writing them from threads of this process (give the container more shared "
+                "memory, e.g. docker --shm-size, to write from separate processes)")))
+
+        def progress(step, written, total, seconds, reason):
+            publish(CheckpointProgress(step=step, bytes_written=written, bytes_total=total,
+                                       seconds=seconds, reason=reason))
+        self.writer = CheckpointWriter(cfg.run_dir, writers, mode=mode, on_progress=progress,
+                                       beat=lambda: self.heartbeats.beat("writing a checkpoint"))
+        rep = self.replicas[0]
+        state = self._state(rep)
+        state["optimizer_state"] = stepped_optimizer_state(rep.optimizer)
+        self.writer.start()
+        self.writer.reserve(ckpt.make_job(self.step, served_dtype=self.served_dtype(),
+                                          writers=writers, **state).tensors)
+        rate = self.writer.probe() if mode == "process" else None
+        pinned = "pinned " if self.writer.staging.pinned else ""
+        publish(Log(level="info", source="engine", message=(
+            f"checkpoints: {need / GiB:.1f} GiB each, staged in {self.writer.staging.nbytes / GiB:.1f}"
+            f" GiB of {pinned}host memory, written by {writers} writer "
+            f"{'processes' if self.writer.mode == 'process' else 'threads'}"
+            + (f" at {rate / GiB:.2f} GiB/s (measured)" if rate else "")
+            + f"; ready in {time.monotonic() - t0:.1f} s")))
+        est = self.writer.estimate_s(need)
+        budget = cfg.checkpoint.abort_budget_s
+        if cfg.checkpoint.on_abort and est is not None and est > budget:
+            publish(Log(level="warning", source="engine", message=(
+                f"an abort checkpoint needs ~{est:.0f} s, over checkpoint.abort_budget_s "
+                f"({budget:g} s); the last periodic one will stand (raise the budget with the "
+                "grace period before SIGKILL, or write to a faster disk)")))
+
+    def _outcome(self, reason: str, tau: float, publish: Callable[[Any], None]
+                 ) -> Callable[[Outcome], None]:
+        prev = (self.saved_path, self.saved_step)
+
+        def done(o: Outcome) -> None:
+            if o.path is None:
+                self.saved_path, self.saved_step = prev
+                stands = (f"the checkpoint at step {ckpt.checkpoint_step(prev[0])} stands"
+                          if prev[0] is not None else "no earlier checkpoint of this run")
+                err = ckpt._io_error(OSError(o.errno, o.error), self.config.run_dir) \
+                    if o.errno else None
+                publish(Error(error_kind="io", source="checkpoint", fatal=False, phase="training",
+                              message=(f"{reason} checkpoint of step {o.step} could not be "
+                                       f"written to {ckpt.tmp_folder(self.config.run_dir, o.step)}"
+                                       f": {o.error}; {stands}"),
+                              hint=(err.hint if err is not None else
+                                    "the next checkpoint starts a new writer; check the disk "
+                                    "and the host's memory if writers keep dying")))
+                return
+            self.saved_path = o.path
+            if reason == "best":
+                ckpt.mark_best(self.config.run_dir, o.path, o.step, tau)
+            publish(Checkpoint(step=o.step, path=str(o.path), seconds=o.seconds, reason=reason,
+                               tau=tau, bytes=o.bytes, blocked_s=o.blocked_s))
+        return done
+
     def save_checkpoint(self, reason: str, publish: Callable[[Any], None],
                         tau: float = -1.0) -> Path | None:
+        """Periodic and best checkpoints go to the background writers (training waits only for
+        staging); final and abort ones wait until durable (an abort within its budget)."""
         if not self.writes_records:
             return None
         if not self.replicas or self.saved_step == self.step:
@@ -196,27 +308,79 @@ class Run:
                 f"space under {self.config.run_dir}; the last good checkpoint stands")))
             return None
         cfg = self.config
-        t = time.monotonic()
-        rep = self.replicas[0]
-        epoch, done = self.position.resume_position()
+        if self.writer is None:  # before warm-up made the writers: in this thread
+            t = time.monotonic()
+            self.saved_step = self.step
+            path = self.saved_path = ckpt.save_checkpoint(
+                cfg.run_dir, self.step, served_dtype=self.served_dtype(),
+                keep=cfg.checkpoint.keep, **self._state(self.replicas[0]))
+            if reason == "best":
+                ckpt.mark_best(cfg.run_dir, path, self.step, tau)
+            publish(Checkpoint(step=self.step, path=str(path), seconds=time.monotonic() - t,
+                               reason=reason, tau=tau, bytes=self.checkpoint_bytes()))
+            return path
+        t0 = time.monotonic()
+        budget = cfg.checkpoint.abort_budget_s if reason == "abort" else None
+        if budget is not None:
+            if not self._abort_fits(budget, publish):
+                return None
+        writers = self.writer.writers
+        job = ckpt.make_job(self.step, served_dtype=self.served_dtype(), writers=writers,
+                            **self._state(self.replicas[0]))
+        sources = [job.tensors] + [self._tensors(r) for r in self.replicas[1:]]
+        done = self._outcome(reason, tau, publish)
         self.saved_step = self.step
-        path = self.saved_path = ckpt.save_checkpoint(
-            cfg.run_dir, self.step, drafter_state=rep.drafter.interchange_state(),
-            drafter_config=rep.drafter.interchange_config(),
-            optimizer_state=rep.optimizer.state_dict(), scheduler_state={"step": self.step},
-            trainer_state={"epoch": epoch, "done": done, "total_steps": self.total_steps,
-                           "rng": ckpt.capture_rng_state(),
-                           # absent: one node (checkpoints written before several nodes existed)
-                           **({"nodes": self.link.world} if self.link is not None else {}),
-                           # the epoch plan's order, which "done" refers to (absent: 1, unbalanced)
-                           **({"balance": self.prep.stream.balance} if self.prep is not None
-                              else {})},
-            keep=cfg.checkpoint.keep)
-        if reason == "best":
-            ckpt.mark_best(cfg.run_dir, path, self.step, tau)
-        publish(Checkpoint(step=self.step, path=str(path), seconds=time.monotonic() - t,
-                           reason=reason, tau=tau))
-        return path
+        self.saved_path = Path(cfg.run_dir) / ckpt.CHECKPOINTS / f"step-{self.step}"
+        self.writer.save(job, sources, keep=cfg.checkpoint.keep, reason=reason, on_done=done)
+        if reason in ("periodic", "best"):
+            return self.saved_path
+        left = None if budget is None else max(0.0, budget - (time.monotonic() - t0))
+        outcome = self.writer.wait(left)
+        if outcome is None:  # ran over its budget: abandoned, the process must exit in time
+            self.writer.kill()
+            self.writer.wait(5.0)
+            publish(Log(level="warning", source="engine", message=(
+                f"abort checkpoint of step {self.step} did not finish within "
+                f"checkpoint.abort_budget_s ({budget:g} s); abandoned, {self._stands()}")))
+            return None
+        return outcome.path
+
+    def _stands(self) -> str:
+        last = ckpt.latest_checkpoint(self.config.run_dir)
+        return (f"the checkpoint at step {ckpt.checkpoint_step(last)} stands ({last})"
+                if last is not None else "no checkpoint of this run stands")
+
+    def _abort_fits(self, budget: float, publish: Callable[[Any], None]) -> bool:
+        """An abort's checkpoint fits its budget by the measured rate (after the write in
+        flight, which it waits for); if not, say which checkpoint stands."""
+        t0 = time.monotonic()
+        if not self.writer.wait_idle(budget):
+            self.writer.kill()
+            self.writer.wait(5.0)
+            publish(Log(level="warning", source="engine", message=(
+                f"abort: the checkpoint being written did not finish within "
+                f"checkpoint.abort_budget_s ({budget:g} s); abandoned, {self._stands()}")))
+            return False
+        est = self.writer.estimate_s(self.checkpoint_bytes())
+        left = budget - (time.monotonic() - t0)
+        if est is not None and est > left:
+            publish(Log(level="warning", source="engine", message=(
+                f"abort: no checkpoint of step {self.step}: it needs ~{est:.0f} s and "
+                f"{max(left, 0):.0f} s of checkpoint.abort_budget_s ({budget:g} s) are left; "
+                f"{self._stands()}")))
+            return False
+        return True
+
+    def _tensors(self, rep) -> dict[str, torch.Tensor]:
+        """A replica's master weights and optimizer tensors, named as make_job names them."""
+        out = {f"{ckpt.MASTER}/{k}": v.detach() for k, v in rep.drafter.state_dict().items()}
+        state_tree.flatten(rep.optimizer.state_dict(), "optimizer", out)
+        return out
+
+    def close_writer(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
 
     def evaluate(self, publish: Callable[[Any], None]) -> None:
         """The measures of acceptance (models/acceptance.py), with the first target and the
@@ -230,16 +394,10 @@ class Run:
         if not len(prep.eval_indices) or not self.replicas or target is None:
             return
         t0 = time.monotonic()
-        prompts, heldout = [], []
-        for i in prep.eval_indices:
-            ids, mask = prep.dataset.get(int(i))
-            resp = np.flatnonzero(mask)
-            cut = (resp[0] if len(resp) and resp[0] > 0
-                   else min(len(ids) - 1, cfg.eval.prompt_tokens))
-            prompts.append([int(x) for x in ids[: min(cut, cfg.eval.prompt_tokens)]])
-            # (c) scores as many response tokens as (a) decodes, on the data's own labels
-            end = min(len(ids), int(cut) + cfg.eval.max_new_tokens, cfg.data.max_length)
-            heldout.append((ids[:end], mask[:end]))
+        prompts = eval_prompts(prep.dataset, prep.eval_indices, cfg.eval.prompt_tokens)
+        # (c) scores as many response tokens as (a) decodes, on the data's own labels
+        heldout = heldout_samples(prep.dataset, prep.eval_indices, cfg.eval.prompt_tokens,
+                                  cfg.eval.max_new_tokens, cfg.data.max_length)
         drafter = self.replicas[0].drafter
         was_training = drafter.training
         drafter.eval()
@@ -304,6 +462,10 @@ class Run:
         if tau <= self.best_tau or self.step == 0:
             return
         if self.saved_step == self.step and self.saved_path is not None:
+            if self.writer is not None:
+                self.writer.wait_idle()  # it names a folder that must exist
+            if not self.saved_path.is_dir():
+                return  # its write failed (said by its Error)
             ckpt.mark_best(run_dir, self.saved_path, self.step, tau)  # this step's checkpoint
             publish(Checkpoint(step=self.step, path=str(self.saved_path), seconds=0.0,
                                reason="best", tau=tau))
@@ -321,3 +483,32 @@ class Run:
         if self.hs_queue is not None:
             self.hs_queue.clear()
         self.hs_queue = None
+
+
+def _prompt_cut(ids, mask, prompt_tokens: int) -> int:
+    """Where a held-out sample's prompt ends: before its first trained token (or at
+    ``prompt_tokens`` when the trained part starts at 0)."""
+    resp = np.flatnonzero(np.asarray(mask))
+    return int(resp[0]) if len(resp) and resp[0] > 0 else min(len(ids) - 1, prompt_tokens)
+
+
+def eval_prompts(dataset, indices, prompt_tokens: int) -> list[list[int]]:
+    """The prompts of exact tau: each held-out sample cut before its first trained token (or to
+    ``prompt_tokens`` when the trained part starts at 0), at most ``prompt_tokens`` long."""
+    prompts = []
+    for i in indices:
+        ids, mask = dataset.get(int(i))
+        cut = _prompt_cut(ids, mask, prompt_tokens)
+        prompts.append([int(x) for x in ids[: min(cut, prompt_tokens)]])
+    return prompts
+
+
+def heldout_samples(dataset, indices, prompt_tokens: int, new_tokens: int, max_length: int):
+    """(input_ids, loss_mask) of each held-out sample up to ``new_tokens`` past its prompt's end
+    (and at most ``max_length``, as training cuts it): what (c) scores on the data's labels."""
+    out = []
+    for i in indices:
+        ids, mask = dataset.get(int(i))
+        end = min(len(ids), _prompt_cut(ids, mask, prompt_tokens) + new_tokens, max_length)
+        out.append((ids[:end], mask[:end]))
+    return out

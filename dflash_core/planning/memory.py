@@ -10,7 +10,8 @@ Engine facts this plan models (they are decisions of target.py / drafter.py / en
 - a target GPU holds the WHOLE target (layers after the last chosen one included) in
   ``target.dtype``, runs one ``data.token_budget``-token batch under inference_mode, stops after the
   last chosen layer and never computes lm_head logits;
-- a drafter GPU holds the drafter in fp32 with AdamW and the frozen borrowed embed_tokens /
+- a drafter GPU holds the drafter in fp32 with its optimizer (optim.name: AdamW's two moments
+  per parameter, or Muon's one momentum per matrix entry) and the frozen borrowed embed_tokens /
   lm_head in the target dtype, receives a whole target batch of features, and runs forward +
   backward over groups of sequences of at most ``drafter.micro_block_tokens`` block tokens
   (trainer.py), under bf16 autocast on CUDA;
@@ -29,7 +30,8 @@ from typing import Any
 
 from dflash_core.config import Config, key_value, set_key_value
 from dflash_core.models.model_shape import (
-    ModelShape, drafter_param_count, drafter_shape, model_shape, num_features, param_count,
+    ModelShape, drafter_matrix_param_count, drafter_param_count, drafter_shape, model_shape,
+    num_features, param_count,
 )
 from dflash_core.models.objective import sequences_per_group
 from dflash_core.units import GiB
@@ -66,6 +68,11 @@ FP32_BYTES = 4  # softmax / norms / losses upcast to float32
 
 # Drafter training (autograd saves activations; optimizer states are fp32).
 ADAM_BYTES_PER_PARAM = 16  # fp32 master weight 4 + fp32 grad 4 + AdamW exp_avg 4 + exp_avg_sq 4
+# optim.name muon: a matrix entry has fp32 weight 4 + grad 4 + Muon's momentum 4; the norms stay on
+# AdamW (16). Muon's Newton-Schulz work (a bf16 copy of one matrix and two square products, about
+# 0.7 GiB for a 27B-shaped MLP matrix) lives only inside the optimizer step, after backward has
+# freed the activations, so it never meets the peak counted here.
+MUON_BYTES_PER_PARAM = 12
 AUTOCAST_COPY_BYTES = 2  # autocast caches a bf16 copy of every fp32 weight for fwd + bwd
 # Tensors autograd saves, in 2-byte units (a float32 tensor counts 2), measured on drafter.py under
 # bf16 autocast with saved_tensors_hooks, attention saving q, k, v, out as flex attention does.
@@ -183,6 +190,19 @@ def _target_components(cfg: Config, s: ModelShape, hf_config: dict, on_cuda: boo
     }
 
 
+def optimizer_component(cfg: Config, hf_config: dict) -> dict[str, int]:
+    """{name: bytes} of the drafter's fp32 weights, gradients and optimizer state."""
+    n_params = drafter_param_count(cfg, hf_config)
+    if cfg.optim.name == "muon":
+        matrices = drafter_matrix_param_count(cfg, hf_config)
+        return {OPTIMIZER_COMPONENTS["muon"]: matrices * MUON_BYTES_PER_PARAM
+                + (n_params - matrices) * ADAM_BYTES_PER_PARAM}
+    return {OPTIMIZER_COMPONENTS["adamw"]: n_params * ADAM_BYTES_PER_PARAM}
+
+
+OPTIMIZER_COMPONENTS = {"adamw": "drafter fp32+adam", "muon": "drafter fp32+muon"}
+
+
 def _drafter_pass(cfg: Config) -> tuple[int, int, int]:
     """(sequences in a typical full batch, sequences per forward/backward, blocks per sequence).
 
@@ -216,7 +236,7 @@ def _drafter_components(cfg: Config, s: ModelShape, hf_config: dict,
     # trainer.py copies one group's features while the group before it computes: two live.
     features = 2 * context_tokens * k * s.hidden * tb
     return {
-        "drafter fp32+adam": n_params * ADAM_BYTES_PER_PARAM,
+        **optimizer_component(cfg, hf_config),
         "autocast copies": n_params * AUTOCAST_COPY_BYTES if autocast else 0,
         "embed+lm_head": s.vocab * s.hidden * tb * (1 if s.tied else 2),
         "block activations": block_tokens * d.num_layers * saved * UNIT_BYTES,
@@ -381,7 +401,8 @@ _KEYS = {
     "residual stream": "data.token_budget", "layer transient": "data.token_budget",
     "attention mask": "data.token_budget", "features": "data.token_budget",
     "received features": "data.token_budget", "hs queue": "layout.hs_queue",
-    "loss chunk": "drafter.loss_chunk", "drafter fp32+adam": "drafter.num_layers",
+    "loss chunk": "drafter.loss_chunk",
+    **{name: "drafter.num_layers" for name in OPTIMIZER_COMPONENTS.values()},
 }
 
 
@@ -401,7 +422,8 @@ def _overflow(cfg: Config, devices: list[str], row: PlanRow) -> Overflow:
         if key:
             levers[key] = levers.get(key, 0) + nbytes
     ranked = sorted(levers, key=levers.get, reverse=True)[:3]
-    fixed = row.components.get("weights", 0) + row.components.get("drafter fp32+adam", 0)
+    fixed = row.components.get("weights", 0) + sum(row.components.get(name, 0)
+                                                   for name in OPTIMIZER_COMPONENTS.values())
     return Overflow(
         devices=devices, row=row, lower=[(k, key_value(cfg, k)) for k in ranked],
         separate_roles=row.role == "target+drafter" and row.device.startswith("cuda"),

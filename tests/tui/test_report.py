@@ -241,3 +241,153 @@ def test_the_dashboard_does_not_import_matplotlib():
     code = ("import sys, dflash_tui.app, dflash_tui.cli, dflash_tui.report; "
             "assert 'matplotlib' not in sys.modules, 'matplotlib imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_report_reads_only_the_kinds_it_folds():
+    # the page's events; host samples, worker phases and logs are passed over unparsed
+    assert report.RunData.kinds() == {
+        "RunStarted", "StateChanged", "StepMetrics", "EvalResult", "GpuSample", "QueueDepth",
+        "MemoryPlan", "Checkpoint", "Error", "Stall", "RunEnded"}
+
+
+# -- what the page says is true (log-scale loss, step axis, integer depths, CPU plan, endings) --
+def _data(events) -> "report.RunData":
+    data = report.RunData()
+    for e in events:
+        data.feed(e)
+    return data
+
+
+def _figure_of(draw, data):
+    from dflash_tui.report import plots
+
+    p = plots.Plots(keep=True)
+    t0 = data.t0 or 0.0
+    draw(p, data, plots.Clock(t0, data.last_ts or t0))
+    return p.drawn[-1]
+
+
+def _step(s, loss, ts):
+    return ev.StepMetrics(step=s, epoch=0, loss=loss, lr=1e-4, grad_norm=1.0, tokens_per_s=1.0,
+                          samples_per_s=3.0, tau_tf=2.0, ts=ts)
+
+
+def test_a_loss_that_falls_far_is_on_a_log_scale():
+    from dflash_tui.report import plots
+
+    falls = _data(sc.start() + [_step(s, 39.0 if s == 1 else 1.0 + 1.5 / s, sc.T0 + 10 + s)
+                                for s in range(1, 200)])
+    flat = _data(sc.start() + [_step(s, 2.0 + 0.1 * (s % 3), sc.T0 + 10 + s) for s in range(1, 50)])
+
+    def loss(p, data, clock):
+        return plots.line_plot(p, data, clock, data.loss, "loss", "loss", "tab:blue", log=True)
+
+    ax = _figure_of(loss, falls).axes[0]
+    assert ax.get_yscale() == "log"
+    assert "(log scale)" in ax.get_title(loc="left")
+    lo, hi = ax.get_ylim()
+    shown = [t for t in ax.get_yticks() if lo <= t <= hi]
+    assert {1.0, 2.0, 5.0, 10.0, 20.0} <= set(shown)  # the useful range has labels of its own
+    assert _figure_of(loss, flat).axes[0].get_yscale() == "linear"  # nothing to spread out
+    page = report.render_html(falls)
+    assert "training loss per step (log scale)" in page
+
+
+def test_the_step_axis_names_each_evaluation_under_its_point():
+    from dflash_tui.report import plots
+
+    events = sc.start()
+    t = sc.T0 + 100
+    for s in range(1, 301):
+        t += 2.0 if s < 100 else 3.0  # steps come at two speeds: time and step are not linear
+        events.append(_step(s, 2.0, t))
+        if s % 50 == 0:  # each evaluation ends a while after its step
+            events.append(ev.EvalResult(step=s, tau=2.0, acceptance=[1], prompts=4, ts=t + 40))
+    data = _data(events)
+    clock = plots.Clock(data.t0, data.last_ts)
+    at_step = plots.step_positions(data, clock)
+    for s in (50, 150, 300):  # the x at which the run reached step s
+        reached = next(e.ts for e in events if isinstance(e, ev.StepMetrics) and e.step == s)
+        assert at_step(s) == pytest.approx(clock([reached])[0])
+
+    fig = _figure_of(plots.tau_plot, data)
+    ax = fig.axes[0]
+    lo, hi = ax.get_xlim()
+    ticks = plots.step_ticks(data, at_step, lo, hi)
+    assert {s for _, s, is_eval in ticks if is_eval} == {50, 100, 150, 200, 250, 300}
+    xs = [x for x, _, _ in ticks]
+    assert xs == sorted(xs) and [s for _, s, _ in ticks] == sorted(s for _, s, _ in ticks)
+    assert min(b - a for a, b in zip(xs, xs[1:])) >= plots.MIN_TICK_GAP * (hi - lo)
+    # the red exact-tau points stand where their steps are named
+    points = next(line for line in ax.get_lines() if line.get_marker() == "o")
+    assert list(points.get_xdata()) == pytest.approx([at_step(s) for s in range(50, 301, 50)])
+    (top,) = ax.child_axes  # the secondary step axis
+    labels = {lab.get_text(): lab.get_color() for lab in top.get_xticklabels()}
+    assert labels["150"] == plots.EVAL_COLOR
+
+    # many evaluations close together: thinned, the latest kept, never crowding the edge
+    dense = _data(sc.start() + [e for s in range(1, 401) for e in (
+        _step(s, 2.0, sc.T0 + 100 + s),
+        ev.EvalResult(step=s, tau=2.0, acceptance=[1], prompts=4, ts=sc.T0 + 100 + s))])
+    clock = plots.Clock(dense.t0, dense.last_ts)
+    at_step = plots.step_positions(dense, clock)
+    lo, hi = at_step(1), at_step(400)
+    ticks = plots.step_ticks(dense, at_step, lo, hi)
+    assert 5 <= len(ticks) <= 1 / plots.MIN_TICK_GAP + 1
+    assert ticks[-1][1] == 400
+    xs = [x for x, _, _ in ticks]
+    assert min(b - a for a, b in zip(xs, xs[1:])) >= plots.MIN_TICK_GAP * (hi - lo) - 1e-9
+
+
+def test_queue_depths_and_histogram_counts_have_integer_ticks():
+    from dflash_tui.report import plots
+
+    events = sc.start() + [ev.QueueDepth(name="prefetch-0", depth=3 + (s % 2), capacity=4,
+                                         ts=sc.T0 + 10 + s) for s in range(40)]
+    data = _data(events)
+    axes = _figure_of(plots.queue_plot, data).axes
+    assert axes
+    for ax in axes:
+        lo, hi = ax.get_ylim()
+        shown = [t for t in ax.get_yticks() if lo <= t <= hi]
+        assert len(shown) >= 2 and all(float(t).is_integer() for t in shown), shown
+    p = plots.Plots(keep=True)
+    plots.acceptance_plot(p, ev.EvalResult(step=1, tau=1.0, acceptance=[3, 1, 2], prompts=1))
+    ax = p.drawn[-1].axes[0]
+    lo, hi = ax.get_ylim()
+    assert all(float(t).is_integer() for t in ax.get_yticks() if lo <= t <= hi)
+
+
+def test_a_cpu_plan_is_not_said_to_fit_a_card():
+    cpu = ev.MemoryPlan(rows=[{"device": "cpu", "role": "target+drafter", "components": {},
+                               "total": 132_732_416, "free": None, "fits": True}], ts=sc.T0 + 1)
+    page = report.render_html(_data(sc.start()[:1] + [cpu]))
+    plan = page[page.index("Memory plan"):page.index('id="errors"')]
+    assert "<td>not checked</td>" in plan
+    assert "<td>0.0</td>" not in plan and "True" not in plan
+    assert "On the CPU the plan is not checked against a card" in plan
+    gpu = report.render_html(_data(sc.start()))  # the fixture's plan: 71 of 139 GiB free, fits
+    plan = gpu[gpu.index("Memory plan"):gpu.index('id="errors"')]
+    assert "<td>yes</td>" in plan and "not checked" not in plan
+
+
+def test_a_finished_run_says_it_has_no_errors_and_an_ended_one_how_it_ended():
+    trained = sc.training(steps=10)
+    t = trained[-1].ts
+    finished = trained + [
+        ev.StateChanged(state="finished", previous="training", ts=t + 1),
+        ev.RunEnded(status="finished", step=10, seconds=t + 1 - sc.T0, ts=t + 1)]
+    page = report.render_html(_data(finished))
+    assert "No errors or stalls in this run.</p>" in page
+    assert "in this run yet" not in page
+    assert "Finished at step 10 of 6000 after 2m 21s." in page
+
+    page = report.render_html(_data(with_config(sc.aborted())))
+    assert "Aborted at step 60" in page and ": operator." in page
+    assert "No errors or stalls were recorded. Aborted at step 60" in page
+    page = report.render_html(_data(with_config(sc.failed())))
+    assert "Failed at step 60" in page and "target-3: out of memory." in page
+
+    running = report.render_html(_data(trained))  # no end yet: it may still have some
+    assert "No errors or stalls in this run yet." in running
+    assert "Finished at" not in running

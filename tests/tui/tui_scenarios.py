@@ -12,9 +12,9 @@ GIB = 1024**3
 TARGETS = [f"cuda:{i}" for i in range(7)]  # the real node: targets on 0-6, drafter on 7
 DRAFTERS = ["cuda:7"]
 OOM_TRACEBACK = """Traceback (most recent call last):
-  File "dflash_core/pipeline/engine.py", line 412, in _target_loop
+  File "dflash_core/engine.py", line 412, in _target_loop
     feats = self.target.features(batch)
-  File "dflash_core/models/target.py", line 188, in features
+  File "dflash_core/target.py", line 188, in features
     out = layer(hidden, position_embeddings=pos)
 torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 29.61 GiB. GPU 3 has a total capacity of 139.81 GiB of which 12.02 GiB is free.
 """

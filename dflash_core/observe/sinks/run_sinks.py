@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dflash_core.config import Config
+from dflash_core.observe.event_log import EVENTS_FILE
 from dflash_core.observe.sinks.jsonl import JsonlSink
 from dflash_core.observe.sinks.textlog import TextLogSink
 from dflash_core.observe.sinks.wandb_sink import WandbSink  # imports wandb itself only when a run enables it
@@ -17,7 +18,7 @@ class RunSinks:
         its folder was known (its first StateChanged), handed to the sinks first so that
         events.jsonl holds the whole run."""
         self.bus = bus
-        jsonl = JsonlSink(run_dir / "events.jsonl")
+        jsonl = JsonlSink(run_dir / EVENTS_FILE)
         text = TextLogSink(run_dir / "train.log", every_s=cfg.run.log_every_s)
         self._sinks = [jsonl, text]
         self._subs = [bus.subscribe("jsonl", jsonl, critical=True),

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from dflash_core.observe.events import (
-    Checkpoint, DrafterMetrics, Error, Event, EvalResult, LoadProgress, Log, MemoryPlan, RunEnded,
+    Checkpoint, CheckpointProgress, DrafterMetrics, Error, Event, EvalResult, LoadProgress, Log, MemoryPlan, RunEnded,
     RunStarted, SinkStatus, Stall, StateChanged, StepMetrics, TargetMetrics, WorkerStatus,
 )
 from dflash_core.models.acceptance import summary_line
@@ -82,7 +82,14 @@ def format_event(ev: Event) -> str | None:
         return (f"eval step {ev.step} on {ev.prompts} prompts: {summary_line(ev)}; "
                 f"accepted/round {hist}")
     if isinstance(ev, Checkpoint):
-        return f"checkpoint step {ev.step} ({ev.reason}) in {_duration(ev.seconds)}: {ev.path}"
+        size = (f", {ev.bytes / GiB:.1f} GiB at {ev.bytes / GiB / ev.seconds:.2f} GiB/s, training "
+                f"blocked {ev.blocked_s:.1f} s" if ev.bytes and ev.seconds > 0 else "")
+        return (f"checkpoint step {ev.step} ({ev.reason}) in {_duration(ev.seconds)}{size}: "
+                f"{ev.path}")
+    if isinstance(ev, CheckpointProgress):
+        rate = ev.bytes_written / GiB / ev.seconds if ev.seconds > 0 else 0.0
+        return (f"writing checkpoint step {ev.step} ({ev.reason}): {ev.bytes_written / GiB:.1f} of "
+                f"{ev.bytes_total / GiB:.1f} GiB, {rate:.2f} GiB/s")
     if isinstance(ev, Log):
         return f"[{ev.level}] {ev.source}: {ev.message}"
     if isinstance(ev, Stall):
@@ -136,7 +143,7 @@ class LineThrottle:
         self._load_decile: dict[str, int] = {}
 
     def admit(self, ev: Event) -> bool:
-        if isinstance(ev, (StepMetrics, TargetMetrics, DrafterMetrics)):
+        if isinstance(ev, (StepMetrics, TargetMetrics, DrafterMetrics, CheckpointProgress)):
             key = (ev.kind, getattr(ev, "worker", ""))
             last = self._last_ts.get(key)
             if last is not None and ev.ts - last < self.every_s:

@@ -133,3 +133,79 @@ def test_sequences_per_group_bounds_the_block_tokens_of_one_pass():
     assert obj.sequences_per_group(16384, 512 * 16) == 2
     assert obj.sequences_per_group(8191, 512 * 16) == 1  # one sequence even if it is over
     assert obj.sequences_per_group(100, 0) == 100  # no block tokens: never divides by zero
+
+
+def _gappy_labels(n=2, A=5, B=8, V=50, seed=0):
+    """Labels with every kind of unlabelled slot: slot 0, a gap inside a block (another turn's
+    tokens outside the loss mask), the end of the sequence, a padding block."""
+    g = torch.Generator().manual_seed(seed)
+    labels = torch.randint(0, V, (n, A, B), generator=g)
+    labels[:, :, 0] = obj.IGNORE
+    labels[0, 1, 4] = obj.IGNORE  # a gap: slots 5.. are labelled again
+    labels[0, 2, 6:] = obj.IGNORE  # past the end
+    labels[1, 3] = obj.IGNORE  # a padding block
+    return labels
+
+
+def _brute_dpace_weights(ce_dense, labels, alpha):
+    """w_j = sum over m >= j of prod over i <= m of q_i, over each block's valid prefix, by loops."""
+    n, A, B = labels.shape
+    w = torch.zeros(n, A, B)
+    for r in range(n):
+        for a in range(A):
+            prefix = []
+            for k in range(1, B):
+                if labels[r, a, k] == obj.IGNORE:
+                    break
+                prefix.append(k)
+            q = {k: (1 - alpha) * math.exp(-float(ce_dense[r, a, k])) + alpha for k in prefix}
+            for j in prefix:
+                w[r, a, j] = sum(math.prod(q[i] for i in prefix if i <= m)
+                                 for m in prefix if m >= j)
+    return w
+
+
+@pytest.mark.parametrize("alpha", [0.5, 0.0, 1.0])
+def test_dpace_weights_match_brute_force_over_the_valid_prefix(alpha):
+    labels = _gappy_labels()
+    ce_dense = torch.rand(labels.shape) * 4
+    rows = obj.label_rows(labels, 7.0, dpace_alpha=alpha)
+    # Only each block's valid prefix is read: not slot 0, not the gap, not what follows it.
+    prefix = set(rows.rows.tolist())
+    B = labels.shape[-1]
+    block1 = {(1 * B) + k for k in range(B)}
+    assert {(1 * B) + k for k in (1, 2, 3)} == prefix & block1
+    assert rows.weights is None and rows.weight_sum is None
+    got = obj.dpace_weights(ce_dense.reshape(-1)[rows.rows], rows.rows, labels.numel(), B, alpha)
+    want = _brute_dpace_weights(ce_dense, labels, alpha).reshape(-1)
+    assert torch.allclose(got, want[rows.rows], rtol=1e-5, atol=1e-6)
+    assert float(want.sum()) == pytest.approx(float(got.sum()), rel=1e-5)  # nothing outside
+    if alpha == 1.0:  # q = 1: w_j counts the prefix slots from j on
+        assert got[:3].tolist() == [7.0, 6.0, 5.0]
+
+
+def test_dpace_chunked_loss_is_the_dense_loss_with_detached_weights():
+    torch.manual_seed(0)
+    n, A, B, H, V = 2, 5, 8, 16, 50
+    labels = _gappy_labels(n, A, B, V)
+    hidden = torch.randn(n, A * B, H, requires_grad=True)
+    weight = torch.randn(V, H) * 0.3
+    out = obj.chunked_loss(hidden, labels, weight, gamma=4.0, chunk=7, dpace_alpha=0.5)
+    out.loss.backward()
+    g_chunked = hidden.grad.clone()
+    hidden.grad = None
+    # Dense: the whole logits at once, the weights by brute force, as constants.
+    logits = torch.nn.functional.linear(hidden.reshape(n * A * B, H), weight)
+    ce = torch.nn.functional.cross_entropy(logits, labels.reshape(-1).clamp(min=0),
+                                           reduction="none")
+    w = _brute_dpace_weights(ce.detach().view(n, A, B), labels, 0.5).reshape(-1)
+    ref = (ce * w).sum() / w.sum()
+    ref.backward()
+    assert torch.allclose(out.loss, ref, atol=1e-5)
+    assert float(out.weight_sum) == pytest.approx(float(w.sum()), rel=1e-5)
+    # Gradients flow through the cross-entropies only: with weights that moved with hidden,
+    # the gradient would differ.
+    assert torch.allclose(g_chunked, hidden.grad, atol=1e-6)
+    # Teacher-forced tau reads the same predictions as under the DFlash loss.
+    plain = obj.chunked_loss(hidden.detach(), labels, weight, gamma=4.0, chunk=7)
+    assert float(plain.tau_sum) == float(out.tau_sum) and plain.blocks == out.blocks

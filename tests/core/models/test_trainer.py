@@ -130,3 +130,95 @@ def test_a_step_reduces_across_nodes_once_with_its_statistics(tmp_path, assets):
     assert two.samples == 2 * one.samples and two.tokens == 2 * one.tokens
     for p, q in zip(pair1[0].params(), pair2[1].params()):
         torch.testing.assert_close(p, q)
+
+
+# --------------------------------------------------------------------------------------------
+# The recipe options: drafter.loss dpace, optim.name muon
+# --------------------------------------------------------------------------------------------
+
+def _recipe_setup(tmp_path, assets, loss, optim, n_batches=2):
+    target, data = assets
+    cfg = make_config(tmp_path, target, data, drafter__loss=loss, optim__name=optim,
+                      optim__muon_lr=2e-2)
+    return (cfg, *drafter_setup(cfg, target, data, n_batches))
+
+
+def test_muon_takes_the_matrices_and_adamw_the_norms(tmp_path, assets):
+    cfg, tm, batches, feats, init = _recipe_setup(tmp_path, assets, "dflash", "muon", 1)
+    (rep,) = make_replicas(init, [torch.device("cpu")], cfg, *head_copies(tm))
+    opt = rep.optimizer
+    names = {id(p): n for n, p in rep.drafter.named_parameters()}
+    on_muon = {names[id(p)] for g in opt.muon.param_groups for p in g["params"]}
+    on_adamw = {names[id(p)] for g in opt.adamw.param_groups for p in g["params"]}
+    assert "fc.weight" in on_muon and "layers.0.mlp.down_proj.weight" in on_muon
+    assert "hidden_norm.weight" in on_adamw and "layers.0.self_attn.q_norm.weight" in on_adamw
+    assert on_muon.isdisjoint(on_adamw)
+    assert on_muon | on_adamw == {names[id(p)] for p in rep.params()}  # the frozen head: neither
+    rep.accumulate(batches[0], feats[0], cfg.run.seed)
+    res = reduce_and_step([rep], 0, 10)
+    # Each part on its own schedule: warmup step 0 of 10 at 4% is the full rate.
+    assert [g["lr"] for g in opt.muon.param_groups] == [pytest.approx(2e-2)]
+    assert [g["lr"] for g in opt.adamw.param_groups] == [pytest.approx(res.lr)] == [1e-3]
+    assert all("momentum_buffer" in opt.muon.state[p] for p in opt.muon.param_groups[0]["params"])
+
+
+@pytest.mark.parametrize("loss,optim", [("dpace", "adamw"), ("dflash", "muon"), ("dpace", "muon")])
+def test_recipe_replicas_stay_identical_and_step_like_one_drafter(tmp_path, assets, loss, optim):
+    cfg, tm, batches, feats, init = _recipe_setup(tmp_path, assets, loss, optim)
+    cpu = torch.device("cpu")
+    pair = make_replicas(copy.deepcopy(init), [cpu, cpu], cfg, *head_copies(tm))
+    (single,) = make_replicas(copy.deepcopy(init), [cpu], cfg, *head_copies(tm))
+    for step in range(2):
+        for i, rep in enumerate(pair):
+            rep.accumulate(batches[i], feats[i], cfg.run.seed)
+        res_pair = reduce_and_step(pair, step, 10)
+        for i, b in enumerate(batches):
+            single.accumulate(b, feats[i], cfg.run.seed)
+        res_single = reduce_and_step([single], step, 10)
+        # The same loss: D-PACE's weights depend on each block alone, normalised by the total.
+        assert res_pair.loss == pytest.approx(res_single.loss, rel=1e-5)
+    a, b = (rep.drafter.state_dict() for rep in pair)
+    for name in a:  # same gradients, same optimizer state: bit-identical replicas
+        assert torch.equal(a[name], b[name]), name
+    sa, sb = (rep.optimizer.state_dict()["state"] for rep in pair)
+    assert sa.keys() == sb.keys() and all(
+        torch.equal(sa[i][k], sb[i][k]) for i in sa for k in sa[i] if torch.is_tensor(sa[i][k]))
+    w = single.drafter.state_dict()
+    for name in w:  # Muon's Newton-Schulz rounds to bf16: a sum in another order may round apart
+        torch.testing.assert_close(a[name], w[name], rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("optim", ["adamw", "muon"])
+def test_resume_from_a_checkpoint_gives_the_next_step_of_continuing(tmp_path, assets, optim):
+    from dflash_core.persist import checkpoint as ckpt
+
+    cfg, tm, batches, feats, init = _recipe_setup(tmp_path, assets, "dpace", optim, 3)
+    cpu = torch.device("cpu")
+    (rep,) = make_replicas(copy.deepcopy(init), [cpu], cfg, *head_copies(tm))
+    for step in range(2):
+        rep.accumulate(batches[step], feats[step], cfg.run.seed)
+        reduce_and_step([rep], step, 10)
+    path = ckpt.save_checkpoint(
+        tmp_path / "run", 2, drafter_state=rep.drafter.interchange_state(),
+        drafter_config=rep.drafter.interchange_config(),
+        optimizer_state=rep.optimizer.state_dict(), scheduler_state={"step": 2},
+        trainer_state={"optimizer": optim}, keep=0)
+    rep.accumulate(batches[2], feats[2], cfg.run.seed)
+    going_on = reduce_and_step([rep], 2, 10)
+
+    loaded = ckpt.load_checkpoint(path)
+    drafter = DFlashDrafter(DFlashDrafter.config_from_dict(loaded.drafter_config))
+    drafter.load_state_dict(loaded.drafter_state)
+    (again,) = make_replicas(drafter, [cpu], cfg, *head_copies(tm))
+    again.optimizer.load_state_dict(loaded.optimizer_state)
+    again.accumulate(batches[2], feats[2], cfg.run.seed)
+    resumed = reduce_and_step([again], 2, 10)
+    assert resumed.loss == going_on.loss and resumed.grad_norm == going_on.grad_norm
+    for name, value in rep.drafter.state_dict().items():  # the optimizer state came back too
+        assert torch.equal(again.drafter.state_dict()[name], value), name
+    # Without the optimizer state the same step lands elsewhere: the check above can fail.
+    (fresh,) = make_replicas(copy.deepcopy(drafter), [cpu], cfg, *head_copies(tm))
+    fresh.accumulate(batches[2], feats[2], cfg.run.seed)
+    reduce_and_step([fresh], 2, 10)
+    assert any(not torch.equal(fresh.drafter.state_dict()[n], v)
+               for n, v in rep.drafter.state_dict().items())

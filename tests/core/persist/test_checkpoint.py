@@ -53,9 +53,12 @@ def test_round_trip_and_rng(tmp_path):
                            optimizer_state=opt.state_dict(), scheduler_state=sched.state_dict(),
                            trainer_state=trainer, keep=2)
     assert path == tmp_path / "checkpoints" / "step-42"
-    assert sorted(p.name for p in path.iterdir()) == sorted(FILES)
+    assert sorted(p.name for p in path.iterdir()) == sorted(
+        FILES + ("training_state-00001-of-00001.safetensors",))
     # The weights are plain interchange format, readable without this package.
     assert set(safetensors.torch.load_file(str(path / "model.safetensors"))) == set(drafter)
+    # No pickle: the training state is JSON and safetensors.
+    assert not any(p.suffix == ".pt" for p in path.iterdir())
 
     _draws()  # move every generator on
     ck = load_checkpoint(path)
@@ -126,7 +129,8 @@ def test_write_failure_leaves_nothing(tmp_path, monkeypatch, exc):
     def full_disk(*args, **kwargs):
         raise exc
 
-    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    from dflash_core.persist import safetensors_io
+    monkeypatch.setattr(safetensors_io, "_write", full_disk)
     with pytest.raises(CheckpointError) as err:
         _save(tmp_path, 2)
     assert isinstance(err.value, OSError) and err.value.error_kind == "io"
@@ -136,7 +140,7 @@ def test_write_failure_leaves_nothing(tmp_path, monkeypatch, exc):
 
 
 def test_unpicklable_state_refused_before_writing(tmp_path):
-    with pytest.raises(TypeError, match="weights_only"):
+    with pytest.raises(TypeError, match="cannot be stored in a checkpoint"):
         _save(tmp_path, 1, trainer_state={"rng": np.random.get_state()})
     assert not (tmp_path / "checkpoints").exists()
 

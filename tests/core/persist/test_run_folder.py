@@ -12,6 +12,7 @@ the config describes (docs/bad-input.md, "Run folder and resume").
 | --resume, newest checkpoint truncated              | warning names it, moved to damaged-step-N, |
 |                                                    | resumes from the older intact one          |
 | --resume, every checkpoint damaged                 | [io] names each; nothing deleted           |
+| --resume, config has another optim.name            | [config] optim.name: both names; hint      |
 """
 
 import shutil
@@ -159,7 +160,7 @@ def test_every_checkpoint_damaged_fails_naming_them(tmp_path, assets, done_run):
     target, data = assets
     run_dir = copy_run(done_run, tmp_path)
     for step in (3, 6):
-        (run_dir / "checkpoints" / f"step-{step}" / "training_state.pt").write_bytes(b"junk")
+        (run_dir / "checkpoints" / f"step-{step}" / "training_state.json").write_bytes(b"junk")
     engine, rec = run(make_config(tmp_path, target, data, data__eval_prompts=0), resume=True)
     assert rec.of(RunEnded)[0].status == "failed"
     err = fatal(rec)
@@ -197,3 +198,19 @@ def test_restart_of_a_new_run_resumes_its_own_folder(tmp_path, assets, done_run)
     events = read_jsonl(tmp_path / "runs" / "t-2" / "events.jsonl")
     assert len([e for e in events if isinstance(e, RunStarted)]) == 2
 
+
+
+def test_resume_with_another_optimizer_names_both(tmp_path, assets, done_run):
+    target, data = assets
+    run_dir = copy_run(done_run, tmp_path)
+    before = snapshot(run_dir)
+    cfg = make_config(tmp_path, target, data, data__eval_prompts=0, optim__name="muon")
+    engine, rec = run(cfg, resume=True)
+    assert rec.of(RunEnded)[0].status == "failed" and not rec.of(StepMetrics)
+    err = fatal(rec)
+    assert err.error_kind == "config"
+    assert "optim.name 'adamw'" in err.message and "asks for 'muon'" in err.message
+    assert "step-6" in err.message and "optim.name: adamw" in err.hint
+    after = snapshot(run_dir)
+    assert {k: v for k, v in after.items() if k.name not in ("events.jsonl", "train.log")} == \
+        {k: v for k, v in before.items() if k.name not in ("events.jsonl", "train.log")}

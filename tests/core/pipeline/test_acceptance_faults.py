@@ -42,6 +42,6 @@ def test_responses_not_written_by_the_target_are_the_data_finding(tmp_path, demo
 
 
 def test_a_handful_of_samples_for_many_epochs_is_over_fitting(tmp_path, demo_data):
-    r = run_demo(tmp_path, demo_data, fault="overfit", steps=400, every=400, **SMALL)
+    r = run_demo(tmp_path, demo_data, fault="overfit", steps=160, every=160, **SMALL)
     assert first_findings(r) == ["overfit"]
     assert r.findings[0].level == "info"

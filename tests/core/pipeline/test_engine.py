@@ -93,7 +93,7 @@ def test_run_finishes_with_its_records(tmp_path, assets):
     for step in (3, 6):
         folder = run_dir / "checkpoints" / f"step-{step}"
         assert {p.name for p in folder.iterdir()} >= {"config.json", "model.safetensors",
-                                                     "training_state.pt"}
+                                                     "training_state.json"}
         assert ckpt.load_checkpoint(folder).step == step
     assert wait_no_engine_threads() == []
 

@@ -48,14 +48,14 @@ Usage = namedtuple("Usage", "total used free")
 def test_a_checkpoint_that_cannot_fit_is_skipped_and_said_so(tmp_path, assets, monkeypatch):
     free = [10 * 2**30]
     monkeypatch.setattr(run_mod.shutil, "disk_usage", lambda p: Usage(free[0] * 2, 0, free[0]))
-    real_save = ckpt.save_checkpoint
+    real_begin = ckpt.begin_save
 
-    def save(*args, **kwargs):
-        path = real_save(*args, **kwargs)
+    def begin(*args, **kwargs):
+        path = real_begin(*args, **kwargs)
         free[0] = 1000  # the disk fills up after the first checkpoint
         return path
 
-    monkeypatch.setattr(ckpt, "save_checkpoint", save)
+    monkeypatch.setattr(ckpt, "begin_save", begin)
     target, data = assets
     cfg = make_config(tmp_path, target, data, run__max_steps=6, data__eval_prompts=0,
                       checkpoint__every=2)

@@ -245,3 +245,20 @@ def test_fit_sizes_lowers_the_target_queue_then_the_budget():
     # hs_queue 8 -> 1 (one queued batch per target), then the budget: at 32768 the targets need
     # 50.1 + 9.7 transient + 2 + 4% = 64.3 GiB, at 16384 59.1 GiB
     assert sizes == {"layout.hs_queue": 1, "data.token_budget": 16384}
+
+
+def test_muon_state_is_one_momentum_per_matrix_entry_and_two_moments_for_the_norms():
+    cfg = node(micro_block_tokens=8192)
+    cfg.optim.name = "muon"
+    row = plan_memory(cfg, QWEN36_27B, GPU96, GPU96).row("cuda:7")
+    by_hand = drafter_row_by_hand(seqs_per_pass=1)
+    params = by_hand.pop("drafter fp32+adam") // 16
+    # per layer: the Qwen3 norms (2 x 5120) and q_norm / k_norm (2 x head_dim 256); then
+    # hidden_norm and norm. Everything else is a matrix: weight 4 + grad 4 + momentum 4 bytes.
+    norms = 8 * (2 * 5120 + 2 * 256) + 2 * 5120
+    muon = (params - norms) * 12 + norms * 16  # 32.0 GiB where AdamW needs 42.6
+    tensors = {"drafter fp32+muon": muon, **by_hand}
+    del tensors["cuda context"], tensors["allocator reserve"]
+    assert row.components == tensors | cuda_margin(sum(tensors.values()))
+    assert row.total < plan_memory(node(micro_block_tokens=8192), QWEN36_27B, GPU96,
+                                   GPU96).row("cuda:7").total

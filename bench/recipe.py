@@ -1,0 +1,205 @@
+"""The training recipe on the demo: exact tau after the same steps for drafter.loss (dflash,
+dpace) x optim.name (adamw, muon), over several seeds, with the spread.
+
+    nice -n 10 python bench/recipe.py [--steps 80] [--seeds 0,1,2] [--eval-tokens 32]
+                                      [--reference-seeds 0] [--out bench/results/recipe]
+
+Each run is the demo's config (CPU) with run.seed, drafter.loss and optim.name set and
+run.max_steps steps, trained by ``dflash-tui --config ... --headless`` in its own process, one run
+at a time (the machine's cores are shared). Its exact tau is the EvalResult the run writes at the
+end (events.jsonl). The final checkpoint is then decoded again through the public reference
+implementation (``dflash==0.1.0``'s DFlashDraftModel, installed as tests/core/models/
+test_drafter.py installs it) on the same held-out prompts: the same weights must give the same
+tau there. Writes ``recipe.json`` (every run) and ``recipe.md`` (the table) under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from dflash_core import demo  # noqa: E402
+from dflash_core.config import save_config  # noqa: E402
+from dflash_core.data import ShardedDataset  # noqa: E402
+from dflash_core.data.batching import split_eval  # noqa: E402
+from dflash_core.models.evaluate import evaluate_tau, target_fn_for  # noqa: E402
+from dflash_core.models.target import load_target  # noqa: E402
+from dflash_core.persist import checkpoint as ckpt  # noqa: E402
+from dflash_core.pipeline.run import eval_prompts  # noqa: E402
+
+LOSSES = ("dflash", "dpace")
+OPTIMS = ("adamw", "muon")
+REFERENCE = "dflash==0.1.0"
+
+
+def reference_model_class():
+    """The public reference's DFlashDraftModel (installed beside the venv, without its
+    dependencies), or None when it cannot be installed here."""
+    target = Path(sys.prefix) / "reference-dflash-0.1.0"
+    if not (target / "dflash" / "model.py").exists():
+        done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
+                               "--target", str(target), REFERENCE], check=False)
+        if done.returncode != 0:
+            return None
+    sys.path.insert(0, str(target))
+    from dflash.model import DFlashDraftModel
+
+    return DFlashDraftModel
+
+
+class ReferenceDrafter:
+    """The reference model behind evaluate.Drafter's ``draft``: the block [last, MASK...] at
+    positions S..S+B-1 after the context's 0..S-1, the target's head on its output."""
+
+    def __init__(self, model, folder: Path, embed, lm_head):
+        cfg = json.loads((folder / "config.json").read_text())["dflash_config"]
+        self.model, self.embed, self.lm_head = model, embed, lm_head
+        self.block_size = int(cfg["block_size"])
+        self.target_layer_ids = list(cfg["target_layer_ids"])
+        self.mask_id = int(cfg["mask_token_id"])
+
+    def parameters(self):  # evaluate.py finds the drafter's device through its parameters
+        return self.model.parameters()
+
+    @torch.no_grad()
+    def draft(self, context, last_token, num_tokens=None):
+        S, B = context.shape[1], self.block_size
+        ids = torch.tensor([[last_token] + [self.mask_id] * (B - 1)], device=context.device)
+        pos = torch.arange(S + B, device=context.device)[None]
+        hidden = self.model(position_ids=pos, noise_embedding=self.embed(ids).float(),
+                            target_hidden=context.float())
+        logits = self.lm_head(hidden[0, 1:].to(self.lm_head.weight.dtype))
+        return logits.argmax(-1)[: num_tokens or B - 1]
+
+
+def run_one(out: Path, loss: str, optim: str, seed: int, steps: int, eval_tokens: int) -> dict:
+    name = f"{loss}-{optim}-s{seed}"
+    cfg = demo.demo_config(output_dir=str(out / "runs"), name=name, device="cpu")
+    cfg.run.seed, cfg.run.max_steps = seed, steps
+    cfg.drafter.loss, cfg.optim.name = loss, optim
+    cfg.eval.every = 0  # exact tau once, at the end
+    cfg.eval.max_new_tokens = eval_tokens
+    path = out / "configs" / f"{name}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, path)
+    run_dir = cfg.run_dir
+    if run_dir.exists():  # a bench run starts from scratch
+        import shutil
+        shutil.rmtree(run_dir)
+    t = time.monotonic()
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    (out / "runs").mkdir(parents=True, exist_ok=True)
+    with open(out / "runs" / f"{name}.log", "w") as log:
+        rc = subprocess.run([sys.executable, "-m", "dflash_tui.cli", "--config", str(path),
+                             "--headless"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+                            ).returncode
+    wall = time.monotonic() - t
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").open()]
+    evals = [e for e in events if e["event"] == "EvalResult"]
+    metrics = [e for e in events if e["event"] == "StepMetrics"]
+    last = metrics[-1] if metrics else {}
+    return {"name": name, "loss": loss, "optim": optim, "seed": seed, "rc": rc,
+            "steps": last.get("step", 0), "wall_s": round(wall, 1),
+            "tau": evals[-1]["tau"] if evals else None,
+            "acceptance": evals[-1]["acceptance"] if evals else None,
+            "train_loss": last.get("loss"), "tau_tf": last.get("tau_tf"),
+            "step_s": _step_seconds(metrics), "run_dir": str(run_dir), "config": cfg}
+
+
+def _step_seconds(metrics: list[dict]) -> float | None:
+    """Median seconds per step over the second half of the run (past warm-up)."""
+    ts = [m["ts"] for m in metrics]
+    gaps = [b - a for a, b in zip(ts, ts[1:])][len(ts) // 2:]
+    return round(statistics.median(gaps), 4) if gaps else None
+
+
+def reference_tau(ref_cls, row: dict) -> float | None:
+    """Exact tau of the run's final checkpoint through the reference model, same prompts."""
+    cfg = row["config"]
+    folder = ckpt.latest_checkpoint(row["run_dir"])
+    if ref_cls is None or folder is None:
+        return None
+    target_path = Path(row["run_dir"]) / "target"
+    tm = load_target(target_path, device="cpu", dtype=torch.float32)
+    data = demo.ensure_demo_data(demo.ensure_tiny_target())
+    dataset = ShardedDataset.open(data)
+    n_eval = min(cfg.data.eval_prompts, max(0, len(dataset) - 1))
+    _, indices = split_eval(len(dataset), n_eval, cfg.run.seed)
+    prompts = eval_prompts(dataset, indices, cfg.eval.prompt_tokens)
+    model = ref_cls.from_pretrained(str(folder), dtype=torch.float32).eval()
+    drafter = ReferenceDrafter(model, folder, tm.embed_tokens, tm.lm_head)
+    res = evaluate_tau(target_fn_for(tm, drafter.target_layer_ids), drafter, prompts,
+                       cfg.eval.max_new_tokens, drafter.target_layer_ids)
+    return res.tau
+
+
+def spread(values: list[float]) -> str:
+    if not values:
+        return "-"
+    mean = statistics.mean(values)
+    sd = statistics.stdev(values) if len(values) > 1 else 0.0
+    return f"{mean:.3f} ± {sd:.3f} ({min(values):.2f}..{max(values):.2f})"
+
+
+def table(rows: list[dict], steps: int) -> str:
+    lines = [f"Exact tau on the demo after {steps} steps (mean ± sample sd over seeds, min..max):",
+             "", "| drafter.loss | optim.name | exact tau | reference tau | teacher-forced tau "
+             "| train loss | s / step | seeds |", "|---|---|---|---|---|---|---|---|"]
+    for loss in LOSSES:
+        for optim in OPTIMS:
+            mine = [r for r in rows if r["loss"] == loss and r["optim"] == optim]
+            if not mine:
+                continue
+            pick = lambda k: [r[k] for r in mine if r.get(k) is not None]  # noqa: E731
+            loss_vals = pick("train_loss")
+            lines.append(
+                f"| {loss} | {optim} | {spread(pick('tau'))} | {spread(pick('ref_tau'))} | "
+                f"{spread(pick('tau_tf'))} | {statistics.mean(loss_vals):.3f} | "
+                f"{statistics.median(pick('step_s')):.3f} | "
+                f"{','.join(str(r['seed']) for r in mine)} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=80, help="run.max_steps of every run")
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--eval-tokens", type=int, default=32,
+                    help="eval.max_new_tokens (the demo's 64 doubles the decoding time)")
+    ap.add_argument("--reference-seeds", default="0",
+                    help="seeds whose runs are decoded again through the reference ('' = none)")
+    ap.add_argument("--losses", default=",".join(LOSSES))
+    ap.add_argument("--optims", default=",".join(OPTIMS))
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "recipe")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    ref_seeds = {int(s) for s in args.reference_seeds.split(",") if s}
+    ref_cls = reference_model_class() if ref_seeds else None
+    rows = []
+    for seed in [int(s) for s in args.seeds.split(",")]:  # seed-major: a cut-short sweep
+        for loss in args.losses.split(","):  # still holds every combination of early seeds
+            for optim in args.optims.split(","):
+                row = run_one(args.out, loss, optim, seed, args.steps, args.eval_tokens)
+                row["ref_tau"] = reference_tau(ref_cls, row) if seed in ref_seeds else None
+                row.pop("config")
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                (args.out / "recipe.json").write_text(json.dumps(rows, indent=1))
+                (args.out / "recipe.md").write_text(table(rows, args.steps))
+    print(table(rows, args.steps))
+    return 0 if all(r["rc"] == 0 for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

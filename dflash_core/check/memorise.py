@@ -1,0 +1,114 @@
+"""Train the configured drafter on the check's samples until it has memorised them.
+
+The engine's own pieces do the work: the samples go through ``data`` (shards, collate), the
+target's ``features``, ``trainer.build_replicas`` (one replica per drafter GPU of the layout) and
+``trainer.reduce_and_step``, so what is checked is what a run trains with. The target is frozen,
+so the features are computed once. Every valid position is an anchor (the check must decode from
+any of them), redrawn each step as a new epoch.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from dflash_core.config import Config
+from dflash_core.data import ShardedDataset, collate, write_shards
+from dflash_core.models import objective as obj
+from dflash_core.models.trainer import (
+    ANCHOR_PAD, DrafterReplica, build_replicas, prepare_batch, reduce_and_step,
+)
+from dflash_core.check.samples import CheckSample
+
+# Memorised: the teacher-forced tau on the samples reaches this share of its ceiling.
+MEMORISED_SHARE = 0.97
+PROGRESS_EVERY_S = 5.0
+
+
+@dataclass
+class Memorised:
+    replicas: list[DrafterReplica]
+    batch: object  # the collated samples (data.Batch), anchors not drawn
+    features: torch.Tensor  # the target's features of the batch, on the target's device
+    steps: int
+    tau_tf: float  # teacher-forced tau of the last step, on the samples
+    tau_ceiling: float  # what a perfect drafter reaches on them (short blocks at the end)
+    loss: float
+    seconds: float
+    reached: bool  # tau_tf reached MEMORISED_SHARE of the ceiling within the step cap
+    history: list[tuple[int, float, float]] = field(default_factory=list)  # (step, loss, tau)
+
+    @property
+    def drafter(self):
+        return self.replicas[0].drafter
+
+
+def tau_ceiling(labels: torch.Tensor) -> float:
+    """Teacher-forced tau of a perfect predictor: per block, 1 + its labelled slots (they are a
+    prefix of slots 1..B-1: labels stop at the end of the response)."""
+    lab = labels != obj.IGNORE
+    has = lab[:, :, 1]
+    if not bool(has.any()):
+        return 0.0
+    full = lab[:, :, 1:].long().cumprod(-1).sum(-1) + 1
+    return float(full[has].float().mean())
+
+
+def check_config(cfg: Config, longest_response: int) -> Config:
+    """The run's config for the check: every valid position an anchor."""
+    ccfg = copy.deepcopy(cfg)
+    ccfg.drafter.num_anchors = max(cfg.drafter.num_anchors, longest_response)
+    return ccfg
+
+
+def collate_samples(samples: list[CheckSample], folder: Path, max_length: int):
+    """The samples written as shards (the data layout a run reads) and collated into one batch."""
+    write_shards([{"input_ids": s.input_ids, "loss_mask": s.loss_mask} for s in samples], folder,
+                 overwrite=True)
+    dataset = ShardedDataset.open(folder)
+    return collate(dataset, list(range(len(samples))), max_length=max_length)
+
+
+def memorise(cfg: Config, target, samples: list[CheckSample], drafter_devices, *,
+             layer_ids: list[int], mask_id: int, folder: Path, max_steps: int,
+             say: Callable[[str], None] = lambda _: None) -> Memorised:
+    t0 = time.monotonic()
+    ccfg = check_config(cfg, max(len(s.response) for s in samples))
+    batch = collate_samples(samples, folder / "data", ccfg.data.max_length)
+    features = target.features(batch.input_ids, batch.attention_mask, layer_ids)
+    replicas = build_replicas(ccfg, target, list(drafter_devices), layer_ids=layer_ids,
+                              mask_id=mask_id)
+    B = replicas[0].drafter.block_size
+    pad = ANCHOR_PAD if replicas[0].device.type == "cuda" else 1
+    ceiling = tau_ceiling(prepare_batch(batch, ccfg.drafter.num_anchors, B, ccfg.run.seed).labels)
+    feats = {r.device: features.to(r.device) for r in replicas}
+    history: list[tuple[int, float, float]] = []
+    last_say = time.monotonic()
+    res = None
+    for step in range(max_steps):
+        b = prepare_batch(replace(batch, epoch=step), ccfg.drafter.num_anchors, B,
+                          ccfg.run.seed, pad_to=pad)
+        # Every replica trains the same batch: the reduced gradient is that batch's, and the
+        # data-parallel step of the layout's drafter GPUs is exercised as a run would.
+        for r in replicas:
+            r.accumulate(b, feats[r.device], ccfg.run.seed)
+        res = reduce_and_step(replicas, step, max_steps)
+        history.append((res.step, res.loss, res.tau_tf))
+        done = res.tau_tf >= MEMORISED_SHARE * ceiling
+        if done or time.monotonic() - last_say >= PROGRESS_EVERY_S:
+            last_say = time.monotonic()
+            say(f"step {res.step}/{max_steps}: loss {res.loss:.3f}, teacher-forced tau "
+                f"{res.tau_tf:.2f} of {ceiling:.2f}")
+        if done:
+            break
+    for r in replicas:
+        r.drafter.eval()
+    return Memorised(replicas, batch, features, res.step if res else 0,
+                     res.tau_tf if res else 0.0, ceiling, res.loss if res else float("nan"),
+                     time.monotonic() - t0, bool(res and res.tau_tf >= MEMORISED_SHARE * ceiling),
+                     history)

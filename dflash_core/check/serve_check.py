@@ -1,0 +1,203 @@
+"""The train-to-serve check, phase by phase (docs/check.md).
+
+1. preflight: devices of the config's layout, the target, its layer ids and mask id, the data;
+2. load the target on the first target GPU;
+3. samples: the first prompts of the data, each with the target's own greedy response;
+4. memorise: train the configured drafter on them (the engine's step) to near-full teacher-forced
+   blocks, or the step cap;
+5. decode: exact greedy speculative decoding of their prompts with this engine's drafter, and
+   with the saved checkpoint in the public reference implementation when it is importable;
+6. diagnose: probes of the trained drafter, then the verdict.
+
+Everything it writes goes to ``<run folder>/check/`` (the samples as shards, the checkpoint in
+the interchange format, ``check.json``), which a later run in that folder ignores.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from dflash_core.check import decode as dec
+from dflash_core.check.diagnose import Verdict, diagnose, evidence_lines, feature_gap, probe
+from dflash_core.check.memorise import memorise
+from dflash_core.check.samples import pick_prompts, write_responses
+from dflash_core.config import Config
+from dflash_core.models.evaluate import target_fn_for
+from dflash_core.models.target import load_target
+from dflash_core.planning import preflight
+
+CHECK_FOLDER = "check"
+
+
+@dataclass
+class CheckOptions:
+    samples: int = 2  # prompts taken from the data
+    response_tokens: int = 64  # tokens the target writes for each
+    max_steps: int = 300  # optimizer steps at most to memorise them
+    reference: bool = True  # also decode with the reference implementation when importable
+
+
+@dataclass
+class CheckResult:
+    verdict: Verdict
+    folder: Path
+    evidence: list[str] = field(default_factory=list)
+    reference: str = ""  # "used", or why it was not
+    seconds: float = 0.0
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.verdict.passed else 1
+
+
+@dataclass
+class Prepared:
+    """What the check works on once the target is loaded and has written the samples."""
+
+    cfg: Config
+    folder: Path
+    target: object  # target.TargetModel, on the first target device
+    target_fn: Callable
+    samples: list
+    layer_ids: list[int]
+    mask_id: int
+    drafter_devices: list[torch.device]
+    started: float
+
+
+def run_check(cfg: Config, opts: CheckOptions | None = None,
+              say: Callable[[str], None] = print) -> CheckResult:
+    """Run the check; ``say`` gets one line per phase (and progress inside long ones). Raises
+    ConfigError / DataError / TargetLoadError for bad input (nothing trained yet)."""
+    opts = opts or CheckOptions()
+    prep = prepare(cfg, opts, say)
+    try:
+        return judge(prep, train(prep, opts, say), opts, say)
+    finally:
+        release(prep)
+
+
+def prepare(cfg: Config, opts: CheckOptions, say: Callable[[str], None]) -> Prepared:
+    """Preflight, the target, and the samples it writes."""
+    t0 = time.monotonic()
+    run_dir = cfg.run_dir
+    say("preflight: devices, target, data")
+    tdev, ddev = preflight.resolve_devices(cfg)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    progress = preflight.demo_log_progress(lambda e: say(e.message), lambda: None)
+    target_path, _, layer_ids, mask_id = preflight.resolve_target(cfg, run_dir, progress)
+    from dflash_core.data import ShardedDataset
+
+    data_path = preflight.resolve_data(cfg, target_path, progress)
+    preflight.check_data_manifest(cfg, data_path, target_path)
+    dataset = ShardedDataset.open(data_path)
+    prompts = pick_prompts(dataset, opts.samples, cfg.data.max_length - opts.response_tokens)
+
+    say(f"loading the target {target_path} on {tdev[0]}")
+    dtype = cfg.target.dtype if tdev[0].type == "cuda" else "float32"
+    target = load_target(target_path, device=tdev[0], dtype=dtype,
+                         attn_implementation=cfg.target.attn_implementation)
+    target_fn = target_fn_for(target, layer_ids)
+
+    say(f"samples: the target writes {opts.response_tokens} tokens after each of "
+        f"{len(prompts)} prompts (data samples {[i for i, _ in prompts]})")
+    samples = write_responses(target_fn, prompts, opts.response_tokens, eos_token_id=None,
+                              device=target.device)
+    folder = run_dir / CHECK_FOLDER
+    folder.mkdir(parents=True, exist_ok=True)
+    return Prepared(cfg, folder, target, target_fn, samples, layer_ids, mask_id, ddev, t0)
+
+
+def train(prep: Prepared, opts: CheckOptions, say: Callable[[str], None]):
+    """Memorise the samples (memorise.Memorised)."""
+    drafters = ", ".join(str(d) for d in prep.drafter_devices)
+    say(f"memorise: training the drafter on them on {drafters} (at most {opts.max_steps} steps)")
+    mem = memorise(prep.cfg, prep.target, prep.samples, prep.drafter_devices,
+                   layer_ids=prep.layer_ids, mask_id=prep.mask_id, folder=prep.folder,
+                   max_steps=opts.max_steps, say=lambda m: say(f"  {m}"))
+    say(f"memorise: {'done' if mem.reached else 'stopped at the cap'} after {mem.steps} steps "
+        f"({mem.seconds:.0f} s): teacher-forced tau {mem.tau_tf:.2f} of {mem.tau_ceiling:.2f}")
+    return mem
+
+
+def judge(prep: Prepared, mem, opts: CheckOptions, say: Callable[[str], None]) -> CheckResult:
+    """Save the checkpoint, decode exactly (ours, the reference), probe, and give the verdict."""
+    drafter, samples, target = mem.drafter, prep.samples, prep.target
+    ckpt = prep.folder / "drafter"
+    drafter.save(ckpt)
+
+    say("decode: exact speculative decoding of the prompts, the target verifying")
+    ours = dec.decode("this engine", prep.target_fn, drafter, samples, prep.layer_ids,
+                      eos_token_id=None, device=target.device)
+    say(f"  this engine: exact tau {ours.tau:.2f} of {ours.ceiling:.2f}")
+    ref, ref_note, ref_mask = None, "not asked for (--no-reference)", None
+    if opts.reference:
+        cls, why = dec.reference_class()
+        if cls is None:
+            ref_note = (f"not importable ({why}); pip install {dec.REFERENCE} to decode the "
+                        "checkpoint with it too")
+            say(f"  reference implementation {ref_note}")
+        else:
+            model = dec.load_reference(cls, ckpt, drafter.embed_tokens, drafter.lm_head,
+                                       next(drafter.parameters()).device)
+            ref_mask = model.mask_token_id
+            ref = dec.decode(f"reference {dec.REFERENCE}", dec.reference_target_fn(
+                target.model, model.target_layer_ids), model, samples, model.target_layer_ids,
+                eos_token_id=None, device=target.device)
+            ref_note = "used"
+            say(f"  {ref.name}: exact tau {ref.tau:.2f} of {ref.ceiling:.2f}")
+
+    say("diagnose: probes of the trained drafter")
+    s0 = samples[0]
+    probes = probe(drafter, mem.batch.input_ids, mem.features, len(s0.prompt), len(s0.input_ids))
+    probes.features = feature_gap(target, mem.batch.input_ids, prep.layer_ids, mem.features,
+                                  len(s0.input_ids))
+    verdict = diagnose(ours, ref, memorised=mem.reached, tau_tf=mem.tau_tf,
+                       ceiling_tf=mem.tau_ceiling, probes=probes, steps=mem.steps,
+                       trained_mask_id=drafter.mask_token_id, reference_mask_id=ref_mask,
+                       target_layers=target.num_layers)
+    evidence = evidence_lines(ours, ref, mem.tau_tf, mem.tau_ceiling, probes)
+    result = CheckResult(verdict, prep.folder, evidence, ref_note,
+                         time.monotonic() - prep.started)
+    _write_record(prep.folder / "check.json", result, mem, ours, ref)
+    return result
+
+
+def release(prep: Prepared) -> None:
+    """Drop the target (GPU memory back to the driver's cache)."""
+    prep.target = prep.target_fn = None
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _finite(x: float):
+    return x if isinstance(x, (int, float)) and math.isfinite(x) else None
+
+
+def _write_record(path: Path, result: CheckResult, mem, ours, ref) -> None:
+    """check.json: the verdict and its numbers, for a later look (written whole, then renamed)."""
+    def dec_record(d):
+        if d is None:
+            return None
+        return {"name": d.name, "tau": d.tau, "ceiling": d.ceiling,
+                "accepted_at": [_finite(v) for v in d.accepted_at()],
+                "correct_at": [_finite(v) for v in d.correct_at()],
+                "one_later": [_finite(v) for v in d.correct_at(1)]}
+    record = {
+        "passed": result.verdict.passed, "summary": result.verdict.summary,
+        "findings": [asdict(f) for f in result.verdict.findings],
+        "memorise": {"steps": mem.steps, "tau_tf": mem.tau_tf, "ceiling": mem.tau_ceiling,
+                     "loss": _finite(mem.loss), "reached": mem.reached},
+        "ours": dec_record(ours), "reference": dec_record(ref), "reference_note": result.reference,
+        "seconds": round(result.seconds, 1),
+    }
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record, indent=2), encoding="utf-8")
+    tmp.replace(path)

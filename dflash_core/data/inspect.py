@@ -1,0 +1,142 @@
+"""``data inspect``: what a data folder holds, and (given the target) whether the target wrote it.
+
+Reports the manifest (when there is one), sample count, a token-length histogram, the share of
+trained tokens, the rows with nothing to train, a few samples decoded with the trained spans marked
+``[[...]]``, and, given a target, the agreement of trained labels with the target's greedy next
+token on a seeded sample of positions: responses the target wrote itself agree at high rates (the
+demo target: ~0.9), text written by someone else far less.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from dflash_core.data.manifest import read_manifest
+from dflash_core.data.shards import ShardedDataset
+
+
+def length_histogram(lengths: np.ndarray, bins: int = 8) -> list[tuple[int, int, int]]:
+    """(low, high, count) over powers of two from the shortest to the longest sample."""
+    if lengths.size == 0:
+        return []
+    lo, hi = int(lengths.min()), int(lengths.max())
+    edges = sorted({lo, *[2 ** k for k in range(1, 40) if lo < 2 ** k <= hi], hi + 1})
+    if len(edges) - 1 > bins:  # too many: equal widths instead
+        edges = sorted(set(np.linspace(lo, hi + 1, bins + 1).astype(int).tolist()))
+    counts, _ = np.histogram(lengths, bins=edges)
+    return [(edges[i], edges[i + 1] - 1, int(c)) for i, c in enumerate(counts)]
+
+
+def mark_trained(tok, ids: np.ndarray, mask: np.ndarray) -> str:
+    """The sample as text, trained spans in [[...]]."""
+    out, start = [], 0
+    for k in range(1, len(ids) + 1):
+        if k == len(ids) or mask[k] != mask[start]:
+            text = tok.decode([int(t) for t in ids[start:k]])
+            out.append(f"[[{text}]]" if mask[start] else text)
+            start = k
+    return "".join(out)
+
+
+def _label_agreement(target_model, input_ids, loss_mask, max_positions: int = 512,
+                     chunk: int = 32768, seed: int = 0) -> tuple[int, int]:
+    """(agree, total) of trained labels equal to the target's greedy next token. Uses the
+    engine's ``models.agreement.label_agreement`` when it is there; else this plain version
+    (whole logits per sample: fine for inspect's few samples)."""
+    try:
+        from dflash_core.models.agreement import label_agreement
+    except ImportError:
+        label_agreement = None
+    if label_agreement is not None:
+        return label_agreement(target_model, input_ids, loss_mask, max_positions=max_positions,
+                               chunk=chunk, seed=seed)
+    import torch
+
+    agree = total = 0
+    with torch.no_grad():
+        for ids, mask in zip(input_ids, loss_mask):
+            pos = np.flatnonzero(np.asarray(mask)[1:]) + 1
+            if pos.size == 0 or total >= max_positions:
+                continue
+            pos = pos[:max_positions - total]
+            x = torch.as_tensor(np.asarray(ids[:pos[-1]]), dtype=torch.long)[None]
+            pred = target_model(input_ids=x).logits[0].argmax(-1)
+            labels = torch.as_tensor(np.asarray(ids)[pos], dtype=torch.long)
+            agree += int((pred[pos - 1] == labels).sum())
+            total += int(pos.size)
+    return agree, total
+
+
+def load_target(spec: str):
+    """An HF causal LM for agreement: a model folder, or builtin:tiny."""
+    from dflash_core import demo
+
+    folder = demo.ensure_tiny_target() if spec == "builtin:tiny" else Path(spec).expanduser()
+    return demo._load_model(Path(folder))
+
+
+def inspect(path: str | Path, *, samples: int = 2, tokenizer=None, target=None,
+            agreement_samples: int = 16, max_positions: int = 512, seed: int = 0) -> dict:
+    """A report (a dict, printed by the verb). ``tokenizer``: decodes the samples (None: ids are
+    shown). ``target``: a loaded HF causal LM, for the agreement."""
+    ds = ShardedDataset.open(path)
+    lengths = ds.lengths
+    trained = np.zeros(len(ds), np.int64)
+    for i in range(len(ds)):
+        trained[i] = int(ds.get(i)[1].sum())
+    rng = np.random.default_rng([seed, 27])
+    show = sorted(rng.choice(len(ds), size=min(samples, len(ds)), replace=False).tolist())
+    shown = []
+    for i in show:
+        ids, mask = ds.get(i)
+        shown.append({"index": int(i), "tokens": int(len(ids)), "trained": int(mask.sum()),
+                      "text": mark_trained(tokenizer, ids, mask) if tokenizer is not None
+                      else " ".join(str(int(t)) for t in ids[:64])})
+    report = {
+        "path": str(path), "manifest": read_manifest(path) if Path(path).is_dir() else None,
+        "samples": len(ds), "tokens": int(lengths.sum()), "trained_tokens": int(trained.sum()),
+        "trained_share": round(float(trained.sum() / max(1, lengths.sum())), 4),
+        "nothing_to_train": int((trained == 0).sum()),
+        "histogram": length_histogram(lengths), "shown": shown,
+    }
+    if target is not None:
+        pick = rng.choice(len(ds), size=min(agreement_samples, len(ds)), replace=False)
+        rows = [ds.get(int(i)) for i in pick]
+        agree, total = _label_agreement(target, [r[0] for r in rows], [r[1] for r in rows],
+                                        max_positions=max_positions, seed=seed)
+        report["agreement"] = {"agree": agree, "positions": total,
+                               "share": round(agree / total, 4) if total else None,
+                               "samples": len(rows)}
+    return report
+
+
+def format_report(r: dict) -> str:
+    lines = [f"{r['path']}: {r['samples']} samples, {r['tokens']} tokens, "
+             f"{r['trained_tokens']} trained ({r['trained_share']:.1%})"]
+    m = r.get("manifest")
+    if m:
+        c = m.get("counts", {})
+        lines.append(f"prepared from {m['source']['path']} with {m['tokenizer']['name']} "
+                     f"(tokenizer {m['fingerprints']['tokenizer']}, template "
+                     f"{m['fingerprints']['chat_template']}); rows {c.get('rows')}, dropped "
+                     f"{c.get('dropped') or 'none'}")
+    else:
+        lines.append("no manifest (not made by data prepare)")
+    lines.append(f"rows with nothing to train: {r['nothing_to_train']}")
+    lines.append("token lengths:")
+    peak = max((c for _, _, c in r["histogram"]), default=1) or 1
+    for lo, hi, c in r["histogram"]:
+        lines.append(f"  {lo:>7}-{hi:<7} {c:>8}  {'#' * round(40 * c / peak)}")
+    if "agreement" in r:
+        a = r["agreement"]
+        share = "n/a" if a["share"] is None else f"{a['share']:.1%}"
+        lines.append(f"agreement with the target's greedy next token: {share} of "
+                     f"{a['positions']} trained positions in {a['samples']} samples"
+                     + ("  (low: were the responses written by this target?)"
+                        if a["share"] is not None and a["share"] < 0.5 else ""))
+    for s in r["shown"]:
+        lines.append(f"--- sample {s['index']} ({s['tokens']} tokens, {s['trained']} trained)")
+        lines.append(s["text"])
+    return "\n".join(lines)

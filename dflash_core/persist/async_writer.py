@@ -1,0 +1,577 @@
+"""Checkpoints written in the background: training stops only while one step boundary's state is
+copied to host memory, and writer processes put it on disk while the drafters train on.
+
+- Staging: one host buffer (an arena) holding every tensor of a checkpoint, allocated once and
+  reused. It lives in shared memory so the writer processes read it without a copy, and is
+  pinned (registered with CUDA) so device copies are DMA at full bus speed. ``stage`` issues
+  each tensor's copy on a side stream of its device (non_blocking), then waits once per device.
+  Data-parallel replicas hold the same state, so replica r copies the tensors writer r writes:
+  every GPU's link carries only its share.
+- Writers: one ``spawn`` process per share (the dashboard, telemetry and workers share this
+  interpreter; a write must not take its time). Each gets the arena once and, per checkpoint,
+  the list of files to write from it (checkpoint.plan_files); it reports bytes written through
+  a shared counter and its end through a queue. This process assembles the folder
+  (checkpoint.begin_save / finish_save), so the atomic rename stays here: a writer killed mid-
+  write leaves a hidden folder that is removed, and the previous checkpoint stands. A dead
+  writer is reported and replaced at the next checkpoint; if no process can be started the
+  writes go to threads of this process instead (``mode`` "thread").
+- One write at a time: a checkpoint asked for while one is in flight waits for it (the arena is
+  in use), it never overwrites it.
+
+torch.distributed.checkpoint's async save was the other option; it writes its own layout
+(a .metadata file and per-rank .distcp files) that the public reference cannot load, so the
+interchange folder (model.safetensors + config.json) would need a second write anyway, and it
+needs a process group where this engine has none on one node.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import queue
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.multiprocessing  # noqa: F401 - registers how tensors travel to a process
+
+from dflash_core.persist import checkpoint as ckpt
+
+ALIGN = 64  # bytes; every staged tensor starts at a multiple of this in the arena
+POLL_S = 0.2
+PROGRESS_EVERY_S = 1.0
+PROBE_BYTES = 256 << 20
+
+
+# --------------------------------------------------------------------------------------------
+# Staging
+# --------------------------------------------------------------------------------------------
+
+def layout_of(tensors: dict[str, Any]) -> dict[str, tuple[int, tuple, torch.dtype]]:
+    """name -> (byte offset, shape, dtype) of each tensor in an arena; its size is the end."""
+    out, offset = {}, 0
+    for name in sorted(tensors):
+        t = tensors[name]
+        offset += -offset % ALIGN
+        out[name] = (offset, tuple(t.shape), t.dtype)
+        offset += t.numel() * t.dtype.itemsize
+    return out
+
+
+def arena_size(layout: dict) -> int:
+    return max((off + _numel(shape) * dt.itemsize for off, shape, dt in layout.values()),
+               default=0)
+
+
+def _numel(shape: tuple) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def views(arena: torch.Tensor, layout: dict) -> dict[str, torch.Tensor]:
+    """Each tensor's view into the arena (a flat uint8 tensor)."""
+    out = {}
+    for name, (off, shape, dtype) in layout.items():
+        n = _numel(shape) * dtype.itemsize
+        out[name] = arena[off: off + n].view(dtype).view(shape)
+    return out
+
+
+def _pin(arena: torch.Tensor) -> bool:
+    """Page-lock the arena for CUDA (its memory is shared, so pin_memory() would copy it)."""
+    if not torch.cuda.is_available() or arena.numel() == 0:
+        return False
+    try:
+        err = torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), arena.numel(), 0)
+        return int(err) == 0
+    except (AttributeError, RuntimeError, TypeError):
+        return False
+
+
+def _unpin(arena: torch.Tensor) -> None:
+    try:
+        torch.cuda.cudart().cudaHostUnregister(arena.data_ptr())
+    except (AttributeError, RuntimeError, TypeError):
+        pass
+
+
+class Staging:
+    """The host copy of one checkpoint's tensors, reused from one checkpoint to the next."""
+
+    def __init__(self, shared: bool):
+        self.shared = shared
+        self.layout: dict = {}
+        self.arena = torch.empty(0, dtype=torch.uint8)
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.pinned = False
+        self.streams: dict[torch.device, Any] = {}
+
+    @property
+    def nbytes(self) -> int:
+        return self.arena.numel()
+
+    def ensure(self, tensors: dict[str, Any]) -> bool:
+        """Room for ``tensors`` (names, shapes, dtypes); True when the arena was (re)made."""
+        layout = layout_of(tensors)
+        if layout == self.layout:
+            return False
+        self.close()
+        size = arena_size(layout)
+        if self.shared:
+            # Made in shared memory from the start (share_memory_ would copy a private buffer).
+            storage = torch.UntypedStorage._new_shared(size)
+            self.arena = torch.empty(0, dtype=torch.uint8).set_(storage)
+        else:
+            self.arena = torch.empty(size, dtype=torch.uint8)
+        self.pinned = _pin(self.arena)
+        self.layout, self.tensors = layout, views(self.arena, layout)
+        return True
+
+    def stage(self, sources: list[dict[str, torch.Tensor]], owner: dict[str, int]) -> None:
+        """Copy every tensor into the arena: ``owner[name]`` picks the source (replica) it is
+        read from (absent from that source: the first). Returns once all copies are done."""
+        used: set[torch.device] = set()
+        for name, dst in self.tensors.items():
+            src = sources[owner.get(name, 0) % len(sources)].get(name)
+            if src is None:
+                src = sources[0][name]
+            if src.is_cuda:
+                dev = src.device
+                side = self.streams.get(dev)
+                if side is None:
+                    side = self.streams[dev] = torch.cuda.Stream(dev)
+                if dev not in used:  # after the optimizer step queued on the device's stream
+                    side.wait_stream(torch.cuda.current_stream(dev))
+                    used.add(dev)
+                with torch.cuda.stream(side):
+                    dst.copy_(src, non_blocking=self.pinned)
+            else:
+                dst.copy_(src)
+        for dev in used:
+            self.streams[dev].synchronize()
+
+    def close(self) -> None:
+        if self.pinned:
+            _unpin(self.arena)
+        self.pinned = False
+        self.arena = torch.empty(0, dtype=torch.uint8)
+        self.tensors, self.layout = {}, {}
+
+
+# --------------------------------------------------------------------------------------------
+# Writers (one process, or one thread, each)
+# --------------------------------------------------------------------------------------------
+
+def _die_with_parent() -> None:
+    """Linux: this writer gets SIGKILL when the training process dies (no orphan writing on)."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _error_report(exc: BaseException) -> tuple[int | None, str]:
+    code = getattr(exc, "errno", None) if isinstance(exc, OSError) else None
+    return code, f"{type(exc).__name__}: {exc}"
+
+
+def serve(index: int, jobs, results, progress: torch.Tensor, alive: Callable[[], bool]) -> None:
+    """A writer's loop: ("arena", arena, layout) | ("write", job_id, folder, files) |
+    ("probe", job_id, path, nbytes) | None (end). Reports ("done", job_id, index, bytes,
+    seconds) or ("error", job_id, index, errno, message) on ``results``."""
+    tensors: dict[str, torch.Tensor] = {}
+    while alive():
+        try:
+            msg = jobs.get(timeout=POLL_S)
+        except queue.Empty:
+            continue
+        if msg is None:
+            return
+        if msg[0] == "arena":
+            tensors = views(msg[1], msg[2])
+            continue
+        job_id = msg[1]
+        progress[index] = 0
+        t0 = time.monotonic()
+        try:
+            if msg[0] == "write":
+                def add(n: int) -> None:
+                    progress[index] += n
+                done = ckpt.write_plans(Path(msg[2]), msg[3], tensors, progress=add,
+                                        cancelled=lambda: not alive())
+            else:
+                done = _probe(Path(msg[2]), msg[3])
+            results.put(("done", job_id, index, done, time.monotonic() - t0))
+        except BaseException as exc:  # noqa: BLE001 - every failure is reported, the loop goes on
+            code, text = _error_report(exc)
+            results.put(("error", job_id, index, code, text))
+
+
+def _probe(path: Path, nbytes: int) -> int:
+    """Write ``nbytes`` and fsync: the disk's write rate, measured the way checkpoints write."""
+    chunk = memoryview(bytes(min(nbytes, 64 << 20)))
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        left = nbytes
+        while left > 0:
+            left -= os.write(fd, chunk[: min(left, len(chunk))])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    return nbytes
+
+
+def writer_main(index: int, jobs, results, progress: torch.Tensor) -> None:
+    """Entry point of a writer process."""
+    _die_with_parent()
+    torch.set_num_threads(2)  # casts to the served dtype; the host's cores belong to training
+    parent = os.getppid()
+    serve(index, jobs, results, progress, alive=lambda: os.getppid() == parent)
+
+
+# --------------------------------------------------------------------------------------------
+# The checkpointer: stage, hand out, watch, assemble
+# --------------------------------------------------------------------------------------------
+
+@dataclass
+class Outcome:
+    """How one background checkpoint ended."""
+
+    step: int
+    path: Path | None  # the step-N folder, None when it failed
+    bytes: int
+    seconds: float  # from staging to durable
+    blocked_s: float  # training stopped for this (waiting on the last write, then staging)
+    error: str = ""  # why it failed ("" when it did not)
+    errno: int | None = None
+
+
+@dataclass
+class _Job:
+    id: int
+    step: int
+    tmp: Path
+    plans: list
+    bytes_total: int
+    keep: int
+    reason: str
+    started: float
+    blocked_s: float
+    on_done: Callable[[Outcome], None] | None
+    pending: set
+    error: str = ""
+    errno: int | None = None
+    outcome: Outcome | None = None
+
+
+class CheckpointWriter:
+    """Background checkpoints of one run. ``publish`` gets progress (``on_progress``) and
+    failures are returned in Outcomes; ``beat`` is called while a write makes progress (the
+    stall watchdog sees the monitor thread as alive). ``target``: the writer processes' entry
+    point (tests swap in one that fails)."""
+
+    def __init__(self, run_dir: Path, writers: int, *, mode: str = "process",
+                 on_progress: Callable[[int, int, int, float, str], None] | None = None,
+                 beat: Callable[[], None] | None = None, target: Callable = writer_main):
+        self.run_dir = Path(run_dir)
+        self.writers = max(1, writers)
+        self.mode = mode
+        self.on_progress, self.beat, self.target = on_progress, beat, target
+        self.staging = Staging(shared=mode == "process")
+        self.progress = torch.zeros(self.writers, dtype=torch.int64)
+        if mode == "process":
+            self.progress.share_memory_()
+        self._ctx = multiprocessing.get_context("spawn") if mode == "process" else None
+        self._procs: list[Any] = [None] * self.writers
+        self._jobs: list[Any] = [None] * self.writers
+        self._results: Any = None
+        self._lock = threading.Lock()
+        self._job: _Job | None = None
+        self._idle = threading.Event()
+        self._idle.set()
+        self._next_id = 0
+        self._monitor: threading.Thread | None = None
+        self._closed = False
+        self.rate: float | None = None  # bytes/s of the last write (or the probe)
+        self.notes: list[str] = []  # what changed about the writers (deaths, fallbacks)
+
+    # -- writers -------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start every writer that is not running (non-blocking: a process imports torch on
+        its own time)."""
+        if self._results is None:
+            self._results = self._ctx.Queue() if self.mode == "process" else queue.Queue()
+        for i in range(self.writers):
+            if self._alive(i):
+                continue
+            if self.mode == "process":
+                try:
+                    q = self._ctx.Queue()
+                    p = self._ctx.Process(target=self.target, name=f"checkpoint-writer-{i}",
+                                          args=(i, q, self._results, self.progress), daemon=True)
+                    p.start()
+                except (OSError, RuntimeError) as exc:
+                    self._fall_back(f"cannot start a writer process ({exc})")
+                    return self.start()
+                self._procs[i], self._jobs[i] = p, q
+                if self.staging.layout:
+                    q.put(("arena", self.staging.arena, self.staging.layout))
+            else:
+                q = queue.Queue()
+                t = threading.Thread(target=serve, name=f"checkpoint-writer-{i}", daemon=True,
+                                     args=(i, q, self._results, self.progress,
+                                           lambda: not self._closed))
+                t.start()
+                self._procs[i], self._jobs[i] = t, q
+                if self.staging.layout:
+                    q.put(("arena", self.staging.arena, self.staging.layout))
+
+    def _fall_back(self, why: str) -> None:
+        self.notes.append(f"checkpoints are written by threads of this process: {why}")
+        self.mode = "thread"
+        self._results = queue.Queue()
+        self._procs = [None] * self.writers
+        layout = dict(self.staging.layout)
+        self.staging.close()
+        self.staging = Staging(shared=False)
+        if layout:
+            self.staging.ensure({n: torch.empty(s, dtype=d, device="meta")
+                                 for n, (o, s, d) in layout.items()})
+
+    def _alive(self, i: int) -> bool:
+        p = self._procs[i]
+        return p is not None and p.is_alive()
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs if p is not None and self.mode == "process"]
+
+    def reserve(self, tensors: dict[str, Any]) -> bool:
+        """Make the arena for tensors of these names, shapes and dtypes now (warm-up), so the
+        first checkpoint only copies. True when it was (re)made."""
+        self.wait_idle()
+        made = self.staging.ensure(tensors)
+        if made:
+            self._send_arena()
+        return made
+
+    def _send_arena(self) -> None:
+        for i in range(self.writers):
+            if self._alive(i):
+                self._jobs[i].put(("arena", self.staging.arena, self.staging.layout))
+
+    def probe(self, timeout: float = 120.0) -> float | None:
+        """Measure the write rate (bytes/s) with every writer writing its share at once."""
+        self.start()
+        root = self.run_dir / ckpt.CHECKPOINTS
+        root.mkdir(parents=True, exist_ok=True)
+        self._idle.wait()
+        job_id = self._new_id()
+        share = max(1 << 20, PROBE_BYTES // self.writers)
+        t0 = time.monotonic()
+        for i in range(self.writers):
+            self._jobs[i].put(("probe", job_id, str(root / f".probe-{os.getpid()}-{i}"), share))
+        left = set(range(self.writers))
+        while left and time.monotonic() - t0 < timeout:
+            try:
+                msg = self._results.get(timeout=POLL_S)
+            except queue.Empty:
+                if not all(self._alive(i) for i in left):
+                    return None
+                continue
+            if msg[1] != job_id:
+                continue
+            if msg[0] == "error":
+                return None
+            left.discard(msg[2])
+        if left:
+            return None
+        self.rate = share * self.writers / max(time.monotonic() - t0, 1e-6)
+        return self.rate
+
+    def estimate_s(self, nbytes: int) -> float | None:
+        return nbytes / self.rate if self.rate else None
+
+    def _new_id(self) -> int:
+        self._next_id += 1
+        return self._next_id
+
+    # -- one checkpoint ------------------------------------------------------------------------
+    @property
+    def busy(self) -> bool:
+        return not self._idle.is_set()
+
+    @property
+    def in_flight(self) -> _Job | None:
+        return self._job
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait for the write in flight; ``beat`` while it makes progress."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        seen = -1
+        while not self._idle.is_set():
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            self._idle.wait(POLL_S)
+            now = int(self.progress.sum())
+            if now != seen and self.beat is not None:
+                self.beat()
+            seen = now
+        return True
+
+    def save(self, job: ckpt.SaveJob, sources: list[dict[str, torch.Tensor]], *, keep: int,
+             reason: str = "periodic", on_done: Callable[[Outcome], None] | None = None
+             ) -> float:
+        """Stage ``job`` (its tensors come from ``sources``, one dict per replica, holding the
+        same values) and hand it to the writers; returns the seconds training was blocked.
+        Raises CheckpointError (nothing written) when even the folder cannot be made."""
+        t0 = time.monotonic()
+        self.wait_idle()
+        if self.staging.ensure(job.tensors):
+            self._send_arena()
+        owner = {src: w for w, files in enumerate(job.plans) for f in files
+                 for _, src, _ in f.entries if f.name != "model.safetensors"}
+        self.staging.stage(sources, owner)
+        tmp = ckpt.begin_save(self.run_dir, job)
+        self.start()  # a writer that died since the last checkpoint is replaced
+        blocked = time.monotonic() - t0
+        j = _Job(self._new_id(), job.step, tmp, job.plans, job.bytes_total, keep, reason, t0,
+                 blocked, on_done, set(range(self.writers)))
+        self.progress.zero_()
+        self._idle.clear()
+        self._job = j
+        for i in range(self.writers):
+            self._jobs[i].put(("write", j.id, str(tmp), job.plans[i]))
+        self._monitor = threading.Thread(target=self._watch, args=(j,), daemon=True,
+                                         name="checkpoint-monitor")
+        self._monitor.start()
+        return blocked
+
+    def wait(self, timeout: float | None = None) -> Outcome | None:
+        """The outcome of the write in flight once it ends (None: still writing at timeout, or
+        nothing was in flight)."""
+        j = self._job
+        if j is None:
+            return None
+        if not self.wait_idle(timeout):
+            return None
+        return j.outcome
+
+    def _watch(self, j: _Job) -> None:
+        last_report = 0.0
+        dead: list[str] = []
+        while j.pending:
+            try:
+                msg = self._results.get(timeout=POLL_S)
+            except queue.Empty:
+                msg = None
+            if msg is not None and msg[1] == j.id:
+                j.pending.discard(msg[2])
+                if msg[0] == "error" and not j.error:
+                    j.errno, j.error = msg[3], msg[4]
+            for i in list(j.pending):
+                if not self._alive(i):  # killed, or crashed, mid-write
+                    p = self._procs[i]
+                    code = getattr(p, "exitcode", None)
+                    how = (f"killed by {signal.Signals(-code).name}" if code is not None
+                           and code < 0 else f"exit code {code}")
+                    dead.append(f"writer {i} (pid {getattr(p, 'pid', '?')}) died ({how})")
+                    j.pending.discard(i)
+            now = time.monotonic()
+            written = int(self.progress.sum())
+            if self.beat is not None:
+                self.beat()
+            if self.on_progress is not None and now - last_report >= PROGRESS_EVERY_S:
+                last_report = now
+                self.on_progress(j.step, written, j.bytes_total, now - j.started, j.reason)
+        if dead and not j.error:
+            j.error = "; ".join(dead) + " while writing"
+            self.notes.append(j.error)
+        path = None
+        if not j.error:
+            try:
+                path = ckpt.finish_save(self.run_dir, j.step, j.tmp, j.keep)
+            except ckpt.CheckpointError as exc:
+                j.error, j.errno = str(exc), exc.errno
+        if j.error:
+            ckpt.abandon_save(j.tmp)
+        seconds = time.monotonic() - j.started
+        written = int(self.progress.sum())
+        if path is not None and seconds > 0:
+            self.rate = j.bytes_total / seconds
+        j.outcome = Outcome(j.step, path, written if j.error else j.bytes_total, seconds,
+                            j.blocked_s, j.error, j.errno)
+        try:
+            if j.on_done is not None:
+                j.on_done(j.outcome)
+        finally:
+            self._idle.set()
+
+    # -- the end -------------------------------------------------------------------------------
+    def kill(self) -> None:
+        """Stop every writer now (an abort that ran out of time)."""
+        for p in self._procs:
+            if p is not None and self.mode == "process" and p.is_alive():
+                p.kill()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Wait for the write in flight (``timeout``), end the writers, free the arena."""
+        self.wait_idle(timeout)
+        self._closed = True
+        for i, q in enumerate(self._jobs):
+            if q is not None and self._alive(i):
+                try:
+                    q.put(None)
+                except (OSError, ValueError):
+                    pass
+        idle = self._idle.is_set()
+        for p in self._procs:
+            if p is None:
+                continue
+            if idle and self.mode == "process":
+                p.kill()  # nothing in flight: no need to wait for its interpreter to wind down
+            p.join(timeout)
+            if self.mode == "process" and p.is_alive():
+                p.kill()
+                p.join(1.0)
+        self._procs = [None] * self.writers
+        if self._idle.is_set():
+            self.staging.close()
+
+
+def enough_shared_memory(nbytes: int) -> bool:
+    """Whether the shared-memory filesystem can hold the arena (containers often give 64 MB)."""
+    import shutil
+    try:
+        return shutil.disk_usage("/dev/shm").free > nbytes * 1.05
+    except OSError:
+        return False
+
+
+def stepped_optimizer_state(optimizer: torch.optim.Optimizer) -> dict:
+    """An AdamW state_dict as it will be once it has stepped, its tensors meta (shapes and
+    dtypes only): with it the arena is made before the first step, so that step's checkpoint
+    only copies."""
+    sd = optimizer.state_dict()
+    state, i = {}, 0
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state[i] = {"step": torch.empty((), dtype=torch.float32, device="meta"),
+                        "exp_avg": torch.empty(p.shape, dtype=p.dtype, device="meta"),
+                        "exp_avg_sq": torch.empty(p.shape, dtype=p.dtype, device="meta")}
+            i += 1
+    return {"state": state, "param_groups": sd["param_groups"]}
+
+
+__all__ = ["CheckpointWriter", "Outcome", "Staging", "enough_shared_memory",
+           "stepped_optimizer_state", "writer_main", "serve"]

@@ -1,0 +1,78 @@
+"""Write a safetensors file straight from tensors in host memory, in chunks, with progress.
+
+The safetensors library's own ``save_file`` first builds the whole file in memory (a second copy
+of 10+ GB at the shipped size) and reports nothing until it is done. The format is simple: an
+8-byte little-endian header length, a JSON header giving each tensor's dtype, shape and byte
+range, then the raw bytes in that order. Here each tensor is written from its own memory (cast
+to another dtype first where asked, one tensor at a time), ``progress`` is told after every
+chunk, and the file is fsynced before returning. ``safetensors.torch.load_file`` reads it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from typing import Callable
+
+import torch
+
+CHUNK = 64 << 20  # bytes per write call: progress granularity, and the GIL is free inside it
+
+DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
+          torch.float64: "F64", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
+          torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+def file_bytes(entries: list[tuple[str, torch.Tensor, torch.dtype | None]]) -> int:
+    """The data bytes a file of these entries holds (the header aside)."""
+    return sum(t.numel() * (dtype or t.dtype).itemsize for _, t, dtype in entries)
+
+
+def _header(entries) -> bytes:
+    meta, offset = {}, 0
+    for name, t, dtype in entries:
+        dtype = dtype or t.dtype
+        n = t.numel() * dtype.itemsize
+        meta[name] = {"dtype": DTYPES[dtype], "shape": list(t.shape),
+                      "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(meta, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _write(fd: int, view: memoryview) -> None:
+    """All of ``view`` to ``fd`` (the one place bytes reach the disk: tests inject faults here)."""
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+def write_file(path: str | os.PathLike, entries: list[tuple[str, torch.Tensor, torch.dtype | None]],
+               progress: Callable[[int], None] | None = None,
+               cancelled: Callable[[], bool] | None = None) -> int:
+    """Write ``entries`` ((name, host tensor, dtype to store or None) in file order) to ``path``
+    and fsync it; returns the data bytes written. ``progress(n)`` is called with each chunk's
+    byte count; ``cancelled()`` true between chunks stops with InterruptedError."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    done = 0
+    try:
+        _write(fd, memoryview(_header(entries)))
+        for _, t, dtype in entries:
+            if dtype is not None and dtype != t.dtype:
+                t = t.to(dtype)
+            flat = t.contiguous().reshape(-1).view(torch.uint8)  # bf16 has no numpy dtype: bytes
+            buf = memoryview(flat.numpy())
+            for start in range(0, len(buf), CHUNK):
+                if cancelled is not None and cancelled():
+                    raise InterruptedError(f"write of {path} cancelled")
+                part = buf[start: start + CHUNK]
+                _write(fd, part)
+                done += len(part)
+                if progress is not None:
+                    progress(len(part))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return done

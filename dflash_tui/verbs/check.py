@@ -1,0 +1,98 @@
+"""Train-to-serve check before a long run: memorise a few samples, decode them exactly, diagnose.
+
+On the config's target and GPUs, the target writes a short greedy response to one or a few prompts
+of the data; the configured drafter is trained on them until it has memorised them; their prompts
+are then decoded exactly (greedy speculative decoding, the target verifying), here and, when the
+reference implementation (pip install dflash==0.1.0) is importable, with the saved checkpoint in
+it. A memorised drafter must be accepted in near-full blocks on text the target itself wrote:
+if it is not, or if the probes find training and decoding computing different functions, training
+and serving disagree, and the check says where (target.layer_ids, drafter.mask_token_id, labels
+shifted by one, a leak in the training attention) and how to fix it. It does not judge the data's
+quality or the drafter's tau on new prompts. Exit 0 passed, 1 failed (with the diagnosis), 2 bad
+input. Written to <run folder>/check/ (check.json, the checkpoint in the interchange format).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from dflash_core.check.serve_check import CheckOptions
+
+    d = CheckOptions()
+    parser.add_argument("--config", type=Path, help="the run config (YAML) to check")
+    parser.add_argument("--demo", action="store_true", help="check the built-in demo")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="--demo only: auto (default) uses the GPUs when CUDA sees any")
+    parser.add_argument("--output-dir", default=None, help="--demo only: override run.output_dir")
+    parser.add_argument("--samples", type=_positive, default=d.samples,
+                        help=f"prompts taken from the data (default {d.samples})")
+    parser.add_argument("--response-tokens", type=_positive, default=d.response_tokens,
+                        help=f"tokens the target writes after each (default {d.response_tokens})")
+    parser.add_argument("--max-steps", type=_positive, default=d.max_steps,
+                        help=f"optimizer steps at most to memorise them (default {d.max_steps})")
+    parser.add_argument("--no-reference", action="store_true",
+                        help="do not decode with the reference implementation even if installed")
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}")
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _config(args):
+    from dflash_core.config import ConfigError, load_config
+
+    if args.config is not None and args.demo:
+        raise ConfigError("", "--config and --demo contradict each other",
+                          hint="pass one of them")
+    if args.config is not None:
+        if args.device != "auto" or args.output_dir:
+            raise ConfigError("layout.device", "--device and --output-dir are for --demo; with "
+                              "--config the config decides", hint="set them in the config file")
+        return load_config(args.config)
+    if not args.demo:
+        raise ConfigError("", "nothing to check", hint="pass --config config.yaml or --demo")
+    from dflash_core.demo import demo_config
+
+    return demo_config(output_dir=args.output_dir or "runs", device=args.device)
+
+
+def run(args: argparse.Namespace) -> int:
+    from dflash_core.check.serve_check import CheckOptions, run_check
+    from dflash_core.config import ConfigError
+    from dflash_core.data import DataError
+    from dflash_core.models.target import TargetLoadError
+
+    t0 = time.monotonic()
+
+    def say(message: str) -> None:
+        s = int(time.monotonic() - t0)
+        print(f"[{s // 60}:{s % 60:02d}] {message}", flush=True)
+
+    try:
+        cfg = _config(args)
+        result = run_check(cfg, CheckOptions(args.samples, args.response_tokens, args.max_steps,
+                                             reference=not args.no_reference), say)
+    except (ConfigError, DataError, TargetLoadError) as exc:
+        kind = "config error" if isinstance(exc, ConfigError) else "error"
+        print(f"{kind}: {exc}" + (f"\nhint: {exc.hint}" if getattr(exc, "hint", "") else ""),
+              file=sys.stderr)
+        return 2
+    v = result.verdict
+    say(f"check {v.summary}")
+    for f in v.findings:
+        print(f"  problem: {f.what}\n  fix: {f.fix}")
+    print("evidence:\n  " + "\n  ".join(result.evidence))
+    print(f"reference implementation: {result.reference}")
+    print(f"details in {result.folder / 'check.json'}")
+    return result.exit_code

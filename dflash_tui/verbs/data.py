@@ -1,0 +1,173 @@
+"""Data: prepare conversations into training shards, regenerate responses with the target, inspect.
+
+    dflash-tui data prepare SOURCE --tokenizer TARGET --out FOLDER
+    dflash-tui data regenerate SOURCE --endpoint http://HOST:PORT [--endpoint ...] --out FOLDER
+    dflash-tui data inspect FOLDER [--tokenizer TARGET] [--target TARGET]
+
+The work is in ``dflash_core.data`` (prepare, regenerate, inspect); this module only reads the
+command line, prints, and maps bad input to exit code 2 with the cause and the fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="data_command", metavar="{prepare,regenerate,inspect}",
+                                required=True)
+    p = sub.add_parser("prepare", help="conversations -> tokenized shards with a loss mask",
+                       description="Render conversations with the target's tokenizer and chat "
+                                   "template into the shards a run reads; manifest written last.")
+    p.add_argument("source", help="a .jsonl (messages or conversations), .parquet, or a "
+                                  "datasets save_to_disk folder")
+    p.add_argument("--out", required=True, help="output folder (new or empty)")
+    _tokenizer_args(p, required=True)
+    p.add_argument("--max-length", type=int, default=0,
+                   help="samples longer than this many tokens are counted (too_long) and left "
+                        "out; 0 = no limit")
+    p.add_argument("--workers", type=int, default=0, help="processes (0 = one per core)")
+    p.add_argument("--samples-per-shard", type=int, default=10_000)
+    p.add_argument("--format", dest="fmt", choices=("arrow", "parquet"), default="arrow")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the data an earlier prepare wrote in --out")
+    p.add_argument("--quiet", action="store_true", help="no progress line")
+
+    r = sub.add_parser("regenerate", help="rewrite every assistant turn with the target, "
+                                          "through OpenAI-compatible servers",
+                       description="Turn by turn, each assistant turn answered by the target "
+                                   "(vLLM / SGLang serving it). A re-run of the same command "
+                                   "continues where it stopped.")
+    r.add_argument("source", help="conversations, as for prepare")
+    r.add_argument("--out", required=True, help="output folder (continued when it holds an "
+                                                "earlier run of the same command)")
+    r.add_argument("--endpoint", action="append", required=True,
+                   help="server base URL, e.g. http://127.0.0.1:8000 (repeat for several)")
+    r.add_argument("--model", help="served model name (default: what the first endpoint "
+                                   "serves); every endpoint must serve it")
+    r.add_argument("--api", choices=("chat", "completions"), default="chat",
+                   help="chat: /v1/chat/completions (the server's template); completions: "
+                        "prompt ids rendered here (needs --tokenizer)")
+    _tokenizer_args(r, required=False)
+    r.add_argument("--concurrency", type=int, default=8, help="requests in flight per endpoint")
+    r.add_argument("--max-tokens", type=int, default=2048, help="longest answer per turn")
+    r.add_argument("--temperature", type=float, default=0.0)
+    r.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds to wait for a server's answer before retrying")
+    r.add_argument("--retries", type=int, default=4, help="retries per request (with backoff)")
+    r.add_argument("--no-token-ids", action="store_true",
+                   help="do not ask for return_token_ids (for servers that reject the field)")
+    r.add_argument("--api-key-env", default="OPENAI_API_KEY",
+                   help="environment variable holding the servers' API key, if they need one")
+    r.add_argument("--limit", type=int, default=0, help="only the first N rows (0 = all)")
+    r.add_argument("--quiet", action="store_true", help="no progress line")
+
+    i = sub.add_parser("inspect", help="samples, lengths, trained share, target agreement",
+                       description="What a data folder holds; with --target, how often its "
+                                   "trained labels are the target's own greedy next token.")
+    i.add_argument("folder", help="a prepared data folder (or any folder of shards)")
+    i.add_argument("--tokenizer", help="decode samples with this tokenizer (default: the one "
+                                       "the manifest names)")
+    i.add_argument("--target", help="target model folder (or builtin:tiny) for the agreement")
+    i.add_argument("--samples", type=int, default=2, help="samples to show")
+    i.add_argument("--agreement-samples", type=int, default=16)
+    i.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def _tokenizer_args(p: argparse.ArgumentParser, required: bool) -> None:
+    p.add_argument("--tokenizer", required=required,
+                   help="the target's model folder (its tokenizer and chat template), or "
+                        "builtin:tiny for the demo target")
+    p.add_argument("--chat-template", help="a jinja chat template file replacing the "
+                                           "tokenizer's own (e.g. the one it is served with)")
+    p.add_argument("--thinking", choices=("keep", "last", "drop"), default="keep",
+                   help="reasoning content: keep it in every turn, only in the last assistant "
+                        "turn, or drop it")
+
+
+def run(args: argparse.Namespace) -> int:
+    from dflash_core.data.shards import DataError
+
+    try:
+        return {"prepare": _prepare, "regenerate": _regenerate,
+                "inspect": _inspect}[args.data_command](args)
+    except DataError as exc:
+        print(f"data error: {exc}", file=sys.stderr)
+        if exc.hint:
+            print(f"hint: {exc.hint}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted: nothing finished is lost; run the same command again to continue "
+              "(regenerate) or start over with --overwrite (prepare)", file=sys.stderr)
+        return 130
+
+
+def _prepare(args) -> int:
+    from dflash_core.data.prepare import PrepareOptions, prepare
+
+    m = prepare(PrepareOptions(args.source, args.out, tokenizer=args.tokenizer,
+                               chat_template=args.chat_template, thinking=args.thinking,
+                               max_length=args.max_length, workers=args.workers,
+                               overwrite=args.overwrite, samples_per_shard=args.samples_per_shard,
+                               fmt=args.fmt, progress=not args.quiet))
+    c, t = m["counts"], m["tokens"]
+    print(f"prepared {c['samples']} samples from {c['rows']} rows into {args.out} "
+          f"({t['tokens']} tokens, {t['trained_share']:.1%} trained) in {m['seconds']} s")
+    for reason, n in c["dropped"].items():
+        print(f"  left out {n} rows: {reason} (e.g. {m['examples'][reason]})")
+    if c["split_rows"]:
+        print(f"  {c['split_rows']} conversations split into one sample per assistant turn "
+              "(the template renders history differently from the last turn)")
+    return 0
+
+
+def _regenerate(args) -> int:
+    from dflash_core.data.regenerate import MERGED, RegenOptions, regenerate
+
+    s = regenerate(RegenOptions(
+        args.source, args.out, args.endpoint, model=args.model, api=args.api,
+        tokenizer=args.tokenizer, chat_template=args.chat_template, thinking=args.thinking,
+        concurrency=args.concurrency, max_tokens=args.max_tokens, temperature=args.temperature,
+        timeout_s=args.timeout, retries=args.retries, token_ids=not args.no_token_ids,
+        api_key=os.environ.get(args.api_key_env) if args.api_key_env else None,
+        limit=args.limit, progress=not args.quiet))
+    c = s["counts"]
+    print(f"regenerated {c['done_now']} samples now, {c['resumed']} before, of {c['samples']} "
+          f"({s['samples_per_s']} samples/s) with {s['model']}; request errors "
+          f"{c['request_errors'] or 'none'}, retries {c['retries']}")
+    if c["malformed"]:
+        print(f"  rows left out as malformed: {c['malformed']}")
+    if not s["finished"]:
+        print(f"{sum(c['failed'].values())} samples failed ({c['failed']}): run the same command "
+              f"again to retry them; {MERGED} is written once every sample is done",
+              file=sys.stderr)
+        return 1
+    print(f"wrote {args.out}/{MERGED}; next: dflash-tui data prepare {args.out}/{MERGED} "
+          f"--tokenizer TARGET --out DATA")
+    return 0
+
+
+def _inspect(args) -> int:
+    from pathlib import Path
+
+    from dflash_core.data.chat_render import load_tokenizer
+    from dflash_core.data.inspect import format_report, inspect, load_target
+    from dflash_core.data.manifest import read_manifest
+
+    spec = args.tokenizer
+    if spec is None and Path(args.folder).is_dir():
+        spec = ((read_manifest(args.folder) or {}).get("tokenizer") or {}).get("name")
+    tok = None
+    if spec:
+        try:
+            tok = load_tokenizer(spec)
+        except Exception as exc:  # samples are then shown as ids; say why
+            print(f"note: samples shown as ids ({exc})", file=sys.stderr)
+    target = load_target(args.target) if args.target else None
+    r = inspect(args.folder, samples=args.samples, tokenizer=tok, target=target,
+                agreement_samples=args.agreement_samples)
+    print(json.dumps(r, indent=2, default=str) if args.json else format_report(r))
+    return 0

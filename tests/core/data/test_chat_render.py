@@ -1,0 +1,149 @@
+"""Rendering conversations: loss mask from token ids, multi-turn, the thinking policy, templates
+that are missing or broken, the server's own ids."""
+
+from __future__ import annotations
+
+import pytest
+
+from dflash_core.data.chat_render import (
+    ChatRenderer, RenderStats, TemplateError, fingerprints, load_tokenizer,
+)
+from dflash_core.data.conversations import Conversation, RowError, normalise
+
+from tests.core.data.chat_fixtures import train_bpe
+
+
+@pytest.fixture(scope="module")
+def bpe_folder(tmp_path_factory):
+    return train_bpe(tmp_path_factory.mktemp("bpe"))
+
+
+@pytest.fixture(scope="module")
+def tok(bpe_folder):
+    return load_tokenizer(bpe_folder)
+
+
+def trained_texts(tok, r) -> list[str]:
+    """The decoded text of each run of trained positions."""
+    spans, cur = [], []
+    for t, m in zip(r.input_ids, r.loss_mask):
+        if m:
+            cur.append(t)
+        elif cur:
+            spans.append(cur)
+            cur = []
+    if cur:
+        spans.append(cur)
+    return [tok.decode(s) for s in spans]
+
+
+def conv(*turns, **kw) -> Conversation:
+    return normalise({"messages": [dict(role=r, content=c, **e) for r, c, *x in turns
+                                   for e in [x[0] if x else {}]], **kw}, 0)
+
+
+def test_mask_covers_exactly_the_assistant_turns(tok):
+    c = conv(("system", "Be brief."), ("user", "What is two plus two?"),
+             ("assistant", "Two plus two is four."), ("user", "And the fox?"),
+             ("assistant", "The quick brown fox jumps."))
+    [r] = ChatRenderer(tok).render(c)
+    assert len(r.input_ids) == len(r.loss_mask)
+    assert trained_texts(tok, r) == ["Two plus two is four.<|im_end|>\n",
+                                     "The quick brown fox jumps.<|im_end|>\n"]
+    # the whole sample is exactly the template's rendering
+    assert tok.decode(r.input_ids) == tok.apply_chat_template(
+        [{"role": m["role"], "content": m["content"]} for m in c.messages], tokenize=False)
+
+
+def test_thinking_policies(tok):
+    c = conv(("user", "What is two plus two?"),
+             ("assistant", "<think>Let me think.</think>Four."),
+             ("user", "Tell me about Paris."),
+             ("assistant", "It rains.", {"reasoning_content": "The weather in Paris."}))
+    assert c.messages[1] == {"role": "assistant", "content": "Four.",
+                             "reasoning_content": "Let me think."}
+    # keep: the template drops turn 1's reasoning from history, so each turn is its own sample
+    st = RenderStats()
+    a, b = ChatRenderer(tok, "keep").render(c, st)
+    assert st.split_rows == 1
+    assert trained_texts(tok, a) == ["<think>\nLet me think.\n</think>\n\nFour.<|im_end|>\n"]
+    # ... the second as the target saw it: turn 1 without its reasoning, only turn 2 trained
+    assert trained_texts(tok, b) == [
+        "<think>\nThe weather in Paris.\n</think>\n\nIt rains.<|im_end|>\n"]
+    assert "Let me think" not in tok.decode(b.input_ids)
+    # last: one sample, reasoning on the last turn only
+    st = RenderStats()
+    [r] = ChatRenderer(tok, "last").render(c, st)
+    assert st.split_rows == 0
+    assert trained_texts(tok, r) == [
+        "Four.<|im_end|>\n", "<think>\nThe weather in Paris.\n</think>\n\nIt rains.<|im_end|>\n"]
+    # drop: no reasoning anywhere
+    [r] = ChatRenderer(tok, "drop").render(c)
+    assert "<think>" not in tok.decode(r.input_ids)
+    assert trained_texts(tok, r) == ["Four.<|im_end|>\n", "It rains.<|im_end|>\n"]
+
+
+def test_reasoning_inlined_for_a_template_that_does_not_read_it(tmp_path):
+    plain = ("{%- for m in messages -%}{{- '<|im_start|>' + m.role + '\\n' + m.content + "
+             "'<|im_end|>\\n' -}}{%- endfor -%}"
+             "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}")
+    tok = load_tokenizer(train_bpe(tmp_path / "t", template=plain))
+    c = conv(("user", "Hello!"), ("assistant", "Four.", {"reasoning_content": "Think."}))
+    [r] = ChatRenderer(tok, "keep").render(c)
+    assert trained_texts(tok, r) == ["<think>\nThink.\n</think>\n\nFour.<|im_end|>\n"]
+
+
+def test_server_ids_replace_a_retokenized_answer(tok):
+    text = "Two plus two is four."
+    own = tok(text, add_special_tokens=False)["input_ids"]
+    # the same text as the server could have written it: other (finer) ids
+    server = [i for ch in text for i in tok(ch, add_special_tokens=False)["input_ids"]]
+    assert server != own
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    c = conv(("user", "What is two plus two?"),
+             ("assistant", text, {"token_ids": server + [end]}))
+    st = RenderStats()
+    [r] = ChatRenderer(tok).render(c, st)
+    trained = [t for t, m in zip(r.input_ids, r.loss_mask) if m]
+    newline = tok("\n", add_special_tokens=False)["input_ids"]
+    assert trained == server + [end] + newline
+    assert (st.server_ids_turns, st.server_ids_differ) == (1, 1)
+    # ids equal to the re-tokenized text change nothing
+    c2 = conv(("user", "What is two plus two?"), ("assistant", text, {"token_ids": own}))
+    st2 = RenderStats()
+    [r2] = ChatRenderer(tok).render(c2, st2)
+    assert st2.server_ids_differ == 0 and sum(r2.loss_mask) == len(own) + 1 + len(newline)
+
+
+def test_tokenizer_without_chat_template_is_refused(tmp_path):
+    folder = train_bpe(tmp_path / "nochat", template=None)
+    with pytest.raises(TemplateError, match="no chat template") as e:
+        load_tokenizer(folder)
+    assert "--chat-template" in e.value.hint
+
+
+def test_template_that_fails_to_render_is_refused(tmp_path, bpe_folder):
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{% for m in messages %}{{ m.content }")  # unclosed expression
+    with pytest.raises(TemplateError, match="fails to render"):
+        load_tokenizer(bpe_folder, chat_template=bad)
+
+
+def test_a_row_the_template_rejects_is_a_counted_reason(tmp_path, bpe_folder):
+    strict = tmp_path / "strict.jinja"
+    strict.write_text("{%- for m in messages -%}{%- if m.role == 'system' -%}"
+                      "{{ raise_exception('no system turns') }}{%- endif -%}"
+                      "{{ m.content }}{%- endfor -%}")
+    tok = load_tokenizer(bpe_folder, chat_template=strict)
+    with pytest.raises(RowError, match="no system turns") as e:
+        ChatRenderer(tok).render(conv(("system", "x"), ("user", "Hi"), ("assistant", "Hello")))
+    assert e.value.reason == "template_error"
+
+
+def test_fingerprints_tell_tokenizers_and_templates_apart(tmp_path, tok, bpe_folder):
+    from dflash_core.data.demo_chat import demo_tokenizer
+
+    a = fingerprints(tok)
+    assert a == fingerprints(load_tokenizer(bpe_folder))  # stable over loads
+    b = fingerprints(demo_tokenizer())
+    assert a["tokenizer"] != b["tokenizer"] and a["chat_template"] != b["chat_template"]

@@ -1,0 +1,38 @@
+"""The train-to-serve check on the GPUs (compiled FlexAttention, the layout's drafter GPUs), here
+and in the reference implementation; and the planted leak through the GPU's block mask."""
+
+import torch
+
+from dflash_core.check.serve_check import CheckOptions, run_check
+from dflash_core.demo import demo_config
+from dflash_core.models import block_attention
+from tests.core.models.test_drafter import reference_dflash  # noqa: F401  (fixture)
+
+
+def _cfg(tmp_path, name):
+    cfg = demo_config(output_dir=str(tmp_path / "runs"), name=name, device="cuda")
+    cfg.target.layer_ids = [0, 1, 2]  # below the demo target's last layer (docs/check.md)
+    return cfg
+
+
+def test_check_passes_on_the_gpus(tmp_path, demo_data, reference_dflash):
+    lines = []
+    result = run_check(_cfg(tmp_path, "gpu"), CheckOptions(samples=2), lines.append)
+    assert result.verdict.passed, "\n".join(lines + result.evidence)
+    assert result.reference == "used"
+    assert any("on cuda:" in line for line in lines)
+
+
+def test_check_finds_a_leak_in_the_gpu_block_mask(tmp_path, demo_data, monkeypatch):
+    make = block_attention.make_block_mask
+
+    def sees_its_anchor(anchors, ctx_len, block_size):
+        return make(torch.where(anchors >= 0, anchors + 1, anchors), ctx_len, block_size)
+
+    # drafter.py holds its own name for the mask builder.
+    from dflash_core.models import drafter
+    monkeypatch.setattr(drafter, "make_block_mask", sees_its_anchor)
+    result = run_check(_cfg(tmp_path, "gpu-leak"), CheckOptions(samples=1, reference=False),
+                       lambda m: None)
+    assert not result.verdict.passed
+    assert result.verdict.findings[0].what.startswith("a training-time leak")
