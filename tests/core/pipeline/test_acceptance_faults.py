@@ -30,8 +30,10 @@ def test_the_healthy_demo_raises_nothing(tmp_path, demo_data, seed):
 def test_a_leak_in_the_training_attention_is_the_mismatch_alarm(tmp_path, demo_data):
     r = run_demo(tmp_path, demo_data, fault="leak", steps=60, every=60, **SMALL)
     assert first_findings(r) == ["mismatch"]
-    (log,) = [f for f in r.findings if f.message.startswith("step 60")]
-    assert log.level == "warning" and "training and decoding disagree" in log.message
+    # the periodic evaluation of step 60 and the end-of-run one (the same step) say the same
+    log = r.findings[0]
+    assert log.message.startswith("step 60") and log.level == "warning"
+    assert "training and decoding disagree" in log.message
 
 
 def test_responses_not_written_by_the_target_are_the_data_finding(tmp_path, demo_data):
