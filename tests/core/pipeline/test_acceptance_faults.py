@@ -20,7 +20,7 @@ def first_findings(r):
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_the_healthy_demo_raises_nothing(tmp_path, demo_data, seed):
-    r = run_demo(tmp_path, demo_data, seed=seed, steps=50, every=50, **SMALL)
+    r = run_demo(tmp_path, demo_data, seed=seed, steps=30, every=30, **SMALL)
     assert r.kinds() == set(), [f.message for f in r.findings]
     e = r.evals[0]
     assert abs(e.tau_tf_target - e.tau) < 0.05  # the same blocks of the same text
