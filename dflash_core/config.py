@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -429,7 +430,7 @@ def load_config(path: str | Path) -> Config:
     path = Path(path)
     if not path.exists():
         raise ConfigError("", f"config file {path} does not exist",
-                          hint="pass --config PATH, or run --demo for the built-in demo")
+                          hint="pass --config PATH, or try the built-in demo: dflash-tui demo")
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:  # a folder, no permission, a binary file
@@ -446,7 +447,15 @@ def load_config(path: str | Path) -> Config:
 
 
 def save_config(cfg: Config, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False), encoding="utf-8")
+    """Write ``cfg`` as YAML to ``path`` whole: under a temporary name, then renamed, so a reader
+    (an attached dashboard, the report) never sees half a file."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False), encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def default_gamma(block_size: int) -> float:

@@ -39,6 +39,8 @@ from dflash_core.planning.preflight import Prepared
 from dflash_core.observe.sinks.run_sinks import RunSinks
 from dflash_core.pipeline.target_stage import TargetStage
 from dflash_core.models.trainer import DrafterReplica, RateMeter, StepBarrier, reduce_and_step
+from dflash_core.multinode.node_link import NodeLink
+from dflash_core.planning.layout_advice import LayoutAdvisor
 from dflash_core.units import GiB
 from dflash_core.observe.watchdog import Heartbeats
 
@@ -85,11 +87,12 @@ class Run:
     agreement: tuple[int, int] | None = None  # (agree, total), measured at the first evaluation
     best_tau: float | None = None  # exact tau of checkpoints/best (read from it on first use)
     saved_path: Path | None = None
-    advisor: Any = None  # layout_advice.LayoutAdvisor, a bus tap while the run trains
-    # Several nodes (node_link.NodeLink; None on one node). peer_failed: the run failed because
+    advisor: LayoutAdvisor | None = None  # a bus tap while the run trains
+    # Several nodes (None on one node): made from the run's config once it is read; it reads
+    # and sets this run only as node_link.LinkedRun says. peer_failed: the run failed because
     # another node did; this node's weights are those of the last step all took, so node 0
     # still writes its checkpoint.
-    link: Any = None
+    link: NodeLink | None = None
     peer_failed: bool = False
     _ckpt_bytes: int | None = None
     writer: CheckpointWriter | None = None  # background checkpoints, from warm-up on
@@ -120,7 +123,7 @@ class Run:
             res = reduce_and_step(self.replicas, self.step, self.total_steps)
         else:
             # Every node decides the same from the same summaries (node_link.py).
-            verdict = link.boundary(self)
+            verdict = link.boundary()
             if verdict.stop:
                 return
             if not verdict.any_work:
@@ -129,11 +132,11 @@ class Run:
                     self.finish()
                 return
             res = reduce_and_step(self.replicas, self.step, self.total_steps,
-                                  across=link.across(self))
+                                  across=link.across())
         self.step = res.step
         self.position.commit()
         if link is not None:
-            link.after_step(self)
+            link.after_step()
         now = time.monotonic()
         span = max(now - self.last_step_t, 1e-9)
         self.last_step_t = now

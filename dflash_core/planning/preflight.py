@@ -20,6 +20,7 @@ from dflash_core.persist.build_cache import Progress
 from dflash_core.config import Config, ConfigError, key_value, set_key_value
 from dflash_core.observe.events import Event, Log, MemoryPlan
 from dflash_core.models.model_shape import model_shape
+from dflash_core.planning.card_budget import card_budget, limit_bytes
 from dflash_core.units import GiB
 
 MIN_FREE_DISK = 1 * GiB  # below this a checkpoint may not fit: refuse rather than fail later
@@ -63,6 +64,7 @@ class Prepared:
     stream: Any  # data.BatchStream
     total_steps: int
     fitted: dict = field(default_factory=dict)  # sizes layout.auto_fit lowered {key: new value}
+    epoch_steps: int = 0  # the steps optim.epochs make; total_steps is less when max_steps is
 
 
 def prepare(cfg: Config, run_dir: Path, tdev: list[torch.device], ddev: list[torch.device], *,
@@ -71,7 +73,7 @@ def prepare(cfg: Config, run_dir: Path, tdev: list[torch.device], ddev: list[tor
     """``nodes``: the nodes of the run, each with the drafters of ``ddev`` (the steps of the
     plan count every node's drafters)."""
     from dflash_core.data import BatchStream, ShardedDataset, split_eval
-    from dflash_core.models.trainer import total_steps_for
+    from dflash_core.models.trainer import epoch_steps_for, total_steps_for
 
     free = shutil.disk_usage(run_dir).free
     if free < MIN_FREE_DISK:
@@ -100,9 +102,10 @@ def prepare(cfg: Config, run_dir: Path, tdev: list[torch.device], ddev: list[tor
     if stream.batches_per_epoch == 0:
         raise ConfigError("data.path", f"no trainable batch in {data_path}",
                           hint="the data needs samples of 2+ tokens")
-    total_steps = total_steps_for(cfg, stream.batches_per_epoch, len(ddev) * nodes)
+    world = len(ddev) * nodes
+    total_steps = total_steps_for(cfg, stream.batches_per_epoch, world)
     return Prepared(target_path, layer_ids, mask_id, dataset, eval_indices, stream, total_steps,
-                    fitted)
+                    fitted, epoch_steps_for(cfg, stream.batches_per_epoch, world))
 
 
 def resolve_target(cfg: Config, run_dir: Path, demo_progress) -> tuple[Path, dict, list[int], int]:
@@ -242,13 +245,13 @@ def check_memory(cfg: Config, hf_config: dict, tdev, ddev, publish) -> dict[str,
     from dflash_core.planning.memory_report import format_overflow, format_plan
 
     free, total = {}, {}
-    limit = int(cfg.layout.gpu_memory_gib * GiB)
+    limit = limit_bytes(cfg.layout.gpu_memory_gib)
     for d in set(tdev) | set(ddev):
         if d.type == "cuda":
             f, t = torch.cuda.mem_get_info(d)
-            if limit:  # a rehearsed smaller card: plan for what the process will be allowed
-                f, t = min(f, limit), min(t, limit)
-            free[f"cuda:{d.index}"], total[f"cuda:{d.index}"] = f, t
+            # a rehearsed smaller card: plan for what the process will be allowed
+            t = card_budget(t, limit)
+            free[f"cuda:{d.index}"], total[f"cuda:{d.index}"] = min(f, t), t
     plan = plan_memory(cfg, hf_config, free or None, total or None)
     sizes = fit_sizes(cfg, hf_config, free or None, total or None) if not plan.fits else {}
     if sizes and cfg.layout.auto_fit:

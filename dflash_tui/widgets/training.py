@@ -14,7 +14,7 @@ from dflash_core.models import acceptance
 
 from .. import fmt
 from ..state import DashboardState
-from .panel import Panel, field, pack
+from .panel import Panel, field, note, pack, pack_first
 
 
 # Narrower than this (an 80-column terminal) the drafters' time split gives way to the loss plot.
@@ -40,31 +40,59 @@ class TrainingPanel(Panel):
         st = s.step
         if st is None:
             caption.update("")
-            return Text(self.EMPTY, style="dim")
-        hist = s.loss_history
-        caption.update(Text(f"loss (log scale) over the last {len(hist)} steps: "
-                            f"{min(hist):.3f} .. {max(hist):.3f}", style="dim"))
-        ev_tau = f"{s.eval.tau:.2f} @{s.eval.step}" if s.eval else "-"
-        main = pack([
-            field("loss", f"{st.loss:.4f}", "bold green"),
-            field("lr", f"{st.lr:.2e}"),
-            field("grad", f"{st.grad_norm:.3f}"),
-            field("tok/s", fmt.rate(st.tokens_per_s)),
-            field("samples/s", f"{st.samples_per_s:.2f}"),
-            field("τ tf", f"{st.tau_tf:.2f}"),
-            field("τ eval", ev_tau),
-            field("pad", fmt.pct(st.padding_frac)) if st.padding_frac else Text(),
-        ], width)
+            return note(empty_reason(s), width)
+        caption.update(Text(loss_caption(s.loss_history, width), style="dim"))
+        evals = eval_lines(s, width) if s.eval_history else []
+        # Rows of the panel: the numbers, the drafters' split, the evaluation, the caption and at
+        # least one row of the plot. A small terminal (80x24: 5 rows) keeps what matters most.
+        height = self.scrollable_content_region.height or 100
+        room = max(1, height - len(evals) - 2)
+        main = pack_first([
+            (0, field("loss", f"{st.loss:.4f}", "bold green")),
+            (2, field("lr", f"{st.lr:.2e}")),
+            (3, field("grad", f"{st.grad_norm:.3f}")),
+            (1, field("tok/s", fmt.rate(st.tokens_per_s))),
+            (2, field("samples/s", f"{st.samples_per_s:.2f}")),
+            (0, field("τ tf", f"{st.tau_tf:.2f}")),
+            # the evaluation's own line says it when there is one
+            (4 if evals else 1, field("τ eval", f"{s.eval.tau:.2f} @{s.eval.step}"
+                                      if s.eval else "-")),
+            (4, field("pad", fmt.pct(st.padding_frac)) if st.padding_frac else Text()),
+        ], width, room)
         lines = [main]
         shares = s.drafter_shares()
-        if shares is not None and width >= DRAFTER_LINE_MIN_WIDTH:
+        if (shares is not None and width >= DRAFTER_LINE_MIN_WIDTH
+                and len(main.plain.split("\n")) < room):
             lines.append(pack([Text("drafters:", style="dim")] + [
                 field(name, fmt.pct(shares[key])) for name, key in (
                     ("data", "waiting"), ("compute", "compute"), ("peers", "barrier"),
                     ("step", "step"))], width))
-        if s.eval_history:
-            lines.extend(eval_lines(s, width))
+        lines += evals
         return Text("\n").join(lines)
+
+
+def loss_caption(hist, width: int) -> str:
+    """The plot's range and span in words, as long as the width allows: its low and high
+    values are never the part cut off."""
+    lo, hi, n = min(hist), max(hist), len(hist)
+    for text in (f"loss (log scale) over the last {n} steps: {lo:.3f} .. {hi:.3f}",
+                 f"loss {lo:.3f} .. {hi:.3f} (log scale, last {n} steps)",
+                 f"loss {lo:.3f}..{hi:.3f}, log, {n} steps",
+                 f"loss {lo:.3g}..{hi:.3g}"):
+        if len(text) <= width:
+            return text
+    return text
+
+
+def empty_reason(s: DashboardState) -> str:
+    """What a Training panel with no step says: why there is none."""
+    if s.plan is not None and s.plan.start_step and s.plan.start_step >= s.plan.total_steps:
+        return (f"no step to take: the run resumed at step {s.plan.start_step}, where it ends "
+                f"({s.plan.limit()})")
+    why = s.ended_before("training")
+    if why:
+        return f"no step: {why}"
+    return "no step in this run" if s.ended else TrainingPanel.EMPTY
 
 
 def eval_lines(s: DashboardState, width: int) -> list[Text]:
@@ -99,6 +127,9 @@ def eval_lines(s: DashboardState, width: int) -> list[Text]:
         more.append(Text(f"  {kind}", style="bold white on red"))
     if more:
         lines.append(Text.assemble(*more))
-    for line in lines:
-        line.truncate(max(1, width), overflow="ellipsis")
-    return lines
+    return [_cut(line, width) for line in lines]
+
+
+def _cut(text: Text, width: int) -> Text:
+    text.truncate(max(1, width), overflow="ellipsis")
+    return text

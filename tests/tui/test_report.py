@@ -229,10 +229,10 @@ def test_cli_report_without_events(tmp_path, capsys):
 
 
 def test_cli_flags_still_parse():
-    from dflash_tui.cli import build_parser
+    from dflash_tui.cli import parse_args
 
-    args = build_parser().parse_args(["--attach", "runs/x"])
-    assert str(args.attach) == "runs/x"
+    args = parse_args(["--attach", "runs/x"])
+    assert args.verb == "attach" and str(args.run_dir) == "runs/x"
     with pytest.raises(SystemExit):
         main(["--no-such-flag"])
 

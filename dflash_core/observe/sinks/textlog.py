@@ -13,7 +13,8 @@ from pathlib import Path
 
 from dflash_core.observe.events import (
     Checkpoint, CheckpointProgress, DrafterMetrics, Error, Event, EvalResult, LoadProgress, Log, MemoryPlan, RunEnded,
-    RunStarted, SinkStatus, Stall, StateChanged, StepMetrics, TargetMetrics, WorkerStatus,
+    RunStarted, SinkStatus, Stall, StateChanged, StepMetrics, TargetMetrics, TrainingPlan,
+    WorkerStatus,
 )
 from dflash_core.models.acceptance import summary_line
 from dflash_core.units import GiB
@@ -112,6 +113,8 @@ def format_event(ev: Event) -> str | None:
         total = f", {ev.total_steps} steps" if ev.total_steps else ""
         return (f"run {ev.run_name} started in {ev.run_dir}: targets {ev.targets}, "
                 f"drafters {ev.drafters}{total}{resumed}")
+    if isinstance(ev, TrainingPlan):
+        return ev.summary()
     if isinstance(ev, RunEnded):
         reason = f" ({ev.reason})" if ev.reason else ""
         return f"run {ev.status} at step {ev.step} after {_duration(ev.seconds)}{reason}"
