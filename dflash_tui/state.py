@@ -15,6 +15,8 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Iterable
 
+from dflash_core.config import EvalConfig
+from dflash_core.models import acceptance
 from dflash_core.observe import events as ev
 from dflash_core.observe.errors import error_from_exception
 from dflash_core.observe.fold import EventFold
@@ -168,7 +170,7 @@ class DashboardState(EventFold):
         # (step, exact tau, teacher-forced tau of the step then) of every evaluation
         self.eval_history: deque[tuple[int, float, float | None]] = deque(maxlen=500)
         self.best: ev.Checkpoint | None = None  # checkpoints/best: the highest exact tau
-        self.tau_gap_warn = 2.0  # eval.tau_gap_warn of the run's config
+        self.tau_gap_warn = EvalConfig.tau_gap_warn  # eval.tau_gap_warn of the run's config
         self.target_labels: list[str] = []
         self.drafter_labels: list[str] = []
         self.targets: dict[str, TargetRow] = {}
@@ -227,7 +229,8 @@ class DashboardState(EventFold):
         self.started_ts = e.ts
         self.total_steps = e.total_steps
         self.allocator = e.allocator
-        self.tau_gap_warn = float(e.config.get("eval", {}).get("tau_gap_warn", 2.0))
+        self.tau_gap_warn = float(e.config.get("eval", {}).get("tau_gap_warn",
+                                                              EvalConfig.tau_gap_warn))
         self.target_labels = [str(x) for x in e.targets]
         self.drafter_labels = [str(x) for x in e.drafters]
         self.start_step = e.resumed_from_step or (None if e.resume else 0)
@@ -413,21 +416,22 @@ class DashboardState(EventFold):
     def _on_EvalResult(self, e: ev.EvalResult) -> set[str]:
         self.eval = e
         self.eval_history.append((e.step, e.tau, self.step.tau_tf if self.step else None))
-        self.add_log("info", "eval", f"step {e.step}: tau {e.tau:.2f} on {e.prompts} prompts")
+        self.add_log("info", "eval", f"step {e.step} on {e.prompts} prompts: "
+                     f"{acceptance.summary_line(e)}")
         return {"training", "log"}
 
     def accepted_by_position(self) -> list[float]:
         """Of the latest evaluation: how often position k (1..) of a drafted block was accepted,
         i.e. the share of rounds that accepted k or more drafted tokens."""
-        hist = self.eval.acceptance if self.eval else []
-        rounds = sum(hist)
-        if not rounds:
-            return []
-        return [sum(hist[k:]) / rounds for k in range(1, len(hist))]
+        return acceptance.accepted_at(self.eval.acceptance if self.eval else [])
 
     @property
     def tau_gap(self) -> float | None:
-        """Teacher-forced minus exact tau at the latest evaluation (None before one)."""
+        """The mismatch gap of the latest evaluation: teacher-forced tau on the target's own
+        decoding minus exact tau (an older run's events, without it: the step's teacher-forced
+        tau minus exact). None before an evaluation."""
+        if self.eval is not None and self.eval.tau_tf_target >= 0:
+            return self.eval.tau_tf_target - self.eval.tau
         if not self.eval_history or self.eval_history[-1][2] is None:
             return None
         _, tau, tf = self.eval_history[-1]

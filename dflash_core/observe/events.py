@@ -284,10 +284,22 @@ class StepMetrics(Event):
 
 @dataclass(frozen=True)
 class EvalResult(Event):
+    """One evaluation's measures of acceptance (models/acceptance.py says what each means). A
+    measure not taken is -1 (so events.jsonl files written before it existed still replay)."""
+
     step: int
-    tau: float
+    tau: float  # (a) exact tau on the held-out prompts
     acceptance: list  # histogram: acceptance[k] = rounds that accepted k drafted tokens
     prompts: int
+    tau_tf_target: float = -1.0  # (b) teacher-forced on the target's own decoding of them,
+    # at the anchors decoding used (its rounds' starts); and at every position of that text:
+    tau_tf_target_all: float = -1.0
+    tau_tf_heldout: float = -1.0  # (c) teacher-forced on held-out samples of the data
+    tau_tf_train: float = -1.0  # (d) teacher-forced in training, mean over recent steps
+    agreement: float = -1.0  # share of trained labels = the target's greedy next token
+    agreement_positions: int = 0  # labels the agreement was measured on (0: not measured)
+    findings: list = field(default_factory=list)  # kinds raised: "mismatch", "data", "overfit"
+    seconds: float = 0.0  # the evaluation's wall time
     kind: ClassVar[str] = "EvalResult"
 
 

@@ -7,17 +7,26 @@ from __future__ import annotations
 import shutil
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from dflash_core.persist import checkpoint as ckpt
 from dflash_core.config import Config
 from dflash_core.data import Prefetcher
 from dflash_core.persist.data_position import DataPosition
-from dflash_core.models.evaluate import evaluate_tau, target_fn_for
+from dflash_core.models import acceptance
+from dflash_core.models.agreement import label_agreement
+from dflash_core.models.evaluate import (
+    evaluate_tau,
+    features_fn_for,
+    target_fn_for,
+    teacher_forced_eval,
+)
 from dflash_core.observe.events import (
     Checkpoint, CheckpointProgress, Error, EvalResult, Log, StepMetrics,
 )
@@ -74,6 +83,9 @@ class Run:
     saved_step: int = -1
     last_step_t: float = field(default_factory=time.monotonic)
     last_tau_tf: float | None = None  # teacher-forced tau of the last step
+    # teacher-forced tau of the recent steps: the training tau (d) of an evaluation is their mean
+    recent_tau_tf: deque = field(default_factory=lambda: deque(maxlen=50))
+    agreement: tuple[int, int] | None = None  # (agree, total), measured at the first evaluation
     best_tau: float | None = None  # exact tau of checkpoints/best (read from it on first use)
     saved_path: Path | None = None
     advisor: LayoutAdvisor | None = None  # a bus tap while the run trains
@@ -132,6 +144,9 @@ class Run:
         wait, blocked = self.hs_queue.take_waits()
         tps, sps = self.rate.add(res.tokens, res.samples)
         self.last_tau_tf = res.tau_tf
+        if self.recent_tau_tf.maxlen != cfg.eval.train_tau_steps:
+            self.recent_tau_tf = deque(self.recent_tau_tf, maxlen=cfg.eval.train_tau_steps)
+        self.recent_tau_tf.append(res.tau_tf)
         publish(StepMetrics(
             step=res.step, epoch=self.position.current_epoch(), loss=res.loss, lr=res.lr,
             grad_norm=res.grad_norm, tokens_per_s=tps, samples_per_s=sps, tau_tf=res.tau_tf,
@@ -371,32 +386,73 @@ class Run:
             self.writer = None
 
     def evaluate(self, publish: Callable[[Any], None]) -> None:
-        """Exact tau on the held-out prompts, with the first target and the first replica."""
+        """The measures of acceptance (models/acceptance.py), with the first target and the
+        first replica: exact tau on the held-out prompts, teacher-forced tau on the target's
+        own decoding of them and on the held-out samples, the training tau of the recent steps,
+        and at the first evaluation the data/target agreement; then each finding's message."""
         cfg, prep = self.config, self.prep
         target = self.targets[0].model if self.targets else None
         if not self.writes_records:
             return
         if not len(prep.eval_indices) or not self.replicas or target is None:
             return
+        t0 = time.monotonic()
         prompts = eval_prompts(prep.dataset, prep.eval_indices, cfg.eval.prompt_tokens)
+        # (c) scores as many response tokens as (a) decodes, on the data's own labels
+        heldout = heldout_samples(prep.dataset, prep.eval_indices, cfg.eval.prompt_tokens,
+                                  cfg.eval.max_new_tokens, cfg.data.max_length)
         drafter = self.replicas[0].drafter
         was_training = drafter.training
         drafter.eval()
         try:
             res = evaluate_tau(target_fn_for(target, prep.layer_ids), drafter, prompts,
                                cfg.eval.max_new_tokens, prep.layer_ids)
+            decoded = [(p + out, [0] * len(p) + [1] * len(out))
+                       for p, out in zip(prompts, res.outputs)]
+            feats = features_fn_for(target, prep.layer_ids)
+            chunk = cfg.drafter.loss_chunk
+            # (b) at the anchors decoding used, to compare with (a); at every position, to
+            # compare with (c), which has no decoding anchors
+            tf_target, n_target = teacher_forced_eval(feats, drafter, decoded, chunk,
+                                                      anchors=res.anchors)
+            tf_all, n_all = teacher_forced_eval(feats, drafter, decoded, chunk)
+            tf_heldout, n_heldout = teacher_forced_eval(feats, drafter, heldout, chunk)
         finally:
             drafter.train(was_training)
-        publish(EvalResult(step=self.step, tau=res.tau, acceptance=list(res.acceptance),
-                           prompts=len(prompts)))
-        tf = self.last_tau_tf
-        if tf is not None and tf - res.tau > cfg.eval.tau_gap_warn:
-            publish(Log(level="warning", source="eval", message=(
-                f"step {self.step}: exact tau {res.tau:.2f} is {tf - res.tau:.2f} below the "
-                f"teacher-forced {tf:.2f} (eval.tau_gap_warn {cfg.eval.tau_gap_warn}): training "
-                "and serving disagree; check target.layer_ids, drafter.mask_token_id and the "
-                "data's labels")))
+        if self.agreement is None and cfg.eval.agreement_samples:
+            self.agreement = self._agreement(target)
+        agree, total = self.agreement or (0, 0)
+        share = agree / total if total else acceptance.MISSING
+        train = (float(np.mean(self.recent_tau_tf)) if self.recent_tau_tf
+                 else acceptance.MISSING)
+        miss = acceptance.MISSING
+        tf_target = tf_target if n_target else miss
+        tf_all = tf_all if n_all else miss
+        tf_heldout = tf_heldout if n_heldout else miss
+        found = acceptance.findings(self.step, res.tau, tf_target, tf_heldout, train, share,
+                                    cfg.eval, target_all=tf_all)
+        publish(EvalResult(
+            step=self.step, tau=res.tau, acceptance=list(res.acceptance), prompts=len(prompts),
+            tau_tf_target=tf_target, tau_tf_target_all=tf_all, tau_tf_heldout=tf_heldout,
+            tau_tf_train=train, agreement=share, agreement_positions=total,
+            findings=[f.kind for f in found], seconds=time.monotonic() - t0))
+        for f in found:
+            publish(Log(level=f.level, source="eval", message=f.message))
         self._mark_best(res.tau, publish)
+
+    def _agreement(self, target_model) -> tuple[int, int]:
+        """(agree, total) on ``eval.agreement_samples`` training samples spread over the data
+        set (never the held-out ones), each cut to data.max_length as training cuts it."""
+        cfg, prep = self.config, self.prep
+        train = np.setdiff1d(np.arange(len(prep.dataset)), prep.eval_indices)
+        if not len(train):
+            return 0, 0
+        k = min(cfg.eval.agreement_samples, len(train))
+        picks = np.unique(train[np.linspace(0, len(train) - 1, k).round().astype(int)])
+        rows = [prep.dataset.get(int(i)) for i in picks]
+        L = cfg.data.max_length
+        return label_agreement(target_model, [r[0][:L] for r in rows], [r[1][:L] for r in rows],
+                               max_positions=cfg.eval.agreement_positions, seed=cfg.run.seed)
 
     def _mark_best(self, tau: float, publish: Callable[[Any], None]) -> None:
         """checkpoints/best names the checkpoint with the highest exact tau so far; a better
@@ -432,13 +488,30 @@ class Run:
         self.hs_queue = None
 
 
+def _prompt_cut(ids, mask, prompt_tokens: int) -> int:
+    """Where a held-out sample's prompt ends: before its first trained token (or at
+    ``prompt_tokens`` when the trained part starts at 0)."""
+    resp = np.flatnonzero(np.asarray(mask))
+    return int(resp[0]) if len(resp) and resp[0] > 0 else min(len(ids) - 1, prompt_tokens)
+
+
 def eval_prompts(dataset, indices, prompt_tokens: int) -> list[list[int]]:
     """The prompts of exact tau: each held-out sample cut before its first trained token (or to
     ``prompt_tokens`` when the trained part starts at 0), at most ``prompt_tokens`` long."""
     prompts = []
     for i in indices:
         ids, mask = dataset.get(int(i))
-        resp = [j for j, m in enumerate(mask) if m]
-        cut = resp[0] if resp and resp[0] > 0 else min(len(ids) - 1, prompt_tokens)
+        cut = _prompt_cut(ids, mask, prompt_tokens)
         prompts.append([int(x) for x in ids[: min(cut, prompt_tokens)]])
     return prompts
+
+
+def heldout_samples(dataset, indices, prompt_tokens: int, new_tokens: int, max_length: int):
+    """(input_ids, loss_mask) of each held-out sample up to ``new_tokens`` past its prompt's end
+    (and at most ``max_length``, as training cuts it): what (c) scores on the data's labels."""
+    out = []
+    for i in indices:
+        ids, mask = dataset.get(int(i))
+        end = min(len(ids), _prompt_cut(ids, mask, prompt_tokens) + new_tokens, max_length)
+        out.append((ids[:end], mask[:end]))
+    return out

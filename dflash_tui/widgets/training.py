@@ -10,6 +10,8 @@ from rich.text import Text
 from textual.app import ComposeResult
 from textual.widgets import Sparkline, Static
 
+from dflash_core.models import acceptance
+
 from .. import fmt
 from ..state import DashboardState
 from .panel import Panel, field, note, pack, pack_first
@@ -94,33 +96,38 @@ def empty_reason(s: DashboardState) -> str:
 
 
 def eval_lines(s: DashboardState, width: int) -> list[Text]:
-    """Exact tau over the run (a small plot), the gap to teacher-forced tau (red past
-    eval.tau_gap_warn: training and serving disagree), how often each block position was
-    accepted at the latest evaluation: on one line when it fits, else two, with as many
-    positions as fit (never a number cut in half)."""
+    """Exact tau over the run (a small plot) beside the teacher-forced taus of the latest
+    evaluation and the mismatch gap (red past eval.tau_gap_warn: training and decoding
+    disagree); under them the data/target agreement, how often each block position was
+    accepted, and the findings raised (acceptance.py: what each measure and gap means)."""
+    e = s.eval
     taus = [tau for _, tau, _ in s.eval_history]
+    first = acceptance.MEASURES[0]
+    parts = [Text(f"{first.label} ", style="dim"), Text(fmt.spark(taus, 16), style="cyan"),
+             Text(f" {taus[-1]:.2f}", style="bold")]
     gap = s.tau_gap
-    warn = gap is not None and gap > s.tau_gap_warn
-    tail = [Text(f" {taus[-1]:.2f}", style="bold")]
-    if gap is not None:
-        tail.append(Text(f" tf gap {gap:+.2f}", style="bold white on red" if warn else "dim"))
-    head = Text("τ exact ", style="dim")
-    spark_w = max(4, min(16, width - head.cell_len - sum(t.cell_len for t in tail)))
-    first = Text.assemble(head, Text(fmt.spark(taus, spark_w), style="cyan"), *tail)
-    rates = [f"{r:.0%}" for r in s.accepted_by_position()[:15]]
-    if not rates:
-        return [_cut(first, width)]
-    label = Text("accepted@k ", style="dim")
-    together = first.cell_len + 2 + label.cell_len + len(" ".join(rates))
-    if together <= width:
-        return [Text.assemble(first, "  ", label, " ".join(rates))]
-    room = width - label.cell_len
-    shown = rates
-    while shown and len(" ".join(shown)) > room:
-        shown = shown[:-1]
-        room = width - label.cell_len - 2  # and a " …" after the last one shown
-    more = " …" if len(shown) < len(rates) else ""
-    return [_cut(first, width), Text.assemble(label, " ".join(shown) + more)]
+    for m in acceptance.MEASURES[1:]:
+        value = getattr(e, m.key, acceptance.MISSING) if e else acceptance.MISSING
+        if value >= 0:
+            parts += [Text(f"  {m.label} ", style="dim"), Text(f"{value:.2f}")]
+        if m is acceptance.MEASURES[1] and gap is not None:
+            # next to (b): the gap the mismatch alarm watches
+            warn = gap > s.tau_gap_warn
+            parts.append(Text(f" gap {gap:+.2f}", style="bold white on red" if warn else "dim"))
+    lines = [Text.assemble(*parts)]
+    more: list[Text] = []
+    if e is not None and e.agreement >= 0:
+        more += [Text(f"{acceptance.AGREEMENT.label} ", style="dim"), Text(f"{e.agreement:.0%}"),
+                 Text("  ")]
+    rates = s.accepted_by_position()
+    if rates:
+        more += [Text(f"{acceptance.ACCEPTED.label} ", style="dim"),
+                 Text(" ".join(f"{r:.0%}" for r in rates[:15]))]
+    for kind in (e.findings if e is not None else []):
+        more.append(Text(f"  {kind}", style="bold white on red"))
+    if more:
+        lines.append(Text.assemble(*more))
+    return [_cut(line, width) for line in lines]
 
 
 def _cut(text: Text, width: int) -> Text:

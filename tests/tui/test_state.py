@@ -229,7 +229,12 @@ def test_acceptance_per_position_the_tau_gap_and_the_best_checkpoint():
     assert s.accepted_by_position() == pytest.approx([5 / 6, 3 / 6])
     step, tau, tf = s.eval_history[-1]
     assert (step, tau) == (20, 2.87) and tf == pytest.approx(s.step.tau_tf)
-    assert s.tau_gap == pytest.approx(s.step.tau_tf - 2.87)
+    # the mismatch gap: teacher-forced on the decoded text minus exact
+    assert s.tau_gap == pytest.approx(2.95 - 2.87)
+    assert "step 20 on 8 prompts: tau exact 2.87 | tf target 2.95" in s.log[-2].text
+    # an older run's evaluation (no teacher-forced tau of its own): the step's, as before
+    s.apply(ev.EvalResult(step=21, tau=2.0, acceptance=[1], prompts=8, ts=sc.T0 + 400))
+    assert s.tau_gap == pytest.approx(s.step.tau_tf - 2.0)
     s.apply(ev.Checkpoint(step=20, path="runs/x/checkpoints/step-20", seconds=0.0, reason="best",
                           tau=2.87, ts=sc.T0 + 500))
     assert s.best.step == 20 and "best so far: step 20 (tau 2.87)" in s.log[-1].text

@@ -16,6 +16,7 @@ from dflash_core.observe.events import (
     RunStarted, SinkStatus, Stall, StateChanged, StepMetrics, TargetMetrics, TrainingPlan,
     WorkerStatus,
 )
+from dflash_core.models.acceptance import summary_line
 from dflash_core.units import GiB
 
 
@@ -79,7 +80,7 @@ def format_event(ev: Event) -> str | None:
                 f"{_duration(ev.seconds)}")
     if isinstance(ev, EvalResult):
         hist = " ".join(f"{k}:{n}" for k, n in enumerate(ev.acceptance))
-        return (f"eval step {ev.step}: tau {ev.tau:.3f} on {ev.prompts} prompts; "
+        return (f"eval step {ev.step} on {ev.prompts} prompts: {summary_line(ev)}; "
                 f"accepted/round {hist}")
     if isinstance(ev, Checkpoint):
         size = (f", {ev.bytes / GiB:.1f} GiB at {ev.bytes / GiB / ev.seconds:.2f} GiB/s, training "
