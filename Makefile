@@ -19,10 +19,10 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: install
-	$(VENV)/bin/dflash-tui --demo
+	$(VENV)/bin/dflash-tui demo
 
 headless-demo: install
-	$(VENV)/bin/dflash-tui --demo --headless
+	$(VENV)/bin/dflash-tui demo --headless
 
 test: install
 	$(PY) -m pytest -q

@@ -277,20 +277,36 @@ def ensure_tiny_target(cache_dir: str | Path | None = None, progress: Progress |
 def install_target(run_dir: str | Path, cache_dir: str | Path | None = None,
                    progress: Progress | None = None) -> Path:
     """Copy the cached demo target into ``<run_dir>/target/`` (the run folder layout other tools
-    rely on) and return that path. An up-to-date copy is kept as it is."""
+    rely on) and return that path. An up-to-date copy is kept as it is.
+
+    Several nodes sharing one run folder install it at the same moment, with no lock that
+    reaches across machines: each copies into its own temporary folder, and when the rename
+    finds the winner's copy in place the loser keeps that one (complete, and of the same
+    target). An out-of-date copy is renamed aside and then deleted, never deleted in place."""
     src = ensure_tiny_target(cache_dir, progress)
     dst = Path(run_dir) / "target"
-    if is_built(dst, META_NAME) and read_meta(dst) == read_meta(src):
+
+    def current() -> bool:
+        return is_built(dst, META_NAME) and read_meta(dst) == read_meta(src)
+
+    if current():
         return dst
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.parent / f".tmp-target-{uuid.uuid4().hex[:8]}"
+    tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp, old = dst.parent / f".tmp-target-{tag}", dst.parent / f".old-target-{tag}"
     try:
         shutil.copytree(src, tmp)
-        if dst.exists():
-            shutil.rmtree(dst)
-        os.rename(tmp, dst)
+        if dst.exists() and not current():
+            with contextlib.suppress(FileNotFoundError):  # another node moved it first
+                os.rename(dst, old)
+        try:
+            os.rename(tmp, dst)
+        except OSError:
+            if not current():  # what is there must be the winner's complete copy
+                raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
     return dst
 
 

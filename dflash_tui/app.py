@@ -24,6 +24,7 @@ from textual.widgets import DataTable, Footer
 
 from dflash_core.observe import events as ev
 from dflash_core.pipeline.control import Controller, dispatch
+from dflash_core.pipeline.exit_codes import exit_code
 from dflash_core.observe.errors import error_from_exception
 
 from . import postmortem
@@ -259,14 +260,36 @@ class DFlashApp(App[None]):
     def action_restart(self) -> None:
         if self._refused():
             return
+        state = self._state_now()
+        if state in ev.TERMINAL_STATES:
+            step = self.state.current_step
+            at = f" (step {step})" if step else ""
+            self._confirm(f"The run is {state}. Restart it? config.yaml is read again and "
+                          f"training resumes from the latest checkpoint{at}; a run at its last "
+                          "step ends again at once unless the config allows more steps.",
+                          "restart")
+            return
         self._confirm("Restart the run? Workers stop, config.yaml is read again and training "
                       "resumes from the latest checkpoint.", "restart")
 
     def action_abort(self) -> None:
         if self._refused():
             return
+        if not self._live():  # said at once, not as a question about nothing
+            self.notify(f"nothing to abort: {self._no_run()}", severity="warning", timeout=4)
+            return
         self._confirm("Abort the run? Every worker stops (a checkpoint is written first "
                       "when training).", "abort")
+
+    def _state_now(self) -> str:
+        try:
+            return self.controller.state
+        except Exception:
+            return self.state.state
+
+    def _no_run(self) -> str:
+        state = self._state_now()
+        return "no run has started" if state == "idle" else f"the run is {state}"
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         # While a dialog or the help is open, its own keys answer; no second dialog on top.
@@ -275,11 +298,16 @@ class DFlashApp(App[None]):
         return True
 
     def _live(self) -> bool:
+        return self._state_now() not in QUIET_STATES
+
+    def _workers_alive(self) -> bool:
+        """A live run, or an ended one whose engine still has a thread stuck past its end."""
+        if self._live():
+            return True
         try:
-            state = self.controller.state
+            return bool(getattr(self.controller, "stuck_workers", list)())
         except Exception:
-            state = self.state.state
-        return state not in QUIET_STATES
+            return True  # let the engine answer
 
     async def action_quit(self) -> None:
         if self._quitting:
@@ -308,6 +336,9 @@ class DFlashApp(App[None]):
         self.call_from_thread(self.exit, None, code)
 
     def action_stacks(self) -> None:
+        if not self._workers_alive():
+            self.notify(f"no worker is running: {self._no_run()}", severity="warning", timeout=4)
+            return
         self.notify("stacks requested: see the log", timeout=3)
         self._command("stacks")
 
@@ -342,4 +373,15 @@ def run_app(controller: Controller, run_dir: Path | str | None = None, *,
             controller.shutdown()
         except Exception:
             code = code or 1
+    if app.owns_run and code == 0:  # what happened to the run, as headless says it
+        code = owned_exit_code(controller)
     return code
+
+
+def owned_exit_code(controller: Controller) -> int:
+    """The exit code of a run this process owned (exit_codes.py): 0 when none was started."""
+    state = getattr(controller, "final_status", None) or controller.state
+    if state == "idle":
+        return 0
+    failure = getattr(controller, "failure", None)
+    return exit_code(state, failure.error_kind if failure is not None else "")

@@ -1,209 +1,148 @@
-"""`dflash-tui`: the dashboard that owns the engine, or the same engine headless.
+"""`dflash-tui [--version] VERB [options]`: the command line, one verb per job.
 
-    dflash-tui --demo                  dashboard on the built-in tiny model
-    dflash-tui --config config.yaml    dashboard on a real run
-    dflash-tui --headless ...          no screen (no Textual import), logs in the run folder
-    dflash-tui --replay events.jsonl   replay a recorded run into the dashboard
-    dflash-tui --attach runs/NAME      dashboard on a run another process owns (a headless one):
-                                       a / r reach that run, q detaches and leaves it running
-    dflash-tui serve runs/NAME         the attached dashboard in a browser (127.0.0.1:8000;
-                                       read-only unless --control, which puts a token in the URL)
-    dflash-tui check --config FILE     train-to-serve check before a long run (also --demo):
-                                       memorise a few samples, decode them exactly, diagnose
-    dflash-tui report runs/NAME        write runs/NAME/report.html: plots, errors, stalls, config
-                                       of the run (finished or running), one self-contained file
-    dflash-tui data prepare|regenerate|inspect
-                                       conversations -> training shards; responses rewritten by
-                                       the target through OpenAI-compatible servers; inspect data
+The verbs and their order are `dflash_tui.verbs.VERBS`; each verb's module holds its arguments
+and its work. With no verb the verb is `run`. The flag spellings of earlier versions
+(`--demo`, `--attach DIR`, `--replay FILE`, `--config X`) are translated to verbs by `translate`,
+which also refuses two modes at once (`--attach x --demo`) in one line.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import signal
 import sys
-from pathlib import Path
+from typing import Iterable
+
+from dflash_tui.verbs import DEFAULT_VERB, VERBS, load
+
+EPILOG = """\
+examples:
+  dflash-tui demo                         the dashboard on the built-in tiny model
+  dflash-tui run --config config.yaml     the dashboard on a real run (`run` may be left out)
+  dflash-tui attach runs/demo             follow a run another process owns (--control to act)
+  dflash-tui VERB --help                  a verb's options and examples
+
+The old spellings still work: --demo, --config X, --attach DIR [--read-only], --replay FILE.
+"""
+
+# The flags of the old grammar (no verb), and the verb each mode became.
+LEGACY_MODES = {"--demo": "demo", "--config": "run", "--attach": "attach", "--replay": "replay"}
+LEGACY_VALUES = ("--config", "--attach", "--replay", "--max-steps", "--output-dir", "--device")
+OWNING = ("--headless", "--resume", "--new-run", "--max-steps", "--output-dir", "--device")
+DEMO_ONLY = {"--device": "layout.device", "--output-dir": "run.output_dir"}
+SPELLED = {"demo": "dflash-tui demo", "run": "dflash-tui run --config FILE",
+           "attach": "dflash-tui attach RUN_DIR", "replay": "dflash-tui replay EVENTS"}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dflash-tui", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", type=Path, help="run config (YAML); restart re-reads it")
-    p.add_argument("--demo", action="store_true",
-                   help="train on the built-in tiny target and data made on the spot")
-    p.add_argument("--headless", action="store_true", help="no screen; progress lines on stdout")
-    p.add_argument("--resume", action="store_true",
-                   help="resume from the latest intact checkpoint of the run folder")
-    p.add_argument("--new-run", action="store_true",
-                   help="when the run folder holds an earlier run, start in a fresh numbered one "
-                        "beside it (run.name-2, -3, ...) instead of refusing")
-    p.add_argument("--max-steps", type=_steps, default=None,
-                   help="override run.max_steps (>= 0; 0 = all epochs)")
-    p.add_argument("--output-dir", type=str, default=None, help="override run.output_dir")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                   help="--demo only: auto (default) uses the GPUs when CUDA sees any")
-    p.add_argument("--replay", type=Path, help="replay an events.jsonl into the dashboard")
-    p.add_argument("--attach", type=Path, metavar="RUN_DIR",
-                   help="follow a live run owned by another dflash-tui process (its run folder)")
-    p.add_argument("--read-only", action="store_true",
-                   help="--attach only: a view; abort and restart are refused (q, s still work)")
+class UsageError(Exception):
+    """Old-grammar flags that contradict each other; the message is the one line shown."""
+
+
+def translate(argv: list[str]) -> list[str]:
+    """The arguments in the verb grammar: unchanged when they start with a verb (or -h,
+    --version, or an unknown word argparse will name), else the old flags as their verb.
+    Raises UsageError for two modes at once or a flag its mode does not take."""
+    if argv and (argv[0] in VERBS or not argv[0].startswith("-") or argv[0] in
+                 ("-h", "--help", "--version")):
+        return list(argv)
+    seen: dict[str, str | None] = {}  # old flag -> its value (flags that take one)
+    rest: list[str] = []  # what passes through to the verb
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        name, eq, inline = token.partition("=")
+        if name in LEGACY_VALUES:
+            value = inline if eq else (argv[i + 1] if i + 1 < len(argv) else None)
+            i += 1 if eq else 2
+            seen[name] = value
+            if name not in LEGACY_MODES:
+                rest += [name, value] if value is not None else [name]
+            continue
+        if token in LEGACY_MODES or token in ("--read-only", *OWNING):
+            seen[token] = None
+            if token not in LEGACY_MODES and token != "--read-only":
+                rest.append(token)
+        else:
+            rest.append(token)
+        i += 1
+    modes = [flag for flag in seen if flag in LEGACY_MODES]
+    if len(modes) > 1:
+        a, b = modes[:2]
+        raise UsageError(f"{a} and {b} cannot be combined: pick one "
+                         f"({SPELLED[LEGACY_MODES[a]]}, or {SPELLED[LEGACY_MODES[b]]})")
+    verb = LEGACY_MODES[modes[0]] if modes else DEFAULT_VERB
+    if "--read-only" in seen and verb != "attach":
+        raise UsageError("--read-only goes with --attach (dflash-tui attach RUN_DIR is "
+                         "read-only unless --control)")
+    if verb in ("attach", "replay"):
+        owning = [flag for flag in seen if flag in OWNING]
+        if owning:
+            raise UsageError(f"{modes[0]} and {owning[0]} cannot be combined: {owning[0]} is "
+                             f"for a run this process trains; {modes[0]} only shows one")
+        where = seen[modes[0]]
+        if where is None:
+            raise UsageError(f"{modes[0]} needs a path ({SPELLED[verb]})")
+        if verb == "attach":
+            return ["attach", where, *rest, "--read-only" if "--read-only" in seen
+                    else "--control"]  # the old --attach acted on the run unless --read-only
+        return ["replay", where, *rest]
+    if verb == "run":
+        demo_only = [flag for flag in seen if flag in DEMO_ONLY]
+        if demo_only:
+            flag = demo_only[0]
+            raise UsageError(f"{flag} goes with --demo (dflash-tui demo {flag} ...); with "
+                             f"--config the config decides: set {DEMO_ONLY[flag]} there")
+        if "--config" not in seen:
+            return ["run", *rest]
+        config = seen["--config"]  # None: argparse then says --config expects a path
+        return ["run", "--config", *([config] if config is not None else []), *rest]
+    return ["demo", *rest]
+
+
+def build_parser(verbs: Iterable[str] | None = None) -> argparse.ArgumentParser:
+    """Every verb as a sub-command; only ``verbs`` (None: all) get their options, so a command
+    imports only what its own verb's options need."""
+    p = argparse.ArgumentParser(
+        prog="dflash-tui", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
+        description="The console and engine that train DFlash drafters: one verb per job.")
+    p.add_argument("--version", action="version", version=f"dflash-tui {_version()}")
+    subs = p.add_subparsers(title="verbs", metavar="VERB", dest="verb", required=True)
+    for name in VERBS:
+        module = load(name)
+        doc = (module.__doc__ or name).strip()
+        sub = subs.add_parser(name, help=doc.splitlines()[0], description=doc,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+        if verbs is None or name in verbs:
+            module.add_arguments(sub)
+        sub.set_defaults(verb_module=module)
     return p
 
 
-def _steps(text: str) -> int:
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
     try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number of steps, got {text!r}")
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0 (0 = all epochs), got {value}")
-    return value
+        return version("dflash-tui")
+    except PackageNotFoundError:
+        return "(not installed)"
 
 
-def make_engine(args):
-    from dflash_core.config import ConfigError
-    from dflash_core.pipeline.engine import Engine
-
-    if args.resume and args.new_run:
-        raise ConfigError("", "--resume and --new-run contradict each other",
-                          hint="pass --resume to continue the run in its folder, or --new-run to "
-                               "start a fresh one beside it")
-    if args.config is not None:
-        if args.device != "auto":
-            raise ConfigError("layout.device", "--device is for --demo; with --config the "
-                              "config decides", hint="set layout.device in the config file")
-        if args.output_dir:
-            raise ConfigError("run.output_dir", "--output-dir cannot be combined with --config",
-                              hint="set run.output_dir in the config file")
-        return Engine(config_path=args.config, resume=args.resume, max_steps=args.max_steps,
-                      new_run=args.new_run)
-    if not args.demo:
-        raise ConfigError("", "nothing to run", hint="pass --config config.yaml or --demo")
-    from dflash_core.demo import demo_config
-
-    cfg = demo_config(output_dir=args.output_dir or "runs", device=args.device)
-    # The demo is run again and again: a new demo run takes a fresh folder (runs/demo-2, ...)
-    # rather than refuse; --resume continues runs/demo.
-    return Engine(cfg, resume=args.resume, max_steps=args.max_steps,
-                  new_run=not args.resume)
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """Either grammar's arguments as the verb's namespace (``verb``, ``verb_module``, its
+    options); exits 2 with one line on contradicting old flags, as argparse does on bad ones."""
+    try:
+        translated = translate(argv)
+    except UsageError as exc:
+        build_parser(()).exit(2, f"dflash-tui: {exc}\n")
+    return build_parser(translated[:1]).parse_args(translated)
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] == "data":  # dflash-tui data prepare | regenerate | inspect
-        from dflash_tui.verbs import data as data_verb
-
-        parser = argparse.ArgumentParser(prog="dflash-tui data",
-                                         description=data_verb.__doc__.splitlines()[0])
-        data_verb.add_arguments(parser)
-        return data_verb.run(parser.parse_args(argv[1:]))
-    if argv and argv[0] == "report":  # dflash-tui report RUN_DIR [--out FILE]
-        from dflash_tui.report import main as report_main
-
-        return report_main(argv[1:])
-    if argv and argv[0] == "check":  # dflash-tui check --config FILE | --demo (until the verb
-        # registry lands: then this is its line in dflash_tui/verbs/__init__.py)
-        from dflash_tui.verbs import check
-
-        parser = argparse.ArgumentParser(prog="dflash-tui check",
-                                         description=check.__doc__.splitlines()[0],
-                                         epilog="\n".join(check.__doc__.splitlines()[2:]),
-                                         formatter_class=argparse.RawDescriptionHelpFormatter)
-        check.add_arguments(parser)
-        return check.run(parser.parse_args(argv[1:]))
-    if argv and argv[0] == "serve":  # dflash-tui serve RUN_DIR [--port P] [--host H] [--control]
-        from dflash_tui.serve import main as serve_main
-
-        return serve_main(argv[1:])
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.read_only and args.attach is None:
-        parser.error("--read-only goes with --attach")
-    if args.attach is not None:
-        from dflash_tui.follow import FollowController
-
-        from dflash_core.observe.event_log import not_a_run
-
-        follower = FollowController(args.attach)
-        why = not_a_run(args.attach) or (None if follower.events_path.exists()
-                                         else f"{follower.events_path} does not exist")
-        if why:
-            print(f"nothing to attach to: {why}\nhint: pass the "
-                  f"run folder of a running dflash-tui (run.output_dir/run.name, e.g. runs/demo)",
-                  file=sys.stderr)
-            return 2
-        from dflash_tui import lifeline
-        from dflash_tui.app import run_app
-
-        # A browser's dashboard (serve): ends with its session or server, whatever its loop does.
-        guard = lifeline.Lifeline().arm() if lifeline.served() else None
-        return run_app(follower, run_dir=None, read_only=args.read_only, lifeline=guard)
-    if args.replay is not None:
-        from dflash_tui.app import run_app
-        from dflash_tui.replay import ReplayController
-
-        from dflash_core.observe.event_log import events_path, not_a_run
-
-        path = events_path(args.replay)
-        try:
-            if not_a_run(args.replay):
-                raise ValueError(not_a_run(args.replay))
-            controller = ReplayController.from_jsonl(path)
-        except (OSError, UnicodeDecodeError, ValueError) as exc:
-            if isinstance(exc, FileNotFoundError):
-                why = "does not exist"
-            elif isinstance(exc, OSError):
-                why = f"cannot be read ({exc})"
-            else:
-                why = "is not an events.jsonl (not UTF-8 JSON lines)"
-            print(f"nothing to replay: {path} {why}\nhint: pass a run folder (run.output_dir/"
-                  f"run.name, e.g. runs/demo) or its events.jsonl", file=sys.stderr)
-            return 2
-        # No post-mortem: the replay itself shows how that run ended.
-        return run_app(controller, run_dir=None)
-    from dflash_core.config import ConfigError
-
+    args = parse_args(sys.argv[1:] if argv is None else list(argv))
     try:
-        engine = make_engine(args)
-        if args.config is not None:  # a config error ends here, before any run: exit 2
-            from dflash_core.config import load_config
-            load_config(args.config)
-    except ConfigError as exc:
-        print(f"config error: {exc}\nhint: {exc.hint}" if exc.hint else f"config error: {exc}",
-              file=sys.stderr)
-        # Several nodes (torchrun): the others wait to join this one; tell them why it won't.
-        from dflash_core.multinode.nodes import tell_failure_before_joining
-
-        tell_failure_before_joining(f"config error: {exc}", exc.hint)
-        return 2
-    if args.headless:
-        from dflash_core.pipeline.headless import run_headless
-
-        return run_headless(engine)
-    from dflash_core.pipeline.inbox import open_inbox
-    from dflash_tui.app import run_app
-
-    run_dir = engine.run_dir()
-    inbox = open_inbox(engine, run_dir)  # a second terminal may attach with --attach
-
-    def go_on_headless() -> int:
-        """The terminal hung up: the run goes on in this process, with no screen."""
-        from dflash_core.observe.events import Log
-        from dflash_core.pipeline.headless import run_headless
-
-        signal.signal(signal.SIGHUP, signal.SIG_IGN)
-        engine.bus.publish(Log(level="warning", source="dashboard", message=(
-            f"terminal hung up: training goes on headless, pid {os.getpid()}; attach with "
-            f"dflash-tui --attach {run_dir}")))
-        # The inbox opened above keeps serving an attached dashboard's commands.
-        return run_headless(engine, start=False, serve_inbox=False)
-
-    try:
-        return run_app(engine, run_dir=run_dir, on_hangup=go_on_headless)
-    finally:
-        if inbox is not None:
-            inbox.close()
+        return args.verb_module.run(args)
+    except KeyboardInterrupt:  # Ctrl+C before a screen or a run takes it (a wait for node 0)
+        print("interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""A Controller for a run owned by another process: ``dflash-tui --attach RUN_DIR``.
+"""A Controller for a run owned by another process: ``dflash-tui attach RUN_DIR``.
 
 Events come from the run's ``events.jsonl``, followed as it grows (the engine flushes one JSON line
 per event); abort and restart go to the owning process as command files

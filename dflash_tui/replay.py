@@ -1,6 +1,6 @@
 """A Controller that plays back recorded events instead of running an engine.
 
-Used by the tests (scripted event lists) and by `dflash-tui --replay FILE` for post-mortems of an
+Used by the tests (scripted event lists) and by `dflash-tui replay EVENTS_OR_RUN_DIR` for post-mortems of an
 events.jsonl. abort / restart / shutdown are recorded in `calls` and answered with a StateChanged,
 so the dashboard's controls can be exercised without a GPU.
 """

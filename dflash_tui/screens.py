@@ -6,7 +6,7 @@ from rich.table import Table
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Horizontal, Vertical
+from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Button, Static
 
@@ -62,7 +62,7 @@ class HelpScreen(ModalScreen[None]):
         keys.add_column()
         for key, what in KEYS:
             keys.add_row(key, what)
-        with Vertical(id="help"):
+        with VerticalScroll(id="help"):  # a terminal too small for it scrolls it
             yield Static(Text("dflash dashboard: keys", style="bold"))
             yield Static(keys, id="help-text")
             yield Static(Text("A failure never closes this screen: errors show in the errors "

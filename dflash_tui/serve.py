@@ -1,11 +1,13 @@
-"""`dflash-tui serve RUN_DIR`: the attached dashboard in a browser, through textual-serve.
+"""`dflash-tui serve RUN_DIR`: the attached dashboard in a browser, through textual-serve (its
+arguments: `dflash_tui/verbs/serve.py`).
 
-Each browser connection runs its own `dflash-tui --attach RUN_DIR` process (textual-serve starts
+Each browser connection runs its own `dflash-tui attach RUN_DIR` process (textual-serve starts
 one per websocket), so the training process is never duplicated: the page is one more attached
 dashboard. Bound to 127.0.0.1 by default; reach it from a laptop with `ssh -L`.
 
-Read-only by default: the dashboards run with --read-only, so a and r are refused on screen and
-nothing is sent to the run. --control lets them through, and then every request must carry a
+Read-only by default, as every view (the rule of `attach` too): the dashboards run with
+--read-only, so a and r are refused on screen and nothing is sent to the run. --control runs
+them with --control and lets a and r through, and then every request must carry a
 random token: the page as `/?token=T`, its websocket as `/ws/T` (the page's script appends
 `?width=..&height=..` to the websocket address, so the token travels in the path there). A request
 without the right token gets 403. Only textual-serve's own scripts and styles (/static) are
@@ -20,7 +22,6 @@ then SIGKILL, and always reaped; SIGINT, SIGTERM and SIGHUP end serve the same w
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import os
@@ -42,9 +43,8 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 def attach_command(run_dir: Path, read_only: bool) -> str:
     """The shell command textual-serve runs for each browser connection."""
-    cmd = [sys.executable, "-m", "dflash_tui.cli", "--attach", str(run_dir.resolve())]
-    if read_only:
-        cmd.append("--read-only")
+    cmd = [sys.executable, "-m", "dflash_tui.cli", "attach", str(run_dir.resolve()),
+           "--read-only" if read_only else "--control"]
     # exec: the shell becomes the dashboard, so signals and the parent's death reach it directly.
     return "exec " + " ".join(shlex.quote(part) for part in cmd)
 
@@ -236,40 +236,3 @@ def describe(run_dir: Path, host: str, port: int, token: str | None) -> str:
     lines.append("each browser tab runs its own attached dashboard; Ctrl+C stops serving (the "
                  "run goes on)")
     return "\n".join(lines)
-
-
-def main(argv: list[str]) -> int:
-    """``dflash-tui serve RUN_DIR [--port P] [--host H] [--control]``."""
-    p = argparse.ArgumentParser(
-        prog="dflash-tui serve",
-        description="Serve the dashboard of a live run to a browser (textual-serve): each "
-                    "connection runs its own `dflash-tui --attach RUN_DIR`. Read-only unless "
-                    "--control.")
-    p.add_argument("run_dir", type=Path, metavar="RUN_DIR",
-                   help="the run folder (run.output_dir/run.name, e.g. runs/demo)")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"default {DEFAULT_PORT}")
-    p.add_argument("--host", default=DEFAULT_HOST,
-                   help=f"address to listen on (default {DEFAULT_HOST}: reach it with ssh -L)")
-    p.add_argument("--control", action="store_true",
-                   help="allow abort and restart from the browser; the URL then carries a "
-                        "random token and requests without it get 403")
-    args = p.parse_args(argv)
-    events = args.run_dir / "events.jsonl"
-    if not events.exists():
-        print(f"nothing to serve: {events} does not exist\nhint: pass the run folder of a "
-              f"running dflash-tui (run.output_dir/run.name, e.g. runs/demo)", file=sys.stderr)
-        return 2
-    try:
-        server = make_server(args.run_dir, args.host, args.port,
-                             secrets.token_urlsafe(24) if args.control else None)
-    except ImportError as exc:
-        print(f"dflash-tui serve needs textual-serve: {exc}\nhint: pip install textual-serve",
-              file=sys.stderr)
-        return 2
-    try:
-        server.serve()
-    except OSError as exc:
-        print(f"cannot serve on {args.host}:{args.port}: {exc}\nhint: pick another --port",
-              file=sys.stderr)
-        return 1
-    return 0

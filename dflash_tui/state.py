@@ -15,9 +15,12 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Iterable
 
+from dflash_core.config import EvalConfig
+from dflash_core.models import acceptance
 from dflash_core.observe import events as ev
 from dflash_core.observe.errors import error_from_exception
 from dflash_core.observe.fold import EventFold
+from dflash_core.planning.card_budget import card_budget
 
 from . import fmt
 
@@ -36,6 +39,10 @@ TARGET_PENDING = "pending"
 TARGET_LOADED = "loaded"
 # The statuses of a target still at work: one that says nothing more once the run ends has stopped.
 _TARGET_AT_WORK = (ev.WORKER_LOADING, TARGET_LOADED, ev.WORKER_WARMUP, ev.WORKER_RUNNING)
+# A worker's last word (its WorkerStatus as its thread ends): one log line each.
+_WORKER_ENDS = (ev.WORKER_DONE, ev.WORKER_STOPPED)
+# How a run that ended is said ("the run failed before loading").
+_ENDED = {"failed": "failed", "aborted": "was aborted", "finished": "finished"}
 
 
 # A GPU with less than this share of its usable memory left (or whose allocator starts retrying)
@@ -62,6 +69,11 @@ class GpuRow:
     util: float = -1.0
     temperature: float = -1.0
     sampled: bool = False  # a GpuSample arrived (plan-only rows have none)
+
+    @property
+    def budget(self) -> int:
+        """What the run may use here: the card, or the rehearsed smaller card of its limit."""
+        return card_budget(self.mem_total, self.limit)
 
 
 @dataclass
@@ -130,7 +142,6 @@ class DashboardState(EventFold):
         self.errors: list[ErrorEntry] = []
         self.gpus: dict[int, GpuRow] = {}
         self.host: ev.HostSample | None = None
-        self.workers: dict[str, ev.WorkerStatus] = {}
         self.sinks: dict[str, ev.SinkStatus] = {}
         self.state = "idle"
         self.reason = ""  # why the state last changed (shown beside a failed / aborted state)
@@ -147,15 +158,23 @@ class DashboardState(EventFold):
         self.started_ts: float | None = None
         self.end_ts: float | None = None
         self.total_steps = 0
+        self.plan: ev.TrainingPlan | None = None  # where training starts, what limit ends it
+        # The step the run starts from: 0, a resume's checkpoint step (TrainingPlan), or None
+        # while a resume has not said it yet; the run's last step once it ended (RunEnded).
+        self.start_step: int | None = 0
+        self.end_step: int | None = None
+        self.ended_in = ""  # the state a run that ended was in when it ended (preflight, ...)
+        self.checkpoint_writing: ev.CheckpointProgress | None = None  # written in the background
         self.allocator = ""  # CUDA allocator settings of the run ("" on CPU)
         self.stalls: dict[str, ev.Stall] = {}  # workers stalled now (cleared by progress)
         # (step, exact tau, teacher-forced tau of the step then) of every evaluation
         self.eval_history: deque[tuple[int, float, float | None]] = deque(maxlen=500)
         self.best: ev.Checkpoint | None = None  # checkpoints/best: the highest exact tau
-        self.tau_gap_warn = 2.0  # eval.tau_gap_warn of the run's config
+        self.tau_gap_warn = EvalConfig.tau_gap_warn  # eval.tau_gap_warn of the run's config
         self.target_labels: list[str] = []
         self.drafter_labels: list[str] = []
         self.targets: dict[str, TargetRow] = {}
+        self.workers: dict[str, ev.WorkerStatus] = {}  # each worker's latest WorkerStatus
         self.drafter_times: dict[str, ev.DrafterMetrics] = {}  # latest report per drafter
         self.queues: dict[str, QueueRow] = {}
         self.step: ev.StepMetrics | None = None
@@ -210,37 +229,73 @@ class DashboardState(EventFold):
         self.started_ts = e.ts
         self.total_steps = e.total_steps
         self.allocator = e.allocator
-        self.tau_gap_warn = float(e.config.get("eval", {}).get("tau_gap_warn", 2.0))
+        self.tau_gap_warn = float(e.config.get("eval", {}).get("tau_gap_warn",
+                                                              EvalConfig.tau_gap_warn))
         self.target_labels = [str(x) for x in e.targets]
         self.drafter_labels = [str(x) for x in e.drafters]
+        self.start_step = e.resumed_from_step or (None if e.resume else 0)
         resumed = f", resumed from step {e.resumed_from_step}" if e.resumed_from_step else ""
         self.add_log("info", "engine", f"run {e.run_name} started in {e.run_dir}{resumed}")
         return set(PANELS)
 
+    def _on_TrainingPlan(self, e: ev.TrainingPlan) -> set[str]:
+        self.plan = e
+        self.start_step = e.start_step
+        self.total_steps = e.total_steps
+        self.add_log("info", "engine", e.summary(), e.ts)
+        return {"header", "training", "log"}
+
     def _on_StateChanged(self, e: ev.StateChanged) -> set[str]:
         self.state, self.reason = e.state, e.reason
+        changed = {"header", "log", "targets"}
         if e.state in ev.TERMINAL_STATES:
             self.end_ts = e.ts
+            self.ended_in = e.previous
             self.stalls.clear()  # the run's workers are gone
-            for row in self.targets.values():  # a worker that said nothing more has stopped
+            self.checkpoint_writing = None
+            self._log_last_words(e.ts)
+            # A worker that said nothing more has stopped (events of an engine that did not
+            # publish every worker's last state, or a thread stuck past the end).
+            for row in self.targets.values():
                 if row.status in _TARGET_AT_WORK:
                     row.status = ev.WORKER_STOPPED
+            for name, w in self.workers.items():
+                if w.status not in _WORKER_ENDS + (ev.WORKER_FAILED,):
+                    self.workers[name] = replace(w, status=ev.WORKER_STOPPED)
+            changed = set(PANELS)  # an empty panel now says why it stayed empty
         elif e.state in LIVE_STATES and self.end_ts is not None:
-            self.end_ts = None  # a restart without a new RunStarted: the clock runs again
+            # a restart without a new RunStarted: the clock runs again
+            self.end_ts, self.end_step, self.ended_in = None, None, ""
         reason = f" ({e.reason})" if e.reason else ""
         level = {"failed": "error", "aborted": "warning"}.get(e.state, "info")
         self.add_log(level, "engine", f"state {e.previous} -> {e.state}{reason}")
-        return {"header", "log", "targets"}
+        return changed
 
     def _on_WorkerStatus(self, e: ev.WorkerStatus) -> set[str]:
         self.workers[e.worker] = e
+        changed = {"gpus"}
+        if e.status in _WORKER_ENDS and self.ended:  # a last word after the run's end: alone
+            detail = f" ({e.detail})" if e.detail else ""
+            self.add_log("info", e.worker, f"{e.status}{detail}", e.ts)
+            changed.add("log")
         if e.role != "target":
-            return {"gpus"}
+            return changed
         row = self._target(e.worker, e.device)
         row.status, row.detail = e.status, e.detail
         if e.status == ev.WORKER_FAILED and e.detail and not row.error:
             row.error = e.detail
-        return {"targets", "gpus"}
+        return changed | {"targets"}
+
+    def _log_last_words(self, ts: float) -> None:
+        """As the run ends: how each worker ended (its last WorkerStatus), one line for all,
+        grouped by how ("stopped: target-0, drafter-0"); a failure has its own error line."""
+        by: dict[str, list[str]] = {}
+        for name, w in self.workers.items():
+            if w.status in _WORKER_ENDS:
+                by.setdefault(w.status, []).append(name + (f" ({w.detail})" if w.detail else ""))
+        if by:
+            self.add_log("info", "workers", "; ".join(f"{status}: {', '.join(names)}"
+                                                     for status, names in by.items()), ts)
 
     def _target(self, worker: str, device: str = "") -> TargetRow:
         row = self.targets.get(worker)
@@ -276,7 +331,7 @@ class DashboardState(EventFold):
         row.alloc_retries, row.ooms = e.alloc_retries, e.ooms
         row.role = e.role
         row.sampled = True
-        cap = row.limit or row.mem_total
+        cap = row.budget
         low = cap > 0 and row.mem_used >= 0 and (cap - row.mem_used) < TIGHT_HEADROOM * cap
         if (low or retried) and not row.tight:
             why = (f"{(cap - row.mem_used) / fmt.GIB:.1f} GiB left of {cap / fmt.GIB:.1f}" if low
@@ -361,27 +416,38 @@ class DashboardState(EventFold):
     def _on_EvalResult(self, e: ev.EvalResult) -> set[str]:
         self.eval = e
         self.eval_history.append((e.step, e.tau, self.step.tau_tf if self.step else None))
-        self.add_log("info", "eval", f"step {e.step}: tau {e.tau:.2f} on {e.prompts} prompts")
+        self.add_log("info", "eval", f"step {e.step} on {e.prompts} prompts: "
+                     f"{acceptance.summary_line(e)}")
         return {"training", "log"}
 
     def accepted_by_position(self) -> list[float]:
         """Of the latest evaluation: how often position k (1..) of a drafted block was accepted,
         i.e. the share of rounds that accepted k or more drafted tokens."""
-        hist = self.eval.acceptance if self.eval else []
-        rounds = sum(hist)
-        if not rounds:
-            return []
-        return [sum(hist[k:]) / rounds for k in range(1, len(hist))]
+        return acceptance.accepted_at(self.eval.acceptance if self.eval else [])
 
     @property
     def tau_gap(self) -> float | None:
-        """Teacher-forced minus exact tau at the latest evaluation (None before one)."""
+        """The mismatch gap of the latest evaluation: teacher-forced tau on the target's own
+        decoding minus exact tau (an older run's events, without it: the step's teacher-forced
+        tau minus exact). None before an evaluation."""
+        if self.eval is not None and self.eval.tau_tf_target >= 0:
+            return self.eval.tau_tf_target - self.eval.tau
         if not self.eval_history or self.eval_history[-1][2] is None:
             return None
         _, tau, tf = self.eval_history[-1]
         return tf - tau
 
+    def _on_CheckpointProgress(self, e: ev.CheckpointProgress) -> set[str]:
+        self.checkpoint_writing = e
+        return {"header"}
+
+    def _checkpoint_written(self, step: int) -> None:
+        w = self.checkpoint_writing
+        if w is not None and w.step <= step:
+            self.checkpoint_writing = None
+
     def _on_Checkpoint(self, e: ev.Checkpoint) -> set[str]:
+        self._checkpoint_written(e.step)
         if e.reason == "best":
             self.best = e
             self.add_log("info", "checkpoint", f"best so far: step {e.step} (tau {e.tau:.2f}), "
@@ -396,6 +462,8 @@ class DashboardState(EventFold):
         return {"log"}
 
     def _on_Error(self, e: ev.Error) -> set[str]:
+        if e.source == "checkpoint":  # a write that failed ends its progress line
+            self.checkpoint_writing = None
         row = self.targets.get(e.source)
         if row is not None:
             # "[oom] CUDA out of memory..." reads better than the exception's class name.
@@ -413,6 +481,7 @@ class DashboardState(EventFold):
 
     def _on_RunEnded(self, e: ev.RunEnded) -> set[str]:
         self.end_ts = e.ts
+        self.end_step = e.step
         if e.status in ev.TERMINAL_STATES:
             self.state = e.status
             self.reason = e.reason or self.reason
@@ -434,6 +503,37 @@ class DashboardState(EventFold):
     @property
     def live(self) -> bool:
         return self.state in LIVE_STATES
+
+    @property
+    def ended(self) -> bool:
+        return self.state in ev.TERMINAL_STATES
+
+    @property
+    def current_step(self) -> int | None:
+        """The step the run is at: its last one once it ended, the newest step's, else the one
+        it starts from (None while a resume has not said which)."""
+        if self.end_step is not None:
+            return self.end_step
+        if self.step is not None:
+            return self.step.step
+        return self.start_step
+
+    def ended_before(self, phase: str) -> str:
+        """'the run failed before loading' when the run ended before it reached ``phase`` (a
+        lifecycle state); "" while it runs or once it got there. An empty panel says it."""
+        if not self.ended or self.ended_in not in ev.STATES:
+            return ""
+        if ev.STATES.index(self.ended_in) >= ev.STATES.index(phase):
+            return ""
+        return f"the run {_ENDED[self.state]} before {phase}"
+
+    @property
+    def failure(self) -> ev.Error | None:
+        """The fatal error that ended this run, when it failed."""
+        if self.state != "failed":
+            return None
+        return next((x.event for x in reversed(self.errors)
+                     if x.event.fatal and not x.previous), None)
 
     @property
     def error_count(self) -> int:

@@ -200,15 +200,14 @@ def diagnose(ours: DecodeResult, ref: DecodeResult | None, *, memorised: bool, t
     if off:
         last = target_layers - 1
         why = (f"layer {last} is the target's last layer: transformers returns it after the "
-               f"final norm (hidden_states[{last + 1}]), which the reference reads, while this "
-               "engine trains on the layer's raw output"
+               f"final norm (hidden_states[{last + 1}]), which the reference reads, and the "
+               "features trained on are not that"
                if last in off else "the features trained on are not those layers' outputs as "
                "the reference reads them (hidden_states[i + 1]), e.g. off by one")
         found.append(Finding(
             f"target.layer_ids {sorted(off)}: {why}",
-            "list only layers below the last one in target.layer_ids (the default spread stops "
-            "at N-3)" if last in off else "the feature of layer i must be that layer's output "
-            "(target.py)", ev))
+            "the feature of layer i must be HF's hidden_states[i + 1], the last layer's after "
+            "the final norm (TargetModel.features in models/target.py)", ev))
     if ref is not None and not ok_ref and ok_ours and not off:
         if False:
             pass

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
+import numpy as np
 import torch
 
 # target_fn(input_ids [1, T]) -> (logits [1, T, V], features [1, T, k*H]) of one full forward.
@@ -57,6 +58,12 @@ class EvalSummary:
     prompts: int
     tokens: int  # new tokens generated, all prompts together
     rounds: int = 0
+    # Per prompt, the tokens decoding produced: the target's own greedy continuation (decoding is
+    # lossless), which the teacher-forced measure of acceptance.py runs on.
+    outputs: list[list[int]] = field(default_factory=list)
+    # Per prompt, the position of each round's last accepted token (its anchor): where a
+    # teacher-forced block scores exactly what that round accepted.
+    anchors: list[list[int]] = field(default_factory=list)
 
 
 def _as_ids(prompt_ids: Sequence[int] | torch.Tensor) -> list[int]:
@@ -165,17 +172,68 @@ def evaluate_tau(target_fn: TargetFn, drafter: Drafter | None,
     """Exact tau over held-out prompts: mean of (accepted + 1) over all rounds of all prompts."""
     B = block_size or (drafter.block_size if drafter is not None else 1)
     hist = [0] * B
-    tokens = 0
+    outputs, anchors = [], []
     for prompt in prompts:
         r = speculative_generate(target_fn, drafter, prompt, max_new_tokens, layer_ids, B,
                                  eos_token_id=eos_token_id, device=device)
         for a in r.acceptance:
             hist[a] += 1
-        tokens += len(r.tokens)
+        outputs.append(r.tokens)
+        starts, at = [], len(_as_ids(prompt))
+        for a in r.acceptance:
+            starts.append(at)
+            at += a + 1
+        anchors.append(starts)
     rounds = sum(hist)
     gained = sum((k + 1) * c for k, c in enumerate(hist))
     return EvalSummary(tau=gained / rounds if rounds else 0.0, acceptance=hist,
-                       prompts=len(prompts), tokens=tokens, rounds=rounds)
+                       prompts=len(prompts), tokens=sum(map(len, outputs)), rounds=rounds,
+                       outputs=outputs, anchors=anchors)
+
+
+@torch.no_grad()
+def teacher_forced_eval(features_fn: Callable[[torch.Tensor], torch.Tensor], drafter,
+                        sequences: Sequence[tuple[Sequence[int], Sequence[int]]],
+                        chunk: int = 4096,
+                        anchors: Sequence[Sequence[int]] | None = None) -> tuple[float, int]:
+    """(tau, blocks): teacher-forced tau of ``drafter`` on ``sequences`` of (input_ids,
+    loss_mask), features from ``features_fn(ids [1, T]) -> [1, T, k*H]``. The drafter pass is the
+    one training makes (same block inputs, attention and loss code), so whatever training's
+    drafter sees, this one sees too; exact decoding cannot.
+
+    Anchors: ``anchors[i]`` for sequence i (e.g. ``EvalSummary.anchors``: a block there scores
+    what that decoding round accepted, so on the decoded text the two agree unless training and
+    decoding differ), else every valid position (a mean over all positions, which runs above
+    exact tau: decoding's rounds start where the last draft failed, the hard places)."""
+    from dflash_core.models import objective as obj
+
+    dev = _drafter_device(drafter)
+    total, blocks = 0.0, 0
+    for i, (ids_seq, mask_seq) in enumerate(sequences):
+        ids = torch.tensor([_as_ids(ids_seq)], dtype=torch.long)
+        mask = torch.tensor([[int(m) for m in mask_seq]], dtype=torch.long)
+        valid = obj.valid_anchor_positions(mask[0].numpy())
+        if anchors is not None:
+            valid = np.intersect1d(valid, np.asarray(anchors[i], dtype=np.int64))
+        if len(valid) == 0:
+            continue
+        at = torch.from_numpy(valid.astype(np.int64))[None]
+        labels = obj.block_labels(ids, mask, at, drafter.block_size).to(dev)
+        feats = features_fn(ids).to(dev)
+        ids, at = ids.to(dev), at.to(dev)
+        bids, pos = drafter.block_inputs(ids, at)
+        embeds = drafter.embed_tokens(bids).to(drafter.fc.weight.dtype)
+        hidden = drafter(feats, embeds, pos, at)
+        out = obj.chunked_loss(hidden, labels, drafter.lm_head.weight, 1.0, chunk)
+        total += float(out.tau_sum)
+        blocks += out.blocks
+    return (total / blocks if blocks else 0.0), blocks
+
+
+def features_fn_for(target_model, layer_ids: Sequence[int] | None):
+    """``target.TargetModel.features`` of ``layer_ids`` as ``fn(ids [1, T]) -> [1, T, k*H]``."""
+    ids = list(layer_ids) if layer_ids is not None else None
+    return lambda input_ids: target_model.features(input_ids, layer_ids=ids)
 
 
 def target_fn_for(target_model, layer_ids: Sequence[int] | None) -> TargetFn:

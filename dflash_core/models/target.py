@@ -318,7 +318,8 @@ class TargetModel:
                  stop: threading.Event | None = None) -> torch.Tensor:
         """Outputs of ``layer_ids`` (default: ``default_layer_ids``), concatenated: [b, S, k*H].
 
-        Layer i's output is HF's ``hidden_states[i+1]``. Right padding with ``attention_mask``
+        Layer i's output is HF's ``hidden_states[i+1]``; for the last layer that is after the
+        final norm, as the reference and the serving stacks read it. Right padding with ``attention_mask``
         leaves the valid positions as they would be for each sequence alone. With ``stop``, raises
         ForwardInterrupted at the next layer once it is set.
         """
@@ -329,9 +330,19 @@ class TargetModel:
                 self.decoder(**self._inputs(input_ids, attention_mask), use_cache=False)
             except _StopForward:
                 pass
+        self._as_hidden_states(outputs)
         # Concatenated outside inference mode: the result is an ordinary tensor, which autograd
         # may save for backward in the drafter's fc (an inference tensor could not be).
         return torch.cat([outputs[i] for i in ids], dim=-1)
+
+    def _as_hidden_states(self, outputs: dict[int, torch.Tensor]) -> None:
+        """HF's hidden_states[N] is the last layer's output after the final norm: a drafter
+        trained on the raw output would see other features when served (the reference reads
+        hidden_states[i+1])."""
+        last = self.num_layers - 1
+        if last in outputs:
+            with torch.inference_mode():
+                outputs[last] = self.decoder.norm(outputs[last])
 
     def logits_and_features(self, input_ids: torch.Tensor, layer_ids: list[int] | None = None,
                             attention_mask: torch.Tensor | None = None
@@ -340,6 +351,7 @@ class TargetModel:
         ids = self._layer_ids(layer_ids)
         with self._capture(ids, stop_after_last=False) as outputs:
             logits = self.model(**self._inputs(input_ids, attention_mask), use_cache=False).logits
+        self._as_hidden_states(outputs)
         return logits, torch.cat([outputs[i] for i in ids], dim=-1)
 
     def _inputs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> dict:

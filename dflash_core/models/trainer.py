@@ -22,6 +22,7 @@ from torch import nn
 from dflash_core.models import objective as obj
 from dflash_core.models.optimizers import build_optimizer, set_lr
 from dflash_core.config import Config, default_gamma
+from dflash_core.levers import halve
 from dflash_core.models.drafter import DFlashDrafter, build_drafter_config
 from dflash_core.pipeline.handoff import FeatureCopier
 
@@ -207,10 +208,11 @@ class DrafterReplica:
         when a group is already one sequence (no smaller size exists)."""
         per_seq = self.last_block_tokens
         group = min(self.micro_block_tokens // per_seq, self.last_rows) if per_seq else 0
-        if group <= 1:
+        smaller = halve(group, 1)  # the levers' one rule, counted in sequences
+        if smaller is None:
             return None
         old = self.micro_block_tokens
-        self.micro_block_tokens = (group // 2) * per_seq
+        self.micro_block_tokens = smaller * per_seq
         return old, self.micro_block_tokens
 
     def write_stats(self) -> None:
@@ -380,9 +382,14 @@ def make_replicas(drafter: DFlashDrafter, devices: list[torch.device], cfg: Conf
     return reps
 
 
-def total_steps_for(cfg: Config, batches_per_epoch: int, world: int) -> int:
+def epoch_steps_for(cfg: Config, batches_per_epoch: int, world: int) -> int:
+    """The optimizer steps that optim.epochs of the data make on ``world`` drafters."""
     per_step = max(1, cfg.optim.grad_accum * world)
-    steps = math.ceil(batches_per_epoch * cfg.optim.epochs / per_step)
+    return math.ceil(batches_per_epoch * cfg.optim.epochs / per_step)
+
+
+def total_steps_for(cfg: Config, batches_per_epoch: int, world: int) -> int:
+    steps = epoch_steps_for(cfg, batches_per_epoch, world)
     return min(steps, cfg.run.max_steps) if cfg.run.max_steps else steps
 
 

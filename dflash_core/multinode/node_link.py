@@ -24,15 +24,25 @@ so every node makes the same number of collectives.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import torch
 
+from dflash_core.config import NodesConfig
 from dflash_core.observe.events import Error, Log, NodeStatus
 from dflash_core.multinode.nodes import JOIN_NOTICE_S, NodeFailure, NodeGroup
 from dflash_core.models.trainer import RateMeter
+
+if TYPE_CHECKING:  # the run's parts, named for the reader only: the link never builds them
+    from dflash_core.data import Prefetcher
+    from dflash_core.models.trainer import DrafterReplica
+    from dflash_core.observe.watchdog import Heartbeats
+    from dflash_core.persist.checkpoint import LoadedCheckpoint
+    from dflash_core.persist.data_position import DataPosition
+    from dflash_core.pipeline.hs_queue import HiddenStateQueue
 
 STATUS_EVERY_S = 1.0  # NodeStatus per node at most this often (a change of ending / error: always)
 ERROR_CHARS = 2000  # of a node's last error message in its summary
@@ -40,6 +50,32 @@ ERROR_CHARS = 2000  # of a node's last error message in its summary
 
 def _waiting_for(nodes: list[int]) -> str:
     return f"waiting for {', '.join(f'node {k}' for k in nodes) or 'the other nodes'}"
+
+
+class LinkedRun(Protocol):
+    """What the link may see of the run it serves (pipeline/run.py's ``Run`` is one).
+
+    It reads the rest to build its summary and sets only three things: ``abort_requested`` (an
+    abort or restart from another node), ``peer_failed`` (the run fails because another node
+    did, so node 0 still writes its checkpoint) and ``stop`` (every node ends the run together).
+    """
+
+    step: int
+    replicas: list[DrafterReplica]
+    target_devices: list[torch.device]
+    drafter_devices: list[torch.device]
+    hs_queue: HiddenStateQueue | None
+    prefetchers: list[Prefetcher]
+    position: DataPosition | None
+    resume: LoadedCheckpoint | None
+    failure: Error | None
+    heartbeats: Heartbeats
+    abort_requested: bool
+    peer_failed: bool
+    stop: threading.Event
+
+    @property
+    def total_steps(self) -> int: ...
 
 
 class NodeMismatch(RuntimeError):
@@ -75,7 +111,7 @@ def weights_checksum(params: list[torch.Tensor]) -> float:
 class _Across:
     """What the trainer calls once per step to sum its gradient buffer across nodes."""
 
-    def __init__(self, link: "NodeLink", run):
+    def __init__(self, link: NodeLink, run: LinkedRun):
         self.link, self.run = link, run
 
     def all_reduce_(self, buf: torch.Tensor) -> None:
@@ -95,11 +131,13 @@ class _Across:
 
 
 class NodeLink:
-    def __init__(self, group: NodeGroup, publish: Callable[[Any], None], *,
+    """One run's side of the protocol, made for that run (``run``) from the config it serves."""
+
+    def __init__(self, run: LinkedRun, group: NodeGroup, publish: Callable[[Any], None], *,
                  fail: Callable[[Error], None], restart: Callable[[], None],
                  restarting: Callable[[], bool], checksum_every: int, stall_s: float,
-                 timeout_s: float = 900.0):
-        self.group, self.publish = group, publish
+                 timeout_s: float):
+        self.run, self.group, self.publish = run, group, publish
         self.rank, self.world = group.rank, group.world
         self._fail, self._restart, self._restarting = fail, restart, restarting
         self.checksum_every, self.stall_s, self.timeout_s = checksum_every, stall_s, timeout_s
@@ -112,6 +150,17 @@ class NodeLink:
         self.last_error = ""
         self._status_t: dict[int, tuple[float, str, str]] = {}
 
+    @classmethod
+    def from_config(cls, nodes: NodesConfig, stall_s: float, run: LinkedRun, group: NodeGroup,
+                    publish: Callable[[Any], None], *, fail: Callable[[Error], None],
+                    restart: Callable[[], None], restarting: Callable[[], bool]) -> NodeLink:
+        """The link of a run whose config has ``nodes`` (nodes.*) and the stall floor ``stall_s``
+        (telemetry.stall_floor_s: how long a collective waits before it says whom it waits
+        for)."""
+        return cls(run, group, publish, fail=fail, restart=restart, restarting=restarting,
+                   checksum_every=nodes.checksum_every, stall_s=stall_s,
+                   timeout_s=nodes.timeout_s)
+
     @property
     def lead(self) -> bool:
         return self.rank == 0
@@ -121,8 +170,8 @@ class NodeLink:
         """Steps are being exchanged: an abort now waits for the next step boundary."""
         return self.exchanges > 0 and not self.over
 
-    def across(self, run) -> _Across:
-        return _Across(self, run)
+    def across(self) -> _Across:
+        return _Across(self, self.run)
 
     def note_error(self, ev) -> None:
         """A bus tap: this node's last error, for its summary."""
@@ -130,7 +179,8 @@ class NodeLink:
             self.last_error = f"{ev.source}: {ev.message}"
 
     # -- the summary ---------------------------------------------------------------------------
-    def _summary(self, run, *, ending: str = "", checksum: bool = False) -> dict:
+    def _summary(self, *, ending: str = "", checksum: bool = False) -> dict:
+        run = self.run
         reps = run.replicas
         samples = sum(r.micro.samples for r in reps)
         tokens = sum(r.micro.tokens for r in reps)
@@ -170,7 +220,8 @@ class NodeLink:
                 ending=v["ending"],
                 error=v["error"]))
 
-    def _exchange(self, run, payload: dict, where: str) -> list[dict]:
+    def _exchange(self, payload: dict, where: str) -> list[dict]:
+        run = self.run
         warned = [False]
         noted = [False]
 
@@ -199,31 +250,32 @@ class NodeLink:
         return views
 
     # -- at the start of a run -----------------------------------------------------------------
-    def start(self, run) -> None:
+    def start(self) -> None:
         """Every node's run begins here together, before it reads a checkpoint: after a restart
         node 0 arrives only once its teardown wrote the checkpoint the others resume from. A
         node whose run ended before this (its farewell) ends the others' here."""
-        run.heartbeats.beat("waiting for the other nodes to start the run")
-        views = self._exchange(run, self._summary(run), "at the start of the run")
+        self.run.heartbeats.beat("waiting for the other nodes to start the run")
+        views = self._exchange(self._summary(), "at the start of the run")
         ended = [v for v in views if v["ending"] and v["node"] != self.rank]
         if ended:
             self.over = True
-            self._peer_ended(run, ended)
+            self._peer_ended(ended)
 
     # -- at the step boundary ------------------------------------------------------------------
-    def boundary(self, run) -> Verdict:
+    def boundary(self) -> Verdict:
         """Called by the stepping thread before the optimizer step; the same verdict on every
         node."""
+        run = self.run
         run.heartbeats.beat("step exchange with the other nodes")
         first = self.exchanges == 0
         check = first or bool(self.checksum_every and run.step % self.checksum_every == 0)
-        views = self._exchange(run, self._summary(run, checksum=check),
+        views = self._exchange(self._summary(checksum=check),
                                f"step {run.step + 1} at the step boundary")
         self.exchanges += 1
         ended = [v for v in views if v["ending"] and v["node"] != self.rank]
         if ended:
             self.over = True
-            self._peer_ended(run, ended)
+            self._peer_ended(ended)
             return Verdict(stop=True)
         if first:
             self._check_same(views, "total_steps", "plans {} optimizer steps",
@@ -250,7 +302,7 @@ class NodeLink:
             self.publish(Log(level="info", source="nodes", message=(
                 f"{'restart' if restart else 'abort'} from node {who[0]}: every node stops "
                 f"after step {run.step}")))
-            self._stop_here(run, restart)
+            self._stop_here(restart)
             return Verdict(stop=True)
         self.remote = [b for v in views if v["node"] != self.rank for b in v["batches"]]
         return Verdict(any_work=any(v["work"] for v in views),
@@ -263,40 +315,41 @@ class NodeLink:
             listed = "; ".join(f"node {k} " + what.format(x) for k, x in values.items())
             raise NodeMismatch(f"the nodes disagree: {listed}", hint=hint)
 
-    def _stop_here(self, run, restart: bool) -> None:
-        run.abort_requested = True
-        run.stop.set()
+    def _stop_here(self, restart: bool) -> None:
+        self.run.abort_requested = True
+        self.run.stop.set()
         if restart and not self._restarting():
             self._restart()  # the node that asked has its own restart going already
 
-    def _peer_ended(self, run, ended: list[dict]) -> None:
+    def _peer_ended(self, ended: list[dict]) -> None:
         failed = [v for v in ended if v["ending"] == "failed"]
         if not failed:
             self.publish(Log(level="info", source="nodes", message=(
                 f"node {ended[0]['node']} ended ({ended[0]['ending']}): every node stops")))
-            self._stop_here(run, any(v["restart"] for v in ended))
+            self._stop_here(any(v["restart"] for v in ended))
             return
         v = failed[0]
-        run.peer_failed = True
+        self.run.peer_failed = True
         self._fail(Error(
             error_kind="node", source=f"node-{v['node']}", phase="training",
             message=f"node {v['node']} ({v['host']}) failed: {v['error'] or 'no message'}",
             hint=f"node {v['node']}'s train.log (runs/NAME/node-{v['node']}/) has the traceback; "
                  "fix it and start every node again with --resume"))
 
-    def after_step(self, run) -> None:
+    def after_step(self) -> None:
         """The step was taken on every node: the others' batches are trained too."""
-        run.position.mark_done(self.remote)
+        self.run.position.mark_done(self.remote)
         self.remote = []
 
     # -- the end of a run ----------------------------------------------------------------------
-    def farewell(self, run, status: str) -> None:
+    def farewell(self, status: str) -> None:
         """Tell the others this node's run ended, unless an exchange already ended it for all.
         Waits for them at their step boundary (at most nodes.timeout_s). Before this node
         joined: posts how it ended where the others wait to join."""
         if self.over or self.group.broken:
             return
         self.over = True
+        run = self.run
         if run.failure is not None and not self.last_error:
             self.last_error = f"{run.failure.source}: {run.failure.message}"
         if not self.group.connected:
@@ -307,7 +360,7 @@ class NodeLink:
                 say=lambda text: self.publish(Log(level="info", source="nodes", message=text)))
             return
         try:
-            self.group.exchange(self._summary(run, ending=status), blocking=False)
+            self.group.exchange(self._summary(ending=status), blocking=False)
         except NodeFailure as exc:
             self.publish(Log(level="warning", source="nodes", message=(
                 f"could not tell the other nodes this run ended ({status}): {exc}")))

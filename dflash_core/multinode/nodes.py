@@ -120,6 +120,7 @@ class NodeGroup:
         self.host = socket.gethostname()
         self.timeout_s = 0.0
         self._store = None
+        self._opened = None  # (store, whether this process serves it): opened once per process
         self._nccl = None
         self._beat_stop = threading.Event()
         self._beat_thread: threading.Thread | None = None
@@ -133,7 +134,12 @@ class NodeGroup:
 
     def _open_store(self, timeout_s: float):
         """The store every node reaches at MASTER_ADDR:MASTER_PORT (keys of this launch only),
-        and whether this process serves it."""
+        and whether this process serves it. Opened once: node 0 may serve it only once."""
+        if self._opened is None:
+            self._opened = self._new_store(timeout_s)
+        return self._opened
+
+    def _new_store(self, timeout_s: float):
         import torch.distributed as dist
 
         env = os.environ
@@ -198,6 +204,52 @@ class NodeGroup:
         self._store = dist.PrefixStore("beat", store)
         self._beat_thread = threading.Thread(target=self._beat, name="node-beat", daemon=True)
         self._beat_thread.start()
+
+    def agree(self, key: str, pick: Callable[[], str], timeout_s: float, *,
+              stopped: Callable[[], bool] | None = None,
+              waiting: Callable[[], None] | None = None) -> str:
+        """One value every node uses, decided by node 0 (``pick()``) and read by the others from
+        the store, before any node joins: the run folder a fresh run takes (``--new-run``, the
+        demo), which each node would otherwise pick on its own disk. ``waiting()``: called once
+        when node 0 has not said it within a second; ``stopped()``: give up (ending "aborted")."""
+        try:
+            store, _ = self._open_store(timeout_s)
+        except Exception as exc:  # noqa: BLE001 - a refused or timed-out connection, said plainly
+            raise NodeFailure(
+                f"node {self.rank} could not reach node 0's store at {self._endpoint()} within "
+                f"{timeout_s:.0f} s (nodes.timeout_s) to learn its {key}: {exc}", [0],
+                hint="start every node with the same torchrun --nnodes and --rdzv-endpoint; "
+                     "check that node 0 is running and reachable on that port") from exc
+        slot = f"agree/{key}"
+        if self.rank == 0:
+            value = pick()
+            store.set(slot, value)
+            return value
+        t0 = time.monotonic()
+        told = False
+        while not store.check([slot]):
+            if stopped is not None and stopped():
+                raise NodeFailure(f"node {self.rank} stopped while waiting for node 0's {key}",
+                                  [], ending="aborted")
+            ended = self._joined(store).get(0, {})
+            if ended.get("ending"):
+                raise NodeFailure(
+                    f"node 0 ({ended.get('host', '?')}) {ended['ending']} before it named the "
+                    f"{key}: {ended.get('error') or 'no message'}", [0], ending=ended["ending"],
+                    hint=(f"on node 0: {ended['hint']}" if ended.get("hint") else
+                          "see node 0's console") + "; then start every node again")
+            waited = time.monotonic() - t0
+            if waited > timeout_s:
+                raise NodeFailure(
+                    f"node 0 did not name the {key} within {timeout_s:.0f} s (nodes.timeout_s)",
+                    [0], hint="look at node 0's console: it may have failed early or not been "
+                              "started; start every node with the same torchrun --nnodes and "
+                              "--rdzv-endpoint")
+            if waiting is not None and not told and waited >= 1.0:
+                told = True
+                waiting()
+            time.sleep(JOIN_POLL_S)
+        return store.get(slot).decode()
 
     def _joined(self, store) -> dict[int, dict]:
         """The join statuses posted so far, by node."""
@@ -427,3 +479,4 @@ class NodeGroup:
             except Exception:  # noqa: BLE001 - a broken group may refuse; the process ends anyway
                 pass
         self._store = None
+        self._opened = None  # node 0's store server ends with its last reference

@@ -13,15 +13,9 @@ import re
 import sys
 import traceback as tb
 
+from dflash_core.levers import oom_advice
 from dflash_core.observe.events import Error
 from dflash_core.units import GiB
-
-# What to change in config.yaml when a role runs out of memory.
-OOM_KEYS = {
-    "target": "data.token_budget (tokens per target batch) or data.max_seqs_per_batch",
-    "drafter": "drafter.micro_block_tokens (block tokens per drafter forward) or drafter.loss_chunk",
-    "loader": "data.prefetch_batches",
-}
 
 
 def _torch():
@@ -56,9 +50,8 @@ def classify(exc: BaseException, *, role: str, device: str, phase: str) -> tuple
     if _is_oom(exc):
         asked = re.search(r"[Tt]ried to allocate ([0-9.]+ [GMK]i?B)", str(exc))
         size = asked.group(1) if asked else "unknown size"
-        key = OOM_KEYS.get(role, "data.token_budget")
         return "oom", (f"out of memory on {device or 'cpu'} during {phase}: asked for {size}, "
-                       f"{_free_memory(device)}. Lower {key} in config.yaml.")
+                       f"{_free_memory(device)}. Lower {oom_advice(role)} in config.yaml.")
     if isinstance(exc, OSError):
         return "io", "check the path, permissions and free disk space named in the message"
     text = str(exc)

@@ -31,15 +31,6 @@ def events_path(path: str | os.PathLike) -> Path:
     return path if path.is_file() or path.suffix == ".jsonl" else path / EVENTS_FILE
 
 
-def not_a_run(path: str | os.PathLike) -> str | None:
-    """Why ``path`` names no run's events (None when it may: a run folder or a .jsonl): a file
-    of another kind (a binary, a config) is not followed, reported on or written beside."""
-    path = Path(path)
-    if path.is_file() and path.suffix != ".jsonl":
-        return f"{path} is a file, not a run folder or its events.jsonl"
-    return None
-
-
 # -- writing ------------------------------------------------------------------------------------
 class EventLogWriter:
     """Append each event to ``path`` as one line; called with an event (a bus subscriber).

@@ -24,9 +24,10 @@ TERMINAL_STATES = ("finished", "aborted", "failed")
 # "node": another node of a multi-node run failed, left or hung (nodes.py).
 ERROR_KINDS = ("oom", "config", "data", "wandb", "cuda", "io", "internal", "node")
 
-# A worker's own phase, WorkerStatus.status. A target goes loading -> warmup -> running -> done (its
-# loop ended: no more data, or the run stopped); a drafter goes warmup -> running and says stopped
-# when its run ends. A worker whose body raised says failed, with the reason in detail.
+# A worker's own phase, WorkerStatus.status. A target goes loading -> warmup -> running, a drafter
+# warmup -> running; each ends with one last status whichever way it ends: done (a target whose
+# data ran out), stopped (the run stopped it: an abort, the end, another worker's failure) or
+# failed (its body raised; the reason in detail).
 WORKER_LOADING = "loading"  # reading its weights (LoadProgress events follow)
 WORKER_WARMUP = "warmup"  # first forward or step: kernels compiling
 WORKER_RUNNING = "running"
@@ -107,9 +108,56 @@ class RunStarted(Event):
     drafters: list
     resumed_from_step: int = 0
     total_steps: int = 0
+    # A resume was asked for: the step it starts from comes later, with TrainingPlan (until
+    # then no reader should call it step 0).
+    resume: bool = False
     allocator: str = ""  # CUDA caching-allocator settings in force ("" on CPU)
     kind: ClassVar[str] = "RunStarted"
     keep_when_behind: ClassVar[bool] = True
+
+
+@dataclass(frozen=True)
+class TrainingPlan(Event):
+    """Published as training begins, once the data is planned (RunStarted comes before that):
+    the step it starts from (the checkpoint's on a resume), the step that ends it, and which
+    limit sets that end, so every reader says the same ("512 steps = 8 epochs of the data")."""
+
+    start_step: int
+    total_steps: int
+    epochs: int  # optim.epochs
+    epoch_steps: int  # the optimizer steps those epochs of the data make
+    max_steps: int = 0  # run.max_steps in force (0: none)
+    max_steps_from: str = "run.max_steps"  # where it was set: "--max-steps" or "run.max_steps"
+    targets: int = 0  # target workers of this node
+    drafters: int = 0  # drafter replicas of this node
+    kind: ClassVar[str] = "TrainingPlan"
+    keep_when_behind: ClassVar[bool] = True
+
+    @property
+    def by_epochs(self) -> bool:
+        """The epochs end the run (max_steps is unset or past them); else max_steps does."""
+        return not self.max_steps or self.max_steps >= self.epoch_steps
+
+    def limit(self, short: bool = False) -> str:
+        """Which limit ends the run, in words; ``short``: a few words for a header."""
+        max_ = f"{self.max_steps_from} {self.max_steps}"
+        epochs = f"{self.epochs} epoch{'s' if self.epochs != 1 else ''}"
+        if self.by_epochs:
+            if short:
+                return epochs
+            past = (f"; {max_} is past it" if self.max_steps > self.epoch_steps
+                    else f" = {max_}" if self.max_steps else "")
+            return f"{self.epoch_steps} steps = {epochs} of the data (optim.epochs){past}"
+        if short:
+            return max_
+        return f"{self.max_steps} steps: {max_} ({epochs} of the data would be {self.epoch_steps})"
+
+    def summary(self) -> str:
+        """One line for the logs (train.log, the console, the dashboard's log)."""
+        span = (f"from step {self.start_step} to {self.total_steps}" if self.start_step
+                else f"{self.total_steps} steps")
+        return (f"training {span} on {self.targets} target(s) + {self.drafters} drafter(s): "
+                f"{self.limit()}")
 
 
 @dataclass(frozen=True)
@@ -236,10 +284,22 @@ class StepMetrics(Event):
 
 @dataclass(frozen=True)
 class EvalResult(Event):
+    """One evaluation's measures of acceptance (models/acceptance.py says what each means). A
+    measure not taken is -1 (so events.jsonl files written before it existed still replay)."""
+
     step: int
-    tau: float
+    tau: float  # (a) exact tau on the held-out prompts
     acceptance: list  # histogram: acceptance[k] = rounds that accepted k drafted tokens
     prompts: int
+    tau_tf_target: float = -1.0  # (b) teacher-forced on the target's own decoding of them,
+    # at the anchors decoding used (its rounds' starts); and at every position of that text:
+    tau_tf_target_all: float = -1.0
+    tau_tf_heldout: float = -1.0  # (c) teacher-forced on held-out samples of the data
+    tau_tf_train: float = -1.0  # (d) teacher-forced in training, mean over recent steps
+    agreement: float = -1.0  # share of trained labels = the target's greedy next token
+    agreement_positions: int = 0  # labels the agreement was measured on (0: not measured)
+    findings: list = field(default_factory=list)  # kinds raised: "mismatch", "data", "overfit"
+    seconds: float = 0.0  # the evaluation's wall time
     kind: ClassVar[str] = "EvalResult"
 
 
@@ -366,7 +426,7 @@ EVENT_TYPES: dict[str, type[Event]] = {
     for cls in (
         RunStarted, StateChanged, WorkerStatus, LoadProgress, GpuSample, HostSample, QueueDepth,
         TargetMetrics, DrafterMetrics, StepMetrics, EvalResult, MemoryPlan, Checkpoint, Log, Error,
-        SinkStatus, CheckpointProgress, RunEnded, Stall, NodeStatus,
+        SinkStatus, CheckpointProgress, RunEnded, Stall, NodeStatus, TrainingPlan,
     )
 }
 

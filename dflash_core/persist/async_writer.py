@@ -40,11 +40,18 @@ import torch
 import torch.multiprocessing  # noqa: F401 - registers how tensors travel to a process
 
 from dflash_core.persist import checkpoint as ckpt
+from dflash_core.persist import safetensors_io
 
 ALIGN = 64  # bytes; every staged tensor starts at a multiple of this in the arena
 POLL_S = 0.2
 PROGRESS_EVERY_S = 1.0
 PROBE_BYTES = 256 << 20
+
+
+def clock() -> float:
+    """Seconds, for the writers' times and the write rate measured from them (one place, so a
+    test can model a disk of any speed without waiting for it)."""
+    return time.monotonic()
 
 
 # --------------------------------------------------------------------------------------------
@@ -168,24 +175,19 @@ class Staging:
 # Writers (one process, or one thread, each)
 # --------------------------------------------------------------------------------------------
 
-def _die_with_parent() -> None:
-    """Linux: this writer gets SIGKILL when the training process dies (no orphan writing on)."""
-    try:
-        import ctypes
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 def _error_report(exc: BaseException) -> tuple[int | None, str]:
     code = getattr(exc, "errno", None) if isinstance(exc, OSError) else None
     return code, f"{type(exc).__name__}: {exc}"
 
 
-def serve(index: int, jobs, results, progress: torch.Tensor, alive: Callable[[], bool]) -> None:
+def serve(index: int, jobs, results, progress: torch.Tensor, alive: Callable[[], bool],
+          cancelled: Callable[[], bool] | None = None) -> None:
     """A writer's loop: ("arena", arena, layout) | ("write", job_id, folder, files) |
     ("probe", job_id, path, nbytes) | None (end). Reports ("done", job_id, index, bytes,
-    seconds) or ("error", job_id, index, errno, message) on ``results``."""
+    seconds) or ("error", job_id, index, errno, message) on ``results``. A write stops between
+    chunks once ``alive()`` is false or ``cancelled()`` true (a writer thread cannot be killed)."""
+    def stop() -> bool:
+        return not alive() or (cancelled is not None and cancelled())
     tensors: dict[str, torch.Tensor] = {}
     while alive():
         try:
@@ -199,29 +201,32 @@ def serve(index: int, jobs, results, progress: torch.Tensor, alive: Callable[[],
             continue
         job_id = msg[1]
         progress[index] = 0
-        t0 = time.monotonic()
+        t0 = clock()
         try:
             if msg[0] == "write":
                 def add(n: int) -> None:
                     progress[index] += n
                 done = ckpt.write_plans(Path(msg[2]), msg[3], tensors, progress=add,
-                                        cancelled=lambda: not alive())
+                                        cancelled=stop)
             else:
                 done = _probe(Path(msg[2]), msg[3])
-            results.put(("done", job_id, index, done, time.monotonic() - t0))
+            results.put(("done", job_id, index, done, clock() - t0))
         except BaseException as exc:  # noqa: BLE001 - every failure is reported, the loop goes on
             code, text = _error_report(exc)
             results.put(("error", job_id, index, code, text))
 
 
 def _probe(path: Path, nbytes: int) -> int:
-    """Write ``nbytes`` and fsync: the disk's write rate, measured the way checkpoints write."""
-    chunk = memoryview(bytes(min(nbytes, 64 << 20)))
+    """Write ``nbytes`` and fsync: the disk's write rate, measured the way checkpoints write
+    (through the same chunked writes)."""
+    chunk = memoryview(bytes(min(nbytes, safetensors_io.CHUNK)))
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         left = nbytes
         while left > 0:
-            left -= os.write(fd, chunk[: min(left, len(chunk))])
+            n = min(left, len(chunk))
+            safetensors_io._write(fd, chunk[:n])
+            left -= n
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -233,8 +238,9 @@ def _probe(path: Path, nbytes: int) -> int:
 
 
 def writer_main(index: int, jobs, results, progress: torch.Tensor) -> None:
-    """Entry point of a writer process."""
-    _die_with_parent()
+    """Entry point of a writer process. It stops once its parent is gone (checked between
+    chunks). Not PR_SET_PDEATHSIG: that signal follows the thread that started the process, and
+    a writer replaced from a drafter thread was killed, its write lost, when that thread ended."""
     torch.set_num_threads(2)  # casts to the served dtype; the host's cores belong to training
     parent = os.getppid()
     serve(index, jobs, results, progress, alive=lambda: os.getppid() == parent)
@@ -255,6 +261,7 @@ class Outcome:
     blocked_s: float  # training stopped for this (waiting on the last write, then staging)
     error: str = ""  # why it failed ("" when it did not)
     errno: int | None = None
+    abandoned: bool = False  # stopped by kill() (an abort out of time): its caller says so
 
 
 @dataclass
@@ -273,21 +280,26 @@ class _Job:
     error: str = ""
     errno: int | None = None
     outcome: Outcome | None = None
+    abandoned: bool = False
+    write_s: float = 0.0  # the slowest writer's own time for its files
 
 
 class CheckpointWriter:
     """Background checkpoints of one run. ``publish`` gets progress (``on_progress``) and
     failures are returned in Outcomes; ``beat`` is called while a write makes progress (the
-    stall watchdog sees the monitor thread as alive). ``target``: the writer processes' entry
-    point (tests swap in one that fails)."""
+    stall watchdog sees the monitor thread as alive). The write rate is measured by the writers
+    themselves (the time a process takes to start is not the disk's). ``target``: the writer processes' entry
+    point (default: ``writer_main``, looked up when the writer is made, so tests can swap in one
+    that fails)."""
 
     def __init__(self, run_dir: Path, writers: int, *, mode: str = "process",
                  on_progress: Callable[[int, int, int, float, str], None] | None = None,
-                 beat: Callable[[], None] | None = None, target: Callable = writer_main):
+                 beat: Callable[[], None] | None = None, target: Callable | None = None):
         self.run_dir = Path(run_dir)
         self.writers = max(1, writers)
         self.mode = mode
-        self.on_progress, self.beat, self.target = on_progress, beat, target
+        self.on_progress, self.beat = on_progress, beat
+        self.target = target if target is not None else writer_main
         self.staging = Staging(shared=mode == "process")
         self.progress = torch.zeros(self.writers, dtype=torch.int64)
         if mode == "process":
@@ -303,7 +315,9 @@ class CheckpointWriter:
         self._next_id = 0
         self._monitor: threading.Thread | None = None
         self._closed = False
+        self._cancel = threading.Event()  # kill() of writer threads: their write stops
         self.rate: float | None = None  # bytes/s of the last write (or the probe)
+        self.staging_s = 0.0  # the last checkpoint's copy to host memory
         self.notes: list[str] = []  # what changed about the writers (deaths, fallbacks)
 
     # -- writers -------------------------------------------------------------------------------
@@ -331,7 +345,7 @@ class CheckpointWriter:
                 q = queue.Queue()
                 t = threading.Thread(target=serve, name=f"checkpoint-writer-{i}", daemon=True,
                                      args=(i, q, self._results, self.progress,
-                                           lambda: not self._closed))
+                                           lambda: not self._closed, self._cancel.is_set))
                 t.start()
                 self._procs[i], self._jobs[i] = t, q
                 if self.staging.layout:
@@ -370,19 +384,21 @@ class CheckpointWriter:
             if self._alive(i):
                 self._jobs[i].put(("arena", self.staging.arena, self.staging.layout))
 
-    def probe(self, timeout: float = 120.0) -> float | None:
-        """Measure the write rate (bytes/s) with every writer writing its share at once."""
+    def probe(self, nbytes: int = PROBE_BYTES, timeout: float = 120.0) -> float | None:
+        """Measure the write rate (bytes/s) with every writer writing its share of ``nbytes``
+        at once."""
         self.start()
         root = self.run_dir / ckpt.CHECKPOINTS
         root.mkdir(parents=True, exist_ok=True)
         self._idle.wait()
         job_id = self._new_id()
-        share = max(1 << 20, PROBE_BYTES // self.writers)
-        t0 = time.monotonic()
+        share = max(1 << 16, nbytes // self.writers)
+        t0 = clock()
         for i in range(self.writers):
             self._jobs[i].put(("probe", job_id, str(root / f".probe-{os.getpid()}-{i}"), share))
         left = set(range(self.writers))
-        while left and time.monotonic() - t0 < timeout:
+        took = 0.0  # the slowest writer's own time: a process's start is not the disk's
+        while left and clock() - t0 < timeout:
             try:
                 msg = self._results.get(timeout=POLL_S)
             except queue.Empty:
@@ -394,13 +410,16 @@ class CheckpointWriter:
             if msg[0] == "error":
                 return None
             left.discard(msg[2])
+            took = max(took, msg[4])
         if left:
             return None
-        self.rate = share * self.writers / max(time.monotonic() - t0, 1e-6)
+        self.rate = share * self.writers / max(took, 1e-6)
         return self.rate
 
     def estimate_s(self, nbytes: int) -> float | None:
-        return nbytes / self.rate if self.rate else None
+        """Seconds a checkpoint of ``nbytes`` takes from staging to durable, by the last
+        measurements (None before any)."""
+        return self.staging_s + nbytes / self.rate if self.rate else None
 
     def _new_id(self) -> int:
         self._next_id += 1
@@ -435,16 +454,19 @@ class CheckpointWriter:
         """Stage ``job`` (its tensors come from ``sources``, one dict per replica, holding the
         same values) and hand it to the writers; returns the seconds training was blocked.
         Raises CheckpointError (nothing written) when even the folder cannot be made."""
-        t0 = time.monotonic()
+        t0 = clock()
         self.wait_idle()
+        self._cancel.clear()
         if self.staging.ensure(job.tensors):
             self._send_arena()
         owner = {src: w for w, files in enumerate(job.plans) for f in files
                  for _, src, _ in f.entries if f.name != "model.safetensors"}
+        t_stage = clock()
         self.staging.stage(sources, owner)
+        self.staging_s = clock() - t_stage
         tmp = ckpt.begin_save(self.run_dir, job)
         self.start()  # a writer that died since the last checkpoint is replaced
-        blocked = time.monotonic() - t0
+        blocked = clock() - t0
         j = _Job(self._new_id(), job.step, tmp, job.plans, job.bytes_total, keep, reason, t0,
                  blocked, on_done, set(range(self.writers)))
         self.progress.zero_()
@@ -477,6 +499,8 @@ class CheckpointWriter:
                 msg = None
             if msg is not None and msg[1] == j.id:
                 j.pending.discard(msg[2])
+                if msg[0] == "done":
+                    j.write_s = max(j.write_s, msg[4])
                 if msg[0] == "error" and not j.error:
                     j.errno, j.error = msg[3], msg[4]
             for i in list(j.pending):
@@ -487,7 +511,7 @@ class CheckpointWriter:
                            and code < 0 else f"exit code {code}")
                     dead.append(f"writer {i} (pid {getattr(p, 'pid', '?')}) died ({how})")
                     j.pending.discard(i)
-            now = time.monotonic()
+            now = clock()
             written = int(self.progress.sum())
             if self.beat is not None:
                 self.beat()
@@ -505,12 +529,12 @@ class CheckpointWriter:
                 j.error, j.errno = str(exc), exc.errno
         if j.error:
             ckpt.abandon_save(j.tmp)
-        seconds = time.monotonic() - j.started
+        seconds = clock() - j.started
         written = int(self.progress.sum())
-        if path is not None and seconds > 0:
-            self.rate = j.bytes_total / seconds
+        if path is not None and j.write_s > 0:
+            self.rate = j.bytes_total / j.write_s
         j.outcome = Outcome(j.step, path, written if j.error else j.bytes_total, seconds,
-                            j.blocked_s, j.error, j.errno)
+                            j.blocked_s, j.error, j.errno, j.abandoned)
         try:
             if j.on_done is not None:
                 j.on_done(j.outcome)
@@ -519,7 +543,13 @@ class CheckpointWriter:
 
     # -- the end -------------------------------------------------------------------------------
     def kill(self) -> None:
-        """Stop every writer now (an abort that ran out of time)."""
+        """Stop every writer now (an abort that ran out of time): processes are killed, threads
+        stop their write at the next chunk. The write in flight ends abandoned, its hidden
+        folder removed."""
+        j = self._job
+        if j is not None and not self._idle.is_set():
+            j.abandoned = True
+        self._cancel.set()
         for p in self._procs:
             if p is not None and self.mode == "process" and p.is_alive():
                 p.kill()

@@ -92,11 +92,12 @@ def set_aside(folder: Path) -> Path:
     return dest
 
 
-def load_for_resume(run_dir: Path, expected: dict | None,
-                    publish: Callable[[Event], None]) -> ckpt.LoadedCheckpoint | None:
+def load_for_resume(run_dir: Path, expected: dict | None, publish: Callable[[Event], None], *,
+                    set_aside_damaged: bool = True) -> ckpt.LoadedCheckpoint | None:
     """The newest intact checkpoint of ``run_dir`` that matches ``expected`` (None: nothing to
     resume). Raises CheckpointError when every checkpoint is damaged, ConfigError on a shape
-    mismatch."""
+    mismatch. ``set_aside_damaged`` False: a damaged one is only skipped (the other nodes of a
+    shared run folder leave the move to node 0, which makes the same choice)."""
     found = ckpt.list_checkpoints(run_dir)
     if not found:
         publish(Log(level="warning", source="engine", message=(
@@ -118,6 +119,12 @@ def load_for_resume(run_dir: Path, expected: dict | None,
         try:
             loaded = ckpt.load_checkpoint(folder, progress=progress)
         except ckpt.CheckpointError as exc:
+            if not set_aside_damaged:
+                damaged.append(str(folder))
+                publish(Log(level="warning", source="engine", message=(
+                    f"resume: checkpoint {folder} is damaged ({exc}); node 0 sets it aside; "
+                    "trying the next older checkpoint")))
+                continue
             moved = set_aside(folder)
             damaged.append(str(moved))
             publish(Log(level="warning", source="engine", message=(

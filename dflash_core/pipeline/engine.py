@@ -29,7 +29,7 @@ from dflash_core.observe.errors import error_event
 from dflash_core.observe.bus import EventBus
 from dflash_core.observe.events import (
     TERMINAL_STATES, WORKER_FAILED, WORKER_STOPPED, Error, Log, QueueDepth, RunEnded, RunStarted,
-    StateChanged, WorkerStatus, prefetch_queue,
+    StateChanged, TrainingPlan, WorkerStatus, prefetch_queue,
 )
 from dflash_core.pipeline.hs_queue import HiddenStateQueue
 from dflash_core.planning.layout_advice import LayoutAdvisor
@@ -90,6 +90,9 @@ class Engine:
         self.new_run = new_run
         self._asked_name: str | None = None
         self._fresh_name: str | None = None
+        # Set by an abort while no run is live: ends a wait for node 0's run folder name, which
+        # may come before the first run starts (run_dir()).
+        self._stop_waiting = threading.Event()
         self._state = "idle"
         self._lock = threading.RLock()
         self._supervisor: threading.Thread | None = None
@@ -160,6 +163,7 @@ class Engine:
             # The supervisor, not the state, says whether a run is live: right after start()
             # the state is still idle (or the last run's end) and the abort must not be lost.
             if self._supervisor is None or not self._supervisor.is_alive():
+                self._stop_waiting.set()
                 return
             self._run.abort_requested = True
             if self._run.link is not None and self._run.link.live:
@@ -234,7 +238,7 @@ class Engine:
         can be read: the run folder, or its node-K/ folder on several nodes."""
         try:
             return self._records_dir(self._read_config())
-        except (ConfigError, OSError):
+        except (ConfigError, OSError, NodeFailure):  # the run's preflight says why
             return None
 
     def _records_dir(self, cfg: Config) -> Path:
@@ -283,15 +287,18 @@ class Engine:
 
     # -- worker threads ------------------------------------------------------------------------
     def _guard(self, run: Run, source: str, role: str, device: str, fn) -> None:
-        """Run a worker body; turn its exception into an Error event and a failed run."""
+        """Run a worker body; turn its exception into an Error event and a failed run. A target
+        or drafter publishes its last state here, whichever way its body ends: what the body
+        returns (a target's "done" when its data ran out), else stopped or failed."""
         run.heartbeats.beat("starting")  # from now on the watchdog watches this thread
+        last, detail = None, ""
         try:
-            fn()
+            last = fn()
             stopped = True
         except Stopped:
             stopped = True
         except UpstreamFailed as up:
-            stopped = False
+            stopped, detail = True, f"{up.source} failed"  # the Error names the one that did
             self._fail(run, error_event(up.cause, source=up.source, role=up.role, device=device,
                                         phase=self._state))
         except BaseException as exc:  # noqa: BLE001 - every failure must surface
@@ -301,9 +308,9 @@ class Engine:
                                             phase=self._state))
                 self.bus.publish(WorkerStatus(worker=source, role=role, device=device,
                                               status=WORKER_FAILED, detail=str(exc)[:200]))
-        if stopped and role == "drafter":  # targets report "done" themselves
+        if stopped and role in ("target", "drafter"):
             self.bus.publish(WorkerStatus(worker=source, role=role, device=device,
-                                          status=WORKER_STOPPED))
+                                          status=last or WORKER_STOPPED, detail=detail))
 
     def _thread(self, run: Run, name: str, role: str, device: str, fn) -> threading.Thread:
         t = threading.Thread(target=self._guard, args=(run, name, role, device, fn),
@@ -317,7 +324,7 @@ class Engine:
         run.heartbeats.beat("preflight")
         try:
             self._set_state("preflight")
-            self._preflight(run)
+            self._set_up(run)
             if not run.stop.is_set():
                 self._load(run)
             if not run.stop.is_set():
@@ -334,95 +341,148 @@ class Engine:
         cfg = load_config(self.config_path) if self.config_path else self._given_config
         if self.max_steps is not None:
             cfg.run.max_steps = self.max_steps
-        if self.new_run and self.nodes is not None:
-            # Each node would pick its own free name: they must write one run folder.
-            raise ConfigError("run.name", "--new-run (and --demo's fresh folder) cannot be used "
-                              "on several nodes", hint="set a new run.name in config.yaml on "
-                              "every node, or pass --resume")
         if self.new_run:  # picked once: a restart resumes the folder this run started in
             if self._fresh_name is None:
                 self._asked_name = cfg.run.name
-                self._fresh_name = cfg.run.name if self.resume else \
-                    fresh_name(cfg.run.output_dir, cfg.run.name)
+                self._fresh_name = cfg.run.name if self.resume else self._pick_fresh_name(cfg)
             cfg.run.name = self._fresh_name
         return cfg
 
-    def _preflight(self, run: Run) -> None:
-        """Everything that can be checked before tens of GB of weights load."""
+    def _pick_fresh_name(self, cfg: Config) -> str:
+        """The first free run.name-N beside an earlier run; on several nodes node 0's pick,
+        which the others learn through the store (each would otherwise look at its own disk and
+        they would write different folders)."""
+        def pick() -> str:
+            return fresh_name(cfg.run.output_dir, cfg.run.name)
+
+        if self.nodes is None:
+            return pick()
+
+        def waiting() -> None:
+            self.bus.publish(Log(level="info", source="nodes", message=(
+                f"waiting for node 0 to name the run folder (a fresh one beside "
+                f"{Path(cfg.run.output_dir) / cfg.run.name})")))
+
+        return self.nodes.agree("run.name", pick, cfg.nodes.timeout_s, waiting=waiting,
+                                stopped=lambda: self._stop_waiting.is_set() or (
+                                    self._run is not None and self._run.stop.is_set()))
+
+    def _set_up(self, run: Run) -> None:
+        """Everything before tens of GB of weights load, in order: read the config, open the
+        run's records, announce the run, join the other nodes, run the preflight checks
+        (planning/preflight.py), find the checkpoint to resume."""
         hf_logging.disable_progress_bar()  # its bars write behind the dashboard's back
+        try:
+            cfg = run.config = self._read_config()
+        except NodeFailure as exc:  # waiting for node 0's run folder name
+            if exc.ending != "aborted":  # an abort here or on node 0 ends the run as aborted
+                raise
+            run.abort_requested = True
+            raise Stopped() from exc
         if self.nodes is not None:
             # Made first: a run that ends before it joins still tells the others (farewell).
-            run.link = NodeLink(self.nodes, self.bus.publish, fail=lambda ev: self._fail(run, ev),
-                                restart=self.restart, restarting=lambda: self.restarting,
-                                checksum_every=NodesConfig.checksum_every,
-                                stall_s=TelemetryConfig.stall_floor_s,
-                                timeout_s=NodesConfig.timeout_s)
-            self.bus.tap(run.link.note_error)
-        cfg = self._read_config()
-        run.config = cfg
+            run.link = self._link(run, cfg.nodes, cfg.telemetry.stall_floor_s)
         # Before anything else can hang: a stuck read in preflight is reported like any stall.
         watchdog = Watchdog(run.heartbeats, self.bus.publish, run.stop, cfg.telemetry.stall_floor_s)
         self._thread(run, "watchdog", "watchdog", "host", watchdog.run)
+        self._open_records(run, cfg)
+        self._announce(run, cfg)
+        if self.nodes is not None:
+            # With the run's records open (a failure to join is in its events and train.log),
+            # before it reads any checkpoint (a restart resumes from node 0's, written by now).
+            self._join_nodes(run, cfg)
+        self._check(run, cfg)
+        if self.resume:
+            self._find_resume(run, cfg)
+        if (self.resume or run.prep.fitted) and self._lead:  # config.yaml: what the run uses
+            save_config(cfg, cfg.run_dir / "config.yaml")
+
+    @property
+    def _lead(self) -> bool:
+        """This process writes the run folder's shared files (config.yaml, checkpoints, W&B):
+        on one node, or node 0 of several. Every node writes its own records in node-K/."""
+        return self.nodes is None or self.nodes.rank == 0
+
+    def _link(self, run: Run, nodes: NodesConfig, stall_s: float) -> NodeLink:
+        link = NodeLink.from_config(nodes, stall_s, run, self.nodes, self.bus.publish,
+                                    fail=lambda ev: self._fail(run, ev), restart=self.restart,
+                                    restarting=lambda: self.restarting)
+        self.bus.tap(link.note_error)
+        return link
+
+    def _open_records(self, run: Run, cfg: Config) -> None:
+        """Make the run folder (refusing one that holds an earlier run), write the resolved
+        config.yaml and attach the sinks, handing them the events published so far."""
         run_dir, records = cfg.run_dir, self._records_dir(cfg)
-        lead = self.nodes is None or self.nodes.rank == 0
         if not self.resume:
             # never overwrite an earlier run's records (the run folder's own: node 0's)
-            if lead:
-                refuse_if_used(run_dir)
+            if self._lead:
+                self._say_reused(refuse_if_used(run_dir))
             if records != run_dir:
-                refuse_if_used(records)
+                self._say_reused(refuse_if_used(records))
         if not self.resume and self._fresh_name and self._fresh_name != self._asked_name:
+            why = (f"{Path(cfg.run.output_dir) / self._asked_name} holds an earlier run" if self._lead
+                   else "the folder node 0 picked")  # on its disk, beside an earlier run
             self.bus.publish(Log(level="info", source="engine", message=(
-                f"new run in {run_dir}: {Path(cfg.run.output_dir) / self._asked_name} holds an "
-                "earlier run (--new-run)")))
+                f"new run in {run_dir}: {why} (--new-run)")))
         try:
             records.mkdir(parents=True, exist_ok=True)
-            if not self.resume and lead:  # a resume keeps config.yaml until its checkpoint fits
+            if not self.resume and self._lead:  # a resume keeps it until its checkpoint fits
                 save_config(cfg, run_dir / "config.yaml")
         except OSError as exc:
             raise ConfigError("run.output_dir", f"cannot write run folder {run_dir}: {exc}",
                               hint="set run.output_dir to a writable folder") from exc
         early, run.early = run.early or [], None
         run.sinks = RunSinks(self.bus, cfg, records, early)
-        if lead:  # with the records open: the refusal is in events.jsonl and train.log too
+        if self._lead:  # with the records open: the refusal is in events.jsonl and train.log too
             check_checkpoints_writable(run_dir)
+
+    def _say_reused(self, attempts: str) -> None:
+        if attempts:
+            self.bus.publish(Log(level="info", source="engine", message=(
+                f"starting in {attempts}: they ended before a step, so there is no run to keep")))
+
+    def _announce(self, run: Run, cfg: Config) -> None:
+        """Resolve the devices and publish RunStarted (and the allocator's settings on CUDA)."""
         run.target_devices, run.drafter_devices = resolve_devices(cfg)
+        cuda = any(d.type == "cuda" for d in run.target_devices + run.drafter_devices)
         self.bus.publish(RunStarted(
-            run_name=cfg.run.name, run_dir=str(records), config=cfg.to_dict(),
+            run_name=cfg.run.name, run_dir=str(self._records_dir(cfg)), config=cfg.to_dict(),
             targets=[device_label(d, i) for i, d in enumerate(run.target_devices)],
             drafters=[device_label(d, i) for i, d in enumerate(run.drafter_devices)],
-            allocator=(self.allocator.conf or "PyTorch defaults")
-            if any(d.type == "cuda" for d in run.target_devices + run.drafter_devices) else ""))
-
-        if any(d.type == "cuda" for d in run.target_devices + run.drafter_devices):
+            allocator=(self.allocator.conf or "PyTorch defaults") if cuda else "",
+            resume=self.resume))
+        if cuda:
             self.bus.publish(Log(level="info", source="engine", message=self.allocator.describe()))
-        if self.nodes is not None:
-            # With the run's records open (a failure to join is in its events and train.log),
-            # before it reads any checkpoint (a restart resumes from node 0's, written by now).
-            self._join_nodes(run, cfg)
 
+    def _check(self, run: Run, cfg: Config) -> None:
+        """The preflight (planning/preflight.py): every check that needs no weights, the demo's
+        assets built; then W&B, whose settings it checked."""
         def check_stop():  # called as the demo's assets are built: progress too
             if run.stop.is_set():
                 raise Stopped()
             run.heartbeats.beat("building the demo")
-        run.prep = prepare(cfg, run_dir, run.target_devices, run.drafter_devices,
+        run.prep = prepare(cfg, cfg.run_dir, run.target_devices, run.drafter_devices,
                            publish=self.bus.publish,
                            demo_progress=demo_log_progress(self.bus.publish, check_stop),
-                           nodes=self.nodes.world if self.nodes is not None else 1)
-        if lead:  # several nodes: W&B from node 0 alone
-            run.sinks.add_wandb(cfg, run_dir)  # its settings were checked by prepare()
-        if self.resume:
-            expected = expected_drafter_config(cfg, run.prep.target_path, run.prep.layer_ids,
-                                               run.prep.mask_id)
-            run.resume_t0 = time.monotonic()
-            run.resume = load_for_resume(run_dir, expected, self.bus.publish)
-            if run.resume is not None:
-                check_resume_nodes(run.resume, self.nodes.world if self.nodes else 1)
-                check_resume_optimizer(run.resume, cfg)
-                self.bus.publish(Log(level="info", source="engine", message=(
-                    f"resuming from {run.resume.path} (step {run.resume.step})")))
-        if (self.resume or run.prep.fitted) and lead:  # config.yaml: what the run really uses
-            save_config(cfg, run_dir / "config.yaml")
+                           nodes=self.nodes.world if self.nodes is not None else 1,
+                           checkpoints=self._lead)
+        if self._lead:  # several nodes: W&B from node 0 alone
+            run.sinks.add_wandb(cfg, cfg.run_dir)
+
+    def _find_resume(self, run: Run, cfg: Config) -> None:
+        """The newest intact checkpoint of this drafter's shape (None: nothing to resume)."""
+        expected = expected_drafter_config(cfg, run.prep.target_path, run.prep.layer_ids,
+                                           run.prep.mask_id)
+        # Several nodes read one folder: node 0 alone moves a damaged checkpoint aside.
+        run.resume_t0 = time.monotonic()  # the time from --resume to the first step is shown
+        run.resume = load_for_resume(cfg.run_dir, expected, self.bus.publish,
+                                     set_aside_damaged=self._lead)
+        if run.resume is not None:
+            check_resume_nodes(run.resume, self.nodes.world if self.nodes else 1)
+            check_resume_optimizer(run.resume, cfg)
+            self.bus.publish(Log(level="info", source="engine", message=(
+                f"resuming from {run.resume.path} (step {run.resume.step})")))
 
     def _join_nodes(self, run: Run, cfg: Config) -> None:
         """Several nodes: join the others (the first run of the process) and make this run's
@@ -432,8 +492,6 @@ class Engine:
                               "processes on this machine: each would use every GPU of layout.*",
                               hint="start one process per node: torchrun --nproc-per-node 1")
         link = run.link
-        link.checksum_every, link.stall_s = cfg.nodes.checksum_every, cfg.telemetry.stall_floor_s
-        link.timeout_s = cfg.nodes.timeout_s
         run.heartbeats.beat(f"joining {self.nodes.world} nodes")
         if not self.nodes.connected:
             try:
@@ -453,7 +511,7 @@ class Engine:
         self.bus.publish(Log(level="info", source="nodes", message=(
             f"node {self.nodes.rank} of {self.nodes.world} ({self.nodes.host}); "
             f"{'writes checkpoints and W&B' if self.nodes.rank == 0 else 'node 0 writes checkpoints'}")))
-        link.start(run)
+        link.start()
         if run.stop.is_set():
             raise Stopped()
 
@@ -544,9 +602,12 @@ class Engine:
                                     len(run.drafter_devices), gpus)
         self.bus.tap(run.advisor)  # says once which side bounds the run and the balancing split
         run.last_step_t = time.monotonic()
-        self.bus.publish(Log(level="info", source="engine",
-                             message=f"training {run.total_steps} steps on "
-                             f"{len(run.target_devices)} target(s) + {len(run.replicas)} drafter(s)"))
+        # Where it starts and which limit ends it: said once, for every reader alike.
+        self.bus.publish(TrainingPlan(
+            start_step=run.step, total_steps=run.total_steps, epochs=cfg.optim.epochs,
+            epoch_steps=run.prep.epoch_steps, max_steps=cfg.run.max_steps,
+            max_steps_from="--max-steps" if self.max_steps is not None else "run.max_steps",
+            targets=len(run.target_devices), drafters=len(run.replicas)))
         if run.step >= run.total_steps:
             run.finished = True
             return
@@ -597,9 +658,12 @@ class Engine:
         status = "failed" if failed else ("finished" if run.finished and not run.abort_requested
                                           else "aborted")
         busy_drafters = [n for n in stuck if n.startswith("drafter")]
-        if run.link is not None:
-            run.link.farewell(run, status)
-            self.bus.untap(run.link.note_error)
+        if self.nodes is not None:
+            # A run whose config could not be read has no link yet: it says farewell by the
+            # defaults of nodes.* (the others wait for it at the start of the run).
+            link = run.link or self._link(run, NodesConfig(), TelemetryConfig.stall_floor_s)
+            link.farewell(status)
+            self.bus.untap(link.note_error)
         # Another node's failure leaves this node's weights at the last step all nodes took.
         saves = not failed or run.peer_failed
         if busy_drafters and saves and run.step > 0:

@@ -1,10 +1,10 @@
 """Run the engine with no screen: readable lines on stdout, logs in the run folder.
 
-Exit codes: 0 finished, 1 failed, 2 failed on its input (a bad value, bad data, a run folder that holds an
-earlier run, a checkpoint that does not match), 130 aborted. SIGINT / SIGTERM abort gracefully
-(with a checkpoint when training). No terminal control codes, so it behaves under nohup and in
-pipes. An error shows as its message and hint; its traceback goes to the run's train.log (only an
-internal error, a bug, shows it on the console too).
+Exit codes (exit_codes.py, the dashboard's too): 0 finished, 1 failed, 2 failed on its input (a
+bad value, bad data, a run folder that holds an earlier run, a checkpoint that does not match), 130 aborted.
+SIGINT / SIGTERM abort gracefully (with a checkpoint when training). No terminal control codes, so
+it behaves under nohup and in pipes. An error shows as its message and hint; its traceback goes
+to the run's train.log (only an internal error, a bug, shows it on the console too).
 """
 
 from __future__ import annotations
@@ -15,13 +15,11 @@ import threading
 import time
 
 from dflash_core.pipeline.engine import Engine
+from dflash_core.pipeline.exit_codes import EXIT_ABORTED, exit_code
 from dflash_core.pipeline.inbox import open_inbox
 from dflash_core.observe.events import Error, Event, RunEnded, RunStarted, StateChanged
 from dflash_core.observe.sinks.textlog import LineThrottle, format_event
 
-EXIT_CODES = {"finished": 0, "failed": 1, "aborted": 130}
-EXIT_CONFIG = 2  # the run failed on its input, as the CLI exits on a config it cannot load
-INPUT_KINDS = ("config", "data")  # the input's fault, not the run's: exit EXIT_CONFIG
 # After SIGINT / SIGTERM before training (nothing to checkpoint yet), how long the run may take to
 # end before the process leaves without its stuck threads. From warm-up on, the engine itself
 # gives up on a stuck worker (engine.GIVE_UP_S) and skips the checkpoint it cannot trust.
@@ -90,7 +88,7 @@ def run_headless(engine: Engine, *, every_s: float | None = None, out=None, star
         engine.abort()
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    # A dashboard attached from another terminal (dflash-tui --attach RUN_DIR) sends its abort
+    # A dashboard attached from another terminal (dflash-tui attach RUN_DIR --control) sends its abort
     # and restart through the run folder.
     inbox = open_inbox(engine, engine.run_dir()) if serve_inbox else None
     try:
@@ -107,7 +105,7 @@ def run_headless(engine: Engine, *, every_s: float | None = None, out=None, star
                     print(f"the run did not end within {ABANDON_S:.0f} s of the stop request; "
                           f"exiting without {', '.join(stuck) or 'it'}", file=printer.out,
                           flush=True)
-                    return EXIT_CODES["aborted"]
+                    return EXIT_ABORTED
                 time.sleep(0.2)
             engine.join(timeout=30)
             # A restart (from an attached dashboard) ends this run and starts the next one: keep
@@ -124,8 +122,11 @@ def run_headless(engine: Engine, *, every_s: float | None = None, out=None, star
         engine.bus.drain(timeout=5)
         engine.bus.unsubscribe(sub)
         engine.shutdown(timeout=1 if interrupted.is_set() else 10)
-    status = engine.final_status or engine.state
+    return run_exit_code(engine)
+
+
+def run_exit_code(engine: Engine) -> int:
+    """The exit code of the engine's last run (exit_codes.py)."""
     failure = engine.failure
-    if status == "failed" and failure is not None and failure.error_kind in INPUT_KINDS:
-        return EXIT_CONFIG
-    return EXIT_CODES.get(status, 1)
+    return exit_code(engine.final_status or engine.state,
+                     failure.error_kind if failure is not None else "")

@@ -1,4 +1,4 @@
-"""Commands from a dashboard attached to a run in another process (``dflash-tui --attach``).
+"""Commands from a dashboard attached to a run in another process (``dflash-tui attach --control``).
 
 The attached dashboard drops one file per command into ``<run_dir>/commands/`` (written under a
 temporary name and renamed, so it appears whole); the process that owns the engine polls that

@@ -7,29 +7,41 @@ from __future__ import annotations
 import shutil
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from dflash_core.persist import checkpoint as ckpt
 from dflash_core.config import Config
 from dflash_core.data import Prefetcher
 from dflash_core.persist.data_position import DataPosition
-from dflash_core.models.evaluate import evaluate_tau, target_fn_for
+from dflash_core.models import acceptance
+from dflash_core.models.agreement import label_agreement
+from dflash_core.models.evaluate import (
+    evaluate_tau,
+    features_fn_for,
+    target_fn_for,
+    teacher_forced_eval,
+)
 from dflash_core.observe.events import (
     Checkpoint, CheckpointProgress, Error, EvalResult, Log, StepMetrics,
 )
-from dflash_core.persist import state_tree
+from dflash_core.persist import checkpoint_size, state_tree
+from dflash_core.persist.checkpoint_size import gib
 from dflash_core.persist.async_writer import (
-    CheckpointWriter, Outcome, enough_shared_memory, stepped_optimizer_state,
+    PROBE_BYTES, CheckpointWriter, Outcome, enough_shared_memory, stepped_optimizer_state,
 )
 from dflash_core.pipeline.hs_queue import HiddenStateQueue
 from dflash_core.planning.preflight import Prepared
 from dflash_core.observe.sinks.run_sinks import RunSinks
 from dflash_core.pipeline.target_stage import TargetStage
 from dflash_core.models.trainer import DrafterReplica, RateMeter, StepBarrier, reduce_and_step
+from dflash_core.multinode.node_link import NodeLink
+from dflash_core.planning.layout_advice import LayoutAdvisor
 from dflash_core.units import GiB
 from dflash_core.observe.watchdog import Heartbeats
 
@@ -71,13 +83,17 @@ class Run:
     saved_step: int = -1
     last_step_t: float = field(default_factory=time.monotonic)
     last_tau_tf: float | None = None  # teacher-forced tau of the last step
+    # teacher-forced tau of the recent steps: the training tau (d) of an evaluation is their mean
+    recent_tau_tf: deque = field(default_factory=lambda: deque(maxlen=50))
+    agreement: tuple[int, int] | None = None  # (agree, total), measured at the first evaluation
     best_tau: float | None = None  # exact tau of checkpoints/best (read from it on first use)
     saved_path: Path | None = None
-    advisor: Any = None  # layout_advice.LayoutAdvisor, a bus tap while the run trains
-    # Several nodes (node_link.NodeLink; None on one node). peer_failed: the run failed because
+    advisor: LayoutAdvisor | None = None  # a bus tap while the run trains
+    # Several nodes (None on one node): made from the run's config once it is read; it reads
+    # and sets this run only as node_link.LinkedRun says. peer_failed: the run failed because
     # another node did; this node's weights are those of the last step all took, so node 0
     # still writes its checkpoint.
-    link: Any = None
+    link: NodeLink | None = None
     peer_failed: bool = False
     _ckpt_bytes: int | None = None
     writer: CheckpointWriter | None = None  # background checkpoints, from warm-up on
@@ -108,7 +124,7 @@ class Run:
             res = reduce_and_step(self.replicas, self.step, self.total_steps)
         else:
             # Every node decides the same from the same summaries (node_link.py).
-            verdict = link.boundary(self)
+            verdict = link.boundary()
             if verdict.stop:
                 return
             if not verdict.any_work:
@@ -117,17 +133,20 @@ class Run:
                     self.finish()
                 return
             res = reduce_and_step(self.replicas, self.step, self.total_steps,
-                                  across=link.across(self))
+                                  across=link.across())
         self.step = res.step
         self.position.commit()
         if link is not None:
-            link.after_step(self)
+            link.after_step()
         now = time.monotonic()
         span = max(now - self.last_step_t, 1e-9)
         self.last_step_t = now
         wait, blocked = self.hs_queue.take_waits()
         tps, sps = self.rate.add(res.tokens, res.samples)
         self.last_tau_tf = res.tau_tf
+        if self.recent_tau_tf.maxlen != cfg.eval.train_tau_steps:
+            self.recent_tau_tf = deque(self.recent_tau_tf, maxlen=cfg.eval.train_tau_steps)
+        self.recent_tau_tf.append(res.tau_tf)
         publish(StepMetrics(
             step=res.step, epoch=self.position.current_epoch(), loss=res.loss, lr=res.lr,
             grad_norm=res.grad_norm, tokens_per_s=tps, samples_per_s=sps, tau_tf=res.tau_tf,
@@ -156,18 +175,13 @@ class Run:
         return getattr(torch, self.config.drafter.dtype)
 
     def checkpoint_bytes(self) -> int:
-        """What one checkpoint takes on disk: the served weights, the float32 master weights
-        and the optimizer's two moments (the frozen embedding and head are not saved)."""
+        """What one checkpoint takes on disk (checkpoint_size.py, as preflight counts it): the
+        served weights, the float32 master weights and the optimizer's state."""
         if self._ckpt_bytes is None:
-            rep = self.replicas[0]
-            params = [p for p in rep.drafter.state_dict().values() if torch.is_tensor(p)]
-            numel = sum(p.numel() for p in params)
-            master = sum(p.numel() * p.element_size() for p in params)
-            optim = sum(t.numel() * t.element_size() for st in rep.optimizer.state.values()
-                        for t in st.values() if torch.is_tensor(t))
-            # before the first step the optimizer holds nothing yet: AdamW keeps two moments
-            self._ckpt_bytes = (numel * self.served_dtype().itemsize + master
-                                + (optim or 2 * master))
+            params, matrices = checkpoint_size.state_counts(self.replicas[0].drafter.state_dict())
+            self._ckpt_bytes = checkpoint_size.checkpoint_bytes(
+                params, matrices, self.served_dtype().itemsize,
+                self.config.optim.name)
         return self._ckpt_bytes
 
     def disk_check(self, publish: Callable[[Any], None], fresh: bool = False) -> bool:
@@ -237,13 +251,14 @@ class Run:
         self.writer.start()
         self.writer.reserve(ckpt.make_job(self.step, served_dtype=self.served_dtype(),
                                           writers=writers, **state).tensors)
-        rate = self.writer.probe() if mode == "process" else None
+        # As much as one checkpoint at most: a small one's probe must not cost more than it.
+        rate = self.writer.probe(min(PROBE_BYTES, need))
         pinned = "pinned " if self.writer.staging.pinned else ""
         publish(Log(level="info", source="engine", message=(
-            f"checkpoints: {need / GiB:.1f} GiB each, staged in {self.writer.staging.nbytes / GiB:.1f}"
-            f" GiB of {pinned}host memory, written by {writers} writer "
+            f"checkpoints: {gib(need)} each, staged in {gib(self.writer.staging.nbytes)}"
+            f" of {pinned}host memory, written by {writers} writer "
             f"{'processes' if self.writer.mode == 'process' else 'threads'}"
-            + (f" at {rate / GiB:.2f} GiB/s (measured)" if rate else "")
+            + (f" at {gib(int(rate))}/s (measured)" if rate else "")
             + f"; ready in {time.monotonic() - t0:.1f} s")))
         est = self.writer.estimate_s(need)
         budget = cfg.checkpoint.abort_budget_s
@@ -258,6 +273,9 @@ class Run:
         prev = (self.saved_path, self.saved_step)
 
         def done(o: Outcome) -> None:
+            if o.path is None and o.abandoned:  # an abort out of time: its caller says so
+                self.saved_path, self.saved_step = prev
+                return
             if o.path is None:
                 self.saved_path, self.saved_step = prev
                 stands = (f"the checkpoint at step {ckpt.checkpoint_step(prev[0])} stands"
@@ -368,32 +386,73 @@ class Run:
             self.writer = None
 
     def evaluate(self, publish: Callable[[Any], None]) -> None:
-        """Exact tau on the held-out prompts, with the first target and the first replica."""
+        """The measures of acceptance (models/acceptance.py), with the first target and the
+        first replica: exact tau on the held-out prompts, teacher-forced tau on the target's
+        own decoding of them and on the held-out samples, the training tau of the recent steps,
+        and at the first evaluation the data/target agreement; then each finding's message."""
         cfg, prep = self.config, self.prep
         target = self.targets[0].model if self.targets else None
         if not self.writes_records:
             return
         if not len(prep.eval_indices) or not self.replicas or target is None:
             return
+        t0 = time.monotonic()
         prompts = eval_prompts(prep.dataset, prep.eval_indices, cfg.eval.prompt_tokens)
+        # (c) scores as many response tokens as (a) decodes, on the data's own labels
+        heldout = heldout_samples(prep.dataset, prep.eval_indices, cfg.eval.prompt_tokens,
+                                  cfg.eval.max_new_tokens, cfg.data.max_length)
         drafter = self.replicas[0].drafter
         was_training = drafter.training
         drafter.eval()
         try:
             res = evaluate_tau(target_fn_for(target, prep.layer_ids), drafter, prompts,
                                cfg.eval.max_new_tokens, prep.layer_ids)
+            decoded = [(p + out, [0] * len(p) + [1] * len(out))
+                       for p, out in zip(prompts, res.outputs)]
+            feats = features_fn_for(target, prep.layer_ids)
+            chunk = cfg.drafter.loss_chunk
+            # (b) at the anchors decoding used, to compare with (a); at every position, to
+            # compare with (c), which has no decoding anchors
+            tf_target, n_target = teacher_forced_eval(feats, drafter, decoded, chunk,
+                                                      anchors=res.anchors)
+            tf_all, n_all = teacher_forced_eval(feats, drafter, decoded, chunk)
+            tf_heldout, n_heldout = teacher_forced_eval(feats, drafter, heldout, chunk)
         finally:
             drafter.train(was_training)
-        publish(EvalResult(step=self.step, tau=res.tau, acceptance=list(res.acceptance),
-                           prompts=len(prompts)))
-        tf = self.last_tau_tf
-        if tf is not None and tf - res.tau > cfg.eval.tau_gap_warn:
-            publish(Log(level="warning", source="eval", message=(
-                f"step {self.step}: exact tau {res.tau:.2f} is {tf - res.tau:.2f} below the "
-                f"teacher-forced {tf:.2f} (eval.tau_gap_warn {cfg.eval.tau_gap_warn}): training "
-                "and serving disagree; check target.layer_ids, drafter.mask_token_id and the "
-                "data's labels")))
+        if self.agreement is None and cfg.eval.agreement_samples:
+            self.agreement = self._agreement(target)
+        agree, total = self.agreement or (0, 0)
+        share = agree / total if total else acceptance.MISSING
+        train = (float(np.mean(self.recent_tau_tf)) if self.recent_tau_tf
+                 else acceptance.MISSING)
+        miss = acceptance.MISSING
+        tf_target = tf_target if n_target else miss
+        tf_all = tf_all if n_all else miss
+        tf_heldout = tf_heldout if n_heldout else miss
+        found = acceptance.findings(self.step, res.tau, tf_target, tf_heldout, train, share,
+                                    cfg.eval, target_all=tf_all)
+        publish(EvalResult(
+            step=self.step, tau=res.tau, acceptance=list(res.acceptance), prompts=len(prompts),
+            tau_tf_target=tf_target, tau_tf_target_all=tf_all, tau_tf_heldout=tf_heldout,
+            tau_tf_train=train, agreement=share, agreement_positions=total,
+            findings=[f.kind for f in found], seconds=time.monotonic() - t0))
+        for f in found:
+            publish(Log(level=f.level, source="eval", message=f.message))
         self._mark_best(res.tau, publish)
+
+    def _agreement(self, target_model) -> tuple[int, int]:
+        """(agree, total) on ``eval.agreement_samples`` training samples spread over the data
+        set (never the held-out ones), each cut to data.max_length as training cuts it."""
+        cfg, prep = self.config, self.prep
+        train = np.setdiff1d(np.arange(len(prep.dataset)), prep.eval_indices)
+        if not len(train):
+            return 0, 0
+        k = min(cfg.eval.agreement_samples, len(train))
+        picks = np.unique(train[np.linspace(0, len(train) - 1, k).round().astype(int)])
+        rows = [prep.dataset.get(int(i)) for i in picks]
+        L = cfg.data.max_length
+        return label_agreement(target_model, [r[0][:L] for r in rows], [r[1][:L] for r in rows],
+                               max_positions=cfg.eval.agreement_positions, seed=cfg.run.seed)
 
     def _mark_best(self, tau: float, publish: Callable[[Any], None]) -> None:
         """checkpoints/best names the checkpoint with the highest exact tau so far; a better
@@ -429,13 +488,30 @@ class Run:
         self.hs_queue = None
 
 
+def _prompt_cut(ids, mask, prompt_tokens: int) -> int:
+    """Where a held-out sample's prompt ends: before its first trained token (or at
+    ``prompt_tokens`` when the trained part starts at 0)."""
+    resp = np.flatnonzero(np.asarray(mask))
+    return int(resp[0]) if len(resp) and resp[0] > 0 else min(len(ids) - 1, prompt_tokens)
+
+
 def eval_prompts(dataset, indices, prompt_tokens: int) -> list[list[int]]:
     """The prompts of exact tau: each held-out sample cut before its first trained token (or to
     ``prompt_tokens`` when the trained part starts at 0), at most ``prompt_tokens`` long."""
     prompts = []
     for i in indices:
         ids, mask = dataset.get(int(i))
-        resp = [j for j, m in enumerate(mask) if m]
-        cut = resp[0] if resp and resp[0] > 0 else min(len(ids) - 1, prompt_tokens)
+        cut = _prompt_cut(ids, mask, prompt_tokens)
         prompts.append([int(x) for x in ids[: min(cut, prompt_tokens)]])
     return prompts
+
+
+def heldout_samples(dataset, indices, prompt_tokens: int, new_tokens: int, max_length: int):
+    """(input_ids, loss_mask) of each held-out sample up to ``new_tokens`` past its prompt's end
+    (and at most ``max_length``, as training cuts it): what (c) scores on the data's labels."""
+    out = []
+    for i in indices:
+        ids, mask = dataset.get(int(i))
+        end = min(len(ids), _prompt_cut(ids, mask, prompt_tokens) + new_tokens, max_length)
+        out.append((ids[:end], mask[:end]))
+    return out

@@ -1,9 +1,10 @@
 """One target worker: load the frozen target on its GPU, then turn prefetched batches into
 features of the chosen layers and hand them to the drafters through the hidden-state queue.
 
-It reports as it goes: load progress per chunk, its own status (loading, warm-up, running,
-done) and, once a second, tokens/s and the shares of time it was blocked by a full queue or
-starved by an empty prefetcher.
+It reports as it goes: load progress per chunk, its own status (loading, warm-up, running; its
+last one, done or stopped, the engine publishes from what ``run`` returns) and, once a second,
+tokens/s and the shares of time it was blocked by a full queue or starved by an empty
+prefetcher.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ import torch
 
 from dflash_core.data import Prefetcher
 from dflash_core.observe.events import (
-    WORKER_DONE, WORKER_LOADING, WORKER_RUNNING, WORKER_WARMUP, LoadProgress, Log, TargetMetrics,
-    WorkerStatus,
+    WORKER_DONE, WORKER_LOADING, WORKER_RUNNING, WORKER_STOPPED, WORKER_WARMUP, LoadProgress, Log,
+    TargetMetrics, WorkerStatus,
 )
 from dflash_core.pipeline.handoff import ready_event
 from dflash_core.pipeline.hs_queue import Handoff, HiddenStateQueue
@@ -52,7 +53,9 @@ class TargetStage:
         self.publish(WorkerStatus(worker=self.name, role="target", device=self.label,
                                   status=status, detail=detail))
 
-    def run(self) -> None:
+    def run(self) -> str:
+        """Load, then forward until the data ends (returns WORKER_DONE) or the run stops
+        (WORKER_STOPPED; a stop inside a forward or a full queue's wait raises Stopped)."""
         use_device(self.device)
         if self.device.type == "cuda":
             # Its own stream (a per-thread setting): on a GPU it shares with a drafter, its
@@ -67,7 +70,7 @@ class TargetStage:
         self._status(WORKER_WARMUP, "first forward (kernel compilation)")
         self._forward_loop()
         self.hs_queue.producer_done()
-        self._status(WORKER_DONE)
+        return WORKER_STOPPED if self.stop.is_set() else WORKER_DONE
 
     def _progress(self, info: LoadInfo) -> None:
         self.heartbeats.beat("loading weights")

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash_core.units import GiB
+from dflash_core.planning.card_budget import card_budget, limit_bytes
 
 ENV_NAMES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # old and new name; either works
 DEFAULT_CONF = "expandable_segments:True"
@@ -45,6 +45,6 @@ def apply_card_limit(device: torch.device, limit_gib: float) -> int:
     """Cap what this process may allocate on ``device`` at ``limit_gib`` (0: the whole card), so
     a smaller card can be rehearsed on a bigger one. Returns the limit in bytes."""
     total = torch.cuda.get_device_properties(device).total_memory
-    limit = min(total, int(limit_gib * GiB)) if limit_gib > 0 else total
+    limit = card_budget(total, limit_bytes(limit_gib))
     torch.cuda.set_per_process_memory_fraction(limit / total, device)
     return limit

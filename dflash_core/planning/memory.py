@@ -29,6 +29,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from dflash_core.config import Config, key_value, set_key_value
+from dflash_core.levers import (
+    FIT_LEVERS, HS_QUEUE, LOSS_CHUNK, MICRO_BLOCK_TOKENS, NUM_ANCHORS, NUM_LAYERS, TOKEN_BUDGET,
+    Lever,
+)
 from dflash_core.models.model_shape import (
     ModelShape, drafter_matrix_param_count, drafter_param_count, drafter_shape, model_shape,
     num_features, param_count,
@@ -396,31 +400,32 @@ def device_key(device: str) -> tuple[str, int]:
     return kind, int(idx) if idx.isdigit() else -1
 
 
-# Which config key shrinks which component.
-_KEYS = {
-    "residual stream": "data.token_budget", "layer transient": "data.token_budget",
-    "attention mask": "data.token_budget", "features": "data.token_budget",
-    "received features": "data.token_budget", "hs queue": "layout.hs_queue",
-    "loss chunk": "drafter.loss_chunk",
-    **{name: "drafter.num_layers" for name in OPTIMIZER_COMPONENTS.values()},
+# Which lever shrinks which component.
+_LEVERS = {
+    "residual stream": TOKEN_BUDGET, "layer transient": TOKEN_BUDGET,
+    "attention mask": TOKEN_BUDGET, "features": TOKEN_BUDGET,
+    "received features": TOKEN_BUDGET, "hs queue": HS_QUEUE,
+    "loss chunk": LOSS_CHUNK,
+    **{name: NUM_LAYERS for name in OPTIMIZER_COMPONENTS.values()},
 }
 
 
-def _activation_key(cfg: Config) -> str:
-    """The key that bounds the drafter's block tokens (and context) per forward/backward."""
+def _activation_lever(cfg: Config) -> Lever:
+    """The lever that bounds the drafter's block tokens (and context) per forward/backward."""
     seqs, per_pass, _ = _drafter_pass(cfg)
     if per_pass > 1:
-        return "data.token_budget" if per_pass == seqs else "drafter.micro_block_tokens"
-    return "drafter.num_anchors"  # already one sequence per pass
+        return TOKEN_BUDGET if per_pass == seqs else MICRO_BLOCK_TOKENS
+    return NUM_ANCHORS  # already one sequence per pass
 
 
 def _overflow(cfg: Config, devices: list[str], row: PlanRow) -> Overflow:
     """What to change for one overflowing group of devices, biggest lever first."""
     levers: dict[str, int] = {}
     for name, nbytes in row.components.items():
-        key = _activation_key(cfg) if name in ("block activations", "context") else _KEYS.get(name)
-        if key:
-            levers[key] = levers.get(key, 0) + nbytes
+        lever = _activation_lever(cfg) if name in ("block activations", "context") \
+            else _LEVERS.get(name)
+        if lever:
+            levers[lever.key] = levers.get(lever.key, 0) + nbytes
     ranked = sorted(levers, key=levers.get, reverse=True)[:3]
     fixed = row.components.get("weights", 0) + sum(row.components.get(name, 0)
                                                    for name in OPTIMIZER_COMPONENTS.values())
@@ -434,42 +439,19 @@ def _overflow(cfg: Config, devices: list[str], row: PlanRow) -> Overflow:
 # Sizes that fit
 # --------------------------------------------------------------------------------------------
 
-# What preflight may lower to make a plan fit, per role, in the order it tries them. Each changes
-# speed or batching only, never what is learned (the anchors, layers and block size stay).
-FIT_LEVERS = {"drafter": ("drafter.micro_block_tokens", "drafter.loss_chunk"),
-              "target": ("layout.hs_queue", "data.token_budget")}
-MIN_LOSS_CHUNK = 256
-
-
-def _smaller(cfg: Config, key: str) -> int | None:
-    """The next smaller value of ``key`` worth trying, or None at its floor."""
-    d, data = cfg.drafter, cfg.data
-    cur = key_value(cfg, key)
-    if key == "drafter.micro_block_tokens":
-        one_sequence = min(d.num_anchors, data.max_length) * d.block_size
-        return max(one_sequence, cur // 2) if cur > one_sequence else None
-    if key == "drafter.loss_chunk":
-        return max(MIN_LOSS_CHUNK, cur // 2) if cur > MIN_LOSS_CHUNK else None
-    if key == "layout.hs_queue":
-        return cur - 1 if cur > 1 else None
-    if key == "data.token_budget":
-        return max(data.max_length, cur // 2) if cur > data.max_length else None
-    raise KeyError(key)
-
-
 def fit_sizes(cfg: Config, target_hf_config: dict, free_bytes: dict[str, int] | None,
               total_bytes: dict[str, int] | None = None) -> dict[str, int] | None:
-    """The largest values of FIT_LEVERS (halving; the queue one batch at a time) with which the
-    plan fits: {} when it already fits, None when even the smallest do not."""
+    """The largest values of levers.FIT_LEVERS (each lowered by its own rule, Lever.lower)
+    with which the plan fits: {} when it already fits, None when even the smallest do not."""
     trial = copy.deepcopy(cfg)
     changes: dict[str, int] = {}
     while True:
         plan = plan_memory(trial, target_hf_config, free_bytes, total_bytes)
         if plan.fits:
             return changes
-        step = next(((key, new) for row in plan.rows if not row.fits
-                     for role in row.role.split("+") for key in FIT_LEVERS[role]
-                     if (new := _smaller(trial, key)) is not None), None)
+        step = next(((lever.key, new) for row in plan.rows if not row.fits
+                     for role in row.role.split("+") for lever in FIT_LEVERS[role]
+                     if (new := lever.lower(trial)) is not None), None)
         if step is None:
             return None
         key, new = step

@@ -20,9 +20,10 @@ from dflash_core.persist.build_cache import Progress
 from dflash_core.config import Config, ConfigError, key_value, set_key_value
 from dflash_core.observe.events import Event, Log, MemoryPlan
 from dflash_core.models.model_shape import model_shape
+from dflash_core.planning.card_budget import card_budget, limit_bytes
 from dflash_core.units import GiB
 
-MIN_FREE_DISK = 1 * GiB  # below this a checkpoint may not fit: refuse rather than fail later
+MIN_FREE_DISK = 64 << 20  # the demo's assets and the run's records need this much to start
 
 
 def resolve_devices(cfg: Config) -> tuple[list[torch.device], list[torch.device]]:
@@ -63,19 +64,22 @@ class Prepared:
     stream: Any  # data.BatchStream
     total_steps: int
     fitted: dict = field(default_factory=dict)  # sizes layout.auto_fit lowered {key: new value}
+    epoch_steps: int = 0  # the steps optim.epochs make; total_steps is less when max_steps is
 
 
 def prepare(cfg: Config, run_dir: Path, tdev: list[torch.device], ddev: list[torch.device], *,
             publish: Callable[[Event], None], demo_progress: Callable[[str], Progress],
-            nodes: int = 1) -> Prepared:
+            nodes: int = 1, checkpoints: bool = True) -> Prepared:
     """``nodes``: the nodes of the run, each with the drafters of ``ddev`` (the steps of the
-    plan count every node's drafters)."""
+    plan count every node's drafters). ``checkpoints``: this process writes the run's
+    checkpoints (one node, or node 0 of several), so its disk must hold them."""
     from dflash_core.data import BatchStream, ShardedDataset, split_eval
-    from dflash_core.models.trainer import total_steps_for
+    from dflash_core.models.trainer import epoch_steps_for, total_steps_for
 
     free = shutil.disk_usage(run_dir).free
     if free < MIN_FREE_DISK:
-        raise ConfigError("run.output_dir", f"only {free / GiB:.2f} GiB free in {run_dir}",
+        from dflash_core.persist.checkpoint_size import gib
+        raise ConfigError("run.output_dir", f"only {gib(free)} free in {run_dir}",
                           hint="free disk space or point run.output_dir elsewhere")
     if cfg.optim.name == "muon":  # before tens of GB of weights load, not at the first step
         from dflash_core.models.optimizers import muon_class
@@ -101,9 +105,43 @@ def prepare(cfg: Config, run_dir: Path, tdev: list[torch.device], ddev: list[tor
         raise ConfigError("data.path", f"no trainable batch in {data_path}",
                           hint="the data needs samples of 2+ tokens")
     check_something_trains(dataset, data_path)
-    total_steps = total_steps_for(cfg, stream.batches_per_epoch, len(ddev) * nodes)
+    world = len(ddev) * nodes
+    total_steps = total_steps_for(cfg, stream.batches_per_epoch, world)
+    if checkpoints:
+        check_checkpoint_disk(cfg, hf_config, run_dir, total_steps, publish)
     return Prepared(target_path, layer_ids, mask_id, dataset, eval_indices, stream, total_steps,
-                    fitted)
+                    fitted, epoch_steps_for(cfg, stream.batches_per_epoch, world))
+
+
+def check_checkpoint_disk(cfg: Config, hf_config: dict, run_dir: Path, total_steps: int,
+                          publish: Callable[[Event], None]) -> None:
+    """Say what the run's checkpoints take (served weights, float32 master weights, optimizer
+    state; checkpoint.keep of them plus the one being written) against the free space under the
+    run folder; refuse a run whose checkpoints cannot fit, naming a checkpoint.keep that does."""
+    from dflash_core.persist import checkpoint as ckpt
+    from dflash_core.persist import checkpoint_size as size_of
+
+    params, matrices = size_of.drafter_counts(cfg, hf_config)
+    size = size_of.checkpoint_bytes(params, matrices, getattr(torch, cfg.drafter.dtype).itemsize,
+                                    cfg.optim.name)
+    planned = size_of.planned_checkpoints(cfg.checkpoint.every, total_steps)
+    existing = len(ckpt.list_checkpoints(run_dir))
+    best = bool(cfg.eval.every and cfg.data.eval_prompts)
+    need = size_of.disk_need(size, cfg.checkpoint.keep, planned, existing, best)
+    free = shutil.disk_usage(run_dir).free
+    said = f"{need.describe()}; {size_of.gib(free)} free under {run_dir}"
+    if free >= need.bytes:
+        publish(Log(level="info", source="preflight", message=f"checkpoints: {said}"))
+        return
+    keep = size_of.keep_that_fits(size, free, planned, existing, best)
+    if keep:
+        hint = (f"set checkpoint.keep: {keep} (needs "
+                f"{size_of.gib(size_of.disk_need(size, keep, planned, existing, best).bytes)}),"
+                " free disk space, or point run.output_dir at a disk with room")
+    else:
+        hint = "free disk space, or point run.output_dir at a disk with room"
+    raise ConfigError("checkpoint.keep" if keep else "run.output_dir",
+                      f"the run's checkpoints do not fit: {said}", hint=hint)
 
 
 def resolve_target(cfg: Config, run_dir: Path, demo_progress) -> tuple[Path, dict, list[int], int]:
@@ -243,13 +281,13 @@ def check_memory(cfg: Config, hf_config: dict, tdev, ddev, publish) -> dict[str,
     from dflash_core.planning.memory_report import format_overflow, format_plan
 
     free, total = {}, {}
-    limit = int(cfg.layout.gpu_memory_gib * GiB)
+    limit = limit_bytes(cfg.layout.gpu_memory_gib)
     for d in set(tdev) | set(ddev):
         if d.type == "cuda":
             f, t = torch.cuda.mem_get_info(d)
-            if limit:  # a rehearsed smaller card: plan for what the process will be allowed
-                f, t = min(f, limit), min(t, limit)
-            free[f"cuda:{d.index}"], total[f"cuda:{d.index}"] = f, t
+            # a rehearsed smaller card: plan for what the process will be allowed
+            t = card_budget(t, limit)
+            free[f"cuda:{d.index}"], total[f"cuda:{d.index}"] = min(f, t), t
         else:  # a CPU run plans against host memory (every role shares it: one "cpu" row)
             import psutil
 

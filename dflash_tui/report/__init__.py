@@ -5,14 +5,13 @@ loss, tau (teacher-forced per step and exact at each evaluation), samples/s, que
 per GPU against its plan, errors and stalls on a timeline, the latest acceptance histogram and the
 resolved config. By job: ``data`` folds the run's events into what the page shows (in bounded
 ``series``), ``plots`` draws them (matplotlib, imported lazily on the Agg backend: the dashboard
-never imports it), ``page`` lays out the HTML; this module writes the file and is the command.
+never imports it), ``page`` lays out the HTML; this module writes the file (its command:
+``dflash_tui/verbs/report.py``).
 """
 
 from __future__ import annotations
 
-import argparse
 import os
-import sys
 from pathlib import Path
 
 from dflash_core.observe import event_log
@@ -21,7 +20,7 @@ from .data import MAX_SERIES, RunData, read_run
 from .page import render_html
 from .series import DEFAULT_CAP, FirstLast, Series
 
-__all__ = ["DEFAULT_CAP", "MAX_SERIES", "FirstLast", "RunData", "Series", "main", "read_run",
+__all__ = ["DEFAULT_CAP", "MAX_SERIES", "FirstLast", "RunData", "Series", "read_run",
            "render_html", "write_report"]
 
 
@@ -36,31 +35,3 @@ def write_report(run_dir: str | os.PathLike, out: str | os.PathLike | None = Non
     tmp.write_text(page, encoding="utf-8")
     os.replace(tmp, out)  # a reader never sees half a page
     return out
-
-
-def main(argv: list[str]) -> int:
-    """``dflash-tui report RUN_DIR [--out FILE]``."""
-    p = argparse.ArgumentParser(
-        prog="dflash-tui report",
-        description="Write one self-contained HTML report of a run (finished, failed or still "
-                    "running) from its events.jsonl: plots, errors, stalls and its config.")
-    p.add_argument("run_dir", type=Path, metavar="RUN_DIR",
-                   help="the run folder (run.output_dir/run.name, e.g. runs/demo)")
-    p.add_argument("--out", type=Path, default=None, metavar="FILE",
-                   help="where to write the page (default RUN_DIR/report.html)")
-    args = p.parse_args(argv)
-    run_dir = args.run_dir
-    events_path = event_log.events_path(run_dir)
-    why = event_log.not_a_run(run_dir) or (None if events_path.is_file()
-                                           else f"{events_path} does not exist")
-    if why:
-        print(f"nothing to report: {why}\nhint: pass the folder of a run "
-              f"(run.output_dir/run.name, e.g. runs/demo)", file=sys.stderr)
-        return 2
-    try:
-        out = write_report(run_dir, args.out)
-    except OSError as exc:
-        print(f"could not write the report: {exc}", file=sys.stderr)
-        return 1
-    print(f"report written to {out} ({out.stat().st_size / 1024:.0f} KiB)")
-    return 0

@@ -7,6 +7,7 @@ import datetime as _dt
 import html
 import json
 
+from dflash_core.models import acceptance
 from dflash_core.observe import events as ev
 from dflash_core.units import GiB as GIB
 
@@ -267,7 +268,10 @@ def render_html(data: RunData, source: str = "") -> str:
                     for st, c in stalls]))
 
     # -- acceptance
-    add('<h2 id="acceptance">Acceptance histogram (latest evaluation)</h2>')
+    add('<h2 id="acceptance">Acceptance (latest evaluation)</h2>')
+    if data.last_eval:
+        add(_table(["measure", f"step {data.last_eval.step}", "what it is"],
+                   acceptance.report_rows(data.last_eval)))
     if data.last_eval and data.last_eval.acceptance:
         add(f'<div class="small">{P.acceptance_plot(plots, data.last_eval)}</div>')
         add(_table(["accepted tokens"] + [str(k) for k in range(len(data.last_eval.acceptance))],

@@ -10,6 +10,10 @@ and serving disagree, and the check says where (target.layer_ids, drafter.mask_t
 shifted by one, a leak in the training attention) and how to fix it. It does not judge the data's
 quality or the drafter's tau on new prompts. Exit 0 passed, 1 failed (with the diagnosis), 2 bad
 input. Written to <run folder>/check/ (check.json, the checkpoint in the interchange format).
+
+examples:
+  dflash-tui check --config config.yaml      before `dflash-tui run --config config.yaml`
+  dflash-tui check --demo --device cpu       the same on the built-in tiny model
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from rich.text import Text
 
 from .. import fmt
 from ..state import DashboardState, GpuRow
-from .panel import Panel, bar, fit, line
+from .panel import Panel, bar, fit, line, note
 
 MIN_BAR = 8
 ROLE_SHORT = {"target": "target", "drafter": "drafter", "target+drafter": "tgt+dft", "": "-"}
@@ -24,7 +24,7 @@ def gpu_line(r: GpuRow, width: int) -> Text:
         else Text()
     if not r.sampled:
         return line([head, Text("no sample yet", style="dim"), plan], width)
-    cap = r.limit or r.mem_total  # a rehearsed smaller card: the limit is the card
+    cap = r.budget  # a rehearsed smaller card: the limit is the card
     frac = r.mem_used / cap if cap else 0.0
     mem = Text(f"{r.mem_used / fmt.GIB:.1f}/{fmt.gib(cap)}" + (" lim" if r.limit else ""))
     alarms = Text()
@@ -53,7 +53,7 @@ def gpu_cell(r: GpuRow, width: int) -> Text:
                                                       "cyan"))
     if not r.sampled:
         return line([head, Text("no sample", style="dim")], width)
-    cap = r.limit or r.mem_total
+    cap = r.budget
     frac = r.mem_used / cap if cap else 0.0
     mem = Text(f"{r.mem_used / fmt.GIB:.0f}/{cap / fmt.GIB:.0f}G", style=mem_style(frac))
     alarm = (Text(" OOM", style="bold red") if r.ooms else
@@ -83,7 +83,7 @@ def gpu_lines(rows: list[GpuRow], width: int, height: int) -> list[Text]:
 def host_line(s: DashboardState, width: int) -> Text:
     h = s.host
     if h is None:
-        return Text("host: no sample yet", style="dim")
+        return Text("host: not sampled" if s.ended else "host: no sample yet", style="dim")
     frac = h.ram_used / h.ram_total if h.ram_total else 0.0
     rss = Text.assemble(("  this process ", "dim"), fmt.gib(h.process_rss)) if h.process_rss \
         else ""
@@ -98,7 +98,12 @@ class GpusPanel(Panel):
 
     def draw(self, s: DashboardState, width: int) -> Text:
         height = self.scrollable_content_region.height or 100
-        lines = gpu_lines(s.gpu_rows(), width, height)
+        rows = s.gpu_rows()
+        why = s.ended_before("loading")  # telemetry starts as the targets load
+        if why and not rows and not s.workers and s.host is None:
+            self.border_title = self.TITLE
+            return note(f"no GPU sampled: {why}", width)
+        lines = gpu_lines(rows, width, height)
         if not lines and s.cpu_only and s.workers:
             self.border_title = "Workers (CPU)"
             lines = [line([(f"{w.worker:<10} ", "bold"), (f"{w.device:<6} ", "cyan"), w.status,

@@ -4,6 +4,8 @@ changed; a resize redraws from the last state it was shown."""
 
 from __future__ import annotations
 
+import textwrap
+
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import VerticalScroll
@@ -31,6 +33,26 @@ def pack(fields: list[Text], width: int, sep: str = "  ") -> Text:
     return out
 
 
+def pack_first(fields: list[tuple[int, Text]], width: int, lines: int = 1,
+               sep: str = "  ") -> Text:
+    """Like `pack`, in at most `lines` lines: fields are (priority, text), 0 first; the ones of
+    lowest priority (highest number) are left out until the rest fit. Shown in their own order."""
+    kept = [(p, t) for p, t in fields if t.cell_len]
+    while kept:
+        text = pack([t for _, t in kept], width, sep)
+        if len(text.plain.split("\n")) <= lines:
+            return text
+        worst = max(p for p, _ in kept)
+        if worst == 0:  # the essentials never go: lines past `lines` are cut instead
+            rows = list(text.split("\n"))[:lines]
+            for row in rows:
+                row.truncate(width, overflow="ellipsis")
+            return Text("\n").join(rows)
+        i = max(i for i, (p, _) in enumerate(kept) if p == worst)
+        kept.pop(i)
+    return Text()
+
+
 def field(label: str, value: str, style: str = "bold") -> Text:
     return Text.assemble((label + " ", "dim"), (value, style)) if label else Text(value, style)
 
@@ -38,6 +60,12 @@ def field(label: str, value: str, style: str = "bold") -> Text:
 def bar(frac: float, width: int, style: str) -> Text:
     filled, empty = fmt.bar(frac, width)
     return Text.assemble((filled, style), (empty, "dim"), " ")
+
+
+def note(message: str, width: int, style: str = "dim") -> Text:
+    """A sentence in a panel (why it is empty), wrapped at words to the panel's width: panels
+    never wrap by themselves."""
+    return Text("\n".join(textwrap.wrap(message, max(8, width))) or message, style=style)
 
 
 def line(parts: list[Text | str], width: int) -> Text:

@@ -7,7 +7,7 @@ from rich.text import Text
 
 from .. import fmt
 from ..state import DashboardState, QueueRow
-from .panel import Panel, line
+from .panel import Panel, line, note
 
 
 def queue_line(q: QueueRow, width: int) -> Text:
@@ -27,11 +27,16 @@ class QueuesPanel(Panel):
     EMPTY = "no queues yet"
 
     def draw(self, s: DashboardState, width: int) -> Text:
+        why = s.ended_before("loading")  # the queues are made as the targets load
+        if why and not s.queues:
+            return note(f"no queues: {why}", width)
         neck = s.bottleneck()
         if len(neck) > width:
             neck = neck.replace(" of the time", "")
         # The verdict first: on a small screen the queue rows may need scrolling, it must not.
-        lines = [line([(neck, bottleneck_style(neck))] if neck else [("flow: no step yet", "dim")],
-                      width)]
-        lines += [queue_line(q, width) for q in s.queues.values()] or [Text(self.EMPTY, style="dim")]
+        yet = "in this run" if s.ended else "yet"
+        lines = [line([(neck, bottleneck_style(neck))] if neck
+                      else [(f"flow: no step {yet}", "dim")], width)]
+        lines += [queue_line(q, width) for q in s.queues.values()] or [
+            Text(f"no queues {yet}", style="dim")]
         return Text("\n").join(lines)

@@ -10,7 +10,7 @@ from dflash_core.observe import events as ev
 
 from .. import fmt
 from ..state import TARGET_LOADED, DashboardState, TargetRow
-from .panel import Panel, bar, fit, line
+from .panel import Panel, bar, fit, line, note
 
 
 def target_line(t: TargetRow, width: int) -> Text:
@@ -53,7 +53,9 @@ class TargetsPanel(Panel):
     def draw(self, s: DashboardState, width: int) -> Text:
         rows = list(s.targets.values())
         if not rows:
-            return Text(self.EMPTY, style="dim")
+            why = s.ended_before("loading")
+            return note(f"no target loaded: {why}" if why else "no target worker in this run"
+                        if s.ended else self.EMPTY, width)
         lines = [target_line(t, width) for t in rows]
         running = [t for t in rows if t.status == ev.WORKER_RUNNING]
         if len(running) > 1:

@@ -10,9 +10,11 @@ from rich.text import Text
 from textual.app import ComposeResult
 from textual.widgets import Sparkline, Static
 
+from dflash_core.models import acceptance
+
 from .. import fmt
 from ..state import DashboardState
-from .panel import Panel, field, pack
+from .panel import Panel, field, note, pack, pack_first
 
 
 # Narrower than this (an 80-column terminal) the drafters' time split gives way to the loss plot.
@@ -38,48 +40,96 @@ class TrainingPanel(Panel):
         st = s.step
         if st is None:
             caption.update("")
-            return Text(self.EMPTY, style="dim")
-        hist = s.loss_history
-        caption.update(Text(f"loss (log scale) over the last {len(hist)} steps: "
-                            f"{min(hist):.3f} .. {max(hist):.3f}", style="dim"))
-        ev_tau = f"{s.eval.tau:.2f} @{s.eval.step}" if s.eval else "-"
-        main = pack([
-            field("loss", f"{st.loss:.4f}", "bold green"),
-            field("lr", f"{st.lr:.2e}"),
-            field("grad", f"{st.grad_norm:.3f}"),
-            field("tok/s", fmt.rate(st.tokens_per_s)),
-            field("samples/s", f"{st.samples_per_s:.2f}"),
-            field("τ tf", f"{st.tau_tf:.2f}"),
-            field("τ eval", ev_tau),
-            field("pad", fmt.pct(st.padding_frac)) if st.padding_frac else Text(),
-        ], width)
+            return note(empty_reason(s), width)
+        caption.update(Text(loss_caption(s.loss_history, width), style="dim"))
+        evals = eval_lines(s, width) if s.eval_history else []
+        # Rows of the panel: the numbers, the drafters' split, the evaluation, the caption and at
+        # least one row of the plot. A small terminal (80x24: 5 rows) keeps what matters most.
+        height = self.scrollable_content_region.height or 100
+        room = max(1, height - len(evals) - 2)
+        main = pack_first([
+            (0, field("loss", f"{st.loss:.4f}", "bold green")),
+            (2, field("lr", f"{st.lr:.2e}")),
+            (3, field("grad", f"{st.grad_norm:.3f}")),
+            (1, field("tok/s", fmt.rate(st.tokens_per_s))),
+            (2, field("samples/s", f"{st.samples_per_s:.2f}")),
+            (0, field("τ tf", f"{st.tau_tf:.2f}")),
+            # the evaluation's own line says it when there is one
+            (4 if evals else 1, field("τ eval", f"{s.eval.tau:.2f} @{s.eval.step}"
+                                      if s.eval else "-")),
+            (4, field("pad", fmt.pct(st.padding_frac)) if st.padding_frac else Text()),
+        ], width, room)
         lines = [main]
         shares = s.drafter_shares()
-        if shares is not None and width >= DRAFTER_LINE_MIN_WIDTH:
+        if (shares is not None and width >= DRAFTER_LINE_MIN_WIDTH
+                and len(main.plain.split("\n")) < room):
             lines.append(pack([Text("drafters:", style="dim")] + [
                 field(name, fmt.pct(shares[key])) for name, key in (
                     ("data", "waiting"), ("compute", "compute"), ("peers", "barrier"),
                     ("step", "step"))], width))
-        if s.eval_history:
-            lines.append(eval_line(s, width))
+        lines += evals
         return Text("\n").join(lines)
 
 
-def eval_line(s: DashboardState, width: int) -> Text:
-    """Exact tau over the run (a small plot), the gap to teacher-forced tau (red past
-    eval.tau_gap_warn: training and serving disagree), how often each block position was
-    accepted at the latest evaluation."""
+def loss_caption(hist, width: int) -> str:
+    """The plot's range and span in words, as long as the width allows: its low and high
+    values are never the part cut off."""
+    lo, hi, n = min(hist), max(hist), len(hist)
+    for text in (f"loss (log scale) over the last {n} steps: {lo:.3f} .. {hi:.3f}",
+                 f"loss {lo:.3f} .. {hi:.3f} (log scale, last {n} steps)",
+                 f"loss {lo:.3f}..{hi:.3f}, log, {n} steps",
+                 f"loss {lo:.3g}..{hi:.3g}"):
+        if len(text) <= width:
+            return text
+    return text
+
+
+def empty_reason(s: DashboardState) -> str:
+    """What a Training panel with no step says: why there is none."""
+    if s.plan is not None and s.plan.start_step and s.plan.start_step >= s.plan.total_steps:
+        return (f"no step to take: the run resumed at step {s.plan.start_step}, where it ends "
+                f"({s.plan.limit()})")
+    why = s.ended_before("training")
+    if why:
+        return f"no step: {why}"
+    return "no step in this run" if s.ended else TrainingPanel.EMPTY
+
+
+def eval_lines(s: DashboardState, width: int) -> list[Text]:
+    """Exact tau over the run (a small plot) beside the teacher-forced taus of the latest
+    evaluation and the mismatch gap (red past eval.tau_gap_warn: training and decoding
+    disagree); under them the data/target agreement, how often each block position was
+    accepted, and the findings raised (acceptance.py: what each measure and gap means)."""
+    e = s.eval
     taus = [tau for _, tau, _ in s.eval_history]
-    gap = s.tau_gap
-    warn = gap is not None and gap > s.tau_gap_warn
-    parts = [Text("τ exact ", style="dim"), Text(fmt.spark(taus, 16), style="cyan"),
+    first = acceptance.MEASURES[0]
+    parts = [Text(f"{first.label} ", style="dim"), Text(fmt.spark(taus, 16), style="cyan"),
              Text(f" {taus[-1]:.2f}", style="bold")]
-    if gap is not None:
-        parts.append(Text(f" tf gap {gap:+.2f}", style="bold white on red" if warn else "dim"))
+    gap = s.tau_gap
+    for m in acceptance.MEASURES[1:]:
+        value = getattr(e, m.key, acceptance.MISSING) if e else acceptance.MISSING
+        if value >= 0:
+            parts += [Text(f"  {m.label} ", style="dim"), Text(f"{value:.2f}")]
+        if m is acceptance.MEASURES[1] and gap is not None:
+            # next to (b): the gap the mismatch alarm watches
+            warn = gap > s.tau_gap_warn
+            parts.append(Text(f" gap {gap:+.2f}", style="bold white on red" if warn else "dim"))
+    lines = [Text.assemble(*parts)]
+    more: list[Text] = []
+    if e is not None and e.agreement >= 0:
+        more += [Text(f"{acceptance.AGREEMENT.label} ", style="dim"), Text(f"{e.agreement:.0%}"),
+                 Text("  ")]
     rates = s.accepted_by_position()
     if rates:
-        parts.append(Text("  accepted@k ", style="dim"))
-        parts.append(Text(" ".join(f"{r:.0%}" for r in rates[:15])))
-    text = Text.assemble(*parts)
+        more += [Text(f"{acceptance.ACCEPTED.label} ", style="dim"),
+                 Text(" ".join(f"{r:.0%}" for r in rates[:15]))]
+    for kind in (e.findings if e is not None else []):
+        more.append(Text(f"  {kind}", style="bold white on red"))
+    if more:
+        lines.append(Text.assemble(*more))
+    return [_cut(line, width) for line in lines]
+
+
+def _cut(text: Text, width: int) -> Text:
     text.truncate(max(1, width), overflow="ellipsis")
     return text

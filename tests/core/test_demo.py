@@ -232,3 +232,44 @@ def test_demo_on_cuda_without_a_gpu_is_a_clear_error():
     with pytest.raises(ConfigError) as info:
         demo.demo_config(device="cuda", gpus=0)
     assert "--device cpu" in info.value.hint
+
+
+def test_nodes_installing_the_target_at_once_all_get_one_complete_copy(tmp_path, monkeypatch):
+    """Two nodes on one shared run folder copy at the same moment (both copies made before
+    either renames): the loser of the rename keeps the winner's copy, with nothing left over.
+    An out-of-date copy is replaced the same way."""
+    import shutil
+    import threading
+
+    src = tmp_path / "cache" / "target"
+    src.mkdir(parents=True)
+    (src / "model.safetensors").write_bytes(b"w" * 1000)
+    (src / demo.META_NAME).write_text('{"version": "new"}')
+    monkeypatch.setattr(demo, "ensure_tiny_target", lambda cache_dir, progress: src)
+    both_copied = threading.Barrier(2, timeout=10)
+    real_copytree = shutil.copytree
+
+    def copytree(a, b):
+        real_copytree(a, b)
+        both_copied.wait()
+    monkeypatch.setattr(demo.shutil, "copytree", copytree)
+    run_dir = tmp_path / "runs" / "mn"
+    for old in (None, '{"version": "old"}'):
+        if old:  # an earlier demo version's copy is in place
+            (run_dir / "target" / demo.META_NAME).write_text(old)
+        got, errors = [], []
+
+        def node():
+            try:
+                got.append(demo.install_target(run_dir))
+            except Exception as exc:  # noqa: BLE001 - the test reports it
+                errors.append(exc)
+        threads = [threading.Thread(target=node) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+        assert not errors and got == [run_dir / "target"] * 2, errors
+        assert demo.read_meta(run_dir / "target") == {"version": "new"}
+        assert (run_dir / "target" / "model.safetensors").read_bytes() == b"w" * 1000
+        assert sorted(p.name for p in run_dir.iterdir()) == ["target"]  # no .tmp- or .old-

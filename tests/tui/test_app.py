@@ -352,3 +352,112 @@ async def test_training_panel_shows_exact_tau_its_gap_and_acceptance_by_position
         assert "τ exact" in text and "2.87" in text and "accepted@k 83% 50%" in text
         assert "tf gap" in text
         assert "best step 20 τ 2.87" in app.query_one("#header").text
+
+
+def toasts(app) -> list[str]:
+    return [n.message for n in app._notifications]
+
+
+async def test_keys_that_cannot_act_on_an_ended_run_say_so_at_once():
+    ctl = ReplayController(sc.aborted())
+    app = DFlashApp(ctl)
+    async with app.run_test(size=BIG) as pilot:
+        await settle(pilot)
+        await pilot.press("a")
+        await pilot.pause()
+        assert not isinstance(app.screen, ConfirmScreen)  # no question about nothing
+        assert "nothing to abort: the run is aborted" in toasts(app)
+        await pilot.press("s")
+        await pilot.pause()
+        await pilot.app.workers.wait_for_complete()
+        assert "no worker is running: the run is aborted" in toasts(app)
+        assert ctl.calls == ["start"]  # neither reached the controller
+        await pilot.press("r")  # a restart can act: it asks, saying what it will do
+        await pilot.pause()
+        assert isinstance(app.screen, ConfirmScreen)
+        assert "The run is aborted" in app.screen.question and "step 60" in app.screen.question
+
+
+async def test_a_restarted_finished_run_never_shows_an_earlier_step():
+    ctl = ReplayController(sc.resumed_at_the_end())
+    app = DFlashApp(ctl)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await settle(pilot)
+        header = app.query_one("#header").text
+        assert "FINISHED" in header and "step 512/512" in header and "ends 8 epochs" in header
+        training = app.query_one("#training").text
+        assert "resumed at step 512, where it ends" in training.replace("\n", " ")
+
+
+async def test_a_failed_start_says_why_each_panel_is_empty():
+    app = DFlashApp(ReplayController(sc.failed_preflight()))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await settle(pilot)
+        p = panels(app)
+        assert "FAILED" in p["header"].text and "(e: errors)" in p["header"].text
+        assert len(p["header"].text.split("\n")[0]) <= 80
+        flat = {k: w.text.replace("\n", " ") for k, w in p.items()}
+        assert flat["gpus"] == "no GPU sampled: the run failed before loading"
+        assert flat["targets"] == "no target loaded: the run failed before loading"
+        assert flat["queues"] == "no queues: the run failed before loading"
+        assert flat["training"] == "no step: the run failed before training"
+
+
+class Owned:
+    """What run_app reads of an engine it owned, once the app has exited."""
+
+    def __init__(self, state, final=None, kind=""):
+        self.state, self.final_status = state, final
+        self.failure = ev.Error(error_kind=kind, source="engine", message="m") if kind else None
+
+
+def test_the_dashboard_exits_with_the_code_headless_would():
+    from dflash_tui.app import owned_exit_code
+
+    assert owned_exit_code(Owned("finished", "finished")) == 0
+    assert owned_exit_code(Owned("failed", "failed", "oom")) == 1
+    assert owned_exit_code(Owned("failed", "failed", "config")) == 2  # as headless: input error
+    assert owned_exit_code(Owned("aborted", "aborted")) == 130  # q on a live run aborts it
+    assert owned_exit_code(Owned("idle")) == 0  # nothing was started
+
+
+@pytest.mark.parametrize("size", [(80, 24), (120, 40)])
+async def test_after_an_evaluation_the_training_panel_keeps_its_plot_in_view(size):
+    from textual.widgets import Sparkline
+
+    app = DFlashApp(ReplayController(sc.evaluated()))
+    async with app.run_test(size=size) as pilot:
+        await settle(pilot)
+        training = app.query_one("#training")
+        plot = training.query_one(Sparkline)
+        assert training.max_scroll_y == 0  # nothing scrolled out of the panel
+        assert plot.display and plot.region.height >= 1
+        assert training.content_region.contains_region(plot.region)
+        text = training.text + "\n" + str(training.query_one(".caption").content)
+        assert "39.012" in text and "1.106" in text  # the loss range, both ends
+        accepted = next(x for x in text.split("\n") if "accepted@k" in x)
+        assert accepted.startswith("accepted@k 94% 84% 70%") and "…" in accepted
+        width = training.scrollable_content_region.width
+        assert all(len(x) <= width for x in text.split("\n"))
+
+
+async def test_help_fits_an_80x24_terminal_and_notices_leave_the_log_in_view():
+    from textual.widgets._toast import Toast
+
+    app = DFlashApp(ReplayController(sc.training()))
+    async with app.run_test(size=(80, 24), notifications=True) as pilot:
+        await settle(pilot)
+        await pilot.press("question_mark")
+        await pilot.pause(0.3)
+        box = app.screen.query_one("#help")
+        assert box.max_scroll_y == 0  # its last paragraph too
+        assert app.screen.query_one("#help-foot").region.bottom <= box.region.bottom
+        await pilot.press("escape")
+        await pilot.pause()
+        app.notify("a notice", timeout=30)
+        await pilot.pause(0.5)
+        # notices show at the top, under the header, in one row: not over the log's newest lines
+        toast = app.screen.query_one(Toast)
+        log = app.query_one("#log")
+        assert toast.region.height == 1 and toast.region.y >= 2
+        assert not toast.region.overlaps(log.region)

@@ -33,11 +33,12 @@ def missing(tmp_path: Path) -> Path:
 CASES = {
     "attach a file that is not a run": (["--attach"], a_binary, ["is a file, not a run"]),
     "attach a folder that is not a run": (["--attach"], a_folder, ["events.jsonl does not exist"]),
-    "report a file that is not a run": (["report"], a_binary, ["is a file, not a run"]),
+    "report a file that is not a run": (["report"], a_binary, ["is a file, not a run"]),  # wrote beside it
     "report a folder that is not a run": (["report"], a_folder, ["events.jsonl does not exist"]),
-    "serve a file that is not a run": (["serve"], a_binary, ["does not exist"]),
+    "serve a file that is not a run": (["serve"], a_binary, ["is a file, not a run"]),
     "replay a folder that is not a run": (["--replay"], a_folder, ["does not exist"]),
-    "replay a binary file": (["--replay"], a_binary, ["is not an events.jsonl"]),
+    "replay a binary file": (["--replay"], a_binary, ["is a file, not a run's events"]),
+    "replay a config file": (["--replay"], an_empty_config, ["is a file, not a run's events"]),
     "replay a missing file": (["--replay"], lambda t: t / "x.jsonl", ["does not exist"]),
     "dashboard on an empty config": (["--config"], an_empty_config, ["is empty"]),
     "headless on an empty config": (["--headless", "--config"], an_empty_config, ["is empty"]),

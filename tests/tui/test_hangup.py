@@ -113,13 +113,13 @@ def test_hang_up_goes_on_headless_and_an_attached_abort_ends_it(owner):
     (line,) = [e for e in events(owner.run_dir) if e["event"] == "Log"
                and "terminal hung up" in e["message"]]
     assert f"pid {owner.proc.pid}" in line["message"]
-    assert f"dflash-tui --attach {owner.run_dir}" in line["message"]
+    assert f"dflash-tui attach {owner.run_dir} --control" in line["message"]
     # the run goes on: steps keep arriving after the hang-up, and the process is alive
     wait_until(lambda: len(steps(owner.run_dir, after=hung_at + 1)) >= 3, 60,
                "steps after the hang-up")
     assert owner.proc.poll() is None
 
-    follower = FollowController(owner.run_dir)  # what `dflash-tui --attach` sends keys through
+    follower = FollowController(owner.run_dir)  # what `dflash-tui attach --control` sends keys through
     follower.abort()
     assert owner.proc.wait(60) == 130
     follower.shutdown(5)

@@ -44,11 +44,11 @@ def live_run(tmp_path):
 
 
 class View:
-    """`dflash-tui --attach RUN --read-only` under the web driver, its pipes held by the test."""
+    """`dflash-tui attach RUN` (a view) under the web driver, its pipes held by the test."""
 
     def __init__(self, run_dir: Path, **env: str):
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "dflash_tui.cli", "--attach", str(run_dir), "--read-only"],
+            [sys.executable, "-m", "dflash_tui.cli", "attach", str(run_dir), "--read-only"],
             cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
             env={**os.environ, "TEXTUAL_DRIVER": "textual.drivers.web_driver:WebDriver",
                  "COLUMNS": "160", "ROWS": "48", PARENT_ENV: str(os.getpid()), **env})

@@ -77,7 +77,9 @@ def test_acceptance_and_exact_tau_values(tmp_path):
     events += [ev.EvalResult(step=40, tau=3.14159, acceptance=[5, 7, 11, 13, 17], prompts=16,
                              ts=t + 10),
                ev.EvalResult(step=50, tau=3.5, acceptance=[2, 3, 4, 19, 23, 29], prompts=16,
-                             ts=t + 20)]
+                             tau_tf_target=3.75, tau_tf_target_all=4.5, tau_tf_heldout=4.25,
+                             tau_tf_train=6.125, agreement=0.4, agreement_positions=512,
+                             findings=["data", "overfit"], ts=t + 20)]
     write_events(tmp_path / "events.jsonl", events)
     data = report.read_run(tmp_path)
     assert [(s, tau) for _, s, tau, _ in data.evals.items()] == [(30, 2.87), (40, 3.14159),
@@ -87,6 +89,12 @@ def test_acceptance_and_exact_tau_values(tmp_path):
     assert "3.1416" in page and "2.8700" in page and "3.5000" in page
     # the acceptance table is the latest evaluation's
     assert "<td>29</td>" in page and "<td>17</td>" not in page
+    # the measures of acceptance, in the words of every view
+    for label, value in (("tau exact", "3.50"), ("tf target", "3.75"), ("tf held-out", "4.25"),
+                         ("tf train", "6.12"), ("labels = target", "40.0% of 512"),
+                         ("findings", "data, overfit")):
+        assert f"<td>{label}</td><td>{value}</td>" in page, label
+    assert "<td>tf target (every position)</td><td>4.50</td>" in page
 
 
 def test_last_of_two_runs_and_a_torn_last_line(tmp_path):
@@ -221,10 +229,10 @@ def test_cli_report_without_events(tmp_path, capsys):
 
 
 def test_cli_flags_still_parse():
-    from dflash_tui.cli import build_parser
+    from dflash_tui.cli import parse_args
 
-    args = build_parser().parse_args(["--attach", "runs/x"])
-    assert str(args.attach) == "runs/x"
+    args = parse_args(["--attach", "runs/x"])
+    assert args.verb == "attach" and str(args.run_dir) == "runs/x"
     with pytest.raises(SystemExit):
         main(["--no-such-flag"])
 

@@ -219,13 +219,13 @@ def browse(url: str, profile: Path, *extra: str) -> subprocess.Popen:
 
 
 def dashboards(run_dir: Path) -> list[psutil.Process]:
-    """Every `--attach RUN_DIR` process on the machine, whoever its parent is now (an orphan of
+    """Every `attach RUN_DIR` process on the machine, whoever its parent is now (an orphan of
     serve is reparented and no longer its child)."""
     wanted = str(run_dir.resolve())
     found = []
     for p in psutil.process_iter(["cmdline", "status"]):
         cmd = p.info["cmdline"] or []
-        if "--attach" in cmd and wanted in cmd and p.info["status"] != psutil.STATUS_ZOMBIE:
+        if "attach" in cmd and wanted in cmd and p.info["status"] != psutil.STATUS_ZOMBIE:
             found.append(p)
     return found
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import tui_scenarios as sc
+from textual.widgets import DataTable
 
 from dflash_tui.app import DFlashApp
 from dflash_tui.replay import ReplayController
@@ -20,7 +21,10 @@ def replayed(events):
 
     async def until_shown(pilot) -> None:
         # every event folded in and drawn: sampled panels redraw within 1 s
-        while app.state.now < events[-1].ts or len(app.buffer) or app._pending:
+        while app.state.now < events[-1].ts or len(app.buffer) or app._pending or any(
+                t._require_update_dimensions or t._updated_cells for t in app.query(DataTable)):
+            # (a table sizes its columns when idle: a row added in the first batch of events
+            # is drawn with the labels' widths until then)
             await pilot.pause(0.05)
         await pilot.pause(0.3)
 
@@ -44,3 +48,44 @@ def test_snapshot_eight_gpus_two_targets_six_drafters(snap_compare, size):
 def test_snapshot_two_nodes(snap_compare):
     app, until_shown = replayed(sc.two_nodes())
     assert snap_compare(app, terminal_size=(120, 40), run_before=until_shown)
+
+
+# What the screen says of runs that end oddly: a config refused before loading (every panel says
+# why it is empty, the header stays one line), a finished run restarted at its last step.
+@pytest.mark.parametrize("size", {"80x24": (80, 24), "120x40": (120, 40)})
+def test_snapshot_failed_preflight(snap_compare, size):
+    app, until_shown = replayed(sc.failed_preflight())
+    assert snap_compare(app, terminal_size=(80, 24) if size == "80x24" else (120, 40),
+                        run_before=until_shown)
+
+
+def test_snapshot_resumed_at_the_end(snap_compare):
+    app, until_shown = replayed(sc.resumed_at_the_end())
+    assert snap_compare(app, terminal_size=(80, 24), run_before=until_shown)
+
+
+def test_snapshot_checkpoint_writing(snap_compare):
+    app, until_shown = replayed(sc.checkpoint_writing())
+    assert snap_compare(app, terminal_size=(120, 40), run_before=until_shown)
+
+
+# Small terminals after an evaluation: at 80x24 the Training panel keeps loss, tok/s and the
+# teacher-forced tau, the exact tau and its gap, as many accepted@k positions as fit, the loss
+# range and one row of its plot (lr, grad, samples/s and padding give way); at 120x40 two rows of
+# numbers and a taller plot. The loss range is never what is cut.
+@pytest.mark.parametrize("size", {"80x24": (80, 24), "120x40": (120, 40)})
+def test_snapshot_evaluated(snap_compare, size):
+    app, until_shown = replayed(sc.evaluated())
+    assert snap_compare(app, terminal_size=(80, 24) if size == "80x24" else (120, 40),
+                        run_before=until_shown)
+
+
+def test_snapshot_help_at_80x24(snap_compare):
+    app, until_shown = replayed(sc.training())
+
+    async def with_help(pilot) -> None:
+        await until_shown(pilot)
+        await pilot.press("question_mark")
+        await pilot.pause(0.3)
+
+    assert snap_compare(app, terminal_size=(80, 24), run_before=with_help)

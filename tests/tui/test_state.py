@@ -229,7 +229,12 @@ def test_acceptance_per_position_the_tau_gap_and_the_best_checkpoint():
     assert s.accepted_by_position() == pytest.approx([5 / 6, 3 / 6])
     step, tau, tf = s.eval_history[-1]
     assert (step, tau) == (20, 2.87) and tf == pytest.approx(s.step.tau_tf)
-    assert s.tau_gap == pytest.approx(s.step.tau_tf - 2.87)
+    # the mismatch gap: teacher-forced on the decoded text minus exact
+    assert s.tau_gap == pytest.approx(2.95 - 2.87)
+    assert "step 20 on 8 prompts: tau exact 2.87 | tf target 2.95" in s.log[-2].text
+    # an older run's evaluation (no teacher-forced tau of its own): the step's, as before
+    s.apply(ev.EvalResult(step=21, tau=2.0, acceptance=[1], prompts=8, ts=sc.T0 + 400))
+    assert s.tau_gap == pytest.approx(s.step.tau_tf - 2.0)
     s.apply(ev.Checkpoint(step=20, path="runs/x/checkpoints/step-20", seconds=0.0, reason="best",
                           tau=2.87, ts=sc.T0 + 500))
     assert s.best.step == 20 and "best so far: step 20 (tau 2.87)" in s.log[-1].text
@@ -248,3 +253,97 @@ def test_drafter_time_shares_average_over_drafters():
                               compute_frac=0.3, barrier_frac=0.2, step_frac=0.0))
     assert s.drafter_shares() == pytest.approx(
         {"waiting": 0.3, "compute": 0.5, "barrier": 0.1, "step": 0.1})
+
+
+# --------------------------------------------------------------------------------------------
+# The screen says exactly what is true: failed starts, ends, resumes, limits, checkpoints
+# --------------------------------------------------------------------------------------------
+
+def header_lines(s: DashboardState, width: int, lines: int = 2) -> list[str]:
+    from dflash_tui.widgets.header import HeaderBar
+
+    return HeaderBar.draw(s, width, lines).plain.split("\n")
+
+
+@pytest.mark.parametrize("width", [80, 120, 160])
+def test_a_failed_start_keeps_the_header_on_one_line_and_points_to_the_errors(width):
+    s = fold(sc.failed_preflight())
+    first, second = header_lines(s, width)
+    assert len(first) <= width and "FAILED" in first and first.rstrip().endswith("1")
+    assert "(e: errors)" in first and "layout.device: cuda" in first
+    assert "ConfigError" not in first  # the kind is in the errors pane; the cells go to the why
+    if width >= 120:
+        assert "cuda requested but no CUDA device is visible (e: errors)" in first
+    assert s.ended_before("loading") == "the run failed before loading"
+    assert s.ended_before("preflight") == ""
+    assert s.failure is not None and s.failure.error_kind == "config"
+
+
+def test_a_long_failure_reason_is_cut_in_the_header_never_wrapped():
+    s = fold(sc.failed())
+    for width in (60, 80, 100, 200):
+        first = header_lines(s, width)[0]
+        assert len(first) <= width and "step 60/6000" in first and "err" in first
+        # no room for the reason: where to read it, at least
+        assert ("target-3" in first) if width >= 80 else ("e: errors" in first)
+
+
+def test_every_worker_says_how_it_ended_in_one_log_line():
+    s = fold(sc.aborted())
+    assert {w.status for w in s.workers.values()} == {ev.WORKER_STOPPED}
+    assert {t.status for t in s.targets.values()} == {ev.WORKER_STOPPED}
+    texts = [x.text for x in s.log if x.source == "workers"]
+    assert texts == ["stopped: " + ", ".join([f"target-{i}" for i in range(7)] + ["drafter-0"])]
+    # A worker that said nothing more (an older engine's events) is shown stopped too, not running
+    s = fold(sc.start(targets=["cpu:0"], drafters=["cpu:0"]) + [
+        ev.WorkerStatus(worker="target-0", role="target", device="cpu", status="running",
+                        ts=sc.T0 + 3),
+        ev.StateChanged(state="aborted", previous="training", ts=sc.T0 + 4)])
+    assert s.workers["target-0"].status == ev.WORKER_STOPPED
+
+
+def test_a_resume_never_shows_step_0_and_the_end_says_its_step():
+    s = fold(sc.training(steps=5))
+    assert s.current_step == 5
+    events = sc.resumed_at_the_end()
+    s.apply_all(events[:2])  # the restart's RunStarted: which step is not known yet
+    assert s.current_step is None and "step -/" not in header_lines(s, 120)[0]
+    assert "step -" in header_lines(s, 120)[0]
+    s.apply_all(events[2:6])  # its TrainingPlan: the checkpoint's step
+    assert s.current_step == 512 and "step 512/512" in header_lines(s, 120)[0]
+    s.apply_all(events[6:])
+    assert s.state == "finished" and "step 512/512" in header_lines(s, 120)[0]
+    assert s.end_step == 512
+
+
+def test_the_plan_says_which_limit_ends_the_run():
+    s = fold(sc.resumed_at_the_end())
+    assert any("512 steps = 8 epochs of the data (optim.epochs); --max-steps 100000 is past it"
+               in x.text for x in s.log)
+    assert "ends 8 epochs" in header_lines(s, 80)[1]
+    assert "ends 8 epochs (--max-steps 100000 is past them)" in header_lines(s, 160)[1]
+    s.apply(sc.plan(total=100, max_steps=100, max_steps_from="run.max_steps", ts=sc.T0 + 9))
+    assert "ends run.max_steps 100" in header_lines(s, 120)[1]
+
+
+def test_a_checkpoint_being_written_shows_until_it_is_written():
+    events = sc.checkpoint_writing()
+    s = fold(events)
+    assert "checkpoint step 60: 12.3G/40.1G at 2.1G/s" in header_lines(s, 80)[1]
+    s.apply(ev.Checkpoint(step=60, path="runs/x/step-60", seconds=19.0, ts=events[-1].ts + 13))
+    assert "checkpoint step" not in "\n".join(header_lines(s, 160, 3))
+    s.apply(ev.CheckpointProgress(step=80, bytes_written=GIB, bytes_total=40 * GIB, seconds=1,
+                                  ts=events[-1].ts + 20))
+    s.apply(ev.Error(error_kind="io", source="checkpoint", message="disk full", fatal=False,
+                     ts=events[-1].ts + 21))
+    assert s.checkpoint_writing is None  # a failed write ends its progress line too
+
+
+def test_the_second_header_line_gives_way_by_priority():
+    s = fold(sc.checkpoint_writing())
+    second = header_lines(s, 80)[1]
+    # what is going on now and the run's limit first; the wandb folder gives way
+    assert second.startswith("checkpoint step 60") and "ends 3 epochs" in second
+    assert "wandb" not in second and len(second) <= 80
+    tall = header_lines(s, 120, 3)
+    assert len(tall) == 3 and "wandb runs/qwen36-dflash" in "\n".join(tall)

@@ -78,6 +78,7 @@ def training(steps: int = 60, wait: float = 0.05, blocked: float = 0.71) -> list
         out.append(ev.WorkerStatus(worker=worker, role="target", device=dev,
                                    status=ev.WORKER_WARMUP, ts=T0 + 91))
     out.append(ev.StateChanged(state="warmup", previous="loading", ts=T0 + 91))
+    out.append(plan(ts=T0 + 91))
     out.append(ev.StateChanged(state="training", previous="warmup", ts=T0 + 120))
     t = 120.0
     for s in range(1, steps + 1):
@@ -98,10 +99,19 @@ def training(steps: int = 60, wait: float = 0.05, blocked: float = 0.71) -> list
                                   samples_per_s=3.7, tau_tf=1.5 + s / 40, drafter_wait_frac=wait,
                                   target_blocked_frac=blocked, padding_frac=0.06, samples=8,
                                   ts=T0 + t))
-    out.append(ev.EvalResult(step=steps, tau=2.87, acceptance=[1, 2, 3], prompts=8, ts=T0 + t))
+    out.append(ev.EvalResult(step=steps, tau=2.87, acceptance=[1, 2, 3], prompts=8,
+                             tau_tf_target=2.95, tau_tf_target_all=3.61, tau_tf_heldout=3.58,
+                             tau_tf_train=3.74, agreement=0.98, agreement_positions=512,
+                             ts=T0 + t))
     out.append(ev.Checkpoint(step=steps, path=f"runs/qwen36-dflash/ckpt/step-{steps}", seconds=4.2,
                              ts=T0 + t))
     return out
+
+
+def plan(start_step: int = 0, total: int = 6000, ts: float = T0, **kw) -> ev.TrainingPlan:
+    """Training's plan: 3 epochs of the data make 6000 steps (no max_steps)."""
+    return ev.TrainingPlan(**{"start_step": start_step, "total_steps": total, "epochs": 3,
+                              "epoch_steps": 6000, "targets": 7, "drafters": 1, "ts": ts, **kw})
 
 
 def oom_error(t: float) -> ev.Error:
@@ -131,6 +141,11 @@ def aborted() -> list[ev.Event]:
         ev.Log(level="warning", source="dashboard", message="abort requested", ts=T0 + t),
         ev.Checkpoint(step=60, path="runs/qwen36-dflash/ckpt/step-60", seconds=3.9,
                       reason="abort", ts=T0 + t + 4),
+    ] + [  # every worker's last word, as the engine publishes it before the run's end
+        ev.WorkerStatus(worker=w, role=w.split("-")[0], device=d, status=ev.WORKER_STOPPED,
+                        ts=T0 + t + 4)
+        for w, d in [(f"target-{i}", f"cuda:{i}") for i in range(7)] + [("drafter-0", "cuda:7")]
+    ] + [
         ev.StateChanged(state="aborted", previous="training", reason="operator", ts=T0 + t + 5),
         ev.RunEnded(status="aborted", step=60, seconds=t + 5, reason="operator", ts=T0 + t + 5),
     ]
@@ -180,4 +195,59 @@ def two_nodes(steps: int = 20) -> list[ev.Event]:
             gpu_mem=[int(86 * GIB)] * 8,
             error="drafter-3: out of memory at micro_block_tokens 8192, now 4096" if k else "",
             ts=T0 + t))
+    return out
+
+
+def failed_preflight() -> list[ev.Event]:
+    """A config refused by preflight: no RunStarted, no worker, one fatal config error."""
+    message = "ConfigError: layout.device: cuda requested but no CUDA device is visible"
+    return [
+        ev.StateChanged(state="preflight", previous="idle", ts=T0),
+        ev.Error(error_kind="config", source="engine", phase="preflight", fatal=True,
+                 message=message, hint="set layout.device: cpu, or check CUDA_VISIBLE_DEVICES",
+                 ts=T0 + 0.1),
+        ev.StateChanged(state="failed", previous="preflight", reason=message, ts=T0 + 0.8),
+        ev.RunEnded(status="failed", step=0, seconds=0.8, reason=message, ts=T0 + 0.8),
+    ]
+
+
+def checkpoint_writing() -> list[ev.Event]:
+    """Training, a periodic checkpoint of step 60 a third written in the background."""
+    out = [e for e in training() if not isinstance(e, ev.Checkpoint)]
+    return out + [ev.CheckpointProgress(step=60, bytes_written=int(12.3 * GIB),
+                                        bytes_total=int(40.1 * GIB), seconds=5.9,
+                                        ts=out[-1].ts + 6)]
+
+
+def resumed_at_the_end() -> list[ev.Event]:
+    """A finished run restarted (r, y): it resumes from its final checkpoint, step 512 of 512
+    (8 epochs; --max-steps 100000 past them), and finishes again at once."""
+    cfg = dict(run_name="demo", run_dir="runs/demo", config={}, targets=["cpu:0"],
+               drafters=["cpu:0"])
+    return [
+        ev.StateChanged(state="preflight", previous="finished", reason="restart", ts=T0),
+        ev.RunStarted(**cfg, resume=True, ts=T0 + 0.1),
+        ev.Log(level="info", source="engine", message="resuming from runs/demo/checkpoints/"
+               "step-512 (step 512)", ts=T0 + 0.5),
+        ev.StateChanged(state="loading", previous="preflight", ts=T0 + 0.6),
+        ev.StateChanged(state="warmup", previous="loading", ts=T0 + 1.0),
+        ev.TrainingPlan(start_step=512, total_steps=512, epochs=8, epoch_steps=512,
+                        max_steps=100000, max_steps_from="--max-steps", targets=1, drafters=1,
+                        ts=T0 + 1.0),
+        ev.StateChanged(state="finished", previous="warmup", ts=T0 + 1.2),
+        ev.RunEnded(status="finished", step=512, seconds=1.2, ts=T0 + 1.2),
+    ]
+
+
+def evaluated(steps: int = 120) -> list[ev.Event]:
+    """Training after an evaluation of 16-token blocks: a loss that started at ~39 (the range
+    needs room) and how often each of 15 positions was accepted (a long line)."""
+    out = []
+    for e in training(steps=steps):
+        if isinstance(e, ev.StepMetrics) and e.step == 1:
+            e = ev.StepMetrics(**{**e.__dict__, "loss": 39.012})
+        if isinstance(e, ev.EvalResult):
+            e = ev.EvalResult(step=steps, tau=3.41, prompts=8, ts=e.ts,
+                              acceptance=[5, 9, 12, 11, 9, 8, 7, 6, 5, 4, 3, 3, 2, 2, 1, 1])
+        out.append(e)
     return out

@@ -13,8 +13,10 @@ from pathlib import Path
 
 from dflash_core.observe.events import (
     Checkpoint, CheckpointProgress, DrafterMetrics, Error, Event, EvalResult, LoadProgress, Log, MemoryPlan, RunEnded,
-    RunStarted, SinkStatus, Stall, StateChanged, StepMetrics, TargetMetrics, WorkerStatus,
+    RunStarted, SinkStatus, Stall, StateChanged, StepMetrics, TargetMetrics, TrainingPlan,
+    WorkerStatus,
 )
+from dflash_core.models.acceptance import summary_line
 from dflash_core.units import GiB
 
 
@@ -78,7 +80,7 @@ def format_event(ev: Event) -> str | None:
                 f"{_duration(ev.seconds)}")
     if isinstance(ev, EvalResult):
         hist = " ".join(f"{k}:{n}" for k, n in enumerate(ev.acceptance))
-        return (f"eval step {ev.step}: tau {ev.tau:.3f} on {ev.prompts} prompts; "
+        return (f"eval step {ev.step} on {ev.prompts} prompts: {summary_line(ev)}; "
                 f"accepted/round {hist}")
     if isinstance(ev, Checkpoint):
         size = (f", {ev.bytes / GiB:.1f} GiB at {ev.bytes / GiB / ev.seconds:.2f} GiB/s, training "
@@ -111,6 +113,8 @@ def format_event(ev: Event) -> str | None:
         total = f", {ev.total_steps} steps" if ev.total_steps else ""
         return (f"run {ev.run_name} started in {ev.run_dir}: targets {ev.targets}, "
                 f"drafters {ev.drafters}{total}{resumed}")
+    if isinstance(ev, TrainingPlan):
+        return ev.summary()
     if isinstance(ev, RunEnded):
         reason = f" ({ev.reason})" if ev.reason else ""
         return f"run {ev.status} at step {ev.step} after {_duration(ev.seconds)}{reason}"

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from dflash_core.config import ConfigError, WandbConfig
+from dflash_core.models.acceptance import ACCEPTED, AGREEMENT, MEASURES, MISSING, accepted_at
 from dflash_core.observe.errors import error_from_exception
 from dflash_core.observe.events import Error, EvalResult, Event, Log, RunEnded, SinkStatus, StepMetrics
 
@@ -202,9 +203,16 @@ class WandbSink:
                 "perf/padding_frac": ev.padding_frac,
             }, step=ev.step)
         elif isinstance(ev, EvalResult):
-            data = {"eval/tau": ev.tau, "eval/prompts": ev.prompts}
+            data = {"eval/prompts": ev.prompts}
             total = sum(ev.acceptance) or 1
             data.update({f"eval/accept_{k}": n / total for k, n in enumerate(ev.acceptance)})
+            # the measures of acceptance under the keys acceptance.py names (a measure not taken
+            # is left out, not logged as -1)
+            for m in (*MEASURES, AGREEMENT):
+                if getattr(ev, m.key, MISSING) >= 0:
+                    data[m.wandb] = getattr(ev, m.key)
+            data.update({f"{ACCEPTED.wandb}_{k}": r
+                         for k, r in enumerate(accepted_at(ev.acceptance), start=1)})
             self._run.log(data, step=ev.step)
         elif isinstance(ev, RunEnded):
             run, self._run = self._run, None

@@ -197,3 +197,50 @@ def test_target_fn_for_adapts_a_target_model(target, target_fn):
     fn = target_fn_for(FakeTargetModel(), LAYERS)
     assert plain_greedy(fn, [1, 2, 3], 5) == plain_greedy(target_fn, [1, 2, 3], 5)
     assert calls and all(c == LAYERS for c in calls)
+
+
+def _self_consistent_text(target_fn, drafter, prompt, rounds):
+    """prompt + a first token, then ``rounds`` times the drafter's own full proposal after the
+    last token: exact decoding of this text would accept every drafted token of every round."""
+    ids = list(prompt) + plain_greedy(target_fn, prompt, 1)
+    starts = []
+    for _ in range(rounds):
+        starts.append(len(ids) - 1)
+        _, feats = target_fn(torch.tensor([ids]))
+        ids += drafter.draft(feats[:, : len(ids) - 1], ids[-1]).tolist()
+    return ids, starts
+
+
+def test_teacher_forced_eval_makes_the_pass_decoding_makes(target, target_fn, drafter):
+    from dflash_core.models.evaluate import teacher_forced_eval
+
+    B = drafter.block_size
+    prompt = PROMPTS[2]
+    ids, starts = _self_consistent_text(target_fn, drafter, prompt, rounds=3)
+    mask = [0] * len(prompt) + [1] * (len(ids) - len(prompt))
+    features = lambda x: target_fn(x)[1]  # noqa: E731
+    tau, blocks = teacher_forced_eval(features, drafter, [(ids, mask)])
+    assert blocks == len(ids) - len(prompt) - 1  # an anchor at every valid position
+    # Each block scores what a decoding round started at its anchor would accept.
+    _, feats = target_fn(torch.tensor([ids]))
+    rounds = []
+    for S in range(len(prompt), len(ids) - 1):
+        n = min(B - 1, len(ids) - 1 - S)
+        drafted = drafter.draft(feats[:, :S], ids[S], n).tolist()
+        k = 0
+        while k < n and drafted[k] == ids[S + 1 + k]:
+            k += 1
+        rounds.append(k + 1)
+    assert tau == pytest.approx(sum(rounds) / len(rounds))
+    assert all(rounds[S - len(prompt)] == B for S in starts)  # the drafter's own text: all
+    # at the anchors decoding used: what those rounds accepted
+    assert teacher_forced_eval(features, drafter, [(ids, mask)], anchors=[starts]) == (B, 3)
+    ev = evaluate_tau(target_fn, drafter, [prompt], 12, LAYERS)
+    (out,), (at,) = ev.outputs, ev.anchors
+    assert at[0] == len(prompt) and len(at) == ev.rounds
+    decoded = [(prompt + out, [0] * len(prompt) + [1] * len(out))]
+    tau_b, rounds_b = teacher_forced_eval(features, drafter, decoded, anchors=[at])
+    # every round but a last one with nothing left to draft has a labelled block
+    assert rounds_b >= ev.rounds - 1 and tau_b * rounds_b == pytest.approx(
+        sum((k + 1) * c for k, c in enumerate(ev.acceptance)) - (ev.rounds - rounds_b))
+    assert teacher_forced_eval(features, drafter, [(prompt, [0] * len(prompt))]) == (0.0, 0)

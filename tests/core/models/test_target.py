@@ -107,12 +107,13 @@ def test_features_equal_hf_hidden_states(loaded, family):
     assert feats.shape == (2, 11, len(layer_ids) * HIDDEN)
     expected = torch.cat([hs[i + 1] for i in layer_ids], dim=-1)
     assert (feats - expected).abs().max().item() < 1e-5
-    # HF's last hidden state has the final norm applied; ours is the raw layer output, which
-    # gives HF's logits once normed and projected.
+    # HF's last hidden state has the final norm applied, and so has ours: the reference reads
+    # hidden_states[i+1] for every layer, the last one too.
     last = target.features(ids, layer_ids=[LAYERS - 1])
+    assert (last - hs[LAYERS]).abs().max().item() < 1e-5
     with torch.inference_mode():
         logits = ref(input_ids=ids).logits
-        again = ref.lm_head(ref.model.norm(last))
+        again = ref.lm_head(last)
     assert (again - logits).abs().max().item() < 1e-4
 
 

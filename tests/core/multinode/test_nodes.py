@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from dflash_core.persist import checkpoint as ckpt
-from dflash_core.config import ConfigError
+from dflash_core.config import ConfigError, NodesConfig
 from dflash_core.observe.events import Error, Log, NodeStatus, RunEnded, StepMetrics, read_jsonl
 from dflash_core.multinode.node_link import NodeLink, NodeMismatch, weights_checksum
 from dflash_core.multinode.nodes import node_info
@@ -150,6 +150,30 @@ def test_two_nodes_under_torchrun_match_one_node_with_the_same_global_batch(tmp_
     assert shown == {0, 1}
     final = ckpt.load_checkpoint(ckpt.list_checkpoints(run_dir)[-1])
     assert final.trainer_state["nodes"] == 2
+
+
+@pytest.mark.slow  # the fast path: test_demo.py, nodes installing the target at once
+def test_two_nodes_share_one_run_folder_with_the_demo_target(tmp_path, demo_data, procs):
+    """The demo's config with a fixed run.name on two nodes of one shared folder: both install
+    the demo target into runs/mn/target at once, each writes its records in node-K/, node 0
+    alone the shared files; both train and end together."""
+    from dflash_core.demo import META_NAME, demo_config
+
+    cfg = demo_config(output_dir=str(tmp_path / "runs"), name="mn", device="cpu")
+    cfg.run.max_steps, cfg.data.eval_prompts, cfg.checkpoint.every = 1, 0, 0
+    cfg.nodes.timeout_s = 60.0
+    procs += start_nodes(write_config(tmp_path / "config.yaml", cfg), tmp_path)
+    codes = [p.wait(240) for p in procs]
+    assert codes == [0, 0], outputs(tmp_path)
+    run_dir = cfg.run_dir
+    assert (run_dir / "target" / META_NAME).is_file()
+    assert sorted(p.name for p in run_dir.iterdir() if p.name.startswith(".")) == []
+    for k in (0, 1):
+        ended = [e for e in read_jsonl(run_dir / f"node-{k}" / "events.jsonl")
+                 if isinstance(e, RunEnded)]
+        assert [(e.status, e.step) for e in ended] == [("finished", 1)]
+    assert [p.name for p in ckpt.list_checkpoints(run_dir)] == ["step-1"]  # node 0's
+    assert not (run_dir / "node-1" / "config.yaml").exists()
 
 
 SLOW_CHECKPOINT = """
@@ -326,8 +350,8 @@ def test_a_node_refused_before_joining_fails_the_other_at_once(tmp_path, assets,
         configs[bad] = wrong
         cause, fix = "optim.lr", f"on node {bad}: set optim.lr"
     else:
-        cfg.run_dir.mkdir(parents=True)
-        (cfg.run_dir / "train.log").write_text("an earlier run\n")
+        (cfg.run_dir / "checkpoints" / "step-3").mkdir(parents=True)
+        (cfg.run_dir / "checkpoints" / "step-3" / "model.safetensors").write_bytes(b"weights")
         cause, fix = "already holds a run", f"on node {bad}: pass --resume"
     t = time.monotonic()
     procs += start_nodes(good, tmp_path, configs=configs)
@@ -440,34 +464,39 @@ def fake_run(step: int):
         position=None, target_devices=[], drafter_devices=[], stop=SimpleNamespace(set=lambda: 0))
 
 
-def link_for(others: dict) -> NodeLink:
-    return NodeLink(FakeGroup(others), lambda ev: None, fail=lambda ev: None,
-                    restart=lambda: None, restarting=lambda: False, checksum_every=2, stall_s=60)
+def link_for(others: dict, run, **kw) -> NodeLink:
+    callbacks = {"fail": lambda ev: None, "restart": lambda: None, "restarting": lambda: False,
+                 **kw}
+    return NodeLink.from_config(NodesConfig(checksum_every=2), 60.0, run, FakeGroup(others),
+                                lambda ev: None, **callbacks)
+
+
+def test_the_link_is_made_from_the_config_it_serves():
+    link = link_for({}, fake_run(step=0))
+    assert (link.checksum_every, link.timeout_s, link.stall_s) == (2, NodesConfig.timeout_s, 60.0)
 
 
 def test_different_weights_on_another_node_fail_naming_the_step():
-    link = link_for({"checksum": 1.5})
+    link = link_for({"checksum": 1.5}, fake_run(step=4))
     with pytest.raises(NodeMismatch, match="differ across nodes at step 4"):
-        link.boundary(fake_run(step=4))
+        link.boundary()
     assert link.over  # no farewell after it: every node saw the same mismatch
-    same = link_for({})
-    assert same.boundary(fake_run(step=4)).stop is False
+    same = link_for({}, fake_run(step=4))
+    assert same.boundary().stop is False
     assert weights_checksum([torch.ones(3), torch.zeros(2)]) != weights_checksum(
         [torch.zeros(2), torch.ones(3)])
 
 
 def test_nodes_that_plan_other_steps_are_refused_at_the_first_step():
     with pytest.raises(NodeMismatch, match="node 1 plans 12 optimizer steps"):
-        link_for({"total_steps": 12}).boundary(fake_run(step=0))
+        link_for({"total_steps": 12}, fake_run(step=0)).boundary()
 
 
 def test_a_node_that_failed_fails_the_others_naming_it():
     failures = []
-    link = NodeLink(FakeGroup({"ending": "failed", "error": "drafter-0: boom"}), lambda ev: None,
-                    fail=failures.append, restart=lambda: None, restarting=lambda: False,
-                    checksum_every=2, stall_s=60)
     run = fake_run(step=3)
-    assert link.boundary(run).stop and link.over
+    link = link_for({"ending": "failed", "error": "drafter-0: boom"}, run, fail=failures.append)
+    assert link.boundary().stop and link.over
     assert run.peer_failed  # node 0 still writes its checkpoint
     assert failures[0].source == "node-1" and "node 1 (h) failed: drafter-0: boom" in \
         failures[0].message
@@ -475,9 +504,7 @@ def test_a_node_that_failed_fails_the_others_naming_it():
 
 def test_a_restart_on_another_node_restarts_this_one():
     restarts = []
-    link = NodeLink(FakeGroup({"abort": True, "restart": True}), lambda ev: None,
-                    fail=lambda ev: None, restart=lambda: restarts.append(1),
-                    restarting=lambda: False, checksum_every=2, stall_s=60)
     run = fake_run(step=3)
-    assert link.boundary(run).stop
+    link = link_for({"abort": True, "restart": True}, run, restart=lambda: restarts.append(1))
+    assert link.boundary().stop
     assert run.abort_requested and restarts == [1]

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from dflash_core.config import ConfigError
-from dflash_core.observe.errors import OOM_KEYS, classify, error_event
+from dflash_core.levers import OOM_LEVERS
+from dflash_core.observe.errors import classify, error_event
 
 OOM_TEXT = ("CUDA out of memory. Tried to allocate 30.00 GiB (GPU 0; 139.80 GiB total capacity; "
             "12.00 GiB already allocated)")
@@ -17,7 +18,9 @@ def test_an_oom_names_the_size_asked_for_and_the_key_of_its_role(role, key):
     kind, hint = classify(torch.OutOfMemoryError(OOM_TEXT), role=role, device="cpu",
                           phase="training")
     assert kind == "oom"
-    assert "30.00 GiB" in hint and key in hint and key in OOM_KEYS[role]
+    assert "30.00 GiB" in hint and key in hint
+    for lever in OOM_LEVERS[role]:  # every lever of the role, with what it sizes
+        assert f"{lever.key} ({lever.sizes})" in hint
     assert hint.startswith("out of memory on cpu during training")
 
 

@@ -100,3 +100,20 @@ def test_queue_names_and_worker_statuses_keep_their_wire_form():
     assert [ev.prefetch_rank(ev.prefetch_queue(r)) for r in (0, 3, 12)] == [0, 3, 12]
     assert [ev.prefetch_rank(n) for n in ("hs", "prefetch", "prefetch-x", "loader-1")] == [None] * 4
     assert ev.WORKER_STATUSES == ("loading", "warmup", "running", "done", "stopped", "failed")
+
+
+def test_training_plan_says_which_limit_ends_the_run():
+    plan = ev.TrainingPlan(start_step=0, total_steps=512, epochs=8, epoch_steps=512,
+                           max_steps=100000, max_steps_from="--max-steps", targets=1, drafters=1)
+    assert plan.by_epochs and plan.limit(short=True) == "8 epochs"
+    assert plan.limit() == ("512 steps = 8 epochs of the data (optim.epochs); --max-steps 100000 "
+                            "is past it")
+    assert plan.summary().startswith("training 512 steps on 1 target(s) + 1 drafter(s): 512 ")
+    capped = ev.TrainingPlan(start_step=200, total_steps=300, epochs=8, epoch_steps=512,
+                             max_steps=300)
+    assert not capped.by_epochs and capped.limit(short=True) == "run.max_steps 300"
+    assert capped.limit() == "300 steps: run.max_steps 300 (8 epochs of the data would be 512)"
+    assert capped.summary().startswith("training from step 200 to 300 on ")
+    alone = ev.TrainingPlan(start_step=0, total_steps=64, epochs=1, epoch_steps=64)
+    assert alone.limit() == "64 steps = 1 epoch of the data (optim.epochs)"
+    assert ev.from_json(plan.to_json()) == plan

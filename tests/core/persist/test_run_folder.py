@@ -13,17 +13,21 @@ the config describes (docs/bad-input.md, "Run folder and resume").
 |                                                    | resumes from the older intact one          |
 | --resume, every checkpoint damaged                 | [io] names each; nothing deleted           |
 | --resume, config has another optim.name            | [config] optim.name: both names; hint      |
+| refused by preflight, then the fixed config again  | starts in the same folder, says so         |
 """
 
 import shutil
 
 import pytest
+import torch
+import yaml
 
 from dflash_core.persist import checkpoint as ckpt
 from dflash_core.pipeline.engine import Engine
 from dflash_core.observe.events import Error, Log, RunEnded, RunStarted, StepMetrics, read_jsonl
 from dflash_core.persist.resume import shape_differences
-from dflash_core.persist.run_folder import fresh_name, records_in
+from dflash_core.config import ConfigError
+from dflash_core.persist.run_folder import earlier_run, fresh_name, records_in, refuse_if_used
 
 from ..engine_fixtures import (  # noqa: F401 - assets is a fixture
     assets, make_config, run_to_end, shutdown_started_engines,
@@ -214,3 +218,83 @@ def test_resume_with_another_optimizer_names_both(tmp_path, assets, done_run):
     after = snapshot(run_dir)
     assert {k: v for k, v in after.items() if k.name not in ("events.jsonl", "train.log")} == \
         {k: v for k, v in before.items() if k.name not in ("events.jsonl", "train.log")}
+
+
+# --------------------------------------------------------------------------------------------
+# A start refused by its preflight is no run to protect
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("wrong, key", [
+    ({"target__layer_ids": [1, 99]}, "target.layer_ids"),
+    pytest.param({"layout__device": "cuda"}, "layout.device", marks=pytest.mark.skipif(
+        torch.cuda.is_available(), reason="the machine without CUDA of the report")),
+])
+def test_a_preflight_failure_then_a_corrected_retry_starts_in_the_same_folder(tmp_path, assets,
+                                                                              wrong, key):
+    """The first attempt is refused by preflight after its folder and records exist (a layer
+    the target does not have; CUDA asked for where there is none); the corrected config starts
+    there, and what it then trained is protected as before."""
+    target, data = assets
+    bad = make_config(tmp_path, target, data, data__eval_prompts=0, run__max_steps=1, **wrong)
+    _, rec = run(bad)
+    assert rec.of(RunEnded)[0].status == "failed"
+    assert fatal(rec).message.startswith(key) or key in fatal(rec).message
+    run_dir = bad.run_dir
+    assert {"config.yaml", "events.jsonl", "train.log"} <= {p.name for p in run_dir.iterdir()}
+
+    good = make_config(tmp_path, target, data, data__eval_prompts=0, run__max_steps=1)
+    _, rec = run(good)
+    assert rec.of(RunEnded)[0].status == "finished", [e.message for e in rec.of(Error)]
+    assert rec.of(RunStarted)[0].run_dir == str(run_dir)
+    assert any("earlier attempts" in m.message and "ended before a step" in m.message
+               for m in rec.of(Log))
+    assert yaml.safe_load((run_dir / "config.yaml").read_text()) == good.to_dict()  # the fixed one
+    events = read_jsonl(run_dir / "events.jsonl")  # both attempts, in order
+    assert [e.status for e in events if isinstance(e, RunEnded)] == ["failed", "finished"]
+
+    _, rec = run(good)  # now it holds a trained step and a checkpoint: refused, as ever
+    assert rec.of(RunEnded)[0].status == "failed" and "already holds a run" in fatal(rec).message
+
+
+def test_only_a_folder_with_something_to_lose_holds_a_run(tmp_path):
+    """A checkpoint, a trained step, or a start without its end (maybe still running) make a
+    run; attempts that all ended before a step, or a bare config.yaml, do not."""
+    def folder(name, **files):
+        d = tmp_path / name
+        d.mkdir()
+        for fname, text in files.items():
+            (d / fname.replace("_", ".")).write_text(text)
+        return d
+
+    started = RunStarted(run_name="x", run_dir="", config={}, targets=[], drafters=[]).to_json()
+    ended = RunEnded(status="failed", step=0, seconds=0.1, reason="no GPU").to_json()
+    step = StepMetrics(step=1, epoch=0, loss=1.0, lr=1e-3, grad_norm=1.0, tokens_per_s=1.0,
+                       samples_per_s=1.0, tau_tf=1.0).to_json()
+    two_failed = "\n".join([started, ended, started, ended]) + "\n"
+    assert earlier_run(folder("failed", events_jsonl=two_failed, train_log="x",
+                              config_yaml="x")) == []
+    assert earlier_run(folder("bare", config_yaml="x")) == []
+    assert fresh_name(tmp_path, "failed") == "failed"
+    assert earlier_run(folder("live", events_jsonl=two_failed + started + "\n")) == [
+        "its last start in events.jsonl has not ended: it may still be running in another "
+        "process, or that process was killed"]
+    trained = folder("trained", events_jsonl="\n".join([started, step, ended]) + "\n")
+    assert earlier_run(trained) == ["its events.jsonl has trained steps"]
+    kept = folder("kept", events_jsonl=two_failed)
+    (kept / "checkpoints" / "step-2").mkdir(parents=True)
+    (kept / "checkpoints" / "step-2" / "model.safetensors").write_bytes(b"w")
+    assert earlier_run(kept) == ["it has checkpoints"]
+    with pytest.raises(ConfigError, match="already holds a run"):
+        refuse_if_used(kept)
+    assert fresh_name(tmp_path, "kept") == "kept-2"
+
+
+def test_a_step_across_the_reading_chunk_edge_is_still_found(tmp_path, monkeypatch):
+    from dflash_core.persist import run_folder
+
+    step = StepMetrics(step=1, epoch=0, loss=1.0, lr=1e-3, grad_norm=1.0, tokens_per_s=1.0,
+                       samples_per_s=1.0, tau_tf=1.0).to_json()
+    cut = step.index('"event":"StepMetrics"') + 5
+    monkeypatch.setattr(run_folder, "_CHUNK", 64)
+    (tmp_path / "events.jsonl").write_text("x" * (64 - cut) + step + "\n")
+    assert earlier_run(tmp_path) == ["its events.jsonl has trained steps"]

@@ -17,7 +17,8 @@ from dflash_core.data import batching as data_mod
 from dflash_core.models import target as target_mod
 from dflash_core.pipeline import target_stage
 from dflash_core.observe.events import (
-    Checkpoint, Error, LoadProgress, Log, QueueDepth, RunEnded, StateChanged, StepMetrics,
+    WORKER_STOPPED, Checkpoint, Error, LoadProgress, Log, QueueDepth, RunEnded, StateChanged,
+    StepMetrics, WorkerStatus,
 )
 from dflash_core.observe.sinks.jsonl import JsonlSink
 from dflash_core.observe.sinks.textlog import TextLogSink
@@ -177,6 +178,17 @@ def assert_aborted_quickly(engine, rec, before, t_abort: float, *, checkpoint: b
     assert state_time(rec, "aborted") - t_abort < FAIL_WITHIN_S
     assert not rec.of(Error), [(e.source, e.message) for e in rec.of(Error)]
     assert wait_gone(before) == []
+    # Every worker that said anything says how it ended, before the run's end: none is left
+    # "running" on the screen or in train.log (a target parked in a full queue's wait included).
+    last = {}
+    for e in rec.events:
+        if isinstance(e, WorkerStatus):
+            last[e.worker] = e.status
+        elif isinstance(e, StateChanged) and e.state == "aborted":
+            break
+    assert all(s == WORKER_STOPPED for s in last.values()), last
+    if any(isinstance(e, StepMetrics) for e in rec.events):
+        assert {"target-0", "drafter-0"} <= set(last), last
     saved = rec.of(Checkpoint)
     if checkpoint:
         assert end.step >= 1

@@ -153,8 +153,9 @@ def test_headless_path_does_not_import_textual():
     script = (
         "import sys\n"
         "import dflash_core.pipeline.headless\n"
-        "from dflash_tui.cli import build_parser, make_engine\n"
-        "args = build_parser().parse_args(['--headless', '--config', 'missing.yaml'])\n"
+        "from dflash_tui.cli import parse_args\n"
+        "from dflash_tui.verbs.run import make_engine\n"
+        "args = parse_args(['--headless', '--config', 'missing.yaml'])\n"
         "make_engine(args)\n"
         "bad = sorted(m for m in sys.modules if m == 'textual' or m.startswith('textual.'))\n"
         "assert not bad, bad\n"

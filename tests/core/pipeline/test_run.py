@@ -9,7 +9,7 @@ import torch
 from dflash_core.persist import checkpoint as ckpt
 from dflash_core.models import objective
 from dflash_core.pipeline import run as run_mod
-from dflash_core.observe.events import Checkpoint, Error, Log, StepMetrics
+from dflash_core.observe.events import Checkpoint, Error, EvalResult, Log, StepMetrics
 
 from ..engine_fixtures import assets, make_config, run_config  # noqa: F401 - assets is a fixture
 
@@ -72,19 +72,26 @@ def test_a_checkpoint_that_cannot_fit_is_skipped_and_said_so(tmp_path, assets, m
     assert math.isfinite(rec.of(StepMetrics)[-1].loss)
 
 
-def test_exact_tau_far_below_teacher_forced_is_a_warning(tmp_path, assets, monkeypatch):
+def test_exact_tau_far_below_teacher_forced_on_the_same_text_is_the_mismatch_warning(
+        tmp_path, assets, monkeypatch):
     from dflash_core.models.evaluate import EvalSummary
 
-    # an evaluation that accepts nothing, as a wrong mask token or layer ids would give
-    monkeypatch.setattr(run_mod, "evaluate_tau",
-                        lambda *a, **k: EvalSummary(tau=0.5, acceptance=[8], prompts=2, tokens=8))
+    # an evaluation that accepts nothing, as a wrong mask token or layer ids would give; the
+    # teacher-forced taus are what they are made to be
+    monkeypatch.setattr(run_mod, "evaluate_tau", lambda t, d, prompts, n, *a, **k: EvalSummary(
+        tau=0.5, acceptance=[8], prompts=len(prompts), tokens=8,
+        outputs=[[1, 2, 3, 4] for _ in prompts]))
+    monkeypatch.setattr(run_mod, "teacher_forced_eval", lambda *a, **k: (2.0, 10))
     target, data = assets
-    for warn_at, warned in ((0.4, True), (2.0, False)):
+    for warn_at, warned in ((1.4, True), (1.5, False)):
         cfg = make_config(tmp_path, target, data, run__name=f"gap-{warn_at}", run__max_steps=3,
-                          eval__tau_gap_warn=warn_at)
+                          eval__tau_gap_warn=warn_at, eval__agreement_warn=0.0)
         end, rec = run_config(cfg)
         assert end.status == "finished"
-        gaps = [e for e in rec.of(Log) if "below the teacher-forced" in e.message]
-        assert bool(gaps) == warned
+        (e,) = rec.of(EvalResult)
+        assert (e.tau, e.tau_tf_target, e.tau_tf_heldout) == (0.5, 2.0, 2.0)
+        assert e.tau_tf_train > 0 and e.agreement_positions > 0 and 0 <= e.agreement <= 1
+        gaps = [x for x in rec.of(Log) if "training and decoding disagree" in x.message]
+        assert bool(gaps) == warned and ("mismatch" in e.findings) == warned
         if warned:
             assert gaps[0].level == "warning" and "drafter.mask_token_id" in gaps[0].message

@@ -20,7 +20,13 @@ def test_format_every_kind():
     changed = StateChanged(state="loading", previous="preflight")
     assert "preflight -> loading" in format_event(changed)
     assert "step 7" in format_event(_step(7, 0.0)) and "loss 2.5000" in format_event(_step(7, 0.0))
-    assert "tau 3.210" in format_event(EvalResult(step=5, tau=3.21, acceptance=[1, 2], prompts=8))
+    old_eval = format_event(EvalResult(step=5, tau=3.21, acceptance=[1, 2], prompts=8))
+    assert "tau exact 3.21 | tf target - |" in old_eval and "accepted@k 67%" in old_eval
+    full = format_event(EvalResult(step=5, tau=3.21, acceptance=[1, 2], prompts=8,
+                                   tau_tf_target=3.4, tau_tf_heldout=3.3, tau_tf_train=4.0,
+                                   agreement=0.97, agreement_positions=100))
+    assert ("tau exact 3.21 | tf target 3.40 | tf held-out 3.30 | tf train 4.00 | "
+            "labels = target 97% | accepted@k 67%") in full
     assert "/ck/step-5" in format_event(Checkpoint(step=5, path="/ck/step-5", seconds=2.0))
     assert format_event(Log(level="warning", source="engine", message="hi")) == \
         "[warning] engine: hi"

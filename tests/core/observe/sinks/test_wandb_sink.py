@@ -159,7 +159,8 @@ def test_logs_steps_eval_and_finishes(tmp_path):
     out = []
     sink = WandbSink(WandbConfig(enabled=True, settings={"console": "wrap"}), tmp_path, "r",
                      {"a": 1}, out.append, wandb_module=wb)
-    for ev in (_step(1), _step(2), EvalResult(step=2, tau=3.0, acceptance=[1, 3], prompts=2),
+    for ev in (_step(1), _step(2), EvalResult(step=2, tau=3.0, acceptance=[1, 3], prompts=2,
+                                              tau_tf_target=3.25, agreement=0.5),
                RunEnded(status="aborted", step=2, seconds=1.0), _step(3)):
         sink(ev)
     (kwargs,) = wb.calls
@@ -169,6 +170,9 @@ def test_logs_steps_eval_and_finishes(tmp_path):
     assert [s for s, _ in run.logged] == [1, 2, 2]
     assert run.logged[0][1]["train/loss"] == 2.0
     assert run.logged[2][1]["eval/tau"] == 3.0 and run.logged[2][1]["eval/accept_1"] == 0.75
+    assert run.logged[2][1]["eval/tau_tf_target"] == 3.25 and run.logged[2][1]["eval/agreement"] == 0.5
+    assert run.logged[2][1]["eval/accepted_at_1"] == 0.75
+    assert "eval/tau_tf_heldout" not in run.logged[2][1]  # not measured: left out, not -1
     assert run.finished == 1 and run.summary["status"] == "aborted"
     assert out == [SinkStatus(sink="wandb", status="ok", detail="/fake/wandb/offline-run-x",
                               ts=out[0].ts)]

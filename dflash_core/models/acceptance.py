@@ -1,0 +1,163 @@
+"""What an evaluation measures of acceptance, what each gap between the measures means, and the
+words every view uses for them (docs/algorithm.md, Acceptance): the one place for the rules.
+
+Four taus, all on blocks of the drafter's size, at each evaluation:
+
+- (a) ``exact``: exact speculative decoding of the held-out prompts (what serving gets);
+- (b) ``target``: teacher-forced on the target's own greedy continuation of those prompts (the
+  very text (a) verified), the drafter pass being training's own, with a block at each anchor
+  decoding used (where a round began): there it scores what the round accepted, unless
+  training's drafter sees what decoding's does not. (Averaged over every position instead, it
+  runs well above (a): decoding's rounds begin where the last draft failed, the hard places;
+  measured on the healthy demo, +0.9 to +1.8 at step 100. That, not memorisation, is why the
+  old alarm, teacher-forced tau of training against exact, fired on a healthy run.) The mean
+  over every position, ``tau_tf_target_all``, is what (c) is compared with;
+- (c) ``heldout``: teacher-forced on held-out samples of the training data (never trained on),
+  labels the data's tokens;
+- (d) ``train``: teacher-forced on the training batches, a mean over the recent steps.
+
+And the data/target agreement (agreement.py): the share of trained labels that equal the target's
+greedy next token, measured once, at the first evaluation.
+
+The gaps, each with its own meaning and message:
+
+- (b) - (a) > ``eval.tau_gap_warn``: training and decoding disagree (a leak across blocks, a
+  position or mask error): the only mismatch alarm. (a) and (b) score the same text with the same
+  weights, so only what the drafter sees differs.
+- |(b, every position) - (c)| > ``eval.data_gap_warn`` or agreement < ``eval.agreement_warn``: the data is not the
+  target's own text; regenerate the responses with the target.
+- (d) - (c) > ``eval.overfit_gap``: over-fitting (too few samples for the epochs); information.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+# command named by the data message (built as the "data regenerate" verb)
+REGENERATE_COMMAND = "dflash-tui data regenerate"
+
+
+@dataclass(frozen=True)
+class Measure:
+    key: str  # EvalResult field
+    label: str  # the words on the dashboard, in train.log, in the report
+    wandb: str  # W&B key
+    meaning: str  # one line for the report and the docs
+
+
+MEASURES = (
+    Measure("tau", "tau exact", "eval/tau",
+            "(a) exact speculative decoding of the held-out prompts"),
+    Measure("tau_tf_target", "tf target", "eval/tau_tf_target",
+            "(b) teacher-forced on the target's own decoding of those prompts"),
+    Measure("tau_tf_heldout", "tf held-out", "eval/tau_tf_heldout",
+            "(c) teacher-forced on held-out samples of the training data"),
+    Measure("tau_tf_train", "tf train", "eval/tau_tf_train",
+            "(d) teacher-forced in training, mean over the recent steps"),
+)
+AGREEMENT = Measure("agreement", "labels = target", "eval/agreement",
+                    "share of trained labels equal to the target's greedy next token")
+ACCEPTED = Measure("accepted", "accepted@k", "eval/accepted_at",
+                   "share of exact-decoding rounds that accepted block position k (1 ..)")
+MISSING = -1.0  # the value of a measure not taken (an EvalResult of an older run, no data)
+
+
+@dataclass(frozen=True)
+class Finding:
+    kind: str  # "mismatch" | "data" | "overfit"
+    level: str  # "warning" | "info": the Log level it is published with
+    message: str
+
+
+def accepted_at(histogram: Sequence[int]) -> list[float]:
+    """Per block position k = 1..B-1: the share of rounds that accepted k or more drafted tokens
+    (``histogram[j]`` = rounds that accepted exactly j)."""
+    rounds = sum(histogram)
+    if not rounds:
+        return []
+    return [sum(histogram[k:]) / rounds for k in range(1, len(histogram))]
+
+
+def _have(x: float | None) -> bool:
+    return x is not None and x >= 0
+
+
+def findings(step: int, exact: float, target: float | None, heldout: float | None,
+             train: float | None, agreement: float | None, eval_cfg,
+             target_all: float | None = None) -> list[Finding]:
+    """The findings of one evaluation (at most one of each kind); ``eval_cfg``: config.EvalConfig.
+    ``target``: (b) at decoding's anchors; ``target_all``: (b) at every position (what (c)
+    measures on the data; default ``target``). A measure not taken (None or negative) takes part
+    in no rule."""
+    target_all = target if target_all is None else target_all
+    out: list[Finding] = []
+    if _have(target) and target - exact > eval_cfg.tau_gap_warn:
+        out.append(Finding("mismatch", "warning", (
+            f"step {step}: training and decoding disagree: exact tau {exact:.2f} is "
+            f"{target - exact:.2f} below the teacher-forced tau on the same text {target:.2f} "
+            f"(eval.tau_gap_warn {eval_cfg.tau_gap_warn:g}): in training the drafter sees what "
+            "decoding does not show it (a leak across blocks, a position or mask error); check "
+            "drafter.mask_token_id, target.layer_ids and the block attention mask")))
+    why = []
+    if (_have(target_all) and _have(heldout)
+            and abs(target_all - heldout) > eval_cfg.data_gap_warn):
+        why.append(f"teacher-forced tau on held-out data {heldout:.2f} against {target_all:.2f} "
+                   f"on the target's own text (eval.data_gap_warn {eval_cfg.data_gap_warn:g})")
+    if _have(agreement) and agreement < eval_cfg.agreement_warn:
+        why.append(f"only {agreement:.0%} of the trained labels are the target's greedy next "
+                   f"token (eval.agreement_warn {eval_cfg.agreement_warn:.0%})")
+    if why:
+        out.append(Finding("data", "warning", (
+            f"step {step}: the data is not the target's own text: " + "; ".join(why) + ". The "
+            "responses were written by another model (or with another chat template): "
+            f"regenerate them with the target ({REGENERATE_COMMAND})")))
+    if _have(train) and _have(heldout) and train - heldout > eval_cfg.overfit_gap:
+        out.append(Finding("overfit", "info", (
+            f"step {step}: over-fitting: teacher-forced tau in training {train:.2f} is "
+            f"{train - heldout:.2f} above held-out data {heldout:.2f} (eval.overfit_gap "
+            f"{eval_cfg.overfit_gap:g}): the drafter memorises its samples; more data or fewer "
+            "optim.epochs")))
+    return out
+
+
+def _fmt(x: float | None) -> str:
+    return f"{x:.2f}" if _have(x) else "-"
+
+
+def summary_fields(ev) -> list[tuple[str, str]]:
+    """(label, value) of an EvalResult's measures, in MEASURES order, then the agreement: what
+    the dashboard, train.log and the report show, in the same words."""
+    rows = [(m.label, _fmt(getattr(ev, m.key, None))) for m in MEASURES]
+    share = getattr(ev, "agreement", MISSING)
+    if _have(share):
+        rows.append((AGREEMENT.label, f"{share:.0%}"))
+    return rows
+
+
+def summary_line(ev) -> str:
+    """One line: 'tau exact 2.70 | tf target 2.90 | ... | accepted@k 80% 61% ...'."""
+    parts = [f"{label} {value}" for label, value in summary_fields(ev)]
+    rates = accepted_at(ev.acceptance)
+    if rates:
+        parts.append(f"{ACCEPTED.label} " + " ".join(f"{r:.0%}" for r in rates))
+    return " | ".join(parts)
+
+
+def report_rows(ev) -> list[list[str]]:
+    """[label, value, meaning] per measure of an EvalResult, then the agreement and the
+    acceptance per block position, and the findings raised: the run report's acceptance table."""
+    rows = [[m.label, _fmt(getattr(ev, m.key, None)), m.meaning] for m in MEASURES]
+    every = getattr(ev, "tau_tf_target_all", MISSING)
+    if _have(every):
+        rows.insert(2, [f"{MEASURES[1].label} (every position)", _fmt(every),
+                        "(b) with a block at every position, not only where rounds began"])
+    share = getattr(ev, "agreement", MISSING)
+    n = getattr(ev, "agreement_positions", 0)
+    rows.append([AGREEMENT.label, f"{share:.1%} of {n}" if _have(share) and n else "-",
+                 AGREEMENT.meaning])
+    rates = accepted_at(ev.acceptance)
+    rows.append([ACCEPTED.label, " ".join(f"{r:.0%}" for r in rates) or "-", ACCEPTED.meaning])
+    rows.append(["findings", ", ".join(getattr(ev, "findings", [])) or "none",
+                 "mismatch, data, overfit: see the log's eval lines"])
+    return rows

@@ -1,0 +1,269 @@
+"""`dflash-tui [--version] VERB [options]`: every verb parses, the old flag spellings become
+verbs, two modes at once are refused in one line (exit 2), and a path that is not a run is
+refused naming the cause and the fix (exit 2, no traceback)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dflash_tui.cli import UsageError, build_parser, main, parse_args, translate
+from dflash_tui.verbs import VERBS, load
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# --------------------------------------------------------------------------------------------
+# The grammar
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv,verb,fields", [
+    (["run", "--config", "c.yaml", "--headless", "--resume", "--max-steps", "7"], "run",
+     {"config": Path("c.yaml"), "headless": True, "resume": True, "max_steps": 7}),
+    (["run", "--config", "c.yaml", "--new-run"], "run", {"new_run": True, "headless": False}),
+    (["demo", "--headless", "--device", "cpu", "--output-dir", "out", "--max-steps", "3"],
+     "demo", {"headless": True, "device": "cpu", "output_dir": "out", "max_steps": 3}),
+    (["demo", "--resume"], "demo", {"resume": True, "device": "auto"}),
+    (["attach", "runs/x"], "attach", {"run_dir": Path("runs/x"), "control": False}),
+    (["attach", "runs/x", "--control"], "attach", {"control": True}),
+    (["attach", "runs/x", "--read-only"], "attach", {"control": False, "read_only": True}),
+    (["replay", "runs/x/events.jsonl"], "replay", {"events": Path("runs/x/events.jsonl")}),
+    (["serve", "runs/x", "--port", "9001", "--host", "0.0.0.0", "--control"], "serve",
+     {"run_dir": Path("runs/x"), "port": 9001, "host": "0.0.0.0", "control": True}),
+    (["serve", "runs/x"], "serve", {"port": 8000, "host": "127.0.0.1", "control": False}),
+    (["report", "runs/x", "--out", "r.html"], "report",
+     {"run_dir": Path("runs/x"), "out": Path("r.html")}),
+])
+def test_every_verb_parses_its_options(argv, verb, fields):
+    args = parse_args(argv)
+    assert args.verb == verb and args.verb_module is load(verb)
+    for name, value in fields.items():
+        assert getattr(args, name) == value, name
+
+
+def test_a_verb_is_one_registry_line():
+    # The parser is made from the registry alone: every verb listed is a sub-command, in order.
+    parser = build_parser()
+    (verbs,) = [a for a in parser._actions if isinstance(a, type(parser._subparsers._actions[-1]))
+                and a.dest == "verb"]
+    assert list(verbs.choices) == list(VERBS)
+    for name in VERBS:
+        module = load(name)
+        assert callable(module.add_arguments) and callable(module.run)
+        assert module.__doc__.strip().splitlines()[0]  # its one-line help
+
+
+def test_help_lists_every_verb_with_its_one_line_help(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    flat = " ".join(out.split())  # a long help line wraps
+    for name in VERBS:
+        first = load(name).__doc__.strip().splitlines()[0]
+        assert f" {name} {' '.join(first.split())}" in flat, name
+    assert "old spellings still work" in out
+
+
+@pytest.mark.parametrize("verb", list(VERBS))
+def test_each_verb_has_its_own_help_with_examples(verb, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main([verb, "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: dflash-tui {verb}")
+    assert f"  dflash-tui {verb}" in out  # an example line, beside the usage
+
+
+@pytest.mark.parametrize("verb", ["attach", "serve"])
+def test_both_views_say_the_same_rule_in_their_help(verb, capsys):
+    with pytest.raises(SystemExit):
+        main([verb, "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "The rule for every view (attach, serve): it watches and never acts on the run " \
+           "unless --control is given" in out
+
+
+def test_an_unknown_verb_is_named_with_the_choices(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["trian"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "invalid choice: 'trian'" in err and "demo" in err
+
+
+# --------------------------------------------------------------------------------------------
+# The old spellings
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("old,new", [
+    ([], ["run"]),
+    (["--demo"], ["demo"]),
+    (["--demo", "--headless"], ["demo", "--headless"]),
+    (["--demo", "--headless", "--output-dir", "runs", "--max-steps", "20"],
+     ["demo", "--headless", "--output-dir", "runs", "--max-steps", "20"]),
+    (["--headless", "--demo", "--device=cpu", "--resume"],
+     ["demo", "--headless", "--device", "cpu", "--resume"]),
+    (["--config", "c.yaml"], ["run", "--config", "c.yaml"]),
+    (["--headless", "--config", "c.yaml", "--resume"],
+     ["run", "--config", "c.yaml", "--headless", "--resume"]),
+    (["--config=c.yaml", "--new-run"], ["run", "--config", "c.yaml", "--new-run"]),
+    (["--headless"], ["run", "--headless"]),
+    (["--attach", "runs/x"], ["attach", "runs/x", "--control"]),  # it always acted on the run
+    (["--attach", "runs/x", "--read-only"], ["attach", "runs/x", "--read-only"]),
+    (["--read-only", "--attach=runs/x"], ["attach", "runs/x", "--read-only"]),
+    (["--replay", "e.jsonl"], ["replay", "e.jsonl"]),
+    (["serve", "runs/x", "--control"], ["serve", "runs/x", "--control"]),  # verbs: unchanged
+    (["report", "runs/x"], ["report", "runs/x"]),
+    (["--help"], ["--help"]),
+])
+def test_old_spellings_translate_to_verbs(old, new):
+    assert translate(old) == new
+    if new != ["--help"]:
+        parse_args(old)  # and the verb takes what it was given
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--attach", "x", "--demo"], "--attach and --demo cannot be combined"),
+    (["--demo", "--attach", "x"], "--demo and --attach cannot be combined"),
+    (["--attach", "x", "--replay", "y"], "--attach and --replay cannot be combined"),
+    (["--config", "c.yaml", "--demo"], "--config and --demo cannot be combined"),
+    (["--replay", "y", "--config", "c.yaml"], "--replay and --config cannot be combined"),
+    (["--replay", "y", "--headless"], "--replay and --headless cannot be combined"),
+    (["--attach", "x", "--resume"], "--attach and --resume cannot be combined"),
+    (["--attach", "x", "--max-steps", "3"], "--attach and --max-steps cannot be combined"),
+    (["--demo", "--read-only"], "--read-only goes with --attach"),
+    (["--config", "c.yaml", "--device", "cuda"], "--device goes with --demo"),
+    (["--config", "c.yaml", "--output-dir", "o"], "set run.output_dir there"),
+    (["--attach"], "--attach needs a path"),
+])
+def test_two_modes_at_once_are_refused_in_one_line_with_exit_2(argv, message, capsys):
+    with pytest.raises(UsageError):
+        translate(argv)
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("dflash-tui: ") and message in err, err
+
+
+def test_serve_runs_each_browser_through_the_attach_verb(tmp_path):
+    from dflash_tui.serve import attach_command
+
+    for read_only, flag in ((True, "--read-only"), (False, "--control")):
+        argv = attach_command(tmp_path, read_only).split()
+        # exec: the shell becomes the dashboard, which serve's signals then reach directly
+        assert argv[0] == "exec" and argv[2:5] == ["-m", "dflash_tui.cli", "attach"]
+        assert argv[-1] == flag
+        args = parse_args(argv[4:])
+        assert args.verb == "attach" and args.control is not read_only
+
+
+# --------------------------------------------------------------------------------------------
+# Paths that are not runs
+# --------------------------------------------------------------------------------------------
+
+def a_run(folder: Path) -> Path:
+    """A folder with a one-event events.jsonl, as a run leaves it."""
+    folder.mkdir(parents=True)
+    (folder / "events.jsonl").write_text(json.dumps(
+        {"event": "Log", "ts": 1.0, "level": "info", "source": "engine", "message": "hi"}) + "\n")
+    return folder
+
+
+def not_a_run_cases(tmp: Path) -> dict[str, tuple[Path, str, str]]:
+    """name -> (path, what the error says, what the hint says)."""
+    a_file = tmp / "notes.txt"
+    a_file.write_text("not events\n")
+    empty = tmp / "empty"
+    empty.mkdir()
+    runs = tmp / "runs"
+    a_run(runs / "demo")
+    nodes = tmp / "mn"
+    a_run(nodes / "node-0")
+    a_run(nodes / "node-1")
+    return {
+        "missing": (tmp / "nope", "nope", "the run folder"),
+        "empty folder": (empty, "events.jsonl does not exist", "pass the run folder"),
+        "folder of runs": (runs, "holds runs, it is not one", f"pass one of them: {runs / 'demo'}"),
+        "several nodes": (nodes, "a run of several nodes", f"{nodes / 'node-0'}"),
+        "a file": (a_file, "is a file, not a run folder", "the folder that holds events.jsonl"),
+    }
+
+
+ACTIONS = {"attach": "attach to", "serve": "serve", "report": "report", "replay": "replay"}
+
+
+# report and replay also read an events file itself (a file is no error there: see below)
+@pytest.mark.parametrize("verb,case", [
+    (verb, case) for verb in ACTIONS
+    for case in ("missing", "empty folder", "folder of runs", "several nodes", "a file")
+    if not (case == "a file" and verb in ("report", "replay"))])
+def test_a_path_that_is_not_a_run_is_refused_with_the_cause_and_the_fix(verb, case, tmp_path,
+                                                                         capsys):
+    path, cause, fix = not_a_run_cases(tmp_path)[case]
+    action = ACTIONS[verb]
+    assert main([verb, str(path)]) == 2
+    err = capsys.readouterr().err
+    first, hint = err.rstrip("\n").split("\n")
+    assert first.startswith(f"nothing to {action}: ") and cause in first, err
+    assert hint.startswith("hint: ") and fix in hint, err
+
+
+def test_replay_of_a_missing_file_or_a_folder_says_so_without_a_traceback(tmp_path):
+    # As an operator types it: a subprocess, whose whole stderr is the two lines.
+    a_run(tmp_path / "runs" / "demo")
+    for argv, cause in ((["--replay", "nonexistent.jsonl"], "nonexistent.jsonl does not exist"),
+                        (["replay", "runs"], "holds runs, it is not one")):
+        done = subprocess.run([sys.executable, "-m", "dflash_tui.cli", *argv], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=60,
+                              env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+        assert done.returncode == 2, done.stderr
+        assert "Traceback" not in done.stderr and cause in done.stderr, done.stderr
+        assert len(done.stderr.splitlines()) == 2, done.stderr
+
+
+@pytest.mark.parametrize("content,cause", [
+    ("no events here\n", "holds no events of a run"),
+    (b"\xff\xfe\x00binary", "cannot read"),
+])
+def test_replay_of_a_file_that_holds_no_events_is_refused(content, cause, tmp_path, capsys):
+    path = tmp_path / "events.jsonl"
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    assert main(["replay", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("nothing to replay: ") and cause in err and "hint: " in err
+
+
+def test_replay_takes_a_run_folder(tmp_path, monkeypatch):
+    # The folder's events.jsonl is what reaches the dashboard.
+    shown = {}
+
+    def fake_run_app(controller, run_dir):
+        shown["events"] = [e.message for e in controller.events]
+        return 0
+
+    monkeypatch.setattr("dflash_tui.app.run_app", fake_run_app)
+    assert main(["replay", str(a_run(tmp_path / "demo"))]) == 0
+    assert shown["events"] == ["hi"]
+
+
+@pytest.mark.parametrize("argv,control", [(["attach", "RUN"], False),
+                                          (["attach", "RUN", "--control"], True),
+                                          (["--attach", "RUN"], True),
+                                          (["--attach", "RUN", "--read-only"], False)])
+def test_attach_follows_the_folder_and_acts_only_with_control(argv, control, tmp_path,
+                                                               monkeypatch):
+    run = a_run(tmp_path / "demo")
+    got = {}
+
+    def fake_run_app(controller, run_dir, read_only, lifeline=None):
+        assert lifeline is None  # a terminal's dashboard: only serve's views get a lifeline
+        got.update(folder=controller.run_dir, read_only=read_only)
+        return 0
+
+    monkeypatch.setattr("dflash_tui.app.run_app", fake_run_app)
+    assert main([str(run) if a == "RUN" else a for a in argv]) == 0
+    assert got == {"folder": run, "read_only": not control}
