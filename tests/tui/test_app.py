@@ -417,6 +417,7 @@ def test_the_dashboard_exits_with_the_code_headless_would():
     assert owned_exit_code(Owned("finished", "finished")) == 0
     assert owned_exit_code(Owned("failed", "failed", "oom")) == 1
     assert owned_exit_code(Owned("failed", "failed", "config")) == 2  # as headless: input error
+    assert owned_exit_code(Owned("failed", "failed", "data")) == 2  # unusable data: input too
     assert owned_exit_code(Owned("aborted", "aborted")) == 130  # q on a live run aborts it
     assert owned_exit_code(Owned("idle")) == 0  # nothing was started
 
