@@ -14,8 +14,8 @@ from dflash_core.models.drafter import DFlashDrafter
 
 # One sample, a short response: memorised in well under 100 steps on the demo.
 FAST = CheckOptions(samples=1, response_tokens=32, max_steps=200)
-# Layers below the demo target's last (its layer 3 is returned after the final norm by
-# transformers: see test_demo_layer_ids_include_the_last_layer).
+# Layers of the tiny target the module's drafter trains on (the shipped demo's [1, 2, 3], which
+# end at its last layer, are checked on their own: test_shipped_demo_layers_pass_with_the_reference).
 SERVABLE_LAYERS = [0, 1, 2]
 
 
@@ -98,14 +98,14 @@ def test_leak_in_the_training_attention(tmp_path, dflash_cache, monkeypatch):
 
 
 @pytest.mark.slow
-def test_demo_layer_ids_include_the_last_layer(tmp_path, dflash_cache, reference_dflash):
+def test_shipped_demo_layers_pass_with_the_reference(tmp_path, dflash_cache, reference_dflash):
     """The demo's own layer ids end at the target's last layer, which transformers (and so the
-    reference) returns after the final norm: the check finds it."""
+    reference) returns after the final norm; the engine's feature is that too, so the check
+    passes here and in the reference (it failed before the engine normed the last layer)."""
     cfg = demo_config(output_dir=str(tmp_path / "runs"), name="shipped", device="cpu")
     result = run_check(cfg, FAST, lambda m: None)
-    assert not result.verdict.passed
-    what = " ".join(f.what for f in result.verdict.findings)
-    assert "target.layer_ids [3]" in what and "last layer" in what
+    assert result.verdict.passed, result.evidence
+    assert result.reference == "used"
 
 
 def test_verdict_rules_on_synthetic_evidence():
