@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 # CPU build of torch for machines without a GPU; a GPU node sets TORCH_SPEC= to keep its own torch.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install demo headless-demo test test-fast clean
+.PHONY: install demo headless-demo test test-slow clean
 
 install: $(VENV)/.installed
 
@@ -24,8 +24,12 @@ demo: install
 headless-demo: install
 	$(VENV)/bin/dflash-tui demo --headless
 
+# The long trainings (marked slow; each has a fast path in `make test`) run on their own.
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not slow"
+
+test-slow: install
+	$(PY) -m pytest -q -m slow
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
