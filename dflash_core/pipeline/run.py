@@ -340,13 +340,17 @@ class Run:
         left = None if budget is None else max(0.0, budget - (time.monotonic() - t0))
         outcome = self.writer.wait(left)
         if outcome is None:  # ran over its budget: abandoned, the process must exit in time
-            self.writer.kill()
-            self.writer.wait(5.0)
-            publish(Log(level="warning", source="engine", message=(
-                f"abort checkpoint of step {self.step} did not finish within "
-                f"checkpoint.abort_budget_s ({budget:g} s); abandoned, {self._stands()}")))
+            self._abandon(f"abort checkpoint of step {self.step}", budget, publish)
             return None
         return outcome.path
+
+    def _abandon(self, what: str, budget: float, publish: Callable[[Any], None]) -> None:
+        """Stop the write past the abort's budget and say which checkpoint stands."""
+        self.writer.kill()
+        self.writer.wait(5.0)
+        publish(Log(level="warning", source="engine", message=(
+            f"{what} did not finish within checkpoint.abort_budget_s ({budget:g} s); "
+            f"abandoned, {self._stands()}")))
 
     def _stands(self) -> str:
         last = ckpt.latest_checkpoint(self.config.run_dir)
@@ -358,11 +362,7 @@ class Run:
         flight, which it waits for); if not, say which checkpoint stands."""
         t0 = time.monotonic()
         if not self.writer.wait_idle(budget):
-            self.writer.kill()
-            self.writer.wait(5.0)
-            publish(Log(level="warning", source="engine", message=(
-                f"abort: the checkpoint being written did not finish within "
-                f"checkpoint.abort_budget_s ({budget:g} s); abandoned, {self._stands()}")))
+            self._abandon("abort: the checkpoint being written", budget, publish)
             return False
         est = self.writer.estimate_s(self.checkpoint_bytes())
         left = budget - (time.monotonic() - t0)
