@@ -588,19 +588,27 @@ def enough_shared_memory(nbytes: int) -> bool:
         return False
 
 
-def stepped_optimizer_state(optimizer: torch.optim.Optimizer) -> dict:
-    """An AdamW state_dict as it will be once it has stepped, its tensors meta (shapes and
+def stepped_optimizer_state(optimizer) -> dict:
+    """An optimizer's state_dict as it will be once it has stepped, its tensors meta (shapes and
     dtypes only): with it the arena is made before the first step, so that step's checkpoint
-    only copies."""
-    sd = optimizer.state_dict()
+    only copies. AdamW keeps a step and two moments per parameter; Muon (optim.name: muon, its
+    groups first in MuonAdamW's one state dict) a momentum buffer per matrix."""
+    def meta(shape, dtype):
+        return torch.empty(shape, dtype=dtype, device="meta")
+
+    parts = getattr(optimizer, "parts", [optimizer])
+    muon = getattr(torch.optim, "Muon", None)
     state, i = {}, 0
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            state[i] = {"step": torch.empty((), dtype=torch.float32, device="meta"),
-                        "exp_avg": torch.empty(p.shape, dtype=p.dtype, device="meta"),
-                        "exp_avg_sq": torch.empty(p.shape, dtype=p.dtype, device="meta")}
-            i += 1
-    return {"state": state, "param_groups": sd["param_groups"]}
+    for part in parts:
+        for group in part.param_groups:
+            for p in group["params"]:
+                if muon is not None and isinstance(part, muon):
+                    state[i] = {"momentum_buffer": meta(p.shape, p.dtype)}
+                else:
+                    state[i] = {"step": meta((), torch.float32), "exp_avg": meta(p.shape, p.dtype),
+                                "exp_avg_sq": meta(p.shape, p.dtype)}
+                i += 1
+    return {"state": state, "param_groups": optimizer.state_dict()["param_groups"]}
 
 
 __all__ = ["CheckpointWriter", "Outcome", "Staging", "enough_shared_memory",

@@ -65,3 +65,23 @@ def test_muon_lr_zero_means_optim_lr():
     assert [g["lr"] for g in opt.param_groups] == [1.5e-3, 1.5e-3]
     optimizers.set_lr(opt, OptimConfig(name="muon", lr=3e-3, muon_lr=2e-2), 0.5)
     assert [g["lr"] for g in opt.param_groups] == [1e-2, 1.5e-3]
+
+
+@pytest.mark.parametrize("name", ["adamw", "muon"])
+def test_the_staging_layout_made_before_the_first_step_is_the_stepped_state(name):
+    """The checkpoint arena is sized at warm-up from the state the optimizer will have: for Muon
+    too (a wrong guess remakes the arena at the first checkpoint, blocking training longer)."""
+    from dflash_core.persist.async_writer import stepped_optimizer_state
+
+    model = _model()
+    params = list(model.parameters())
+    opt = optimizers.build_optimizer(model, params, OptimConfig(name=name, lr=1e-2),
+                                     torch.device("cpu"))
+    guess = stepped_optimizer_state(opt)
+    _step(model, opt)
+    real = opt.state_dict()
+    assert guess["param_groups"] == real["param_groups"]
+    assert {i: {k: (tuple(v.shape), v.dtype) for k, v in s.items()}
+            for i, s in guess["state"].items()} == \
+        {int(i): {k: (tuple(v.shape), v.dtype) for k, v in s.items()}
+         for i, s in real["state"].items()}
