@@ -205,7 +205,12 @@ def test_abort_right_after_start_is_not_lost(tmp_path, assets):
     t = time.time()
     engine.abort()
     assert_aborted_quickly(engine, rec, before, t, checkpoint=False)
-    assert rec.states() == ["preflight", "aborted"]
+    # Not lost: the run never trains. Where it stops depends on when the abort lands: before the
+    # supervisor's first check (preflight -> aborted) or, on a busy machine, once the tiny
+    # preflight is over (preflight -> loading -> aborted).
+    states = rec.states()
+    assert states[0] == "preflight" and states[-1] == "aborted", states
+    assert set(states) <= {"preflight", "loading", "aborted"}, states
 
 
 def test_abort_during_preflight(tmp_path, assets, monkeypatch):
