@@ -119,8 +119,9 @@ class LayoutConfig:
 class OptimConfig:
     # "adamw" = AdamW on every drafter parameter; "muon" = torch.optim.Muon (torch 2.9+) on the
     # 2-D weight matrices (the layers' projections and fc) with AdamW on the norms
-    # (models/optimizers.py says why). The default stays "adamw" until bench/recipe.py
-    # (bench/BENCHMARKS.md, "Training recipe") shows a gain beyond the seed spread.
+    # (models/optimizers.py says why). The default stays "adamw": on the demo Muon's exact tau
+    # after 80 steps is higher beyond the seed spread, but a 27B-shape step takes 28% longer, so
+    # runs of equal wall time decide (bench/BENCHMARKS.md, "Training recipe").
     name: Literal["adamw", "muon"] = "adamw"
     lr: float = 6e-4  # AdamW's peak learning rate (warmup then cosine, below)
     # Muon's peak learning rate, on the same schedule; 0 = optim.lr. Muon scales it per matrix to
