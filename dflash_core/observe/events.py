@@ -459,11 +459,3 @@ def from_dict(d: dict[str, Any]) -> Event:
 
 def from_json(line: str) -> Event:
     return from_dict(json.loads(line))
-
-
-def read_jsonl(path) -> list[Event]:
-    """Every event of an events.jsonl; a torn last line (process killed mid-write) is skipped.
-    The file itself is ``event_log``'s: this is ``event_log.read_events``."""
-    from dflash_core.observe.event_log import read_events  # event_log imports this module
-
-    return read_events(path)

@@ -10,6 +10,7 @@ import pytest
 import tui_scenarios as sc
 
 from dflash_core.observe import events as ev
+from dflash_core.observe.event_log import read_events
 from dflash_core.pipeline.inbox import CommandInbox, command_dir
 from dflash_tui.app import DFlashApp
 from dflash_tui.follow import FollowController
@@ -158,7 +159,7 @@ def test_a_dashboard_attached_to_a_headless_run_restarts_and_aborts_it(tmp_path,
         if ctl is not None:
             ctl.shutdown(timeout=5)
     assert rc == 130, out + err
-    events = ev.read_jsonl(cfg.run_dir / "events.jsonl")
+    events = read_events(cfg.run_dir / "events.jsonl")
     assert len([e for e in events if isinstance(e, ev.RunStarted)]) == 2
     assert [e.status for e in events if isinstance(e, ev.RunEnded)] == ["aborted", "aborted"]
     assert not got.of(ev.Error)

@@ -21,6 +21,7 @@ import psutil
 import pytest
 
 from dflash_core.observe import events as ev
+from dflash_core.observe.event_log import read_events
 from tests.core.engine_fixtures import assets, make_config, write_config  # noqa: F401 - fixture
 from tests.core.pipeline.test_headless import ROOT, Headless
 
@@ -167,7 +168,7 @@ def page(browser):
 
 
 def last_step(run_dir: Path) -> int:
-    steps = [e.step for e in ev.read_jsonl(run_dir / "events.jsonl")
+    steps = [e.step for e in read_events(run_dir / "events.jsonl")
              if isinstance(e, ev.StepMetrics)]
     return steps[-1] if steps else 0
 
@@ -317,5 +318,5 @@ def test_control_view_needs_its_token_and_aborts_the_run(run, page):
     finally:
         served.close()
     assert rc == 130, out + err
-    assert [e.status for e in ev.read_jsonl(run.run_dir / "events.jsonl")
+    assert [e.status for e in read_events(run.run_dir / "events.jsonl")
             if isinstance(e, ev.RunEnded)] == ["aborted"]

@@ -12,7 +12,8 @@ import time
 import pytest
 
 from dflash_core.multinode.nodes import NodeFailure, NodeGroup, NodeInfo
-from dflash_core.observe.events import RunStarted, StepMetrics, read_jsonl
+from dflash_core.observe.events import RunStarted, StepMetrics
+from dflash_core.observe.event_log import read_events
 
 from .test_nodes import free_port, node_env, procs  # noqa: F401 (a fixture)
 
@@ -90,7 +91,7 @@ def test_the_demo_trains_on_two_nodes_in_the_folder_node_0_picked(tmp_path, proc
     events = [disk / "runs" / "demo-2" / f"node-{k}" / "events.jsonl"
               for k, disk in enumerate(disks)]
     deadline = time.monotonic() + 480
-    while not all(p.exists() and any(isinstance(e, StepMetrics) for e in read_jsonl(p))
+    while not all(p.exists() and any(isinstance(e, StepMetrics) for e in read_events(p))
                   for p in events):
         outs = [(d / "out.txt").read_text()[-2000:] for d in disks]
         assert all(p.poll() is None for p in procs), outs
@@ -99,7 +100,7 @@ def test_the_demo_trains_on_two_nodes_in_the_folder_node_0_picked(tmp_path, proc
     procs[0].send_signal(signal.SIGTERM)
     codes = [p.wait(EXIT_WITHIN_S) for p in procs]
     assert codes == [130, 130], [(d / "out.txt").read_text()[-2000:] for d in disks]
-    started = [[e for e in read_jsonl(p) if isinstance(e, RunStarted)] for p in events]
+    started = [[e for e in read_events(p) if isinstance(e, RunStarted)] for p in events]
     assert [s[0].run_name for s in started] == ["demo-2", "demo-2"]
     assert not (disks[1] / "runs" / "demo").exists()  # node 1 did not pick on its own
     assert os.listdir(earlier.parents[1]) == ["checkpoints"]  # the earlier run left as it was

@@ -23,7 +23,8 @@ import torch.distributed as dist
 
 from dflash_core.persist import checkpoint as ckpt
 from dflash_core.config import ConfigError, NodesConfig
-from dflash_core.observe.events import Error, Log, NodeStatus, RunEnded, StepMetrics, read_jsonl
+from dflash_core.observe.events import Error, Log, NodeStatus, RunEnded, StepMetrics
+from dflash_core.observe.event_log import read_events
 from dflash_core.multinode.node_link import NodeLink, NodeMismatch, weights_checksum
 from dflash_core.multinode.nodes import node_info
 from dflash_core.persist.resume import check_resume_nodes
@@ -82,7 +83,7 @@ def wait_for_step(events: Path, step: int, procs, timeout: float = 60.0) -> None
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if events.exists() and any(isinstance(e, StepMetrics) and e.step >= step
-                                   for e in read_jsonl(events)):
+                                   for e in read_events(events)):
             return
         assert all(p.poll() is None for p in procs), "a node ended before training"
         time.sleep(0.2)
@@ -136,7 +137,7 @@ def test_two_nodes_under_torchrun_match_one_node_with_the_same_global_batch(tmp_
 
     run_dir = cfg.run_dir
     for k in (0, 1):
-        got = losses(read_jsonl(run_dir / f"node-{k}" / "events.jsonl"))
+        got = losses(read_events(run_dir / f"node-{k}" / "events.jsonl"))
         assert [s for s, _, _ in got] == [s for s, _, _ in want]
         assert [n for _, _, n in got] == [n for _, _, n in want]  # global samples per step
         assert [x for _, x, _ in got] == pytest.approx([x for _, x, _ in want], rel=LOSS_RTOL)
@@ -145,7 +146,7 @@ def test_two_nodes_under_torchrun_match_one_node_with_the_same_global_batch(tmp_
     # node 0 alone writes checkpoints and the run's config; it shows both nodes' summaries
     assert [p.name for p in ckpt.list_checkpoints(run_dir)] == [f"step-{want[-1][0]}"]
     assert (run_dir / "config.yaml").exists() and not (run_dir / "node-1" / "config.yaml").exists()
-    shown = {e.node for e in read_jsonl(run_dir / "node-0" / "events.jsonl")
+    shown = {e.node for e in read_events(run_dir / "node-0" / "events.jsonl")
              if isinstance(e, NodeStatus)}
     assert shown == {0, 1}
     final = ckpt.load_checkpoint(ckpt.list_checkpoints(run_dir)[-1])
@@ -169,7 +170,7 @@ def test_two_nodes_share_one_run_folder_with_the_demo_target(tmp_path, demo_data
     assert (run_dir / "target" / META_NAME).is_file()
     assert sorted(p.name for p in run_dir.iterdir() if p.name.startswith(".")) == []
     for k in (0, 1):
-        ended = [e for e in read_jsonl(run_dir / f"node-{k}" / "events.jsonl")
+        ended = [e for e in read_events(run_dir / f"node-{k}" / "events.jsonl")
                  if isinstance(e, RunEnded)]
         assert [(e.status, e.step) for e in ended] == [("finished", 1)]
     assert [p.name for p in ckpt.list_checkpoints(run_dir)] == ["step-1"]  # node 0's
@@ -206,7 +207,7 @@ def test_restart_on_node_0_restarts_every_node_from_its_checkpoint(tmp_path, ass
     codes = [p.wait(90) for p in procs]
     assert codes == [0, 0], outputs(tmp_path)
 
-    events = [read_jsonl(cfg.run_dir / f"node-{k}" / "events.jsonl") for k in (0, 1)]
+    events = [read_events(cfg.run_dir / f"node-{k}" / "events.jsonl") for k in (0, 1)]
     for ev in events:
         assert [e.status for e in ev if isinstance(e, RunEnded)] == ["aborted", "finished"]
         assert len([e for e in ev if isinstance(e, RunStarted)]) == 2
@@ -243,7 +244,7 @@ def test_abort_on_node_0_ends_both_nodes_with_a_checkpoint(tmp_path, assets, pro
     codes = [p.wait(EXIT_WITHIN_S) for p in procs]
     assert time.monotonic() - t < EXIT_WITHIN_S
     assert codes == [130, 130], [(tmp_path / f"node{k}.out").read_text()[-2000:] for k in (0, 1)]
-    ends = [[e for e in read_jsonl(cfg.run_dir / f"node-{k}" / "events.jsonl")
+    ends = [[e for e in read_events(cfg.run_dir / f"node-{k}" / "events.jsonl")
              if isinstance(e, RunEnded)][-1] for k in (0, 1)]
     assert [e.status for e in ends] == ["aborted", "aborted"]
     assert ends[0].step == ends[1].step  # both stopped at the same step boundary
@@ -260,7 +261,7 @@ def test_killed_node_surfaces_on_node_0_which_stops_with_a_checkpoint(tmp_path, 
     out = (tmp_path / "node0.out").read_text()
     assert code == 1, out[-3000:]
     assert took < 10.0, f"node 0 took {took:.1f} s to stop"  # far below nodes.timeout_s 15
-    events = read_jsonl(node0)
+    events = read_events(node0)
     fatal = [e for e in events if isinstance(e, Error) and e.fatal]
     assert fatal and fatal[0].error_kind == "node" and "node 1 is gone" in fatal[0].message
     end = [e for e in events if isinstance(e, RunEnded)][-1]
@@ -304,7 +305,7 @@ def test_a_node_stuck_before_the_step_exchange_is_named_then_fails_node_0(tmp_pa
     t0 = time.monotonic()
 
     def stalls():
-        return [e for e in read_jsonl(node0) if isinstance(e, Stall) and not e.cleared
+        return [e for e in read_events(node0) if isinstance(e, Stall) and not e.cleared
                 and e.worker.startswith("drafter") and "in a collective" in e.where]
     while not stalls():
         assert time.monotonic() - t0 < floor + 5, "no Stall in a collective on node 0"
@@ -315,7 +316,7 @@ def test_a_node_stuck_before_the_step_exchange_is_named_then_fails_node_0(tmp_pa
     took = time.monotonic() - t0
     assert code == 1, outputs(tmp_path)
     assert timeout <= took + 1, f"node 0 gave up after {took:.1f} s, before nodes.timeout_s"
-    events = read_jsonl(node0)
+    events = read_events(node0)
     waits = [e for e in events if isinstance(e, Log) and "waiting" in e.message
              and "node 1" in e.message and "in a collective" in e.message]
     assert waits, "no log line naming node 1"
@@ -360,7 +361,7 @@ def test_a_node_refused_before_joining_fails_the_other_at_once(tmp_path, assets,
     other = 1 - bad
     assert codes[bad] == 2 and codes[other] == 1, outputs(tmp_path)
     assert took < 20, f"{took:.1f} s: the other node waited for the timeout"  # it is 60 s
-    fatal = [e for e in read_jsonl(cfg.run_dir / f"node-{other}" / "events.jsonl")
+    fatal = [e for e in read_events(cfg.run_dir / f"node-{other}" / "events.jsonl")
              if isinstance(e, Error) and e.fatal]
     assert fatal and f"node {bad}" in fatal[0].message and "before joining" in fatal[0].message
     assert cause in fatal[0].message, fatal[0].message  # the bad node's own error
@@ -374,7 +375,7 @@ def test_a_node_that_never_joins_is_named_after_the_timeout(tmp_path, assets, pr
     procs += start_nodes(path, tmp_path)
     procs[1].kill()  # never reaches the store
     assert procs[0].wait(20) == 1, outputs(tmp_path)
-    fatal = [e for e in read_jsonl(cfg.run_dir / "node-0" / "events.jsonl")
+    fatal = [e for e in read_events(cfg.run_dir / "node-0" / "events.jsonl")
              if isinstance(e, Error) and e.fatal]
     assert "node 1 did not join within 2 s" in fatal[0].message, fatal[0].message
     assert "console of node 1" in fatal[0].hint
@@ -408,7 +409,7 @@ def test_an_abort_while_joining_ends_that_node_and_tells_the_others(tmp_path, as
     assert procs[0].wait(EXIT_WITHIN_S) == 130, outputs(tmp_path, 2)  # an abort on any node
     assert time.monotonic() - t < EXIT_WITHIN_S  # not the 60 s join timeout
     for k in (1, 0):
-        ev = read_jsonl(cfg.run_dir / f"node-{k}" / "events.jsonl")
+        ev = read_events(cfg.run_dir / f"node-{k}" / "events.jsonl")
         assert [e.status for e in ev if isinstance(e, RunEnded)] == ["aborted"]
     said = [e.message for e in ev if isinstance(e, Log)]  # node 0's: told why, by whom
     assert any("node 1" in m and "aborted before joining: stopped while joining" in m

@@ -6,6 +6,7 @@ import threading
 import time
 
 from dflash_core.observe import events as ev
+from dflash_core.observe.event_log import read_events
 from dflash_core.observe.bus import EventBus
 
 
@@ -31,7 +32,7 @@ def test_every_event_type_round_trips(tmp_path):
     path = tmp_path / "events.jsonl"
     originals = sample_events()
     path.write_text("\n".join(e.to_json() for e in originals) + "\n{\"event\": \"Sta")  # torn tail
-    back = ev.read_jsonl(path)
+    back = read_events(path)
     assert back == originals
     assert {type(e) for e in originals} <= set(ev.EVENT_TYPES.values())
 
@@ -89,7 +90,7 @@ def test_an_error_line_written_before_the_kind_field_was_renamed_still_loads(tmp
                          device="cuda:3", phase="training", ts=1700000000.0)
     path = tmp_path / "events.jsonl"
     path.write_text(old + "\n" + e.to_json() + "\n")
-    assert ev.read_jsonl(path) == [e, e]
+    assert read_events(path) == [e, e]
     assert '"error_kind":"oom"' in e.to_json() and "kind_" not in e.to_json()
 
 

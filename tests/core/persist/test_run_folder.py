@@ -24,7 +24,8 @@ import yaml
 
 from dflash_core.persist import checkpoint as ckpt
 from dflash_core.pipeline.engine import Engine
-from dflash_core.observe.events import Error, Log, RunEnded, RunStarted, StepMetrics, read_jsonl
+from dflash_core.observe.events import Error, Log, RunEnded, RunStarted, StepMetrics
+from dflash_core.observe.event_log import read_events
 from dflash_core.persist.resume import shape_differences
 from dflash_core.config import ConfigError
 from dflash_core.persist.run_folder import earlier_run, fresh_name, records_in, refuse_if_used
@@ -199,7 +200,7 @@ def test_restart_of_a_new_run_resumes_its_own_folder(tmp_path, assets, done_run)
     engine.shutdown()
     assert [m.step for m in rec.of(StepMetrics)] == [2]
     assert any("resuming from" in m.message and "t-2" in m.message for m in rec.of(Log))
-    events = read_jsonl(tmp_path / "runs" / "t-2" / "events.jsonl")
+    events = read_events(tmp_path / "runs" / "t-2" / "events.jsonl")
     assert len([e for e in events if isinstance(e, RunStarted)]) == 2
 
 
@@ -249,7 +250,7 @@ def test_a_preflight_failure_then_a_corrected_retry_starts_in_the_same_folder(tm
     assert any("earlier attempts" in m.message and "ended before a step" in m.message
                for m in rec.of(Log))
     assert yaml.safe_load((run_dir / "config.yaml").read_text()) == good.to_dict()  # the fixed one
-    events = read_jsonl(run_dir / "events.jsonl")  # both attempts, in order
+    events = read_events(run_dir / "events.jsonl")  # both attempts, in order
     assert [e.status for e in events if isinstance(e, RunEnded)] == ["failed", "finished"]
 
     _, rec = run(good)  # now it holds a trained step and a checkpoint: refused, as ever

@@ -13,8 +13,8 @@ from dflash_core.config import ConfigError, config_from_dict, load_config
 from dflash_core.pipeline.engine import Engine
 from dflash_core.observe.events import (
     Checkpoint, DrafterMetrics, Error, LoadProgress, Log, RunEnded, StepMetrics, WorkerStatus,
-    read_jsonl,
 )
+from dflash_core.observe.event_log import read_events
 from dflash_core.models.trainer import DrafterReplica
 
 from ..engine_fixtures import (  # noqa: F401 - assets is a fixture
@@ -73,7 +73,7 @@ def test_run_finishes_with_its_records(tmp_path, assets):
 
     run_dir = cfg.run_dir
     # events.jsonl replays to what the bus delivered, in the same order.
-    replay = read_jsonl(run_dir / "events.jsonl")
+    replay = read_events(run_dir / "events.jsonl")
     assert [e.kind for e in replay] == [e.kind for e in delivered]
     assert [e.ts for e in replay] == [e.ts for e in delivered]
     assert replay[0].kind == "StateChanged" and replay[0].state == "preflight"

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from dflash_core.observe.events import Checkpoint, RunEnded, read_jsonl
+from dflash_core.observe.events import Checkpoint, RunEnded
+from dflash_core.observe.event_log import read_events
 
 from ..engine_fixtures import assets, make_config, write_config  # noqa: F401 - assets: a fixture
 
@@ -142,7 +143,7 @@ def test_signal_during_training_aborts_with_a_checkpoint_and_exits_130(tmp_path,
     assert "state training -> aborted" in out
     assert re.search(r"^checkpoint step \d+ \(abort\)", out, re.M), out
 
-    events = read_jsonl(cfg.run_dir / "events.jsonl")
+    events = read_events(cfg.run_dir / "events.jsonl")
     (saved,) = [e for e in events if isinstance(e, Checkpoint)]
     assert saved.reason == "abort" and saved.step >= 1
     assert Path(saved.path).is_dir() and Path(saved.path).name == f"step-{saved.step}"
@@ -204,7 +205,7 @@ def test_a_restart_keeps_the_headless_process_running_into_the_next_run(tmp_path
     out = io.StringIO()
     assert run_headless(engine, out=out, every_s=0) == 130  # the second run's abort
     assert len(runs) == 2 and runs[1] >= 2, (runs, out.getvalue())
-    events = read_jsonl(cfg.run_dir / "events.jsonl")
+    events = read_events(cfg.run_dir / "events.jsonl")
     assert len([e for e in events if isinstance(e, RunStarted)]) == 2
 
 

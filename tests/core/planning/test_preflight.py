@@ -9,9 +9,10 @@ import torch
 from dflash_core import demo
 
 from dflash_core.observe import events
+from dflash_core.observe.event_log import read_events
 from dflash_core.config import ConfigError
 from dflash_core.pipeline.engine import Engine
-from dflash_core.observe.events import Error, LoadProgress, Log, MemoryPlan, WorkerStatus, read_jsonl
+from dflash_core.observe.events import Error, LoadProgress, Log, MemoryPlan, WorkerStatus
 from dflash_core.planning.memory import plan_memory
 from dflash_core.planning.preflight import check_memory, prepare, resolve_devices
 from dflash_core.units import GiB
@@ -66,7 +67,7 @@ def test_legacy_wandb_setting_is_refused_naming_its_replacement(tmp_path, assets
     assert "_stats_sample_rate_seconds" in err.message
     assert "x_stats_sampling_interval" in err.message + err.hint
     # the wandb sink never started: no wandb traceback in front of the clear error
-    events = read_jsonl(cfg.run_dir / "events.jsonl")
+    events = read_events(cfg.run_dir / "events.jsonl")
     assert [e.source for e in events if isinstance(e, Error)] == ["engine"]
 
 

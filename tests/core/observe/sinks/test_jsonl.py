@@ -1,7 +1,8 @@
 import json
 
 from dflash_core.observe.bus import EventBus
-from dflash_core.observe.events import Error, GpuSample, RunEnded, StateChanged, StepMetrics, read_jsonl
+from dflash_core.observe.events import Error, GpuSample, RunEnded, StateChanged, StepMetrics
+from dflash_core.observe.event_log import read_events
 from dflash_core.observe.sinks.jsonl import JsonlSink
 
 
@@ -19,10 +20,10 @@ def test_every_event_replays(tmp_path):
     for ev in events:
         sink(ev)
     # Flushed per line: a reader sees events before close.
-    assert read_jsonl(path) == events
+    assert read_events(path) == events
     sink.close()
     sink.close()  # idempotent
-    assert read_jsonl(path) == events
+    assert read_events(path) == events
 
 
 def test_append_across_restarts_and_torn_line(tmp_path):
@@ -36,7 +37,7 @@ def test_append_across_restarts_and_torn_line(tmp_path):
     second(_step(3))
     second(RunEnded(status="finished", step=3, seconds=1.0))
     second.close()
-    got = read_jsonl(path)
+    got = read_events(path)
     assert [getattr(e, "step", None) for e in got] == [1, 3, 3]
     lines = path.read_text().splitlines()
     assert json.loads(lines[-1])["event"] == "RunEnded"
@@ -53,4 +54,4 @@ def test_through_the_bus(tmp_path):
     assert bus.drain(5)
     bus.close()
     sink.close()
-    assert read_jsonl(path) == sent
+    assert read_events(path) == sent
