@@ -4,7 +4,6 @@ import copy
 
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dflash_core.models.agreement import (
     dataset_agreement,
@@ -15,24 +14,12 @@ from dflash_core.models.agreement import (
 from dflash_core.models.evaluate import hf_target_fn, plain_greedy
 from dflash_core.models.target import TargetModel
 
-VOCAB = 97
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+from .test_evaluate import VOCAB, one_thread, tiny_qwen3  # noqa: F401 - one_thread: a fixture
 
 
 @pytest.fixture(scope="module")
 def model():
-    cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=48, intermediate_size=96, num_hidden_layers=3,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=12,
-                      attn_implementation="eager")
-    torch.manual_seed(0)
-    return Qwen3ForCausalLM(cfg).eval()
+    return tiny_qwen3(3)
 
 
 def _full_count(model, ids, mask):

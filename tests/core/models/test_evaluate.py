@@ -27,13 +27,18 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-@pytest.fixture(scope="module")
-def target():
-    cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=48, intermediate_size=96, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=12,
-                      attn_implementation="eager")
+def tiny_qwen3(num_layers: int) -> Qwen3ForCausalLM:
+    """A tiny seeded Qwen3 target (vocab VOCAB, width 48), eager attention, in eval mode."""
+    cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=48, intermediate_size=96,
+                      num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=12, attn_implementation="eager")
     torch.manual_seed(0)
     return Qwen3ForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_qwen3(4)
 
 
 @pytest.fixture(scope="module")
