@@ -4,6 +4,7 @@ the data/target agreement, which findings fired, and the evaluations' share of t
 
     python bench/acceptance_gaps.py --seeds 0 1 2 --steps 300 --every 100
     python bench/acceptance_gaps.py --faults leak foreign overfit --steps 100 --every 100
+    python bench/acceptance_gaps.py --device cuda --seeds 0 --steps 512 --every 100   # on a GPU
 
 The healthy demo's spread of (b) - (a) over the seeds is what eval.tau_gap_warn is set above.
 """
@@ -28,6 +29,7 @@ def main() -> None:
     ap.add_argument("--faults", nargs="+", default=["none"], choices=FAULTS)
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--every", type=int, default=100)
+    ap.add_argument("--device", default="cpu", help="the demo's --device (cpu, cuda, auto)")
     args = ap.parse_args()
     target = demo.ensure_tiny_target()
     data = demo.ensure_demo_data(target)
@@ -39,7 +41,7 @@ def main() -> None:
         for fault in args.faults:
             for seed in args.seeds:
                 r = run_demo(Path(tmp), data, fault=fault, seed=seed, steps=args.steps,
-                             every=args.every)
+                             every=args.every, device=args.device)
                 for e in r.evals:
                     gaps.append((fault, e.tau_tf_target - e.tau))
                     agree = f"{e.agreement:.2f}" if e.agreement >= 0 else "  - "

@@ -3,10 +3,15 @@ dpace) x optim.name (adamw, muon), over several seeds, with the spread.
 
     nice -n 10 python bench/recipe.py [--steps 80] [--seeds 0,1,2] [--eval-tokens 32]
                                       [--reference-seeds 0] [--out bench/results/recipe]
+    # equal wall time at the 27B shape (a Muon step costs 2.601 s there, AdamW's 2.029 s),
+    # on a GPU, six runs at once:
+    python bench/recipe.py --device cuda --jobs 6 --steps 512 --steps-of muon=400,muon=512
 
-Each run is the demo's config (CPU) with run.seed, drafter.loss and optim.name set and
-run.max_steps steps, trained by ``dflash-tui --config ... --headless`` in its own process, one run
-at a time (the machine's cores are shared). Its exact tau is the EvalResult the run writes at the
+Each run is the demo's config with run.seed, drafter.loss and optim.name set and run.max_steps
+steps, trained by ``dflash-tui --config ... --headless`` in its own process (``--jobs`` of them at
+once; one at a time by default, the machine's cores are shared). ``--steps-of OPTIM=N`` gives an
+optimizer other step counts than ``--steps`` (repeat it for several): an equal-wall-time comparison
+gives the slower optimizer's runs the steps that cost the same time as the other's. Its exact tau is the EvalResult the run writes at the
 end (events.jsonl). The final checkpoint is then decoded again through the public reference
 implementation (``dflash==0.1.0``'s DFlashDraftModel, installed as tests/core/models/
 test_drafter.py installs it) on the same held-out prompts: the same weights must give the same
@@ -22,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -83,9 +89,10 @@ class ReferenceDrafter:
         return logits.argmax(-1)[: num_tokens or B - 1]
 
 
-def run_one(out: Path, loss: str, optim: str, seed: int, steps: int, eval_tokens: int) -> dict:
-    name = f"{loss}-{optim}-s{seed}"
-    cfg = demo.demo_config(output_dir=str(out / "runs"), name=name, device="cpu")
+def run_one(out: Path, loss: str, optim: str, seed: int, steps: int, eval_tokens: int,
+            device: str = "cpu", threads: int = 0) -> dict:
+    name = f"{loss}-{optim}-n{steps}-s{seed}"
+    cfg = demo.demo_config(output_dir=str(out / "runs"), name=name, device=device)
     cfg.run.seed, cfg.run.max_steps = seed, steps
     cfg.drafter.loss, cfg.optim.name = loss, optim
     cfg.eval.every = 0  # exact tau once, at the end
@@ -99,6 +106,8 @@ def run_one(out: Path, loss: str, optim: str, seed: int, steps: int, eval_tokens
         shutil.rmtree(run_dir)
     t = time.monotonic()
     env = dict(os.environ, PYTHONPATH=str(ROOT))
+    if threads:  # runs side by side share the host's cores
+        env["OMP_NUM_THREADS"] = str(threads)
     (out / "runs").mkdir(parents=True, exist_ok=True)
     with open(out / "runs" / f"{name}.log", "w") as log:
         rc = subprocess.run([sys.executable, "-m", "dflash_tui.cli", "--config", str(path),
@@ -110,7 +119,7 @@ def run_one(out: Path, loss: str, optim: str, seed: int, steps: int, eval_tokens
     metrics = [e for e in events if e["event"] == "StepMetrics"]
     last = metrics[-1] if metrics else {}
     return {"name": name, "loss": loss, "optim": optim, "seed": seed, "rc": rc,
-            "steps": last.get("step", 0), "wall_s": round(wall, 1),
+            "planned_steps": steps, "steps": last.get("step", 0), "wall_s": round(wall, 1),
             "tau": evals[-1]["tau"] if evals else None,
             "acceptance": evals[-1]["acceptance"] if evals else None,
             "train_loss": last.get("loss"), "tau_tf": last.get("tau_tf"),
@@ -131,7 +140,7 @@ def reference_tau(ref_cls, row: dict) -> float | None:
     if ref_cls is None or folder is None:
         return None
     target_path = Path(row["run_dir"]) / "target"
-    tm = load_target(target_path, device="cpu", dtype=torch.float32)
+    tm = load_target(target_path, device="cpu", dtype=torch.float32)  # decoding is small
     data = demo.ensure_demo_data(demo.ensure_tiny_target())
     dataset = ShardedDataset.open(data)
     n_eval = min(cfg.data.eval_prompts, max(0, len(dataset) - 1))
@@ -152,22 +161,25 @@ def spread(values: list[float]) -> str:
     return f"{mean:.3f} ± {sd:.3f} ({min(values):.2f}..{max(values):.2f})"
 
 
-def table(rows: list[dict], steps: int) -> str:
-    lines = [f"Exact tau on the demo after {steps} steps (mean ± sample sd over seeds, min..max):",
-             "", "| drafter.loss | optim.name | exact tau | reference tau | teacher-forced tau "
-             "| train loss | s / step | seeds |", "|---|---|---|---|---|---|---|---|"]
-    for loss in LOSSES:
-        for optim in OPTIMS:
-            mine = [r for r in rows if r["loss"] == loss and r["optim"] == optim]
-            if not mine:
-                continue
-            pick = lambda k: [r[k] for r in mine if r.get(k) is not None]  # noqa: E731
-            loss_vals = pick("train_loss")
-            lines.append(
-                f"| {loss} | {optim} | {spread(pick('tau'))} | {spread(pick('ref_tau'))} | "
-                f"{spread(pick('tau_tf'))} | {statistics.mean(loss_vals):.3f} | "
-                f"{statistics.median(pick('step_s')):.3f} | "
-                f"{','.join(str(r['seed']) for r in mine)} |")
+def table(rows: list[dict]) -> str:
+    lines = ["Exact tau on the demo after run.max_steps steps (mean ± sample sd over seeds, "
+             "min..max):", "", "| drafter.loss | optim.name | steps | exact tau | reference tau "
+             "| teacher-forced tau | train loss | s / step | seeds |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    step_counts = sorted({r["planned_steps"] for r in rows})
+    for loss, optim, steps in [(a, b, n) for a in LOSSES for b in OPTIMS for n in step_counts]:
+        mine = [r for r in rows
+                if r["loss"] == loss and r["optim"] == optim and r["planned_steps"] == steps]
+        if not mine:
+            continue
+        pick = lambda k: [r[k] for r in mine if r.get(k) is not None]  # noqa: E731
+        mean = lambda v: f"{statistics.mean(v):.3f}" if v else "-"  # noqa: E731
+        median = lambda v: f"{statistics.median(v):.3f}" if v else "-"  # noqa: E731
+        lines.append(
+                f"| {loss} | {optim} | {steps} | {spread(pick('tau'))} | {spread(pick('ref_tau'))} | "
+                f"{spread(pick('tau_tf'))} | {mean(pick('train_loss'))} | "
+                f"{median(pick('step_s'))} | "
+                f"{','.join(str(r['seed']) for r in sorted(mine, key=lambda r: r['seed']))} |")
     return "\n".join(lines) + "\n"
 
 
@@ -181,23 +193,43 @@ def main() -> int:
                     help="seeds whose runs are decoded again through the reference ('' = none)")
     ap.add_argument("--losses", default=",".join(LOSSES))
     ap.add_argument("--optims", default=",".join(OPTIMS))
+    ap.add_argument("--steps-of", default="", metavar="OPTIM=N,...",
+                    help="step counts for an optimizer instead of --steps, e.g. muon=400,muon=512")
+    ap.add_argument("--device", default="cpu", help="the demo's --device (cpu, cuda, auto)")
+    ap.add_argument("--jobs", type=int, default=1, help="runs at once")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "recipe")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     ref_seeds = {int(s) for s in args.reference_seeds.split(",") if s}
     ref_cls = reference_model_class() if ref_seeds else None
-    rows = []
-    for seed in [int(s) for s in args.seeds.split(",")]:  # seed-major: a cut-short sweep
-        for loss in args.losses.split(","):  # still holds every combination of early seeds
-            for optim in args.optims.split(","):
-                row = run_one(args.out, loss, optim, seed, args.steps, args.eval_tokens)
-                row["ref_tau"] = reference_tau(ref_cls, row) if seed in ref_seeds else None
-                row.pop("config")
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-                (args.out / "recipe.json").write_text(json.dumps(rows, indent=1))
-                (args.out / "recipe.md").write_text(table(rows, args.steps))
-    print(table(rows, args.steps))
+    steps_of: dict[str, list[int]] = {}
+    for item in filter(None, args.steps_of.split(",")):
+        optim, _, n = item.partition("=")
+        if optim not in OPTIMS or not n.isdigit():
+            ap.error(f"--steps-of {item!r}: want OPTIM=N with OPTIM one of {', '.join(OPTIMS)}")
+        steps_of.setdefault(optim, []).append(int(n))
+    plan = [(loss, optim, seed, n)  # seed-major: a cut-short sweep still holds every
+            for seed in [int(s) for s in args.seeds.split(",")]  # combination of early seeds
+            for loss in args.losses.split(",")
+            for optim in args.optims.split(",")
+            for n in steps_of.get(optim, [args.steps])]
+    threads = max(1, (os.cpu_count() or 1) // args.jobs) if args.jobs > 1 else 0
+    rows: list[dict] = []
+
+    def one(item: tuple) -> dict:
+        loss, optim, seed, n = item
+        row = run_one(args.out, loss, optim, seed, n, args.eval_tokens, args.device, threads)
+        row["ref_tau"] = reference_tau(ref_cls, row) if seed in ref_seeds else None
+        row.pop("config")
+        return row
+
+    with ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        for row in pool.map(one, plan):
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            (args.out / "recipe.json").write_text(json.dumps(rows, indent=1))
+            (args.out / "recipe.md").write_text(table(rows))
+    print(table(rows))
     return 0 if all(r["rc"] == 0 for r in rows) else 1
 
 

@@ -83,8 +83,8 @@ def few_samples(folder: Path, demo_data: Path, n: int) -> Path:
 
 
 def demo_cfg(tmp: Path, *, seed: int, steps: int, every: int, data: str = "builtin:demo",
-             **over):
-    d = demo.demo_config(output_dir=str(tmp / "runs"), name=f"s{seed}", device="cpu").to_dict()
+             device: str = "cpu", **over):
+    d = demo.demo_config(output_dir=str(tmp / "runs"), name=f"s{seed}", device=device).to_dict()
     d["run"].update(seed=seed, max_steps=steps, log_every_s=60.0)
     d["eval"].update(every=every)
     d["data"].update(path=data)
@@ -97,7 +97,7 @@ def demo_cfg(tmp: Path, *, seed: int, steps: int, every: int, data: str = "built
 
 def run_demo(tmp: Path, demo_data: Path, *, fault: str = "none", seed: int = 0,
              steps: int = 100, every: int = 100, timeout: float = 900.0,
-             overfit_samples: int = 16, **over) -> DemoRun:
+             overfit_samples: int = 16, device: str = "cpu", **over) -> DemoRun:
     """Train the demo for ``steps`` with ``fault`` planted; evaluate every ``every`` steps
     (``overfit_samples``: the data set of the over-fitting fault, held-out ones included)."""
     tmp = Path(tmp) / f"{fault}-s{seed}"
@@ -109,7 +109,7 @@ def run_demo(tmp: Path, demo_data: Path, *, fault: str = "none", seed: int = 0,
         # data.eval_prompts of them are held out, the rest trained on every step
         data = str(few_samples(tmp / "data", demo_data, overfit_samples))
         over = {"optim__epochs": 10_000, **over}
-    cfg = demo_cfg(tmp, seed=seed, steps=steps, every=every, data=data, **over)
+    cfg = demo_cfg(tmp, seed=seed, steps=steps, every=every, data=data, device=device, **over)
     engine = Engine(cfg)
     events: list = []
     engine.bus.tap(events.append)
