@@ -39,8 +39,9 @@ from dflash_core import demo  # noqa: E402
 from dflash_core.config import save_config  # noqa: E402
 from dflash_core.data import ShardedDataset  # noqa: E402
 from dflash_core.data.batching import split_eval  # noqa: E402
+from dflash_core.models.drafter import DFlashDrafter  # noqa: E402
 from dflash_core.models.evaluate import evaluate_tau, target_fn_for  # noqa: E402
-from dflash_core.models.target import load_target  # noqa: E402
+from dflash_core.models.target import HF_BUILD_LOCK, load_target  # noqa: E402
 from dflash_core.persist import checkpoint as ckpt  # noqa: E402
 from dflash_core.pipeline.run import eval_prompts  # noqa: E402
 
@@ -133,23 +134,47 @@ def _step_seconds(metrics: list[dict]) -> float | None:
     return round(statistics.median(gaps), 4) if gaps else None
 
 
-def reference_tau(ref_cls, row: dict) -> float | None:
-    """Exact tau of the run's final checkpoint through the reference model, same prompts."""
+def _final_decoding(row: dict):
+    """(target, held-out prompts, final checkpoint folder) of a run, on the CPU."""
     cfg = row["config"]
     folder = ckpt.latest_checkpoint(row["run_dir"])
-    if ref_cls is None or folder is None:
+    if folder is None:
         return None
-    target_path = Path(row["run_dir"]) / "target"
-    tm = load_target(target_path, device="cpu", dtype=torch.float32)  # decoding is small
-    data = demo.ensure_demo_data(demo.ensure_tiny_target())
-    dataset = ShardedDataset.open(data)
+    tm = load_target(Path(row["run_dir"]) / "target", device="cpu", dtype=torch.float32)
+    dataset = ShardedDataset.open(demo.ensure_demo_data(demo.ensure_tiny_target()))
     n_eval = min(cfg.data.eval_prompts, max(0, len(dataset) - 1))
     _, indices = split_eval(len(dataset), n_eval, cfg.run.seed)
-    prompts = eval_prompts(dataset, indices, cfg.eval.prompt_tokens)
-    model = ref_cls.from_pretrained(str(folder), dtype=torch.float32).eval()
+    return tm, eval_prompts(dataset, indices, cfg.eval.prompt_tokens), folder
+
+
+def reference_tau(ref_cls, row: dict) -> float | None:
+    """Exact tau of the run's final checkpoint through the reference model, same prompts."""
+    got = _final_decoding(row) if ref_cls is not None else None
+    if got is None:
+        return None
+    tm, prompts, folder = got
+    with HF_BUILD_LOCK:  # transformers' loading is not thread-safe (runs decode side by side)
+        model = ref_cls.from_pretrained(str(folder), dtype=torch.float32).eval()
     drafter = ReferenceDrafter(model, folder, tm.embed_tokens, tm.lm_head)
     res = evaluate_tau(target_fn_for(tm, drafter.target_layer_ids), drafter, prompts,
-                       cfg.eval.max_new_tokens, drafter.target_layer_ids)
+                       row["config"].eval.max_new_tokens, drafter.target_layer_ids)
+    return res.tau
+
+
+def cpu_tau(row: dict) -> float | None:
+    """Exact tau of the run's final checkpoint with the engine's own drafter, decoded again on
+    the CPU: the same figure as the run's own last evaluation wherever that ran."""
+    got = _final_decoding(row)
+    if got is None:
+        return None
+    tm, prompts, folder = got
+    loaded = ckpt.load_checkpoint(folder)
+    drafter = DFlashDrafter(DFlashDrafter.config_from_dict(loaded.drafter_config)).float()
+    drafter.load_state_dict(loaded.drafter_state)
+    drafter.attach_target_head(tm.embed_tokens, tm.lm_head)
+    layer_ids = list(loaded.drafter_config["dflash_config"]["target_layer_ids"])
+    res = evaluate_tau(target_fn_for(tm, layer_ids), drafter.eval(), prompts,
+                       row["config"].eval.max_new_tokens, layer_ids)
     return res.tau
 
 
@@ -163,9 +188,9 @@ def spread(values: list[float]) -> str:
 
 def table(rows: list[dict]) -> str:
     lines = ["Exact tau on the demo after run.max_steps steps (mean ± sample sd over seeds, "
-             "min..max):", "", "| drafter.loss | optim.name | steps | exact tau | reference tau "
-             "| teacher-forced tau | train loss | s / step | seeds |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "min..max):", "", "| drafter.loss | optim.name | steps | exact tau | exact tau, CPU "
+             "re-decode | reference tau | teacher-forced tau | train loss | s / step | seeds |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     step_counts = sorted({r["planned_steps"] for r in rows})
     for loss, optim, steps in [(a, b, n) for a in LOSSES for b in OPTIMS for n in step_counts]:
         mine = [r for r in rows
@@ -176,7 +201,8 @@ def table(rows: list[dict]) -> str:
         mean = lambda v: f"{statistics.mean(v):.3f}" if v else "-"  # noqa: E731
         median = lambda v: f"{statistics.median(v):.3f}" if v else "-"  # noqa: E731
         lines.append(
-                f"| {loss} | {optim} | {steps} | {spread(pick('tau'))} | {spread(pick('ref_tau'))} | "
+                f"| {loss} | {optim} | {steps} | {spread(pick('tau'))} | {spread(pick('cpu_tau'))} | "
+                f"{spread(pick('ref_tau'))} | "
                 f"{spread(pick('tau_tf'))} | {mean(pick('train_loss'))} | "
                 f"{median(pick('step_s'))} | "
                 f"{','.join(str(r['seed']) for r in sorted(mine, key=lambda r: r['seed']))} |")
@@ -197,6 +223,8 @@ def main() -> int:
                     help="step counts for an optimizer instead of --steps, e.g. muon=400,muon=512")
     ap.add_argument("--device", default="cpu", help="the demo's --device (cpu, cuda, auto)")
     ap.add_argument("--jobs", type=int, default=1, help="runs at once")
+    ap.add_argument("--cpu-decode", action="store_true",
+                    help="also decode every run's final checkpoint again on the CPU (cpu tau)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "recipe")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -220,6 +248,7 @@ def main() -> int:
         loss, optim, seed, n = item
         row = run_one(args.out, loss, optim, seed, n, args.eval_tokens, args.device, threads)
         row["ref_tau"] = reference_tau(ref_cls, row) if seed in ref_seeds else None
+        row["cpu_tau"] = cpu_tau(row) if args.cpu_decode else None
         row.pop("config")
         return row
 
