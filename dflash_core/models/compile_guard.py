@@ -46,6 +46,19 @@ class SerialCompiled:
             return self._compiled(*args, **kwargs)
 
 
+def is_compile_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` (or an exception it was raised from) is torch.compile failing to build a
+    kernel (inductor's lowering or codegen, dynamo's backend), as opposed to the computation."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if type(e).__module__.startswith(("torch._inductor", "torch._dynamo")):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
 # Separate from COMPILE_LOCK: autotuned kernels run in target threads, compiled attention in
 # drafter threads; neither calls the other, so the two locks are never held together.
 AUTOTUNE_LOCK = threading.RLock()

@@ -21,6 +21,7 @@ from dflash_core.data import Prefetcher
 from dflash_core.persist.data_position import DataPosition
 from dflash_core.models import acceptance
 from dflash_core.models.agreement import label_agreement
+from dflash_core.models.compile_guard import is_compile_failure
 from dflash_core.models.evaluate import (
     evaluate_tau,
     features_fn_for,
@@ -86,6 +87,9 @@ class Run:
     # teacher-forced tau of the recent steps: the training tau (d) of an evaluation is their mean
     recent_tau_tf: deque = field(default_factory=lambda: deque(maxlen=50))
     agreement: tuple[int, int] | None = None  # (agree, total), measured at the first evaluation
+    # the evaluation's block attention once the compiled one failed to build for its shapes
+    eval_attn: str | None = None
+    evaluated_step: int = -1  # the end of a run evaluates again only when it is a new step
     best_tau: float | None = None  # exact tau of checkpoints/best (read from it on first use)
     saved_path: Path | None = None
     advisor: LayoutAdvisor | None = None  # a bus tap while the run trains
@@ -396,29 +400,31 @@ class Run:
             return
         if not len(prep.eval_indices) or not self.replicas or target is None:
             return
+        if self.evaluated_step == self.step:  # the last periodic evaluation was this step
+            return
         t0 = time.monotonic()
         prompts = eval_prompts(prep.dataset, prep.eval_indices, cfg.eval.prompt_tokens)
         # (c) scores as many response tokens as (a) decodes, on the data's own labels
         heldout = heldout_samples(prep.dataset, prep.eval_indices, cfg.eval.prompt_tokens,
                                   cfg.eval.max_new_tokens, cfg.data.max_length)
         drafter = self.replicas[0].drafter
-        was_training = drafter.training
-        drafter.eval()
         try:
-            res = evaluate_tau(target_fn_for(target, prep.layer_ids), drafter, prompts,
-                               cfg.eval.max_new_tokens, prep.layer_ids)
-            decoded = [(p + out, [0] * len(p) + [1] * len(out))
-                       for p, out in zip(prompts, res.outputs)]
-            feats = features_fn_for(target, prep.layer_ids)
-            chunk = cfg.drafter.loss_chunk
-            # (b) at the anchors decoding used, to compare with (a); at every position, to
-            # compare with (c), which has no decoding anchors
-            tf_target, n_target = teacher_forced_eval(feats, drafter, decoded, chunk,
-                                                      anchors=res.anchors)
-            tf_all, n_all = teacher_forced_eval(feats, drafter, decoded, chunk)
-            tf_heldout, n_heldout = teacher_forced_eval(feats, drafter, heldout, chunk)
-        finally:
-            drafter.train(was_training)
+            measured = self._measure(drafter, target, prompts, heldout)
+        except Exception as exc:  # noqa: BLE001 - only a compile failure is retried
+            if not is_compile_failure(exc) or self.eval_attn is not None:
+                raise
+            # The shapes of decoding (one block after a growing context) compile apart from
+            # training's; a kernel that cannot be built for them must not end the run. The
+            # uncompiled attention computes the same numbers (tests/gpu), more slowly.
+            self.eval_attn = "chunked"
+            first = (str(exc).splitlines() or [""])[0][:160]
+            publish(Log(level="warning", source="eval", message=(
+                f"step {self.step}: the compiled attention could not be built for the "
+                f"evaluation's shapes ({type(exc).__name__}: {first}); "
+                f"evaluating with the uncompiled attention from now on (same figures, slower); "
+                f"training is unaffected")))
+            measured = self._measure(drafter, target, prompts, heldout)
+        res, (tf_target, n_target), (tf_all, n_all), (tf_heldout, n_heldout) = measured
         if self.agreement is None and cfg.eval.agreement_samples:
             self.agreement = self._agreement(target)
         agree, total = self.agreement or (0, 0)
@@ -436,9 +442,35 @@ class Run:
             tau_tf_target=tf_target, tau_tf_target_all=tf_all, tau_tf_heldout=tf_heldout,
             tau_tf_train=train, agreement=share, agreement_positions=total,
             findings=[f.kind for f in found], seconds=time.monotonic() - t0))
+        self.evaluated_step = self.step
         for f in found:
             publish(Log(level=f.level, source="eval", message=f.message))
         self._mark_best(res.tau, publish)
+
+    def _measure(self, drafter, target, prompts, heldout) -> tuple:
+        """(exact decoding, and (tau, positions) of the three teacher-forced measures) with the
+        drafter in eval mode and the evaluation's attention (``self.eval_attn``, None = the
+        drafter's own)."""
+        cfg, layer_ids = self.config, self.prep.layer_ids
+        was_training, attn = drafter.training, drafter.attn_impl
+        drafter.eval()
+        if self.eval_attn is not None:
+            drafter.attn_impl = self.eval_attn
+        try:
+            res = evaluate_tau(target_fn_for(target, layer_ids), drafter, prompts,
+                               cfg.eval.max_new_tokens, layer_ids)
+            decoded = [(p + out, [0] * len(p) + [1] * len(out))
+                       for p, out in zip(prompts, res.outputs)]
+            feats = features_fn_for(target, layer_ids)
+            chunk = cfg.drafter.loss_chunk
+            # (b) at the anchors decoding used, to compare with (a); at every position, to
+            # compare with (c), which has no decoding anchors
+            return (res, teacher_forced_eval(feats, drafter, decoded, chunk, anchors=res.anchors),
+                    teacher_forced_eval(feats, drafter, decoded, chunk),
+                    teacher_forced_eval(feats, drafter, heldout, chunk))
+        finally:
+            drafter.attn_impl = attn
+            drafter.train(was_training)
 
     def _agreement(self, target_model) -> tuple[int, int]:
         """(agree, total) on ``eval.agreement_samples`` training samples spread over the data

@@ -95,3 +95,60 @@ def test_exact_tau_far_below_teacher_forced_on_the_same_text_is_the_mismatch_war
         assert bool(gaps) == warned and ("mismatch" in e.findings) == warned
         if warned:
             assert gaps[0].level == "warning" and "drafter.mask_token_id" in gaps[0].message
+
+
+def test_an_evaluation_whose_compiled_attention_cannot_be_built_falls_back_and_the_run_goes_on(
+        tmp_path, assets, monkeypatch):
+    # On a GPU, inductor once failed to lower FlexAttention for decoding's shapes
+    # (NoValidChoicesError) at the end of a 512-step run, which then ended "failed". Here the
+    # compiled path is the drafter's own attention ("auto"); the uncompiled one is "chunked".
+    from torch._inductor.exc import InductorError
+
+    from dflash_core.models.drafter import DFlashDrafter
+
+    real = run_mod.evaluate_tau
+    seen_in_eval, seen_in_training = [], set()
+
+    def evaluate(target_fn, drafter, *args, **kwargs):
+        seen_in_eval.append(drafter.attn_impl)
+        if drafter.attn_impl != "chunked":
+            raise InductorError(RuntimeError("NoValidChoicesError: No choices to select"), None)
+        return real(target_fn, drafter, *args, **kwargs)
+
+    forward = DFlashDrafter.forward
+
+    def training_forward(self, *args, **kwargs):
+        if self.training:
+            seen_in_training.add(self.attn_impl)
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(run_mod, "evaluate_tau", evaluate)
+    monkeypatch.setattr(DFlashDrafter, "forward", training_forward)
+    target, data = assets
+    cfg = make_config(tmp_path, target, data, run__max_steps=4, eval__every=2)
+    end, rec = run_config(cfg)
+    assert end.status == "finished"
+    evals = rec.of(EvalResult)
+    assert [e.step for e in evals] == [2, 4] and all(e.tau >= 1.0 for e in evals)
+    assert seen_in_eval == ["auto", "chunked", "chunked"]  # tried once, then kept to the fallback
+    assert seen_in_training == {"auto"}  # training keeps its compiled attention
+    (said,) = [x for x in rec.of(Log) if "could not be built" in x.message]
+    assert said.level == "warning" and said.source == "eval" and "step 2" in said.message
+    assert "NoValidChoicesError" in said.message and "training is unaffected" in said.message
+    assert not [e for e in rec.of(Error) if e.fatal]
+
+
+def test_an_evaluation_that_fails_for_another_reason_is_not_retried(tmp_path, assets,
+                                                                    monkeypatch):
+    calls = []
+
+    def evaluate(*args, **kwargs):
+        calls.append(1)
+        raise ValueError("a bug in the evaluation")
+
+    monkeypatch.setattr(run_mod, "evaluate_tau", evaluate)
+    target, data = assets
+    cfg = make_config(tmp_path, target, data, run__max_steps=2, eval__every=2)
+    end, rec = run_config(cfg)
+    assert end.status == "failed" and len(calls) == 1
+    assert any("a bug in the evaluation" in e.message for e in rec.of(Error) if e.fatal)
