@@ -59,8 +59,9 @@ class DrafterConfig:
     # The loss's slot weights (docs/algorithm.md, "The loss"): "dflash" = the paper's fixed decay
     # exp(-(k-1)/gamma); "dpace" = D-PACE (arXiv 2605.18810), weights from the step's own
     # cross-entropies, w_j = sum over m >= j of prod over i <= m of q_i with
-    # q = (1 - dpace_alpha) exp(-CE) + dpace_alpha, detached. The default stays "dflash" until
-    # bench/recipe.py (bench/BENCHMARKS.md, "Training recipe") shows a gain beyond the seed spread.
+    # q = (1 - dpace_alpha) exp(-CE) + dpace_alpha, detached. The default stays "dflash": on the
+    # demo D-PACE's exact tau was +0.00..+0.29 per seed after 512 steps, inside the seed spread;
+    # its step costs 0.5-5% more (bench/BENCHMARKS.md, "Training recipe").
     loss: Literal["dflash", "dpace"] = "dflash"
     gamma: float = 0.0  # dflash loss decay; 0 = 7 for B=16, 5 for B=10, 4 for B=8, else B/2.3
     dpace_alpha: float = 0.5  # D-PACE's floor of q: 1 = fixed linear weights B-j; 0 = exp(-CE)
@@ -119,9 +120,10 @@ class LayoutConfig:
 class OptimConfig:
     # "adamw" = AdamW on every drafter parameter; "muon" = torch.optim.Muon (torch 2.9+) on the
     # 2-D weight matrices (the layers' projections and fc) with AdamW on the norms
-    # (models/optimizers.py says why). The default stays "adamw": on the demo Muon's exact tau
-    # after 80 steps is higher beyond the seed spread, but a 27B-shape step takes 28% longer, so
-    # runs of equal wall time decide (bench/BENCHMARKS.md, "Training recipe").
+    # (models/optimizers.py says why). The default stays "adamw": a Muon step takes 28% longer
+    # at the 27B shape (14% at 8B), and on the demo at equal wall time (400 Muon steps against
+    # 512 AdamW steps) Muon's exact tau was higher on every seed but inside the seed spread;
+    # after 80 steps it was beyond it (bench/BENCHMARKS.md, "Training recipe").
     name: Literal["adamw", "muon"] = "adamw"
     lr: float = 6e-4  # AdamW's peak learning rate (warmup then cosine, below)
     # Muon's peak learning rate, on the same schedule; 0 = optim.lr. Muon scales it per matrix to
