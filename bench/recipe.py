@@ -209,6 +209,26 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def parse_steps_of(spec: str) -> dict[str, list[int]]:
+    """``muon=400,muon=512`` -> {"muon": [400, 512]}."""
+    steps_of: dict[str, list[int]] = {}
+    for item in filter(None, spec.split(",")):
+        optim, _, n = item.partition("=")
+        if optim not in OPTIMS or not n.isdigit() or int(n) < 1:
+            raise ValueError(f"--steps-of {item!r}: want OPTIM=N with OPTIM one of "
+                             f"{', '.join(OPTIMS)} and N a whole number of steps")
+        steps_of.setdefault(optim, []).append(int(n))
+    return steps_of
+
+
+def plan_runs(seeds: list[int], losses: list[str], optims: list[str], steps: int,
+              steps_of: dict[str, list[int]]) -> list[tuple[str, str, int, int]]:
+    """(loss, optim, seed, steps) of every run, seed-major: a sweep cut short still holds every
+    combination of its first seeds."""
+    return [(loss, optim, seed, n) for seed in seeds for loss in losses for optim in optims
+            for n in steps_of.get(optim, [steps])]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=80, help="run.max_steps of every run")
@@ -230,17 +250,12 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     ref_seeds = {int(s) for s in args.reference_seeds.split(",") if s}
     ref_cls = reference_model_class() if ref_seeds else None
-    steps_of: dict[str, list[int]] = {}
-    for item in filter(None, args.steps_of.split(",")):
-        optim, _, n = item.partition("=")
-        if optim not in OPTIMS or not n.isdigit():
-            ap.error(f"--steps-of {item!r}: want OPTIM=N with OPTIM one of {', '.join(OPTIMS)}")
-        steps_of.setdefault(optim, []).append(int(n))
-    plan = [(loss, optim, seed, n)  # seed-major: a cut-short sweep still holds every
-            for seed in [int(s) for s in args.seeds.split(",")]  # combination of early seeds
-            for loss in args.losses.split(",")
-            for optim in args.optims.split(",")
-            for n in steps_of.get(optim, [args.steps])]
+    try:
+        steps_of = parse_steps_of(args.steps_of)
+    except ValueError as exc:
+        ap.error(str(exc))
+    plan = plan_runs([int(s) for s in args.seeds.split(",")], args.losses.split(","),
+                     args.optims.split(","), args.steps, steps_of)
     threads = max(1, (os.cpu_count() or 1) // args.jobs) if args.jobs > 1 else 0
     rows: list[dict] = []
 
