@@ -464,10 +464,12 @@ def checkpoint_files(path: str | os.PathLike) -> list[Path]:
 
 
 def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu",
-                    progress: Callable[[int, int], None] | None = None) -> LoadedCheckpoint:
+                    progress: Callable[[int, int, int, int], None] | None = None
+                    ) -> LoadedCheckpoint:
     """Read a checkpoint folder without pickle (safetensors, JSON; format 1's training_state.pt
     with weights_only=True). The drafter state is the float32 master weights where the folder
-    holds them. ``progress(bytes_read, bytes_total)`` is called as the shards are read."""
+    holds them. ``progress(bytes_read, bytes_total, shards_read, shards_total)`` is called as
+    the training-state shards are read."""
     path = Path(path)
     legacy = not (path / STATE_JSON).is_file() and (path / LEGACY_STATE).is_file()
     need = FILES[:2] + ((LEGACY_STATE,) if legacy else (STATE_JSON,))
@@ -497,15 +499,19 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
             total = sum(p.stat().st_size for p in shards)
             tensors: dict[str, torch.Tensor] = {}
             read = 0
-            for shard in shards:
+            for i, shard in enumerate(shards):
                 name = shard.name
                 _check_safetensors(shard)
+                size, in_shard = shard.stat().st_size, 0
                 with safe_open(str(shard), framework="pt", device=device) as f:
                     for key in f.keys():
                         t = tensors[key] = f.get_tensor(key)
-                        read += t.numel() * t.element_size()
+                        in_shard += t.numel() * t.element_size()  # its header is not counted
                         if progress is not None:
-                            progress(read, total)
+                            progress(read + min(in_shard, size), total, i, len(shards))
+                read += size  # so the last report is total of total
+                if progress is not None:
+                    progress(read, total, i + 1, len(shards))
             name = f"{STATE_JSON} (its entries)"
             prefix = f"{MASTER}/"
             drafter_state = {k[len(prefix):]: v for k, v in tensors.items()

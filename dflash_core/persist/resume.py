@@ -109,13 +109,14 @@ def load_for_resume(run_dir: Path, expected: dict | None, publish: Callable[[Eve
         t0 = time.monotonic()
         last = [0.0]
 
-        def progress(done: int, total: int) -> None:
+        def progress(done: int, total: int, shards: int, shards_total: int) -> None:
             now = time.monotonic()
-            if now - last[0] >= 0.5 or done == total:  # a line a second at most, and the end
+            end = shards == shards_total
+            if now - last[0] >= 0.5 or end:  # two lines a second at most, and the end
                 last[0] = now
                 publish(LoadProgress(worker="checkpoint", device="host", bytes_loaded=done,
-                                     bytes_total=total, shards_loaded=0, shards_total=0,
-                                     seconds=now - t0, done=done == total))
+                                     bytes_total=total, shards_loaded=shards,
+                                     shards_total=shards_total, seconds=now - t0, done=end))
         try:
             loaded = ckpt.load_checkpoint(folder, progress=progress)
         except ckpt.CheckpointError as exc:

@@ -214,3 +214,22 @@ def test_sigkill_never_leaves_a_half_checkpoint(tmp_path):
     _save(tmp_path, steps[-1] + 1, keep=3)
     leftovers = [p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith(".")]
     assert leftovers == []
+
+
+def test_loading_reports_bytes_and_shards_and_a_resume_shows_them(tmp_path):
+    from dflash_core.observe.events import LoadProgress
+    from dflash_core.persist.resume import load_for_resume
+
+    _save(tmp_path, 3, optimizer_state={"state": {0: {"exp_avg": torch.ones(64, 64)}},
+                                        "param_groups": []})
+    calls = []
+    load_checkpoint(latest_checkpoint(tmp_path), progress=lambda *a: calls.append(a))
+    read, total, shards, of = calls[-1]
+    assert read == total > 64 * 64 * 4 and (shards, of) == (1, 1)
+    assert all(c[3] == 1 and c[2] in (0, 1) for c in calls) and calls[0][2] == 0
+    seen = []
+    loaded = load_for_resume(tmp_path, None, seen.append)
+    assert loaded.step == 3
+    shown = [e for e in seen if isinstance(e, LoadProgress)]
+    assert shown[-1].done and (shown[-1].shards_loaded, shown[-1].shards_total) == (1, 1)
+    assert shown[-1].worker == "checkpoint" and shown[-1].bytes_loaded == total
