@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Callable
 
 from dflash_core.persist.run_path import NotARun, events_of
 
@@ -19,12 +20,22 @@ def run_events(path: Path, action: str, *, file_ok: bool = False) -> Path | None
         return None
 
 
-def steps(text: str) -> int:
-    """--max-steps: a whole number >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number of steps, got {text!r}")
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0 (0 = all epochs), got {value}")
-    return value
+def whole_number(minimum: int, unit: str = "", zero: str = "") -> Callable[[str], int]:
+    """An argparse type: a whole number >= ``minimum`` (``unit`` names what it counts, ``zero``
+    what 0 means, for the messages)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            of = f" of {unit}" if unit else ""
+            raise argparse.ArgumentTypeError(f"expected a whole number{of}, got {text!r}")
+        if value < minimum:
+            means = f" ({zero})" if zero else ""
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}{means}, got {value}")
+        return value
+
+    return parse
+
+
+# --max-steps of run and demo
+steps = whole_number(0, "steps", "0 = all epochs")

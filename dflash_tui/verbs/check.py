@@ -23,6 +23,10 @@ import sys
 import time
 from pathlib import Path
 
+from ._shared import whole_number
+
+_at_least_one = whole_number(1)
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from dflash_core.check.serve_check import CheckOptions
@@ -33,24 +37,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="--demo only: auto (default) uses the GPUs when CUDA sees any")
     parser.add_argument("--output-dir", default=None, help="--demo only: override run.output_dir")
-    parser.add_argument("--samples", type=_positive, default=d.samples,
+    parser.add_argument("--samples", type=_at_least_one, default=d.samples,
                         help=f"prompts taken from the data (default {d.samples})")
-    parser.add_argument("--response-tokens", type=_positive, default=d.response_tokens,
+    parser.add_argument("--response-tokens", type=_at_least_one, default=d.response_tokens,
                         help=f"tokens the target writes after each (default {d.response_tokens})")
-    parser.add_argument("--max-steps", type=_positive, default=d.max_steps,
+    parser.add_argument("--max-steps", type=_at_least_one, default=d.max_steps,
                         help=f"optimizer steps at most to memorise them (default {d.max_steps})")
     parser.add_argument("--no-reference", action="store_true",
                         help="do not decode with the reference implementation even if installed")
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}")
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def _config(args):
