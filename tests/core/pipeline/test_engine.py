@@ -205,7 +205,8 @@ def test_two_drafters_meet_in_each_step_with_batches_of_like_cost(tmp_path, asse
                           data__token_budget=256, data__max_seqs_per_batch=16,
                           data__balance_steps=balance, drafter__num_anchors=8, run__max_steps=0,
                           checkpoint__every=0)
-        assert run_to_end(Engine(cfg)).of(RunEnded)[0].status == "finished"
+        # (a generous timeout: the two runs train 40 steps on four threads of a busy machine)
+        assert run_to_end(Engine(cfg), 240).of(RunEnded)[0].status == "finished"
         a, b = (np.array(c) for c in costs.values())  # one batch per drafter per step
         assert len(a) == len(b) == 20
         return float(((a + b) / 2).sum() / np.maximum(a, b).sum())
