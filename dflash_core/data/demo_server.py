@@ -8,7 +8,8 @@ with a KV cache, stopping at ``<|endoftext|>`` or ``max_tokens``. With ``return_
 returns the ids as vLLM does (``choices[0].token_ids``, ``prompt_token_ids``).
 
 Faults for tests: ``fail_first`` requests answered 500, ``hang_first`` requests held
-``hang_s`` seconds before answering, ``answer_as`` another model name in every answer.
+``hang_s`` seconds before answering, ``trickle_first`` requests answered a byte every
+``trickle_s`` seconds, ``answer_as`` another model name in every answer.
 Generation runs one request at a time (a lock): the model is small and the machine has few cores.
 """
 
@@ -29,12 +30,14 @@ from dflash_core import demo
 class DemoServer:
     def __init__(self, target_folder: str | Path, *, name: str = "dflash-demo",
                  fail_first: int = 0, hang_first: int = 0, hang_s: float = 0.0,
+                 trickle_first: int = 0, trickle_s: float = 0.0,
                  answer_as: str | None = None, threads: int = 1):
         self.model = demo._load_model(Path(target_folder))
         from dflash_core.data.demo_chat import demo_tokenizer
         self.tok = demo_tokenizer()
         self.name, self.answer_as = name, answer_as
         self.fail_left, self.hang_left, self.hang_s = fail_first, hang_first, hang_s
+        self.trickle_left, self.trickle_s = trickle_first, trickle_s
         self.threads = threads
         self.requests = 0
         self._gen_lock = threading.Lock()
@@ -102,13 +105,18 @@ class DemoServer:
             def log_message(self, *a):  # no access log on the test output
                 pass
 
-            def _send(self, code: int, obj: dict) -> None:
+            def _send(self, code: int, obj: dict, trickle: bool = False) -> None:
                 data = json.dumps(obj).encode()
                 self.send_response(code)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
-                self.wfile.write(data)
+                if not trickle:
+                    return self.wfile.write(data)
+                for i in range(len(data)):  # each read waits little; the whole answer, long
+                    self.wfile.write(data[i:i + 1])
+                    self.wfile.flush()
+                    time.sleep(srv.trickle_s)
 
             def do_GET(self):
                 if self.path.rstrip("/") == "/v1/models":
@@ -125,6 +133,8 @@ class DemoServer:
                     srv.fail_left -= fail
                     hang = not fail and srv.hang_left > 0
                     srv.hang_left -= hang
+                    trickle = not (fail or hang) and srv.trickle_left > 0
+                    srv.trickle_left -= trickle
                 if fail:
                     return self._send(500, {"error": {"message": "injected failure"}})
                 if hang:
@@ -133,7 +143,7 @@ class DemoServer:
                     return self._send(404, {"error": {"message":
                                                       f"model {body.get('model')!r} not served"}})
                 try:
-                    self._send(200, srv.answer(self.path, body))
+                    self._send(200, srv.answer(self.path, body), trickle)
                 except (BrokenPipeError, ConnectionResetError):
                     pass  # the client gave up (its timeout): nothing to answer
 

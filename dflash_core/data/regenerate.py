@@ -64,7 +64,7 @@ class RegenOptions:
     concurrency: int = 8  # requests in flight per endpoint
     max_tokens: int = 2048
     temperature: float = 0.0
-    timeout_s: float = 600.0  # per request: connect, and each wait for the server's bytes
+    timeout_s: float = 600.0  # per request: from sending it to the answer's last byte
     retries: int = 4
     backoff_s: float = 1.0
     token_ids: bool = True
@@ -128,22 +128,23 @@ class Endpoint:
 
     def request(self, method: str, path: str, body: dict | None = None) -> dict:
         data = json.dumps(body).encode() if body is not None else None
+        deadline = time.monotonic() + self.timeout_s
         try:
             c = self._conn()
+            if c.sock is not None:  # a kept-alive socket: its last read left a shorter timeout
+                c.sock.settimeout(self.timeout_s)
             c.request(method, self.base + path, body=data, headers=self.headers)
-            resp = c.getresponse()
-            raw = resp.read()
+            status, raw = self._read_by(c, deadline)
         except (socket.timeout, TimeoutError) as exc:
             self._drop()  # the server may still answer on this socket: never reuse it
-            raise RequestFailed("timeout", f"no answer within {self.timeout_s:g} s",
+            raise RequestFailed("timeout", f"no whole answer within {self.timeout_s:g} s",
                                 True) from exc
         except (OSError, http.client.HTTPException) as exc:
             self._drop()
             raise RequestFailed("connection", f"{type(exc).__name__}: {exc}", True) from exc
-        if resp.status >= 400:
-            retry = resp.status == 429 or resp.status >= 500
-            raise RequestFailed(f"http_{resp.status}", raw[:300].decode("utf-8", "replace"),
-                                retry)
+        if status >= 400:
+            retry = status == 429 or status >= 500
+            raise RequestFailed(f"http_{status}", raw[:300].decode("utf-8", "replace"), retry)
         try:
             out = json.loads(raw)
         except ValueError as exc:
@@ -151,6 +152,25 @@ class Endpoint:
         if not isinstance(out, dict):
             raise RequestFailed("bad_response", "the answer is not a JSON object", True)
         return out
+
+    def _read_by(self, c: http.client.HTTPConnection, deadline: float) -> tuple[int, bytes]:
+        """The answer's status and body, all of it before ``deadline``: a server that trickles its bytes
+        never waits long on one read, so each read gets only the time that is left."""
+        def left() -> float:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError
+            if c.sock is not None:
+                c.sock.settimeout(remaining)
+            return remaining
+
+        left()
+        resp = c.getresponse()
+        chunks = []
+        while left() and (chunk := resp.read1(1 << 16)):
+            chunks.append(chunk)
+        resp.close()  # read1 leaves a fully read answer open; a kept-alive socket needs it shut
+        return resp.status, b"".join(chunks)
 
     def models(self) -> list[str]:
         try:

@@ -56,7 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--max-tokens", type=int, default=2048, help="longest answer per turn")
     r.add_argument("--temperature", type=float, default=0.0)
     r.add_argument("--timeout", type=float, default=600.0,
-                   help="seconds to wait for a server's answer before retrying")
+                   help="seconds a request may take, to the answer's last byte, before it "
+                        "is retried")
     r.add_argument("--retries", type=int, default=4, help="retries per request (with backoff)")
     r.add_argument("--no-token-ids", action="store_true",
                    help="do not ask for return_token_ids (for servers that reject the field)")

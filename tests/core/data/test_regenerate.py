@@ -4,6 +4,7 @@ generates with the demo target (greedy decoding of the tiny model, not canned an
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -99,6 +100,18 @@ def test_errors_and_a_server_that_hangs_past_the_timeout_are_retried(tmp_path, s
     c = s["counts"]
     assert s["finished"] and c["done_now"] == 6
     assert c["request_errors"] == {"http_500": 2, "timeout": 1} and c["retries"] == 3
+
+
+def test_an_answer_that_trickles_in_past_the_timeout_is_a_timeout(tmp_path, src, demo_target):
+    # A byte every 0.2 s: no single read waits long, the whole answer would take minutes.
+    with DemoServer(demo_target, trickle_first=1, trickle_s=0.2) as srv:
+        t = time.monotonic()
+        s = regenerate(opts(src, tmp_path / "out", srv.url, concurrency=1, timeout_s=2.0))
+        took = time.monotonic() - t
+    c = s["counts"]
+    assert s["finished"] and c["done_now"] == 6
+    assert c["request_errors"] == {"timeout": 1} and c["retries"] == 1
+    assert took < 60  # the trickled answer alone is hundreds of bytes x 0.2 s
 
 
 def test_failures_past_the_retries_are_counted_and_leave_no_merged_file(tmp_path, src,
