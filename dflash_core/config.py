@@ -524,3 +524,28 @@ def default_gamma(block_size: int) -> float:
     """Loss decay (docs/algorithm.md): 7 for B=16, 5 for B=10, 4 for B=8."""
     table = {16: 7.0, 10: 5.0, 8: 4.0}
     return table.get(block_size, max(1.0, block_size / 2.3))
+
+
+def recipe_text(config: dict) -> str:
+    """The training recipe a config (as a dict) chose: drafter.loss and optim.name with their
+    rates, in words, for the start of the logs and the report's summary, so that runs which
+    differ in it say so; "" when the config does not say."""
+    drafter, optim = config.get("drafter") or {}, config.get("optim") or {}
+    if not isinstance(drafter, dict) or not isinstance(optim, dict):
+        return ""
+    parts = []
+    loss = drafter.get("loss")
+    if loss == "dpace":
+        parts.append(f"loss dpace (alpha {drafter.get('dpace_alpha', '?')}; its loss figures "
+                     "are D-PACE-weighted, not comparable with the dflash loss)")
+    elif loss:
+        gamma = drafter.get("gamma") or (default_gamma(int(drafter["block_size"]))
+                                         if drafter.get("block_size") else None)
+        parts.append(f"loss {loss}" + (f" (gamma {gamma:g})" if gamma else ""))
+    name = optim.get("name")
+    if name == "muon":
+        parts.append(f"optimizer muon (muon_lr {optim.get('muon_lr') or optim.get('lr', '?')}, "
+                     f"AdamW lr {optim.get('lr', '?')} on the norms)")
+    elif name:
+        parts.append(f"optimizer {name}" + (f" (lr {optim['lr']})" if "lr" in optim else ""))
+    return "; ".join(parts)

@@ -130,6 +130,7 @@ class TrainingPlan(Event):
     max_steps_from: str = "run.max_steps"  # where it was set: "--max-steps" or "run.max_steps"
     targets: int = 0  # target workers of this node
     drafters: int = 0  # drafter replicas of this node
+    recipe: str = ""  # drafter.loss and optim.name with their rates (config.recipe_text)
     kind: ClassVar[str] = "TrainingPlan"
     keep_when_behind: ClassVar[bool] = True
 
@@ -157,7 +158,7 @@ class TrainingPlan(Event):
         span = (f"from step {self.start_step} to {self.total_steps}" if self.start_step
                 else f"{self.total_steps} steps")
         return (f"training {span} on {self.targets} target(s) + {self.drafters} drafter(s): "
-                f"{self.limit()}")
+                f"{self.limit()}" + (f"; {self.recipe}" if self.recipe else ""))
 
 
 @dataclass(frozen=True)

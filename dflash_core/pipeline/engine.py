@@ -21,7 +21,8 @@ from transformers.utils import logging as hf_logging
 
 from dflash_core.planning.allocator import apply_card_limit, configure_allocator
 from dflash_core.models.compile_guard import serialize_triton_autotuning
-from dflash_core.config import Config, ConfigError, NodesConfig, TelemetryConfig, load_config, save_config
+from dflash_core.config import (Config, ConfigError, NodesConfig, TelemetryConfig, load_config,
+                                recipe_text, save_config)
 from dflash_core.data import Prefetcher
 from dflash_core.persist.data_position import DataPosition
 from dflash_core.pipeline.drafter_stage import DrafterStage
@@ -607,7 +608,8 @@ class Engine:
             start_step=run.step, total_steps=run.total_steps, epochs=cfg.optim.epochs,
             epoch_steps=run.prep.epoch_steps, max_steps=cfg.run.max_steps,
             max_steps_from="--max-steps" if self.max_steps is not None else "run.max_steps",
-            targets=len(run.target_devices), drafters=len(run.replicas)))
+            targets=len(run.target_devices), drafters=len(run.replicas),
+            recipe=recipe_text(cfg.to_dict())))
         if run.step >= run.total_steps:
             run.finished = True
             return

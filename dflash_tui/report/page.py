@@ -7,6 +7,7 @@ import datetime as _dt
 import html
 import json
 
+from dflash_core.config import recipe_text
 from dflash_core.models import acceptance
 from dflash_core.observe import events as ev
 from dflash_core.units import GiB as GIB
@@ -153,6 +154,7 @@ def render_html(data: RunData, source: str = "") -> str:
         ["latest teacher-forced tau", _fmt(last.tau_tf if last else None)],
         ["latest exact tau", f"{data.last_eval.tau:.4f} at step {data.last_eval.step}"
          if data.last_eval else "-"],
+        ["training recipe", (recipe_text(s.config) if s and s.config else "") or "-"],
         ["targets", ", ".join(map(str, s.targets)) if s else "-"],
         ["drafters", ", ".join(map(str, s.drafters)) if s else "-"],
     ]

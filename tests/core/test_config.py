@@ -145,3 +145,14 @@ def test_bad_device_lists(layout, fragment):
     with pytest.raises(ConfigError) as e:
         config_from_dict({"layout": layout})
     assert fragment in str(e.value)
+
+
+def test_the_recipe_in_words_names_the_loss_and_optimizer_with_their_rates():
+    from dflash_core.config import Config, recipe_text
+
+    cfg = Config()
+    assert recipe_text(cfg.to_dict()) == "loss dflash (gamma 7); optimizer adamw (lr 0.0006)"
+    cfg.drafter.loss, cfg.optim.name, cfg.optim.muon_lr = "dpace", "muon", 0.02
+    said = recipe_text(cfg.to_dict())
+    assert said.startswith("loss dpace (alpha 0.5; its loss figures are D-PACE-weighted")
+    assert said.endswith("optimizer muon (muon_lr 0.02, AdamW lr 0.0006 on the norms)")

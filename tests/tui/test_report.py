@@ -391,3 +391,21 @@ def test_a_finished_run_says_it_has_no_errors_and_an_ended_one_how_it_ended():
     running = report.render_html(_data(trained))  # no end yet: it may still have some
     assert "No errors or stalls in this run yet." in running
     assert "Finished at" not in running
+
+
+def test_the_summary_names_the_training_recipe(tmp_path):
+    recipes = {"dflash-adamw": ({"loss": "dflash", "gamma": 7}, {"name": "adamw", "lr": 6e-4},
+                                "loss dflash (gamma 7); optimizer adamw (lr 0.0006)"),
+               "dpace-muon": ({"loss": "dpace", "dpace_alpha": 0.5},
+                              {"name": "muon", "lr": 6e-4, "muon_lr": 0},
+                              "loss dpace (alpha 0.5; its loss figures are D-PACE-weighted")}
+    for name, (drafter, optim, said) in recipes.items():
+        run_dir = tmp_path / name
+        write_events(run_dir / "events.jsonl",
+                     with_config(sc.training(steps=5), {"drafter": drafter, "optim": optim}))
+        page = report.write_report(run_dir).read_text(encoding="utf-8")
+        row = re.search(r"<tr><th>training recipe</th><td>(.*?)</td></tr>", page).group(1)
+        assert said in row, row
+    assert "optimizer muon (muon_lr 0.0006, AdamW lr 0.0006 on the norms)" in row
+    from dflash_core.config import recipe_text
+    assert recipe_text({}) == "" and recipe_text({"optim": 3}) == ""

@@ -1,5 +1,6 @@
 """Events round-trip through JSON; the bus never lets a subscriber block or break the publisher."""
 
+import dataclasses
 import subprocess
 import sys
 import threading
@@ -110,6 +111,8 @@ def test_training_plan_says_which_limit_ends_the_run():
     assert plan.limit() == ("512 steps = 8 epochs of the data (optim.epochs); --max-steps 100000 "
                             "is past it")
     assert plan.summary().startswith("training 512 steps on 1 target(s) + 1 drafter(s): 512 ")
+    named = dataclasses.replace(plan, recipe="loss dflash (gamma 7); optimizer adamw (lr 0.0006)")
+    assert named.summary() == plan.summary() + "; loss dflash (gamma 7); optimizer adamw (lr 0.0006)"
     capped = ev.TrainingPlan(start_step=200, total_steps=300, epochs=8, epoch_steps=512,
                              max_steps=300)
     assert not capped.by_epochs and capped.limit(short=True) == "run.max_steps 300"
