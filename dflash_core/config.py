@@ -25,6 +25,7 @@ class ConfigError(ValueError):
 
     def __init__(self, key: str, message: str, hint: str = ""):
         self.key = key
+        self.message = message
         self.hint = hint
         super().__init__(f"{key}: {message}" if key else message)
 
@@ -451,6 +452,40 @@ def _check(cfg: Config) -> None:
     if "/" in cfg.run.name or not cfg.run.name or cfg.run.name in (".", ".."):
         raise ConfigError("run.name", f"must be a plain folder name, got {cfg.run.name!r}",
                           hint="set run.name to a name without '/', e.g. my-run")
+
+
+def apply_overrides(cfg: Config, overrides: list[tuple[str, str]]) -> Config:
+    """``cfg`` with each (``section.key``, value text) of the command line's ``--set`` applied,
+    the text read as a YAML scalar or list (``muon``, ``0.02``, ``[0, 1]``, ``true``) and the
+    whole config checked again as if config.yaml said it."""
+    if not overrides:
+        return cfg
+    data = cfg.to_dict()
+    for key, text in overrides:
+        section, _, name = key.partition(".")
+        kind = {f.name: f.type for f in dataclasses.fields(Config)}.get(section)
+        holder = getattr(cfg, section, None) if kind else None
+        if holder is None or not name or "." in name or not dataclasses.is_dataclass(holder) \
+                or name not in {f.name for f in dataclasses.fields(holder)}:
+            keys = [f"{a.name}.{b.name}" for a in dataclasses.fields(Config)
+                    for b in dataclasses.fields(getattr(cfg, a.name))]
+            near = difflib.get_close_matches(key, keys, 1)
+            raise ConfigError(key, "--set names no config key" + (
+                f" (did you mean {near[0]}?)" if near else ""), hint=(
+                "--set SECTION.KEY=VALUE with a key of config.yaml, e.g. --set optim.name=muon"))
+        try:
+            value = yaml.safe_load(text) if text.strip() else ""
+        except yaml.YAMLError as exc:
+            raise ConfigError(key, f"--set {key}={text}: not a value ({exc})",
+                              hint="quote it as YAML would, e.g. --set run.name=my-run") from exc
+        data[section][name] = value
+    try:
+        return config_from_dict(data)
+    except ConfigError as exc:
+        if any(exc.key == key for key, _ in overrides):
+            raise ConfigError(exc.key, f"{exc.message} (from --set)",
+                              hint=exc.hint.replace("in config.yaml", "with --set")) from exc
+        raise
 
 
 def config_from_dict(data: dict | None) -> Config:

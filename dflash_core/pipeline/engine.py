@@ -21,8 +21,8 @@ from transformers.utils import logging as hf_logging
 
 from dflash_core.planning.allocator import apply_card_limit, configure_allocator
 from dflash_core.models.compile_guard import serialize_triton_autotuning
-from dflash_core.config import (Config, ConfigError, NodesConfig, TelemetryConfig, load_config,
-                                recipe_text, save_config)
+from dflash_core.config import (Config, ConfigError, NodesConfig, TelemetryConfig,
+                                apply_overrides, load_config, recipe_text, save_config)
 from dflash_core.data import Prefetcher
 from dflash_core.persist.data_position import DataPosition
 from dflash_core.pipeline.drafter_stage import DrafterStage
@@ -78,7 +78,7 @@ class Engine:
 
     def __init__(self, config: Config | None = None, *, config_path: str | Path | None = None,
                  bus: EventBus | None = None, resume: bool = False, max_steps: int | None = None,
-                 new_run: bool = False):
+                 new_run: bool = False, overrides: list[tuple[str, str]] | None = None):
         if config is None and config_path is None:
             raise ValueError("Engine needs a config or a config_path")
         self.bus = bus or EventBus()
@@ -87,6 +87,8 @@ class Engine:
         self._given_config = config
         self.resume = resume
         self.max_steps = max_steps
+        # --set KEY=VALUE pairs, applied over the config at every (re)start
+        self.overrides = list(overrides or [])
         # Start in a fresh numbered folder when run.name's holds an earlier run (run_folder.py).
         self.new_run = new_run
         self._asked_name: str | None = None
@@ -340,6 +342,7 @@ class Engine:
 
     def _read_config(self) -> Config:
         cfg = load_config(self.config_path) if self.config_path else self._given_config
+        cfg = apply_overrides(cfg, self.overrides)
         if self.max_steps is not None:
             cfg.run.max_steps = self.max_steps
         if self.new_run:  # picked once: a restart resumes the folder this run started in

@@ -39,3 +39,12 @@ def whole_number(minimum: int, unit: str = "", zero: str = "") -> Callable[[str]
 
 # --max-steps of run and demo
 steps = whole_number(0, "steps", "0 = all epochs")
+
+
+def setting(text: str) -> tuple[str, str]:
+    """--set SECTION.KEY=VALUE: the key and the value's text (read as YAML by the config)."""
+    key, eq, value = text.partition("=")
+    if not eq or "." not in key.strip():
+        raise argparse.ArgumentTypeError(
+            f"expected SECTION.KEY=VALUE (e.g. optim.name=muon), got {text!r}")
+    return key.strip(), value

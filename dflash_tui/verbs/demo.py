@@ -5,6 +5,7 @@ The tiny target and its data are made on the spot.
 examples:
   dflash-tui demo                         the dashboard on it (in runs/demo, or runs/demo-2 ...)
   dflash-tui demo --headless --max-steps 50
+  dflash-tui demo --set optim.name=muon    the demo with another config value
   dflash-tui demo --resume                go on with runs/demo from its latest checkpoint
   dflash-tui demo --device cpu --output-dir /tmp/runs
 
@@ -34,11 +35,15 @@ def make_engine(args: argparse.Namespace):
     from dflash_core.demo import demo_config
     from dflash_core.pipeline.engine import Engine
 
+    from dflash_core.config import apply_overrides
+
     check_resume(args)
     cfg = demo_config(output_dir=args.output_dir or "runs", device=args.device)
+    apply_overrides(cfg, args.overrides)  # a bad --set ends here, before any run: exit 2
     # The demo is run again and again: a new demo run takes a fresh folder (runs/demo-2, ...)
     # rather than refuse; --resume continues runs/demo.
-    return Engine(cfg, resume=args.resume, max_steps=args.max_steps, new_run=not args.resume)
+    return Engine(cfg, resume=args.resume, max_steps=args.max_steps, new_run=not args.resume,
+                  overrides=args.overrides)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -6,6 +6,8 @@ examples:
   dflash-tui run --config config.yaml              the dashboard owns the run
   dflash-tui run --config config.yaml --headless   no screen; progress lines on stdout
   dflash-tui run --config config.yaml --resume     go on from the latest intact checkpoint
+  dflash-tui run --config config.yaml --set optim.name=muon --set run.name=muon-1
+                                                   one run with other config values
   dflash-tui --config config.yaml                  the same as `run` (no verb: run)
 
 The run's records (events.jsonl, train.log, checkpoints/) go to run.output_dir/run.name; a
@@ -23,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from ._shared import steps
+from ._shared import setting, steps
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -41,6 +43,10 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
                    help="resume from the latest intact checkpoint of the run folder")
     p.add_argument("--max-steps", type=steps, default=None, metavar="N",
                    help="override run.max_steps (>= 0; 0 = all epochs)")
+    p.add_argument("--set", type=setting, action="append", default=[], dest="overrides",
+                   metavar="SECTION.KEY=VALUE",
+                   help="override one config key for this command's runs, e.g. --set "
+                        "optim.name=muon (repeat for several; a restart keeps them)")
 
 
 def make_engine(args: argparse.Namespace):
@@ -53,7 +59,7 @@ def make_engine(args: argparse.Namespace):
                           hint="pass --config config.yaml, or try the built-in model: "
                                "dflash-tui demo")
     return Engine(config_path=args.config, resume=args.resume, max_steps=args.max_steps,
-                  new_run=args.new_run)
+                  new_run=args.new_run, overrides=args.overrides)
 
 
 def check_resume(args: argparse.Namespace) -> None:
@@ -68,9 +74,10 @@ def check_resume(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     def checked():
         engine = make_engine(args)
-        from dflash_core.config import load_config
+        from dflash_core.config import apply_overrides, load_config
 
-        load_config(args.config)  # a config error ends here, before any run: exit 2
+        # a config error (the file's, or a --set's) ends here, before any run: exit 2
+        apply_overrides(load_config(args.config), args.overrides)
         return engine
 
     return own(checked, headless=args.headless)

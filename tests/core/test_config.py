@@ -156,3 +156,27 @@ def test_the_recipe_in_words_names_the_loss_and_optimizer_with_their_rates():
     said = recipe_text(cfg.to_dict())
     assert said.startswith("loss dpace (alpha 0.5; its loss figures are D-PACE-weighted")
     assert said.endswith("optimizer muon (muon_lr 0.02, AdamW lr 0.0006 on the norms)")
+
+
+def test_set_overrides_read_each_value_as_yaml_and_check_it_as_config_yaml_would():
+    from dflash_core.config import Config, apply_overrides
+
+    base = Config()
+    cfg = apply_overrides(base, [("optim.name", "muon"), ("optim.muon_lr", "0.02"),
+                                 ("layout.targets", "[0, 1]"), ("wandb.enabled", "true"),
+                                 ("run.name", "muon-1")])
+    assert (cfg.optim.name, cfg.optim.muon_lr, cfg.layout.targets) == ("muon", 0.02, [0, 1])
+    assert cfg.wandb.enabled is True and cfg.run.name == "muon-1"
+    assert base.optim.name == "adamw"  # the given config is left as it was
+    assert apply_overrides(base, []) is base
+    for (key, text), words in {
+            ("optim.nam", "muon"): "names no config key (did you mean optim.name?)",
+            ("optim", "muon"): "names no config key",
+            ("optim.name.x", "muon"): "names no config key",
+            ("optim.name", "sgd"): "choose one of",
+            ("optim.lr", "-1"): "must be in (0, 1], got -1.0 (from --set)",
+            ("optim.lr", "[1"): "not a value"}.items():
+        with pytest.raises(ConfigError) as exc:
+            apply_overrides(base, [(key, text)])
+        assert words in str(exc.value) and exc.value.key.startswith(key.split(".x")[0])
+        assert "--set" in exc.value.hint, exc.value.hint

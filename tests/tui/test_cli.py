@@ -25,7 +25,10 @@ ROOT = Path(__file__).resolve().parents[2]
     (["run", "--config", "c.yaml", "--new-run"], "run", {"new_run": True, "headless": False}),
     (["demo", "--headless", "--device", "cpu", "--output-dir", "out", "--max-steps", "3"],
      "demo", {"headless": True, "device": "cpu", "output_dir": "out", "max_steps": 3}),
-    (["demo", "--resume"], "demo", {"resume": True, "device": "auto"}),
+    (["demo", "--resume"], "demo", {"resume": True, "device": "auto", "overrides": []}),
+    (["run", "--config", "c.yaml", "--set", "optim.name=muon", "--set", "run.name=a=b"], "run",
+     {"overrides": [("optim.name", "muon"), ("run.name", "a=b")]}),
+    (["demo", "--set", "optim.lr= 0.001"], "demo", {"overrides": [("optim.lr", " 0.001")]}),
     (["attach", "runs/x"], "attach", {"run_dir": Path("runs/x"), "control": False}),
     (["attach", "runs/x", "--control"], "attach", {"control": True}),
     (["attach", "runs/x", "--read-only"], "attach", {"control": False, "read_only": True}),
@@ -267,3 +270,30 @@ def test_attach_follows_the_folder_and_acts_only_with_control(argv, control, tmp
     monkeypatch.setattr("dflash_tui.app.run_app", fake_run_app)
     assert main([str(run) if a == "RUN" else a for a in argv]) == 0
     assert got == {"folder": run, "read_only": not control}
+
+
+def test_a_set_that_is_not_key_equals_value_or_names_no_key_is_one_line_and_exit_2(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["run", "--config", "config.yaml", "--set", "optim.name"])
+    assert exc.value.code == 2
+    assert "expected SECTION.KEY=VALUE" in capsys.readouterr().err
+    code = main(["demo", "--headless", "--set", "optim.nmae=muon"])
+    out, err = capsys.readouterr()
+    assert code == 2 and "Traceback" not in out + err
+    assert "optim.nmae: --set names no config key (did you mean optim.name?)" in err
+    assert "hint: --set SECTION.KEY=VALUE" in err
+
+
+def test_the_engine_applies_the_sets_at_every_start(tmp_path):
+    from dflash_core.config import save_config
+    from dflash_core.demo import demo_config
+    from dflash_core.pipeline.engine import Engine
+
+    path = tmp_path / "c.yaml"
+    save_config(demo_config(output_dir=str(tmp_path)), path)
+    engine = Engine(config_path=path, overrides=[("optim.name", "muon"), ("drafter.loss", "dpace")])
+    for _ in range(2):  # a restart reads config.yaml again: the sets stay
+        cfg = engine._read_config()
+        assert (cfg.optim.name, cfg.drafter.loss) == ("muon", "dpace")
+    path.write_text(path.read_text().replace("lr: 0.006", "lr: 0.003"))
+    assert engine._read_config().optim.lr == 0.003  # the file's edits still count
