@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from ._shared import whole_number
+from ._shared import setting, whole_number
 
 _at_least_one = whole_number(1)
 
@@ -45,9 +45,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"optimizer steps at most to memorise them (default {d.max_steps})")
     parser.add_argument("--no-reference", action="store_true",
                         help="do not decode with the reference implementation even if installed")
+    parser.add_argument("--set", type=setting, action="append", default=[], dest="overrides",
+                        metavar="SECTION.KEY=VALUE",
+                        help="override one config key, as for run (e.g. --set optim.name=muon)")
 
 
 def _config(args):
+    from dflash_core.config import apply_overrides
+
+    return apply_overrides(_base_config(args), args.overrides)
+
+
+def _base_config(args):
     from dflash_core.config import ConfigError, load_config
 
     if args.config is not None and args.demo:

@@ -29,6 +29,8 @@ ROOT = Path(__file__).resolve().parents[2]
     (["run", "--config", "c.yaml", "--set", "optim.name=muon", "--set", "run.name=a=b"], "run",
      {"overrides": [("optim.name", "muon"), ("run.name", "a=b")]}),
     (["demo", "--set", "optim.lr= 0.001"], "demo", {"overrides": [("optim.lr", " 0.001")]}),
+    (["check", "--demo", "--set", "drafter.loss=dpace"], "check",
+     {"overrides": [("drafter.loss", "dpace")]}),
     (["attach", "runs/x"], "attach", {"run_dir": Path("runs/x"), "control": False}),
     (["attach", "runs/x", "--control"], "attach", {"control": True}),
     (["attach", "runs/x", "--read-only"], "attach", {"control": False, "read_only": True}),
@@ -282,6 +284,8 @@ def test_a_set_that_is_not_key_equals_value_or_names_no_key_is_one_line_and_exit
     assert code == 2 and "Traceback" not in out + err
     assert "optim.nmae: --set names no config key (did you mean optim.name?)" in err
     assert "hint: --set SECTION.KEY=VALUE" in err
+    assert main(["check", "--demo", "--set", "drafter.los=dpace"]) == 2
+    assert "did you mean drafter.loss?" in capsys.readouterr().err
 
 
 def test_the_engine_applies_the_sets_at_every_start(tmp_path):
