@@ -4,8 +4,9 @@ dpace) x optim.name (adamw, muon), over several seeds, with the spread.
     nice -n 10 python bench/recipe.py [--steps 80] [--seeds 0,1,2] [--eval-tokens 32]
                                       [--reference-seeds 0] [--out bench/results/recipe]
     # equal wall time at the 27B shape (a Muon step costs 2.601 s there, AdamW's 2.029 s),
-    # on a GPU, six runs at once:
-    python bench/recipe.py --device cuda --jobs 6 --steps 512 --steps-of muon=400,muon=512
+    # on a GPU, nine runs at once (bench/BENCHMARKS.md, "Training recipe"):
+    python bench/recipe.py --device cuda --jobs 9 --steps 512 --steps-of muon=400,muon=512 \
+        --seeds 0,1,2 --eval-tokens 64 --reference-seeds 0 --cpu-decode
 
 Each run is the demo's config with run.seed, drafter.loss and optim.name set and run.max_steps
 steps, trained by ``dflash-tui --config ... --headless`` in its own process (``--jobs`` of them at
