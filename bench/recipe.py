@@ -12,11 +12,15 @@ Each run is the demo's config with run.seed, drafter.loss and optim.name set and
 steps, trained by ``dflash-tui --config ... --headless`` in its own process (``--jobs`` of them at
 once; one at a time by default, the machine's cores are shared). ``--steps-of OPTIM=N`` gives an
 optimizer other step counts than ``--steps`` (repeat it for several): an equal-wall-time comparison
-gives the slower optimizer's runs the steps that cost the same time as the other's. Its exact tau is the EvalResult the run writes at the
-end (events.jsonl). The final checkpoint is then decoded again through the public reference
+gives the slower optimizer's runs the steps that cost the same time as the other's.
+
+A run's exact tau is the EvalResult it writes at the end (events.jsonl). For the
+``--reference-seeds`` runs the final checkpoint is decoded again through the public reference
 implementation (``dflash==0.1.0``'s DFlashDraftModel, installed as tests/core/models/
 test_drafter.py installs it) on the same held-out prompts: the same weights must give the same
-tau there. Writes ``recipe.json`` (every run) and ``recipe.md`` (the table) under --out.
+tau there. ``--cpu-decode`` decodes every run's final checkpoint again on the CPU with the
+engine's own drafter (the figure when a run's own evaluation did not finish). Writes
+``recipe.json`` (every run) and ``recipe.md`` (the table) under --out.
 """
 
 from __future__ import annotations
