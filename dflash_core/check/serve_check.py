@@ -28,9 +28,8 @@ from dflash_core.check import decode as dec
 from dflash_core.check.diagnose import Verdict, diagnose, evidence_lines, feature_gap, probe
 from dflash_core.check.memorise import memorise
 from dflash_core.check.samples import pick_prompts, write_responses
-from dflash_core.models.compile_guard import is_compile_failure
 from dflash_core.config import Config
-from dflash_core.models.evaluate import target_fn_for
+from dflash_core.models.evaluate import retry_uncompiled, target_fn_for
 from dflash_core.models.target import load_target
 from dflash_core.planning import preflight
 
@@ -135,18 +134,12 @@ def judge(prep: Prepared, mem, opts: CheckOptions, say: Callable[[str], None]) -
     drafter.save(ckpt)
 
     say("decode: exact speculative decoding of the prompts, the target verifying")
-    try:
-        ours = dec.decode("this engine", prep.target_fn, drafter, samples, prep.layer_ids,
-                          eos_token_id=None, device=target.device)
-    except Exception as exc:  # noqa: BLE001 - only a kernel that cannot be built is retried
-        if not is_compile_failure(exc) or drafter.attn_impl == "chunked":
-            raise
-        # as the run's evaluation does (pipeline/run.py): same figures, uncompiled
-        say(f"  the compiled attention could not be built for decoding's shapes "
-            f"({type(exc).__name__}); decoding with the uncompiled attention (same figures)")
-        drafter.attn_impl = "chunked"
-        ours = dec.decode("this engine", prep.target_fn, drafter, samples, prep.layer_ids,
-                          eos_token_id=None, device=target.device)
+    # the drafter stays uncompiled after a fallback: the probes below draft with it too
+    ours = retry_uncompiled(drafter, lambda: dec.decode(
+        "this engine", prep.target_fn, drafter, samples, prep.layer_ids, eos_token_id=None,
+        device=target.device), lambda exc: say(
+            f"  the compiled attention could not be built for decoding's shapes "
+            f"({type(exc).__name__}); decoding with the uncompiled attention (same figures)"))
     say(f"  this engine: exact tau {ours.tau:.2f} of {ours.ceiling:.2f}")
     ref, ref_note, ref_mask = None, "not asked for (--no-reference)", None
     if opts.reference:

@@ -17,10 +17,12 @@ targets (crop the cache to the accepted length) is a later optimisation.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Protocol, Sequence, TypeVar
 
 import numpy as np
 import torch
+
+from dflash_core.models.compile_guard import is_compile_failure
 
 # target_fn(input_ids [1, T]) -> (logits [1, T, V], features [1, T, k*H]) of one full forward.
 TargetFn = Callable[[torch.Tensor], "tuple[torch.Tensor, torch.Tensor]"]
@@ -228,6 +230,26 @@ def teacher_forced_eval(features_fn: Callable[[torch.Tensor], torch.Tensor], dra
         total += float(out.tau_sum)
         blocks += out.blocks
     return (total / blocks if blocks else 0.0), blocks
+
+
+T = TypeVar("T")
+
+
+def retry_uncompiled(drafter, measure: Callable[[], T],
+                     said: Callable[[BaseException], None]) -> T:
+    """``measure()``; when the drafter's compiled attention cannot be built for its shapes
+    (decoding's, one block after a growing context: inductor's NoValidChoicesError was seen on
+    an H200), ``said(exc)``, ``drafter.attn_impl = "chunked"`` (the uncompiled attention, same
+    figures, slower) and ``measure()`` once more; the caller restores the attention when it
+    must. Any other failure, or one already uncompiled, is raised."""
+    try:
+        return measure()
+    except Exception as exc:  # noqa: BLE001 - only a kernel that cannot be built is retried
+        if not is_compile_failure(exc) or drafter.attn_impl == "chunked":
+            raise
+        said(exc)
+        drafter.attn_impl = "chunked"
+        return measure()
 
 
 def features_fn_for(target_model, layer_ids: Sequence[int] | None):

@@ -21,10 +21,10 @@ from dflash_core.data import Prefetcher
 from dflash_core.persist.data_position import DataPosition
 from dflash_core.models import acceptance
 from dflash_core.models.agreement import label_agreement
-from dflash_core.models.compile_guard import is_compile_failure
 from dflash_core.models.evaluate import (
     evaluate_tau,
     features_fn_for,
+    retry_uncompiled,
     target_fn_for,
     teacher_forced_eval,
 )
@@ -407,23 +407,7 @@ class Run:
         # (c) scores as many response tokens as (a) decodes, on the data's own labels
         heldout = heldout_samples(prep.dataset, prep.eval_indices, cfg.eval.prompt_tokens,
                                   cfg.eval.max_new_tokens, cfg.data.max_length)
-        drafter = self.replicas[0].drafter
-        try:
-            measured = self._measure(drafter, target, prompts, heldout)
-        except Exception as exc:  # noqa: BLE001 - only a compile failure is retried
-            if not is_compile_failure(exc) or self.eval_attn is not None:
-                raise
-            # The shapes of decoding (one block after a growing context) compile apart from
-            # training's; a kernel that cannot be built for them must not end the run. The
-            # uncompiled attention computes the same numbers (tests/gpu), more slowly.
-            self.eval_attn = "chunked"
-            first = (str(exc).splitlines() or [""])[0][:160]
-            publish(Log(level="warning", source="eval", message=(
-                f"step {self.step}: the compiled attention could not be built for the "
-                f"evaluation's shapes ({type(exc).__name__}: {first}); "
-                f"evaluating with the uncompiled attention from now on (same figures, slower); "
-                f"training is unaffected")))
-            measured = self._measure(drafter, target, prompts, heldout)
+        measured = self._measure(self.replicas[0].drafter, target, prompts, heldout, publish)
         res, (tf_target, n_target), (tf_all, n_all), (tf_heldout, n_heldout) = measured
         if self.agreement is None and cfg.eval.agreement_samples:
             self.agreement = self._agreement(target)
@@ -447,16 +431,14 @@ class Run:
             publish(Log(level=f.level, source="eval", message=f.message))
         self._mark_best(res.tau, publish)
 
-    def _measure(self, drafter, target, prompts, heldout) -> tuple:
+    def _measure(self, drafter, target, prompts, heldout, publish) -> tuple:
         """(exact decoding, and (tau, positions) of the three teacher-forced measures) with the
-        drafter in eval mode and the evaluation's attention (``self.eval_attn``, None = the
-        drafter's own)."""
+        drafter in eval mode and the evaluation's attention: the drafter's own, or from the
+        first evaluation whose compiled attention could not be built on, the uncompiled one
+        (``self.eval_attn``); training keeps its own."""
         cfg, layer_ids = self.config, self.prep.layer_ids
-        was_training, attn = drafter.training, drafter.attn_impl
-        drafter.eval()
-        if self.eval_attn is not None:
-            drafter.attn_impl = self.eval_attn
-        try:
+
+        def measure() -> tuple:
             res = evaluate_tau(target_fn_for(target, layer_ids), drafter, prompts,
                                cfg.eval.max_new_tokens, layer_ids)
             decoded = [(p + out, [0] * len(p) + [1] * len(out))
@@ -468,6 +450,22 @@ class Run:
             return (res, teacher_forced_eval(feats, drafter, decoded, chunk, anchors=res.anchors),
                     teacher_forced_eval(feats, drafter, decoded, chunk),
                     teacher_forced_eval(feats, drafter, heldout, chunk))
+
+        def said(exc: BaseException) -> None:
+            self.eval_attn = "chunked"
+            first = (str(exc).splitlines() or [""])[0][:160]
+            publish(Log(level="warning", source="eval", message=(
+                f"step {self.step}: the compiled attention could not be built for the "
+                f"evaluation's shapes ({type(exc).__name__}: {first}); "
+                f"evaluating with the uncompiled attention from now on (same figures, slower); "
+                f"training is unaffected")))
+
+        was_training, attn = drafter.training, drafter.attn_impl
+        drafter.eval()
+        if self.eval_attn is not None:
+            drafter.attn_impl = self.eval_attn
+        try:
+            return retry_uncompiled(drafter, measure, said)
         finally:
             drafter.attn_impl = attn
             drafter.train(was_training)
