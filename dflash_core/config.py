@@ -460,15 +460,11 @@ def apply_overrides(cfg: Config, overrides: list[tuple[str, str]]) -> Config:
     whole config checked again as if config.yaml said it."""
     if not overrides:
         return cfg
-    data = cfg.to_dict()
+    data = cfg.to_dict()  # section -> key -> value: exactly the keys there are
     for key, text in overrides:
         section, _, name = key.partition(".")
-        kind = {f.name: f.type for f in dataclasses.fields(Config)}.get(section)
-        holder = getattr(cfg, section, None) if kind else None
-        if holder is None or not name or "." in name or not dataclasses.is_dataclass(holder) \
-                or name not in {f.name for f in dataclasses.fields(holder)}:
-            keys = [f"{a.name}.{b.name}" for a in dataclasses.fields(Config)
-                    for b in dataclasses.fields(getattr(cfg, a.name))]
+        if name not in data.get(section, {}):
+            keys = [f"{a}.{b}" for a, part in data.items() for b in part]
             near = difflib.get_close_matches(key, keys, 1)
             raise ConfigError(key, "--set names no config key" + (
                 f" (did you mean {near[0]}?)" if near else ""), hint=(

@@ -154,8 +154,8 @@ class Endpoint:
         return out
 
     def _read_by(self, c: http.client.HTTPConnection, deadline: float) -> tuple[int, bytes]:
-        """The answer's status and body, all of it before ``deadline``: a server that trickles its bytes
-        never waits long on one read, so each read gets only the time that is left."""
+        """The answer's status and body, all of it before ``deadline``: a server that trickles
+        its bytes never waits long on one read, so each read gets only the time that is left."""
         def left() -> float:
             remaining = deadline - time.monotonic()
             if remaining <= 0:

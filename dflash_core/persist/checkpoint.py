@@ -496,13 +496,14 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
             with open(path / name, encoding="utf-8") as f:
                 skeleton = json.load(f)
             shards = [path / n for n in skeleton["shards"]]
-            total = sum(p.stat().st_size for p in shards)
+            sizes = [p.stat().st_size for p in shards]
+            total = sum(sizes)
             tensors: dict[str, torch.Tensor] = {}
             read = 0
-            for i, shard in enumerate(shards):
+            for i, (shard, size) in enumerate(zip(shards, sizes)):
                 name = shard.name
                 _check_safetensors(shard)
-                size, in_shard = shard.stat().st_size, 0
+                in_shard = 0
                 with safe_open(str(shard), framework="pt", device=device) as f:
                     for key in f.keys():
                         t = tensors[key] = f.get_tensor(key)
