@@ -89,23 +89,29 @@ class RunData(EventFold):
         self.evals.add((e.ts, e.step, e.tau, e.prompts))
         self.last_eval = e
 
-    def _on_QueueDepth(self, e: ev.QueueDepth) -> None:
-        series = self.queues.get(e.name)
-        if series is None:
-            if len(self.queues) >= MAX_SERIES:
+    def _named(self, table: dict, name, make):
+        """``table[name]``, made on first sight while the table holds fewer than MAX_SERIES;
+        None (counted in extra_names) past that."""
+        got = table.get(name)
+        if got is None:
+            if len(table) >= MAX_SERIES:
                 self.extra_names += 1
-                return
-            series = self.queues[e.name] = Series(self.cap)
+                return None
+            got = table[name] = make()
+        return got
+
+    def _on_QueueDepth(self, e: ev.QueueDepth) -> None:
+        series = self._named(self.queues, e.name, lambda: Series(self.cap))
+        if series is None:
+            return
         series.add(e.ts, e.depth)
         self.queue_capacity[e.name] = e.capacity
 
     def _on_GpuSample(self, e: ev.GpuSample) -> None:
-        gpu = self.gpus.get(e.index)
+        gpu = self._named(self.gpus, e.index,
+                          lambda: {"used": Series(self.cap), "alloc": Series(self.cap)})
         if gpu is None:
-            if len(self.gpus) >= MAX_SERIES:
-                self.extra_names += 1
-                return
-            gpu = self.gpus[e.index] = {"used": Series(self.cap), "alloc": Series(self.cap)}
+            return
         gpu["used"].add(e.ts, e.mem_used / GIB)
         gpu["alloc"].add(e.ts, e.torch_allocated / GIB)
         gpu.update(name=e.name, total=e.mem_total / GIB, limit=e.limit / GIB, role=e.role,
