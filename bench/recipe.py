@@ -152,10 +152,10 @@ def _final_decoding(row: dict):
     return tm, eval_prompts(dataset, indices, cfg.eval.prompt_tokens), folder
 
 
-def reference_tau(ref_cls, row: dict) -> float | None:
-    """Exact tau of the run's final checkpoint through the reference model, same prompts."""
-    got = _final_decoding(row) if ref_cls is not None else None
-    if got is None:
+def reference_tau(ref_cls, row: dict, got) -> float | None:
+    """Exact tau of the run's final checkpoint through the reference model, same prompts
+    (``got``: the run's ``_final_decoding``)."""
+    if ref_cls is None or got is None:
         return None
     tm, prompts, folder = got
     with HF_BUILD_LOCK:  # transformers' loading is not thread-safe (runs decode side by side)
@@ -166,10 +166,9 @@ def reference_tau(ref_cls, row: dict) -> float | None:
     return res.tau
 
 
-def cpu_tau(row: dict) -> float | None:
+def cpu_tau(row: dict, got) -> float | None:
     """Exact tau of the run's final checkpoint with the engine's own drafter, decoded again on
     the CPU: the same figure as the run's own last evaluation wherever that ran."""
-    got = _final_decoding(row)
     if got is None:
         return None
     tm, prompts, folder = got
@@ -267,8 +266,10 @@ def main() -> int:
     def one(item: tuple) -> dict:
         loss, optim, seed, n = item
         row = run_one(args.out, loss, optim, seed, n, args.eval_tokens, args.device, threads)
-        row["ref_tau"] = reference_tau(ref_cls, row) if seed in ref_seeds else None
-        row["cpu_tau"] = cpu_tau(row) if args.cpu_decode else None
+        again = (seed in ref_seeds and ref_cls is not None) or args.cpu_decode
+        got = _final_decoding(row) if again else None  # the target and prompts, read once
+        row["ref_tau"] = reference_tau(ref_cls, row, got) if seed in ref_seeds else None
+        row["cpu_tau"] = cpu_tau(row, got) if args.cpu_decode else None
         row.pop("config")
         return row
 
