@@ -24,7 +24,7 @@ from dflash_core.models.optimizers import build_optimizer, set_lr
 from dflash_core.config import Config, default_gamma
 from dflash_core.levers import halve
 from dflash_core.models.drafter import DFlashDrafter, build_drafter_config
-from dflash_core.pipeline.handoff import FeatureCopier
+from dflash_core.models.handoff import FeatureCopier
 
 # On GPU the anchor count of a batch is rounded up to a multiple of this, so compiled
 # FlexAttention and its block mask see a handful of shapes instead of one per batch.

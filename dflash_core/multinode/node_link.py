@@ -42,7 +42,6 @@ if TYPE_CHECKING:  # the run's parts, named for the reader only: the link never 
     from dflash_core.observe.watchdog import Heartbeats
     from dflash_core.persist.checkpoint import LoadedCheckpoint
     from dflash_core.persist.data_position import DataPosition
-    from dflash_core.pipeline.hs_queue import HiddenStateQueue
 
 STATUS_EVERY_S = 1.0  # NodeStatus per node at most this often (a change of ending / error: always)
 ERROR_CHARS = 2000  # of a node's last error message in its summary
@@ -50,6 +49,16 @@ ERROR_CHARS = 2000  # of a node's last error message in its summary
 
 def _waiting_for(nodes: list[int]) -> str:
     return f"waiting for {', '.join(f'node {k}' for k in nodes) or 'the other nodes'}"
+
+
+class QueueGauge(Protocol):
+    """What the link reads of the run's hidden-state queue (pipeline/hs_queue.py's)."""
+
+    capacity: int
+
+    def depth(self) -> int: ...
+
+    def exhausted(self) -> bool: ...
 
 
 class LinkedRun(Protocol):
@@ -64,7 +73,7 @@ class LinkedRun(Protocol):
     replicas: list[DrafterReplica]
     target_devices: list[torch.device]
     drafter_devices: list[torch.device]
-    hs_queue: HiddenStateQueue | None
+    hs_queue: QueueGauge | None
     prefetchers: list[Prefetcher]
     position: DataPosition | None
     resume: LoadedCheckpoint | None

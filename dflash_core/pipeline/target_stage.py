@@ -21,7 +21,7 @@ from dflash_core.observe.events import (
     WORKER_DONE, WORKER_LOADING, WORKER_RUNNING, WORKER_STOPPED, WORKER_WARMUP, LoadProgress, Log,
     TargetMetrics, WorkerStatus,
 )
-from dflash_core.pipeline.handoff import ready_event
+from dflash_core.models.handoff import ready_event
 from dflash_core.pipeline.hs_queue import Handoff, HiddenStateQueue
 from dflash_core.models.target import ForwardInterrupted, LoadInfo, TargetModel, load_target
 from dflash_core.observe.watchdog import Heartbeats

@@ -136,7 +136,7 @@ def test_a_drafter_step_synchronises_with_the_gpu_once(tmp_path: Path):
     # waiting for the GPU, then read the step's numbers in one synchronisation.
     import warnings
 
-    from dflash_core.pipeline.handoff import ready_event
+    from dflash_core.models.handoff import ready_event
     from dflash_core.models.trainer import ANCHOR_PAD, make_replicas, prepare_batch, reduce_and_step
     from tests.core.models.test_trainer import head_copies
 

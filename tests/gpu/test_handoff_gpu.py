@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 
-from dflash_core.pipeline.handoff import FeatureCopier, ready_event
+from dflash_core.models.handoff import FeatureCopier, ready_event
 
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 
