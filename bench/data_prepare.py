@@ -37,7 +37,7 @@ def multi_turn_rows(n: int) -> list[dict]:
 
 
 def bench_prepare(tmp: Path, rows: int) -> list[dict]:
-    from dflash_core.data.demo_chat import write_demo_conversations
+    from dflash_core.demo.chat import write_demo_conversations
     from dflash_core.data.prepare import PrepareOptions, prepare
     from tests.core.data.chat_fixtures import train_bpe
 
@@ -61,8 +61,8 @@ def bench_prepare(tmp: Path, rows: int) -> list[dict]:
 
 def bench_regenerate(tmp: Path, n: int, max_tokens: int) -> list[dict]:
     from dflash_core import demo
-    from dflash_core.data.demo_chat import write_demo_conversations
-    from dflash_core.data.demo_server import DemoServer
+    from dflash_core.demo.chat import write_demo_conversations
+    from dflash_core.demo.server import DemoServer
     from dflash_core.data.regenerate import RegenOptions, regenerate
 
     src = write_demo_conversations(tmp / "regen.jsonl", n=n)

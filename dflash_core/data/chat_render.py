@@ -67,8 +67,8 @@ def load_tokenizer(spec: str | Path, chat_template: str | Path | None = None):
     """A tokenizer from a model folder (or ``builtin:tiny``, the demo's), with ``chat_template``
     (a jinja file) replacing its own when given. Refuses one without any chat template."""
     if str(spec) == "builtin:tiny":
-        from dflash_core.data.demo_chat import demo_tokenizer
-        tok = demo_tokenizer()
+        from dflash_core.data.byte_vocab import byte_tokenizer
+        tok = byte_tokenizer()
     else:
         path = Path(spec).expanduser()
         try:

@@ -69,14 +69,6 @@ def _label_agreement(target_model, input_ids, loss_mask, max_positions: int = 51
     return agree, total
 
 
-def load_target(spec: str):
-    """An HF causal LM for agreement: a model folder, or builtin:tiny."""
-    from dflash_core import demo
-
-    folder = demo.ensure_tiny_target() if spec == "builtin:tiny" else Path(spec).expanduser()
-    return demo._load_model(Path(folder))
-
-
 def inspect(path: str | Path, *, samples: int = 2, tokenizer=None, target=None,
             agreement_samples: int = 16, max_positions: int = 512, seed: int = 0) -> dict:
     """A report (a dict, printed by the verb). ``tokenizer``: decodes the samples (None: ids are

@@ -255,8 +255,8 @@ def _target_fingerprints(cfg: Config, target_path: Path, manifest: dict) -> dict
     from dflash_core.data.chat_render import tokenizer_fingerprint, template_fingerprint
 
     if cfg.target.path == "builtin:tiny":
-        from dflash_core.data.demo_chat import demo_tokenizer
-        tok = demo_tokenizer()
+        from dflash_core.data.byte_vocab import byte_tokenizer
+        tok = byte_tokenizer()
     elif any((target_path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
         from transformers import AutoTokenizer
         try:

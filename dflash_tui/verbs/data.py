@@ -155,7 +155,8 @@ def _inspect(args) -> int:
     from pathlib import Path
 
     from dflash_core.data.chat_render import load_tokenizer
-    from dflash_core.data.inspect import format_report, inspect, load_target
+    from dflash_core import demo
+    from dflash_core.data.inspect import format_report, inspect
     from dflash_core.data.manifest import read_manifest
 
     spec = args.tokenizer
@@ -167,7 +168,10 @@ def _inspect(args) -> int:
             tok = load_tokenizer(spec)
         except Exception as exc:  # samples are then shown as ids; say why
             print(f"note: samples shown as ids ({exc})", file=sys.stderr)
-    target = load_target(args.target) if args.target else None
+    target = None
+    if args.target:  # an HF causal LM for the agreement: a model folder, or builtin:tiny
+        folder = demo.ensure_tiny_target() if args.target == "builtin:tiny" else args.target
+        target = demo.load_lm(Path(folder).expanduser())
     r = inspect(args.folder, samples=args.samples, tokenizer=tok, target=target,
                 agreement_samples=args.agreement_samples)
     print(json.dumps(r, indent=2, default=str) if args.json else format_report(r))

@@ -141,9 +141,9 @@ def test_a_row_the_template_rejects_is_a_counted_reason(tmp_path, bpe_folder):
 
 
 def test_fingerprints_tell_tokenizers_and_templates_apart(tmp_path, tok, bpe_folder):
-    from dflash_core.data.demo_chat import demo_tokenizer
+    from dflash_core.data.byte_vocab import byte_tokenizer
 
     a = fingerprints(tok)
     assert a == fingerprints(load_tokenizer(bpe_folder))  # stable over loads
-    b = fingerprints(demo_tokenizer())
+    b = fingerprints(byte_tokenizer())
     assert a["tokenizer"] != b["tokenizer"] and a["chat_template"] != b["chat_template"]

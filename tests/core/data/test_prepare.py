@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from dflash_core.data import ShardedDataset
-from dflash_core.data.demo_chat import write_demo_conversations
+from dflash_core.demo.chat import write_demo_conversations
 from dflash_core.data.manifest import MANIFEST, MARKER, check_data_folder
 from dflash_core.data.prepare import PrepareOptions, prepare
 from dflash_core.data.shards import DataError

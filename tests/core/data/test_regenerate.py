@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from dflash_core import demo
-from dflash_core.data.demo_chat import demo_tokenizer, write_demo_conversations
-from dflash_core.data.demo_server import DemoServer
+from dflash_core.data.byte_vocab import EOS_ID, byte_tokenizer
+from dflash_core.demo.chat import write_demo_conversations
+from dflash_core.demo.server import DemoServer
 from dflash_core.data.regenerate import (
     MERGED, PARTS, ModelMismatch, RegenOptions, regenerate,
 )
@@ -45,13 +46,13 @@ def test_each_turn_is_the_targets_own_greedy_answer(tmp_path, src, demo_target):
     rows = _rows(tmp_path / "out" / MERGED)
     assert [r["id"] for r in rows] == [f"demo-{k}" for k in range(6)]  # source order
     source = _rows(src)
-    model = demo._load_model(demo_target)
-    tok = demo_tokenizer()
+    model = demo.load_lm(demo_target)
+    tok = byte_tokenizer()
     for r, orig in zip(rows[:2], source):
         prompt = tok(orig["messages"][0]["content"], add_special_tokens=False)["input_ids"]
         want = demo.greedy_continue(model, torch.tensor([prompt]), N_TOKENS)[0].tolist()
-        if demo.EOS_ID in want:
-            want = want[:want.index(demo.EOS_ID) + 1]
+        if EOS_ID in want:
+            want = want[:want.index(EOS_ID) + 1]
         assert r["messages"][1]["token_ids"] == want
         assert r["messages"][1]["content"] != orig["messages"][1]["content"]
 
@@ -146,8 +147,8 @@ def test_regenerated_data_prepares_and_agrees_with_the_target(tmp_path, src, dem
     m = prepare(PrepareOptions(tmp_path / "regen" / MERGED, tmp_path / "data", workers=1,
                                progress=False))
     assert m["counts"]["server_ids_turns"] == m["counts"]["samples"] > 0
-    model = demo._load_model(demo_target)
-    regen = inspect(tmp_path / "data", target=model, tokenizer=demo_tokenizer(),
+    model = demo.load_lm(demo_target)
+    regen = inspect(tmp_path / "data", target=model, tokenizer=byte_tokenizer(),
                     agreement_samples=6)
     prepare(PrepareOptions(src, tmp_path / "human", workers=1, progress=False))
     human = inspect(tmp_path / "human", target=model, agreement_samples=6)

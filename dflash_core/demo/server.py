@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from dflash_core import demo
+from dflash_core.data.byte_vocab import EOS_ID, byte_tokenizer, decode
 
 
 class DemoServer:
@@ -32,9 +33,8 @@ class DemoServer:
                  fail_first: int = 0, hang_first: int = 0, hang_s: float = 0.0,
                  trickle_first: int = 0, trickle_s: float = 0.0,
                  answer_as: str | None = None, threads: int = 1):
-        self.model = demo._load_model(Path(target_folder))
-        from dflash_core.data.demo_chat import demo_tokenizer
-        self.tok = demo_tokenizer()
+        self.model = demo.load_lm(Path(target_folder))
+        self.tok = byte_tokenizer()
         self.name, self.answer_as = name, answer_as
         self.fail_left, self.hang_left, self.hang_s = fail_first, hang_first, hang_s
         self.trickle_left, self.trickle_s = trickle_first, trickle_s
@@ -50,7 +50,7 @@ class DemoServer:
     def generate(self, prompt: list[int], max_tokens: int, temperature: float) -> tuple[list, str]:
         prompt = prompt[-(demo.TINY_ARCH["max_position_embeddings"] - max_tokens):]
         with self._gen_lock, demo.torch_threads(self.threads):
-            out = self.model(input_ids=torch.tensor([prompt or [demo.EOS_ID]]), use_cache=True)
+            out = self.model(input_ids=torch.tensor([prompt or [EOS_ID]]), use_cache=True)
             new: list[int] = []
             for _ in range(max_tokens):
                 if self._closing:
@@ -61,7 +61,7 @@ class DemoServer:
                 else:
                     tok = int(logits.argmax())
                 new.append(tok)
-                if tok == demo.EOS_ID:
+                if tok == EOS_ID:
                     return new, "stop"
                 out = self.model(input_ids=torch.tensor([[tok]]),
                                  past_key_values=out.past_key_values, use_cache=True)
@@ -78,7 +78,7 @@ class DemoServer:
                       else self.tok(p, add_special_tokens=False)["input_ids"])
         ids, finish = self.generate(prompt, int(body.get("max_tokens") or 16),
                                     float(body.get("temperature") or 0.0))
-        text = demo.decode([t for t in ids if t != demo.EOS_ID])
+        text = decode([t for t in ids if t != EOS_ID])
         choice: dict = {"index": 0, "finish_reason": finish}
         if chat:
             choice["message"] = {"role": "assistant", "content": text}

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 from dflash_core import demo
 from dflash_core.config import ConfigError, config_from_dict
 from dflash_core.data import BatchStream, ShardedDataset, split_eval
+from dflash_core.data.byte_vocab import decode
 from dflash_core.models.drafter import DFlashDrafter, build_drafter_config
 from dflash_core.models.evaluate import evaluate_tau, hf_target_fn, plain_greedy, target_fn_for
 from dflash_core.models.target import load_target
@@ -59,7 +60,7 @@ def test_target_writes_text_not_noise(demo_target):
     model = AutoModelForCausalLM.from_pretrained(demo_target, dtype=torch.float32).eval()
     fn = hf_target_fn(model, [0])
     with torch.no_grad():
-        out = demo.decode(plain_greedy(fn, demo.encode("The value of the "), 80))
+        out = decode(plain_greedy(fn, demo.encode("The value of the "), 80))
     assert _printable_share(out) > 0.95, out
     assert sum(c.isalpha() for c in out) > 40, out  # words, not punctuation runs
     assert " " in out
@@ -134,7 +135,7 @@ def test_demo_data_is_the_targets_greedy_output(demo_target, demo_data):
     ref = plain_greedy(fn, ids[:P].tolist(), R)
     agree = np.mean(np.array(ref) == ids[P:])
     assert agree > 0.9  # equal up to rare near-ties (cached vs full forward)
-    text = demo.decode(ids[P:])
+    text = decode(ids[P:])
     assert _printable_share(text) > 0.9, text
 
 

@@ -6,10 +6,9 @@ weights would not do: its greedy output is noise that no drafter can learn (tau 
 one writes repetitive English-like text ("the sequence types and the contained to the ..."), which
 a 2-layer drafter learns in a few hundred steps.
 
-Vocabulary (``VOCAB_SIZE`` = 258): ids 0..255 are the bytes of UTF-8 text; 256 is ``<|endoftext|>``
-(``EOS_ID``, separates help topics in the training text, also the pad id); 257 is ``<|MASK|>``
-(``MASK_ID``, the drafter's mask token; never in the text, and the last id, so
-``drafter.mask_token_id: -1`` resolves to it too).
+Its vocabulary is the built-in byte vocabulary (``dflash_core.data.byte_vocab``): the bytes of
+UTF-8 text, ``<|endoftext|>`` (``EOS_ID``, separates help topics in the training text) and
+``<|MASK|>`` (``MASK_ID``, the drafter's mask token).
 
 ``builtin:demo`` is data made by that target: prompts are random slices of a held-out part of the
 text (the last ``HELDOUT_FRACTION`` of it, never seen in the target's training), responses are the
@@ -38,16 +37,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from dflash_core.data.byte_vocab import EOS_ID, MASK_ID, VOCAB_SIZE, encode
 from dflash_core.persist.build_cache import Progress, cache_root, cached_build, is_built, report
 from dflash_core.config import Config, ConfigError, config_from_dict
 
 # Bump when anything in the recipe below changes: the cache key changes and everything rebuilds.
 DEMO_VERSION = "tiny-v1"
-
-EOS_ID = 256
-MASK_ID = 257
-VOCAB_SIZE = 258
-SPECIAL_TOKENS = {EOS_ID: "<|endoftext|>", MASK_ID: "<|MASK|>"}
 
 # The target: 4 layers trained for 600 steps beat 6 layers at the same wall-clock time on 2 cores
 # (measured: train loss ~1.3 vs ~1.6, readable words vs "the the the").
@@ -102,24 +97,6 @@ def split_corpus(ids: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]
     ids = corpus_ids() if ids is None else ids
     cut = int(len(ids) * (1 - HELDOUT_FRACTION))
     return ids[:cut], ids[cut:]
-
-
-def encode(text: str) -> list[int]:
-    return list(text.encode("utf-8"))
-
-
-def decode(ids) -> str:
-    """Byte ids back to text; special ids shown by name, invalid UTF-8 replaced."""
-    out, buf = [], bytearray()
-    for i in (int(t) for t in ids):
-        if i < 256:
-            buf.append(i)
-            continue
-        out.append(buf.decode("utf-8", "replace"))
-        buf = bytearray()
-        out.append(SPECIAL_TOKENS.get(i, f"<|{i}|>"))
-    out.append(buf.decode("utf-8", "replace"))
-    return "".join(out)
 
 
 # --------------------------------------------------------------------------------------------
@@ -314,7 +291,9 @@ def install_target(run_dir: str | Path, cache_dir: str | Path | None = None,
 # The data
 # --------------------------------------------------------------------------------------------
 
-def _load_model(target_folder: Path):
+def load_lm(target_folder: Path):
+    """An HF causal LM from a model folder: float32 on the CPU, eval mode, no progress bars (the
+    demo target for its server and data; any folder for ``data inspect``'s agreement)."""
     from transformers import AutoModelForCausalLM
 
     from dflash_core.models.target import HF_BUILD_LOCK
@@ -356,7 +335,7 @@ def make_demo_data(target_folder: str | Path, out_folder: str | Path, n_samples:
     Arrow shards (datasets save_to_disk layout), loss_mask 0 on the prompt and 1 on the response."""
     from dflash_core.data import write_shards
 
-    model = _load_model(Path(target_folder))
+    model = load_lm(Path(target_folder))
     prompts = demo_prompts(n_samples, prompt_len, seed)
     samples = []
     report(progress, 0.0, f"generating {n_samples} demo samples")
