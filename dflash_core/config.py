@@ -160,6 +160,18 @@ class EvalConfig:
     every: int = 0  # steps between evaluations; 0 = only at the end
     max_new_tokens: int = 64
     prompt_tokens: int = 64  # prompt length cut from each held-out sample
+    # true: exact tau's decoding keeps the target's cache between rounds, so a round runs only
+    # the block (attention's keys and values cut back after a rejection; recurrent layers, e.g.
+    # Gated DeltaNet, restored from a copy and fed the accepted tokens again). The tokens equal
+    # the full forwards' in float32 (tests); bf16 may part at a near tie, as any cached server
+    # does. false: a forward over the whole sequence each round. On one H200 a round with the
+    # cache costs about the same at any length (~75 ms at the 8B shape, ~340 ms at the 27B
+    # hybrid: bound by kernel launches, and the hybrid feeds its kept tokens twice), while a full
+    # forward grows with it (8B: 79 ms at 1K tokens, 183 at 4K; 27B: 182 at 1K, 300 at 2K, 515
+    # at 4K). The cache pays past ~1K tokens of prompt + output at 8B and ~3K at 27B; with the
+    # shipped 512-token prompts and 256 new tokens it would cost more (bench/BENCHMARKS.md,
+    # "Evaluation cost"), hence false.
+    cache: bool = False
     # What each tau is and what each gap means: dflash_core/models/acceptance.py.
     # The mismatch alarm: warn when the teacher-forced tau on the target's own decoding of the
     # held-out prompts, at the anchors decoding used, exceeds the exact tau of that decoding by

@@ -7,11 +7,9 @@ equal to the target's own argmax is accepted and the target's next argmax (the "
 appended. The output is exactly the target's greedy decoding, whatever the drafter proposes
 (lossless), and tau = mean(accepted + 1) per round.
 
-Every target call here is a full forward over the whole sequence, without a cache. That costs
-O(n^2) in the generated length, but it is simple and correct for every target, including hybrid
-ones (Gated DeltaNet layers) whose recurrent state cannot be cropped back after a rejected draft.
-At demo and eval scale (a few hundred tokens) the cost is small; a KV-cache path for pure-attention
-targets (crop the cache to the accepted length) is a later optimisation.
+The target's state between rounds is a ``target_decoding.Decoding``: a full forward over the whole
+sequence per round (any ``TargetFn``), or the target's cache (``target_fn_for(..., cache=True)``),
+cut back to the accepted tokens after each round.
 """
 
 from __future__ import annotations
@@ -23,9 +21,7 @@ import numpy as np
 import torch
 
 from dflash_core.models.compile_guard import is_compile_failure
-
-# target_fn(input_ids [1, T]) -> (logits [1, T, V], features [1, T, k*H]) of one full forward.
-TargetFn = Callable[[torch.Tensor], "tuple[torch.Tensor, torch.Tensor]"]
+from dflash_core.models.target_decoding import CachedDecoding, Decoding, FullDecoding, TargetFn
 
 
 class Drafter(Protocol):
@@ -124,9 +120,10 @@ def speculative_generate(target_fn: TargetFn, drafter: Drafter | None,
     if max_new_tokens <= 0:
         return result
 
+    dec: Decoding = (getattr(target_fn, "decoding", lambda: None)()
+                     or FullDecoding(target_fn, device))
     # Prefill: the target's first token is not a round (no draft was verified).
-    preds, feats = _forward(target_fn, ids, device)
-    ids.append(int(preds[-1]))
+    ids.append(int(dec.feed(list(ids), last=1)[-1]))
     result.tokens.append(ids[-1])
     draft_dev = _drafter_device(drafter) if B > 1 else None
 
@@ -136,20 +133,21 @@ def speculative_generate(target_fn: TargetFn, drafter: Drafter | None,
         n_draft = min(B - 1, left - 1)  # never draft past the end: the bonus token fills it
         drafted: list[int] = []
         if n_draft > 0:
-            ctx = feats[:, :S].to(draft_dev)
+            ctx = dec.features()[:, :S].to(draft_dev)
             drafted = [int(t) for t in drafter.draft(ctx, ids[-1], n_draft).tolist()][:n_draft]
-        preds, feats = _forward(target_fn, ids + drafted, device)
-        # preds[S + j] is the target's choice for position S + j + 1, where drafted[j] sits.
+        # preds[j] is the target's choice for position S + j + 1, where drafted[j] sits.
+        preds = dec.feed([ids[S]] + drafted)
         accepted = 0
-        while accepted < len(drafted) and drafted[accepted] == int(preds[S + accepted]):
+        while accepted < len(drafted) and drafted[accepted] == int(preds[accepted]):
             accepted += 1
-        new = drafted[:accepted] + [int(preds[S + accepted])]
+        new = drafted[:accepted] + [int(preds[accepted])]
         if eos_token_id is not None and eos_token_id in new:
             new = new[: new.index(eos_token_id) + 1]  # the target stops there: so do we
         ids.extend(new)
         result.tokens.extend(new)
         result.acceptance.append(len(new) - 1)
-        # feats now covers the accepted tokens: positions past them are sliced off next round.
+        # Kept: up to the last accepted draft; the bonus token is fed with the next round's draft.
+        dec.rewind(S + accepted + 1)
     return result
 
 
@@ -258,14 +256,26 @@ def features_fn_for(target_model, layer_ids: Sequence[int] | None):
     return lambda input_ids: target_model.features(input_ids, layer_ids=ids)
 
 
-def target_fn_for(target_model, layer_ids: Sequence[int] | None) -> TargetFn:
-    """Adapt a ``target.TargetModel`` (its ``logits_and_features``) to a TargetFn."""
-    ids = list(layer_ids) if layer_ids is not None else None
+class ModelTarget:
+    """A ``target.TargetModel`` as a TargetFn (its ``logits_and_features``); with ``cache``,
+    decoding keeps the target's cache between rounds (``CachedDecoding``)."""
 
-    def fn(input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return target_model.logits_and_features(input_ids, ids)
+    def __init__(self, target_model, layer_ids: Sequence[int] | None, cache: bool = False):
+        self.model, self.cache = target_model, cache
+        self.layer_ids = list(layer_ids) if layer_ids is not None else None
 
-    return fn
+    def __call__(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.model.logits_and_features(input_ids, self.layer_ids)
+
+    def decoding(self) -> Decoding | None:
+        """A new prompt's state with the cache; None: decoding's full forwards."""
+        return CachedDecoding(self.model, self.layer_ids) if self.cache else None
+
+
+def target_fn_for(target_model, layer_ids: Sequence[int] | None, *,
+                  cache: bool = False) -> ModelTarget:
+    """Adapt a ``target.TargetModel`` to a TargetFn; ``cache``: decode with its cache."""
+    return ModelTarget(target_model, layer_ids, cache)
 
 
 def hf_target_fn(model, layer_ids: Sequence[int]) -> TargetFn:

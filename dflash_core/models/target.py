@@ -16,6 +16,7 @@ of it, the rest (``from_pretrained`` from the page cache) about 3 s.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import importlib.util
 import json
 import threading
@@ -353,6 +354,27 @@ class TargetModel:
             logits = self.model(**self._inputs(input_ids, attention_mask), use_cache=False).logits
         self._as_hidden_states(outputs)
         return logits, torch.cat([outputs[i] for i in ids], dim=-1)
+
+    def decode_step(self, input_ids: torch.Tensor, layer_ids: list[int] | None, cache,
+                    logits_to_keep: int = 0) -> tuple[torch.Tensor, torch.Tensor, object]:
+        """A forward of new tokens after those in ``cache`` (None: the first, which makes it):
+        the logits of the last ``logits_to_keep`` of them (0: all), the features of all of them,
+        and the cache, which now holds them too (target_decoding.CachedDecoding drives this)."""
+        ids = self._layer_ids(layer_ids)
+        name = self._cache_name()
+        with self._capture(ids, stop_after_last=False) as outputs:
+            out = self.model(input_ids=input_ids.to(self.device), use_cache=True,
+                             logits_to_keep=logits_to_keep, **{name: cache})
+        self._as_hidden_states(outputs)
+        return out.logits, torch.cat([outputs[i] for i in ids], dim=-1), getattr(out, name)
+
+    def _cache_name(self) -> str:
+        """The forward's cache argument: ``cache`` from transformers 5.2x on (which warns at
+        ``past_key_values``), ``past_key_values`` before."""
+        if not hasattr(self, "_cache_arg"):
+            params = inspect.signature(self.model.forward).parameters
+            self._cache_arg = "cache" if "cache" in params else "past_key_values"
+        return self._cache_arg
 
     def _inputs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> dict:
         mask = attention_mask.to(self.device) if attention_mask is not None else None

@@ -439,8 +439,8 @@ class Run:
         cfg, layer_ids = self.config, self.prep.layer_ids
 
         def measure() -> tuple:
-            res = evaluate_tau(target_fn_for(target, layer_ids), drafter, prompts,
-                               cfg.eval.max_new_tokens, layer_ids)
+            res = evaluate_tau(target_fn_for(target, layer_ids, cache=cfg.eval.cache),
+                               drafter, prompts, cfg.eval.max_new_tokens, layer_ids)
             decoded = [(p + out, [0] * len(p) + [1] * len(out))
                        for p, out in zip(prompts, res.outputs)]
             feats = features_fn_for(target, layer_ids)

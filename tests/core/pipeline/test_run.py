@@ -152,3 +152,25 @@ def test_an_evaluation_that_fails_for_another_reason_is_not_retried(tmp_path, as
     end, rec = run_config(cfg)
     assert end.status == "failed" and len(calls) == 1
     assert any("a bug in the evaluation" in e.message for e in rec.of(Error) if e.fatal)
+
+
+def test_with_eval_cache_the_runs_evaluation_decodes_with_the_cache_and_gets_the_same_figures(
+        tmp_path, assets, monkeypatch):
+    from dflash_core.models.evaluate import target_fn_for
+
+    real, compared = run_mod.evaluate_tau, []
+
+    def evaluate(target_fn, drafter, *args, **kwargs):
+        cached = real(target_fn, drafter, *args, **kwargs)
+        full = real(target_fn_for(target_fn.model, target_fn.layer_ids), drafter, *args, **kwargs)
+        compared.append((target_fn.cache, cached.outputs == full.outputs, cached.tau, full.tau))
+        return cached
+
+    monkeypatch.setattr(run_mod, "evaluate_tau", evaluate)
+    target, data = assets
+    cfg = make_config(tmp_path, target, data, run__max_steps=2, eval__every=2, eval__cache=True)
+    end, rec = run_config(cfg)
+    assert end.status == "finished"
+    (uses_cache, same_text, tau_cached, tau_full), = compared
+    assert uses_cache and same_text and tau_cached == tau_full
+    assert [e.tau for e in rec.of(EvalResult)] == [tau_cached]
