@@ -14,11 +14,10 @@ Random weights (nothing can be downloaded): the time does not depend on the valu
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
-from common import env_line, gib, hf_config, random_causal_lm
+from common import cuda_time, env_line, gib, hf_config, random_causal_lm
 from dflash_core.models.evaluate import target_fn_for
 from dflash_core.models.target import TargetModel, default_layer_ids
 from dflash_core.models.target_decoding import CachedDecoding, FullDecoding, attention_only
@@ -34,13 +33,7 @@ def ms_per_round(dec, context: list[int], block: int, accept: int, rounds: int) 
         dec.feed(list(range(1, block + 1)))
         dec.rewind(kept)
 
-    one()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(rounds):
-        one()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / rounds * 1e3
+    return cuda_time(one, iters=rounds, warmup=1) * 1e3
 
 
 def main():

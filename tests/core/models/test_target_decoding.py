@@ -10,20 +10,13 @@ from dflash_core.models.drafter import DFlashDrafter, build_drafter_config
 from dflash_core.models.evaluate import evaluate_tau, plain_greedy, speculative_generate, target_fn_for
 from dflash_core.models.target import TargetModel
 from dflash_core.models.target_decoding import CachedDecoding, attention_only
+from tests.core.models.test_evaluate import one_thread  # noqa: F401 - autouse: one thread
 
 VOCAB, LAYERS, MAX_NEW, BLOCK = 97, [0, 2], 24, 6
 COMMON = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=96, num_hidden_layers=4,
               num_attention_heads=4, num_key_value_heads=2, head_dim=12,
               tie_word_embeddings=False)
 PROMPTS = [[5, 17, 3], [1], list(range(10, 40))]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _qwen3():
