@@ -16,8 +16,8 @@ of it, the rest (``from_pretrained`` from the page cache) about 3 s.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import importlib.util
+import inspect
 import json
 import threading
 import time
