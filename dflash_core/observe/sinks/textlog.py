@@ -80,7 +80,8 @@ def format_event(ev: Event) -> str | None:
                 f"{_duration(ev.seconds)}")
     if isinstance(ev, EvalResult):
         hist = " ".join(f"{k}:{n}" for k, n in enumerate(ev.acceptance))
-        return (f"eval step {ev.step} on {ev.prompts} prompts: {summary_line(ev)}; "
+        took = f" in {_duration(ev.seconds)}" if ev.seconds > 0 else ""  # what eval.every costs
+        return (f"eval step {ev.step} on {ev.prompts} prompts{took}: {summary_line(ev)}; "
                 f"accepted/round {hist}")
     if isinstance(ev, Checkpoint):
         size = (f", {ev.bytes / GiB:.1f} GiB at {ev.bytes / GiB / ev.seconds:.2f} GiB/s, training "

@@ -22,6 +22,9 @@ def test_format_every_kind():
     assert "step 7" in format_event(_step(7, 0.0)) and "loss 2.5000" in format_event(_step(7, 0.0))
     old_eval = format_event(EvalResult(step=5, tau=3.21, acceptance=[1, 2], prompts=8))
     assert "tau exact 3.21 | tf target - |" in old_eval and "accepted@k 67%" in old_eval
+    assert "eval step 5 on 8 prompts: " in old_eval  # recorded before its duration was
+    timed = format_event(EvalResult(step=5, tau=3.21, acceptance=[1, 2], prompts=8, seconds=83.4))
+    assert "eval step 5 on 8 prompts in 1m23s: tau exact 3.21" in timed
     full = format_event(EvalResult(step=5, tau=3.21, acceptance=[1, 2], prompts=8,
                                    tau_tf_target=3.4, tau_tf_heldout=3.3, tau_tf_train=4.0,
                                    agreement=0.97, agreement_positions=100))
