@@ -70,11 +70,6 @@ def _as_ids(prompt_ids: Sequence[int] | torch.Tensor) -> list[int]:
     return [int(t) for t in prompt_ids]
 
 
-def _forward(target_fn: TargetFn, ids: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
-    logits, feats = target_fn(torch.tensor([ids], dtype=torch.long, device=device))
-    return logits[0].argmax(-1), feats
-
-
 def _check_layers(drafter, layer_ids) -> None:
     if layer_ids is not None and drafter is not None:
         ids = list(getattr(drafter, "target_layer_ids", layer_ids))
@@ -155,12 +150,11 @@ def speculative_generate(target_fn: TargetFn, drafter: Drafter | None,
 def plain_greedy(target_fn: TargetFn, prompt_ids: Sequence[int] | torch.Tensor, n: int, *,
                  eos_token_id: int | None = None, device="cpu") -> list[int]:
     """The target's own greedy continuation (one full forward per token): the lossless reference."""
-    ids = _as_ids(prompt_ids)
+    dec, new = FullDecoding(target_fn, device), _as_ids(prompt_ids)
     out: list[int] = []
     while len(out) < n and (not out or out[-1] != eos_token_id):
-        preds, _ = _forward(target_fn, ids, device)
-        ids.append(int(preds[-1]))
-        out.append(ids[-1])
+        out.append(int(dec.feed(new, last=1)[-1]))
+        new = [out[-1]]
     return out
 
 

@@ -349,24 +349,29 @@ class TargetModel:
                             attention_mask: torch.Tensor | None = None
                             ) -> tuple[torch.Tensor, torch.Tensor]:
         """One full forward for evaluation: the target's logits [b, S, V] and the features."""
-        ids = self._layer_ids(layer_ids)
-        with self._capture(ids, stop_after_last=False) as outputs:
-            logits = self.model(**self._inputs(input_ids, attention_mask), use_cache=False).logits
-        self._as_hidden_states(outputs)
-        return logits, torch.cat([outputs[i] for i in ids], dim=-1)
+        out, feats = self._whole_forward(layer_ids, **self._inputs(input_ids, attention_mask),
+                                         use_cache=False)
+        return out.logits, feats
 
     def decode_step(self, input_ids: torch.Tensor, layer_ids: list[int] | None, cache,
                     logits_to_keep: int = 0) -> tuple[torch.Tensor, torch.Tensor, object]:
         """A forward of new tokens after those in ``cache`` (None: the first, which makes it):
         the logits of the last ``logits_to_keep`` of them (0: all), the features of all of them,
         and the cache, which now holds them too (target_decoding.CachedDecoding drives this)."""
-        ids = self._layer_ids(layer_ids)
         name = self._cache_name()
+        out, feats = self._whole_forward(layer_ids, input_ids=input_ids.to(self.device),
+                                         use_cache=True, logits_to_keep=logits_to_keep,
+                                         **{name: cache})
+        return out.logits, feats, getattr(out, name)
+
+    def _whole_forward(self, layer_ids: list[int] | None, **inputs):
+        """The CausalLM's output for ``inputs`` (every layer and the lm_head), and the features
+        of ``layer_ids``."""
+        ids = self._layer_ids(layer_ids)
         with self._capture(ids, stop_after_last=False) as outputs:
-            out = self.model(input_ids=input_ids.to(self.device), use_cache=True,
-                             logits_to_keep=logits_to_keep, **{name: cache})
+            out = self.model(**inputs)
         self._as_hidden_states(outputs)
-        return out.logits, torch.cat([outputs[i] for i in ids], dim=-1), getattr(out, name)
+        return out, torch.cat([outputs[i] for i in ids], dim=-1)
 
     def _cache_name(self) -> str:
         """The forward's cache argument: ``cache`` from transformers 5.2x on (which warns at

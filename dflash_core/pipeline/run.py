@@ -452,7 +452,6 @@ class Run:
                     teacher_forced_eval(feats, drafter, heldout, chunk))
 
         def said(exc: BaseException) -> None:
-            self.eval_attn = "chunked"
             first = (str(exc).splitlines() or [""])[0][:160]
             publish(Log(level="warning", source="eval", message=(
                 f"step {self.step}: the compiled attention could not be built for the "
@@ -467,6 +466,8 @@ class Run:
         try:
             return retry_uncompiled(drafter, measure, said)
         finally:
+            if drafter.attn_impl != attn:  # the fallback retry_uncompiled chose, kept from now on
+                self.eval_attn = drafter.attn_impl
             drafter.attn_impl = attn
             drafter.train(was_training)
 

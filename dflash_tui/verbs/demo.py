@@ -32,10 +32,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def make_engine(args: argparse.Namespace):
+    from dflash_core.config import apply_overrides
     from dflash_core.demo import demo_config
     from dflash_core.pipeline.engine import Engine
-
-    from dflash_core.config import apply_overrides
 
     check_resume(args)
     cfg = demo_config(output_dir=args.output_dir or "runs", device=args.device)
