@@ -1,0 +1,80 @@
+"""Why compiled FlexAttention fails at decoding's shapes: one block of B queries after a context
+of S tokens, in a process that first ran the training shapes (A anchors x B), as the run's
+evaluation does. Tries each (B, S) with the kernel chosen by default and with the kernel options
+given by --options, and prints the innermost error for each failure.
+
+    python bench/flex_decoding.py --heads 4 --kv-heads 2 --head-dim 32 --blocks 8,16
+    python bench/flex_decoding.py --heads 32 --kv-heads 8 --head-dim 128 --blocks 16
+
+The first line is the demo drafter's attention, the second an 8B-shape drafter's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from common import env_line
+from dflash_core.models import block_attention as ba
+
+
+def innermost(exc: BaseException) -> str:
+    while exc.__cause__ is not None or exc.__context__ is not None:
+        exc = exc.__cause__ or exc.__context__
+    text = f"{type(exc).__name__}: {exc}"
+    return " ".join(text.split())[:400]
+
+
+def attend(n, h, hkv, d, A, B, S, options, grad=False):
+    dev = "cuda"
+    anchors = torch.full((n, A), S, device=dev) if A == 1 else torch.sort(
+        torch.randperm(S - B, device=dev)[: n * A].view(n, A) + 1, dim=1).values
+    q = torch.randn(n, h, A * B, d, device=dev, dtype=torch.bfloat16, requires_grad=grad)
+    kc, vc = (torch.randn(n, hkv, S, d, device=dev, dtype=torch.bfloat16, requires_grad=grad)
+              for _ in range(2))
+    kb, vb = (torch.randn(n, hkv, A * B, d, device=dev, dtype=torch.bfloat16, requires_grad=grad)
+              for _ in range(2))
+    mask = ba.make_block_mask(anchors, S, B)
+    keys, vals = torch.cat([kc, kb], 2), torch.cat([vc, vb], 2)
+    kw = {"kernel_options": options} if options else {}
+    out = ba.compiled_flex()(q, keys, vals, block_mask=mask, scale=d ** -0.5,
+                             enable_gqa=hkv != h, **kw)
+    if grad:
+        out.float().square().mean().backward()
+    torch.cuda.synchronize()
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--head-dim", type=int, default=32)
+    ap.add_argument("--blocks", default="8,16")
+    ap.add_argument("--contexts", default="40,64,129,300,513,777")
+    ap.add_argument("--options", default='{"FORCE_USE_FLEX_ATTENTION": true}',
+                    help="JSON kernel_options tried after the default")
+    args = ap.parse_args()
+    print(env_line(), flush=True)
+    h, hkv, d = args.heads, args.kv_heads, args.head_dim
+    for opts in (None, json.loads(args.options)):
+        for B in (int(b) for b in args.blocks.split(",")):
+            torch._dynamo.reset()
+            ba._flex = None
+            t = time.perf_counter()
+            attend(2, h, hkv, d, 32, B, 256, opts, grad=True)  # the training shapes first
+            print(f"options={opts} B={B}: training shape ok ({time.perf_counter() - t:.1f} s)",
+                  flush=True)
+            for S in (int(s) for s in args.contexts.split(",")):
+                try:
+                    attend(1, h, hkv, d, 1, B, S, opts)
+                    print(f"  decode B={B} S={S}: ok", flush=True)
+                except Exception as exc:  # noqa: BLE001 - the point is to see each failure
+                    print(f"  decode B={B} S={S}: FAILED {innermost(exc)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
