@@ -99,6 +99,12 @@ class DataConfig:
     # drafter up to ~4x one of long samples. false = batch order fully shuffled. No effect with one
     # drafter. A resumed run keeps the order its checkpoint was written with.
     balance_steps: bool = True
+    # A resume refuses data other than what its checkpoint trained on (the manifest's hash and
+    # the shards' names and sizes, recorded in every checkpoint), naming both: the checkpoint's
+    # data position (epoch, batches done) names batches of that data's plan. true = resume on
+    # the data of data.path deliberately; the position then counts its batches (in the epoch it
+    # resumes, some of its samples are skipped or repeated).
+    allow_changed_data: bool = False
 
 
 @dataclass

@@ -10,8 +10,9 @@ copied to host memory, and writer processes put it on disk while the drafters tr
 - Writers: one ``spawn`` process per share (the dashboard, telemetry and workers share this
   interpreter; a write must not take its time). Each gets the arena once and, per checkpoint,
   the list of files to write from it (checkpoint.plan_files); it reports bytes written through
-  a shared counter and its end through a queue. This process assembles the folder
-  (checkpoint.begin_save / finish_save), so the atomic rename stays here: a writer killed mid-
+  a shared counter and its end, with its files' checksums, through a queue. This process
+  assembles the folder (checkpoint.begin_save / finish_save: checksums.json from every writer's
+  report, written last), so the atomic rename stays here: a writer killed mid-
   write leaves a hidden folder that is removed, and the previous checkpoint stands. A dead
   writer is reported and replaced at the next checkpoint; if no process can be started the
   writes go to threads of this process instead (``mode`` "thread").
@@ -32,7 +33,7 @@ import queue
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -184,7 +185,7 @@ def serve(index: int, jobs, results, progress: torch.Tensor, alive: Callable[[],
           cancelled: Callable[[], bool] | None = None) -> None:
     """A writer's loop: ("arena", arena, layout) | ("write", job_id, folder, files) |
     ("probe", job_id, path, nbytes) | None (end). Reports ("done", job_id, index, bytes,
-    seconds) or ("error", job_id, index, errno, message) on ``results``. A write stops between
+    seconds, {file: checksum entry}) or ("error", job_id, index, errno, message) on ``results``. A write stops between
     chunks once ``alive()`` is false or ``cancelled()`` true (a writer thread cannot be killed)."""
     def stop() -> bool:
         return not alive() or (cancelled is not None and cancelled())
@@ -206,11 +207,11 @@ def serve(index: int, jobs, results, progress: torch.Tensor, alive: Callable[[],
             if msg[0] == "write":
                 def add(n: int) -> None:
                     progress[index] += n
-                done = ckpt.write_plans(Path(msg[2]), msg[3], tensors, progress=add,
-                                        cancelled=stop)
+                done, sums = ckpt.write_plans(Path(msg[2]), msg[3], tensors, progress=add,
+                                              cancelled=stop)
             else:
-                done = _probe(Path(msg[2]), msg[3])
-            results.put(("done", job_id, index, done, clock() - t0))
+                done, sums = _probe(Path(msg[2]), msg[3]), {}
+            results.put(("done", job_id, index, done, clock() - t0, sums))
         except BaseException as exc:  # noqa: BLE001 - every failure is reported, the loop goes on
             code, text = _error_report(exc)
             results.put(("error", job_id, index, code, text))
@@ -262,6 +263,7 @@ class Outcome:
     error: str = ""  # why it failed ("" when it did not)
     errno: int | None = None
     abandoned: bool = False  # stopped by kill() (an abort out of time): its caller says so
+    notes: list[str] = field(default_factory=list)  # warnings (a damaged folder set aside)
 
 
 @dataclass
@@ -282,6 +284,8 @@ class _Job:
     outcome: Outcome | None = None
     abandoned: bool = False
     write_s: float = 0.0  # the slowest writer's own time for its files
+    sums: dict = field(default_factory=dict)  # each file's checksum entry, as reported
+    notes: list = field(default_factory=list)
 
 
 class CheckpointWriter:
@@ -468,7 +472,7 @@ class CheckpointWriter:
         self.start()  # a writer that died since the last checkpoint is replaced
         blocked = clock() - t0
         j = _Job(self._new_id(), job.step, tmp, job.plans, job.bytes_total, keep, reason, t0,
-                 blocked, on_done, set(range(self.writers)))
+                 blocked, on_done, set(range(self.writers)), sums=dict(job.sums))
         self.progress.zero_()
         self._idle.clear()
         self._job = j
@@ -501,6 +505,7 @@ class CheckpointWriter:
                 j.pending.discard(msg[2])
                 if msg[0] == "done":
                     j.write_s = max(j.write_s, msg[4])
+                    j.sums.update(msg[5])
                 if msg[0] == "error" and not j.error:
                     j.errno, j.error = msg[3], msg[4]
             for i in list(j.pending):
@@ -524,7 +529,8 @@ class CheckpointWriter:
         path = None
         if not j.error:
             try:
-                path = ckpt.finish_save(self.run_dir, j.step, j.tmp, j.keep)
+                path = ckpt.finish_save(self.run_dir, j.step, j.tmp, j.keep, j.sums,
+                                        note=j.notes.append)
             except ckpt.CheckpointError as exc:
                 j.error, j.errno = str(exc), exc.errno
         if j.error:
@@ -534,7 +540,7 @@ class CheckpointWriter:
         if path is not None and j.write_s > 0:
             self.rate = j.bytes_total / j.write_s
         j.outcome = Outcome(j.step, path, written if j.error else j.bytes_total, seconds,
-                            j.blocked_s, j.error, j.errno, j.abandoned)
+                            j.blocked_s, j.error, j.errno, j.abandoned, list(j.notes))
         try:
             if j.on_done is not None:
                 j.on_done(j.outcome)

@@ -1,4 +1,4 @@
-"""Atomic checkpoints and resume.
+"""Atomic, verifiable checkpoints and resume.
 
 A checkpoint is ``<run_dir>/checkpoints/step-<N>/`` with
   config.json          the drafter config (interchange format, docs/checkpoint-format.md)
@@ -6,12 +6,16 @@ A checkpoint is ``<run_dir>/checkpoints/step-<N>/`` with
   training_state.json  step, scheduler and trainer state, and the skeleton of the optimizer state
   training_state-<k>-of-<n>.safetensors  float32 master weights, optimizer moments, RNG tensors:
                        n disjoint shards (one per writer, so several write at once)
-No pickle anywhere. Folders of format 1 (``training_state.pt``, float32 ``model.safetensors``)
-still load. The folder is assembled by ``begin_save`` (hidden folder, the small files), the
-writers (``write_plans``: here, or in writer processes, async_writer.py) and ``finish_save``
-(fsync, rename, prune). Everything is written to a hidden ``.tmp-step-<N>-<pid>`` folder, fsynced, then renamed into
-place, so a crash at any moment leaves only complete ``step-*`` folders. Hidden folders (``.tmp-``,
-``.old-``, ``.del-``) are ignored by readers and cleaned by the next save.
+  checksums.json       each file's size and CRC-32, written last (format 3)
+No pickle anywhere. Folders of format 2 (no checksums.json) and format 1 (``training_state.pt``,
+float32 ``model.safetensors``) still load, said to be unverifiable. The folder is assembled by
+``begin_save`` (hidden folder, the small files), the writers (``write_plans``: here, or in writer
+processes, async_writer.py; each returns its files' checksums) and ``finish_save`` (checksums.json,
+fsync, rename, prune). Everything is written to a hidden ``.tmp-step-<N>-<pid>`` folder, fsynced,
+then renamed into place, so a crash at any moment leaves only complete ``step-*`` folders. Hidden
+folders (``.tmp-``, ``.old-``, ``.del-``) are ignored by readers and cleaned by the next save. A
+damaged folder is never deleted: ``set_aside`` renames it ``damaged-step-<N>``, which nothing
+reads, prunes or overwrites.
 """
 
 from __future__ import annotations
@@ -22,7 +26,9 @@ import os
 import random
 import re
 import shutil
-from dataclasses import dataclass
+import time
+import zlib
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -40,11 +46,14 @@ except ImportError:  # numpy is optional for the engine; its RNG is then simply 
 CHECKPOINTS = "checkpoints"
 STATE_JSON = "training_state.json"
 FILES = ("config.json", "model.safetensors", STATE_JSON)  # plus the shards STATE_JSON names
+CHECKSUMS = "checksums.json"  # every other file's size and CRC-32; written last (format 3)
 LEGACY_STATE = "training_state.pt"  # format 1, read only
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 MASTER = "master"  # prefix of the float32 master weights in the shards
 _STEP_RE = re.compile(r"^step-(\d+)$")
 _HIDDEN_RE = re.compile(r"^\.(tmp|old|del)-step-(\d+)-(\d+)$")  # kind, step, pid
+_DAMAGED_RE = re.compile(r"^damaged-step-(\d+)(-.+)?$")
+READ_CHUNK = 16 << 20  # bytes per read when a file's checksum is verified
 
 
 class CheckpointError(OSError):
@@ -67,6 +76,8 @@ class LoadedCheckpoint:
     scheduler_state: dict
     trainer_state: dict
     path: Path | None = None
+    format: int = FORMAT_VERSION
+    note: str = ""  # what could not be checked (a folder written before checksums); "" verified
 
 
 # --------------------------------------------------------------------------------------------
@@ -135,6 +146,48 @@ def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
     for step, folder in aside.items():
         found.setdefault(step, folder)
     return [found[s] for s in sorted(found)]
+
+
+def step_folders(run_dir: str | os.PathLike) -> list[Path]:
+    """Every ``step-<N>`` folder, complete or not, oldest step first (an ``.old-`` copy stands
+    for a step whose folder is missing or incomplete, as in list_checkpoints): what a resume
+    looks at, so that a damaged or incomplete one is named and set aside, not passed over."""
+    root = Path(run_dir) / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    found: dict[int, Path] = {}
+    aside: dict[int, Path] = {}
+    for entry in root.iterdir():
+        if (m := _STEP_RE.match(entry.name)) and entry.is_dir():
+            found[int(m.group(1))] = entry
+        elif (m := _HIDDEN_RE.match(entry.name)) and m.group(1) == "old" and _is_complete(entry):
+            aside[int(m.group(2))] = entry
+    for step, folder in aside.items():
+        if step not in found or not _is_complete(found[step]):
+            found[step] = folder
+    return [found[s] for s in sorted(found)]
+
+
+def damaged_folders(run_dir: str | os.PathLike) -> list[Path]:
+    """The ``damaged-step-<N>`` folders set aside so far, oldest step first."""
+    root = Path(run_dir) / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    hits = [(int(m.group(1)), e.name, e) for e in root.iterdir()
+            if (m := _DAMAGED_RE.match(e.name))]
+    return [e for _, _, e in sorted(hits)]
+
+
+def set_aside(folder: str | os.PathLike) -> Path:
+    """Move a damaged checkpoint out of the way of readers, saves and pruning, keeping it for
+    inspection (never deleted); returns where it went: ``damaged-step-<N>``, with the time and
+    this process's id added when that name is taken."""
+    folder = Path(folder)
+    dest = folder.parent / f"damaged-step-{checkpoint_step(folder)}"
+    if dest.exists():
+        dest = dest.with_name(f"{dest.name}-{int(time.time())}-{os.getpid()}")
+    os.rename(folder, dest)
+    return dest
 
 
 def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
@@ -208,7 +261,7 @@ def _clean_hidden(root: Path) -> None:
         final = root / f"step-{step}"
         if kind == "old" and not _is_complete(final) and _is_complete(entry):
             if final.exists():
-                _remove(final)
+                set_aside(final)  # incomplete, so damaged: kept, never deleted
             os.rename(entry, final)
             continue
         _remove(entry)
@@ -302,6 +355,7 @@ class SaveJob:
     state: dict  # training_state.json
     tensors: dict[str, torch.Tensor]
     plans: list[list[FilePlan]]
+    sums: dict[str, dict] = field(default_factory=dict)  # of the files written so far (file_sum)
 
     @property
     def bytes_total(self) -> int:
@@ -336,6 +390,11 @@ def make_job(step: int, *, drafter_state: dict[str, torch.Tensor], drafter_confi
     return SaveJob(int(step), drafter_config, state, tensors, plans)
 
 
+def file_sum(size: int, crc: int) -> dict:
+    """A file's entry in checksums.json."""
+    return {"bytes": int(size), "crc32": f"{crc & 0xFFFFFFFF:08x}"}
+
+
 def tmp_folder(run_dir: str | os.PathLike, step: int) -> Path:
     """Where step ``step`` is assembled; named after this process, which renames it."""
     return Path(run_dir) / CHECKPOINTS / f".tmp-step-{step}-{os.getpid()}"
@@ -344,15 +403,28 @@ def tmp_folder(run_dir: str | os.PathLike, step: int) -> Path:
 def _fail(exc: BaseException, root: Path, tmp: Path | None):
     if tmp is not None:
         _remove(tmp)
+    if isinstance(exc, CheckpointError):
+        raise exc
     err = _io_error(exc, root) if isinstance(exc, Exception) else None
     if err is not None:
         raise err from exc
     raise exc
 
 
+def _write_json(path: Path, obj: Any, indent: int) -> tuple[int, int]:
+    """Write ``obj`` as JSON and fsync it; returns (size, CRC-32) of the bytes written."""
+    raw = json.dumps(obj, indent=indent).encode("utf-8")
+    with open(path, "wb") as f:
+        f.write(raw)
+        f.flush()
+        os.fsync(f.fileno())
+    return len(raw), zlib.crc32(raw)
+
+
 def begin_save(run_dir: str | os.PathLike, job: SaveJob) -> Path:
-    """Make the hidden folder of ``job`` with its small files (config.json, training_state.json);
-    returns it. Raises CheckpointError when the disk refuses (nothing left behind)."""
+    """Make the hidden folder of ``job`` with its small files (config.json, training_state.json,
+    their checksums kept in ``job.sums``); returns it. Raises CheckpointError when the disk
+    refuses (nothing left behind)."""
     root = Path(run_dir) / CHECKPOINTS
     tmp = tmp_folder(run_dir, job.step)
     try:
@@ -361,10 +433,8 @@ def begin_save(run_dir: str | os.PathLike, job: SaveJob) -> Path:
         _remove(tmp)
         tmp.mkdir()
         for name, obj in (("config.json", job.drafter_config), (STATE_JSON, job.state)):
-            with open(tmp / name, "w", encoding="utf-8") as f:
-                json.dump(obj, f, indent=1 if name == STATE_JSON else 2)
-                f.flush()
-                os.fsync(f.fileno())
+            job.sums[name] = file_sum(*_write_json(tmp / name, obj, 1 if name == STATE_JSON
+                                                   else 2))
     except BaseException as exc:
         _fail(exc, root, tmp)
     return tmp
@@ -372,28 +442,55 @@ def begin_save(run_dir: str | os.PathLike, job: SaveJob) -> Path:
 
 def write_plans(folder: Path, files: list[FilePlan], tensors: dict[str, torch.Tensor],
                 progress: Callable[[int], None] | None = None,
-                cancelled: Callable[[], bool] | None = None) -> int:
-    """One writer's files into ``folder`` (each fsynced); returns the bytes written. Errors are
-    raised as they come (the caller maps them: CheckpointError or a writer's report)."""
-    done = 0
+                cancelled: Callable[[], bool] | None = None) -> tuple[int, dict[str, dict]]:
+    """One writer's files into ``folder`` (each fsynced); returns the data bytes written and
+    each file's checksum entry (file_sum), computed as it was written. Errors are raised as they
+    come (the caller maps them: CheckpointError or a writer's report)."""
+    done, sums = 0, {}
     for f in files:
         entries = [(name, tensors[src], dt) for name, src, dt in f.entries]
-        done += safetensors_io.write_file(folder / f.name, entries, progress, cancelled)
-    return done
+        out = safetensors_io.write_file(folder / f.name, entries, progress, cancelled)
+        done += out.data_bytes
+        sums[f.name] = file_sum(out.size, out.crc32)
+    return done, sums
 
 
-def finish_save(run_dir: str | os.PathLike, step: int, tmp: Path, keep: int) -> Path:
-    """Make the written hidden folder step-<step> (fsync, rename) and prune to ``keep``."""
+def _write_checksums(tmp: Path, sums: dict[str, dict]) -> None:
+    """checksums.json, the folder's last file: every other file there must have its entry (a
+    writer that reported none, or a file nobody reported, fails the save)."""
+    there = {p.name for p in tmp.iterdir()} - {CHECKSUMS}
+    if there != set(sums):
+        raise CheckpointError(
+            f"checkpoint {tmp}: files and checksums disagree (written {sorted(there)}, "
+            f"checksummed {sorted(sums)})", hint="a bug: report it; the previous checkpoint "
+            "stands", errno=errno_mod.EIO)
+    _write_json(tmp / CHECKSUMS, {"format": FORMAT_VERSION, "algorithm": "crc32",
+                                  "files": {n: sums[n] for n in sorted(sums)}}, 1)
+
+
+def finish_save(run_dir: str | os.PathLike, step: int, tmp: Path, keep: int,
+                sums: dict[str, dict], note: Callable[[str], None] | None = None) -> Path:
+    """Write checksums.json (``sums``: every file's entry), make the hidden folder step-<step>
+    (fsync, rename) and prune to ``keep``. A step-<step> already there is replaced when it is
+    intact; a damaged or incomplete one is set aside first (kept), and ``note`` told so."""
     root = Path(run_dir) / CHECKPOINTS
     final = root / f"step-{step}"
     try:
+        _write_checksums(tmp, sums)
         _fsync_path(tmp)
         aside = None
         if final.exists():
-            # A directory cannot be renamed over a non-empty one: move the old aside first
-            # (readers still find it as step N until the new one is in place).
-            aside = root / f".old-step-{step}-{os.getpid()}"
-            os.rename(final, aside)
+            wrong = verify(final, read=False).problems  # sizes only: no second read of GBs
+            if wrong:
+                moved = set_aside(final)
+                if note is not None:
+                    note(f"checkpoint {final} is damaged ({'; '.join(wrong)}): moved it to "
+                         f"{moved} (kept, not deleted) before writing step {step} again")
+            else:
+                # A directory cannot be renamed over a non-empty one: move the old aside first
+                # (readers still find it as step N until the new one is in place).
+                aside = root / f".old-step-{step}-{os.getpid()}"
+                os.rename(final, aside)
         os.rename(tmp, final)
         _fsync_path(root)
         if aside is not None:
@@ -415,10 +512,11 @@ def abandon_save(tmp: Path) -> None:
 def save_checkpoint(
     run_dir: str | os.PathLike, step: int, *, drafter_state: dict[str, torch.Tensor],
     drafter_config: dict, optimizer_state: dict, scheduler_state: dict, trainer_state: dict,
-    keep: int, served_dtype: torch.dtype | None = None,
+    keep: int, served_dtype: torch.dtype | None = None, note: Callable[[str], None] | None = None,
 ) -> Path:
     """Write ``run_dir/checkpoints/step-<step>/`` atomically, in this thread, and prune to the
     newest ``keep``. ``served_dtype``: the dtype of model.safetensors (None: as given).
+    ``note``: told when a damaged step-<step> already there is set aside.
 
     Raises CheckpointError (an OSError, error_kind "io", with a hint) when the disk refuses; no
     partial folder is left either way. Put ``capture_rng_state()`` into ``trainer_state`` to make
@@ -432,10 +530,10 @@ def save_checkpoint(
     tmp = begin_save(run_dir, job)
     try:
         for files in job.plans:
-            write_plans(tmp, files, tensors)
+            job.sums.update(write_plans(tmp, files, tensors)[1])
     except BaseException as exc:
         _fail(exc, Path(run_dir) / CHECKPOINTS, tmp)
-    return finish_save(run_dir, step, tmp, keep)
+    return finish_save(run_dir, step, tmp, keep, job.sums, note)
 
 
 # --------------------------------------------------------------------------------------------
@@ -449,6 +547,8 @@ def _check_safetensors(path: Path) -> None:
         if len(head) < 8:
             raise ValueError("shorter than its header")
         n = int.from_bytes(head, "little")
+        if 8 + n > os.fstat(f.fileno()).st_size:  # a garbled length: do not try to read it
+            raise ValueError(f"truncated: its header length {n} runs past the file's end")
         meta = json.loads(f.read(n))
     end = max((v["data_offsets"][1] for k, v in meta.items() if k != "__metadata__"), default=0)
     size = path.stat().st_size
@@ -456,28 +556,173 @@ def _check_safetensors(path: Path) -> None:
         raise ValueError(f"truncated: {size} bytes, its header says {8 + n + end}")
 
 
+def _crc32_of(path: Path, progress: Callable[[int], None] | None = None) -> int:
+    """A file's CRC-32, read in large chunks (disk speed: see file_sum)."""
+    buf = bytearray(READ_CHUNK)
+    view = memoryview(buf)
+    crc = 0
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            crc = zlib.crc32(view[:n], crc)
+            if progress is not None:
+                progress(n)
+    return crc
+
+
+@dataclass
+class Verified:
+    """What ``verify`` found in a checkpoint folder."""
+
+    format: int  # 1, 2 (no checksums) or 3
+    problems: list[str]  # what is wrong, each naming its file (empty: nothing found)
+    note: str = ""  # what could not be checked ("" when every file matched its checksum)
+
+    @property
+    def kind(self) -> str:
+        """"incomplete" when files are only missing, else "damaged"."""
+        return "incomplete" if self.problems and all(
+            p.endswith(" is missing") or " is missing (" in p for p in self.problems) \
+            else "damaged"
+
+
+def _read_checksums(folder: Path) -> dict[str, dict]:
+    record = json.loads((folder / CHECKSUMS).read_text(encoding="utf-8"))
+    sums = record["files"]
+    for name, entry in sums.items():
+        if not (isinstance(entry.get("bytes"), int) and isinstance(entry.get("crc32"), str)):
+            raise ValueError(f"entry of {name!r} is {entry!r}")
+    return sums
+
+
+def verify(folder: str | os.PathLike, *, read: bool = True,
+           progress: Callable[[int, int, int, int], None] | None = None) -> Verified:
+    """Check a checkpoint folder against its checksums.json: every file there, of its recorded
+    size and (``read``) CRC-32; the files training_state.json names all present. ``read`` False
+    checks sizes and headers only (no file is read whole). Folders written before checksums
+    (formats 1 and 2) get the checks they allow (files present, safetensors sizes as their
+    headers say) and a note that they cannot be verified. ``progress(bytes_read, bytes_total,
+    files_read, files_total)`` as the files are read."""
+    folder = Path(folder)
+    problems: list[str] = []
+    flagged: set[str] = set()
+
+    def wrong(name: str, what: str) -> None:
+        problems.append(f"{name} {what}")
+        flagged.add(name)
+
+    if not (folder / STATE_JSON).exists() and (folder / LEGACY_STATE).is_file():
+        for name in FILES[:2]:
+            if not (folder / name).is_file():
+                wrong(name, "is missing")
+        _check_sizes(folder, ["model.safetensors"], flagged, wrong)
+        return Verified(1, problems, "written before checksums (format 1): it cannot be "
+                                     "verified")
+    sums: dict[str, dict] | None = None
+    if (folder / CHECKSUMS).is_file():
+        try:
+            sums = _read_checksums(folder)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            wrong(CHECKSUMS, f"cannot be read ({type(exc).__name__}: {exc})")
+    if not (folder / STATE_JSON).is_file():
+        wrong(STATE_JSON, "is missing")
+    if sums is not None:
+        order = [n for n in FILES if n in sums] + sorted(n for n in sums if n not in FILES)
+        present = [n for n in order if (folder / n).is_file()]
+        for name in order:
+            if name not in present:
+                if name not in flagged:
+                    wrong(name, "is missing")
+                continue
+            size, want = (folder / name).stat().st_size, sums[name]["bytes"]
+            if size != want:
+                wrong(name, f"is truncated: {size} bytes of the {want} written" if size < want
+                      else f"is {size} bytes, {want} were written")
+        if read:
+            todo = [n for n in present if n not in flagged]
+            total = sum(sums[n]["bytes"] for n in todo)
+            done = [0]
+
+            def seen(n: int, i: int) -> None:
+                done[0] += n
+                if progress is not None:
+                    progress(done[0], total, i, len(todo))
+            for i, name in enumerate(todo):
+                got = f"{_crc32_of(folder / name, lambda n, i=i: seen(n, i)):08x}"
+                if got != sums[name]["crc32"]:
+                    wrong(name, f"does not match its checksum (crc32 {got}, written "
+                                f"{sums[name]['crc32']}): it changed after it was written")
+            if progress is not None:
+                progress(total, total, len(todo), len(todo))
+    fmt = 3 if sums is not None else 2
+    state = None
+    if (folder / STATE_JSON).is_file() and STATE_JSON not in flagged:
+        try:
+            state = json.loads((folder / STATE_JSON).read_text(encoding="utf-8"))
+            fmt = max(fmt, int(state.get("format", 2)))
+        except (OSError, ValueError, TypeError, AttributeError) as exc:
+            wrong(STATE_JSON, f"cannot be read ({type(exc).__name__}: {exc})")
+    if fmt >= 3 and sums is None and CHECKSUMS not in flagged:
+        wrong(CHECKSUMS, "is missing (a format-3 checkpoint writes it last)")
+    shards = state.get("shards", []) if isinstance(state, dict) else []
+    shards = shards if isinstance(shards, list) else []
+    for name in ("config.json", "model.safetensors", *shards):
+        if name not in flagged and not (folder / name).is_file():
+            wrong(name, "is missing")
+        elif sums is not None and name not in sums and name not in flagged:
+            wrong(name, f"has no checksum in {CHECKSUMS}")
+    note = ""
+    if sums is None:
+        _check_sizes(folder, ["model.safetensors", *shards], flagged, wrong)
+        note = (f"written before checksums (format {fmt}): it cannot be verified"
+                if fmt < 3 else "")
+    elif not read:
+        note = "sizes checked, contents not read"
+    return Verified(fmt, problems, note)
+
+
+def _check_sizes(folder: Path, names: list[str], flagged: set[str], wrong) -> None:
+    """Safetensors files whose size is what their header says (reads the headers only)."""
+    for name in names:
+        if name in flagged or not (folder / name).is_file():
+            continue
+        try:
+            _check_safetensors(folder / name)
+        except (OSError, ValueError, TypeError, KeyError) as exc:
+            wrong(name, f"cannot be read ({exc})" if not str(exc).startswith("truncated")
+                  else f"is {exc}")
+
+
 def checkpoint_files(path: str | os.PathLike) -> list[Path]:
-    """The files of a format-2 checkpoint folder (for sizes and progress)."""
+    """The files of a checkpoint folder of format 2 or 3 (for sizes and progress)."""
     path = Path(path)
     state = json.loads((path / STATE_JSON).read_text(encoding="utf-8"))
-    return [path / n for n in ("config.json", "model.safetensors", STATE_JSON, *state["shards"])]
+    extra = (CHECKSUMS,) if (path / CHECKSUMS).is_file() else ()
+    return [path / n for n in ("config.json", "model.safetensors", STATE_JSON, *state["shards"],
+                               *extra)]
 
 
 def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu",
                     progress: Callable[[int, int, int, int], None] | None = None
                     ) -> LoadedCheckpoint:
-    """Read a checkpoint folder without pickle (safetensors, JSON; format 1's training_state.pt
-    with weights_only=True). The drafter state is the float32 master weights where the folder
-    holds them. ``progress(bytes_read, bytes_total, shards_read, shards_total)`` is called as
-    the training-state shards are read."""
+    """Verify a checkpoint folder (``verify``: every file against checksums.json, read whole),
+    then read it without pickle (safetensors, JSON; format 1's training_state.pt with
+    weights_only=True). The drafter state is the float32 master weights where the folder holds
+    them. Raises CheckpointError naming every file that is missing, truncated or changed.
+    ``progress(bytes_read, bytes_total, files_read, files_total)`` is called as the files are
+    verified (then they are read again from the page cache), or, in a folder without checksums,
+    as the training-state shards are read."""
     path = Path(path)
-    legacy = not (path / STATE_JSON).is_file() and (path / LEGACY_STATE).is_file()
-    need = FILES[:2] + ((LEGACY_STATE,) if legacy else (STATE_JSON,))
-    missing = [name for name in need if not (path / name).is_file()]
-    if missing:
-        raise CheckpointError(f"checkpoint {path} is incomplete: missing {missing}",
-                              hint="resume from another checkpoint (latest_checkpoint skips "
-                                   "incomplete ones)", errno=errno_mod.ENOENT)
+    checked = verify(path, progress=progress)
+    if checked.problems:
+        missing = checked.kind == "incomplete"
+        raise CheckpointError(
+            f"checkpoint {path} is {checked.kind}: {'; '.join(checked.problems)}",
+            hint="resume from an older checkpoint (a resume sets this one aside and falls back "
+                 "to the newest intact one), or restore this one from a backup",
+            errno=errno_mod.ENOENT if missing else errno_mod.EIO)
+    if checked.format >= 3:
+        progress = None  # verify read every byte and said so
+    legacy = checked.format == 1
     device = str(map_location)
     name = "config.json"
     try:  # a truncated or garbled file is the checkpoint's fault: name it, not "a bug"
@@ -529,5 +774,5 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
     return LoadedCheckpoint(
         step=int(state["step"]), drafter_state=drafter_state, drafter_config=drafter_config,
         optimizer_state=state["optimizer"], scheduler_state=state["scheduler"],
-        trainer_state=state["trainer"], path=path,
+        trainer_state=state["trainer"], path=path, format=checked.format, note=checked.note,
     )

@@ -1,9 +1,16 @@
 """Which checkpoint a resume loads, and whether it is the model the config describes.
 
 - nothing to resume: said plainly (a warning), and the run starts at step 0;
-- a damaged checkpoint (a truncated or unreadable file): named, moved aside to
-  ``checkpoints/damaged-step-<N>`` (kept for inspection, never deleted, never picked again), and
-  the newest intact older one is loaded instead, saying so; none intact: refused;
+- a damaged or incomplete checkpoint (a file missing, truncated, garbled, or not matching its
+  checksum): each fault named, the folder moved aside to ``checkpoints/damaged-step-<N>`` (kept
+  for inspection, never deleted, never picked again), and the newest intact older one is loaded
+  instead, saying which step and how many steps that costs; none intact: refused (the run is not
+  started over silently), then and at every later resume until one is restored or the user
+  starts over;
+- a checkpoint written before checksums (format 2 or 1): resumed, with a note that it could not
+  be verified;
+- a checkpoint of other data than ``data.path`` (its recorded data identity,
+  persist/data_identity.py): refused naming both, unless ``data.allow_changed_data``;
 - a checkpoint of another drafter shape than the config's (layers, block size, widths, target
   layers, mask id, target vocabulary): refused, naming every differing key with both values;
 - a checkpoint written with another optimizer than ``optim.name``: refused, naming both.
@@ -12,12 +19,12 @@
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 from typing import Callable
 
 from dflash_core.persist import checkpoint as ckpt
+from dflash_core.persist.data_identity import describe
 from dflash_core.config import Config, ConfigError
 from dflash_core.observe.events import Event, LoadProgress, Log
 from dflash_core.units import GiB
@@ -83,28 +90,49 @@ def expected_drafter_config(cfg: Config, target_path: Path, layer_ids: list[int]
     return out
 
 
-def set_aside(folder: Path) -> Path:
-    """Move a damaged checkpoint out of the way of readers, saves and pruning; returns where."""
-    dest = folder.parent / f"damaged-step-{ckpt.checkpoint_step(folder)}"
-    if dest.exists():
-        dest = dest.with_name(f"{dest.name}-{int(time.time())}-{os.getpid()}")
-    os.rename(folder, dest)
-    return dest
+set_aside = ckpt.set_aside  # where it lives: saves use it too
+
+
+def _lost(found: list[int], step: int | None) -> str:
+    """The steps a resume from ``step`` (None: none) trains again, said for damaged ``found``."""
+    newest = max(found)
+    if step is None:
+        return f"steps 1 to {newest} ({newest} steps)"
+    n = newest - step
+    return f"steps {step + 1} to {newest} ({n} step{'s' if n != 1 else ''})" if n > 0 else \
+        "no steps"
+
+
+def _refuse_all_damaged(run_dir: Path, damaged: list[str], steps: list[int]) -> None:
+    root = Path(run_dir) / ckpt.CHECKPOINTS
+    raise ckpt.CheckpointError(
+        f"resume: no intact checkpoint in {root}: every one is damaged and set aside "
+        f"({', '.join(damaged)}); resuming would start over, losing {_lost(steps, None)}",
+        hint="restore a checkpoint from a backup into that folder, or start over deliberately: "
+             "drop --resume and pass --new-run (a fresh folder beside this one; the damaged "
+             "ones stay for inspection)")
 
 
 def load_for_resume(run_dir: Path, expected: dict | None, publish: Callable[[Event], None], *,
                     set_aside_damaged: bool = True) -> ckpt.LoadedCheckpoint | None:
     """The newest intact checkpoint of ``run_dir`` that matches ``expected`` (None: nothing to
-    resume). Raises CheckpointError when every checkpoint is damaged, ConfigError on a shape
-    mismatch. ``set_aside_damaged`` False: a damaged one is only skipped (the other nodes of a
-    shared run folder leave the move to node 0, which makes the same choice)."""
-    found = ckpt.list_checkpoints(run_dir)
+    resume). Every checkpoint is verified against its checksums before it is loaded; a damaged
+    or incomplete one is set aside and the next older one tried. Raises CheckpointError when no
+    intact checkpoint is left (also when earlier resumes set them all aside), ConfigError on a
+    shape mismatch. ``set_aside_damaged`` False: a damaged one is only skipped (the other nodes
+    of a shared run folder leave the move to node 0, which makes the same choice)."""
+    found = ckpt.step_folders(run_dir)
+    earlier = ckpt.damaged_folders(run_dir)
     if not found:
+        if earlier:
+            _refuse_all_damaged(run_dir, [str(p) for p in earlier],
+                                [ckpt.checkpoint_step(p) for p in earlier])
         publish(Log(level="warning", source="engine", message=(
             f"resume: nothing to resume, no checkpoint in {Path(run_dir) / ckpt.CHECKPOINTS}; "
             "starting at step 0")))
         return None
     damaged: list[str] = []
+    damaged_steps: list[int] = []
     for folder in reversed(found):
         t0 = time.monotonic()
         last = [0.0]
@@ -120,27 +148,32 @@ def load_for_resume(run_dir: Path, expected: dict | None, publish: Callable[[Eve
         try:
             loaded = ckpt.load_checkpoint(folder, progress=progress)
         except ckpt.CheckpointError as exc:
+            damaged_steps.append(ckpt.checkpoint_step(folder))
             if not set_aside_damaged:
                 damaged.append(str(folder))
                 publish(Log(level="warning", source="engine", message=(
-                    f"resume: checkpoint {folder} is damaged ({exc}); node 0 sets it aside; "
-                    "trying the next older checkpoint")))
+                    f"resume: {exc}; node 0 sets it aside; trying the next older checkpoint")))
                 continue
             moved = set_aside(folder)
             damaged.append(str(moved))
             publish(Log(level="warning", source="engine", message=(
-                f"resume: checkpoint {folder} is damaged ({exc}); moved it to {moved} (kept, "
-                "not deleted) and trying the next older checkpoint")))
+                f"resume: {exc}; moved it to {moved} (kept, not deleted) and trying the next "
+                "older checkpoint")))
             continue
         size = sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
         took = time.monotonic() - t0
+        checked = "verified" if not loaded.note else "read"
         publish(Log(level="info", source="engine", message=(
-            f"resume: read {folder} ({size / GiB:.1f} GiB) in {took:.1f} s "
+            f"resume: {checked} {folder} ({size / GiB:.1f} GiB) in {took:.1f} s "
             f"({size / GiB / max(took, 1e-9):.2f} GiB/s)")))
+        if loaded.note:
+            publish(Log(level="info", source="engine", message=(
+                f"resume: {folder} was {loaded.note}; resuming from it as it is")))
         if damaged:
             publish(Log(level="warning", source="engine", message=(
                 f"resume: resuming from {folder} (step {loaded.step}), the newest intact "
-                f"checkpoint; damaged: {damaged}")))
+                f"checkpoint: {_lost(damaged_steps, loaded.step)} are trained again; "
+                f"damaged: {damaged}")))
         if expected is not None:
             diffs = shape_differences(expected, loaded.drafter_config)
             if diffs:
@@ -152,9 +185,45 @@ def load_for_resume(run_dir: Path, expected: dict | None, publish: Callable[[Eve
                     hint="set these keys back to the checkpoint's values to resume it, or start "
                          "a new run (new run.name or --new-run) to train the new shape")
         return loaded
-    raise ckpt.CheckpointError(
-        f"resume: every checkpoint in {Path(run_dir) / ckpt.CHECKPOINTS} is damaged: {damaged}",
-        hint="restore a checkpoint from a backup, or start a new run (new run.name or --new-run)")
+    _refuse_all_damaged(run_dir, damaged, damaged_steps + [ckpt.checkpoint_step(p)
+                                                           for p in earlier])
+
+
+def check_resume_data(loaded: ckpt.LoadedCheckpoint, data: dict, allow_changed: bool,
+                      publish: Callable[[Event], None]) -> None:
+    """A checkpoint resumes on the data it trained on (``data``: the identity of data.path now,
+    persist/data_identity.py): its data position names batches of that data's plan. Another
+    data set is refused naming both (ConfigError, key data.allow_changed_data), or, with
+    ``allow_changed``, resumed with a warning. A checkpoint written before identities were
+    recorded resumes with a note."""
+    wrote = loaded.trainer_state.get("data")
+    if not isinstance(wrote, dict) or "id" not in wrote:
+        publish(Log(level="info", source="engine", message=(
+            f"resume: {loaded.path} was written before checkpoints recorded their data: it "
+            f"cannot be checked that data.path {data['path']} is the data it trained on")))
+        return
+    if wrote["id"] == data["id"]:
+        if wrote.get("path") != data["path"]:
+            publish(Log(level="info", source="engine", message=(
+                f"resume: the data moved from {wrote.get('path')} to {data['path']}; "
+                f"the same data (data {data['id']})")))
+        return
+    what = ("its manifest differs" if wrote.get("manifest") and data.get("manifest")
+            and wrote["manifest"] != data["manifest"] else "its shards differ (names or sizes)")
+    epoch, done = loaded.trainer_state.get("epoch", 0), len(loaded.trainer_state.get("done", []))
+    if allow_changed:
+        publish(Log(level="warning", source="engine", message=(
+            f"resume: data.path {describe(data)} is not the data {loaded.path} trained on "
+            f"({describe(wrote)}): {what}; resuming on it (data.allow_changed_data): the "
+            f"position, epoch {epoch} with {done} batches done, now counts this data's batches")))
+        return
+    raise ConfigError(
+        "data.path", f"{describe(data)} is not the data the checkpoint {loaded.path} trained "
+        f"on, {describe(wrote)}: {what}; set data.allow_changed_data: true to resume on it "
+        "deliberately",
+        hint=f"point data.path at the data it trained on ({wrote.get('path')}), or set "
+             "data.allow_changed_data: true (its data position then counts this data's "
+             "batches), or start a new run (a new run.name or --new-run) on this data")
 
 
 def check_resume_nodes(loaded: ckpt.LoadedCheckpoint, nodes: int) -> None:

@@ -38,7 +38,8 @@ from dflash_core.multinode.node_link import NodeLink
 from dflash_core.multinode.nodes import NodeFailure, NodeGroup, node_dir_name, node_info
 from dflash_core.planning.preflight import demo_log_progress, device_label, prepare, resolve_devices
 from dflash_core.persist.resume import (
-    check_resume_nodes, check_resume_optimizer, expected_drafter_config, load_for_resume,
+    check_resume_data, check_resume_nodes, check_resume_optimizer, expected_drafter_config,
+    load_for_resume,
 )
 from dflash_core.pipeline.run import Run
 from dflash_core.persist.run_folder import fresh_name, refuse_if_used
@@ -485,6 +486,8 @@ class Engine:
         if run.resume is not None:
             check_resume_nodes(run.resume, self.nodes.world if self.nodes else 1)
             check_resume_optimizer(run.resume, cfg)
+            check_resume_data(run.resume, run.data_identity(), cfg.data.allow_changed_data,
+                              self.bus.publish)
             self.bus.publish(Log(level="info", source="engine", message=(
                 f"resuming from {run.resume.path} (step {run.resume.step})")))
 

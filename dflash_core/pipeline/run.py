@@ -18,6 +18,7 @@ import torch
 from dflash_core.persist import checkpoint as ckpt
 from dflash_core.config import Config
 from dflash_core.data import Prefetcher
+from dflash_core.persist.data_identity import of_dataset
 from dflash_core.persist.data_position import DataPosition
 from dflash_core.models import acceptance
 from dflash_core.models.agreement import label_agreement
@@ -102,6 +103,7 @@ class Run:
     _ckpt_bytes: int | None = None
     writer: CheckpointWriter | None = None  # background checkpoints, from warm-up on
     resume_t0: float | None = None  # when --resume began reading, until the first step
+    _data_id: dict | None = None
     _disk_ok: bool | None = None
     _disk_checked: float = 0.0
     _disk_warned: bool = False
@@ -211,6 +213,13 @@ class Run:
         """Checkpoints and evaluations: on one node, or on node 0 of several."""
         return self.link is None or self.link.lead
 
+    def data_identity(self) -> dict:
+        """What data the run trains on (persist/data_identity.py): recorded in each checkpoint,
+        compared by a resume."""
+        if self._data_id is None:
+            self._data_id = of_dataset(self.prep.dataset)
+        return self._data_id
+
     def _state(self, rep) -> dict:
         epoch, done = self.position.resume_position()
         return dict(
@@ -225,7 +234,9 @@ class Run:
                            **({"nodes": self.link.world} if self.link is not None else {}),
                            # the epoch plan's order, which "done" refers to (absent: 1, unbalanced)
                            **({"balance": self.prep.stream.balance} if self.prep is not None
-                              else {})})
+                              else {}),
+                           # the data "done" refers to (absent: written before it was recorded)
+                           **({"data": self.data_identity()} if self.prep is not None else {})})
 
     def start_writer(self, publish: Callable[[Any], None]) -> None:
         """At warm-up: the background writers, their staging arena, and the write rate, so
@@ -277,6 +288,8 @@ class Run:
         prev = (self.saved_path, self.saved_step)
 
         def done(o: Outcome) -> None:
+            for note in o.notes:  # a damaged folder of this step, set aside before the write
+                publish(Log(level="warning", source="checkpoint", message=note))
             if o.path is None and o.abandoned:  # an abort out of time: its caller says so
                 self.saved_path, self.saved_step = prev
                 return
@@ -320,7 +333,8 @@ class Run:
             self.saved_step = self.step
             path = self.saved_path = ckpt.save_checkpoint(
                 cfg.run_dir, self.step, served_dtype=self.served_dtype(),
-                keep=cfg.checkpoint.keep, **self._state(self.replicas[0]))
+                keep=cfg.checkpoint.keep, **self._state(self.replicas[0]),
+                note=lambda m: publish(Log(level="warning", source="checkpoint", message=m)))
             if reason == "best":
                 ckpt.mark_best(cfg.run_dir, path, self.step, tau)
             publish(Checkpoint(step=self.step, path=str(path), seconds=time.monotonic() - t,

@@ -13,7 +13,7 @@ import safetensors.torch
 import torch
 
 from dflash_core.persist.checkpoint import (
-    FILES, CheckpointError, capture_rng_state, checkpoint_step, latest_checkpoint,
+    CHECKSUMS, FILES, CheckpointError, capture_rng_state, checkpoint_step, latest_checkpoint,
     list_checkpoints, load_checkpoint, restore_rng_state, save_checkpoint,
 )
 
@@ -54,7 +54,7 @@ def test_round_trip_and_rng(tmp_path):
                            trainer_state=trainer, keep=2)
     assert path == tmp_path / "checkpoints" / "step-42"
     assert sorted(p.name for p in path.iterdir()) == sorted(
-        FILES + ("training_state-00001-of-00001.safetensors",))
+        FILES + ("training_state-00001-of-00001.safetensors", CHECKSUMS))
     # The weights are plain interchange format, readable without this package.
     assert set(safetensors.torch.load_file(str(path / "model.safetensors"))) == set(drafter)
     # No pickle: the training state is JSON and safetensors.
@@ -223,13 +223,17 @@ def test_loading_reports_bytes_and_shards_and_a_resume_shows_them(tmp_path):
     _save(tmp_path, 3, optimizer_state={"state": {0: {"exp_avg": torch.ones(64, 64)}},
                                         "param_groups": []})
     calls = []
-    load_checkpoint(latest_checkpoint(tmp_path), progress=lambda *a: calls.append(a))
-    read, total, shards, of = calls[-1]
-    assert read == total > 64 * 64 * 4 and (shards, of) == (1, 1)
-    assert all(c[3] == 1 and c[2] in (0, 1) for c in calls) and calls[0][2] == 0
+    folder = latest_checkpoint(tmp_path)
+    load_checkpoint(folder, progress=lambda *a: calls.append(a))
+    # every file is read once, to verify it: config, weights, training state and its shard
+    read, total, files, of = calls[-1]
+    on_disk = sum(p.stat().st_size for p in folder.iterdir() if p.name != CHECKSUMS)
+    assert read == total == on_disk > 64 * 64 * 4 and (files, of) == (4, 4)
+    assert all(c[3] == 4 and 0 <= c[2] <= 4 for c in calls) and calls[0][2] == 0
+    assert [c[0] for c in calls] == sorted(c[0] for c in calls)
     seen = []
     loaded = load_for_resume(tmp_path, None, seen.append)
-    assert loaded.step == 3
+    assert loaded.step == 3 and loaded.note == ""
     shown = [e for e in seen if isinstance(e, LoadProgress)]
-    assert shown[-1].done and (shown[-1].shards_loaded, shown[-1].shards_total) == (1, 1)
+    assert shown[-1].done and (shown[-1].shards_loaded, shown[-1].shards_total) == (4, 4)
     assert shown[-1].worker == "checkpoint" and shown[-1].bytes_loaded == total

@@ -169,9 +169,10 @@ def test_every_checkpoint_damaged_fails_naming_them(tmp_path, assets, done_run):
     engine, rec = run(make_config(tmp_path, target, data, data__eval_prompts=0), resume=True)
     assert rec.of(RunEnded)[0].status == "failed"
     err = fatal(rec)
-    assert err.error_kind == "io" and "every checkpoint" in err.message
+    assert err.error_kind == "io" and "every one is damaged" in err.message
     assert "damaged-step-3" in err.message and "damaged-step-6" in err.message
-    assert "backup" in err.hint
+    assert "losing steps 1 to 6" in err.message
+    assert "backup" in err.hint and "--new-run" in err.hint
     assert not rec.of(StepMetrics)
     assert all((run_dir / "checkpoints" / f"damaged-step-{s}" / "model.safetensors").is_file()
                for s in (3, 6))
@@ -180,11 +181,17 @@ def test_every_checkpoint_damaged_fails_naming_them(tmp_path, assets, done_run):
 def test_load_checkpoint_names_the_damaged_file(tmp_path, done_run):
     run_dir = copy_run(done_run, tmp_path)
     folder = run_dir / "checkpoints" / "step-3"
+    config = (folder / "config.json").read_bytes()
     (folder / "config.json").write_text("{not json")
     with pytest.raises(ckpt.CheckpointError) as e:
         ckpt.load_checkpoint(folder)
-    assert f"checkpoint {folder} is damaged: config.json cannot be read" in str(e.value)
+    assert f"checkpoint {folder} is damaged: config.json is truncated: 9 bytes of the " \
+        f"{len(config)} written" in str(e.value)
     assert "older checkpoint" in e.value.hint
+    (folder / "config.json").write_bytes(b"{" + config[1:-1] + b"!")  # same size, garbled
+    with pytest.raises(ckpt.CheckpointError, match=r"damaged: config.json does not match its "
+                       r"checksum \(crc32 [0-9a-f]{8}, written [0-9a-f]{8}\)"):
+        ckpt.load_checkpoint(folder)
 
 
 def test_restart_of_a_new_run_resumes_its_own_folder(tmp_path, assets, done_run):
