@@ -24,7 +24,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 )
 
 from dflash_core.models.block_attention import block_attention, make_block_mask, resolve_impl
-from dflash_core.models.model_shape import text_config
+from dflash_core.models.model_shape import drafter_intermediate, text_config
 
 ARCHITECTURE = "DFlashDraftModel"
 
@@ -120,7 +120,7 @@ def build_drafter_config(target_config, *, num_layers: int, target_layer_ids: li
     cfg = Qwen3Config(
         vocab_size=tc.vocab_size,
         hidden_size=H,
-        intermediate_size=intermediate_size or tc.intermediate_size,
+        intermediate_size=intermediate_size or drafter_intermediate(tc),  # MoE: model_shape.py
         num_hidden_layers=num_layers,
         num_attention_heads=heads,
         num_key_value_heads=num_key_value_heads or tc.num_key_value_heads,
@@ -145,6 +145,10 @@ class DFlashDrafter(nn.Module):
     """The trainable part of DFlash. ``embed_tokens`` / ``lm_head`` are attached from the target
     with ``attach_target_head`` and are never trained or saved."""
 
+    objective = "dflash"
+    # Slot 0 (the anchor) is input only: B inputs give B-1 drafts (DSpark's slot 0 predicts).
+    anchor_predicts = False
+
     def __init__(self, config: Qwen3Config):
         super().__init__()
         self.config = config
@@ -167,6 +171,11 @@ class DFlashDrafter(nn.Module):
         for m in self.modules():
             if isinstance(m, nn.Linear):
                 nn.init.normal_(m.weight, std=std)
+
+    @property
+    def label_width(self) -> int:
+        """Width of the block labels (objective.block_labels) the loader prepares for it."""
+        return self.block_size
 
     # -- borrowed target parts ------------------------------------------------------------------
     def attach_target_head(self, embed_tokens: nn.Embedding, lm_head: nn.Linear) -> None:

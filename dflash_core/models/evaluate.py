@@ -7,6 +7,10 @@ equal to the target's own argmax is accepted and the target's next argmax (the "
 appended. The output is exactly the target's greedy decoding, whatever the drafter proposes
 (lossless), and tau = mean(accepted + 1) per round.
 
+A drafter whose anchor slot predicts too (``anchor_predicts``: DSpark) proposes B tokens per
+round, chain-drafted through its Markov head, and all B are verified (tau <= B+1); when it has a
+confidence head, each round's confidences are recorded for dspark_calibration.py.
+
 The target's state between rounds is a ``target_decoding.Decoding``: a full forward over the whole
 sequence per round (any ``TargetFn``), or the target's cache (``target_fn_for(..., cache=True)``),
 cut back to the accepted tokens after each round.
@@ -34,10 +38,20 @@ class Drafter(Protocol):
               num_tokens: int | None = None) -> torch.Tensor: ...
 
 
+def drafts_per_round(drafter, block_size: int) -> int:
+    """Tokens a round proposes at ``block_size``: B-1, or B for a drafter whose anchor slot
+    predicts (DSpark); block size 1 is plain decoding for either."""
+    if block_size <= 1 or drafter is None:
+        return 0
+    return block_size - 1 + int(bool(getattr(drafter, "anchor_predicts", False)))
+
+
 @dataclass
 class GenResult:
     tokens: list[int]  # new tokens only (prompt excluded)
     acceptance: list[int] = field(default_factory=list)  # drafted tokens accepted, per round
+    # Per round, the confidence of each draft (a drafter with a confidence head only).
+    confidences: list[list[float]] = field(default_factory=list)
 
     @property
     def rounds(self) -> int:
@@ -62,6 +76,10 @@ class EvalSummary:
     # Per prompt, the position of each round's last accepted token (its anchor): where a
     # teacher-forced block scores exactly what that round accepted.
     anchors: list[list[int]] = field(default_factory=list)
+    # A drafter with a confidence head: per round of all prompts, its drafts' confidences and how
+    # many of them were accepted (dspark_calibration.calibrate's input).
+    confidences: list[list[float]] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
 
 
 def _as_ids(prompt_ids: Sequence[int] | torch.Tensor) -> list[int]:
@@ -121,15 +139,26 @@ def speculative_generate(target_fn: TargetFn, drafter: Drafter | None,
     ids.append(int(dec.feed(list(ids), last=1)[-1]))
     result.tokens.append(ids[-1])
     draft_dev = _drafter_device(drafter) if B > 1 else None
+    per_round = drafts_per_round(drafter, B)
+    with_conf = (per_round > 0 and hasattr(drafter, "draft_with_confidence")
+                 and getattr(drafter, "confidence_head", None) is not None)
 
     while len(result.tokens) < max_new_tokens and ids[-1] != eos_token_id:
         left = max_new_tokens - len(result.tokens)
         S = len(ids) - 1  # position of the last accepted token; features exist for 0..S-1
-        n_draft = min(B - 1, left - 1)  # never draft past the end: the bonus token fills it
+        n_draft = min(per_round, left - 1)  # never draft past the end: the bonus token fills it
         drafted: list[int] = []
+        conf = None
         if n_draft > 0:
             ctx = dec.features()[:, :S].to(draft_dev)
-            drafted = [int(t) for t in drafter.draft(ctx, ids[-1], n_draft).tolist()][:n_draft]
+            if with_conf:
+                toks, conf = drafter.draft_with_confidence(ctx, ids[-1], n_draft)
+            else:
+                toks = drafter.draft(ctx, ids[-1], n_draft)
+            drafted = [int(t) for t in toks.tolist()][:n_draft]
+        if with_conf:  # a round without drafts (the last token) records none
+            result.confidences.append([] if conf is None else
+                                      [float(c) for c in conf.tolist()][:n_draft])
         # preds[j] is the target's choice for position S + j + 1, where drafted[j] sits.
         preds = dec.feed([ids[S]] + drafted)
         accepted = 0
@@ -165,13 +194,16 @@ def evaluate_tau(target_fn: TargetFn, drafter: Drafter | None,
                  eos_token_id: int | None = None, device="cpu") -> EvalSummary:
     """Exact tau over held-out prompts: mean of (accepted + 1) over all rounds of all prompts."""
     B = block_size or (drafter.block_size if drafter is not None else 1)
-    hist = [0] * B
-    outputs, anchors = [], []
+    hist = [0] * (B + int(B > 1 and bool(getattr(drafter, "anchor_predicts", False))))
+    outputs, anchors, confidences, accepted = [], [], [], []
     for prompt in prompts:
         r = speculative_generate(target_fn, drafter, prompt, max_new_tokens, layer_ids, B,
                                  eos_token_id=eos_token_id, device=device)
         for a in r.acceptance:
             hist[a] += 1
+        if r.confidences:
+            confidences.extend(r.confidences)
+            accepted.extend(r.acceptance)
         outputs.append(r.tokens)
         starts, at = [], len(_as_ids(prompt))
         for a in r.acceptance:
@@ -182,7 +214,8 @@ def evaluate_tau(target_fn: TargetFn, drafter: Drafter | None,
     gained = sum((k + 1) * c for k, c in enumerate(hist))
     return EvalSummary(tau=gained / rounds if rounds else 0.0, acceptance=hist,
                        prompts=len(prompts), tokens=sum(map(len, outputs)), rounds=rounds,
-                       outputs=outputs, anchors=anchors)
+                       outputs=outputs, anchors=anchors, confidences=confidences,
+                       accepted=accepted)
 
 
 @torch.no_grad()
@@ -199,9 +232,12 @@ def teacher_forced_eval(features_fn: Callable[[torch.Tensor], torch.Tensor], dra
     what that decoding round accepted, so on the decoded text the two agree unless training and
     decoding differ), else every valid position (a mean over all positions, which runs above
     exact tau: decoding's rounds start where the last draft failed, the hard places)."""
+    from dflash_core.models import dspark_loss
     from dflash_core.models import objective as obj
 
     dev = _drafter_device(drafter)
+    # DSpark's labels come one slot wider in DFlash's layout (dspark_loss.dspark_targets).
+    dsp = bool(getattr(drafter, "anchor_predicts", False))
     total, blocks = 0.0, 0
     for i, (ids_seq, mask_seq) in enumerate(sequences):
         ids = torch.tensor([_as_ids(ids_seq)], dtype=torch.long)
@@ -212,12 +248,18 @@ def teacher_forced_eval(features_fn: Callable[[torch.Tensor], torch.Tensor], dra
         if len(valid) == 0:
             continue
         at = torch.from_numpy(valid.astype(np.int64))[None]
-        labels = obj.block_labels(ids, mask, at, drafter.block_size).to(dev)
+        labels = obj.block_labels(ids, mask, at, drafter.block_size + int(dsp)).to(dev)
         feats = features_fn(ids).to(dev)
         ids, at = ids.to(dev), at.to(dev)
         bids, pos = drafter.block_inputs(ids, at)
         embeds = drafter.embed_tokens(bids).to(drafter.fc.weight.dtype)
         hidden = drafter(feats, embeds, pos, at)
+        if dsp:
+            labels, prev = dspark_loss.dspark_targets(labels, dspark_loss.anchor_tokens(ids, at))
+            preds = dspark_loss.teacher_forced_preds(drafter, hidden, prev, chunk)
+            total += float(dspark_loss.tau_sum(preds, labels))
+            blocks += int((labels[..., 0] != obj.IGNORE).sum())
+            continue
         out = obj.chunked_loss(hidden, labels, drafter.lm_head.weight, 1.0, chunk)
         total += float(out.tau_sum)
         blocks += out.blocks

@@ -19,11 +19,14 @@ from typing import Callable
 import torch
 from torch import nn
 
+from dflash_core.models import dspark_loss
 from dflash_core.models import objective as obj
 from dflash_core.models.optimizers import build_optimizer, set_lr
 from dflash_core.config import Config, default_gamma
 from dflash_core.levers import halve
-from dflash_core.models.drafter import DFlashDrafter, build_drafter_config
+from dflash_core.models.drafter import DFlashDrafter
+from dflash_core.models.drafter_kinds import drafter_from_config, load_drafter, new_drafter
+from dflash_core.models.dspark import DSparkDrafter, DSparkSettings
 from dflash_core.models.handoff import FeatureCopier
 
 # On GPU the anchor count of a batch is rounded up to a multiple of this, so compiled
@@ -63,6 +66,7 @@ class Micro:
     tokens: int = 0
     samples: int = 0
     padded: int = 0
+    terms: torch.Tensor | float = 0.0  # DSpark: [3] weighted sums of its CE, TV and BCE terms
 
     def add(self, other: "Micro") -> None:
         for f in self.__dataclass_fields__:
@@ -72,6 +76,8 @@ class Micro:
 # The step's statistics ride behind the gradient in each replica's flat buffer, so one reduction
 # (within the node, then across nodes) sums both.
 STATS = ("weight", "loss", "tau", "blocks", "tokens", "samples", "padded")
+# A DSpark replica's buffer carries its three loss terms behind those (StepResult.extra).
+DSPARK_STATS = dspark_loss.TERMS
 
 
 @dataclass
@@ -100,18 +106,24 @@ def prepare_batch(batch, num_anchors: int, block_size: int, seed: int, pad_to: i
 
 class DrafterReplica:
     """A drafter copy on one device with its optimizer. Its gradients are views into one flat
-    float32 buffer (followed by the step's statistics), so reducing a step is one collective."""
+    float32 buffer (followed by the step's statistics), so reducing a step is one collective.
+
+    A DSparkDrafter trains with DSpark's loss (``dspark``: its settings; default the reference's
+    with the drafter's own block size and rank). Its features then carry one more H-vector per
+    token, last: the target's post-norm last hidden state ([n, S, (k+1)*H])."""
 
     def __init__(self, drafter: DFlashDrafter, device: torch.device, cfg: Config,
-                 embed: nn.Embedding, lm_head: nn.Linear):
+                 embed: nn.Embedding, lm_head: nn.Linear, dspark: DSparkSettings | None = None):
         self.device = torch.device(device)
         self.cfg = cfg
+        self.dspark = _dspark_settings(drafter, dspark, cfg)
+        self.stats = STATS + DSPARK_STATS if self.dspark is not None else STATS
         self.drafter = drafter.to(self.device, dtype=torch.float32)
         self.drafter.attach_target_head(embed.to(self.device), lm_head.to(self.device))
         self.drafter.train()
         params = self.params()
         self.grad_numel = sum(p.numel() for p in params)
-        self.flat = torch.zeros(self.grad_numel + len(STATS), dtype=torch.float32,
+        self.flat = torch.zeros(self.grad_numel + len(self.stats), dtype=torch.float32,
                                 device=self.device)
         offset = 0
         for p in params:
@@ -121,6 +133,8 @@ class DrafterReplica:
         self.optimizer = build_optimizer(self.drafter, params, cfg.optim, self.device)
         self.gamma = cfg.drafter.gamma or default_gamma(self.drafter.block_size)
         self.dpace_alpha = cfg.drafter.dpace_alpha if cfg.drafter.loss == "dpace" else None
+        if self.dspark is not None:
+            self.gamma, self.dpace_alpha = self.dspark.gamma, None
         self.autocast = (self.device.type == "cuda" and cfg.drafter.dtype == "bfloat16")
         self.copier = FeatureCopier(self.device)
         self.micro = Micro()
@@ -151,9 +165,13 @@ class DrafterReplica:
         gradients are then meaningless: the caller must not step on them."""
         d = self.drafter
         B = d.block_size
-        if batch.labels is None or batch.labels.shape[-1] != B:
-            batch = prepare_batch(batch, self.cfg.drafter.num_anchors, B, seed,
+        if batch.labels is None or batch.labels.shape[-1] != d.label_width:
+            batch = prepare_batch(batch, self.cfg.drafter.num_anchors, d.label_width, seed,
                                   pad_to=ANCHOR_PAD if self.device.type == "cuda" else 1)
+        dsp = self.dspark
+        if dsp is not None:
+            _check_dspark_features(d, features)
+            terms = torch.zeros(len(DSPARK_STATS), device=self.device)
         n, A = batch.anchors.shape
         group = obj.sequences_per_group(self.micro_block_tokens, A * B)
         self.last_rows, self.last_block_tokens = n, A * B
@@ -177,13 +195,28 @@ class DrafterReplica:
                 nxt = self.copier.start(features[starts[i + 1]: starts[i + 1] + group], ready)
             a = anchors[rows]
             labels_host = batch.labels[rows]
-            picked = obj.label_rows(labels_host, self.gamma, self.dpace_alpha)
+            if dsp is not None:
+                H = d.config.hidden_size
+                feats, last = feats[..., :-H], feats[..., -H:]
+                labels_host, prev = dspark_loss.dspark_targets(
+                    labels_host, dspark_loss.anchor_tokens(batch.input_ids[rows],
+                                                           batch.anchors[rows]))
+                picked = dspark_loss.label_rows(labels_host, self.gamma)
+            else:
+                picked = obj.label_rows(labels_host, self.gamma, self.dpace_alpha)
             labels = labels_host.to(self.device, non_blocking=True)
             ids, pos = d.block_inputs(ids_all[rows], a)
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
                 hidden = d(feats, d.embed_tokens(ids).float(), pos, a)
-            lo = obj.chunked_loss(hidden, labels, d.lm_head.weight, self.gamma,
-                                  self.cfg.drafter.loss_chunk, rows=picked)
+            if dsp is not None:
+                lo = dspark_loss.dspark_loss(
+                    hidden, last, pos, labels, prev.to(self.device, non_blocking=True), d,
+                    gamma=self.gamma, chunk=self.cfg.drafter.loss_chunk, rows=picked,
+                    loss_weights=(dsp.ce_weight, dsp.tv_weight, dsp.conf_weight))
+                terms += lo.terms
+            else:
+                lo = obj.chunked_loss(hidden, labels, d.lm_head.weight, self.gamma,
+                                      self.cfg.drafter.loss_chunk, rows=picked)
             if len(picked.rows):  # the weights of labelled slots are > 0 under either loss
                 (lo.loss * lo.weight_sum).backward()
             loss_sum += lo.loss.detach() * lo.weight_sum
@@ -192,6 +225,8 @@ class DrafterReplica:
             out.blocks += lo.blocks
             del feats, hidden, lo
         out.loss_sum, out.tau_sum = loss_sum, tau_sum
+        if dsp is not None:
+            out.terms = terms
         self.micro.add(out)
         return out
 
@@ -219,13 +254,16 @@ class DrafterReplica:
         """The accumulated statistics into the tail of the flat buffer, behind the gradient."""
         m = self.micro
         tail = self.flat[self.grad_numel:]
-        tail.copy_(torch.tensor([0.0, 0.0, 0.0, m.blocks, m.tokens, m.samples, m.padded],
+        extra = [0.0] * (len(self.stats) - len(STATS))
+        tail.copy_(torch.tensor([0.0, 0.0, 0.0, m.blocks, m.tokens, m.samples, m.padded, *extra],
                                 dtype=torch.float32), non_blocking=True)
         for i, v in ((0, m.weight_sum), (1, m.loss_sum), (2, m.tau_sum)):
             if torch.is_tensor(v):
                 tail[i] += v.to(self.device)
             else:
                 tail[i] += float(v)
+        if extra and torch.is_tensor(m.terms):
+            tail[len(STATS):] += m.terms.to(self.device, torch.float32)
 
 
 def _nccl(flats: list[torch.Tensor]):
@@ -285,7 +323,7 @@ def reduce_and_step(replicas: list[DrafterReplica], step: int, total_steps: int,
         if r is lead:
             norm = g_norm
     host = torch.cat([lead.flat[lead.grad_numel:], norm.view(1)]).tolist()
-    stats = dict(zip(STATS, host))
+    stats = dict(zip(lead.stats, host))
     grad_norm = host[-1]
     loss = stats["loss"] / max(stats["weight"], 1e-12)
     if not math.isfinite(loss):
@@ -302,10 +340,14 @@ def reduce_and_step(replicas: list[DrafterReplica], step: int, total_steps: int,
             r.micro = Micro()
             r.sample_ids = []
     tokens, padded = int(stats["tokens"]), int(stats["padded"])
+    # DSpark: its three terms' weighted means ("loss_ce", "loss_tv", "loss_conf")
+    extra = {f"loss_{k}": stats[k] / max(stats["weight"], 1e-12)
+             for k in lead.stats[len(STATS):]}
     return StepResult(
         step=step + 1, loss=loss, lr=lr, grad_norm=grad_norm,
         tau_tf=stats["tau"] / max(stats["blocks"], 1), tokens=tokens,
         samples=int(stats["samples"]), padding_frac=padded and (padded - tokens) / padded,
+        extra=extra,
     )
 
 
@@ -341,30 +383,33 @@ class StepBarrier:
 
 
 def build_replicas(cfg: Config, target, devices: list[torch.device], *, layer_ids: list[int],
-                   mask_id: int, resume=None) -> list[DrafterReplica]:
+                   mask_id: int, resume=None, dspark: DSparkSettings | None = None
+                   ) -> list[DrafterReplica]:
     """The drafter (from a checkpoint to resume, ``drafter.init_from``, or fresh from the target's
     shape) and one replica of it per drafter device, each with the target's frozen embedding and
-    head. ``target``: a loaded TargetModel; ``resume``: a checkpoint's ResumeState or None."""
+    head. ``target``: a loaded TargetModel; ``resume``: a checkpoint's ResumeState or None;
+    ``dspark``: DSpark's settings when the objective is DSpark (None: DFlash). A checkpoint or
+    folder of the other objective raises drafter_kinds.ObjectiveMismatch."""
+    objective = "dspark" if dspark is not None else "dflash"
     if resume is not None:
-        drafter = DFlashDrafter(DFlashDrafter.config_from_dict(resume.drafter_config))
+        drafter = drafter_from_config(resume.drafter_config, objective)
         drafter.load_state_dict(resume.drafter_state)
     elif cfg.drafter.init_from:
-        drafter = DFlashDrafter.load(cfg.drafter.init_from)
+        drafter = load_drafter(cfg.drafter.init_from, objective)
     else:
         d = cfg.drafter
-        dcfg = build_drafter_config(
-            target.model.config, num_layers=d.num_layers, target_layer_ids=layer_ids,
-            block_size=d.block_size, mask_token_id=mask_id, hidden_size=d.hidden_size,
-            intermediate_size=d.intermediate_size, num_attention_heads=d.num_attention_heads,
-            num_key_value_heads=d.num_key_value_heads)
         torch.manual_seed(cfg.run.seed)
-        drafter = DFlashDrafter(dcfg)
+        drafter = new_drafter(
+            objective, target.model.config, num_layers=d.num_layers, target_layer_ids=layer_ids,
+            block_size=d.block_size, mask_token_id=mask_id, dspark_settings=dspark,
+            hidden_size=d.hidden_size, intermediate_size=d.intermediate_size,
+            num_attention_heads=d.num_attention_heads, num_key_value_heads=d.num_key_value_heads)
     embed = nn.Embedding.from_pretrained(target.embed_tokens.weight.detach().clone(), freeze=True)
     head = nn.Linear(target.hidden_size, target.vocab_size, bias=False)
     head.weight = nn.Parameter(target.lm_head.weight.detach().clone(), requires_grad=False)
     if devices[0].type == "cpu":
         embed, head = embed.float(), head.float()
-    reps = make_replicas(drafter, devices, cfg, embed, head)
+    reps = make_replicas(drafter, devices, cfg, embed, head, dspark)
     if resume is not None:
         for r in reps:
             r.optimizer.load_state_dict(resume.optimizer_state)
@@ -372,14 +417,38 @@ def build_replicas(cfg: Config, target, devices: list[torch.device], *, layer_id
 
 
 def make_replicas(drafter: DFlashDrafter, devices: list[torch.device], cfg: Config,
-                  embed: nn.Embedding, lm_head: nn.Linear) -> list[DrafterReplica]:
+                  embed: nn.Embedding, lm_head: nn.Linear,
+                  dspark: DSparkSettings | None = None) -> list[DrafterReplica]:
     reps = []
     for i, dev in enumerate(devices):
         d = drafter if i == 0 else copy.deepcopy(drafter)
         # Each replica gets its own copy of the frozen head on its own device.
         e, h = (embed, lm_head) if i == 0 else (copy.deepcopy(embed), copy.deepcopy(lm_head))
-        reps.append(DrafterReplica(d, dev, cfg, e, h))
+        reps.append(DrafterReplica(d, dev, cfg, e, h, dspark))
     return reps
+
+
+def _dspark_settings(drafter, dspark: DSparkSettings | None, cfg: Config):
+    """The DSpark settings a replica trains with, None for a DFlash drafter."""
+    if not isinstance(drafter, DSparkDrafter):
+        if dspark is not None:
+            raise ValueError("DSpark settings given for a DFlash drafter")
+        return None
+    if cfg.drafter.loss == "dpace":
+        raise ValueError("drafter.loss dpace does not apply to drafter.objective dspark: its "
+                         "slot weights are exp(-j/gamma) on each block's surviving prefix; set "
+                         "drafter.loss: dflash")
+    return (dspark or DSparkSettings(block_size=drafter.block_size,
+                                     markov_rank=drafter.markov_rank)).check()
+
+
+def _check_dspark_features(drafter, features: torch.Tensor) -> None:
+    """DSpark's features end with the target's post-norm last hidden state: (k+1)*H wide."""
+    H, k = drafter.config.hidden_size, len(drafter.target_layer_ids)
+    if features.shape[-1] != (k + 1) * H:
+        raise ValueError(f"DSpark needs the target's post-norm last hidden state after its {k} "
+                         f"layer features ({(k + 1) * H} values per token), got "
+                         f"{features.shape[-1]}: the target stage must append it")
 
 
 def epoch_steps_for(cfg: Config, batches_per_epoch: int, world: int) -> int:

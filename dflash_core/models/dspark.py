@@ -1,0 +1,229 @@
+"""The DSpark drafter (docs/algorithm.md, DSpark): DFlash's backbone, anchor-as-first layout, a
+Markov logit head and a confidence head.
+
+Layout: a block is the same input as DFlash's, ``[token at anchor, MASK x (B-1)]`` at positions
+anchor..anchor+B-1, but slot j (0-based) predicts the token at anchor+j+1. The anchor slot
+predicts too: B inputs give B drafts, and a round verifies B+1 tokens.
+
+Logits of slot j: ``lm_head(h_j) + W2 W1[prev_j]``, where ``prev_0`` is the anchor token and
+``prev_j`` the token of slot j-1: the data's in training, the one just drafted in decoding (chain
+drafting: one backbone pass, then B argmax steps through the Markov bias).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import Qwen3Config
+
+from dflash_core.models.drafter import DFlashDrafter, build_drafter_config
+from dflash_core.models.dspark_heads import ConfidenceHead, MarkovHead, init_heads
+from dflash_core.models.dspark_loss import slot_logits
+
+ARCHITECTURE = "Qwen3DSparkModel"
+MARKOV_HEAD_TYPE = "vanilla"  # the only type this engine trains (the reference's default)
+# How decoding feeds the Markov head: the drafted token (the method); the anchor for every slot,
+# or no Markov bias at all (ablations: what the chained head adds, a probe of check).
+MARKOV_PREV = ("drafted", "anchor", "none")
+
+
+@dataclass(frozen=True)
+class DSparkSettings:
+    """What selects and shapes DSpark: the defaults are the reference's released configs (B = 7,
+    rank 256, gamma 4, loss 0.1 CE + 0.9 TV + 1.0 confidence)."""
+
+    block_size: int = 7  # B: inputs per block = drafts per round
+    markov_rank: int = 256  # r
+    gamma: float = 4.0  # slot weights exp(-j / gamma), j = 0..B-1
+    ce_weight: float = 0.1
+    tv_weight: float = 0.9
+    conf_weight: float = 1.0  # 0: no confidence head (neither trained nor saved)
+    num_anchors: int = 512  # recorded in the served config (the reference's loader requires it)
+
+    @property
+    def confidence_head(self) -> bool:
+        return self.conf_weight > 0
+
+    def problems(self, vocab_size: int | None = None) -> list[str]:
+        """One line per setting that cannot work, naming it and the fix; empty when all fit."""
+        out = []
+        if self.block_size < 1:
+            out.append(f"drafter.block_size {self.block_size} does not fit DSpark: a block needs "
+                       "at least one slot (the reference uses 7)")
+        if self.markov_rank < 1:
+            out.append(f"drafter.markov_rank {self.markov_rank} does not fit: the Markov head "
+                       "needs a rank of at least 1 (the reference uses 256)")
+        elif vocab_size is not None and self.markov_rank > vocab_size:
+            out.append(f"drafter.markov_rank {self.markov_rank} does not fit: it exceeds the "
+                       f"target's vocabulary ({vocab_size}); a low-rank head needs r < V "
+                       "(the reference uses 256)")
+        if not self.gamma > 0:
+            out.append(f"drafter.gamma {self.gamma} does not fit DSpark: the slot weights "
+                       "exp(-j/gamma) need gamma > 0 (the reference uses 4)")
+        weights = (self.ce_weight, self.tv_weight, self.conf_weight)
+        if min(weights) < 0 or self.ce_weight + self.tv_weight <= 0:
+            out.append(f"DSpark loss weights {weights} (CE, TV, confidence) do not fit: none may "
+                       "be negative and CE + TV must be positive (the reference uses 0.1, 0.9, "
+                       "1.0)")
+        return out
+
+    def check(self, vocab_size: int | None = None) -> "DSparkSettings":
+        bad = self.problems(vocab_size)
+        if bad:
+            raise ValueError(bad[0])
+        return self
+
+
+def build_dspark_config(target_config, *, num_layers: int, target_layer_ids: list[int],
+                        mask_token_id: int, settings: DSparkSettings, hidden_size: int = 0,
+                        intermediate_size: int = 0, num_attention_heads: int = 0,
+                        num_key_value_heads: int = 0) -> Qwen3Config:
+    """The drafter's Qwen3 config (shaped like the target unless overridden) with DSpark's
+    entries as top-level attributes; ``dflash_config`` is kept for the shared backbone code and
+    dropped from the served file (dspark_format.py)."""
+    cfg = build_drafter_config(
+        target_config, num_layers=num_layers, target_layer_ids=target_layer_ids,
+        block_size=settings.block_size, mask_token_id=mask_token_id, hidden_size=hidden_size,
+        intermediate_size=intermediate_size, num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads)
+    settings.check(cfg.vocab_size)
+    cfg.architectures = [ARCHITECTURE]
+    cfg.markov_rank = int(settings.markov_rank)
+    cfg.markov_head_type = MARKOV_HEAD_TYPE
+    cfg.enable_confidence_head = settings.confidence_head
+    cfg.confidence_head_with_markov = True
+    cfg.num_anchors = int(settings.num_anchors)
+    return cfg
+
+
+@dataclass
+class ChainDraft:
+    """One round's proposal: the tokens, and per slot the confidence head's probability (None
+    without a head) and the logits argmax was taken over (for probes)."""
+
+    tokens: torch.Tensor  # [n] long
+    confidences: torch.Tensor | None  # [n] float32
+    logits: torch.Tensor  # [n, V] float32
+
+
+class DSparkDrafter(DFlashDrafter):
+    """DFlash's backbone plus the Markov and confidence heads; ``embed_tokens`` / ``lm_head`` are
+    borrowed from the target as DFlash's are (and written into the served folder)."""
+
+    objective = "dspark"
+    anchor_predicts = True
+
+    def __init__(self, config: Qwen3Config):
+        super().__init__(config)
+        self.markov_rank = int(config.markov_rank)
+        H, V = config.hidden_size, config.vocab_size
+        self.markov_head = MarkovHead(V, self.markov_rank)
+        self.confidence_head = (ConfidenceHead(H + self.markov_rank)
+                                if config.enable_confidence_head else None)
+        init_heads(self.markov_head, self.confidence_head,
+                   getattr(config, "initializer_range", 0.02))
+
+    @property
+    def label_width(self) -> int:
+        # DFlash-layout labels one slot wider: slot k (1..B) is the token at anchor+k, i.e. the
+        # label of DSpark's slot k-1 (dspark_loss.dspark_targets).
+        return self.block_size + 1
+
+    # -- heads ---------------------------------------------------------------------------------
+    def markov_logits(self, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """float32 logits ``lm_head(h) + W2 W1[prev]``: hidden [..., H], prev [...]. The whole
+        vocabulary per row: for decoding and tests (training goes through dspark_loss)."""
+        return slot_logits(hidden, self.markov_head.embed(prev), self.lm_head.weight,
+                           self.markov_head.markov_w2.weight)
+
+    def confidence_logits(self, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor | None:
+        if self.confidence_head is None:
+            return None
+        return self.confidence_head(hidden, self.markov_head.embed(prev))
+
+    # -- decoding ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def chain_draft(self, context: torch.Tensor, last_token: int, num_tokens: int | None = None,
+                    markov_prev: str = "drafted") -> ChainDraft:
+        """Greedy proposal of up to B tokens after ``last_token`` (at position S; context
+        [1, S, k*H] features of positions 0..S-1): one backbone pass, then for j = 0.. the argmax
+        of slot j's logits with the Markov head fed ``prev_j`` (the anchor for slot 0, then the
+        token just drafted). ``markov_prev`` other than "drafted" is an ablation (MARKOV_PREV)."""
+        if markov_prev not in MARKOV_PREV:
+            raise ValueError(f"markov_prev {markov_prev!r}: use one of {', '.join(MARKOV_PREV)}")
+        n = min(num_tokens or self.block_size, self.block_size)
+        S = context.shape[1]
+        dev = context.device
+        anchors = torch.tensor([[S]], device=dev)
+        ids, pos = self.block_inputs(torch.full((1, S + 1), last_token, device=dev), anchors)
+        hidden = self(context, self.embed_tokens(ids).to(self.fc.weight.dtype), pos, anchors)[0]
+        w = self.lm_head.weight
+        # slot_logits' formula, the lm_head GEMM once for all slots
+        base = torch.nn.functional.linear(hidden[:n].to(w.dtype), w)
+        base = base.to(torch.promote_types(base.dtype, torch.float32))  # [n, V]
+        prev = torch.tensor([last_token], device=dev)
+        tokens, confs, rows = [], [], []
+        for j in range(n):
+            logits = base[j: j + 1]
+            if markov_prev != "none":
+                e = self.markov_head.embed(prev)
+                logits = logits + self.markov_head.bias(e, w.dtype).to(logits.dtype)
+            x = logits.argmax(-1)
+            if self.confidence_head is not None:
+                confs.append(torch.sigmoid(self.confidence_head(hidden[j: j + 1],
+                                                                self.markov_head.embed(prev))))
+            tokens.append(x)
+            rows.append(logits)
+            if markov_prev == "drafted":
+                prev = x
+        return ChainDraft(torch.cat(tokens), torch.cat(confs) if confs else None,
+                          torch.cat(rows))
+
+    @torch.no_grad()
+    def draft_with_confidence(self, context: torch.Tensor, last_token: int,
+                              num_tokens: int | None = None):
+        """(tokens [n], confidences [n] or None): what exact decoding records per round."""
+        d = self.chain_draft(context, last_token, num_tokens)
+        return d.tokens, d.confidences
+
+    @torch.no_grad()
+    def draft(self, context: torch.Tensor, last_token: int, num_tokens: int | None = None):
+        """The chain's tokens, LongTensor [n <= B] (decoding's Drafter protocol)."""
+        return self.chain_draft(context, last_token, num_tokens).tokens
+
+    # -- served format -------------------------------------------------------------------------
+    def interchange_config(self) -> dict:
+        from dflash_core.models import dspark_format
+
+        return dspark_format.serve_config(self)
+
+    def save(self, folder: str | Path, dtype: torch.dtype | None = torch.bfloat16) -> None:
+        from dflash_core.models import dspark_format
+
+        dspark_format.save_folder(self, folder, dtype=dtype)
+
+    @classmethod
+    def config_from_dict(cls, d: dict) -> Qwen3Config:
+        from dflash_core.models import dspark_format
+
+        return dspark_format.config_from_serve_dict(d)
+
+    @classmethod
+    def load(cls, folder: str | Path, device="cpu") -> "DSparkDrafter":
+        """The drafter of a served folder; its embed_tokens / lm_head copies are not loaded
+        (attach the target's), see dspark_format.load_head for them."""
+        from safetensors.torch import load_file
+
+        from dflash_core.models import dspark_format
+
+        folder = Path(folder)
+        cfg = cls.config_from_dict(json.loads((folder / "config.json").read_text()))
+        model = cls(cfg)
+        state = load_file(str(folder / "model.safetensors"), device=str(device))
+        for k in dspark_format.FROZEN_KEYS:
+            state.pop(k, None)
+        model.load_state_dict(state)  # bf16 files load into the float32 weights (copy_ casts)
+        return model.to(device)
