@@ -47,8 +47,14 @@ class TargetConfig:
     # Target layers whose OUTPUTS feed the drafter (0-based). Empty = k layers spread from 1 to N-3.
     layer_ids: list[int] = field(default_factory=list)
     num_features: int = 5  # k, used when layer_ids is empty
-    # HF attention implementation for the target ("sdpa", "flash_attention_2", "eager").
+    # HF attention implementation for the target ("sdpa", "flash_attention_2", "flex_attention",
+    # "eager"). One the target's class cannot run is settled at preflight: sdpa on gpt-oss (its
+    # attention sinks) becomes eager, said in the log; any other is refused with the ones it can.
     attn_implementation: str = "sdpa"
+    # Run the Python files a target folder ships for its model (config.json "auto_map", e.g.
+    # Kimi-K2). Off: such a target is refused at preflight, naming this key; a model transformers
+    # knows is always built from transformers' own code. Never asked on the terminal.
+    trust_remote_code: bool = False
 
 
 @dataclass

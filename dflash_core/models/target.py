@@ -5,8 +5,14 @@ lm_head logits, never keeps the full tuple of hidden states, and stops the forwa
 last chosen layer (docs/architecture.md, Memory plan): for a 248k vocab the logits alone were
 ~30 GiB per batch.
 
+The decoder stack and its final norm are found through the model's own accessor
+(``get_decoder()``), so a mixture of experts, a DeepSeek-style model or the language model inside a
+multimodal wrapper (Gemma 3's ``...ForConditionalGeneration``) are read the same way.
+
 Loading goes through transformers' own ``from_pretrained`` (local files, safetensors only, no
-pickle). Before it, the shards are read once in order: that pulls them into the page cache, which is
+pickle; a quantized checkpoint as transformers loads it). Code shipped in the target's folder
+(config.json ``auto_map``) runs only with ``trust_remote_code``, passed explicitly so transformers
+never asks on the terminal. Before it, the shards are read once in order: that pulls them into the page cache, which is
 the slow part of a cold load, so the byte and shard counts reported along the way measure real work,
 and ``from_pretrained`` then maps them from memory. Measured on an H200 host with a cold 16 GB
 8B-shaped checkpoint: 18-20 s in all against 17 s for ``from_pretrained`` alone; the read took 10 s
@@ -105,21 +111,73 @@ def _weight_files(folder: Path) -> list[Path]:
         f"{WEIGHTS_INDEX_NAME}" + (f" (found {found})" if found else ""))
 
 
-def _load_config(folder: Path):
+REMOTE_CODE_HINT = ("set target.trust_remote_code: true in config.yaml if you trust the *.py "
+                    "files in that folder (they run in this process), or point target.path at a "
+                    "model transformers supports (docs/targets.md)")
+
+
+def causal_lm_class(hf_config: dict):
+    """The class transformers' AutoModelForCausalLM builds for a config.json of a model type it
+    knows (a multimodal wrapper for some: Gemma 3), else None (unknown, or only remote code)."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(str(hf_config.get("model_type")))
+    return getattr(transformers, name, None) if name else None
+
+
+def needs_remote_code(hf_config: dict) -> bool:
+    """The folder's config.json maps the model to Python files of its own (``auto_map``) for a
+    model transformers cannot build itself. A known model type with an auto_map (DeepSeek-V3's
+    config.json has one) is built from transformers' own code and needs none."""
+    auto_map = hf_config.get("auto_map")
+    return bool(auto_map) and causal_lm_class(hf_config) is None
+
+
+def remote_code_refusal(hf_config: dict, folder: Path) -> str:
+    """The one line saying that the target needs its own code, and why."""
+    import transformers
+
+    names = sorted(hf_config.get("auto_map") or {})
+    return (f"the target {folder} needs its own code: its config.json maps {', '.join(names)} "
+            f"to Python files in the folder (auto_map), and transformers "
+            f"{transformers.__version__} cannot build model type "
+            f"{hf_config.get('model_type')!r} itself; target.trust_remote_code is off")
+
+
+def _read_config_json(folder: Path) -> dict:
+    try:
+        data = json.loads((folder / CONFIG_NAME).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise TargetLoadError(f"cannot read the target config {folder / CONFIG_NAME}: {exc}"
+                              ) from exc
+    if not isinstance(data, dict):
+        raise TargetLoadError(f"{folder / CONFIG_NAME} holds no JSON object")
+    return data
+
+
+def _load_config(folder: Path, trust_remote_code: bool = False):
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
+    raw = _read_config_json(folder)
+    # Before transformers sees it: with trust_remote_code unset it would ask on the terminal.
+    if needs_remote_code(raw) and not trust_remote_code:
+        raise TargetLoadError(remote_code_refusal(raw, folder), hint=REMOTE_CODE_HINT)
     try:
-        config = AutoConfig.from_pretrained(folder, local_files_only=True)
-    except (OSError, ValueError, KeyError) as exc:
+        config = AutoConfig.from_pretrained(folder, local_files_only=True,
+                                            trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError, ImportError) as exc:
         raise TargetLoadError(
             f"cannot read the target config {folder / CONFIG_NAME}: {exc}") from exc
     # Checked before reading gigabytes of weights: the model type must have a causal-LM class.
-    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+    own = trust_remote_code and "AutoModelForCausalLM" in (raw.get("auto_map") or {})
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING and not own:
         raise TargetLoadError(
             f"target {folder}: model type {config.model_type!r} has no causal-LM class in "
             "transformers",
-            hint="point target.path at a causal language model (e.g. Qwen3, Qwen3.5)")
+            hint="point target.path at a causal language model (docs/targets.md lists those "
+                 "that are supported)")
     return config
 
 
@@ -160,10 +218,13 @@ def load_target(
     attn_implementation: str = "sdpa",
     progress: Callable[[LoadInfo], None] | None = None,
     stop: threading.Event | None = None,
+    trust_remote_code: bool = False,
 ) -> "TargetModel":
     """Load a frozen causal LM from a local folder, reporting progress shard by shard.
 
-    Raises TargetLoadError for a bad folder or config, LoadAborted when ``stop`` is set.
+    ``trust_remote_code``: run the folder's own model code (target.trust_remote_code); off, a
+    model that needs it is refused before anything is read. Raises TargetLoadError for a bad
+    folder or config, LoadAborted when ``stop`` is set.
     """
     t0 = time.monotonic()  # before the import: the first one takes seconds and is part of loading
     from transformers import AutoModelForCausalLM
@@ -174,7 +235,7 @@ def load_target(
     if not (folder / CONFIG_NAME).is_file():
         raise TargetLoadError(f"target folder {folder} has no {CONFIG_NAME}")
     files = _weight_files(folder)
-    config = _load_config(folder)
+    config = _load_config(folder, trust_remote_code)
     dtype = _as_dtype(dtype)
     device = torch.device(device)
 
@@ -207,7 +268,8 @@ def load_target(
             model, info = AutoModelForCausalLM.from_pretrained(
                 folder, config=config, dtype=dtype, attn_implementation=attn_implementation,
                 device_map={"": device} if direct else None, local_files_only=True,
-                use_safetensors=True, output_loading_info=True)
+                use_safetensors=True, output_loading_info=True,
+                trust_remote_code=trust_remote_code)
     except (ValueError, ImportError) as exc:  # e.g. an attention implementation not installed
         raise TargetLoadError(
             f"transformers could not build the target from {folder}: {exc}",
@@ -244,6 +306,37 @@ class _StopForward(Exception):
     """Raised by the last chosen layer's hook so the layers after it never run."""
 
 
+_LAYER_NAMES = ("layers", "h", "blocks")  # the decoder stack, by the names transformers uses
+_NORM_NAMES = ("norm", "final_layernorm", "ln_f", "final_norm")
+
+
+def decoder_parts(model: nn.Module) -> tuple[nn.Module, nn.ModuleList, nn.Module]:
+    """(language model, its decoder layers, its final norm) of a causal LM, through the model's
+    own ``get_decoder()``: the base model of a ``...ForCausalLM``, the text model inside a
+    multimodal ``...ForConditionalGeneration``. ``.model`` and ``.model.language_model`` are
+    tried after it for a model whose accessor says otherwise."""
+    base = getattr(model, "model", None)
+    try:
+        own = model.get_decoder() if hasattr(model, "get_decoder") else None
+    except (AttributeError, NotImplementedError, ValueError):  # a model without the rule
+        own = None
+    candidates = [own, base, getattr(base, "language_model", None)]
+    for decoder in candidates:
+        layers = next((getattr(decoder, n) for n in _LAYER_NAMES
+                       if isinstance(getattr(decoder, n, None), nn.ModuleList)), None)
+        norm = next((getattr(decoder, n) for n in _NORM_NAMES
+                     if isinstance(getattr(decoder, n, None), nn.Module)), None)
+        if layers is not None and norm is not None:
+            return decoder, layers, norm
+    found = type(candidates[0]).__name__ if candidates[0] is not None else "nothing"
+    raise TargetLoadError(
+        f"{type(model).__name__}: its decoder (get_decoder() gives {found}) has no stack of "
+        f"layers ({' / '.join('.' + n for n in _LAYER_NAMES)}) with a final norm "
+        f"({' / '.join('.' + n for n in _NORM_NAMES)}) to read features from",
+        hint="point target.path at a decoder-only causal LM (docs/targets.md lists those that "
+             "are supported)")
+
+
 class TargetModel:
     """A frozen HF causal LM with the accessors the drafter and the evaluator need."""
 
@@ -252,12 +345,8 @@ class TargetModel:
         model.eval()
         self.model = model
         self.text_config = model.config.get_text_config()
-        # The base model (embeddings -> decoder layers -> final norm), without the lm_head.
-        self.decoder = getattr(model, "model", None)
-        if self.decoder is None or not hasattr(self.decoder, "layers"):
-            raise TargetLoadError(f"{type(model).__name__} has no .model.layers decoder stack",
-                                  hint="point target.path at a Qwen3 / Qwen3.5-style causal LM")
-        self.layers = self.decoder.layers
+        # The language model (embeddings -> decoder layers -> final norm), without the lm_head.
+        self.decoder, self.layers, self.final_norm = decoder_parts(model)
         self.embed_tokens: nn.Embedding = model.get_input_embeddings()
         self.lm_head: nn.Linear = model.get_output_embeddings()
         self.num_layers = len(self.layers)
@@ -343,7 +432,7 @@ class TargetModel:
         last = self.num_layers - 1
         if last in outputs:
             with torch.inference_mode():
-                outputs[last] = self.decoder.norm(outputs[last])
+                outputs[last] = self.final_norm(outputs[last])
 
     def logits_and_features(self, input_ids: torch.Tensor, layer_ids: list[int] | None = None,
                             attention_mask: torch.Tensor | None = None

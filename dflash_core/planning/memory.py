@@ -9,7 +9,10 @@ large underestimate; "plan vs actual" once running shows how close they are.
 Engine facts this plan models (they are decisions of target.py / drafter.py / engine.py):
 - a target GPU holds the WHOLE target (layers after the last chosen one included) in
   ``target.dtype``, runs one ``data.token_budget``-token batch under inference_mode, stops after the
-  last chosen layer and never computes lm_head logits;
+  last chosen layer and never computes lm_head logits; a mixture of experts holds every expert
+  (its routed experts and router are their own row, "experts"), and a quantized checkpoint holds
+  the bytes it is stored in where transformers runs it as it is (FP8 block-wise on CUDA, MXFP4
+  with triton kernels), else the bytes of the dtype it is dequantized to;
 - a drafter GPU holds the drafter in fp32 with its optimizer (optim.name: AdamW's two moments
   per parameter, or Muon's one momentum per matrix entry) and the frozen borrowed embed_tokens /
   lm_head in the target dtype, receives a whole target batch of features, and runs forward +
@@ -34,8 +37,8 @@ from dflash_core.levers import (
     Lever,
 )
 from dflash_core.models.model_shape import (
-    ModelShape, drafter_matrix_param_count, drafter_param_count, drafter_shape, model_shape,
-    num_features, param_count,
+    Ledger, ModelShape, drafter_matrix_param_count, drafter_param_count, drafter_shape, model_shape,
+    num_features, param_ledger, text_config,
 )
 from dflash_core.models.objective import sequences_per_group
 from dflash_core.units import GiB
@@ -69,6 +72,25 @@ RESIDUAL_LIVE = 3  # residual, the layer's normed input / output, and the embedd
 MLP_LIVE = 3  # gate_proj out, up_proj out, act(gate) * up; down_proj output reuses a freed one
 GDN_CHUNK = 64  # flash-linear-attention chunk size: one K x V state per chunk per value head
 FP32_BYTES = 4  # softmax / norms / losses upcast to float32
+# A mixture-of-experts layer (transformers' grouped_mm experts, integrations/moe.py) works on
+# tokens x experts_per_tok (token, expert) pairs. Per pair, the largest of: the gathered input (H),
+# gate_up out (2I) and the gate's I-wide temporaries; then the input, the gated I and the down
+# output (2H + I); at the end the input, the down output, the weighted and the reordered copies
+# (4H). The gate's temporaries: act(gate) and the product (2) for SwiGLU; gpt-oss's clamped GLU
+# keeps the clamped gate and up, the GLU, up + 1 and the product (5). The router adds its logits
+# (dtype) and a float32 softmax and top-k copy per routed expert.
+MOE_GATE_LIVE = 2
+CLAMPED_GLU_TYPES = {"gpt_oss": 5}
+MOE_ROUTER_BYTES = 2 * FP32_BYTES  # + the dtype's logits
+# Quantized weights as transformers holds them on a GPU that runs them:
+FP8_BYTES = 1  # float8_e4m3 weight, plus one float32 scale_inv per weight_block_size block
+MXFP4_BYTES = 0.5 + 1 / 32  # 4-bit values in uint8 pairs, one uint8 scale per 32 values
+# What an FP8 block-wise checkpoint (Qwen's, DeepSeek's) quantizes: every linear layer's weight
+# but the embeddings, the lm_head and the router; gpt-oss's MXFP4 quantizes the routed experts.
+FP8_GROUPS = ("attention", "linear_attention", "mlp", "shared_experts", "experts")
+MXFP4_GROUPS = ("experts",)
+EXPERT_COMPONENT = ("experts", "router")  # the plan's "experts" row; the rest is "weights"
+ROUTER_MIN_BYTES = FP32_BYTES  # DeepSeek-V3 / GLM-4.5 keep their router in float32
 
 # Drafter training (autograd saves activations; optimizer states are fp32).
 ADAM_BYTES_PER_PARAM = 16  # fp32 master weight 4 + fp32 grad 4 + AdamW exp_avg 4 + exp_avg_sq 4
@@ -117,8 +139,54 @@ def dtype_bytes(dtype: Any) -> int:
     return DTYPE_BYTES[name]
 
 
-def target_weight_bytes(hf_config: dict, dtype: Any) -> int:
-    return param_count(hf_config) * dtype_bytes(dtype)
+def quantization(hf_config: dict) -> dict:
+    """The checkpoint's ``quantization_config`` (top level, or in a nested text config); {} for
+    weights stored in a plain dtype."""
+    q = hf_config.get("quantization_config") or text_config(hf_config).get("quantization_config")
+    return q if isinstance(q, dict) else {}
+
+
+def quant_method(hf_config: dict) -> str | None:
+    return quantization(hf_config).get("quant_method") or None
+
+
+def target_weight_bytes(hf_config: dict, dtype: Any, quantized: bool = False) -> int:
+    """Bytes of the target's weights in ``dtype``; with ``quantized``, as its checkpoint holds
+    them (FP8 / MXFP4 kept as stored: transformers runs them on this device)."""
+    return sum(target_weight_parts(hf_config, dtype, quantized).values())
+
+
+def target_weight_parts(hf_config: dict, dtype: Any, quantized: bool = False) -> dict[str, int]:
+    """{"weights": bytes, "experts": bytes}: the routed experts and their router apart from the
+    rest (embeddings, attention, dense MLPs, shared experts, norms; a vision tower loaded with the
+    language model). See target_weight_bytes for ``quantized``."""
+    led = param_ledger(hf_config)
+    b = dtype_bytes(dtype)
+    method = quant_method(hf_config) if quantized else None
+    parts = {"weights": 0, "experts": 0}
+    for group, n in led.groups().items():
+        part = "experts" if group in EXPERT_COMPONENT else "weights"
+        if method == "fp8" and group in FP8_GROUPS:
+            parts[part] += _fp8_bytes(led, group, hf_config) + led.vectors[group] * b
+        elif method == "mxfp4" and group in MXFP4_GROUPS:
+            matrices = n - led.vectors[group]
+            parts[part] += math.ceil(matrices * MXFP4_BYTES) + led.vectors[group] * b
+        elif group == "router":
+            parts[part] += n * max(b, ROUTER_MIN_BYTES)
+        else:
+            parts[part] += n * b
+    return parts
+
+
+def _fp8_bytes(led: Ledger, group: str, hf_config: dict) -> int:
+    """A group's weight matrices in FP8 with one float32 scale per block (a per-tensor scale when
+    the config names no block size)."""
+    block = quantization(hf_config).get("weight_block_size") or None
+    total = 0
+    for rows, cols, copies in led.matrices[group]:
+        scales = math.ceil(rows / block[0]) * math.ceil(cols / block[1]) if block else 1
+        total += copies * (rows * cols * FP8_BYTES + scales * FP32_BYTES)
+    return total
 
 
 def full_logits_bytes(tokens: int, vocab: int, dtype: Any = "bfloat16") -> int:
@@ -145,8 +213,18 @@ def _target_dtype(cfg: Config, on_cuda: bool) -> str:
 def _target_layer_transient(s: ModelShape, tokens: int, b: int, run_types: set[str],
                             attn_impl: str, max_length: int) -> int:
     """Largest per-layer transient of an inference forward, in bytes."""
-    peaks = [MLP_LIVE * tokens * s.intermediate * b]
-    if "attention" in run_types:
+    peaks = [MLP_LIVE * tokens * s.intermediate * b] if "dense" in run_types else []
+    if "moe" in run_types:
+        H, I = s.hidden, s.expert_intermediate
+        gate = CLAMPED_GLU_TYPES.get(s.model_type, MOE_GATE_LIVE)
+        pair = max(H + (2 + gate) * I, 2 * H + I, 4 * H)
+        moe = tokens * s.experts_per_tok * pair * b + tokens * s.experts * (b + MOE_ROUTER_BYTES)
+        if s.shared_intermediate:  # runs beside the routed output (tokens x H)
+            moe += tokens * (MLP_LIVE * s.shared_intermediate + H) * b
+        peaks.append(moe)
+    if "attention" in run_types and s.mla:
+        peaks.append(_mla_transient(s, tokens, b, attn_impl, max_length))
+    elif "attention" in run_types:
         q = s.heads * s.head_dim
         # q_proj output (query+gate stay referenced to the end), normed and roped q (2), k/v
         # expanded to all heads for SDPA with a padding mask (2), attention out, gated out, o_proj,
@@ -154,9 +232,7 @@ def _target_layer_transient(s: ModelShape, tokens: int, b: int, run_types: set[s
         per_token = q * (2 if s.gated_q else 1) + 2 * q + 2 * q + q + (q if s.gated_q else 0)
         per_token += s.hidden + 6 * q
         attn = tokens * per_token * b
-        if attn_impl == "eager":
-            # eager materialises heads x S x S scores per sequence (dtype) and float32 softmax
-            attn += tokens * max_length * s.heads * (b + FP32_BYTES)
+        attn += _eager_scores(s, tokens, b, attn_impl, max_length)
         peaks.append(attn)
     if "linear_attention" in run_types:
         key_dim, value_dim = s.lin_k_heads * s.lin_k_dim, s.lin_v_heads * s.lin_v_dim
@@ -176,13 +252,37 @@ def _target_layer_transient(s: ModelShape, tokens: int, b: int, run_types: set[s
     return max(peaks)
 
 
+def _eager_scores(s: ModelShape, tokens: int, b: int, attn_impl: str, max_length: int) -> int:
+    """Eager attention materialises heads x S x S scores per sequence (dtype) and a float32
+    softmax; gpt-oss's (with its sink column) keeps three dtype copies instead: the scores, the
+    logits with the sink and their max-subtracted copy."""
+    if attn_impl != "eager":
+        return 0
+    per_score = max(b + FP32_BYTES, 3 * b) if s.attn_sinks else b + FP32_BYTES
+    return tokens * max_length * s.heads * per_score
+
+
+def _mla_transient(s: ModelShape, tokens: int, b: int, attn_impl: str, max_length: int) -> int:
+    """A multi-head latent attention layer (transformers' DeepseekV3Attention) expands its latent
+    to full keys and values for every head, as its cache does: q_a / kv_a outputs, q (q_b out,
+    its rope split and the concatenated query), kv_b out (k_nope and v of every head), the
+    concatenated key with the rope key expanded to all heads, attention out, o_proj out, and the
+    float32 RoPE temporaries of the rope parts."""
+    qk = s.heads * (s.qk_nope_dim + s.qk_rope_dim)
+    kv_b = s.heads * (s.qk_nope_dim + s.v_head_dim)
+    per_token = (s.q_lora_rank + s.kv_lora_rank + s.qk_rope_dim + 3 * qk + kv_b + qk
+                 + s.heads * s.v_head_dim + s.hidden + 6 * s.heads * s.qk_rope_dim)
+    return tokens * per_token * b + _eager_scores(s, tokens, b, attn_impl, max_length)
+
+
 def _target_components(cfg: Config, s: ModelShape, hf_config: dict, on_cuda: bool,
-                       queued: int) -> dict[str, int]:
+                       queued: int, quantized: bool) -> dict[str, int]:
     t, b = cfg.data.token_budget, dtype_bytes(_target_dtype(cfg, on_cuda))
-    run_types = set(s.layer_types[: _last_layer(cfg, s) + 1])
+    last = _last_layer(cfg, s) + 1
+    run_types = set(s.layer_types[:last]) | {s.mlp_type(i) for i in range(last)}
     features = t * num_features(cfg) * s.hidden * b
     return {
-        "weights": param_count(hf_config) * b,
+        **target_weight_parts(hf_config, _target_dtype(cfg, on_cuda), quantized),
         "residual stream": RESIDUAL_LIVE * t * s.hidden * b,
         "layer transient": _target_layer_transient(
             s, t, b, run_types, cfg.target.attn_implementation, cfg.data.max_length),
@@ -334,12 +434,14 @@ def _device_type(cfg: Config, free_bytes: dict[str, int] | None) -> str:
 
 
 def plan_memory(cfg: Config, target_hf_config: dict, free_bytes: dict[str, int] | None = None,
-                total_bytes: dict[str, int] | None = None) -> Plan:
+                total_bytes: dict[str, int] | None = None, quantized: bool | None = None) -> Plan:
     """Estimate each device's peak bytes for this config and target.
 
     Queued feature batches stay on the target that made them (engine.py): each target keeps its
     share, ceil(layout.hs_queue / targets) batches, until a drafter takes them (targets of similar
-    speed; one target alone could hold up to layout.hs_queue).
+    speed; one target alone could hold up to layout.hs_queue). ``quantized``: a quantized
+    checkpoint's weights stay as stored (preflight knows whether transformers can run them on
+    these devices); None = on CUDA yes, on the CPU no (transformers dequantizes there).
     """
     s = model_shape(target_hf_config)
     free_bytes, total_bytes = free_bytes or {}, total_bytes or {}
@@ -358,7 +460,8 @@ def plan_memory(cfg: Config, target_hf_config: dict, free_bytes: dict[str, int] 
         for name, nbytes in comps.items():
             acc[name] = acc.get(name, 0) + nbytes
 
-    target = _target_components(cfg, s, target_hf_config, on_cuda, queued)
+    kept = on_cuda if quantized is None else quantized
+    target = _target_components(cfg, s, target_hf_config, on_cuda, queued, kept)
     drafter = _drafter_components(cfg, s, target_hf_config, on_cuda)
     for i in lay.targets:
         add(label(i), "target", target)
@@ -427,8 +530,8 @@ def _overflow(cfg: Config, devices: list[str], row: PlanRow) -> Overflow:
         if lever:
             levers[lever.key] = levers.get(lever.key, 0) + nbytes
     ranked = sorted(levers, key=levers.get, reverse=True)[:3]
-    fixed = row.components.get("weights", 0) + sum(row.components.get(name, 0)
-                                                   for name in OPTIMIZER_COMPONENTS.values())
+    fixed = sum(row.components.get(name, 0)
+                for name in ("weights", "experts", *OPTIMIZER_COMPONENTS.values()))
     return Overflow(
         devices=devices, row=row, lower=[(k, key_value(cfg, k)) for k in ranked],
         separate_roles=row.role == "target+drafter" and row.device.startswith("cuda"),
@@ -440,13 +543,14 @@ def _overflow(cfg: Config, devices: list[str], row: PlanRow) -> Overflow:
 # --------------------------------------------------------------------------------------------
 
 def fit_sizes(cfg: Config, target_hf_config: dict, free_bytes: dict[str, int] | None,
-              total_bytes: dict[str, int] | None = None) -> dict[str, int] | None:
+              total_bytes: dict[str, int] | None = None,
+              quantized: bool | None = None) -> dict[str, int] | None:
     """The largest values of levers.FIT_LEVERS (each lowered by its own rule, Lever.lower)
     with which the plan fits: {} when it already fits, None when even the smallest do not."""
     trial = copy.deepcopy(cfg)
     changes: dict[str, int] = {}
     while True:
-        plan = plan_memory(trial, target_hf_config, free_bytes, total_bytes)
+        plan = plan_memory(trial, target_hf_config, free_bytes, total_bytes, quantized)
         if plan.fits:
             return changes
         step = next(((lever.key, new) for row in plan.rows if not row.fits

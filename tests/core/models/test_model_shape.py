@@ -11,7 +11,13 @@ import torch
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, Qwen3_5Config
 
 from dflash_core.config import config_from_dict
-from dflash_core.models.model_shape import drafter_param_count, model_shape, param_count, text_config
+from dflash_core.models.model_shape import (
+    drafter_intermediate, drafter_param_count, model_shape, param_count, param_ledger, text_config,
+)
+
+from .target_classes import (
+    DEEPSEEK_V3, GLM_4_5, GPT_OSS_20B, MOE, QWEN3_30B_A3B, TINY, VOCAB,
+)
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 
@@ -118,6 +124,77 @@ def test_drafter_param_count_matches_a_qwen3_stack():
     assert drafter_param_count(cfg, QWEN36_27B) == 1_835_072_000
 
 
-def test_moe_targets_are_refused():
-    with pytest.raises(ValueError, match="mixture-of-experts"):
-        param_count(scaled(QWEN3_8B, num_experts=8))
+# --------------------------------------------------------------------------------------------
+# Mixture of experts, latent attention, multimodal wrappers
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", sorted(TINY))
+def test_param_count_of_each_target_class_matches_transformers(name):
+    """Experts, routers, shared experts, MLA, gpt-oss biases and sinks, Gemma's four norms and the
+    vision tower of a wrapper transformers loads whole: all counted, none twice."""
+    hf_config = TINY[name]().to_dict()
+    assert param_count(hf_config) == hf_param_count(hf_config)
+
+
+@pytest.mark.parametrize("hf_config, total", [
+    (QWEN3_30B_A3B, 30_532_122_624), (GPT_OSS_20B, 20_914_757_184),
+    (DEEPSEEK_V3, 671_026_404_352), (GLM_4_5, 352_797_814_784),
+], ids=["qwen3-30b-a3b", "gpt-oss-20b", "deepseek-v3", "glm-4.5"])
+def test_param_count_of_moe_releases_matches_transformers_at_full_size(hf_config, total):
+    # 30.5B, 20.9B and 671B are the releases' own figures (GLM-4.5's 355B has its MTP layer,
+    # which transformers does not build)
+    assert param_count(hf_config) == hf_param_count(hf_config) == total
+    led = param_ledger(hf_config)
+    assert led.group("experts") > 0.8 * led.total  # nearly all of them are expert weights
+
+
+def test_which_layers_route_to_experts():
+    assert model_shape(DEEPSEEK_V3).mlp_types == ("dense",) * 3 + ("moe",) * 58
+    qwen = model_shape(dict(QWEN3_30B_A3B, num_hidden_layers=6, mlp_only_layers=[0],
+                            decoder_sparse_step=2))
+    assert qwen.mlp_types == ("dense", "moe", "dense", "moe", "dense", "moe")
+    assert model_shape(QWEN3_8B).mlp_types == () and model_shape(QWEN3_8B).experts == 0
+    assert model_shape(GPT_OSS_20B).moe_layers == 24
+
+
+def test_moe_shapes_read_by_meaning_not_by_name():
+    s = model_shape(DEEPSEEK_V3)
+    assert (s.experts, s.experts_per_tok, s.expert_intermediate, s.shared_intermediate) == (
+        256, 8, 2048, 2048)
+    assert (s.kv_lora_rank, s.q_lora_rank, s.head_dim) == (512, 1536, 64)  # head_dim: the rope
+    oss = model_shape(GPT_OSS_20B)  # its intermediate_size is one expert's; no dense layer
+    assert (oss.experts, oss.expert_intermediate, oss.intermediate) == (32, 2880, 0)
+    assert oss.attn_sinks and oss.expert_bias and oss.qkv_bias and oss.o_bias
+    glm = model_shape(GLM_4_5)
+    assert glm.qkv_bias and not glm.o_bias and glm.qk_norm
+    # transformers writes Qwen3-MoE's count as num_local_experts, the release as num_experts
+    assert model_shape(TINY["qwen3_moe"]().to_dict()).experts == 8
+
+
+@pytest.mark.parametrize("hf_config, width", [
+    (QWEN3_30B_A3B, 6144), (DEEPSEEK_V3, 18432), (GLM_4_5, 12288), (GPT_OSS_20B, 4 * 2880),
+    (dict(QWEN3_30B_A3B, model_type="qwen3_5_moe_text", shared_expert_intermediate_size=512,
+          moe_intermediate_size=512, intermediate_size=None), 8 * 512 + 512),
+    (QWEN3_8B, 12288),
+], ids=["qwen3-moe", "deepseek-v3", "glm-4.5", "gpt-oss", "qwen3.5-moe (no dense width)",
+        "dense"])
+def test_drafter_width_defaults_from_moe_configs(hf_config, width):
+    assert drafter_intermediate(hf_config) == width
+    assert model_shape(hf_config).drafter_intermediate == width
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_drafter_built_for_a_moe_target_is_the_one_planned(name):
+    """The drafter build_drafter_config makes from the target's config object has as many
+    parameters as the plan and the checkpoint size count from config.json (Qwen3.5-MoE once
+    crashed here: its text config has no intermediate_size)."""
+    from dflash_core.models.drafter import DFlashDrafter, build_drafter_config
+
+    config = TINY[name]()
+    cfg = config_from_dict({"drafter": {"num_layers": 2}, "target": {"layer_ids": [0, 1, 3]}})
+    dcfg = build_drafter_config(config, num_layers=2, target_layer_ids=[0, 1, 3], block_size=4,
+                                mask_token_id=VOCAB - 1)
+    assert dcfg.intermediate_size == drafter_intermediate(text_config(config)) > 0
+    drafter = DFlashDrafter(dcfg)
+    assert sum(p.numel() for p in drafter.parameters()) == drafter_param_count(
+        cfg, config.to_dict())
