@@ -1,8 +1,10 @@
 """Preflight: everything that can be checked before tens of GB of weights load.
 
-Devices, disk space, wandb settings against the installed wandb, the target folder and its layer
-ids and mask id, the data shards and their batch plan, and the memory plan per GPU. Any problem is
-a ConfigError / DataError naming the key or file and the fix, raised before a single weight loads.
+Devices, disk space, wandb settings against the installed wandb, the target folder (its own code,
+its layer ids and mask id, the attention implementation its class can run, its quantized weights
+against the devices), the data shards and their batch plan, and the memory plan per GPU. Any
+problem is a ConfigError / DataError naming the key or file and the fix, raised before a single
+weight loads.
 """
 
 from __future__ import annotations
@@ -88,9 +90,16 @@ def prepare(cfg: Config, run_dir: Path, tdev: list[torch.device], ddev: list[tor
         from dflash_core.observe.sinks.wandb_sink import validate_wandb_settings
         validate_wandb_settings(cfg.wandb.settings)
 
-    target_path, hf_config, layer_ids, mask_id = resolve_target(cfg, run_dir, demo_progress)
+    def warn(message: str) -> None:
+        publish(Log(level="warning", source="preflight", message=message))
+
+    target_path, hf_config, layer_ids, mask_id = resolve_target(cfg, run_dir, demo_progress,
+                                                                say=warn)
+    kept, said = quantized_weights(cfg, hf_config, tdev)
+    if said:
+        publish(Log(level="info" if kept else "warning", source="preflight", message=said))
     # Before the data is planned: layout.auto_fit may lower data.token_budget.
-    fitted = check_memory(cfg, hf_config, tdev, ddev, publish)
+    fitted = check_memory(cfg, hf_config, tdev, ddev, publish, quantized=kept)
 
     data_path = resolve_data(cfg, target_path, demo_progress)
     check_data_manifest(cfg, data_path, target_path)
@@ -144,13 +153,140 @@ def check_checkpoint_disk(cfg: Config, hf_config: dict, run_dir: Path, total_ste
                       f"the run's checkpoints do not fit: {said}", hint=hint)
 
 
-def resolve_target(cfg: Config, run_dir: Path, demo_progress) -> tuple[Path, dict, list[int], int]:
+def resolve_target(cfg: Config, run_dir: Path, demo_progress,
+                   say: Callable[[str], None] | None = None) -> tuple[Path, dict, list[int], int]:
     """(target folder, its config.json, layer ids, mask id), checked against the config; the
-    demo's target is built (or taken from the cache) and installed in the run folder."""
+    demo's target is built (or taken from the cache) and installed in the run folder. An
+    attention implementation the target's class cannot run is replaced in ``cfg`` where one
+    works (``say`` gets the line saying so) or refused."""
     target_path = _resolve_target(cfg, run_dir, demo_progress)
     hf_config = _read_target_config(target_path)
+    check_target_code(cfg, hf_config, target_path)
     layer_ids, mask_id = _check_target(cfg, hf_config)
+    choose_attention(cfg, hf_config, say or (lambda message: None))
     return target_path, hf_config, layer_ids, mask_id
+
+
+def check_target_code(cfg: Config, hf_config: dict, target_path: Path) -> None:
+    """A target that needs the Python files of its own folder (config.json ``auto_map``, a model
+    type transformers does not know) is refused unless target.trust_remote_code allows them:
+    transformers would otherwise ask on the terminal, or fail at load."""
+    from dflash_core.models.target import REMOTE_CODE_HINT, needs_remote_code, remote_code_refusal
+
+    if needs_remote_code(hf_config) and not cfg.target.trust_remote_code:
+        raise ConfigError("target.trust_remote_code", remote_code_refusal(hf_config, target_path),
+                          hint=REMOTE_CODE_HINT)
+
+
+# What transformers knows by these names; others (a Hub kernel such as
+# "kernels-community/vllm-flash-attn3") are left for transformers to judge at load.
+KNOWN_ATTENTION = {"eager": None, "sdpa": "_supports_sdpa",
+                   "flash_attention_2": "_supports_flash_attn",
+                   "flash_attention_3": "_supports_flash_attn",
+                   "flex_attention": "_supports_flex_attn"}
+
+
+def attention_choices(model_class) -> list[str]:
+    """The attention implementations among KNOWN_ATTENTION that a transformers model class
+    declares it can run (eager always)."""
+    return [name for name, flag in KNOWN_ATTENTION.items()
+            if flag is None or getattr(model_class, flag, False)]
+
+
+def choose_attention(cfg: Config, hf_config: dict, say: Callable[[str], None]) -> None:
+    """Settle target.attn_implementation against the class transformers will build: one it
+    cannot run is found here, not when the weights have loaded. sdpa (the default) on a class
+    without it (gpt-oss: SDPA has no attention sinks) becomes eager, which every class runs, and
+    ``say`` says so; any other is refused with the ones that work. flash_attention_2 needs CUDA
+    and the flash_attn package. A model of remote code is left to its code."""
+    from dflash_core.models.target import causal_lm_class
+
+    wanted = cfg.target.attn_implementation
+    model_class = causal_lm_class(hf_config)
+    if model_class is None or wanted not in KNOWN_ATTENTION:
+        return
+    choices = attention_choices(model_class)
+    if wanted == "flash_attention_2" and "flash_attention_2" in choices:
+        import importlib.util
+
+        on_cpu = cfg.layout.device == "cpu" or not torch.cuda.is_available()
+        if on_cpu or importlib.util.find_spec("flash_attn") is None:
+            raise ConfigError("target.attn_implementation", "flash_attention_2 needs CUDA and "
+                              "the flash_attn package" + (
+                                  "; this run is on the CPU" if on_cpu
+                                  else "; flash_attn is not installed"),
+                              hint="set target.attn_implementation: sdpa (or install flash-attn "
+                                   "on a CUDA machine)")
+    if wanted in choices:
+        return
+    name = model_class.__name__
+    if wanted == "sdpa":
+        cfg.target.attn_implementation = "eager"
+        other = (" (flex_attention also runs it: set target.attn_implementation: "
+                 "flex_attention to try it)" if "flex_attention" in choices else "")
+        say(f"target.attn_implementation: {name} cannot run sdpa (transformers: no SDPA path "
+            f"for its attention); using eager, which holds each sequence's attention scores "
+            f"(the memory plan counts them){other}")
+        return
+    raise ConfigError("target.attn_implementation", f"{name} cannot run {wanted!r}",
+                      hint=f"set target.attn_implementation to one of {choices}")
+
+
+def quantized_weights(cfg: Config, hf_config: dict,
+                      tdev: list[torch.device]) -> tuple[bool | None, str | None]:
+    """(whether a quantized checkpoint's weights stay as stored on the target devices, the one
+    line saying what they take); (None, None) for weights in a plain dtype. transformers runs
+    FP8 block-wise weights on a CUDA GPU of compute capability 8.9+ and MXFP4 (gpt-oss) experts
+    with triton >= 3.4 and the kernels package; elsewhere it dequantizes them as it loads, to the
+    dtype the target runs in. Both need accelerate: without it the load would fail, so refused."""
+    import importlib.util
+
+    from dflash_core.planning.memory import quant_method, target_weight_bytes
+
+    method = quant_method(hf_config)
+    if not method:
+        return None, None
+    on_cuda = any(d.type == "cuda" for d in tdev)
+    dtype = cfg.target.dtype if on_cuda else "float32"  # as the target stage loads it
+    plain = target_weight_bytes(hf_config, dtype)
+    if method not in ("fp8", "mxfp4"):
+        return False, (f"target: weights quantized with {method}: the memory plan counts them "
+                       f"as {dtype} ({plain / GiB:.1f} GiB), an upper bound")
+    if importlib.util.find_spec("accelerate") is None:
+        raise ConfigError("target.path", f"the target's weights are quantized ({method}): "
+                          "transformers loads such checkpoints only with the accelerate package",
+                          hint="pip install accelerate")
+    stored = target_weight_bytes(hf_config, dtype, quantized=True)
+    label = {"fp8": "FP8 block-wise", "mxfp4": "MXFP4"}[method]
+    why = _quantized_cannot_run(method, tdev)
+    if why is None:
+        return True, (f"target: {label} weights (quant_method {method}) stay as stored: "
+                      f"{stored / GiB:.1f} GiB ({plain / GiB:.1f} GiB in {dtype})")
+    return False, (f"target: the checkpoint's {label} weights cannot run here ({why}): "
+                   f"transformers dequantizes them to {dtype} as it loads, {plain / GiB:.1f} GiB "
+                   f"instead of {stored / GiB:.1f} GiB; the memory plan counts {dtype}")
+
+
+def _quantized_cannot_run(method: str, tdev: list[torch.device]) -> str | None:
+    """Why transformers would dequantize ``method`` weights on these devices (None: it runs
+    them as stored), by the checks of its quantizers."""
+    gpus = [d for d in tdev if d.type == "cuda"]
+    if not gpus:
+        return "the target runs on the CPU"
+    need = (8, 9) if method == "fp8" else (7, 5)
+    for d in gpus:
+        cap = torch.cuda.get_device_capability(d)
+        if tuple(cap) < need:
+            return (f"cuda:{d.index} has compute capability {cap[0]}.{cap[1]}, "
+                    f"{method} needs {need[0]}.{need[1]}+")
+    if method == "mxfp4":
+        from transformers.utils import is_kernels_available, is_triton_available
+
+        if not is_triton_available("3.4.0"):
+            return "triton >= 3.4 is not installed"
+        if not is_kernels_available():
+            return "the kernels package is not installed"
+    return None
 
 
 def _read_target_config(target_path: Path) -> dict:
@@ -175,7 +311,7 @@ def _check_target(cfg: Config, hf_config: dict) -> tuple[list[int], int]:
         shape = model_shape(hf_config)
     except (ValueError, TypeError) as exc:
         raise ConfigError("target.path", f"the target's config.json: {exc}",
-                          hint="set target.path to a dense causal LM folder with a complete "
+                          hint="set target.path to a causal LM folder with a complete "
                                "config.json (hidden_size, num_hidden_layers, heads, vocab_size)"
                           ) from exc
     n_layers, vocab = shape.layers, shape.vocab
@@ -260,7 +396,8 @@ def _target_fingerprints(cfg: Config, target_path: Path, manifest: dict) -> dict
     elif any((target_path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
         from transformers import AutoTokenizer
         try:
-            tok = AutoTokenizer.from_pretrained(str(target_path), local_files_only=True)
+            tok = AutoTokenizer.from_pretrained(str(target_path), local_files_only=True,
+                                                trust_remote_code=cfg.target.trust_remote_code)
         except (OSError, ValueError, TypeError):
             return None  # the target's own check reports an unusable folder
     else:
@@ -273,10 +410,11 @@ def _target_fingerprints(cfg: Config, target_path: Path, manifest: dict) -> dict
     return fps
 
 
-def check_memory(cfg: Config, hf_config: dict, tdev, ddev, publish) -> dict[str, int]:
+def check_memory(cfg: Config, hf_config: dict, tdev, ddev, publish,
+                 quantized: bool | None = None) -> dict[str, int]:
     """Publish the memory plan; refuse a run that cannot fit, naming the key the plan picks and
     the sizes that would fit. With layout.auto_fit, lower those sizes in ``cfg`` instead and
-    return what was changed ({key: new value})."""
+    return what was changed ({key: new value}). ``quantized``: quantized_weights' verdict."""
     from dflash_core.planning.memory import fit_sizes, plan_memory
     from dflash_core.planning.memory_report import format_overflow, format_plan
 
@@ -293,8 +431,9 @@ def check_memory(cfg: Config, hf_config: dict, tdev, ddev, publish) -> dict[str,
 
             vm = psutil.virtual_memory()
             free["cpu"], total["cpu"] = vm.available, vm.total
-    plan = plan_memory(cfg, hf_config, free or None, total or None)
-    sizes = fit_sizes(cfg, hf_config, free or None, total or None) if not plan.fits else {}
+    plan = plan_memory(cfg, hf_config, free or None, total or None, quantized)
+    sizes = (fit_sizes(cfg, hf_config, free or None, total or None, quantized)
+             if not plan.fits else {})
     if sizes and cfg.layout.auto_fit:
         was = {key: key_value(cfg, key) for key in sizes}
         for key, value in sizes.items():
@@ -302,7 +441,7 @@ def check_memory(cfg: Config, hf_config: dict, tdev, ddev, publish) -> dict[str,
         publish(Log(level="warning", source="preflight", message=(
             "memory plan: lowered " + ", ".join(f"{k} {was[k]} -> {v}" for k, v in sizes.items())
             + " to fit (layout.auto_fit)")))
-        plan = plan_memory(cfg, hf_config, free or None, total or None)
+        plan = plan_memory(cfg, hf_config, free or None, total or None, quantized)
     publish(MemoryPlan(rows=plan.to_event_rows(), fits=plan.fits))
     if not plan.fits:
         hint = "; ".join(format_overflow(o) for o in plan.overflows)
