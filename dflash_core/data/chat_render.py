@@ -83,8 +83,9 @@ def load_tokenizer(spec: str | Path, chat_template: str | Path | None = None):
         p = Path(chat_template).expanduser()
         try:
             tok.chat_template = p.read_text(encoding="utf-8")
-        except OSError as exc:
-            raise DataError(f"cannot read the chat template ({exc})", file=p) from exc
+        except (OSError, UnicodeDecodeError) as exc:
+            raise DataError(f"cannot read the chat template ({exc})", file=p,
+                            hint="pass --chat-template a jinja text file") from exc
     check_template(tok, spec)
     return tok
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +39,7 @@ ROLE_ALIASES = {
 
 # Why a row is not used; every skipped row is counted under one of these.
 REASONS = {
+    "not_utf8": "the line is not UTF-8 text",
     "not_json": "the line is not a JSON object",
     "no_turns": "no 'messages' or 'conversations' list",
     "bad_turn": "a turn is not an object with a role and text content",
@@ -48,6 +50,8 @@ REASONS = {
     "template_error": "the chat template failed to render the conversation",
     "prefix_mismatch": "the rendered turns are not token prefixes of one another",
     "too_long": "longer than --max-length tokens",
+    "too_long_chars": "more characters than --max-length tokens can hold (not tokenized)",
+    "render_error": "the tokenizer failed on the row's text",
     "duplicate_id": "the same id as an earlier row",
 }
 
@@ -84,10 +88,28 @@ def split_thinking(text: str) -> tuple[str, str | None]:
     return text[m.end():], m.group(1).strip("\n")
 
 
+def _check_text(text: str, k: int) -> None:
+    """JSON can spell a lone surrogate (``"\\ud800"``), which no tokenizer takes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise RowError("bad_turn", f"turn {k}: the text holds a lone surrogate "
+                       f"({text[exc.start]!r} at character {exc.start})") from None
+
+
+def text_chars(conv: Conversation) -> int:
+    """Characters of a conversation's text (answers, reasoning, prompts): what bounds its
+    tokens from below, before tokenizing it."""
+    return sum(len(m["content"]) + len(m.get("reasoning_content") or "")
+               for m in conv.messages)
+
+
 def normalise(row: Any, index: int) -> Conversation:
     """One source row -> Conversation, or RowError naming what is wrong."""
+    if isinstance(row, _Unreadable):
+        raise RowError(row.reason, row.detail)
     if not isinstance(row, dict):
-        raise RowError("not_json")
+        raise RowError("not_json", f"a JSON {_json_kind(row)}, not an object")
     turns = row.get("messages")
     if turns is None:
         turns = row.get("conversations")
@@ -109,6 +131,7 @@ def normalise(row: Any, index: int) -> Conversation:
         if not isinstance(content, str):
             raise RowError("bad_turn", f"turn {k}: content is a {type(content).__name__}, "
                            "expected text")
+        _check_text(content, k)
         msg: dict = {"role": role, "content": content}
         if role == "assistant":
             reasoning = t.get("reasoning_content", t.get("reasoning"))
@@ -117,6 +140,7 @@ def normalise(row: Any, index: int) -> Conversation:
                 msg["content"], reasoning = answer, inline if reasoning is None else reasoning
             if reasoning:
                 msg["reasoning_content"] = str(reasoning)
+                _check_text(msg["reasoning_content"], k)
             ids = t.get("token_ids")  # the server's own ids for this answer (regenerate)
             if isinstance(ids, list) and ids and all(isinstance(x, int) for x in ids):
                 msg["token_ids"] = ids
@@ -134,13 +158,23 @@ def normalise(row: Any, index: int) -> Conversation:
 # Sources
 # ------------------------------------------------------------------------------------------------
 
+_SOURCE_HINT = "pass a .jsonl file, a .parquet file or folder, or a datasets save_to_disk folder"
+
+
+def _read_json(path: Path, what: str) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise DataError(f"unreadable {what} ({exc})", file=path,
+                        hint="the datasets folder is damaged: save it again, or pass its "
+                             ".arrow files") from exc
+
+
 def source_files(path: str | Path) -> tuple[str, list[Path]]:
     """(format, files) of a conversations source: ``jsonl``, ``arrow`` or ``parquet``."""
     path = Path(path).expanduser()
     if not path.exists():
-        raise DataError("conversations source does not exist", file=path,
-                        hint="pass a .jsonl file, a .parquet file or folder, or a datasets "
-                             "save_to_disk folder")
+        raise DataError("conversations source does not exist", file=path, hint=_SOURCE_HINT)
     if path.is_file():
         if path.suffix in (".jsonl", ".json"):
             return "jsonl", [path]
@@ -150,19 +184,34 @@ def source_files(path: str | Path) -> tuple[str, list[Path]]:
             return "arrow", [path]
         raise DataError(f"unknown file type {path.suffix!r}", file=path,
                         hint="conversations come as .jsonl, .parquet or .arrow")
+    if not os.access(path, os.R_OK | os.X_OK):
+        raise DataError("cannot read this folder (permission denied)", file=path,
+                        hint="pass a folder you can read")
+    if (path / "dflash_data.json").exists():
+        raise DataError("this is a prepared data folder (tokenized shards), not conversations",
+                        file=path, hint="pass the conversations it was made from (the manifest's "
+                                        "source), or train on this folder as it is")
     state = path / "state.json"
     dd = path / "dataset_dict.json"
     if dd.exists():
-        splits = json.loads(dd.read_text(encoding="utf-8")).get("splits", [])
-        if "train" not in splits and len(splits) != 1:
-            raise DataError(f"holds several splits {splits} and none is 'train'", file=path,
-                            hint="pass one split folder")
-        return source_files(path / ("train" if "train" in splits else splits[0]))
+        splits = _read_json(dd, "dataset_dict.json")
+        splits = splits.get("splits", []) if isinstance(splits, dict) else []
+        if not splits or ("train" not in splits and len(splits) != 1):
+            raise DataError(f"holds the splits {splits} and none is 'train'", file=path,
+                            hint="pass one split's folder")
+        return source_files(path / ("train" if "train" in splits else str(splits[0])))
     if state.exists():
         try:
-            names = [d["filename"] for d in json.loads(state.read_text("utf-8"))["_data_files"]]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise DataError(f"unreadable state.json ({exc})", file=state) from exc
+            names = [str(d["filename"]) for d in _read_json(state, "state.json")["_data_files"]]
+        except (KeyError, TypeError) as exc:
+            raise DataError(f"state.json does not list its data files ({exc!r})", file=state,
+                            hint="the datasets folder is damaged: save it again, or pass its "
+                                 ".arrow files") from exc
+        missing = [n for n in names if not (path / n).is_file()]
+        if missing or not names:
+            raise DataError(f"state.json lists data files that are not there ({missing[:3]})"
+                            if names else "state.json lists no data files", file=path,
+                            hint="the datasets folder is incomplete: copy it again")
         return "arrow", [path / n for n in names]
     for fmt, ext in (("jsonl", ".jsonl"), ("parquet", ".parquet"), ("arrow", ".arrow")):
         files = sorted(p for p in path.iterdir() if p.suffix == ext and not p.name.startswith("."))
@@ -177,9 +226,13 @@ def source_fingerprint(files: list[Path]) -> str:
     h = hashlib.sha256()
     for f in files:
         h.update(f.name.encode())
-        with open(f, "rb") as fh:
-            for block in iter(lambda: fh.read(1 << 20), b""):
-                h.update(block)
+        try:
+            with open(f, "rb") as fh:
+                for block in iter(lambda: fh.read(1 << 20), b""):
+                    h.update(block)
+        except OSError as exc:
+            raise DataError(f"cannot read the source ({exc.strerror})", file=f,
+                            hint="pass a file you can read") from exc
     return h.hexdigest()[:16]
 
 
@@ -195,30 +248,73 @@ def _arrow_batches(path: Path) -> Iterator[pa.RecordBatch]:
             source.seek(0)
             yield from pa.ipc.open_stream(source)
     except (pa.ArrowException, OSError) as exc:
-        raise DataError(f"not a readable Arrow file ({exc})", file=path) from exc
+        raise DataError(f"not a readable Arrow file ({exc})", file=path,
+                        hint="the file is damaged or not Arrow: save the data set again") from exc
+
+
+@dataclass
+class _Unreadable:
+    """A JSONL line that is not a row; ``normalise`` turns it into its RowError."""
+    reason: str
+    detail: str
+
+
+def _json_kind(value: Any) -> str:
+    return {list: "list", str: "string", int: "number", float: "number", bool: "boolean",
+            type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def _json_lines(f: Path) -> Iterator[Any]:
+    """Rows of a JSONL file, or a ``.json`` file holding one JSON array. Read as bytes, so a
+    line that is not UTF-8 is one row counted (``not_utf8``), not the end of the file."""
+    with open(f, "rb") as fh:
+        head = fh.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
+        fh.seek(0)
+        if f.suffix == ".json" and head.startswith(b"["):
+            try:
+                rows = json.loads(fh.read().decode("utf-8-sig"))
+            except ValueError as exc:
+                raise DataError(f"neither JSON lines nor one JSON array ({exc})", file=f,
+                                hint="write one conversation per line (.jsonl)") from exc
+            yield from rows
+            return
+        for n, line in enumerate(fh, 1):
+            if n == 1:
+                line = line.removeprefix(b"\xef\xbb\xbf")  # a byte-order mark (Windows tools)
+            if not line.strip():
+                continue
+            try:
+                text = line.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                yield _Unreadable("not_utf8", f"line {n}: byte {line[exc.start]:#04x} at "
+                                              f"column {exc.start + 1}")
+                continue
+            try:
+                yield json.loads(text)
+            except ValueError as exc:
+                yield _Unreadable("not_json", f"line {n}: {exc}")
 
 
 def _raw_rows(fmt: str, files: list[Path]) -> Iterator[Any]:
     for f in files:
-        if fmt == "jsonl":
-            with open(f, encoding="utf-8") as fh:
-                for line in fh:
-                    if not line.strip():
-                        continue
-                    try:
-                        yield json.loads(line)
-                    except ValueError:
-                        yield None
-        elif fmt == "parquet":
-            try:
-                pf = pq.ParquetFile(str(f))
-                for b in pf.iter_batches(batch_size=1024):
+        try:
+            if fmt == "jsonl":
+                yield from _json_lines(f)
+            elif fmt == "parquet":
+                try:
+                    pf = pq.ParquetFile(str(f))
+                    for b in pf.iter_batches(batch_size=1024):
+                        yield from b.to_pylist()
+                except pa.ArrowException as exc:
+                    raise DataError(f"not a readable Parquet file ({exc})", file=f,
+                                    hint="the file is damaged or not Parquet: write it "
+                                         "again") from exc
+            else:
+                for b in _arrow_batches(f):
                     yield from b.to_pylist()
-            except (pa.ArrowException, OSError) as exc:
-                raise DataError(f"not a readable Parquet file ({exc})", file=f) from exc
-        else:
-            for b in _arrow_batches(f):
-                yield from b.to_pylist()
+        except OSError as exc:
+            raise DataError(f"cannot read the source ({exc.strerror or exc})", file=f,
+                            hint="pass a file you can read") from exc
 
 
 def read_rows(path: str | Path) -> Iterator[Conversation | Malformed]:

@@ -13,8 +13,18 @@ from pathlib import Path
 
 import numpy as np
 
+from dflash_core.data.conversations import Conversation, read_rows
 from dflash_core.data.manifest import read_manifest
-from dflash_core.data.shards import ShardedDataset
+from dflash_core.data.shards import DataError, ShardedDataset
+
+
+def _holds_conversations(path: str | Path) -> bool:
+    if Path(path).suffix in (".jsonl", ".json"):
+        return True
+    try:
+        return isinstance(next(read_rows(path), None), Conversation)
+    except DataError:
+        return False
 
 
 def length_histogram(lengths: np.ndarray, bins: int = 8) -> list[tuple[int, int, int]]:
@@ -73,7 +83,16 @@ def inspect(path: str | Path, *, samples: int = 2, tokenizer=None, target=None,
             agreement_samples: int = 16, max_positions: int = 512, seed: int = 0) -> dict:
     """A report (a dict, printed by the verb). ``tokenizer``: decodes the samples (None: ids are
     shown). ``target``: a loaded HF causal LM, for the agreement."""
-    ds = ShardedDataset.open(path)
+    try:
+        ds = ShardedDataset.open(path)
+    except DataError as exc:
+        if _holds_conversations(path):
+            raise DataError("holds conversations, not prepared (tokenized) data", file=path,
+                            hint=f"prepare it first: dflash-tui data prepare {path} --tokenizer "
+                                 "TARGET --out DATA, then inspect DATA") from exc
+        raise
+    if len(ds) == 0:
+        raise DataError("holds no samples", file=path, hint="prepare the data again")
     lengths = ds.lengths
     trained = np.zeros(len(ds), np.int64)
     for i in range(len(ds)):

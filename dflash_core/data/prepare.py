@@ -3,15 +3,17 @@
 Rows are rendered in parallel (one process per core, forked so the tokenizer loads once) and come
 back in source order, so the same source and options write the same shards. A row that cannot be
 used is counted under its reason (``conversations.REASONS``) with a first example of each; none
-is dropped in silence. The output folder gets a marker first and the manifest last (``manifest``),
-so an interrupted prepare is never taken for a finished one; shards are written under hidden
-temporary names and renamed at the end (``writing.write_shards``).
+is dropped in silence. The output is written into a hidden folder beside ``--out`` (a marker
+first, the manifest last) and swapped in at the end (``output.Staging``), under a lock that
+refuses a second writer (``lock.OutputLock``): a prepare that fails, or is interrupted, leaves
+``--out`` as it was, and never writes into its own input or replaces a folder it did not write.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,9 +25,11 @@ from dflash_core.data.chat_render import (
     ChatRenderer, RenderStats, fingerprints, load_tokenizer,
 )
 from dflash_core.data.conversations import (
-    Conversation, Malformed, RowError, read_rows, source_files, source_fingerprint,
+    Conversation, Malformed, RowError, read_rows, source_files, source_fingerprint, text_chars,
 )
+from dflash_core.data.lock import OutputLock
 from dflash_core.data.manifest import MANIFEST, MARKER, VERSION, mark_finished, mark_started
+from dflash_core.data.output import OWNER, Staging, check_apart, check_out
 from dflash_core.data.progress import ProgressLine
 from dflash_core.data.shards import DataError
 from dflash_core.data.writing import write_shards
@@ -73,15 +77,24 @@ _WORKER: dict = {}  # set in the parent before forking; the children inherit it
 def _render_chunk(rows: list) -> tuple[int, list, list, RenderStats]:
     renderer: ChatRenderer = _WORKER["renderer"]
     max_length: int = _WORKER["max_length"]
+    max_chars: int = _WORKER["max_chars"]
     samples, drops, stats = [], [], RenderStats()
     for r in rows:
         if isinstance(r, Malformed):
             drops.append((r.reason, r.id, r.detail))
             continue
+        if max_chars and (n := text_chars(r)) > max_chars:
+            # The cost of a huge row is bounded: it is not tokenized (several times over, once
+            # per assistant turn) only to be found too long.
+            drops.append(("too_long_chars", r.id, f"{n} characters > {max_chars}"))
+            continue
         try:
             out = renderer.render(r, stats)
         except RowError as exc:
             drops.append((exc.reason, r.id, str(exc)))
+            continue
+        except Exception as exc:  # the tokenizer's own errors on odd text: this row's, counted
+            drops.append(("render_error", r.id, f"{type(exc).__name__}: {exc}"[:300]))
             continue
         for s in out:
             if max_length and len(s.input_ids) > max_length:
@@ -106,48 +119,51 @@ def _chunks(rows: Iterator[Conversation | Malformed], n: int) -> Iterator[list]:
 
 
 def count_rows(source: str | Path) -> int:
-    """Rows in a source, cheaply (the progress bar's total)."""
+    """Rows in a source, cheaply (the progress bar's total; 0 = unknown). A file that cannot be
+    counted is not an error here: reading its rows says what is wrong with it."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     fmt, files = source_files(source)
-    if fmt == "parquet":
-        return sum(pq.ParquetFile(str(f)).metadata.num_rows for f in files)
-    if fmt == "jsonl":
-        n = 0
-        for f in files:
-            with open(f, "rb") as fh:
-                n += sum(1 for line in fh if line.strip())
-        return n
+    try:
+        if fmt == "parquet":
+            return sum(pq.ParquetFile(str(f)).metadata.num_rows for f in files)
+        if fmt == "jsonl":
+            n = 0
+            for f in files:
+                with open(f, "rb") as fh:
+                    n += sum(1 for line in fh if line.strip())
+            return n
+    except (OSError, pa.ArrowException):
+        pass
     return 0  # arrow: not worth a pass; the bar shows a count without a total
+
+
+def max_chars_for(tok, max_length: int) -> int:
+    """Characters that ``max_length`` tokens can hold at most: no token of a byte-level BPE or
+    SentencePiece vocabulary decodes to more characters than its own spelling, so a text longer
+    than this is over ``max_length`` tokens without tokenizing it (2x spare for the rest)."""
+    if not max_length:
+        return 0
+    longest = max((len(t) for t in tok.get_vocab()), default=1)
+    return 2 * max_length * max(1, longest)
 
 
 # ------------------------------------------------------------------------------------------------
 # The output folder
 # ------------------------------------------------------------------------------------------------
 
-def claim_output(out: Path, overwrite: bool) -> None:
-    """Refuse a folder that holds anything unless ``overwrite``; then empty it of our files."""
-    if out.exists() and not out.is_dir():
-        raise DataError("the output path is a file", file=out, hint="pass --out a folder")
-    held = sorted(p.name for p in out.iterdir()) if out.exists() else []
-    if held and not overwrite:
-        raise DataError(f"the output folder already holds {len(held)} entries "
-                        f"({', '.join(held[:4])}{', ...' if len(held) > 4 else ''})", file=out,
-                        hint="pass another --out, or --overwrite to replace what is there")
-    foreign = [n for n in held if not _ours(n)]
-    if foreign:  # --overwrite replaces data, it does not empty a folder of other things
-        raise DataError(f"the output folder holds files a prepare does not write "
-                        f"({', '.join(foreign[:4])})", file=out,
-                        hint="pass --out an empty or new folder")
-    for name in held:
-        (out / name).unlink()
-    out.mkdir(parents=True, exist_ok=True)
-
-
 def _ours(name: str) -> bool:
-    return (name in (MANIFEST, MARKER, "state.json", "dataset_info.json")
+    """Entries a prepare writes in its folder (``--overwrite`` replaces a folder of only these)."""
+    return (name in (MANIFEST, MARKER, OWNER, "state.json", "dataset_info.json")
             or name.startswith(".tmp-") or name.startswith(f".{MANIFEST}")
             or (name.startswith(("data-", "part-")) and name.endswith((".arrow", ".parquet"))))
+
+
+def claim_output(out: Path, overwrite: bool) -> bool:
+    """Refuse an output folder a prepare may not write (``output.check_out``); True when it
+    holds an earlier prepare's data that ``overwrite`` replaces."""
+    return check_out(out, "prepare", overwrite=overwrite, ours=_ours)
 
 
 def _stats(lengths: list[int], trained: list[int]) -> dict:
@@ -167,23 +183,57 @@ def _stats(lengths: list[int], trained: list[int]) -> dict:
 # prepare
 # ------------------------------------------------------------------------------------------------
 
+def _note(text: str) -> None:
+    print(f"note: {text}", file=sys.stderr)
+
+
+def check_options(opts: PrepareOptions) -> None:
+    """The numbers and names the command line checks too, for callers of ``prepare``."""
+    bad = [f"{k} must be >= {lo}, got {v}" for k, v, lo in (
+        ("max_length", opts.max_length, 0), ("workers", opts.workers, 0),
+        ("samples_per_shard", opts.samples_per_shard, 1)) if not isinstance(v, int) or v < lo]
+    if opts.fmt not in ("arrow", "parquet"):
+        bad.append(f"fmt must be arrow or parquet, got {opts.fmt!r}")
+    if bad:
+        raise DataError("; ".join(bad), hint="see dflash-tui data prepare --help")
+
+
 def prepare(opts: PrepareOptions) -> dict:
-    """Run a prepare; returns the manifest written. Raises DataError for bad input (before any
-    file is written where it can be found out before)."""
+    """Run a prepare; returns the manifest written. Raises DataError for bad input, before
+    anything is written where it can be found out before. The output is written beside ``out``
+    and swapped in at the end: a prepare that fails leaves ``out`` as it was."""
     t0 = time.monotonic()
+    check_options(opts)
     fmt, files = source_files(opts.source)
+    out = Path(opts.out).expanduser().absolute()
+    check_apart(out, [("conversations source", opts.source), ("tokenizer folder",
+                      opts.tokenizer), ("chat template", opts.chat_template)])
+    claim_output(out, opts.overwrite)  # the cheap refusals before loading the tokenizer
     tok = load_tokenizer(opts.tokenizer, opts.chat_template)
     renderer = ChatRenderer(tok, opts.thinking)
-    out = Path(opts.out).expanduser()
-    claim_output(out, opts.overwrite)
-    src_fp = source_fingerprint(files)
-    mark_started(out, {"source": str(opts.source), "source_fingerprint": src_fp})
+    with OutputLock(out, "prepare", _note):
+        claim_output(out, opts.overwrite)  # again, now that no one else writes it
+        staging = Staging(out, _ours, _note)
+        stage = staging.begin("prepare")
+        try:
+            manifest = _prepare_into(stage, opts, fmt, files, tok, renderer, t0)
+            staging.install()
+        except BaseException:
+            staging.abort()
+            raise
+    return manifest
 
+
+def _prepare_into(stage: Path, opts: PrepareOptions, fmt: str, files: list[Path], tok,
+                  renderer: ChatRenderer, t0: float) -> dict:
+    src_fp = source_fingerprint(files)
+    mark_started(stage, {"source": str(opts.source), "source_fingerprint": src_fp})
     workers = opts.workers or os.cpu_count() or 1
     total = count_rows(opts.source)
     bar = ProgressLine("prepare", total or None, "rows", enabled=opts.progress)
     tally = _Tally()
-    _WORKER.update(renderer=renderer, max_length=opts.max_length)
+    _WORKER.update(renderer=renderer, max_length=opts.max_length,
+                   max_chars=max_chars_for(tok, opts.max_length))
     pool = None
     try:
         chunks = _chunks(read_rows(opts.source), CHUNK_ROWS)
@@ -208,13 +258,9 @@ def prepare(opts: PrepareOptions) -> dict:
                 tally.rows += n_rows
                 bar.update(done=tally.rows, dropped=sum(tally.dropped.values()))
 
-        shards = write_shards(samples(), out, samples_per_shard=opts.samples_per_shard,
-                              fmt=opts.fmt, overwrite=True)
+        shards = write_shards(samples(), stage, samples_per_shard=opts.samples_per_shard,
+                              fmt=opts.fmt)
         bar.update(done=tally.rows)
-    except BaseException:
-        for p in out.glob(".tmp-*"):
-            p.unlink(missing_ok=True)  # the marker stays: the folder reads as unfinished
-        raise
     finally:
         if pool is not None:
             pool.terminate()
@@ -224,8 +270,6 @@ def prepare(opts: PrepareOptions) -> dict:
 
     n = len(tally.lengths)
     if n == 0:
-        for p in shards:
-            p.unlink(missing_ok=True)
         first = "; ".join(f"{k}: {v} (e.g. {tally.examples[k]})" for k, v in
                           sorted(tally.dropped.items()))
         raise DataError(f"no row could be used ({first or 'the source is empty'})",
@@ -254,7 +298,7 @@ def prepare(opts: PrepareOptions) -> dict:
         "seconds": round(time.monotonic() - t0, 2),
         "workers": workers,
     }
-    mark_finished(out, manifest)
+    mark_finished(stage, manifest)
     return manifest
 
 

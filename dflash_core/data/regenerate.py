@@ -28,10 +28,12 @@ from __future__ import annotations
 
 import http.client
 import json
+import math
 import os
 import queue
 import random
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -39,9 +41,12 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from dflash_core.data.conversations import (
-    Conversation, Malformed, read_rows, source_files, source_fingerprint, split_thinking,
+    Conversation, Malformed, RowError, read_rows, source_files, source_fingerprint,
+    split_thinking,
 )
+from dflash_core.data.lock import OutputLock
 from dflash_core.data.manifest import write_json_atomic
+from dflash_core.data.output import OWNER, check_apart, check_out, mark_owner
 from dflash_core.data.progress import ProgressLine
 from dflash_core.data.shards import DataError
 
@@ -49,6 +54,7 @@ MERGED = "conversations.jsonl"
 MANIFEST = "dflash_regen.json"
 STATE = "regen_state.json"
 PARTS = "parts"
+DAMAGED = "parts-damaged.txt"  # lines of the parts that could not be read, kept for a look
 
 
 @dataclass
@@ -91,13 +97,19 @@ class Endpoint:
     """One server; a keep-alive connection per thread."""
 
     def __init__(self, url: str, timeout_s: float, api_key: str | None = None):
-        parts = urlsplit(url if "://" in url else f"http://{url}")
+        try:
+            parts = urlsplit(url if "://" in url else f"http://{url}")
+            port = parts.port  # raises for a port that is not a number in 0..65535
+        except ValueError as exc:
+            raise DataError(f"endpoint {url!r} is not a URL ({exc})",
+                            hint="pass --endpoint http://HOST:PORT (repeat it for several)"
+                            ) from None
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise DataError(f"endpoint {url!r} is not an http(s) URL",
                             hint="pass --endpoint http://HOST:PORT (repeat it for several)")
         self.url = url
         self.scheme, self.host = parts.scheme, parts.hostname
-        self.port = parts.port or (443 if parts.scheme == "https" else 80)
+        self.port = port or (443 if parts.scheme == "https" else 80)
         self.base = parts.path.rstrip("/")
         if self.base.endswith("/v1"):
             self.base = self.base[:-3]
@@ -178,7 +190,13 @@ class Endpoint:
         except RequestFailed as exc:
             raise DataError(f"endpoint {self.url} does not answer /v1/models ({exc})",
                             hint="start the server, or fix --endpoint") from exc
-        return [str(m.get("id")) for m in out.get("data", []) if isinstance(m, dict)]
+        data = out.get("data")
+        if not isinstance(data, list):
+            raise DataError(f"endpoint {self.url} answers /v1/models without a list of models "
+                            f"(data: {str(data)[:80]})",
+                            hint="point --endpoint at an OpenAI-compatible server (vLLM, "
+                                 "SGLang)")
+        return [str(m.get("id")) for m in data if isinstance(m, dict)]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -208,7 +226,12 @@ class Asker:
         if o.token_ids:
             body["return_token_ids"] = True
         if o.api == "completions":
-            body["prompt"] = self.renderer.prompt_ids(history)
+            try:
+                body["prompt"] = self.renderer.prompt_ids(history)
+            except RowError:
+                raise
+            except Exception as exc:  # the tokenizer's own error on this row's text
+                raise RowError("render_error", f"{type(exc).__name__}: {exc}") from exc
             return "/v1/completions", body
         body["messages"] = [{"role": m["role"], "content": m["content"]} for m in history]
         return "/v1/chat/completions", body
@@ -218,26 +241,49 @@ class Asker:
             raise ModelMismatch(f"the server answered as model {out.get('model')!r}, not "
                                 f"{self.model!r}",
                                 hint="point --endpoint at servers of the target only")
+        # Every field is checked: an answer that cannot be used is a failed request (retried,
+        # then counted), never an exception that stops the run.
         try:
             choice = out["choices"][0]
         except (KeyError, IndexError, TypeError) as exc:
             raise RequestFailed("bad_response", "no choices in the answer", True) from exc
+        if not isinstance(choice, dict):
+            raise RequestFailed("bad_response", "choices[0] is not an object", True)
         if self.opts.api == "completions":
             text, reasoning = choice.get("text"), None
         else:
-            msg = choice.get("message") or {}
+            msg = choice.get("message")
+            if not isinstance(msg, dict):
+                raise RequestFailed("bad_response", "choices[0].message is not an object", True)
             text = msg.get("content")
             reasoning = msg.get("reasoning_content") or msg.get("reasoning")
         if not isinstance(text, str):
             raise RequestFailed("bad_response", "the answer holds no text", True)
+        if reasoning is not None and not isinstance(reasoning, str):
+            raise RequestFailed("bad_response", "the answer's reasoning is not text", True)
         if reasoning is None:
             text, reasoning = split_thinking(text)
+        for what, value in (("text", text), ("reasoning", reasoning or "")):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise RequestFailed("bad_response", f"the answer's {what} holds a lone "
+                                    "surrogate", True) from None
         ids = choice.get("token_ids")
-        ids = [int(x) for x in ids] if isinstance(ids, list) and ids else None
-        usage = out.get("usage") or {}
-        return Turn(text, reasoning, ids, choice.get("finish_reason"),
-                    int(usage.get("prompt_tokens") or 0),
-                    int(usage.get("completion_tokens") or (len(ids) if ids else 0)))
+        if ids is not None and not (isinstance(ids, list) and all(
+                isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in ids)):
+            raise RequestFailed("bad_response", "token_ids is not a list of token ids", True)
+        ids = list(ids) if ids else None
+        usage = out.get("usage")
+        usage = usage if isinstance(usage, dict) else {}
+
+        def count(key: str, default: int) -> int:
+            v = usage.get(key)
+            return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else default
+
+        finish = choice.get("finish_reason")
+        return Turn(text, reasoning, ids, finish if isinstance(finish, str) else None,
+                    count("prompt_tokens", 0), count("completion_tokens", len(ids or ())))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -250,6 +296,9 @@ class _Counts:
     resumed: int = 0
     failed: dict = field(default_factory=dict)  # by the last error's kind
     errors: dict = field(default_factory=dict)  # every failed request, by kind
+    left_out: dict = field(default_factory=dict)  # rows that cannot be asked for, by reason
+    left_out_ids: set = field(default_factory=set)
+    examples: dict = field(default_factory=dict)  # the first sample of each failure / reason
     retries: int = 0
     turns: int = 0
     with_ids: int = 0
@@ -258,29 +307,81 @@ class _Counts:
     completion_tokens: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
+    def tally(self, into: dict, key: str, rid: str, detail: str) -> None:
+        with self.lock:
+            into[key] = into.get(key, 0) + 1
+            self.examples.setdefault(key, f"{rid}: {detail}"[:300])
 
-def _done_ids(parts: Path) -> dict[str, Path]:
-    """ids already regenerated, from the parts; a torn last line (a crash mid-write) is cut."""
-    done: dict[str, Path] = {}
-    for f in sorted(parts.glob("*.jsonl")):
-        with open(f, "rb+") as fh:
-            data = fh.read()
-            end = data.rfind(b"\n") + 1
-            if end != len(data):
-                fh.truncate(end)
-        for line in data[:end].splitlines():
-            try:
-                done[str(json.loads(line)["id"])] = f
-            except (ValueError, KeyError, TypeError):
-                continue
-    return done
+
+def _part_line(raw: bytes) -> tuple[str | None, str]:
+    """(the sample id, "") of a usable line of a parts file, or (None, why it is damaged)."""
+    try:
+        row = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        return None, f"not UTF-8 (byte {raw[exc.start]:#04x} at column {exc.start + 1})"
+    except ValueError as exc:
+        return None, str(exc)
+    if not (isinstance(row, dict) and isinstance(row.get("id"), (str, int))
+            and isinstance(row.get("messages"), list)):
+        return None, "not a sample (no id or no messages)"
+    return str(row["id"]), ""
+
+
+def _read_part(data: bytes) -> tuple[list[tuple[str, bytes]], list[tuple[int, bytes, str]]]:
+    """(id, line) of each usable line of a parts file's bytes, and (line number, line, why) of
+    each damaged one."""
+    good, bad = [], []
+    for n, raw in enumerate(data.split(b"\n"), 1):
+        if not raw.strip():
+            continue
+        rid, why = _part_line(raw)
+        if rid is None:
+            bad.append((n, raw, why))
+        else:
+            good.append((rid, raw))
+    return good, bad
+
+
+def _repair_parts(out: Path) -> tuple[set[str], list[str]]:
+    """The ids already done, from the parts, and what was damaged. A damaged line anywhere (a
+    torn last line after a crash, a byte changed on disk) is moved to ``DAMAGED`` (kept, not
+    deleted) and its sample is asked again; the part is rewritten atomically without it."""
+    done: set[str] = set()
+    damaged: list[str] = []
+    for f in sorted((out / PARTS).glob("*.jsonl")):
+        data = f.read_bytes()
+        good, bad = _read_part(data)
+        done.update(rid for rid, _ in good)
+        if not bad and (not data or data.endswith(b"\n")):
+            continue
+        damaged += [f"{PARTS}/{f.name} line {n}: {why}" for n, _, why in bad]
+        if bad:
+            with open(out / DAMAGED, "ab") as fh:
+                fh.write(b"".join(raw + b"\n" for _, raw, _ in bad))
+                fh.flush()
+                os.fsync(fh.fileno())
+        tmp = f.parent / f".{f.name}.tmp"
+        with open(tmp, "wb") as fh:
+            fh.write(b"".join(raw + b"\n" for _, raw in good))
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, f)
+    return done, damaged
 
 
 def _check_state(out: Path, state: dict) -> None:
     """A re-run continues only the same job: same source, model and generation options."""
     path = out / STATE
     if path.exists():
-        was = json.loads(path.read_text(encoding="utf-8"))
+        try:
+            was = json.loads(path.read_text(encoding="utf-8"))
+            if not isinstance(was, dict):
+                raise ValueError("not a JSON object")
+        except (OSError, ValueError) as exc:
+            raise DataError(f"unreadable {STATE} ({exc}): the settings of the regeneration in "
+                            "this folder are not known", file=path,
+                            hint="pass another --out for a new regeneration (this one's "
+                                 f"finished samples stay in {out / PARTS})") from exc
         diff = [k for k in state if was.get(k) != state[k]]
         if diff:
             raise DataError(
@@ -288,21 +389,48 @@ def _check_state(out: Path, state: dict) -> None:
                     f"{k} {was.get(k)!r} (now {state[k]!r})" for k in diff), file=out,
                 hint="re-run with the same settings to continue it, or pass another --out")
     else:
-        out.mkdir(parents=True, exist_ok=True)
         write_json_atomic(path, state)
+
+
+def check_options(opts: RegenOptions) -> None:
+    """The numbers the command line checks too, for callers of ``regenerate``."""
+    def whole(v, lo):
+        return isinstance(v, int) and not isinstance(v, bool) and v >= lo
+
+    def real(v, lo, strict):
+        return isinstance(v, (int, float)) and math.isfinite(v) and (v > lo if strict
+                                                                     else v >= lo)
+    bad = [f"{name} must be {want}, got {v!r}" for name, v, ok, want in (
+        ("concurrency", opts.concurrency, whole(opts.concurrency, 1), ">= 1"),
+        ("max_tokens", opts.max_tokens, whole(opts.max_tokens, 1), ">= 1"),
+        ("retries", opts.retries, whole(opts.retries, 0), ">= 0"),
+        ("limit", opts.limit, whole(opts.limit, 0), ">= 0 (0 = all rows)"),
+        ("timeout_s", opts.timeout_s, real(opts.timeout_s, 0, True), "a number > 0"),
+        ("temperature", opts.temperature, real(opts.temperature, 0, False), "a number >= 0"),
+        ("backoff_s", opts.backoff_s, real(opts.backoff_s, 0, False), "a number >= 0"),
+    ) if not ok]
+    if opts.api not in ("chat", "completions"):
+        bad.append(f"api must be chat or completions, got {opts.api!r}")
+    if bad:
+        raise DataError("; ".join(bad), hint="see dflash-tui data regenerate --help")
+
+
+def _note(text: str) -> None:
+    print(f"note: {text}", file=sys.stderr)
 
 
 def regenerate(opts: RegenOptions) -> dict:
     """Run (or continue) a regeneration. Returns the summary; ``summary["finished"]`` is False
     when some samples failed (a re-run retries them). Raises DataError for bad input."""
     t0 = time.monotonic()
-    if opts.api not in ("chat", "completions"):
-        raise DataError(f"api must be chat or completions, got {opts.api!r}")
+    check_options(opts)
     if not opts.endpoints:
         raise DataError("no endpoint given", hint="pass --endpoint http://HOST:PORT")
-    if opts.concurrency < 1 or opts.retries < 0 or opts.max_tokens < 1:
-        raise DataError("--concurrency and --max-tokens must be >= 1, --retries >= 0")
     _, files = source_files(opts.source)
+    out = Path(opts.out).expanduser().absolute()
+    check_apart(out, [("conversations source", opts.source), ("tokenizer folder",
+                      opts.tokenizer), ("chat template", opts.chat_template)])
+    check_out(out, "regenerate", overwrite=False)  # before asking any server
     renderer = None
     if opts.api == "completions":
         if not opts.tokenizer:
@@ -325,19 +453,23 @@ def regenerate(opts: RegenOptions) -> dict:
             raise ModelMismatch(f"endpoint {e.url} serves {served}, not {model!r}",
                                 hint="point every --endpoint at a server of the target "
                                      "(or pass --model with the name it is served under)")
+    with OutputLock(out, "regenerate", _note):
+        check_out(out, "regenerate", overwrite=False)
+        out.mkdir(parents=True, exist_ok=True)
+        if not (out / OWNER).exists():
+            mark_owner(out, "regenerate")
+        _check_state(out, {"source_fingerprint": source_fingerprint(files), "model": model,
+                           "api": opts.api, "thinking": opts.thinking,
+                           "max_tokens": opts.max_tokens, "temperature": opts.temperature,
+                           "limit": opts.limit})
+        return _run(opts, out, endpoints, model, renderer, t0)
 
-    out = Path(opts.out).expanduser()
-    if out.is_dir() and any(out.iterdir()) and not (out / STATE).exists():
-        raise DataError("the output folder already holds other files", file=out,
-                        hint="pass --out a new or empty folder (a folder of an earlier "
-                             "regenerate is continued)")
-    _check_state(out, {"source_fingerprint": source_fingerprint(files), "model": model,
-                       "api": opts.api, "thinking": opts.thinking,
-                       "max_tokens": opts.max_tokens, "temperature": opts.temperature,
-                       "limit": opts.limit})
+
+def _run(opts: RegenOptions, out: Path, endpoints: list[Endpoint], model: str, renderer,
+         t0: float) -> dict:
     parts = out / PARTS
     parts.mkdir(exist_ok=True)
-    done = _done_ids(parts)
+    done, damaged = _repair_parts(out)
     counts = _Counts(resumed=len(done))
 
     rows, malformed = [], {}
@@ -345,9 +477,10 @@ def regenerate(opts: RegenOptions) -> dict:
         if opts.limit and k >= opts.limit:
             break
         if isinstance(r, Malformed):
-            malformed[r.reason] = malformed.get(r.reason, 0) + 1
+            counts.tally(malformed, r.reason, r.id, r.detail)
         else:
             rows.append(r)
+    counts.resumed = sum(r.id in done for r in rows)
     todo = [r for r in rows if r.id not in done]
     bar = ProgressLine("regenerate", len(rows), "samples", enabled=opts.progress)
     bar.done = bar.start_done = len(rows) - len(todo)
@@ -391,9 +524,13 @@ def regenerate(opts: RegenOptions) -> dict:
             try:
                 row = one(e, conv)
             except RequestFailed as exc:
-                with counts.lock:
-                    counts.failed[exc.kind] = counts.failed.get(exc.kind, 0) + 1
+                counts.tally(counts.failed, exc.kind, conv.id, str(exc))
                 bar.update(add=0, failed=sum(counts.failed.values()))
+                continue
+            except RowError as exc:  # its prompt cannot be rendered: left out, counted
+                counts.tally(counts.left_out, exc.reason, conv.id, str(exc))
+                counts.left_out_ids.add(conv.id)
+                bar.update(add=0, left_out=sum(counts.left_out.values()))
                 continue
             except BaseException as exc:  # a model mismatch, or a bug: stop everything
                 fatal.append(exc)
@@ -443,15 +580,19 @@ def regenerate(opts: RegenOptions) -> dict:
                    "failed": dict(sorted(counts.failed.items())),
                    "request_errors": dict(sorted(counts.errors.items())),
                    "retries": counts.retries, "malformed": dict(sorted(malformed.items())),
+                   "left_out": dict(sorted(counts.left_out.items())),
+                   "damaged_lines": len(damaged),
                    "turns": counts.turns, "turns_with_server_ids": counts.with_ids,
                    "empty_answers": counts.empty},
+        "examples": dict(sorted(counts.examples.items())),
+        "damaged": damaged[:5],
         "tokens": {"prompt": counts.prompt_tokens, "completion": counts.completion_tokens},
         "seconds": round(time.monotonic() - t0, 2),
         "samples_per_s": round(counts.done / max(1e-9, time.monotonic() - t0), 2),
         "finished": failed == 0,
     }
     if failed == 0:
-        _merge(out, rows)
+        _merge(out, [r for r in rows if r.id not in counts.left_out_ids])
         write_json_atomic(out / MANIFEST, summary)
     return summary
 
@@ -475,17 +616,20 @@ def _with_retries(e: Endpoint, path: str, body: dict, asker: Asker, opts: RegenO
 
 
 def _merge(out: Path, rows: list[Conversation]) -> None:
-    """The parts, in source order, into conversations.jsonl (atomically)."""
-    by_id: dict[str, str] = {}
+    """The parts, in source order, into conversations.jsonl (atomically). Reads only the lines
+    ``_repair_parts`` would keep, so a line damaged since never stops the merge."""
+    by_id: dict[str, bytes] = {}
     for f in sorted((out / PARTS).glob("*.jsonl")):
-        with open(f, encoding="utf-8") as fh:
-            for line in fh:
-                if line.strip():
-                    by_id[str(json.loads(line)["id"])] = line if line.endswith("\n") else line + "\n"
+        by_id.update(_read_part(f.read_bytes())[0])
+    missing = [r.id for r in rows if r.id not in by_id]
+    if missing:  # every sample was counted done: a part lost lines while this ran
+        raise DataError(f"{len(missing)} finished samples are missing from {out / PARTS} "
+                        f"(e.g. {missing[0]}): the parts changed while this ran", file=out,
+                        hint="run the same command again: it asks for them again")
     tmp = out / f".{MERGED}.tmp"
-    with open(tmp, "w", encoding="utf-8") as fh:
+    with open(tmp, "wb") as fh:
         for r in rows:
-            fh.write(by_id[r.id])
+            fh.write(by_id[r.id] + b"\n")
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, out / MERGED)

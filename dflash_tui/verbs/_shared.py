@@ -1,8 +1,9 @@
-"""What several verbs share: the check that a path is a run, and the step-count argument."""
+"""What several verbs share: the check that a path is a run, and argument types."""
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 from typing import Callable
@@ -20,9 +21,10 @@ def run_events(path: Path, action: str, *, file_ok: bool = False) -> Path | None
         return None
 
 
-def whole_number(minimum: int, unit: str = "", zero: str = "") -> Callable[[str], int]:
-    """An argparse type: a whole number >= ``minimum`` (``unit`` names what it counts, ``zero``
-    what 0 means, for the messages)."""
+def whole_number(minimum: int, unit: str = "", zero: str = "",
+                 maximum: int | None = None) -> Callable[[str], int]:
+    """An argparse type: a whole number >= ``minimum`` (and <= ``maximum``; ``unit`` names what
+    it counts, ``zero`` what 0 means, for the messages)."""
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -32,6 +34,26 @@ def whole_number(minimum: int, unit: str = "", zero: str = "") -> Callable[[str]
         if value < minimum:
             means = f" ({zero})" if zero else ""
             raise argparse.ArgumentTypeError(f"must be >= {minimum}{means}, got {value}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"must be <= {maximum}, got {value}")
+        return value
+
+    return parse
+
+
+def real_number(minimum: float, *, strict: bool = False, unit: str = "") -> Callable[[str], float]:
+    """An argparse type: a finite number >= ``minimum`` (> with ``strict``)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            of = f" of {unit}" if unit else ""
+            raise argparse.ArgumentTypeError(f"expected a number{of}, got {text!r}")
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+        if value < minimum or (strict and value == minimum):
+            raise argparse.ArgumentTypeError(
+                f"must be {'>' if strict else '>='} {minimum:g}, got {value:g}")
         return value
 
     return parse

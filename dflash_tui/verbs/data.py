@@ -14,6 +14,22 @@ import argparse
 import json
 import os
 import sys
+import traceback
+
+from ._shared import real_number, whole_number
+
+# Checked where they are parsed: argparse's one line and exit 2, before anything runs.
+_length = whole_number(0, "tokens", "0 = no limit")
+_workers = whole_number(0, "processes", "0 = one per core", maximum=256)
+_per_shard = whole_number(1, "samples")
+_concurrency = whole_number(1, "requests", maximum=1024)
+_tokens = whole_number(1, "tokens")
+_retries = whole_number(0, "retries", maximum=100)
+_rows = whole_number(0, "rows", "0 = all rows")
+_shown = whole_number(0, "samples", maximum=10_000)
+_probed = whole_number(1, "samples", maximum=100_000)
+_seconds = real_number(0, strict=True, unit="seconds")
+_temperature = real_number(0)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,14 +42,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                   "datasets save_to_disk folder")
     p.add_argument("--out", required=True, help="output folder (new or empty)")
     _tokenizer_args(p, required=True)
-    p.add_argument("--max-length", type=int, default=0,
+    p.add_argument("--max-length", type=_length, default=0,
                    help="samples longer than this many tokens are counted (too_long) and left "
                         "out; 0 = no limit")
-    p.add_argument("--workers", type=int, default=0, help="processes (0 = one per core)")
-    p.add_argument("--samples-per-shard", type=int, default=10_000)
+    p.add_argument("--workers", type=_workers, default=0, help="processes (0 = one per core)")
+    p.add_argument("--samples-per-shard", type=_per_shard, default=10_000)
     p.add_argument("--format", dest="fmt", choices=("arrow", "parquet"), default="arrow")
     p.add_argument("--overwrite", action="store_true",
-                   help="replace the data an earlier prepare wrote in --out")
+                   help="replace the data an earlier prepare wrote in --out (never a folder "
+                        "a prepare did not write)")
     p.add_argument("--quiet", action="store_true", help="no progress line")
 
     r = sub.add_parser("regenerate", help="rewrite every assistant turn with the target, "
@@ -52,18 +69,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="chat: /v1/chat/completions (the server's template); completions: "
                         "prompt ids rendered here (needs --tokenizer)")
     _tokenizer_args(r, required=False)
-    r.add_argument("--concurrency", type=int, default=8, help="requests in flight per endpoint")
-    r.add_argument("--max-tokens", type=int, default=2048, help="longest answer per turn")
-    r.add_argument("--temperature", type=float, default=0.0)
-    r.add_argument("--timeout", type=float, default=600.0,
+    r.add_argument("--concurrency", type=_concurrency, default=8,
+                   help="requests in flight per endpoint")
+    r.add_argument("--max-tokens", type=_tokens, default=2048, help="longest answer per turn")
+    r.add_argument("--temperature", type=_temperature, default=0.0)
+    r.add_argument("--timeout", type=_seconds, default=600.0,
                    help="seconds a request may take, to the answer's last byte, before it "
                         "is retried")
-    r.add_argument("--retries", type=int, default=4, help="retries per request (with backoff)")
+    r.add_argument("--retries", type=_retries, default=4,
+                   help="retries per request (with backoff)")
     r.add_argument("--no-token-ids", action="store_true",
                    help="do not ask for return_token_ids (for servers that reject the field)")
     r.add_argument("--api-key-env", default="OPENAI_API_KEY",
                    help="environment variable holding the servers' API key, if they need one")
-    r.add_argument("--limit", type=int, default=0, help="only the first N rows (0 = all)")
+    r.add_argument("--limit", type=_rows, default=0, help="only the first N rows (0 = all)")
     r.add_argument("--quiet", action="store_true", help="no progress line")
 
     i = sub.add_parser("inspect", help="samples, lengths, trained share, target agreement",
@@ -73,8 +92,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     i.add_argument("--tokenizer", help="decode samples with this tokenizer (default: the one "
                                        "the manifest names)")
     i.add_argument("--target", help="target model folder (or builtin:tiny) for the agreement")
-    i.add_argument("--samples", type=int, default=2, help="samples to show")
-    i.add_argument("--agreement-samples", type=int, default=16)
+    i.add_argument("--samples", type=_shown, default=2, help="samples to show")
+    i.add_argument("--agreement-samples", type=_probed, default=16)
     i.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
@@ -102,8 +121,19 @@ def run(args: argparse.Namespace) -> int:
         return 2
     except KeyboardInterrupt:
         print("interrupted: nothing finished is lost; run the same command again to continue "
-              "(regenerate) or start over with --overwrite (prepare)", file=sys.stderr)
+              "(regenerate), or to prepare again (an interrupted prepare leaves --out as it "
+              "was)", file=sys.stderr)
         return 130
+    except OSError as exc:  # the disk, not the input: full, read-only, gone
+        print(f"io error: {exc}", file=sys.stderr)
+        print("hint: free space or fix permissions, then run the same command again",
+              file=sys.stderr)
+        return 1
+    except Exception:  # what no input check foresaw is a bug: its traceback, said as such
+        traceback.print_exc()
+        print("internal error: a bug in dflash (the traceback above); please report it with "
+              "the command line", file=sys.stderr)
+        return 1
 
 
 def _prepare(args) -> int:
@@ -126,7 +156,7 @@ def _prepare(args) -> int:
 
 
 def _regenerate(args) -> int:
-    from dflash_core.data.regenerate import MERGED, RegenOptions, regenerate
+    from dflash_core.data.regenerate import DAMAGED, MERGED, RegenOptions, regenerate
 
     s = regenerate(RegenOptions(
         args.source, args.out, args.endpoint, model=args.model, api=args.api,
@@ -139,10 +169,17 @@ def _regenerate(args) -> int:
     print(f"regenerated {c['done_now']} samples now, {c['resumed']} before, of {c['samples']} "
           f"({s['samples_per_s']} samples/s) with {s['model']}; request errors "
           f"{c['request_errors'] or 'none'}, retries {c['retries']}")
-    if c["malformed"]:
-        print(f"  rows left out as malformed: {c['malformed']}")
+    ex = s.get("examples", {})
+    for what, by in (("malformed", c["malformed"]), ("left out", c.get("left_out", {}))):
+        for reason, n in by.items():
+            print(f"  {what}: {n} rows {reason} (e.g. {ex.get(reason, '?')})")
+    if c.get("damaged_lines"):
+        print(f"  repaired {c['damaged_lines']} damaged lines of {args.out}/parts (first: "
+              f"{s['damaged'][0]}); set aside in {args.out}/{DAMAGED}, their samples asked "
+              "again", file=sys.stderr)
     if not s["finished"]:
-        print(f"{sum(c['failed'].values())} samples failed ({c['failed']}): run the same command "
+        first = "; ".join(f"{k}: {n} (e.g. {ex.get(k, '?')})" for k, n in c["failed"].items())
+        print(f"{sum(c['failed'].values())} samples failed ({first}): run the same command "
               f"again to retry them; {MERGED} is written once every sample is done",
               file=sys.stderr)
         return 1
@@ -158,6 +195,7 @@ def _inspect(args) -> int:
     from dflash_core import demo
     from dflash_core.data.inspect import format_report, inspect
     from dflash_core.data.manifest import read_manifest
+    from dflash_core.data.shards import DataError
 
     spec = args.tokenizer
     if spec is None and Path(args.folder).is_dir():
@@ -171,7 +209,12 @@ def _inspect(args) -> int:
     target = None
     if args.target:  # an HF causal LM for the agreement: a model folder, or builtin:tiny
         folder = demo.ensure_tiny_target() if args.target == "builtin:tiny" else args.target
-        target = demo.load_lm(Path(folder).expanduser())
+        try:
+            target = demo.load_lm(Path(folder).expanduser())
+        except (OSError, ValueError, KeyError) as exc:
+            raise DataError(f"cannot load the target model ({str(exc).splitlines()[0]})",
+                            file=folder, hint="pass --target a model folder (config.json and "
+                                              "weights) or builtin:tiny") from exc
     r = inspect(args.folder, samples=args.samples, tokenizer=tok, target=target,
                 agreement_samples=args.agreement_samples)
     print(json.dumps(r, indent=2, default=str) if args.json else format_report(r))

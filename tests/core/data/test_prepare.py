@@ -21,6 +21,10 @@ def bpe_folder(tmp_path_factory):
     return train_bpe(tmp_path_factory.mktemp("bpe"))
 
 
+def _snapshot(folder):
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
 def _source(tmp_path):
     rows = [
         {"id": "ok1", "messages": [{"role": "user", "content": "What is two plus two?"},
@@ -88,7 +92,7 @@ def test_an_output_folder_with_data_is_refused_unless_overwrite(tmp_path):
     assert (tmp_path / "out" / "notes.txt").read_text() == "mine"
 
 
-def test_a_partial_prepare_is_never_taken_for_finished(tmp_path, monkeypatch):
+def test_a_prepare_that_fails_leaves_no_folder_and_old_data_as_it_was(tmp_path, monkeypatch):
     src = write_demo_conversations(tmp_path / "demo.jsonl", n=8)
     import dflash_core.data.prepare as prep
 
@@ -98,7 +102,22 @@ def test_a_partial_prepare_is_never_taken_for_finished(tmp_path, monkeypatch):
     monkeypatch.setattr(prep, "mark_finished", crash)
     with pytest.raises(RuntimeError):
         prepare(PrepareOptions(src, tmp_path / "out", workers=1, progress=False))
-    assert (tmp_path / "out" / MARKER).exists() and not (tmp_path / "out" / MANIFEST).exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["demo.jsonl"]  # nothing half-written
+    monkeypatch.undo()
+    prepare(PrepareOptions(src, tmp_path / "out", workers=1, progress=False))
+    before = _snapshot(tmp_path / "out")
+    monkeypatch.setattr(prep, "mark_finished", crash)
+    with pytest.raises(RuntimeError):
+        prepare(PrepareOptions(src, tmp_path / "out", workers=1, progress=False,
+                               overwrite=True))
+    assert _snapshot(tmp_path / "out") == before  # the old data, byte for byte
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["demo.jsonl", "out"]
+
+
+def test_a_folder_an_earlier_version_left_unfinished_is_refused(tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / MARKER).write_text("{}")
+    (tmp_path / "out" / "data-00000-of-00001.arrow").write_bytes(b"")
     with pytest.raises(DataError, match="did not finish") as e:
         check_data_folder(tmp_path / "out", None)
     assert "--overwrite" in e.value.hint
@@ -139,7 +158,8 @@ def test_cli_bad_input_exits_2_without_traceback(tmp_path, capsys):
     from dflash_tui.cli import main
 
     src = write_demo_conversations(tmp_path / "demo.jsonl", n=2)
-    assert main(["data", "prepare", str(src), "--tokenizer", str(tmp_path), "--out",
+    (tmp_path / "tok").mkdir()
+    assert main(["data", "prepare", str(src), "--tokenizer", str(tmp_path / "tok"), "--out",
                  str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
     assert "cannot load a tokenizer" in err and "hint:" in err and "Traceback" not in err
