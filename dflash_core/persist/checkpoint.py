@@ -196,12 +196,15 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
 
 
 def checkpoint_step(folder: str | os.PathLike) -> int:
-    """The step number of a folder returned by list_checkpoints / latest_checkpoint."""
+    """The step number of a folder returned by list_checkpoints / latest_checkpoint /
+    step_folders / damaged_folders."""
     name = Path(folder).name
     if m := _STEP_RE.match(name):
         return int(m.group(1))
     if m := _HIDDEN_RE.match(name):
         return int(m.group(2))
+    if m := _DAMAGED_RE.match(name):
+        return int(m.group(1))
     raise ValueError(f"{folder} is not a checkpoint folder")
 
 
@@ -633,7 +636,11 @@ def verify(folder: str | os.PathLike, *, read: bool = True,
                 if name not in flagged:
                     wrong(name, "is missing")
                 continue
-            size, want = (folder / name).stat().st_size, sums[name]["bytes"]
+            try:
+                size, want = (folder / name).stat().st_size, sums[name]["bytes"]
+            except OSError as exc:  # gone since it was listed (another node set it aside)
+                wrong(name, f"cannot be read ({exc})")
+                continue
             if size != want:
                 wrong(name, f"is truncated: {size} bytes of the {want} written" if size < want
                       else f"is {size} bytes, {want} were written")
@@ -647,7 +654,11 @@ def verify(folder: str | os.PathLike, *, read: bool = True,
                 if progress is not None:
                     progress(done[0], total, i, len(todo))
             for i, name in enumerate(todo):
-                got = f"{_crc32_of(folder / name, lambda n, i=i: seen(n, i)):08x}"
+                try:
+                    got = f"{_crc32_of(folder / name, lambda n, i=i: seen(n, i)):08x}"
+                except OSError as exc:
+                    wrong(name, f"cannot be read ({exc})")
+                    continue
                 if got != sums[name]["crc32"]:
                     wrong(name, f"does not match its checksum (crc32 {got}, written "
                                 f"{sums[name]['crc32']}): it changed after it was written")

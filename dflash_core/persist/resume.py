@@ -213,17 +213,19 @@ def check_resume_data(loaded: ckpt.LoadedCheckpoint, data: dict, allow_changed: 
     epoch, done = loaded.trainer_state.get("epoch", 0), len(loaded.trainer_state.get("done", []))
     if allow_changed:
         publish(Log(level="warning", source="engine", message=(
-            f"resume: data.path {describe(data)} is not the data {loaded.path} trained on "
-            f"({describe(wrote)}): {what}; resuming on it (data.allow_changed_data): the "
-            f"position, epoch {epoch} with {done} batches done, now counts this data's batches")))
+            f"resume: data.path {describe(data)} is not the data the checkpoint {loaded.path} "
+            f"trained on, {describe(wrote)}: {what}; resuming on it (data.allow_changed_data): "
+            f"its position, epoch {epoch} with {done} batches done, now counts this data's "
+            "batches")))
         return
+    back = (f"put the data it trained on back in {data['path']}" if wrote.get("path") ==
+            data["path"] else f"point data.path at the data it trained on ({wrote.get('path')})")
     raise ConfigError(
         "data.path", f"{describe(data)} is not the data the checkpoint {loaded.path} trained "
         f"on, {describe(wrote)}: {what}; set data.allow_changed_data: true to resume on it "
         "deliberately",
-        hint=f"point data.path at the data it trained on ({wrote.get('path')}), or set "
-             "data.allow_changed_data: true (its data position then counts this data's "
-             "batches), or start a new run (a new run.name or --new-run) on this data")
+        hint=f"{back}, or set data.allow_changed_data: true (its data position then counts "
+             "this data's batches), or start a new run (a new run.name or --new-run) on it")
 
 
 def check_resume_nodes(loaded: ckpt.LoadedCheckpoint, nodes: int) -> None:

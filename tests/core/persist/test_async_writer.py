@@ -2,6 +2,7 @@
 goes on; a full disk or a killed writer leaves the previous checkpoint and a working resume."""
 
 import errno
+import json
 import os
 import signal
 import time
@@ -74,6 +75,11 @@ def test_staged_state_is_the_step_although_training_went_on(tmp_path):
     served = ckpt.st.load_file(str(out.path / "model.safetensors"))
     assert all(t.dtype == torch.bfloat16 for t in served.values())
     assert len([p for p in out.path.iterdir() if p.name.startswith("training_state-")]) == 2
+    # checksums.json holds every file of both writers, as they are on disk
+    sums = json.loads((out.path / ckpt.CHECKSUMS).read_text())["files"]
+    assert set(sums) == {p.name for p in out.path.iterdir()} - {ckpt.CHECKSUMS}
+    assert all(sums[n]["bytes"] == (out.path / n).stat().st_size for n in sums)
+    assert ckpt.verify(out.path) == ckpt.Verified(3, [], "")
 
 
 def test_a_full_disk_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
@@ -137,5 +143,6 @@ def test_a_killed_writer_process_leaves_the_previous_checkpoint(tmp_path):
         _save(w, lin, opt, 3)
         out = w.wait(120)
         assert out.path is not None and w.pids() != [pid]
+        assert ckpt.verify(out.path) == ckpt.Verified(3, [], "")  # a writer process's checksums
     finally:
         w.close()

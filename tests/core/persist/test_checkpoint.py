@@ -1,10 +1,12 @@
 import errno
+import json
 import os
 import random
 import signal
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -13,8 +15,9 @@ import safetensors.torch
 import torch
 
 from dflash_core.persist.checkpoint import (
-    CHECKSUMS, FILES, CheckpointError, capture_rng_state, checkpoint_step, latest_checkpoint,
-    list_checkpoints, load_checkpoint, restore_rng_state, save_checkpoint,
+    CHECKSUMS, FILES, CheckpointError, Verified, capture_rng_state, checkpoint_step,
+    damaged_folders, latest_checkpoint, list_checkpoints, load_checkpoint, restore_rng_state,
+    save_checkpoint, step_folders, verify,
 )
 
 REPO = Path(__file__).resolve().parents[3]
@@ -237,3 +240,111 @@ def test_loading_reports_bytes_and_shards_and_a_resume_shows_them(tmp_path):
     shown = [e for e in seen if isinstance(e, LoadProgress)]
     assert shown[-1].done and (shown[-1].shards_loaded, shown[-1].shards_total) == (4, 4)
     assert shown[-1].worker == "checkpoint" and shown[-1].bytes_loaded == total
+
+
+# --------------------------------------------------------------------------------------------
+# Verification: checksums.json (format 3), and what older formats allow
+# --------------------------------------------------------------------------------------------
+
+SHARD = "training_state-00001-of-00001.safetensors"
+
+
+def flip_bit(path, at=None):
+    """One bit of ``path`` flipped in place (the middle of the file by default); size unchanged."""
+    raw = bytearray(path.read_bytes())
+    at = len(raw) // 2 if at is None else at
+    raw[at] ^= 0x04
+    path.write_bytes(bytes(raw))
+
+
+def test_every_file_is_checksummed_and_a_flipped_bit_is_named(tmp_path):
+    folder = _save(tmp_path, 1, optimizer_state={"m": torch.ones(1000)})
+    sums = json.loads((folder / CHECKSUMS).read_text())
+    assert sums["format"] == 3 and sums["algorithm"] == "crc32"
+    assert set(sums["files"]) == set(FILES) | {SHARD}
+    for name, entry in sums["files"].items():
+        raw = (folder / name).read_bytes()
+        assert entry == {"bytes": len(raw), "crc32": f"{zlib.crc32(raw):08x}"}
+    assert verify(folder) == Verified(3, [], "")
+    flip_bit(folder / SHARD)
+    v = verify(folder)
+    assert v.kind == "damaged" and len(v.problems) == 1
+    assert v.problems[0].startswith(f"{SHARD} does not match its checksum (crc32 ")
+    assert verify(folder, read=False).problems == []  # sizes alone cannot see a flipped bit
+    with pytest.raises(CheckpointError, match=f"is damaged: {SHARD} does not match") as e:
+        load_checkpoint(folder)
+    assert e.value.errno == errno.EIO
+
+
+@pytest.mark.parametrize("fault, expected", [
+    ("missing:training_state.json", "is incomplete: training_state.json is missing"),
+    ("missing:config.json", "is incomplete: config.json is missing"),
+    (f"missing:{SHARD}", f"is incomplete: {SHARD} is missing"),
+    ("missing:checksums.json",
+     "is incomplete: checksums.json is missing (a format-3 checkpoint writes it last)"),
+    ("truncated:model.safetensors", "is damaged: model.safetensors is truncated: "),
+    ("garbled:checksums.json", "is damaged: checksums.json cannot be read (JSONDecodeError"),
+    ("longer:config.json", "is damaged: config.json is "),
+])
+def test_an_incomplete_or_damaged_folder_names_what_is_wrong(tmp_path, fault, expected):
+    folder = _save(tmp_path, 1)
+    how, name = fault.split(":")
+    path = folder / name
+    if how == "missing":
+        path.unlink()
+    elif how == "truncated":
+        path.write_bytes(path.read_bytes()[:-10])
+    elif how == "garbled":
+        path.write_text("{not json")
+    else:
+        path.write_bytes(path.read_bytes() + b" ")
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(folder)
+    assert f"checkpoint {folder} {expected}" in str(e.value), str(e.value)
+    assert (e.value.errno == errno.ENOENT) == (how == "missing")
+
+
+def test_a_folder_written_before_checksums_loads_with_a_note(tmp_path):
+    folder = _save(tmp_path, 4)
+    (folder / CHECKSUMS).unlink()
+    state = json.loads((folder / "training_state.json").read_text())
+    state["format"] = 2
+    (folder / "training_state.json").write_text(json.dumps(state))
+    loaded = load_checkpoint(folder)
+    assert loaded.step == 4 and loaded.format == 2
+    assert loaded.note == "written before checksums (format 2): it cannot be verified"
+    (folder / SHARD).write_bytes((folder / SHARD).read_bytes()[:-4])  # sizes are still checked
+    with pytest.raises(CheckpointError, match=f"damaged: {SHARD} is truncated: "):
+        load_checkpoint(folder)
+
+
+def test_a_damaged_folder_of_the_step_being_written_is_set_aside_not_overwritten(tmp_path):
+    root = tmp_path / "checkpoints"
+    _save(tmp_path, 2, fill=1)
+    (root / "step-2" / "training_state.json").unlink()
+    before = {p.name: p.read_bytes() for p in (root / "step-2").iterdir()}
+    notes = []
+    _save(tmp_path, 2, fill=5, note=notes.append)
+    (note,) = notes
+    assert f"checkpoint {root / 'step-2'} is damaged (training_state.json is missing)" in note
+    assert f"moved it to {root / 'damaged-step-2'} (kept, not deleted)" in note
+    assert {p.name: p.read_bytes() for p in (root / "damaged-step-2").iterdir()} == before
+    assert load_checkpoint(root / "step-2").trainer_state["value"] == 5
+    # an intact one of the same step is replaced as before, and a second damaged one is kept
+    # beside the first
+    _save(tmp_path, 2, fill=6, note=notes.append)
+    assert len(notes) == 1 and load_checkpoint(root / "step-2").trainer_state["value"] == 6
+    (root / "step-2" / SHARD).write_bytes(b"")
+    _save(tmp_path, 2, fill=7, note=notes.append)
+    assert f"{SHARD} is truncated: 0 bytes" in notes[1]
+    assert len(damaged_folders(tmp_path)) == 2 and [p.name for p in list_checkpoints(tmp_path)] \
+        == ["step-2"]
+
+
+def test_step_folders_include_the_incomplete_ones_list_checkpoints_skips(tmp_path):
+    _save(tmp_path, 1)
+    _save(tmp_path, 2)
+    (tmp_path / "checkpoints" / "step-2" / "config.json").unlink()
+    (tmp_path / "checkpoints" / "step-3").mkdir()
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-1"]
+    assert [p.name for p in step_folders(tmp_path)] == ["step-1", "step-2", "step-3"]
