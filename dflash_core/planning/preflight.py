@@ -206,6 +206,11 @@ def choose_attention(cfg: Config, hf_config: dict, say: Callable[[str], None]) -
     if model_class is None or wanted not in KNOWN_ATTENTION:
         return
     choices = attention_choices(model_class)
+    if model_shape(hf_config).attn_sinks:
+        # transformers passes gpt-oss's sinks only to kernels that take them (vllm's FA3 from the
+        # Hub, FA4); the flash_attn packages drop them without a word: other features than the
+        # model's own.
+        choices = [c for c in choices if c not in ("flash_attention_2", "flash_attention_3")]
     if wanted == "flash_attention_2" and "flash_attention_2" in choices:
         import importlib.util
 
@@ -228,7 +233,10 @@ def choose_attention(cfg: Config, hf_config: dict, say: Callable[[str], None]) -
             f"for its attention); using eager, which holds each sequence's attention scores "
             f"(the memory plan counts them){other}")
         return
-    raise ConfigError("target.attn_implementation", f"{name} cannot run {wanted!r}",
+    sinks = (" (the flash_attn package drops its attention sinks)"
+             if wanted.startswith("flash_attention") and wanted in attention_choices(model_class)
+             else "")
+    raise ConfigError("target.attn_implementation", f"{name} cannot run {wanted!r}{sinks}",
                       hint=f"set target.attn_implementation to one of {choices}")
 
 

@@ -53,7 +53,9 @@ TINY = {
                                        num_experts_per_tok=2, sliding_window=8),
     # DeepSeek-V3 class (Kimi-K2's shape too): MLA, first layer dense, a shared expert
     "deepseek_v3": lambda: tf.DeepseekV3Config(
-        **{**SMALL, "num_key_value_heads": 4}, **MLA, **ROUTED, intermediate_size=128,
+        # head_dim is the rope part of a head, as transformers takes it when the file names none
+        **{**SMALL, "num_key_value_heads": 4, "head_dim": MLA["qk_rope_head_dim"]}, **MLA,
+        **ROUTED, intermediate_size=128,
         n_routed_experts=8, n_shared_experts=1, first_k_dense_replace=1, n_group=2,
         topk_group=1),
     # GLM-4.5 class: q/k/v biases, q/k norms, first layer dense, a shared expert
