@@ -174,3 +174,34 @@ def test_with_eval_cache_the_runs_evaluation_decodes_with_the_cache_and_gets_the
     (uses_cache, same_text, tau_cached, tau_full), = compared
     assert uses_cache and same_text and tau_cached == tau_full
     assert [e.tau for e in rec.of(EvalResult)] == [tau_cached]
+
+
+def test_a_damaged_folder_in_the_way_of_a_checkpoint_is_set_aside_and_said_so(tmp_path, assets,
+                                                                               monkeypatch):
+    # A step-4 folder that is not a whole checkpoint (a user's copy gone wrong, a disk fault)
+    # lies where the run's step-4 checkpoint goes: it is kept as damaged-step-4, never replaced.
+    real_begin = ckpt.begin_save
+
+    def begin(run_dir, job):
+        if job.step == 4:
+            stray = run_dir / ckpt.CHECKPOINTS / "step-4"
+            stray.mkdir()
+            (stray / "config.json").write_text("{}")
+        return real_begin(run_dir, job)
+
+    monkeypatch.setattr(ckpt, "begin_save", begin)
+    target, data = assets
+    cfg = make_config(tmp_path, target, data, run__max_steps=4, data__eval_prompts=0,
+                      checkpoint__every=2)
+    end, rec = run_config(cfg)
+    assert end.status == "finished"
+    root = cfg.run_dir / ckpt.CHECKPOINTS
+    (said,) = [e for e in rec.of(Log) if e.level == "warning" and "damaged" in e.message]
+    assert said.source == "checkpoint"
+    assert f"checkpoint {root / 'step-4'} is damaged (" in said.message
+    assert "model.safetensors is missing" in said.message
+    assert f"moved it to {root / 'damaged-step-4'} (kept, not deleted) before writing step 4 " \
+        "again" in said.message
+    assert (root / "damaged-step-4" / "config.json").read_text() == "{}"
+    assert ckpt.verify(root / "step-4") == ckpt.Verified(3, [], "")
+    assert [c.step for c in rec.of(Checkpoint)] == [2, 4]
