@@ -161,3 +161,53 @@ def report_rows(ev) -> list[list[str]]:
     rows.append(["findings", ", ".join(getattr(ev, "findings", [])) or "none",
                  "mismatch, data, overfit: see the log's eval lines"])
     return rows
+
+
+# -- DSpark: the confidence head's calibration and what a verifier using it would gain --------
+# (dspark_calibration.Calibration; measured on the exact-decoding rounds of the evaluation)
+
+CONFIDENCE = Measure("expected", "confidence@k", "eval/confidence_at",
+                     "per draft slot k (0 ..): mean confidence where the slot was reached / "
+                     "share of those accepted")
+ECE = Measure("ece", "ECE", "eval/ece",
+              "expected calibration error of the confidence head, all reached slots")
+BUDGET = Measure("budgets", "tau@k", "eval/tau_budget",
+                 "tau verifying k drafts per round: the first k / the k most likely to survive "
+                 "(confidence-ordered, as an adaptive verifier)")
+
+
+def calibration_fields(cal) -> list[tuple[str, str]]:
+    """(label, value) of a Calibration: confidence vs acceptance per slot, ECE, tau per budget."""
+    if not cal.rounds or not cal.expected:
+        return []
+    slots = " ".join(f"{e:.0%}/{o:.0%}" for e, o in zip(cal.expected, cal.observed))
+    rows = [(CONFIDENCE.label, slots), (ECE.label, f"{cal.ece:.1%}")]
+    rows += [(f"tau@{b.drafts}", f"{b.fixed:.2f}/{b.adaptive:.2f}") for b in cal.budgets]
+    return rows
+
+
+def calibration_line(cal) -> str:
+    """One line: 'confidence@k 91%/88% 80%/71% ... | ECE 4.2% | tau@2 2.61/2.70 | ...'."""
+    return " | ".join(f"{label} {value}" for label, value in calibration_fields(cal))
+
+
+def calibration_rows(cal) -> list[list[str]]:
+    """[label, value, meaning] rows for the run report's acceptance table."""
+    meaning = {CONFIDENCE.label: CONFIDENCE.meaning, ECE.label: ECE.meaning}
+    return [[label, value, meaning.get(label, BUDGET.meaning)]
+            for label, value in calibration_fields(cal)]
+
+
+def calibration_wandb(cal) -> dict[str, float]:
+    """W&B values of a Calibration, under the keys of the measures above."""
+    out: dict[str, float] = {}
+    if not cal.rounds:
+        return out
+    for j, (e, o) in enumerate(zip(cal.expected, cal.observed)):
+        out[f"{CONFIDENCE.wandb}/{j}"] = e
+        out[f"eval/accepted_if_reached_at/{j}"] = o
+    out[ECE.wandb] = cal.ece
+    for b in cal.budgets:
+        out[f"{BUDGET.wandb}/{b.drafts}/first"] = b.fixed
+        out[f"{BUDGET.wandb}/{b.drafts}/adaptive"] = b.adaptive
+    return out

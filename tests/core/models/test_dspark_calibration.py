@@ -77,3 +77,18 @@ def test_bad_recordings_are_refused():
     with pytest.raises(ValueError, match="larger than the round's drafts"):
         calibrate([[0.5]], [2])
     assert calibrate([], []).rounds == 0
+
+
+def test_the_words_every_view_uses():
+    from dflash_core.models import acceptance
+
+    cal = calibrate([[0.99, 0.99, 0.99, 0.99], [0.3, 0.3, 0.3, 0.3]], [4, 0], budgets=[2, 4])
+    line = acceptance.calibration_line(cal)
+    assert line.startswith("confidence@k 64%/50% 99%/100% 99%/100% 99%/100% | ECE ")
+    assert "tau@2 2.00/3.00 | tau@4 3.00/3.00" in line
+    rows = acceptance.calibration_rows(cal)
+    assert [r[0] for r in rows] == ["confidence@k", "ECE", "tau@2", "tau@4"]
+    w = acceptance.calibration_wandb(cal)
+    assert w["eval/tau_budget/2/adaptive"] == 3.0 and w["eval/confidence_at/0"] == \
+        pytest.approx(0.645)
+    assert acceptance.calibration_line(calibrate([], [])) == ""

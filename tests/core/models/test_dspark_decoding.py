@@ -201,3 +201,53 @@ def test_a_memorised_drafter_is_accepted_in_full_blocks_and_a_wrong_prev_is_not(
 def test_markov_prev_must_be_named():
     with pytest.raises(ValueError, match="markov_prev 'late'"):
         toy_drafter().chain_draft(torch.zeros(1, 2, 2 * TOY_H), 3, markov_prev="late")
+
+
+# ------------------------------------------------------------------------------------------------
+# Probes: each DSpark fault is named on a memorised sample, and a healthy drafter raises none
+# ------------------------------------------------------------------------------------------------
+
+def _toy_sample(length=24, start=5):
+    succ = toy_successor()
+    ids = [start]
+    while len(ids) < length:
+        ids.append(succ[ids[-1]])
+    ids = torch.tensor(ids)
+    return ids, BigramTarget()(ids[None])[1]
+
+
+def _bigram(d, step):
+    """The toy drafter's Markov head set to bias(prev) = 10 * onehot(step(prev))."""
+    w2 = torch.zeros(TOY_V, TOY_V)
+    for v in range(TOY_V):
+        w2[step(v), v] = 10.0
+    with torch.no_grad():
+        d.markov_head.markov_w2.weight.copy_(w2)
+    return d
+
+
+def test_probes_name_each_dspark_fault():
+    from dflash_core.models.dspark import DSparkDrafter
+    from dflash_core.models.dspark_probes import probe
+
+    succ = toy_successor()
+    ids, feats = _toy_sample()
+    anchors = [2, 6, 9, 13]
+    healthy = probe(toy_drafter(), feats, ids, anchors)
+    assert healthy.accuracy == [1.0] * B and healthy.own_position == [0.0] * B
+    assert healthy.prev_late == 0.0 and healthy.prev_anchor == pytest.approx(1 / B)
+    assert healthy.chain_differs == 0 and healthy.faults() == []
+
+    off_by_one = probe(_bigram(toy_drafter(), lambda v: v), feats, ids, anchors)
+    (fault,) = off_by_one.faults()
+    assert fault.startswith("slot 0 is not predicting")
+
+    stale = probe(_bigram(toy_drafter(), lambda v: succ[succ[v]]), feats, ids, anchors)
+    assert stale.prev_late == 1.0
+    (fault,) = stale.faults()
+    assert fault.startswith("the Markov head is fed the wrong previous token")
+
+    d = toy_drafter()
+    d.chain_draft = lambda ctx, tok, n=None: DSparkDrafter.chain_draft(d, ctx, tok, n, "anchor")
+    (fault,) = probe(d, feats, ids, anchors).faults()
+    assert fault.startswith("decoding's chain feeds the Markov head otherwise")
