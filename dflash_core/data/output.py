@@ -156,8 +156,9 @@ class Staging:
         self.old = out.parent / f".{out.name}.old"
         self.note = note
 
-    def begin(self, verb: str) -> Path:
-        # What a writer killed at the wrong moment left: a swap half done, a partial output.
+    def recover(self) -> None:
+        """Undo what a writer killed at the wrong moment left: a swap half done (the old folder
+        put back, before the output is checked)."""
         if self.old.exists() and written_by(self.old):
             if self.out.exists():
                 shutil.rmtree(self.old)
@@ -165,6 +166,10 @@ class Staging:
                 os.rename(self.old, self.out)
                 self.note(f"put back {self.out}, which an interrupted replacement had moved "
                           f"to {self.old.name}")
+
+    def begin(self, verb: str) -> Path:
+        """The staging folder, empty but for the owner marker (a killed writer's partial
+        output, if any, removed)."""
         if self.dir.exists():
             if not written_by(self.dir) and any(self.dir.iterdir()):
                 raise DataError(f"{self.dir.name} beside --out holds files no data verb wrote",

@@ -212,8 +212,9 @@ def prepare(opts: PrepareOptions) -> dict:
     tok = load_tokenizer(opts.tokenizer, opts.chat_template)
     renderer = ChatRenderer(tok, opts.thinking)
     with OutputLock(out, "prepare", _note):
-        claim_output(out, opts.overwrite)  # again, now that no one else writes it
         staging = Staging(out, _ours, _note)
+        staging.recover()
+        claim_output(out, opts.overwrite)  # again, now that no one else writes it
         stage = staging.begin("prepare")
         try:
             manifest = _prepare_into(stage, opts, fmt, files, tok, renderer, t0)

@@ -96,3 +96,161 @@ def test_a_checkpoints_folder_that_cannot_be_written_is_refused_in_preflight(tmp
     assert "cannot write checkpoints" in out and "is a file, not a folder" in out
     assert "StepMetrics" not in (cfg.run_dir / "events.jsonl").read_text()  # no step was run
     assert (cfg.run_dir / "checkpoints").read_text() == "a file where the checkpoints go"
+
+
+# ------------------------------------------------------------------------------------------------
+# The data verbs, round four: inputs a new user may give. Each: exit 2, one error line naming
+# the cause and a hint, no traceback, and nothing the user wrote changed.
+# ------------------------------------------------------------------------------------------------
+
+def _convs(d: Path) -> Path:
+    from dflash_core.demo.chat import write_demo_conversations
+
+    return write_demo_conversations(d / "convs.jsonl", n=3)
+
+
+def _save_to_disk(d: Path) -> Path:
+    from tests.core.data.test_output_folder import _rows, save_to_disk_folder
+
+    return save_to_disk_folder(d / "ds", _rows())
+
+
+def _parquet_parts(d: Path) -> Path:
+    from tests.core.data.test_output_folder import _rows, parquet_parts
+
+    return parquet_parts(d / "pq", _rows())
+
+
+def _file(name: str, data: bytes):
+    def make(d: Path) -> Path:
+        (d / name).write_bytes(data)
+        return d / name
+    return make
+
+
+TINY = ["--tokenizer", "builtin:tiny", "--quiet", "--workers", "1"]
+# name: (make the input in tmp_path, argv after "data" given the input and tmp_path, words)
+DATA_CASES = {
+    "save_to_disk folder as its own --out": (
+        _save_to_disk, lambda s, d: ["prepare", s, "--out", s, *TINY],
+        ["is the conversations source itself", "never writes into its own input"]),
+    "save_to_disk folder as its own --out, --overwrite": (
+        _save_to_disk, lambda s, d: ["prepare", s, "--out", s, "--overwrite", *TINY],
+        ["is the conversations source itself"]),
+    "part-*.parquet folder as its own --out, --overwrite": (
+        _parquet_parts, lambda s, d: ["prepare", s, "--out", s, "--overwrite", *TINY],
+        ["is the conversations source itself"]),
+    "--out inside the input folder": (
+        _save_to_disk, lambda s, d: ["prepare", s, "--out", f"{s}/prepared", *TINY],
+        ["is inside the conversations source"]),
+    "--out the folder holding the input file": (
+        _convs, lambda s, d: ["prepare", s, "--out", str(d), "--overwrite", *TINY],
+        ["holds the conversations source"]),
+    "--overwrite on a folder no prepare wrote": (
+        _save_to_disk, lambda s, d: ["prepare", str(_convs(d)), "--out", s, "--overwrite",
+                                     *TINY],
+        ["no data verb wrote (data-00000-of-00001.arrow, dataset_info.json, state.json)",
+         "even with --overwrite"]),
+    "regenerate into its input's folder": (
+        _convs, lambda s, d: ["regenerate", s, "--out", str(d), "--endpoint",
+                              "http://127.0.0.1:9", "--quiet"],
+        ["holds the conversations source"]),
+    "empty jsonl": (_file("empty.jsonl", b""), lambda s, d: ["prepare", s, "--out",
+                                                             f"{d}/o", *TINY],
+                    ["the source is empty"]),
+    "binary garbage named .jsonl": (
+        _file("g.jsonl", bytes(range(256)) * 8), lambda s, d: ["prepare", s, "--out",
+                                                              f"{d}/o", *TINY],
+        ["no row could be used", "not_utf8"]),
+    "binary garbage file": (_file("g.bin", b"\x7fELF\x00" * 50),
+                            lambda s, d: ["prepare", s, "--out", f"{d}/o", *TINY],
+                            ["unknown file type '.bin'"]),
+    "jsonl of non-object lines": (
+        _file("n.jsonl", b'[1]\n"x"\n3\n'), lambda s, d: ["prepare", s, "--out", f"{d}/o", *TINY],
+        ["not_json: 3", "a JSON list, not an object"]),
+    "rows without messages": (
+        _file("m.jsonl", b'{"id": "a", "text": "hi"}\n'),
+        lambda s, d: ["prepare", s, "--out", f"{d}/o", *TINY], ["no_turns: 1 (e.g. a: "]),
+    "a chat template that is not text": (
+        _convs, lambda s, d: ["prepare", s, "--out", f"{d}/o", "--chat-template",
+                              str(_file("t.jinja", b"\xff\xfe\x00")(d)), *TINY],
+        ["cannot read the chat template"]),
+    "a damaged Parquet file": (
+        _file("x.parquet", b"PAR1" + b"\x00" * 40), lambda s, d: ["prepare", s, "--out",
+                                                                  f"{d}/o", *TINY],
+        ["not a readable Parquet file"]),
+    "an endpoint that is not a URL": (
+        _convs, lambda s, d: ["regenerate", s, "--out", f"{d}/o", "--endpoint", "http://[::1",
+                              "--quiet"],
+        ["is not a URL"]),
+    "inspect conversations, not data": (
+        _convs, lambda s, d: ["inspect", s], ["holds conversations, not prepared"]),
+    "inspect with a target that is no model": (
+        _convs, lambda s, d: ["inspect", str(_prepared(d)), "--target", s],
+        ["cannot load the target model"]),
+}
+
+
+def _prepared(d: Path) -> Path:
+    from dflash_core.data.prepare import PrepareOptions, prepare
+
+    prepare(PrepareOptions(_convs(d), d / "data", workers=1, progress=False))
+    return d / "data"
+
+
+def _tree(d: Path) -> dict:
+    return {p.relative_to(d).as_posix(): p.read_bytes() for p in sorted(d.rglob("*"))
+            if p.is_file()}
+
+
+@pytest.mark.parametrize("name", list(DATA_CASES))
+def test_bad_input_to_the_data_verbs_is_one_line_and_exit_2(tmp_path, capsys, name):
+    make, argv, words = DATA_CASES[name]
+    src = str(make(tmp_path))
+    args = ["data", *argv(src, tmp_path)]
+    before = _tree(tmp_path)
+    code = main(args)
+    out, err = capsys.readouterr()
+    assert code == 2, out + err
+    assert "Traceback" not in out + err
+    lines = err.strip().splitlines()
+    assert lines[-2].startswith("data error: ") and lines[-1].startswith("hint: "), err
+    for word in words:
+        assert word in err, err
+    assert _tree(tmp_path) == before  # nothing changed, nothing half-written
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["prepare", "c.jsonl", "--out", "o", "--tokenizer", "builtin:tiny",
+      "--samples-per-shard", "-1"], "--samples-per-shard: must be >= 1, got -1"),
+    (["prepare", "c.jsonl", "--out", "o", "--tokenizer", "builtin:tiny", "--max-length", "-5"],
+     "--max-length: must be >= 0 (0 = no limit), got -5"),
+    (["prepare", "c.jsonl", "--out", "o", "--tokenizer", "builtin:tiny", "--workers", "-2"],
+     "--workers: must be >= 0"),
+    (["prepare", "c.jsonl", "--out", "o", "--tokenizer", "builtin:tiny", "--workers", "lots"],
+     "--workers: expected a whole number of processes, got 'lots'"),
+    (["regenerate", "c.jsonl", "--out", "o", "--endpoint", "x", "--concurrency", "0"],
+     "--concurrency: must be >= 1"),
+    (["regenerate", "c.jsonl", "--out", "o", "--endpoint", "x", "--concurrency", "100000"],
+     "--concurrency: must be <= 1024"),
+    (["regenerate", "c.jsonl", "--out", "o", "--endpoint", "x", "--max-tokens", "0"],
+     "--max-tokens: must be >= 1"),
+    (["regenerate", "c.jsonl", "--out", "o", "--endpoint", "x", "--timeout", "nan"],
+     "--timeout: expected a finite number, got 'nan'"),
+    (["regenerate", "c.jsonl", "--out", "o", "--endpoint", "x", "--timeout", "-1"],
+     "--timeout: must be > 0"),
+    (["regenerate", "c.jsonl", "--out", "o", "--endpoint", "x", "--retries", "-1"],
+     "--retries: must be >= 0"),
+    (["regenerate", "c.jsonl", "--out", "o", "--endpoint", "x", "--limit", "-1"],
+     "--limit: must be >= 0 (0 = all rows)"),
+    (["regenerate", "c.jsonl", "--out", "o", "--endpoint", "x", "--temperature", "-0.5"],
+     "--temperature: must be >= 0"),
+    (["inspect", "d", "--samples", "-1"], "--samples: must be >= 0"),
+    (["inspect", "d", "--agreement-samples", "0"], "--agreement-samples: must be >= 1"),
+])
+def test_numbers_of_the_data_verbs_are_checked_where_parsed(tmp_path, capsys, argv, words):
+    with pytest.raises(SystemExit) as e:
+        main(["data", *argv])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and words in err and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []

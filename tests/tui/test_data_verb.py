@@ -24,3 +24,38 @@ def test_inspect_without_a_target_reports_no_agreement(demo_data, capsys):
     assert main(["data", "inspect", str(demo_data), "--samples", "1"]) == 0
     out = capsys.readouterr().out
     assert "trained" in out and "agreement" not in out
+
+
+def test_inspect_of_a_conversations_folder_says_to_prepare_it_first(tmp_path, capsys):
+    from tests.core.data.test_output_folder import _rows, save_to_disk_folder
+
+    ds = save_to_disk_folder(tmp_path / "ds", _rows())
+    assert main(["data", "inspect", str(ds)]) == 2
+    err = capsys.readouterr().err
+    assert "holds conversations, not prepared (tokenized) data" in err
+    assert "hint: prepare it first: dflash-tui data prepare" in err and "Traceback" not in err
+
+
+def test_prepare_prints_each_reason_with_its_first_example(tmp_path, capsys):
+    src = tmp_path / "c.jsonl"
+    good = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
+    src.write_bytes(json.dumps(good).encode() + b"\n\xff\xfe\n[1]\n")
+    assert main(["data", "prepare", str(src), "--tokenizer", "builtin:tiny", "--out",
+                 str(tmp_path / "o"), "--quiet", "--workers", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "left out 1 rows: not_utf8 (e.g. row-1: the line is not UTF-8 text: line 2" in out
+    assert "left out 1 rows: not_json (e.g. row-2: the line is not a JSON object: a JSON list" \
+        in out
+
+
+def test_what_no_check_foresaw_is_said_to_be_a_bug_exit_1(tmp_path, capsys, monkeypatch):
+    import dflash_core.data.prepare as prep
+
+    def bug(opts):
+        raise ZeroDivisionError("oops")
+
+    monkeypatch.setattr(prep, "prepare", bug)
+    assert main(["data", "prepare", "x.jsonl", "--tokenizer", "builtin:tiny", "--out",
+                 str(tmp_path / "o")]) == 1
+    err = capsys.readouterr().err
+    assert "ZeroDivisionError: oops" in err and "a bug in dflash" in err
