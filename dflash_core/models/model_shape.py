@@ -28,7 +28,7 @@ TOP_K_KEYS = ("num_experts_per_tok", "experts_per_token", "moe_topk")
 BIASED_EXPERT_TYPES = ("gpt_oss",)
 NO_O_BIAS_TYPES = ("glm4_moe",)  # q/k/v take attention_bias, o_proj never has one
 GROUPS = ("embeddings", "lm_head", "attention", "linear_attention", "mlp", "shared_experts",
-          "experts", "router", "norms_biases", "vision")
+          "experts", "router", "other", "vision")  # other: norms, convolutions, sinks
 
 
 def text_config(config: Any) -> Any:
@@ -238,9 +238,9 @@ class Ledger:
                copies: int = 1) -> None:
         self.matrices[group].append((n_out, n_in, copies))
         if bias:
-            self.vectors["norms_biases"] += n_out * copies
+            self.vectors[group] += n_out * copies
 
-    def vector(self, n: int, group: str = "norms_biases") -> None:
+    def vector(self, n: int, group: str = "other") -> None:
         self.vectors[group] += n
 
     def group(self, name: str) -> int:
@@ -322,7 +322,7 @@ def _moe(s: ModelShape, led: Ledger) -> None:
     led.linear("experts", s.hidden, 2 * I, copies=E)  # gate_up_proj
     led.linear("experts", I, s.hidden, copies=E)  # down_proj
     if s.expert_bias:
-        led.vector(E * (2 * I + s.hidden))
+        led.vector(E * (2 * I + s.hidden), "experts")
     if s.shared_intermediate:
         _mlp(s, led, "shared_experts", s.shared_intermediate)
         if s.shared_gate:
