@@ -5,6 +5,7 @@ the plan and the log must say what the target is, not learn anything."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -48,3 +49,24 @@ def test_each_target_class_trains_through_the_engine(tmp_path, data, name):
         assert len(said) == 1 and "cannot run sdpa" in said[0] and "eager" in said[0]
     else:
         assert said == []
+
+
+def test_an_fp8_checkpoint_trains_on_the_cpu_and_the_log_says_it_is_dequantized(tmp_path, data):
+    from dflash_core.planning.memory import target_weight_bytes
+
+    from .models.test_target_classes import fp8_checkpoint
+
+    folder = tmp_path / "fp8"
+    folder.mkdir()
+    fp8_checkpoint(folder)
+    cfg = make_config(tmp_path, folder, data, run__max_steps=2, checkpoint__every=0,
+                      data__eval_prompts=0, target__layer_ids=[0, 1])
+    end, rec = run_config(cfg)
+    assert end.status == "finished", end.reason
+    said = [e.message for e in rec.of(Log) if "FP8" in e.message]
+    assert len(said) == 1 and "cannot run here" in said[0] and "float32" in said[0]
+    assert [e.level for e in rec.of(Log) if "FP8" in e.message] == ["warning"]
+    (plan,) = rec.of(MemoryPlan)
+    row = plan.rows[0]["components"]
+    hf_config = json.loads((folder / "config.json").read_text())
+    assert row["weights"] + row["experts"] == target_weight_bytes(hf_config, "float32")
