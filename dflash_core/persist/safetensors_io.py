@@ -7,9 +7,9 @@ range, then the raw bytes in that order. Here each tensor is written from its ow
 to another dtype first where asked, one tensor at a time), ``progress`` is told after every
 chunk, and the file is fsynced before returning. ``safetensors.torch.load_file`` reads it.
 
-The file's CRC-32 is computed from the same chunks as they are written (no second read): zlib's
-runs at ~3.7 GB/s on one core, faster than the disks checkpoints go to (docs/checkpoint-format.md,
-"checksums.json").
+The file's CRC-32 is computed from the same chunks as they are written (no second read), in a
+second thread while each chunk goes to the disk (zlib and os.write both release the GIL), so it
+costs no time beside the write (docs/checkpoint-format.md, "checksums.json").
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import json
 import os
 import struct
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, NamedTuple
 
 import torch
@@ -55,6 +56,32 @@ def _header(entries) -> bytes:
     return struct.pack("<Q", len(raw)) + raw
 
 
+class Crc32:
+    """A CRC-32 over chunks given in order, computed in one worker thread beside the caller's I/O
+    (a single worker keeps the order). ``value()`` waits for the chunks given so far."""
+
+    def __init__(self):
+        self._crc = 0
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="crc32")
+        self._last = None
+
+    def _add(self, chunk) -> None:
+        self._crc = zlib.crc32(chunk, self._crc)
+
+    def add(self, chunk):
+        """Queue ``chunk`` (it must not change until its future is done); returns that future."""
+        self._last = self._pool.submit(self._add, chunk)
+        return self._last
+
+    def value(self) -> int:
+        if self._last is not None:
+            self._last.result()
+        return self._crc
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
 def _write(fd: int, view: memoryview) -> None:
     """All of ``view`` to ``fd`` (the one place bytes reach the disk: tests inject faults here)."""
     while view:
@@ -71,9 +98,10 @@ def write_file(path: str | os.PathLike, entries: list[tuple[str, torch.Tensor, t
     stops with InterruptedError."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     done = 0
+    crc = Crc32()
     try:
         header = _header(entries)
-        crc = zlib.crc32(header)
+        crc.add(header)
         _write(fd, memoryview(header))
         for _, t, dtype in entries:
             if dtype is not None and dtype != t.dtype:
@@ -84,12 +112,14 @@ def write_file(path: str | os.PathLike, entries: list[tuple[str, torch.Tensor, t
                 if cancelled is not None and cancelled():
                     raise InterruptedError(f"write of {path} cancelled")
                 part = buf[start: start + CHUNK]
-                crc = zlib.crc32(part, crc)  # of the bytes handed to the disk, as they go
+                crc.add(part)  # of the bytes handed to the disk, while they go
                 _write(fd, part)
                 done += len(part)
                 if progress is not None:
                     progress(len(part))
         os.fsync(fd)
+        value = crc.value()
     finally:
         os.close(fd)
-    return Written(done, len(header) + done, crc)
+        crc.close()
+    return Written(done, len(header) + done, value)
