@@ -194,10 +194,13 @@ class Staging:
                             f"({_listing(foreign)}); the new data was not put in", file=self.out,
                             hint=f"move them out of {self.out} and run again, or pass another "
                                  "--out")
+        if not any(self.out.iterdir()):
+            # An empty folder the user made is kept (its permissions, a shell standing in it,
+            # a mount): the files move in, the manifest last.
+            self._install_in_place()
+            return
         try:
-            if not any(self.out.iterdir()):
-                os.rename(self.dir, self.out)  # POSIX: replaces an empty folder atomically
-            elif _exchange(self.dir, self.out):
+            if _exchange(self.dir, self.out):
                 shutil.rmtree(self.dir)  # now the old data
             else:
                 os.rename(self.out, self.old)
@@ -206,7 +209,7 @@ class Staging:
         except OSError as exc:
             if exc.errno not in (errno.EBUSY, errno.EXDEV, errno.EACCES, errno.EPERM):
                 raise
-            self._install_in_place()  # out is a mount point, or its parent is read-only
+            self._install_in_place()  # out is a mount point: it cannot be renamed
 
     def _install_in_place(self) -> None:
         """File by file into ``out``, the marker set meanwhile and the manifest moved last: an

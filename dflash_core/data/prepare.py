@@ -107,6 +107,17 @@ def _render_chunk(rows: list) -> tuple[int, list, list, RenderStats]:
     return len(rows), samples, drops, stats
 
 
+def _die_with_parent() -> None:
+    """A worker is killed with its parent (Linux): a killed prepare leaves no orphan holding its
+    lock or printing broken pipes."""
+    try:
+        import ctypes
+        import signal
+        ctypes.CDLL(None).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def _chunks(rows: Iterator[Conversation | Malformed], n: int) -> Iterator[list]:
     buf: list = []
     for r in rows:
@@ -205,7 +216,7 @@ def prepare(opts: PrepareOptions) -> dict:
     t0 = time.monotonic()
     check_options(opts)
     fmt, files = source_files(opts.source)
-    out = Path(opts.out).expanduser().absolute()
+    out = Path(opts.out).expanduser().resolve()  # a link: the folder it names
     check_apart(out, [("conversations source", opts.source), ("tokenizer folder",
                       opts.tokenizer), ("chat template", opts.chat_template)])
     claim_output(out, opts.overwrite)  # the cheap refusals before loading the tokenizer
@@ -242,7 +253,7 @@ def _prepare_into(stage: Path, opts: PrepareOptions, fmt: str, files: list[Path]
             # Fork: the children inherit the loaded tokenizer; its own threads stay off so a
             # forked copy cannot deadlock on a lock held by a thread of the parent.
             os.environ["TOKENIZERS_PARALLELISM"] = "false"
-            pool = mp.get_context("fork").Pool(workers)
+            pool = mp.get_context("fork").Pool(workers, initializer=_die_with_parent)
             results = pool.imap(_render_chunk, chunks)
         else:
             results = map(_render_chunk, chunks)

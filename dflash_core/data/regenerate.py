@@ -427,7 +427,7 @@ def regenerate(opts: RegenOptions) -> dict:
     if not opts.endpoints:
         raise DataError("no endpoint given", hint="pass --endpoint http://HOST:PORT")
     _, files = source_files(opts.source)
-    out = Path(opts.out).expanduser().absolute()
+    out = Path(opts.out).expanduser().resolve()  # a link: the folder it names
     check_apart(out, [("conversations source", opts.source), ("tokenizer folder",
                       opts.tokenizer), ("chat template", opts.chat_template)])
     check_out(out, "regenerate", overwrite=False)  # before asking any server

@@ -205,3 +205,38 @@ def test_staging_leftovers_of_a_killed_prepare_are_cleared(tmp_path):
     with pytest.raises(DataError, match="no data verb wrote"):
         Staging(tmp_path / "other", lambda n: True, print).begin("prepare")
     assert (tmp_path / ".other.partial" / "x.txt").read_text() == "mine"
+
+
+def test_an_empty_folder_the_user_made_is_kept_and_filled(tmp_path, monkeypatch):
+    src = write_demo_conversations(tmp_path / "demo.jsonl", n=3)
+    (tmp_path / "here").mkdir()
+    inode = (tmp_path / "here").stat().st_ino
+    monkeypatch.chdir(tmp_path / "here")  # a shell standing in it, `--out .`
+    prepare(_opts(src, "."))
+    assert (tmp_path / "here").stat().st_ino == inode
+    assert len(ShardedDataset.open(tmp_path / "here")) == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["demo.jsonl", "here"]
+
+
+def test_an_output_that_is_a_link_replaces_the_folder_it_names(tmp_path):
+    src = write_demo_conversations(tmp_path / "demo.jsonl", n=3)
+    prepare(_opts(src, tmp_path / "real"))
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    m = prepare(_opts(src, tmp_path / "link", overwrite=True, fmt="parquet"))
+    assert (tmp_path / "link").is_symlink()
+    assert len(ShardedDataset.open(tmp_path / "real")) == m["counts"]["samples"] == 3
+    assert list((tmp_path / "real").glob("*.parquet"))
+
+
+def test_an_interrupted_prepare_leaves_nothing_and_releases_its_lock(tmp_path, monkeypatch):
+    import dflash_core.data.prepare as prep
+
+    src = write_demo_conversations(tmp_path / "demo.jsonl", n=3)
+
+    def ctrl_c(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(prep, "_prepare_into", ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(_opts(src, tmp_path / "data"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["demo.jsonl"]
