@@ -294,6 +294,16 @@ def _target_components(cfg: Config, s: ModelShape, hf_config: dict, on_cuda: boo
     }
 
 
+def target_tensors(cfg: Config, target_hf_config: dict, on_cuda: bool = True,
+                   quantized: bool | None = None) -> dict[str, int]:
+    """A target device's planned tensors with one batch in flight and none queued, without the
+    CUDA margins: what a lone forward holds (bench/moe_target.py measures against it)."""
+    kept = on_cuda if quantized is None else quantized
+    comps = _target_components(cfg, model_shape(target_hf_config), target_hf_config, on_cuda, 0,
+                               kept)
+    return {k: v for k, v in comps.items() if v}
+
+
 def optimizer_component(cfg: Config, hf_config: dict) -> dict[str, int]:
     """{name: bytes} of the drafter's fp32 weights, gradients and optimizer state."""
     n_params = drafter_param_count(cfg, hf_config)

@@ -7,6 +7,9 @@ shapes for the counts that need full size.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 import transformers as tf
 
@@ -85,17 +88,12 @@ def build(name: str, seed: int = 0) -> torch.nn.Module:
 
 
 # The releases' shapes (the keys that size them, as in their config.json), for counts at full size.
-QWEN3_30B_A3B = dict(
-    model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
-    moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
-    num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
-    decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False)
-GPT_OSS_20B = dict(
-    model_type="gpt_oss", vocab_size=201088, hidden_size=2880, intermediate_size=2880,
-    num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
-    num_local_experts=32, num_experts_per_tok=4, experts_per_token=4, sliding_window=128,
-    attention_bias=True, tie_word_embeddings=False,
-    layer_types=["sliding_attention", "full_attention"] * 12)
+def _fixture(name: str) -> dict:
+    return json.loads((Path(__file__).resolve().parents[2] / "fixtures" / name).read_text())
+
+
+QWEN3_30B_A3B = _fixture("qwen3_30b_a3b_config.json")
+GPT_OSS_20B = _fixture("gpt_oss_20b_config.json")  # in bf16: the release's experts are MXFP4
 DEEPSEEK_V3 = dict(
     model_type="deepseek_v3", vocab_size=129280, hidden_size=7168, intermediate_size=18432,
     moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128,
