@@ -143,7 +143,8 @@ def row_terms(h: torch.Tensor, t: torch.Tensor, prev: torch.Tensor, labels: torc
     sums = []
     preds = []
     w2 = markov_head.markov_w2.weight
-    for s in range(0, len(h), max(1, chunk)):
+    chunk = max(1, chunk)
+    for s in range(0, len(h), chunk):
         sl = slice(s, s + chunk)
         hs, e = h[sl], markov_head.embed(prev[sl])
         ce, l1, arg = _LogitTerms.apply(hs, e, lm_head_weight, w2, t[sl].detach(), labels[sl])
@@ -229,8 +230,9 @@ def teacher_forced_preds(drafter, hidden: torch.Tensor, prev: torch.Tensor,
     h = hidden.reshape(n * A * B, -1)
     p = prev.reshape(-1)
     w, w2 = drafter.lm_head.weight, drafter.markov_head.markov_w2.weight
+    chunk = max(1, chunk)
     out = [slot_logits(h[s: s + chunk], drafter.markov_head.embed(p[s: s + chunk]), w, w2)
-           .argmax(-1) for s in range(0, len(h), max(1, chunk))]
+           .argmax(-1) for s in range(0, len(h), chunk)]
     return torch.cat(out).view(n, A, B)
 
 
