@@ -74,8 +74,9 @@ def load_tokenizer(spec: str | Path, chat_template: str | Path | None = None):
         try:
             from transformers import AutoTokenizer
             tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-        except (OSError, ValueError, TypeError) as exc:
-            raise DataError(f"cannot load a tokenizer ({str(exc).splitlines()[0]})", file=path,
+        except Exception as exc:  # a damaged tokenizer.json raises KeyError, the Rust side its own
+            first = (str(exc).splitlines() or [""])[0]
+            raise DataError(f"cannot load a tokenizer ({type(exc).__name__}: {first})", file=path,
                             hint="pass --tokenizer a model folder holding tokenizer.json / "
                                  "tokenizer_config.json (the target's own folder), or "
                                  "builtin:tiny") from exc

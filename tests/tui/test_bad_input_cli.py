@@ -175,6 +175,10 @@ DATA_CASES = {
         _convs, lambda s, d: ["prepare", s, "--out", f"{d}/o", "--chat-template",
                               str(_file("t.jinja", b"\xff\xfe\x00")(d)), *TINY],
         ["cannot read the chat template"]),
+    "a damaged tokenizer.json": (
+        _convs, lambda s, d: ["prepare", s, "--out", f"{d}/o", "--tokenizer",
+                              str(_damaged_tokenizer(d)), "--quiet"],
+        ["cannot load a tokenizer (KeyError"]),
     "a damaged Parquet file": (
         _file("x.parquet", b"PAR1" + b"\x00" * 40), lambda s, d: ["prepare", s, "--out",
                                                                   f"{d}/o", *TINY],
@@ -189,6 +193,14 @@ DATA_CASES = {
         _convs, lambda s, d: ["inspect", str(_prepared(d)), "--target", s],
         ["cannot load the target model"]),
 }
+
+
+def _damaged_tokenizer(d: Path) -> Path:
+    (d / "tok").mkdir()
+    (d / "tok" / "tokenizer.json").write_text('{"version": "1.0", "truncation": null}')
+    (d / "tok" / "tokenizer_config.json").write_text(
+        '{"tokenizer_class": "PreTrainedTokenizerFast"}')
+    return d / "tok"
 
 
 def _prepared(d: Path) -> Path:

@@ -21,11 +21,14 @@ def echo(body: dict) -> dict:
 
 class CannedServer:
     """``answers``: the bodies of the first requests' answers, in order (a dict is sent as
-    JSON, bytes as they are); later requests get ``echo``."""
+    JSON, bytes as they are); later requests get ``answer`` (``echo``). ``models``: the answer
+    to ``GET /v1/models``."""
 
     def __init__(self, answers: list | None = None,
-                 answer: Callable[[dict], dict] = echo):
+                 answer: Callable[[dict], dict] = echo, models=None):
         self.answers = list(answers or [])
+        self.models = models if models is not None else {
+            "object": "list", "data": [{"id": MODEL, "object": "model"}]}
         self.answer = answer
         self.requests = 0
         self._lock = threading.Lock()
@@ -44,7 +47,7 @@ class CannedServer:
                 self.wfile.write(raw)
 
             def do_GET(self):
-                self._send({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+                self._send(server.models)
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))

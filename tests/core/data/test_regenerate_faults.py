@@ -5,6 +5,7 @@ input, rows whose prompt cannot be rendered. Against a canned server: fast, no m
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -190,3 +191,31 @@ def test_an_endpoint_that_is_not_a_url_is_one_line(tmp_path):
         regenerate(_opts(_src(tmp_path, n=1), tmp_path / "a", "http://[::1"))
     with pytest.raises(DataError, match="is not a URL"):
         regenerate(_opts(_src(tmp_path, n=1), tmp_path / "a", "http://host:99999"))
+
+
+@pytest.mark.parametrize("models,words", [
+    ({"data": 5}, "without a list of models"),
+    ({"object": "list"}, "without a list of models"),
+    (b"<html>", "does not answer /v1/models"),
+    ({"data": []}, "lists no model"),
+    ({"data": [{"id": "other"}]}, "serves ['other'], not 'canned'"),
+])
+def test_a_models_answer_that_cannot_be_used_is_one_line(tmp_path, models, words):
+    with CannedServer(models=models) as srv:
+        with pytest.raises(DataError, match=re.escape(words)) as e:
+            regenerate(_opts(_src(tmp_path, n=1), tmp_path / "a", srv.url,
+                             model="canned" if "serves" in words else None))
+        assert srv.requests == 0
+    assert e.value.hint and not (tmp_path / "a").exists()
+
+
+def test_a_second_regenerate_of_one_folder_is_refused_naming_the_first(tmp_path):
+    from dflash_core.data.lock import OutputBusy, OutputLock
+
+    src, out = _src(tmp_path, n=2), tmp_path / "regen"
+    with CannedServer() as srv:
+        with OutputLock(out, "regenerate"):  # the first, still asking
+            with pytest.raises(OutputBusy, match="another process is writing this folder "
+                                                 r"\(data regenerate, pid"):
+                regenerate(_opts(src, out, srv.url))
+        assert regenerate(_opts(src, out, srv.url))["finished"]
