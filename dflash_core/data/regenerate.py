@@ -18,10 +18,12 @@ Work is spread over the endpoints, ``concurrency`` requests in flight on each. A
 (connection error, timeout, HTTP 429 / 5xx, an unreadable answer) is retried with exponential
 backoff; a sample whose retries run out is counted by error and left for the next run. Results are
 appended, one JSON line per finished sample, to a file per endpoint under ``parts/`` (flushed and
-fsynced), so a re-run of the same command skips the ids already there. When every sample is done,
+fsynced), so a re-run of the same command skips the ids already there; a line damaged anywhere in
+a part is set aside (``DAMAGED``) and its sample asked again. When every sample is done,
 the parts are merged in source order into ``conversations.jsonl`` and ``dflash_regen.json`` is
 written last. A server that answers with another model's name stops the run: that data would not
-be the target's.
+be the target's. The output folder is never an input nor a folder of other files, and has one
+writer at a time (``output``, ``lock``).
 """
 
 from __future__ import annotations
