@@ -115,6 +115,8 @@ class DSparkDrafter(DFlashDrafter):
 
     objective = "dspark"
     anchor_predicts = True
+    # Muon's advice: lookup tables, maps onto the vocabulary and vectors stay on AdamW.
+    adamw_only = ("markov_head", "confidence_head")
 
     def __init__(self, config: Qwen3Config):
         super().__init__(config)

@@ -46,12 +46,15 @@ def muon_class() -> type:
 def split_params(drafter: nn.Module, params: list[nn.Parameter]
                  ) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
     """(Muon's, AdamW's) among ``params``: the 2-D weight matrices, and everything else. The
-    order within each is the module's, so every replica builds the same state layout."""
+    order within each is the module's, so every replica builds the same state layout. Modules
+    named in the drafter's ``adamw_only`` (DSpark's Markov head, a lookup table and a map onto
+    the vocabulary, and its one-row confidence head) stay on AdamW whatever their shape."""
     wanted = {id(p) for p in params}
+    keep = tuple(f"{m}." for m in getattr(drafter, "adamw_only", ()))
     matrices, rest = [], []
-    for _, p in drafter.named_parameters():
+    for name, p in drafter.named_parameters():
         if id(p) in wanted:
-            (matrices if p.ndim == 2 else rest).append(p)
+            (matrices if p.ndim == 2 and not name.startswith(keep) else rest).append(p)
     return matrices, rest
 
 

@@ -143,3 +143,14 @@ def test_resume_of_the_other_objective_is_refused_and_the_same_is_rebuilt(tmp_pa
     (fresh,) = build_replicas(cfg, tm, [cpu], layer_ids=init.target_layer_ids,
                               mask_id=VOCAB - 1, dspark=SETTINGS)
     assert isinstance(fresh.drafter, DSparkDrafter) and fresh.drafter.block_size == 4
+
+
+def test_muon_leaves_the_heads_on_adamw(tmp_path, assets):
+    cfg, tm, batches, feats, init = _setup(tmp_path, assets, 1, optim__name="muon")
+    (rep,) = make_replicas(init, [torch.device("cpu")], cfg, *head_copies(tm), SETTINGS)
+    muon = {id(p) for g in rep.optimizer.muon.param_groups for p in g["params"]}
+    names = {n for n, p in rep.drafter.named_parameters() if id(p) in muon}
+    assert "fc.weight" in names and "layers.0.mlp.up_proj.weight" in names
+    assert not any(n.startswith(("markov_head", "confidence_head")) for n in names)
+    rep.accumulate(batches[0], feats[0], cfg.run.seed)
+    assert reduce_and_step([rep], 0, 10).extra["loss_tv"] > 0
