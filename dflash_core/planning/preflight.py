@@ -249,6 +249,7 @@ def quantized_weights(cfg: Config, hf_config: dict,
     dtype the target runs in. Both need accelerate: without it the load would fail, so refused."""
     import importlib.util
 
+    from dflash_core.persist.checkpoint_size import gib
     from dflash_core.planning.memory import quant_method, target_weight_bytes
 
     method = quant_method(hf_config)
@@ -259,7 +260,7 @@ def quantized_weights(cfg: Config, hf_config: dict,
     plain = target_weight_bytes(hf_config, dtype)
     if method not in ("fp8", "mxfp4"):
         return False, (f"target: weights quantized with {method}: the memory plan counts them "
-                       f"as {dtype} ({plain / GiB:.1f} GiB), an upper bound")
+                       f"as {dtype} ({gib(plain)}), an upper bound")
     if importlib.util.find_spec("accelerate") is None:
         raise ConfigError("target.path", f"the target's weights are quantized ({method}): "
                           "transformers loads such checkpoints only with the accelerate package",
@@ -269,10 +270,10 @@ def quantized_weights(cfg: Config, hf_config: dict,
     why = _quantized_cannot_run(method, tdev)
     if why is None:
         return True, (f"target: {label} weights (quant_method {method}) stay as stored: "
-                      f"{stored / GiB:.1f} GiB ({plain / GiB:.1f} GiB in {dtype})")
+                      f"{gib(stored)} ({gib(plain)} in {dtype})")
     return False, (f"target: the checkpoint's {label} weights cannot run here ({why}): "
-                   f"transformers dequantizes them to {dtype} as it loads, {plain / GiB:.1f} GiB "
-                   f"instead of {stored / GiB:.1f} GiB; the memory plan counts {dtype}")
+                   f"transformers dequantizes them to {dtype} as it loads, {gib(plain)} instead of "
+                   f"{gib(stored)}; the memory plan counts {dtype}")
 
 
 def _quantized_cannot_run(method: str, tdev: list[torch.device]) -> str | None:
@@ -288,13 +289,24 @@ def _quantized_cannot_run(method: str, tdev: list[torch.device]) -> str | None:
             return (f"cuda:{d.index} has compute capability {cap[0]}.{cap[1]}, "
                     f"{method} needs {need[0]}.{need[1]}+")
     if method == "mxfp4":
-        from transformers.utils import is_kernels_available, is_triton_available
-
-        if not is_triton_available("3.4.0"):
+        if not _installed("triton", (3, 4)):
             return "triton >= 3.4 is not installed"
-        if not is_kernels_available():
+        if not _installed("kernels"):
             return "the kernels package is not installed"
     return None
+
+
+def _installed(package: str, at_least: tuple[int, ...] = ()) -> bool:
+    """``package`` is installed, at version ``at_least`` or later (its leading numbers)."""
+    import importlib.metadata
+    import re
+
+    try:
+        version = importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    numbers = tuple(int(n) for n in re.findall(r"\d+", version)[:len(at_least)])
+    return numbers >= at_least
 
 
 def _read_target_config(target_path: Path) -> dict:

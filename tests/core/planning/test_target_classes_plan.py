@@ -156,16 +156,26 @@ def test_fp8_on_a_gpu_stays_quantized_from_compute_capability_8_9(monkeypatch, c
         assert "compute capability 8.0, fp8 needs 8.9+" in line and "bfloat16" in line
 
 
-def test_mxfp4_without_triton_kernels_is_said_to_be_dequantized(monkeypatch):
-    import transformers.utils as tu
+@pytest.mark.parametrize("installed, kept, says", [
+    ({"triton": "3.3.1", "kernels": "0.12.0"}, False, "triton >= 3.4 is not installed"),
+    ({"triton": "3.4.0"}, False, "the kernels package is not installed"),
+    ({"triton": "3.5.1", "kernels": "0.12.0"}, True, "stay as stored: 12.8 GiB"),
+])
+def test_mxfp4_stays_quantized_only_with_triton_kernels(monkeypatch, installed, kept, says):
+    import importlib.metadata
 
+    def version(package):
+        if package not in installed:
+            raise importlib.metadata.PackageNotFoundError(package)
+        return installed[package]
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
-    monkeypatch.setattr(tu, "is_triton_available", lambda *a, **k: False)
+    monkeypatch.setattr(importlib.metadata, "version", version)
     hf_config = dict(GPT_OSS_20B, quantization_config={"quant_method": "mxfp4"})
     cfg = config_from_dict({"layout": {"device": "cuda"}})
-    kept, line = quantized_weights(cfg, hf_config, [torch.device("cuda:0")])
-    assert kept is False and "triton >= 3.4 is not installed" in line
-    assert "39.0 GiB instead of 12.8 GiB" in line
+    got, line = quantized_weights(cfg, hf_config, [torch.device("cuda:0")])
+    assert got is kept and says in line
+    if not kept:
+        assert "dequantizes them to bfloat16 as it loads, 39.0 GiB instead of 12.8 GiB" in line
 
 
 def test_plain_weights_say_nothing():
