@@ -29,7 +29,7 @@ from dflash_core.check.diagnose import Verdict, diagnose, evidence_lines, featur
 from dflash_core.check.memorise import memorise
 from dflash_core.check.samples import pick_prompts, write_responses
 from dflash_core.config import Config
-from dflash_core.models.evaluate import retry_uncompiled, target_fn_for
+from dflash_core.models.evaluate import evaluation_attention, target_fn_for
 from dflash_core.models.target import load_target
 from dflash_core.planning import preflight
 
@@ -134,12 +134,9 @@ def judge(prep: Prepared, mem, opts: CheckOptions, say: Callable[[str], None]) -
     drafter.save(ckpt)
 
     say("decode: exact speculative decoding of the prompts, the target verifying")
-    # the drafter stays uncompiled after a fallback: the probes below draft with it too
-    ours = retry_uncompiled(drafter, lambda: dec.decode(
-        "this engine", prep.target_fn, drafter, samples, prep.layer_ids, eos_token_id=None,
-        device=target.device), lambda exc: say(
-            f"  the compiled attention could not be built for decoding's shapes "
-            f"({type(exc).__name__}); decoding with the uncompiled attention (same figures)"))
+    with evaluation_attention(drafter):  # as the run's evaluation decodes
+        ours = dec.decode("this engine", prep.target_fn, drafter, samples, prep.layer_ids,
+                          eos_token_id=None, device=target.device)
     say(f"  this engine: exact tau {ours.tau:.2f} of {ours.ceiling:.2f}")
     ref, ref_note, ref_mask = None, "not asked for (--no-reference)", None
     if opts.reference:

@@ -18,13 +18,13 @@ cut back to the accepted tokens after each round.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence, TypeVar
+from typing import Callable, Protocol, Sequence
 
 import numpy as np
 import torch
 
-from dflash_core.models.compile_guard import is_compile_failure
 from dflash_core.models.target_decoding import CachedDecoding, Decoding, FullDecoding, TargetFn
 
 
@@ -266,24 +266,27 @@ def teacher_forced_eval(features_fn: Callable[[torch.Tensor], torch.Tensor], dra
     return (total / blocks if blocks else 0.0), blocks
 
 
-T = TypeVar("T")
+# The evaluation and `check` decode with the uncompiled attention ("chunked", exact, the same
+# figures): decoding runs one block after a context that grows every round, and the
+# teacher-forced measures run shapes training never sees, so compiled FlexAttention compiled and
+# autotuned again at evaluations, and on an H200 inductor found no kernel for one of them
+# (NoValidChoicesError at step 200 of the demo, one process). For one block the uncompiled
+# attention is as fast (bench/flex_decoding.py; bench/BENCHMARKS.md "Evaluation attention").
+EVAL_ATTENTION = "chunked"
 
 
-def retry_uncompiled(drafter, measure: Callable[[], T],
-                     said: Callable[[BaseException], None]) -> T:
-    """``measure()``; when the drafter's compiled attention cannot be built for its shapes
-    (decoding's, one block after a growing context: inductor's NoValidChoicesError was seen on
-    an H200), ``said(exc)``, ``drafter.attn_impl = "chunked"`` (the uncompiled attention, same
-    figures, slower) and ``measure()`` once more; the caller restores the attention when it
-    must. Any other failure, or one already uncompiled, is raised."""
+@contextmanager
+def evaluation_attention(drafter):
+    """The drafter in eval mode with ``EVAL_ATTENTION`` inside; training's mode and attention
+    are restored after."""
+    was_training, attn = drafter.training, drafter.attn_impl
+    drafter.eval()
+    drafter.attn_impl = EVAL_ATTENTION
     try:
-        return measure()
-    except Exception as exc:  # noqa: BLE001 - only a kernel that cannot be built is retried
-        if not is_compile_failure(exc) or drafter.attn_impl == "chunked":
-            raise
-        said(exc)
-        drafter.attn_impl = "chunked"
-        return measure()
+        yield drafter
+    finally:
+        drafter.attn_impl = attn
+        drafter.train(was_training)
 
 
 def features_fn_for(target_model, layer_ids: Sequence[int] | None):

@@ -24,8 +24,8 @@ from dflash_core.models import acceptance
 from dflash_core.models.agreement import label_agreement
 from dflash_core.models.evaluate import (
     evaluate_tau,
+    evaluation_attention,
     features_fn_for,
-    retry_uncompiled,
     target_fn_for,
     teacher_forced_eval,
 )
@@ -89,7 +89,6 @@ class Run:
     recent_tau_tf: deque = field(default_factory=lambda: deque(maxlen=50))
     agreement: tuple[int, int] | None = None  # (agree, total), measured at the first evaluation
     # the evaluation's block attention once the compiled one failed to build for its shapes
-    eval_attn: str | None = None
     evaluated_step: int = -1  # the end of a run evaluates again only when it is a new step
     best_tau: float | None = None  # exact tau of checkpoints/best (read from it on first use)
     saved_path: Path | None = None
@@ -447,12 +446,9 @@ class Run:
 
     def _measure(self, drafter, target, prompts, heldout, publish) -> tuple:
         """(exact decoding, and (tau, positions) of the three teacher-forced measures) with the
-        drafter in eval mode and the evaluation's attention: the drafter's own, or from the
-        first evaluation whose compiled attention could not be built on, the uncompiled one
-        (``self.eval_attn``); training keeps its own."""
+        drafter in eval mode and the evaluation's attention (``evaluation_attention``)."""
         cfg, layer_ids = self.config, self.prep.layer_ids
-
-        def measure() -> tuple:
+        with evaluation_attention(drafter):
             res = evaluate_tau(target_fn_for(target, layer_ids, cache=cfg.eval.cache),
                                drafter, prompts, cfg.eval.max_new_tokens, layer_ids)
             decoded = [(p + out, [0] * len(p) + [1] * len(out))
@@ -464,26 +460,6 @@ class Run:
             return (res, teacher_forced_eval(feats, drafter, decoded, chunk, anchors=res.anchors),
                     teacher_forced_eval(feats, drafter, decoded, chunk),
                     teacher_forced_eval(feats, drafter, heldout, chunk))
-
-        def said(exc: BaseException) -> None:
-            first = (str(exc).splitlines() or [""])[0][:160]
-            publish(Log(level="warning", source="eval", message=(
-                f"step {self.step}: the compiled attention could not be built for the "
-                f"evaluation's shapes ({type(exc).__name__}: {first}); "
-                f"evaluating with the uncompiled attention from now on (same figures, slower); "
-                f"training is unaffected")))
-
-        was_training, attn = drafter.training, drafter.attn_impl
-        drafter.eval()
-        if self.eval_attn is not None:
-            drafter.attn_impl = self.eval_attn
-        try:
-            return retry_uncompiled(drafter, measure, said)
-        finally:
-            if drafter.attn_impl != attn:  # the fallback retry_uncompiled chose, kept from now on
-                self.eval_attn = drafter.attn_impl
-            drafter.attn_impl = attn
-            drafter.train(was_training)
 
     def _agreement(self, target_model) -> tuple[int, int]:
         """(agree, total) on ``eval.agreement_samples`` training samples spread over the data

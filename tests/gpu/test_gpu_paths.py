@@ -177,23 +177,18 @@ def test_compiled_flex_equals_dense_for_one_drafted_block(S):
     assert torch.allclose(flex_block_attention(*args, compile=True), want, atol=2e-5)
 
 
-def test_an_evaluation_whose_flex_kernel_cannot_be_built_falls_back_on_the_gpu(tmp_path: Path,
-                                                                            monkeypatch):
-    # Nine demo runs side by side on one H200 each ended "failed" at their evaluation: inductor
-    # raised NoValidChoicesError lowering FlexAttention for decoding's shapes. Here every flex
-    # call outside training (no grad) fails that way; the evaluation must finish uncompiled.
-    from torch._inductor.exc import InductorError
-
+def test_a_gpu_run_evaluates_without_compiling_its_attention(tmp_path: Path, monkeypatch):
+    # At step 200 of the demo on an H200, inductor found no kernel for compiled FlexAttention at
+    # one of the evaluation's shapes (NoValidChoicesError). Training uses it; the evaluation
+    # must not (no flex call without gradients), and the run says nothing about it.
     import dflash_core.models.block_attention as ba
     from dflash_core.observe.events import EvalResult, Log
 
     real_flex = ba.flex_block_attention
-    failed = []
+    in_training, outside = [], []
 
     def flex(*a, **k):
-        if not torch.is_grad_enabled():
-            failed.append(1)
-            raise InductorError(RuntimeError("NoValidChoicesError: No choices to select"), None)
+        (in_training if torch.is_grad_enabled() else outside).append(1)
         return real_flex(*a, **k)
 
     monkeypatch.setattr(ba, "flex_block_attention", flex)
@@ -210,5 +205,5 @@ def test_an_evaluation_whose_flex_kernel_cannot_be_built_falls_back_on_the_gpu(t
     engine.shutdown()
     evals = [e for e in seen if isinstance(e, EvalResult)]
     assert [e.step for e in evals] == [2, 4] and all(e.tau >= 1.0 for e in evals)
-    assert len(failed) == 1  # tried once; the evaluations after it go uncompiled
-    assert [e for e in seen if isinstance(e, Log) and "could not be built" in e.message]
+    assert in_training and not outside
+    assert not [e for e in seen if isinstance(e, Log) and "compiled attention" in e.message]

@@ -67,28 +67,24 @@ def test_wrong_mask_token_at_decode(healthy, monkeypatch):
     assert "mask token" in first.what and "drafter.mask_token_id" in first.fix
 
 
-def test_decoding_whose_compiled_attention_cannot_be_built_goes_on_uncompiled(healthy,
-                                                                            monkeypatch):
-    from torch._inductor.exc import InductorError
-
+def test_decoding_uses_the_uncompiled_attention_and_gives_the_drafter_back(healthy, monkeypatch):
     prep, mem = healthy
-    drafted, tried = DFlashDrafter.draft, []
+    drafted, seen = DFlashDrafter.draft, []
 
     def draft(self, *args, **kwargs):
-        if self.attn_impl != "chunked":
-            tried.append(self.attn_impl)
-            raise InductorError(RuntimeError("NoValidChoicesError: No choices to select"), None)
+        seen.append(self.attn_impl)
         return drafted(self, *args, **kwargs)
 
     monkeypatch.setattr(DFlashDrafter, "draft", draft)
-    lines, attn = [], mem.drafter.attn_impl
+    attn = mem.drafter.attn_impl
+    mem.drafter.attn_impl = "auto"  # training's (compiled flex on a GPU); decoding gives it back
     try:
-        result = judge(prep, mem, replace(FAST, reference=False), lines.append)
+        result = judge(prep, mem, replace(FAST, reference=False), lambda line: None)
+        assert mem.drafter.attn_impl == "auto"
     finally:
         mem.drafter.attn_impl = attn  # the module's drafter is shared
     assert result.verdict.passed, result.evidence
-    assert tried == ["auto"]
-    assert any("could not be built" in line and "InductorError" in line for line in lines)
+    assert seen and seen[0] == "chunked"
 
 
 def test_labels_shifted_by_one(tmp_path, dflash_cache, monkeypatch):
