@@ -1,15 +1,22 @@
 """Conversations -> token ids and a loss mask, with the target's own tokenizer and chat template.
 
-The trained positions are found from token ids, never from the text: for each assistant turn the
-conversation is rendered up to that turn with the generation prompt (``P``) and up to and including
-it (``F``); the turn's tokens are ``F[len(P):]`` when ``P`` is a token prefix of ``F`` and ``F`` one
-of the whole conversation's tokens. Those spans (the answer and the template's end-of-turn tokens,
-which the target also writes) get loss_mask 1, everything else 0.
+The trained positions are found from the rendering, never by searching for the answer's text: for
+each assistant turn the conversation is rendered up to that turn with the generation prompt (``P``)
+and up to and including it (``F``); the turn's tokens are ``F[len(P):]`` when ``P`` is a token
+prefix of ``F`` and ``F`` one of the whole conversation's tokens. Those spans (the answer and the
+template's end-of-turn tokens, which the target also writes) get loss_mask 1, everything else 0.
+
+A tokenizer may merge characters across the boundary (a GPT-2-style byte-level BPE joins the
+generation prompt's last newline with an answer's leading spaces): then ``P`` is a prefix of ``F``
+as text but not as tokens. The rendering is then cut at the turn boundaries as text, each piece
+tokenized apart and the ids joined: the prompt's ids as a server tokenizes it, then the answer's,
+as the target writes them after it. Such rows are counted (``joined_rows``).
 
 Some templates render history differently from the turn being written (Qwen3 drops the reasoning
-of earlier turns): then ``F`` is not a prefix of the whole, and the conversation is split into one
-sample per assistant turn, each being exactly what the target saw when it wrote that turn. The
-split is counted, not hidden.
+of earlier turns): then ``F`` is not a prefix of the whole, even as text, and the conversation is
+split into one sample per assistant turn, each being exactly what the target saw when it wrote
+that turn. The split is counted, not hidden; a turn whose prompt is not a prefix of its own
+rendering even as text is ``prefix_mismatch``.
 
 Reasoning (``reasoning_content``) follows the ``thinking`` policy: ``keep`` (every turn keeps it),
 ``last`` (only the last assistant turn keeps it, as a thinking model sees history at inference),
@@ -51,10 +58,17 @@ class RenderStats:
     split_rows: int = 0  # conversations split into one sample per assistant turn
     server_ids_turns: int = 0  # turns whose answer came with the server's token ids
     server_ids_differ: int = 0  # ... of which re-tokenizing the text gave other ids
-    counts: dict = field(default_factory=dict)
+    # conversations whose prompt and answer were tokenized apart and the ids joined: the
+    # tokenizer merges characters across the turn boundary
+    joined_rows: int = 0
+    # samples of split rows left out (too long, nothing trained) while the row's others are kept
+    split_samples_dropped: dict = field(default_factory=dict)
 
     def add(self, other: "RenderStats") -> None:
         self.split_rows += other.split_rows
+        self.joined_rows += other.joined_rows
+        for k, v in other.split_samples_dropped.items():
+            self.split_samples_dropped[k] = self.split_samples_dropped.get(k, 0) + v
         self.server_ids_turns += other.server_ids_turns
         self.server_ids_differ += other.server_ids_differ
 
@@ -136,6 +150,19 @@ def _is_prefix(a: list[int], b: list[int]) -> bool:
     return len(a) <= len(b) and b[:len(a)] == a
 
 
+@dataclass
+class _Span:
+    """An assistant turn of a rendering: from ``start`` (its prompt's end) to ``end``, in tokens
+    or in characters; ``hist`` and ``shown``: the turns before it and it, as the template got
+    them; ``prompt_text``: the rendering up to it with the generation prompt."""
+    i: int
+    hist: list[dict]
+    shown: dict
+    start: int
+    end: int
+    prompt_text: str
+
+
 class ChatRenderer:
     """Renders conversations with one tokenizer, template and thinking policy."""
 
@@ -186,66 +213,103 @@ class ChatRenderer:
 
     # -- a conversation -> samples -------------------------------------------------------------
     def render(self, conv: Conversation, stats: RenderStats | None = None) -> list[Rendered]:
-        stats = stats if stats is not None else RenderStats()
+        """The conversation's samples. ``stats`` gets this row's counts only when it renders:
+        a row that raises is counted once, under its reason, by the caller."""
+        mine = RenderStats()
+        out = self._render(conv, mine)
+        if stats is not None:
+            stats.add(mine)
+        return out
+
+    def _render(self, conv: Conversation, stats: RenderStats) -> list[Rendered]:
         msgs = self.template_messages(conv.messages)
         turns = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
         if not turns:
             raise RowError("no_assistant")
-        full = self.ids(msgs)
-        spans = []
+        full_text = self.text(msgs, False)
+        full = self.encode(full_text)
+        by_ids, by_text = [], []
         for i in turns:
-            p, f = self.ids(msgs[:i], True), self.ids(msgs[:i + 1])
-            if not _is_prefix(p, f) or not _is_prefix(f, full):
-                break
-            spans.append((i, p, f, msgs[:i], msgs[i]))
-        if len(spans) == len(turns):
-            return [self._sample(full, spans, conv, stats)]
+            pt, ft = self.text(msgs[:i], True), self.text(msgs[:i + 1], False)
+            p, f = self.encode(pt), self.encode(ft)
+            by_ids.append(_Span(i, msgs[:i], msgs[i], len(p), len(f), pt)
+                          if _is_prefix(p, f) and _is_prefix(f, full) else None)
+            by_text.append(_Span(i, msgs[:i], msgs[i], len(pt), len(ft), pt)
+                           if ft.startswith(pt) and full_text.startswith(ft) else None)
+        if all(by_ids):
+            return [self._sample(full.__getitem__, len(full), by_ids, conv, stats)]
+        if all(by_text):
+            # The text of each turn follows its prompt's, but the tokenizer merges across the
+            # boundary (a byte-level BPE joins the prompt's last newline with an answer's
+            # leading spaces): each piece tokenized apart and the ids joined, as a server
+            # tokenizes the prompt and the target writes the answer after it.
+            stats.joined_rows += 1
+            return [self._sample(self._piece(full_text), len(full_text), by_text, conv, stats)]
         # The template renders history otherwise than the turn being written: one sample per
         # turn, each rendered as the target saw it (the policy applied as if it were the last).
         stats.split_rows += 1
         out = []
         for i in turns:
             sub = self.template_messages(conv.messages[:i + 1])
-            p, f = self.ids(sub[:i], True), self.ids(sub)
-            if not _is_prefix(p, f):
-                raise RowError("prefix_mismatch", f"turn {i}: the generation prompt's tokens are "
-                               "not a prefix of the rendered turn's")
-            out.append(self._sample(f, [(i, p, f, sub[:i], sub[i])], conv, stats))
+            pt, ft = self.text(sub[:i], True), self.text(sub, False)
+            p, f = self.encode(pt), self.encode(ft)
+            if _is_prefix(p, f):
+                out.append(self._sample(f.__getitem__, len(f),
+                                        [_Span(i, sub[:i], sub[i], len(p), len(f), pt)],
+                                        conv, stats))
+            elif ft.startswith(pt):
+                stats.joined_rows += stats.joined_rows == 0  # the row, once
+                out.append(self._sample(self._piece(ft), len(ft),
+                                        [_Span(i, sub[:i], sub[i], len(pt), len(ft), pt)],
+                                        conv, stats))
+            else:
+                raise RowError("prefix_mismatch", f"turn {i} (its prompt's text is not the "
+                               "start of the turn's text)")
         return out
 
-    def _sample(self, full: list[int], spans: list, conv: Conversation,
+    def _piece(self, text: str):
+        """Ids of ``text[a:b]``, tokenized apart from its neighbours."""
+        return lambda cut: self.encode(text[cut]) if cut.start != cut.stop else []
+
+    def _sample(self, piece, length: int, spans: list, conv: Conversation,
                 stats: RenderStats) -> Rendered:
+        """The sample from its pieces: ``piece(slice)`` gives the ids of a stretch of the
+        rendering (in tokens, or in characters tokenized apart); ``spans`` are the turns."""
         ids: list[int] = []
         mask: list[int] = []
         at = 0
-        for i, p, f, hist, shown in spans:
-            ids += full[at:len(p)]
-            mask += [0] * (len(p) - at)
-            msg = conv.messages[i]
+        for s in spans:
+            head = list(piece(slice(at, s.start)))
+            ids += head
+            mask += [0] * len(head)
+            msg = conv.messages[s.i]
+            span = list(piece(slice(s.start, s.end)))
             # The server's ids hold the reasoning it wrote: usable only where the policy kept it.
             dropped = msg.get("reasoning_content") and not (
-                "reasoning_content" in shown or shown["content"] != msg["content"])
-            span = (f[len(p):] if dropped
-                    else self._server_span(msg, p, f[len(p):], hist, stats))
+                "reasoning_content" in s.shown or s.shown["content"] != msg["content"])
+            if not dropped:
+                span = self._server_span(msg, s.prompt_text, span, s.hist, stats)
             ids += span
             mask += [1] * len(span)
-            at = len(f)
-        ids += full[at:]
-        mask += [0] * (len(full) - at)
+            at = s.end
+        tail = list(piece(slice(at, length)))
+        ids += tail
+        mask += [0] * len(tail)
         return Rendered(ids, mask)
 
-    def _server_span(self, msg: dict, p: list[int], span: list[int], history: list[dict],
+    def _server_span(self, msg: dict, prompt_text: str, span: list[int], history: list[dict],
                      stats: RenderStats) -> list[int]:
         """The turn's tokens: as rendered, or with the answer the server gave as ids.
-        ``history``: the turns before it, as the template got them."""
+        ``history``: the turns before it, as the template got them; ``prompt_text``: their
+        rendering with the generation prompt."""
         server = msg.get("token_ids")
         if not server:
             return span
         stats.server_ids_turns += 1
         # The template's own end-of-turn tokens: what the turn shares at its end with the same
-        # turn rendered with an empty answer.
-        empty = self.ids(history + [{"role": "assistant", "content": ""}])
-        tail = empty[len(p):] if _is_prefix(p, empty) else []
+        # turn rendered with an empty answer (tokenized apart from the prompt, as the span is).
+        empty = self.text(history + [{"role": "assistant", "content": ""}], False)
+        tail = self.encode(empty[len(prompt_text):]) if empty.startswith(prompt_text) else []
         n = 0
         while n < min(len(tail), len(span)) and tail[-1 - n] == span[-1 - n]:
             n += 1

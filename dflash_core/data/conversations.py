@@ -48,7 +48,8 @@ REASONS = {
     "empty_assistant": "an assistant turn has no text",
     "no_assistant": "no assistant turn: nothing to train",
     "template_error": "the chat template failed to render the conversation",
-    "prefix_mismatch": "the rendered turns are not token prefixes of one another",
+    "prefix_mismatch": "the template writes the conversation before an assistant turn one way "
+                       "with the generation prompt and another once the turn is written",
     "too_long": "longer than --max-length tokens",
     "too_long_chars": "more characters than --max-length tokens can hold (not tokenized)",
     "render_error": "the tokenizer failed on the row's text",

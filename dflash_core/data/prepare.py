@@ -88,22 +88,33 @@ def _render_chunk(rows: list) -> tuple[int, list, list, RenderStats]:
             # per assistant turn) only to be found too long.
             drops.append(("too_long_chars", r.id, f"{n} characters > {max_chars}"))
             continue
+        row_stats = RenderStats()
         try:
-            out = renderer.render(r, stats)
+            out = renderer.render(r, row_stats)
         except RowError as exc:
             drops.append((exc.reason, r.id, str(exc)))
             continue
         except Exception as exc:  # the tokenizer's own errors on odd text: this row's, counted
             drops.append(("render_error", r.id, f"{type(exc).__name__}: {exc}"[:300]))
             continue
+        kept, why = [], []
         for s in out:
             if max_length and len(s.input_ids) > max_length:
-                drops.append(("too_long", r.id, f"{len(s.input_ids)} tokens > {max_length}"))
+                why.append(("too_long", r.id, f"{len(s.input_ids)} tokens > {max_length}"))
             elif not any(s.loss_mask):
-                drops.append(("no_assistant", r.id, "no trained token after rendering"))
+                why.append(("no_assistant", r.id, "no trained token after rendering"))
             else:
-                samples.append((np.asarray(s.input_ids, np.int32),
-                                np.asarray(s.loss_mask, np.int8)))
+                kept.append((np.asarray(s.input_ids, np.int32),
+                             np.asarray(s.loss_mask, np.int8)))
+        if not kept:  # the row is left out once, under its first sample's reason
+            drops.append(why[0])
+            continue
+        # A used row: its counts (split, joined, server ids) and the turns of a split row
+        # left out (a row is counted once: as used, or by one reason)
+        stats.add(row_stats)
+        for reason, _, _ in why:
+            stats.split_samples_dropped[reason] = stats.split_samples_dropped.get(reason, 0) + 1
+        samples += kept
     return len(rows), samples, drops, stats
 
 
@@ -302,6 +313,9 @@ def _prepare_into(stage: Path, opts: PrepareOptions, fmt: str, files: list[Path]
                    sum(tally.dropped.values()), "samples": n,
                    "dropped": dict(sorted(tally.dropped.items())),
                    "split_rows": tally.render.split_rows,
+                   "split_samples_dropped": dict(sorted(
+                       tally.render.split_samples_dropped.items())),
+                   "joined_rows": tally.render.joined_rows,
                    "server_ids_turns": tally.render.server_ids_turns,
                    "server_ids_differ": tally.render.server_ids_differ},
         "examples": tally.examples,

@@ -152,6 +152,12 @@ def _prepare(args) -> int:
     if c["split_rows"]:
         print(f"  {c['split_rows']} conversations split into one sample per assistant turn "
               "(the template renders history differently from the last turn)")
+        for reason, n in c.get("split_samples_dropped", {}).items():
+            print(f"    of their turns, {n} left out: {reason} (the rest of each row is used)")
+    if c.get("joined_rows"):
+        print(f"  {c['joined_rows']} conversations tokenized piece by piece at the turn "
+              "boundaries (the tokenizer merges an answer's first characters with the "
+              "template's text before it; the ids are joined as the target saw and wrote them)")
     return 0
 
 

@@ -34,8 +34,16 @@ CORPUS = [
     "What is two plus two? Two plus two is four. Let me think about it step by step.",
 ] * 20
 
+# Indented code: GPT-2's pre-tokenizer keeps a newline with the spaces after it, so the BPE learns
+# tokens such as "\n   " that merge a template's newline with an answer's indentation.
+CODE_CORPUS = [
+    "def f(x):\n    return x + 1\n",
+    "class A:\n    def run(self):\n        if self.ok:\n            return 1\n",
+    "    if self.ok:\n        pass\n",
+] * 30
 
-def train_bpe(folder: Path, template: str | None = QWEN_STYLE) -> Path:
+
+def train_bpe(folder: Path, template: str | None = QWEN_STYLE, corpus=CORPUS) -> Path:
     """Train a small byte-level BPE and save it as an HF tokenizer folder."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -46,7 +54,7 @@ def train_bpe(folder: Path, template: str | None = QWEN_STYLE) -> Path:
     trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
-    tk.train_from_iterator(CORPUS, trainer)
+    tk.train_from_iterator(corpus, trainer)
     tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>",
                                   pad_token="<|endoftext|>")
     if template is not None:
