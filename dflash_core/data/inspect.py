@@ -3,8 +3,9 @@
 Reports the manifest (when there is one), sample count, a token-length histogram, the share of
 trained tokens, the rows with nothing to train, a few samples decoded with the trained spans marked
 ``[[...]]``, and, given a target, the agreement of trained labels with the target's greedy next
-token on a seeded sample of positions: responses the target wrote itself agree at high rates (the
-demo target: ~0.9), text written by someone else far less.
+token on a seeded sample of positions (the samples and positions depend on the seed alone: the
+same folder gives the same figure every time): responses the target wrote itself agree at high
+rates (the demo target: ~0.9), text written by someone else far less.
 """
 
 from __future__ import annotations
@@ -113,13 +114,16 @@ def inspect(path: str | Path, *, samples: int = 2, tokenizer=None, target=None,
         "histogram": length_histogram(lengths), "shown": shown,
     }
     if target is not None:
-        pick = rng.choice(len(ds), size=min(agreement_samples, len(ds)), replace=False)
+        # A stream of its own: the samples measured depend on the seed alone, not on how many
+        # samples are shown (the same folder and seed give the same figure every time).
+        pick = sorted(np.random.default_rng([seed, 28]).choice(
+            len(ds), size=min(agreement_samples, len(ds)), replace=False).tolist())
         rows = [ds.get(int(i)) for i in pick]
         agree, total = _label_agreement(target, [r[0] for r in rows], [r[1] for r in rows],
                                         max_positions=max_positions, seed=seed)
         report["agreement"] = {"agree": agree, "positions": total,
                                "share": round(agree / total, 4) if total else None,
-                               "samples": len(rows)}
+                               "samples": len(rows), "seed": seed, "indices": pick}
     return report
 
 
@@ -144,7 +148,8 @@ def format_report(r: dict) -> str:
         a = r["agreement"]
         share = "n/a" if a["share"] is None else f"{a['share']:.1%}"
         lines.append(f"agreement with the target's greedy next token: {share} of "
-                     f"{a['positions']} trained positions in {a['samples']} samples"
+                     f"{a['positions']} trained positions in {a['samples']} samples (seed "
+                     f"{a.get('seed', 0)})"
                      + ("  (low: were the responses written by this target?)"
                         if a["share"] is not None and a["share"] < 0.5 else ""))
     for s in r["shown"]:

@@ -30,6 +30,7 @@ _shown = whole_number(0, "samples", maximum=10_000)
 _probed = whole_number(1, "samples", maximum=100_000)
 _seconds = real_number(0, strict=True, unit="seconds")
 _temperature = real_number(0)
+_seed = whole_number(0, "seed")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -93,7 +94,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                        "the manifest names)")
     i.add_argument("--target", help="target model folder (or builtin:tiny) for the agreement")
     i.add_argument("--samples", type=_shown, default=2, help="samples to show")
-    i.add_argument("--agreement-samples", type=_probed, default=16)
+    i.add_argument("--agreement-samples", type=_probed, default=16,
+                   help="samples the agreement is measured on")
+    i.add_argument("--seed", type=_seed, default=0,
+                   help="which samples are shown and measured (the same seed, the same figure)")
     i.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
@@ -222,6 +226,6 @@ def _inspect(args) -> int:
                             file=folder, hint="pass --target a model folder (config.json and "
                                               "weights) or builtin:tiny") from exc
     r = inspect(args.folder, samples=args.samples, tokenizer=tok, target=target,
-                agreement_samples=args.agreement_samples)
+                agreement_samples=args.agreement_samples, seed=args.seed)
     print(json.dumps(r, indent=2, default=str) if args.json else format_report(r))
     return 0

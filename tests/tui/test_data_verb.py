@@ -59,3 +59,23 @@ def test_what_no_check_foresaw_is_said_to_be_a_bug_exit_1(tmp_path, capsys, monk
                  str(tmp_path / "o")]) == 1
     err = capsys.readouterr().err
     assert "ZeroDivisionError: oops" in err and "a bug in dflash" in err
+
+
+def test_inspect_agreement_is_the_same_every_time_whatever_is_shown(tmp_path, demo_target,
+                                                                   capsys):
+    from dflash_core.demo.chat import write_demo_conversations
+
+    src = write_demo_conversations(tmp_path / "c.jsonl", n=40)
+    data = tmp_path / "data"
+    assert main(["data", "prepare", str(src), "--tokenizer", "builtin:tiny", "--out", str(data),
+                 "--quiet", "--workers", "1"]) == 0
+    capsys.readouterr()
+    reports = []
+    for shown, seed in ((0, 0), (5, 0), (0, 0), (0, 3)):
+        assert main(["data", "inspect", str(data), "--target", str(demo_target), "--json",
+                     "--agreement-samples", "4", "--samples", str(shown),
+                     "--seed", str(seed)]) == 0
+        reports.append(json.loads(capsys.readouterr().out)["agreement"])
+    # the samples shown do not move the samples measured; the seed does
+    assert reports[0] == reports[1] == reports[2]
+    assert reports[3]["indices"] != reports[0]["indices"] and reports[3]["seed"] == 3
