@@ -63,7 +63,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--tokens", type=int, default=2048, help="tokens per sequence")
     ap.add_argument("--batch", type=int, default=16, help="sequences per batch")
     ap.add_argument("--cap-gib", type=float, default=0.0,
-                    help="GiB this process may use per GPU (0: the card); 95 rehearses a 96 GB card")
+                    help="GiB this process may use per GPU (0: the card); 95 rehearses a "
+                         "96 GB card")
     ap.add_argument("--attn", default="auto",
                     help="comma list of attention implementations; auto = preflight's choice")
     ap.add_argument("--iters", type=int, default=5, help="timed forwards per measurement")

@@ -12,11 +12,12 @@ multimodal wrapper (Gemma 3's ``...ForConditionalGeneration``) are read the same
 Loading goes through transformers' own ``from_pretrained`` (local files, safetensors only, no
 pickle; a quantized checkpoint as transformers loads it). Code shipped in the target's folder
 (config.json ``auto_map``) runs only with ``trust_remote_code``, passed explicitly so transformers
-never asks on the terminal. Before it, the shards are read once in order: that pulls them into the page cache, which is
-the slow part of a cold load, so the byte and shard counts reported along the way measure real work,
-and ``from_pretrained`` then maps them from memory. Measured on an H200 host with a cold 16 GB
-8B-shaped checkpoint: 18-20 s in all against 17 s for ``from_pretrained`` alone; the read took 10 s
-of it, the rest (``from_pretrained`` from the page cache) about 3 s.
+never asks on the terminal. Before loading, the shards are read once in order: that pulls them
+into the page cache, which is the slow part of a cold load, so the byte and shard counts reported
+along the way measure real work, and ``from_pretrained`` then maps them from memory. Measured on
+an H200 host with a cold 16 GB 8B-shaped checkpoint: 18-20 s in all against 17 s for
+``from_pretrained`` alone; the read took 10 s of it, the rest (``from_pretrained`` from the page
+cache) about 3 s.
 """
 
 from __future__ import annotations

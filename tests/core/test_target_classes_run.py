@@ -1,7 +1,8 @@
 """Targets beyond dense ones trained end to end through the engine on the CPU, one tiny
 random-weight model of each class (models/target_classes.py): the mixtures of experts, gpt-oss
-(whose sdpa preflight turns into eager) and the Gemma 3 multimodal wrapper. Random weights: the runs must finish with finite losses and
-the plan and the log must say what the target is, not learn anything."""
+(whose sdpa preflight turns into eager), the Gemma 3 multimodal wrapper and an FP8 checkpoint.
+Random weights: the runs must finish with finite losses and the plan and the log must say what
+the target is, not learn anything."""
 
 from __future__ import annotations
 
