@@ -185,8 +185,9 @@ def serve(index: int, jobs, results, progress: torch.Tensor, alive: Callable[[],
           cancelled: Callable[[], bool] | None = None) -> None:
     """A writer's loop: ("arena", arena, layout) | ("write", job_id, folder, files) |
     ("probe", job_id, path, nbytes) | None (end). Reports ("done", job_id, index, bytes,
-    seconds, {file: checksum entry}) or ("error", job_id, index, errno, message) on ``results``. A write stops between
-    chunks once ``alive()`` is false or ``cancelled()`` true (a writer thread cannot be killed)."""
+    seconds, {file: checksum entry}) or ("error", job_id, index, errno, message) on
+    ``results``. A write stops between chunks once ``alive()`` is false or ``cancelled()`` true
+    (a writer thread cannot be killed)."""
     def stop() -> bool:
         return not alive() or (cancelled is not None and cancelled())
     tensors: dict[str, torch.Tensor] = {}

@@ -131,7 +131,8 @@ def test_a_damaged_newest_checkpoint_is_set_aside_and_the_older_one_resumed(
     assert expected in log and "steps 4 to 6 (3 steps) are trained again" in log
 
 
-def test_the_only_checkpoint_damaged_is_refused_every_time_not_started_over(tmp_path, assets, done_run):
+def test_the_only_checkpoint_damaged_is_refused_every_time_not_started_over(tmp_path, assets,
+                                                                           done_run):
     run_dir, data = copy_run(done_run, tmp_path)
     shutil.rmtree(run_dir / "checkpoints" / "step-6")
     flip_bit(run_dir / "checkpoints" / "step-3" / SHARD)
