@@ -157,7 +157,9 @@ def _read_config_json(folder: Path) -> dict:
     return data
 
 
-def _load_config(folder: Path, trust_remote_code: bool = False):
+def load_target_config(folder: Path, trust_remote_code: bool = False):
+    """The target's transformers config, refused in one line when it needs code it may not run
+    (never the terminal prompt) or has no causal-LM class."""
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
@@ -236,7 +238,7 @@ def load_target(
     if not (folder / CONFIG_NAME).is_file():
         raise TargetLoadError(f"target folder {folder} has no {CONFIG_NAME}")
     files = _weight_files(folder)
-    config = _load_config(folder, trust_remote_code)
+    config = load_target_config(folder, trust_remote_code)
     dtype = _as_dtype(dtype)
     device = torch.device(device)
 

@@ -74,13 +74,13 @@ def expected_drafter_config(cfg: Config, target_path: Path, layer_ids: list[int]
         except (OSError, ValueError) as exc:
             raise ConfigError("drafter.init_from", f"cannot read {path}: {exc}",
                               hint="point drafter.init_from at a drafter checkpoint folder") from exc
-    from transformers import AutoConfig
-
     from dflash_core.models.drafter import build_drafter_config
+    from dflash_core.models.target import load_target_config
 
     d = cfg.drafter
     dcfg = build_drafter_config(
-        AutoConfig.from_pretrained(str(target_path)), num_layers=d.num_layers,
+        load_target_config(Path(target_path), cfg.target.trust_remote_code),
+        num_layers=d.num_layers,
         target_layer_ids=layer_ids, block_size=d.block_size, mask_token_id=mask_id,
         hidden_size=d.hidden_size, intermediate_size=d.intermediate_size,
         num_attention_heads=d.num_attention_heads, num_key_value_heads=d.num_key_value_heads)
