@@ -24,8 +24,12 @@ The gaps, each with its own meaning and message:
 - (b) - (a) > ``eval.tau_gap_warn``: training and decoding disagree (a leak across blocks, a
   position or mask error): the only mismatch alarm. (a) and (b) score the same text with the same
   weights, so only what the drafter sees differs.
-- |(b, every position) - (c)| > ``eval.data_gap_warn`` or agreement < ``eval.agreement_warn``: the data is not the
-  target's own text; regenerate the responses with the target.
+- agreement < ``eval.agreement_warn``: the data is not the target's own text; regenerate the
+  responses with the target. The agreement measures that directly, so it settles it: when it was
+  measured and is above the threshold, a gap |(b, every position) - (c)| raises nothing (the
+  labels are the target's; such a gap came from evaluation prompts of another kind than the
+  data, e.g. cut inside a turn). Only when the agreement was not measured does a gap past
+  ``eval.data_gap_warn`` raise the data finding, worded as a suspicion with the way to measure it.
 - (d) - (c) > ``eval.overfit_gap``: over-fitting (too few samples for the epochs); information.
 """
 
@@ -99,19 +103,25 @@ def findings(step: int, exact: float, target: float | None, heldout: float | Non
             f"(eval.tau_gap_warn {eval_cfg.tau_gap_warn:g}): in training the drafter sees what "
             "decoding does not show it (a leak across blocks, a position or mask error); check "
             "drafter.mask_token_id, target.layer_ids and the block attention mask")))
-    why = []
-    if (_have(target_all) and _have(heldout)
-            and abs(target_all - heldout) > eval_cfg.data_gap_warn):
-        why.append(f"teacher-forced tau on held-out data {heldout:.2f} against {target_all:.2f} "
-                   f"on the target's own text (eval.data_gap_warn {eval_cfg.data_gap_warn:g})")
+    gap = (_have(target_all) and _have(heldout)
+           and abs(target_all - heldout) > eval_cfg.data_gap_warn)
+    gap_words = (f"teacher-forced tau on held-out data {heldout:.2f} against {target_all:.2f} "
+                 f"on the target's own text (eval.data_gap_warn {eval_cfg.data_gap_warn:g})"
+                 if gap else "")
     if _have(agreement) and agreement < eval_cfg.agreement_warn:
-        why.append(f"only {agreement:.0%} of the trained labels are the target's greedy next "
-                   f"token (eval.agreement_warn {eval_cfg.agreement_warn:.0%})")
-    if why:
+        why = [f"only {agreement:.0%} of the trained labels are the target's greedy next token "
+               f"(eval.agreement_warn {eval_cfg.agreement_warn:.0%})"] + [gap_words] * gap
         out.append(Finding("data", "warning", (
             f"step {step}: the data is not the target's own text: " + "; ".join(why) + ". The "
             "responses were written by another model (or with another chat template): "
             f"regenerate them with the target ({REGENERATE_COMMAND})")))
+    elif gap and not _have(agreement):
+        # The agreement, which would settle it, was not measured: a suspicion, and how to check.
+        out.append(Finding("data", "warning", (
+            f"step {step}: the data may not be the target's own text: {gap_words}. Measure "
+            "the share of trained labels that are the target's greedy next token (eval."
+            "agreement_samples > 0, or dflash-tui data inspect DATA --target TARGET); if it "
+            f"is low, regenerate the responses with the target ({REGENERATE_COMMAND})")))
     if _have(train) and _have(heldout) and train - heldout > eval_cfg.overfit_gap:
         out.append(Finding("overfit", "info", (
             f"step {step}: over-fitting: teacher-forced tau in training {train:.2f} is "

@@ -510,20 +510,27 @@ class Run:
 
 
 def _prompt_cut(ids, mask, prompt_tokens: int) -> int:
-    """Where a held-out sample's prompt ends: before its first trained token (or at
-    ``prompt_tokens`` when the trained part starts at 0)."""
-    resp = np.flatnonzero(np.asarray(mask))
-    return int(resp[0]) if len(resp) and resp[0] > 0 else min(len(ids) - 1, prompt_tokens)
+    """Where a held-out sample's prompt ends: at a turn boundary of the data (where a trained
+    span begins, the end of a generation prompt), the last one within ``prompt_tokens``, else
+    the first; at ``prompt_tokens`` only when the sample has none (trained from 0, or not at
+    all). A prompt cut inside a turn would have the target continue the user's text, not answer
+    it, and (b) would then score other text than the data's answers."""
+    m = np.asarray(mask) > 0
+    starts = np.flatnonzero(m[1:] & ~m[:-1]) + 1
+    if not len(starts):
+        return min(len(ids) - 1, prompt_tokens)
+    within = starts[starts <= prompt_tokens]
+    return int(within[-1] if len(within) else starts[0])
 
 
 def eval_prompts(dataset, indices, prompt_tokens: int) -> list[list[int]]:
-    """The prompts of exact tau: each held-out sample cut before its first trained token (or to
-    ``prompt_tokens`` when the trained part starts at 0), at most ``prompt_tokens`` long."""
+    """The prompts of exact tau: each held-out sample cut at a turn boundary (``_prompt_cut``:
+    within ``prompt_tokens`` when the sample has one there, else at its first), or to
+    ``prompt_tokens`` when it has none."""
     prompts = []
     for i in indices:
         ids, mask = dataset.get(int(i))
-        cut = _prompt_cut(ids, mask, prompt_tokens)
-        prompts.append([int(x) for x in ids[: min(cut, prompt_tokens)]])
+        prompts.append([int(x) for x in ids[: _prompt_cut(ids, mask, prompt_tokens)]])
     return prompts
 
 

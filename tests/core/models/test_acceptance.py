@@ -28,8 +28,8 @@ def test_a_healthy_evaluation_raises_nothing():
 def test_each_gap_raises_its_own_finding_only():
     assert kinds(target=3.0 + CFG.tau_gap_warn + 0.1, heldout=3.0 + CFG.tau_gap_warn + 0.1,
                  train=3.0 + CFG.tau_gap_warn + 0.1) == ["mismatch"]
-    assert kinds(heldout=3.1 - CFG.data_gap_warn - 0.1,
-                 train=3.1 - CFG.data_gap_warn - 0.1) == ["data"]
+    assert kinds(heldout=3.1 - CFG.data_gap_warn - 0.1, train=3.1 - CFG.data_gap_warn - 0.1,
+                 agreement=None) == ["data"]
     assert kinds(agreement=CFG.agreement_warn - 0.01) == ["data"]
     assert kinds(train=3.1 + CFG.overfit_gap + 0.1) == ["overfit"]
 
@@ -38,8 +38,8 @@ def test_the_thresholds_are_strict_and_one_sided():
     assert kinds(target=3.0 + CFG.tau_gap_warn) == []  # at the threshold: not past it
     assert kinds(exact=4.5) == []  # exact above teacher-forced is no leak
     assert kinds(train=2.0) == []  # training below held-out is no over-fitting
-    assert kinds(heldout=3.1 + CFG.data_gap_warn + 0.1,
-                 train=3.1 + CFG.data_gap_warn + 0.1) == ["data"]  # either side: not the target's
+    assert kinds(heldout=3.1 + CFG.data_gap_warn + 0.1, train=3.1 + CFG.data_gap_warn + 0.1,
+                 agreement=None) == ["data"]  # either side: not the target's
 
 
 def test_a_measure_not_taken_takes_part_in_no_rule():
@@ -57,6 +57,22 @@ def test_the_messages_name_the_cause_the_key_and_the_fix():
     (over,) = findings(100, 3.0, 3.1, 3.1, 6.0, 0.99, CFG)
     assert over.level == "info" and "over-fitting" in over.message
     assert "optim.epochs" in over.message
+
+
+def test_the_data_finding_agrees_with_the_measured_agreement():
+    gap = dict(heldout=4.25, train=4.3, target=2.63)  # the figures: a gap of 1.6
+    # labels the target's own (98%): the gap alone says nothing of the data's author
+    assert kinds(**gap, agreement=0.98) == []
+    # labels not the target's: one warning, the agreement first, the gap beside it, the fix
+    (low,) = findings(eval_cfg=CFG, step=100, exact=2.6, agreement=0.3, **gap)
+    assert low.level == "warning" and "not the target's own text" in low.message
+    assert low.message.index("30% of the trained labels") < low.message.index("4.25")
+    assert REGENERATE_COMMAND in low.message
+    # not measured: a suspicion, with how to measure it before regenerating
+    (maybe,) = findings(eval_cfg=CFG, step=100, exact=2.6, agreement=None, **gap)
+    assert "may not be the target's own text" in maybe.message
+    assert "data inspect DATA --target TARGET" in maybe.message
+    assert "eval.agreement_samples" in maybe.message
 
 
 def test_accepted_at_each_block_position():
