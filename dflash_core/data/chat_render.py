@@ -154,13 +154,12 @@ def _is_prefix(a: list[int], b: list[int]) -> bool:
 class _Span:
     """An assistant turn of a rendering: from ``start`` (its prompt's end) to ``end``, in tokens
     or in characters; ``hist`` and ``shown``: the turns before it and it, as the template got
-    them; ``prompt_text``: the rendering up to it with the generation prompt."""
+    them."""
     i: int
     hist: list[dict]
     shown: dict
     start: int
     end: int
-    prompt_text: str
 
 
 class ChatRenderer:
@@ -191,6 +190,14 @@ class ChatRenderer:
     def prompt_ids(self, messages: list[dict]) -> list[int]:
         """The ids the target continues to write the next assistant turn."""
         return self.ids(self.template_messages(messages, last_keeps=True), True)
+
+    def closing_ids(self, history: list[dict]) -> list[int]:
+        """The template's own end-of-turn tokens after an assistant turn that follows
+        ``history`` (as the template gets it): what an empty answer adds after the generation
+        prompt, tokenized apart."""
+        prompt = self.text(history, True)
+        empty = self.text(history + [{"role": "assistant", "content": ""}], False)
+        return self.encode(empty[len(prompt):]) if empty.startswith(prompt) else []
 
     # -- the thinking policy ------------------------------------------------------------------
     def template_messages(self, messages: list[dict], last_keeps: bool = False) -> list[dict]:
@@ -232,9 +239,9 @@ class ChatRenderer:
         for i in turns:
             pt, ft = self.text(msgs[:i], True), self.text(msgs[:i + 1], False)
             p, f = self.encode(pt), self.encode(ft)
-            by_ids.append(_Span(i, msgs[:i], msgs[i], len(p), len(f), pt)
+            by_ids.append(_Span(i, msgs[:i], msgs[i], len(p), len(f))
                           if _is_prefix(p, f) and _is_prefix(f, full) else None)
-            by_text.append(_Span(i, msgs[:i], msgs[i], len(pt), len(ft), pt)
+            by_text.append(_Span(i, msgs[:i], msgs[i], len(pt), len(ft))
                            if ft.startswith(pt) and full_text.startswith(ft) else None)
         if all(by_ids):
             return [self._sample(full.__getitem__, len(full), by_ids, conv, stats)]
@@ -255,12 +262,12 @@ class ChatRenderer:
             p, f = self.encode(pt), self.encode(ft)
             if _is_prefix(p, f):
                 out.append(self._sample(f.__getitem__, len(f),
-                                        [_Span(i, sub[:i], sub[i], len(p), len(f), pt)],
+                                        [_Span(i, sub[:i], sub[i], len(p), len(f))],
                                         conv, stats))
             elif ft.startswith(pt):
                 stats.joined_rows += stats.joined_rows == 0  # the row, once
                 out.append(self._sample(self._piece(ft), len(ft),
-                                        [_Span(i, sub[:i], sub[i], len(pt), len(ft), pt)],
+                                        [_Span(i, sub[:i], sub[i], len(pt), len(ft))],
                                         conv, stats))
             else:
                 raise RowError("prefix_mismatch", f"turn {i} (its prompt's text is not the "
@@ -288,7 +295,7 @@ class ChatRenderer:
             dropped = msg.get("reasoning_content") and not (
                 "reasoning_content" in s.shown or s.shown["content"] != msg["content"])
             if not dropped:
-                span = self._server_span(msg, s.prompt_text, span, s.hist, stats)
+                span = self._server_span(msg, span, s.hist, stats)
             ids += span
             mask += [1] * len(span)
             at = s.end
@@ -297,19 +304,17 @@ class ChatRenderer:
         mask += [0] * len(tail)
         return Rendered(ids, mask)
 
-    def _server_span(self, msg: dict, prompt_text: str, span: list[int], history: list[dict],
+    def _server_span(self, msg: dict, span: list[int], history: list[dict],
                      stats: RenderStats) -> list[int]:
         """The turn's tokens: as rendered, or with the answer the server gave as ids.
-        ``history``: the turns before it, as the template got them; ``prompt_text``: their
-        rendering with the generation prompt."""
+        ``history``: the turns before it, as the template got them."""
         server = msg.get("token_ids")
         if not server:
             return span
         stats.server_ids_turns += 1
         # The template's own end-of-turn tokens: what the turn shares at its end with the same
         # turn rendered with an empty answer (tokenized apart from the prompt, as the span is).
-        empty = self.text(history + [{"role": "assistant", "content": ""}], False)
-        tail = self.encode(empty[len(prompt_text):]) if empty.startswith(prompt_text) else []
+        tail = self.closing_ids(history)
         n = 0
         while n < min(len(tail), len(span)) and tail[-1 - n] == span[-1 - n]:
             n += 1

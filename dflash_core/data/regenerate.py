@@ -1,5 +1,6 @@
 """``data regenerate``: every assistant turn rewritten by the target, through OpenAI-compatible
-servers (vLLM, SGLang, or anything that speaks ``/v1/chat/completions`` or ``/v1/completions``).
+servers (vLLM, SGLang, ``transformers serve``, or anything that speaks ``/v1/chat/completions`` or
+``/v1/completions``).
 
 Turn by turn: each assistant turn is asked for with the history so far, whose earlier assistant
 turns are the target's own answers. Two ways to ask:
@@ -8,44 +9,53 @@ turns are the target's own answers. Two ways to ask:
 - ``api="completions"``: the prompt rendered here with the target's tokenizer and chat template and
   sent as token ids to ``/v1/completions`` (the server sees exactly the ids the drafter will).
 
-Both send ``"return_token_ids": true``: vLLM then returns the answer's ids as
-``choices[0].token_ids`` (and the prompt's as ``prompt_token_ids``); other servers ignore the field
-(``token_ids=False`` leaves it out for a server that rejects unknown fields). The ids are kept on
-the turn (``token_ids``) and ``prepare`` trains on them. Reasoning comes back as
+Both ask for ``"return_token_ids": true``: vLLM then returns the answer's ids as
+``choices[0].token_ids``; other servers ignore the field or refuse it. The ids are kept on the
+turn (``token_ids``) and ``prepare`` trains on them. Reasoning comes back as
 ``message.reasoning_content`` (vLLM and SGLang with a reasoning parser) or inline ``<think>``.
 
+One probe request goes first (``_Job.probe``): it finds out what the server takes (token ids,
+else text: a server that refuses ``return_token_ids`` is asked for text), says so in one line,
+and stops the command with the server's own words and the fix when it refuses the request as
+made (``--api completions`` on a server that takes text prompts only). When only text comes
+back, the line says what a text round trip may change, and with the target at hand
+(``target``) measures it on the probe's answer (``round_trip``).
+
 Work is spread over the endpoints, ``concurrency`` requests in flight on each. A failed request
-(connection error, timeout, HTTP 429 / 5xx, an unreadable answer) is retried with exponential
-backoff; a sample whose retries run out is counted by error and left for the next run. Results are
+(timeout, HTTP 429 / 5xx, an unreadable answer) is retried with exponential backoff; a sample
+whose retries run out is counted by error and left for the next run. A run of identical refusals
+(4xx) stops the command with the fix instead of sending the rest. An endpoint that stops
+answering (connection refused) is waited for, with backoff, up to ``down_wait_s``, without
+spending retries: its samples go back to the queue, the progress line says it waits. Results are
 appended, one JSON line per finished sample, to a file per endpoint under ``parts/`` (flushed and
 fsynced), so a re-run of the same command skips the ids already there; a line damaged anywhere in
-a part is set aside (``DAMAGED``) and its sample asked again. When every sample is done,
-the parts are merged in source order into ``conversations.jsonl`` and ``dflash_regen.json`` is
-written last. A server that answers with another model's name stops the run: that data would not
-be the target's. The output folder is never an input nor a folder of other files, and has one
-writer at a time (``output``, ``lock``).
+a part is set aside (``DAMAGED``) and its sample asked again. When every sample is done, the parts
+are merged in source order into ``conversations.jsonl`` and ``dflash_regen.json`` is written
+last. A server that answers with another model's name stops the run: that data would not be the
+target's. The output folder is never an input nor a folder of other files, and has one writer at a
+time (``output``, ``lock``); its settings bind it once a sample was written there.
 """
 
 from __future__ import annotations
 
-import http.client
 import json
 import math
 import os
 import queue
 import random
-import socket
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import urlsplit
+from typing import Any
 
+from dflash_core.data import round_trip
 from dflash_core.data.conversations import (
     Conversation, Malformed, RowError, read_rows, source_files, source_fingerprint,
     split_thinking,
 )
+from dflash_core.data.endpoint import Endpoint, RequestFailed, refusal_fix
 from dflash_core.data.lock import OutputLock
 from dflash_core.data.manifest import write_json_atomic
 from dflash_core.data.output import OWNER, check_apart, check_out, mark_owner
@@ -57,6 +67,9 @@ MANIFEST = "dflash_regen.json"
 STATE = "regen_state.json"
 PARTS = "parts"
 DAMAGED = "parts-damaged.txt"  # lines of the parts that could not be read, kept for a look
+PROBE_TOKENS = 32  # the probe's answer: enough to see the server's ways, short to wait for
+PROBE_ROWS = 16  # rows tried for a probe whose prompt renders
+REFUSALS_IN_A_ROW = 5  # identical 4xx answers in a row that stop a run
 
 
 @dataclass
@@ -66,7 +79,7 @@ class RegenOptions:
     endpoints: list[str]
     model: str | None = None  # None: the model the first endpoint serves
     api: str = "chat"  # chat | completions
-    tokenizer: str | None = None  # completions: renders the prompt ids
+    tokenizer: str | None = None  # completions: renders the prompt ids; target: the measure
     chat_template: str | Path | None = None
     thinking: str = "keep"
     concurrency: int = 8  # requests in flight per endpoint
@@ -75,130 +88,33 @@ class RegenOptions:
     timeout_s: float = 600.0  # per request: from sending it to the answer's last byte
     retries: int = 4
     backoff_s: float = 1.0
+    down_wait_s: float = 1800.0  # how long an endpoint that does not answer is waited for
     token_ids: bool = True
     api_key: str | None = None
     limit: int = 0  # 0 = all rows
     progress: bool = True
+    target: Any = None  # a loaded HF causal LM of the target: measures a text round trip
 
 
 class ModelMismatch(DataError):
     """An endpoint serves, or answers as, another model than the one asked for."""
 
 
-class RequestFailed(Exception):
-    def __init__(self, kind: str, detail: str, retry: bool):
-        self.kind, self.retry = kind, retry
-        super().__init__(f"{kind}: {detail}")
+class ServerRefuses(DataError):
+    """The server refuses the requests as they are made (4xx): a flag or its options fix it."""
 
 
-# ------------------------------------------------------------------------------------------------
-# HTTP
-# ------------------------------------------------------------------------------------------------
+class ServerFailing(Exception):
+    """The server cannot answer (down past the wait, or failing the probe past its retries):
+    nothing is wrong with the input; the same command continues once it answers."""
 
-class Endpoint:
-    """One server; a keep-alive connection per thread."""
+    def __init__(self, message: str, hint: str = ""):
+        super().__init__(message)
+        self.hint = hint
 
-    def __init__(self, url: str, timeout_s: float, api_key: str | None = None):
-        try:
-            parts = urlsplit(url if "://" in url else f"http://{url}")
-            port = parts.port  # raises for a port that is not a number in 0..65535
-        except ValueError as exc:
-            raise DataError(f"endpoint {url!r} is not a URL ({exc})",
-                            hint="pass --endpoint http://HOST:PORT (repeat it for several)"
-                            ) from None
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise DataError(f"endpoint {url!r} is not an http(s) URL",
-                            hint="pass --endpoint http://HOST:PORT (repeat it for several)")
-        self.url = url
-        self.scheme, self.host = parts.scheme, parts.hostname
-        self.port = port or (443 if parts.scheme == "https" else 80)
-        self.base = parts.path.rstrip("/")
-        if self.base.endswith("/v1"):
-            self.base = self.base[:-3]
-        self.timeout_s = timeout_s
-        self.headers = {"Content-Type": "application/json"}
-        if api_key:
-            self.headers["Authorization"] = f"Bearer {api_key}"
-        self._local = threading.local()
 
-    @property
-    def name(self) -> str:
-        return f"{self.host}_{self.port}"
-
-    def _conn(self) -> http.client.HTTPConnection:
-        c = getattr(self._local, "conn", None)
-        if c is None:
-            cls = (http.client.HTTPSConnection if self.scheme == "https"
-                   else http.client.HTTPConnection)
-            c = cls(self.host, self.port, timeout=self.timeout_s)
-            self._local.conn = c
-        return c
-
-    def _drop(self) -> None:
-        c = getattr(self._local, "conn", None)
-        if c is not None:
-            c.close()
-        self._local.conn = None
-
-    def request(self, method: str, path: str, body: dict | None = None) -> dict:
-        data = json.dumps(body).encode() if body is not None else None
-        deadline = time.monotonic() + self.timeout_s
-        try:
-            c = self._conn()
-            if c.sock is not None:  # a kept-alive socket: its last read left a shorter timeout
-                c.sock.settimeout(self.timeout_s)
-            c.request(method, self.base + path, body=data, headers=self.headers)
-            status, raw = self._read_by(c, deadline)
-        except (socket.timeout, TimeoutError) as exc:
-            self._drop()  # the server may still answer on this socket: never reuse it
-            raise RequestFailed("timeout", f"no whole answer within {self.timeout_s:g} s",
-                                True) from exc
-        except (OSError, http.client.HTTPException) as exc:
-            self._drop()
-            raise RequestFailed("connection", f"{type(exc).__name__}: {exc}", True) from exc
-        if status >= 400:
-            retry = status == 429 or status >= 500
-            raise RequestFailed(f"http_{status}", raw[:300].decode("utf-8", "replace"), retry)
-        try:
-            out = json.loads(raw)
-        except ValueError as exc:
-            raise RequestFailed("bad_response", "the answer is not JSON", True) from exc
-        if not isinstance(out, dict):
-            raise RequestFailed("bad_response", "the answer is not a JSON object", True)
-        return out
-
-    def _read_by(self, c: http.client.HTTPConnection, deadline: float) -> tuple[int, bytes]:
-        """The answer's status and body, all of it before ``deadline``: a server that trickles
-        its bytes never waits long on one read, so each read gets only the time that is left."""
-        def left() -> float:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError
-            if c.sock is not None:
-                c.sock.settimeout(remaining)
-            return remaining
-
-        left()
-        resp = c.getresponse()
-        chunks = []
-        while left() and (chunk := resp.read1(1 << 16)):
-            chunks.append(chunk)
-        resp.close()  # read1 leaves a fully read answer open; a kept-alive socket needs it shut
-        return resp.status, b"".join(chunks)
-
-    def models(self) -> list[str]:
-        try:
-            out = self.request("GET", "/v1/models")
-        except RequestFailed as exc:
-            raise DataError(f"endpoint {self.url} does not answer /v1/models ({exc})",
-                            hint="start the server, or fix --endpoint") from exc
-        data = out.get("data")
-        if not isinstance(data, list):
-            raise DataError(f"endpoint {self.url} answers /v1/models without a list of models "
-                            f"(data: {str(data)[:80]})",
-                            hint="point --endpoint at an OpenAI-compatible server (vLLM, "
-                                 "SGLang)")
-        return [str(m.get("id")) for m in data if isinstance(m, dict)]
+class EndpointDown(Exception):
+    """A request found its endpoint not answering at all: wait for it, spend no retry."""
 
 
 # ------------------------------------------------------------------------------------------------
@@ -220,12 +136,17 @@ class Asker:
 
     def __init__(self, opts: RegenOptions, model: str, renderer=None):
         self.opts, self.model, self.renderer = opts, model, renderer
+        self.token_ids = opts.token_ids  # False once the probe found the field refused
+
+    @property
+    def path(self) -> str:
+        return "/v1/completions" if self.opts.api == "completions" else "/v1/chat/completions"
 
     def body(self, history: list[dict]) -> tuple[str, dict]:
         o = self.opts
         body: dict = {"model": self.model, "max_tokens": o.max_tokens,
                       "temperature": o.temperature}
-        if o.token_ids:
+        if self.token_ids:
             body["return_token_ids"] = True
         if o.api == "completions":
             try:
@@ -371,27 +292,41 @@ def _repair_parts(out: Path) -> tuple[set[str], list[str]]:
     return done, damaged
 
 
-def _check_state(out: Path, state: dict) -> None:
-    """A re-run continues only the same job: same source, model and generation options."""
+def _has_samples(out: Path) -> bool:
+    """Whether a sample was ever written in this folder (a usable line of a part)."""
+    return any(_read_part(f.read_bytes())[0] for f in sorted((out / PARTS).glob("*.jsonl")))
+
+
+def _check_state(out: Path, state: dict, generated: bool) -> str:
+    """A re-run continues only the same job: same source, model and generation options, once a
+    sample was written; a folder where nothing was generated takes the new settings. Returns a
+    note on settings replaced ("" when none)."""
     path = out / STATE
+    was: Any = None
     if path.exists():
         try:
             was = json.loads(path.read_text(encoding="utf-8"))
             if not isinstance(was, dict):
                 raise ValueError("not a JSON object")
         except (OSError, ValueError) as exc:
-            raise DataError(f"unreadable {STATE} ({exc}): the settings of the regeneration in "
-                            "this folder are not known", file=path,
-                            hint="pass another --out for a new regeneration (this one's "
-                                 f"finished samples stay in {out / PARTS})") from exc
-        diff = [k for k in state if was.get(k) != state[k]]
-        if diff:
-            raise DataError(
-                "this folder holds a regeneration with other settings: " + ", ".join(
-                    f"{k} {was.get(k)!r} (now {state[k]!r})" for k in diff), file=out,
-                hint="re-run with the same settings to continue it, or pass another --out")
-    else:
+            if generated:
+                raise DataError(f"unreadable {STATE} ({exc}): the settings of the regeneration "
+                                "in this folder are not known", file=path,
+                                hint="pass another --out for a new regeneration (this one's "
+                                     f"finished samples stay in {out / PARTS})") from exc
+            was = None
+    diff = [k for k in state if isinstance(was, dict) and was.get(k) != state[k]]
+    if diff and generated:
+        raise DataError(
+            "this folder holds a regeneration with other settings: " + ", ".join(
+                f"{k} {was.get(k)!r} (now {state[k]!r})" for k in diff), file=out,
+            hint="re-run with the same settings to continue it, or pass another --out")
+    if was != state:
         write_json_atomic(path, state)
+    if diff:
+        return ("nothing was generated in this folder yet: it takes the new settings (" +
+                ", ".join(f"{k} {was.get(k)!r} -> {state[k]!r}" for k in diff) + ")")
+    return ""
 
 
 def check_options(opts: RegenOptions) -> None:
@@ -410,6 +345,7 @@ def check_options(opts: RegenOptions) -> None:
         ("timeout_s", opts.timeout_s, real(opts.timeout_s, 0, True), "a number > 0"),
         ("temperature", opts.temperature, real(opts.temperature, 0, False), "a number >= 0"),
         ("backoff_s", opts.backoff_s, real(opts.backoff_s, 0, False), "a number >= 0"),
+        ("down_wait_s", opts.down_wait_s, real(opts.down_wait_s, 0, False), "a number >= 0"),
     ) if not ok]
     if opts.api not in ("chat", "completions"):
         bad.append(f"api must be chat or completions, got {opts.api!r}")
@@ -421,9 +357,15 @@ def _note(text: str) -> None:
     print(f"note: {text}", file=sys.stderr)
 
 
+def _say(text: str) -> None:
+    print(text, file=sys.stderr)
+
+
 def regenerate(opts: RegenOptions) -> dict:
     """Run (or continue) a regeneration. Returns the summary; ``summary["finished"]`` is False
-    when some samples failed (a re-run retries them). Raises DataError for bad input."""
+    when some samples failed (a re-run retries them). Raises DataError for bad input (and for a
+    server that refuses the requests as made: ``ServerRefuses``, with the fix), ServerFailing
+    for a server that cannot answer."""
     t0 = time.monotonic()
     check_options(opts)
     if not opts.endpoints:
@@ -434,10 +376,13 @@ def regenerate(opts: RegenOptions) -> dict:
                       opts.tokenizer), ("chat template", opts.chat_template)])
     check_out(out, "regenerate", overwrite=False)  # before asking any server
     renderer = None
-    if opts.api == "completions":
+    if opts.api == "completions" or opts.target is not None:
         if not opts.tokenizer:
-            raise DataError("--api completions renders the prompt here: it needs --tokenizer",
-                            hint="pass --tokenizer TARGET_FOLDER (or use --api chat)")
+            raise DataError("--api completions renders the prompt here: it needs --tokenizer"
+                            if opts.api == "completions" else "measuring a text round trip "
+                            "with --target renders the answers here: it needs --tokenizer",
+                            hint="pass --tokenizer TARGET_FOLDER" + (
+                                " (or use --api chat)" if opts.api == "completions" else ""))
         from dflash_core.data.chat_render import ChatRenderer, load_tokenizer
         renderer = ChatRenderer(load_tokenizer(opts.tokenizer, opts.chat_template),
                                 opts.thinking)
@@ -460,50 +405,196 @@ def regenerate(opts: RegenOptions) -> dict:
         out.mkdir(parents=True, exist_ok=True)
         if not (out / OWNER).exists():
             mark_owner(out, "regenerate")
-        _check_state(out, {"source_fingerprint": source_fingerprint(files), "model": model,
-                           "api": opts.api, "thinking": opts.thinking,
-                           "max_tokens": opts.max_tokens, "temperature": opts.temperature,
-                           "limit": opts.limit})
-        return _run(opts, out, endpoints, model, renderer, t0)
+        replaced = _check_state(out, {
+            "source_fingerprint": source_fingerprint(files), "model": model, "api": opts.api,
+            "thinking": opts.thinking, "max_tokens": opts.max_tokens,
+            "temperature": opts.temperature, "limit": opts.limit}, _has_samples(out))
+        if replaced:
+            _note(replaced)
+        return _Job(opts, out, endpoints, model, renderer).run(t0)
 
 
-def _run(opts: RegenOptions, out: Path, endpoints: list[Endpoint], model: str, renderer,
-         t0: float) -> dict:
-    parts = out / PARTS
-    parts.mkdir(exist_ok=True)
-    done, damaged = _repair_parts(out)
-    counts = _Counts(resumed=len(done))
+class _Progress(ProgressLine):
+    """The progress line, with the endpoints being waited for."""
 
-    rows, malformed = [], {}
-    for k, r in enumerate(read_rows(opts.source)):
-        if opts.limit and k >= opts.limit:
+    def __init__(self, *args, endpoints: list[Endpoint], **kw):
+        super().__init__(*args, **kw)
+        self.endpoints = endpoints
+
+    def line(self) -> str:
+        return ", ".join([super().line(), *filter(None, (e.status() for e in self.endpoints))])
+
+
+def _first_prompt(conv: Conversation) -> list[dict]:
+    """The messages before a conversation's first assistant turn."""
+    out = []
+    for m in conv.messages:
+        if m["role"] == "assistant":
             break
-        if isinstance(r, Malformed):
-            counts.tally(malformed, r.reason, r.id, r.detail)
-        else:
-            rows.append(r)
-    counts.resumed = sum(r.id in done for r in rows)
-    todo = [r for r in rows if r.id not in done]
-    bar = ProgressLine("regenerate", len(rows), "samples", enabled=opts.progress)
-    bar.done = bar.start_done = len(rows) - len(todo)
-    asker = Asker(opts, model, renderer)
-    fatal: list[BaseException] = []
-    stop = threading.Event()
-    work: queue.Queue = queue.Queue()
-    for r in todo:
-        work.put(r)
-    writers = {e.name: open(parts / f"{i}-{e.name}.jsonl", "a", encoding="utf-8")
-               for i, e in enumerate(endpoints)}
-    write_lock = threading.Lock()
+        out.append(m)
+    return out
 
-    def one(e: Endpoint, conv: Conversation) -> dict:
+
+class _Job:
+    """One run over the samples left: the probe, the workers, the refusals, the waits."""
+
+    def __init__(self, opts: RegenOptions, out: Path, endpoints: list[Endpoint], model: str,
+                 renderer):
+        self.opts, self.out, self.endpoints, self.model = opts, out, endpoints, model
+        self.renderer = renderer
+        self.asker = Asker(opts, model, renderer)
+        self.counts = _Counts()
+        self.stop = threading.Event()
+        self.fatal: list[BaseException] = []
+        self.work: queue.Queue = queue.Queue()
+        self.pending = 0  # samples neither finished nor failed: queued or in flight
+        self.lock = threading.Lock()
+        self.refusal: tuple | None = None  # the last refusal and how many in a row
+        self.refusals = 0
+        self.bar: _Progress | None = None
+
+    # -- asking -----------------------------------------------------------------------------------
+    def count_error(self, exc: RequestFailed) -> None:
+        with self.counts.lock:
+            self.counts.errors[exc.kind] = self.counts.errors.get(exc.kind, 0) + 1
+        self.show()
+
+    def show(self, add: int = 0) -> None:
+        if self.bar is not None:
+            c = self.counts
+            self.bar.update(add=add, errors=sum(c.errors.values()), retries=c.retries,
+                            failed=sum(c.failed.values()), left_out=sum(c.left_out.values()))
+
+    def ask(self, e: Endpoint, path: str, body: dict) -> Turn:
+        for attempt in range(self.opts.retries + 1):
+            try:
+                return self.asker.read(e.request("POST", path, body))
+            except RequestFailed as exc:
+                self.count_error(exc)
+                if exc.kind == "connection" and not self.stop.is_set() and not e.answers():
+                    raise EndpointDown(e.url) from exc  # down: waited for, no retry spent
+                if not exc.retry or attempt == self.opts.retries or self.stop.is_set():
+                    raise
+                with self.counts.lock:
+                    self.counts.retries += 1
+                # Exponential backoff with jitter: servers that restarted are not hit in
+                # lockstep.
+                delay = min(30.0, self.opts.backoff_s * 2 ** attempt) * (0.5 + random.random()
+                                                                         / 2)
+                self.stop.wait(delay)
+        raise AssertionError("unreachable")
+
+    def wait_up(self, e: Endpoint) -> bool:
+        return e.wait_up(self.stop, self.opts.down_wait_s, self.opts.backoff_s,
+                         self.count_error, _note)
+
+    def refused(self, e: Endpoint, exc: RequestFailed) -> None:
+        """A refusal (4xx); the same one ``REFUSALS_IN_A_ROW`` times in a row stops the run."""
+        with self.lock:
+            key = (exc.kind, exc.detail)
+            self.refusals = self.refusals + 1 if key == self.refusal else 1
+            self.refusal = key
+            if self.refusals >= REFUSALS_IN_A_ROW and not self.fatal:
+                self.fatal.append(self.refusal_error(
+                    e, exc, f"refused {self.refusals} requests in a row with the same answer"))
+                self.stop.set()
+
+    def refusal_error(self, e: Endpoint, exc: RequestFailed, what: str) -> ServerRefuses:
+        path = self.asker.path
+        return ServerRefuses(f"{e.url} {what} ({exc.kind}: {exc.detail}); the other samples "
+                             f"were not sent (POST {path})",
+                             hint=refusal_fix(exc, self.opts.api, path, self.asker.token_ids))
+
+    # -- the probe --------------------------------------------------------------------------------
+    def probe(self, todo: list[Conversation]) -> dict:
+        """One request before the rest: what the server takes (token ids, else text), its
+        refusal with the fix, and with text only what the round trip does to the target's
+        tokens (measured with the target at hand). Said in one line."""
+        e = self.endpoints[0]
+        for conv in todo[:PROBE_ROWS]:
+            history = _first_prompt(conv)
+            try:
+                path, body = self.asker.body(history)
+            except RowError:  # this row's prompt cannot be rendered: the run counts it
+                continue
+            break
+        else:
+            return {}
+        body["max_tokens"] = min(self.opts.max_tokens, PROBE_TOKENS)
+        rejected = None
+        try:
+            turn = self.probe_ask(e, path, body)
+        except RequestFailed as exc:
+            if not (exc.refused and self.asker.token_ids):
+                raise self.failed_probe(e, exc) from None
+            rejected = exc  # maybe only the field: asked again without it
+            self.asker.token_ids = False
+            body = {k: v for k, v in body.items() if k != "return_token_ids"}
+            try:
+                turn = self.probe_ask(e, path, body)
+            except RequestFailed as exc2:
+                raise self.failed_probe(e, exc2) from None
+        info: dict = {"endpoint": e.url, "sample": conv.id,
+                      "answers": "token_ids" if turn.token_ids else "text"}
+        if turn.token_ids:
+            _say(f"probe: {e.url} returns the answer's token ids: prepare trains on the ids "
+                 "the target wrote")
+            return info
+        why = (f"it refuses return_token_ids: {rejected.kind}: {rejected.detail}; "
+               "--no-token-ids skips asking" if rejected else
+               "it ignores return_token_ids" if self.opts.token_ids else "--no-token-ids")
+        line = (f"probe: {e.url} returns text only ({why}): prepare re-tokenizes each answer, "
+                "and a text round trip can change the tokens the target wrote "
+                f"({round_trip.RISKS})")
+        if self.opts.target is not None:
+            answer = {"role": "assistant", "content": turn.content}
+            if turn.reasoning:
+                answer["reasoning_content"] = turn.reasoning
+            try:
+                rt = round_trip.measure(self.renderer, self.opts.target, history, answer,
+                                        turn.finish_reason)
+            except Exception as exc:  # a model or template that cannot run this: said, not fatal
+                line += f"; the round trip could not be measured ({type(exc).__name__}: {exc})"
+            else:
+                info["round_trip"] = rt.as_dict()
+                line += "; " + rt.words(f"sample {conv.id}")
+                if rt.agree < rt.total:
+                    line += (": the drafter would learn the changed tokens; a server that "
+                             "returns token ids (vLLM) keeps the target's own")
+        else:
+            line += ("; measure it here with --target TARGET_FOLDER, or after prepare with "
+                     "dflash-tui data inspect DATA --target TARGET")
+        _say(line)
+        return info
+
+    def probe_ask(self, e: Endpoint, path: str, body: dict) -> Turn:
+        while True:
+            try:
+                return self.ask(e, path, body)
+            except EndpointDown:
+                if not self.wait_up(e):
+                    raise ServerFailing(
+                        f"endpoint {e.url} does not answer (waited "
+                        f"{self.opts.down_wait_s:g} s); nothing was sent",
+                        hint="start the server, then run the same command again") from None
+
+    def failed_probe(self, e: Endpoint, exc: RequestFailed) -> Exception:
+        if exc.refused:
+            return self.refusal_error(e, exc, "refuses the first request")
+        return ServerFailing(f"the first request to {e.url} failed {self.opts.retries + 1} "
+                             f"times ({exc.kind}: {exc.detail}); nothing else was sent",
+                             hint="see the server's log; run the same command again once it "
+                                  "answers")
+
+    # -- the samples ------------------------------------------------------------------------------
+    def one(self, e: Endpoint, conv: Conversation) -> dict:
         history, turns = [], []
         for m in conv.messages:
             if m["role"] != "assistant":
                 history.append(m)
                 continue
-            path, body = asker.body(history)
-            turn = _with_retries(e, path, body, asker, opts, counts, stop)
+            path, body = self.asker.body(history)
+            turn = self.ask(e, path, body)
             msg = {"role": "assistant", "content": turn.content}
             if turn.reasoning:
                 msg["reasoning_content"] = turn.reasoning
@@ -515,106 +606,156 @@ def _run(opts: RegenOptions, out: Path, endpoints: list[Endpoint], model: str, r
                           "server_ids": turn.token_ids is not None,
                           "empty": not (turn.content.strip() or turn.reasoning)})
         return {"id": conv.id, "messages": history, **conv.extra,
-                "regenerated": {"model": model, "endpoint": e.url, "turns": turns}}
+                "regenerated": {"model": self.model, "endpoint": e.url, "turns": turns}}
 
-    def worker(e: Endpoint) -> None:
-        while not stop.is_set():
+    def next_sample(self) -> Conversation | None:
+        """The next sample to ask for; None when none is left (a sample another endpoint
+        gives back while it waits is taken too)."""
+        while not self.stop.is_set():
             try:
-                conv = work.get_nowait()
+                return self.work.get(timeout=0.1)
             except queue.Empty:
+                with self.lock:
+                    if self.pending == 0:
+                        return None
+        return None
+
+    def settled(self) -> None:
+        with self.lock:
+            self.pending -= 1
+
+    def worker(self, e: Endpoint, writer, write_lock: threading.Lock) -> None:
+        c = self.counts
+        while not self.stop.is_set():
+            if e.down_since is not None and not self.wait_up(e):
+                return
+            conv = self.next_sample()
+            if conv is None:
                 return
             try:
-                row = one(e, conv)
+                row = self.one(e, conv)
+            except EndpointDown:
+                self.work.put(conv)  # another endpoint may take it meanwhile
+                if not self.wait_up(e):
+                    return
+                continue
             except RequestFailed as exc:
-                counts.tally(counts.failed, exc.kind, conv.id, str(exc))
-                bar.update(add=0, failed=sum(counts.failed.values()))
+                c.tally(c.failed, exc.kind, conv.id, str(exc))
+                self.settled()
+                self.show()
+                if exc.refused:
+                    self.refused(e, exc)
                 continue
             except RowError as exc:  # its prompt cannot be rendered: left out, counted
-                counts.tally(counts.left_out, exc.reason, conv.id, str(exc))
-                counts.left_out_ids.add(conv.id)
-                bar.update(add=0, left_out=sum(counts.left_out.values()))
+                c.tally(c.left_out, exc.reason, conv.id, str(exc))
+                with c.lock:
+                    c.left_out_ids.add(conv.id)
+                self.settled()
+                self.show()
                 continue
             except BaseException as exc:  # a model mismatch, or a bug: stop everything
-                fatal.append(exc)
-                stop.set()
+                self.fatal.append(exc)
+                self.stop.set()
                 return
             line = json.dumps(row, ensure_ascii=False) + "\n"
             with write_lock:
-                fh = writers[e.name]
-                fh.write(line)
-                fh.flush()
-                os.fsync(fh.fileno())  # a finished sample survives a crash of this process
-            with counts.lock:
-                counts.done += 1
+                writer.write(line)
+                writer.flush()
+                os.fsync(writer.fileno())  # a finished sample survives a crash of this process
+            with c.lock:
+                c.done += 1
                 for t in row["regenerated"]["turns"]:
-                    counts.turns += 1
-                    counts.with_ids += t["server_ids"]
-                    counts.empty += t["empty"]
-                    counts.prompt_tokens += t["prompt_tokens"]
-                    counts.completion_tokens += t["completion_tokens"]
-            bar.update(add=1, errors=sum(counts.errors.values()), retries=counts.retries)
+                    c.turns += 1
+                    c.with_ids += t["server_ids"]
+                    c.empty += t["empty"]
+                    c.prompt_tokens += t["prompt_tokens"]
+                    c.completion_tokens += t["completion_tokens"]
+            with self.lock:
+                self.refusals = 0
+            self.settled()
+            self.show(add=1)
 
-    threads = [threading.Thread(target=worker, args=(e,), daemon=True, name=f"regen-{e.name}")
-               for e in endpoints for _ in range(opts.concurrency)]
-    try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            while t.is_alive():
-                t.join(0.5)
-    except KeyboardInterrupt:
-        stop.set()
-        raise
-    finally:
-        for fh in writers.values():
-            fh.close()
-        bar.close()
-    if fatal:
-        raise fatal[0]
-
-    failed = sum(counts.failed.values())
-    summary = {
-        "model": model, "api": opts.api, "endpoints": [e.url for e in endpoints],
-        "options": {"max_tokens": opts.max_tokens, "temperature": opts.temperature,
-                    "thinking": opts.thinking, "concurrency": opts.concurrency,
-                    "timeout_s": opts.timeout_s, "retries": opts.retries},
-        "counts": {"samples": len(rows), "done_now": counts.done, "resumed": counts.resumed,
-                   "failed": dict(sorted(counts.failed.items())),
-                   "request_errors": dict(sorted(counts.errors.items())),
-                   "retries": counts.retries, "malformed": dict(sorted(malformed.items())),
-                   "left_out": dict(sorted(counts.left_out.items())),
-                   "damaged_lines": len(damaged),
-                   "turns": counts.turns, "turns_with_server_ids": counts.with_ids,
-                   "empty_answers": counts.empty},
-        "examples": dict(sorted(counts.examples.items())),
-        "damaged": damaged[:5],
-        "tokens": {"prompt": counts.prompt_tokens, "completion": counts.completion_tokens},
-        "seconds": round(time.monotonic() - t0, 2),
-        "samples_per_s": round(counts.done / max(1e-9, time.monotonic() - t0), 2),
-        "finished": failed == 0,
-    }
-    if failed == 0:
-        _merge(out, [r for r in rows if r.id not in counts.left_out_ids])
-        write_json_atomic(out / MANIFEST, summary)
-    return summary
-
-
-def _with_retries(e: Endpoint, path: str, body: dict, asker: Asker, opts: RegenOptions,
-                  counts: _Counts, stop: threading.Event) -> Turn:
-    for attempt in range(opts.retries + 1):
+    # -- the run ----------------------------------------------------------------------------------
+    def run(self, t0: float) -> dict:
+        opts, out, c = self.opts, self.out, self.counts
+        parts = out / PARTS
+        parts.mkdir(exist_ok=True)
+        done, damaged = _repair_parts(out)
+        rows, malformed = [], {}
+        for k, r in enumerate(read_rows(opts.source)):
+            if opts.limit and k >= opts.limit:
+                break
+            if isinstance(r, Malformed):
+                c.tally(malformed, r.reason, r.id, r.detail)
+            else:
+                rows.append(r)
+        c.resumed = sum(r.id in done for r in rows)
+        todo = [r for r in rows if r.id not in done]
+        probe = self.probe(todo) if todo else {}
+        self.bar = _Progress("regenerate", len(rows), "samples", enabled=opts.progress,
+                             endpoints=self.endpoints)
+        self.bar.done = self.bar.start_done = len(rows) - len(todo)
+        for r in todo:
+            self.work.put(r)
+        self.pending = len(todo)
+        writers = {e.name: open(parts / f"{i}-{e.name}.jsonl", "a", encoding="utf-8")
+                   for i, e in enumerate(self.endpoints)}
+        write_lock = threading.Lock()
+        threads = [threading.Thread(target=self.worker, args=(e, writers[e.name], write_lock),
+                                    daemon=True, name=f"regen-{e.name}")
+                   for e in self.endpoints for _ in range(opts.concurrency)]
         try:
-            return asker.read(e.request("POST", path, body))
-        except RequestFailed as exc:
-            with counts.lock:
-                counts.errors[exc.kind] = counts.errors.get(exc.kind, 0) + 1
-            if not exc.retry or attempt == opts.retries or stop.is_set():
-                raise
-            with counts.lock:
-                counts.retries += 1
-            # Exponential backoff with jitter: servers that restarted are not hit in lockstep.
-            delay = min(30.0, opts.backoff_s * 2 ** attempt) * (0.5 + random.random() / 2)
-            stop.wait(delay)
-    raise AssertionError("unreachable")
+            for t in threads:
+                t.start()
+            for t in threads:
+                while t.is_alive():
+                    t.join(0.5)
+        except KeyboardInterrupt:
+            self.stop.set()
+            raise
+        finally:
+            for fh in writers.values():
+                fh.close()
+            self.bar.close()
+        if self.fatal:
+            raise self.fatal[0]
+        # Samples left in the queue: every endpoint stopped answering for longer than the wait.
+        while True:
+            try:
+                conv = self.work.get_nowait()
+            except queue.Empty:
+                break
+            down = [e.url for e in self.endpoints if e.gave_up]
+            c.tally(c.failed, "endpoint_down", conv.id,
+                    f"{', '.join(down)} did not answer for {opts.down_wait_s:g} s")
+
+        failed = sum(c.failed.values())
+        summary = {
+            "model": self.model, "api": opts.api, "endpoints": [e.url for e in self.endpoints],
+            "options": {"max_tokens": opts.max_tokens, "temperature": opts.temperature,
+                        "thinking": opts.thinking, "concurrency": opts.concurrency,
+                        "timeout_s": opts.timeout_s, "retries": opts.retries,
+                        "token_ids": self.asker.token_ids},
+            "probe": probe,
+            "counts": {"samples": len(rows), "done_now": c.done, "resumed": c.resumed,
+                       "failed": dict(sorted(c.failed.items())),
+                       "request_errors": dict(sorted(c.errors.items())),
+                       "retries": c.retries, "malformed": dict(sorted(malformed.items())),
+                       "left_out": dict(sorted(c.left_out.items())),
+                       "damaged_lines": len(damaged),
+                       "turns": c.turns, "turns_with_server_ids": c.with_ids,
+                       "empty_answers": c.empty},
+            "examples": dict(sorted(c.examples.items())),
+            "damaged": damaged[:5],
+            "tokens": {"prompt": c.prompt_tokens, "completion": c.completion_tokens},
+            "seconds": round(time.monotonic() - t0, 2),
+            "samples_per_s": round(c.done / max(1e-9, time.monotonic() - t0), 2),
+            "finished": failed == 0,
+        }
+        if failed == 0:
+            _merge(out, [r for r in rows if r.id not in c.left_out_ids])
+            write_json_atomic(out / MANIFEST, summary)
+        return summary
 
 
 def _merge(out: Path, rows: list[Conversation]) -> None:

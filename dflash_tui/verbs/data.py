@@ -31,13 +31,16 @@ _probed = whole_number(1, "samples", maximum=100_000)
 _seconds = real_number(0, strict=True, unit="seconds")
 _temperature = real_number(0)
 _seed = whole_number(0, "seed")
+_wait = real_number(0, unit="seconds")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="data_command", metavar="{prepare,regenerate,inspect}",
                                 required=True)
+    # every option's default shown in --help
+    fmt = argparse.ArgumentDefaultsHelpFormatter
     p = sub.add_parser("prepare", help="conversations -> tokenized shards with a loss mask",
-                       description="Render conversations with the target's tokenizer and chat "
+                       formatter_class=fmt, description="Render conversations with the target's tokenizer and chat "
                                    "template into the shards a run reads; manifest written last.")
     p.add_argument("source", help="a .jsonl (messages or conversations), .parquet, or a "
                                   "datasets save_to_disk folder")
@@ -47,8 +50,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="samples longer than this many tokens are counted (too_long) and left "
                         "out; 0 = no limit")
     p.add_argument("--workers", type=_workers, default=0, help="processes (0 = one per core)")
-    p.add_argument("--samples-per-shard", type=_per_shard, default=10_000)
-    p.add_argument("--format", dest="fmt", choices=("arrow", "parquet"), default="arrow")
+    p.add_argument("--samples-per-shard", type=_per_shard, default=10_000,
+                   help="samples per shard file")
+    p.add_argument("--format", dest="fmt", choices=("arrow", "parquet"), default="arrow",
+                   help="shard file format")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the data an earlier prepare wrote in --out (never a folder "
                         "a prepare did not write)")
@@ -56,8 +61,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     r = sub.add_parser("regenerate", help="rewrite every assistant turn with the target, "
                                           "through OpenAI-compatible servers",
+                       formatter_class=fmt,
                        description="Turn by turn, each assistant turn answered by the target "
-                                   "(vLLM / SGLang serving it). A re-run of the same command "
+                                   "(vLLM, SGLang or transformers serve serving it). One probe "
+                                   "request goes first: it says whether the server returns "
+                                   "token ids or text only, and stops with the fix when the "
+                                   "server refuses the request. A re-run of the same command "
                                    "continues where it stopped.")
     r.add_argument("source", help="conversations, as for prepare")
     r.add_argument("--out", required=True, help="output folder (continued when it holds an "
@@ -73,21 +82,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--concurrency", type=_concurrency, default=8,
                    help="requests in flight per endpoint")
     r.add_argument("--max-tokens", type=_tokens, default=2048, help="longest answer per turn")
-    r.add_argument("--temperature", type=_temperature, default=0.0)
+    r.add_argument("--temperature", type=_temperature, default=0.0,
+                   help="sampling temperature (0 = greedy: the target's own next tokens)")
     r.add_argument("--timeout", type=_seconds, default=600.0,
                    help="seconds a request may take, to the answer's last byte, before it "
                         "is retried")
     r.add_argument("--retries", type=_retries, default=4,
-                   help="retries per request (with backoff)")
+                   help="retries per request (with backoff); a server that does not answer "
+                        "at all is waited for instead (--down-wait)")
+    r.add_argument("--down-wait", type=_wait, default=1800.0,
+                   help="seconds an endpoint that stops answering (connection refused) is "
+                        "waited for, trying again with backoff, before its samples are left "
+                        "for the next run")
     r.add_argument("--no-token-ids", action="store_true",
-                   help="do not ask for return_token_ids (for servers that reject the field)")
+                   help="do not ask for return_token_ids (the probe finds a server that "
+                        "refuses the field and asks for text only)")
+    r.add_argument("--target", help="the target's model folder (or builtin:tiny): when the "
+                                    "server returns text only, measures on the probe's answer "
+                                    "what the text round trip changes (loads the model here)")
     r.add_argument("--api-key-env", default="OPENAI_API_KEY",
                    help="environment variable holding the servers' API key, if they need one")
     r.add_argument("--limit", type=_rows, default=0, help="only the first N rows (0 = all)")
     r.add_argument("--quiet", action="store_true", help="no progress line")
 
     i = sub.add_parser("inspect", help="samples, lengths, trained share, target agreement",
-                       description="What a data folder holds; with --target, how often its "
+                       formatter_class=fmt, description="What a data folder holds; with --target, how often its "
                                    "trained labels are the target's own greedy next token.")
     i.add_argument("folder", help="a prepared data folder (or any folder of shards)")
     i.add_argument("--tokenizer", help="decode samples with this tokenizer (default: the one "
@@ -113,6 +132,7 @@ def _tokenizer_args(p: argparse.ArgumentParser, required: bool) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from dflash_core.data.regenerate import ServerFailing
     from dflash_core.data.shards import DataError
 
     try:
@@ -123,6 +143,11 @@ def run(args: argparse.Namespace) -> int:
         if exc.hint:
             print(f"hint: {exc.hint}", file=sys.stderr)
         return 2
+    except ServerFailing as exc:  # the server, not the input: the same command continues
+        print(f"server error: {exc}", file=sys.stderr)
+        if exc.hint:
+            print(f"hint: {exc.hint}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("interrupted: nothing finished is lost; run the same command again to continue "
               "(regenerate), or to prepare again (an interrupted prepare leaves --out as it "
@@ -165,20 +190,41 @@ def _prepare(args) -> int:
     return 0
 
 
+def _load_target(spec: str):
+    """An HF causal LM of the target, for an agreement: a model folder, or builtin:tiny."""
+    from pathlib import Path
+
+    from dflash_core import demo
+    from dflash_core.data.shards import DataError
+
+    folder = demo.ensure_tiny_target() if spec == "builtin:tiny" else spec
+    try:
+        return demo.load_lm(Path(folder).expanduser())
+    except (OSError, ValueError, KeyError) as exc:
+        raise DataError(f"cannot load the target model ({str(exc).splitlines()[0]})",
+                        file=folder, hint="pass --target a model folder (config.json and "
+                                          "weights) or builtin:tiny") from exc
+
+
 def _regenerate(args) -> int:
     from dflash_core.data.regenerate import DAMAGED, MERGED, RegenOptions, regenerate
 
+    target = _load_target(args.target) if args.target else None
+    # the target's own folder holds its tokenizer and template: what the measure renders with
+    tokenizer = args.tokenizer or args.target
     s = regenerate(RegenOptions(
         args.source, args.out, args.endpoint, model=args.model, api=args.api,
-        tokenizer=args.tokenizer, chat_template=args.chat_template, thinking=args.thinking,
+        tokenizer=tokenizer, chat_template=args.chat_template, thinking=args.thinking,
         concurrency=args.concurrency, max_tokens=args.max_tokens, temperature=args.temperature,
-        timeout_s=args.timeout, retries=args.retries, token_ids=not args.no_token_ids,
+        timeout_s=args.timeout, retries=args.retries, down_wait_s=args.down_wait,
+        token_ids=not args.no_token_ids,
         api_key=os.environ.get(args.api_key_env) if args.api_key_env else None,
-        limit=args.limit, progress=not args.quiet))
+        limit=args.limit, progress=not args.quiet, target=target))
     c = s["counts"]
     print(f"regenerated {c['done_now']} samples now, {c['resumed']} before, of {c['samples']} "
           f"({s['samples_per_s']} samples/s) with {s['model']}; request errors "
-          f"{c['request_errors'] or 'none'}, retries {c['retries']}")
+          f"{c['request_errors'] or 'none'}, retries {c['retries']}; answers "
+          f"{'with their token ids' if c['turns_with_server_ids'] else 'as text'}")
     ex = s.get("examples", {})
     for what, by in (("malformed", c["malformed"]), ("left out", c.get("left_out", {}))):
         for reason, n in by.items():
@@ -202,10 +248,8 @@ def _inspect(args) -> int:
     from pathlib import Path
 
     from dflash_core.data.chat_render import load_tokenizer
-    from dflash_core import demo
     from dflash_core.data.inspect import format_report, inspect
     from dflash_core.data.manifest import read_manifest
-    from dflash_core.data.shards import DataError
 
     spec = args.tokenizer
     if spec is None and Path(args.folder).is_dir():
@@ -216,15 +260,7 @@ def _inspect(args) -> int:
             tok = load_tokenizer(spec)
         except Exception as exc:  # samples are then shown as ids; say why
             print(f"note: samples shown as ids ({exc})", file=sys.stderr)
-    target = None
-    if args.target:  # an HF causal LM for the agreement: a model folder, or builtin:tiny
-        folder = demo.ensure_tiny_target() if args.target == "builtin:tiny" else args.target
-        try:
-            target = demo.load_lm(Path(folder).expanduser())
-        except (OSError, ValueError, KeyError) as exc:
-            raise DataError(f"cannot load the target model ({str(exc).splitlines()[0]})",
-                            file=folder, hint="pass --target a model folder (config.json and "
-                                              "weights) or builtin:tiny") from exc
+    target = _load_target(args.target) if args.target else None
     r = inspect(args.folder, samples=args.samples, tokenizer=tok, target=target,
                 agreement_samples=args.agreement_samples, seed=args.seed)
     print(json.dumps(r, indent=2, default=str) if args.json else format_report(r))

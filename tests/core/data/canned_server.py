@@ -1,14 +1,24 @@
 """An OpenAI-compatible server on 127.0.0.1 whose answers a test writes: fast (no model), and able
-to answer what no real server should (fields of the wrong type, no choices)."""
+to answer what no real server should (fields of the wrong type, no choices), to refuse requests
+as real servers do (a status and the server's words), and to go down and come back on its port."""
 
 from __future__ import annotations
 
 import json
 import threading
+import time
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
 
 MODEL = "canned"
+
+
+@dataclass
+class Reply:
+    """An answer of another status than 200 (``body``: a dict sent as JSON, or bytes)."""
+    status: int
+    body: object
 
 
 def echo(body: dict) -> dict:
@@ -19,19 +29,38 @@ def echo(body: dict) -> dict:
             "usage": {"prompt_tokens": len(last), "completion_tokens": len(last)}}
 
 
+def strict_fields(answer: Callable[[dict], object] = echo) -> Callable[[dict], object]:
+    """A server that refuses fields it does not know, as FastAPI servers do (transformers
+    serve's words)."""
+    def check(body: dict):
+        if "return_token_ids" in body:
+            return Reply(422, {"detail": "Unexpected fields in the request: "
+                                         "{'return_token_ids'}"})
+        return answer(body)
+    return check
+
+
 class CannedServer:
     """``answers``: the bodies of the first requests' answers, in order (a dict is sent as
-    JSON, bytes as they are); later requests get ``answer`` (``echo``). ``models``: the answer
-    to ``GET /v1/models``."""
+    JSON, bytes as they are, a ``Reply`` with its status); later requests get ``answer(body)``
+    (``echo``). ``models``: the answer to ``GET /v1/models``. ``bodies``: every request's
+    body. ``go_down`` / ``come_back``: connections refused meanwhile, then the same port."""
 
     def __init__(self, answers: list | None = None,
-                 answer: Callable[[dict], dict] = echo, models=None):
+                 answer: Callable[[dict], object] = echo, models=None, delay_s: float = 0.0):
         self.answers = list(answers or [])
         self.models = models if models is not None else {
             "object": "list", "data": [{"id": MODEL, "object": "model"}]}
         self.answer = answer
+        self.delay_s = delay_s
         self.requests = 0
+        self.bodies: list[dict] = []
         self._lock = threading.Lock()
+        self._port = 0
+        self._httpd: ThreadingHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+
+    def _handler(self):
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -39,8 +68,11 @@ class CannedServer:
                 pass
 
             def _send(self, obj) -> None:
+                status = 200
+                if isinstance(obj, Reply):
+                    status, obj = obj.status, obj.body
                 raw = obj if isinstance(obj, bytes) else json.dumps(obj).encode()
-                self.send_response(200)
+                self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(raw)))
                 self.end_headers()
@@ -53,20 +85,40 @@ class CannedServer:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 with server._lock:
                     server.requests += 1
+                    server.bodies.append(body)
                     canned = server.answers.pop(0) if server.answers else None
+                if server.delay_s:
+                    time.sleep(server.delay_s)
                 self._send(canned if canned is not None else server.answer(body))
 
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        return Handler
+
+    def _start(self) -> None:
+        self._httpd = ThreadingHTTPServer(("127.0.0.1", self._port), self._handler())
+        self._httpd.daemon_threads = True
+        self._port = self._httpd.server_address[1]
         self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
+        self._thread.start()
+
+    def _close(self) -> None:
+        if self._httpd is not None:
+            self._httpd.shutdown()
+            self._httpd.server_close()
+            self._httpd = None
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self._httpd.server_address[1]}"
+        return f"http://127.0.0.1:{self._port}"
+
+    def go_down(self) -> None:
+        self._close()
+
+    def come_back(self) -> None:
+        self._start()
 
     def __enter__(self) -> "CannedServer":
-        self._thread.start()
+        self._start()
         return self
 
     def __exit__(self, *exc) -> None:
-        self._httpd.shutdown()
-        self._httpd.server_close()
+        self._close()

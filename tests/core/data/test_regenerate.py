@@ -14,7 +14,7 @@ from dflash_core.data.byte_vocab import EOS_ID, byte_tokenizer
 from dflash_core.demo.chat import write_demo_conversations
 from dflash_core.demo.server import DemoServer
 from dflash_core.data.regenerate import (
-    MERGED, PARTS, ModelMismatch, RegenOptions, regenerate,
+    MERGED, PARTS, ModelMismatch, RegenOptions, ServerFailing, regenerate,
 )
 from dflash_core.data.shards import DataError
 
@@ -115,11 +115,13 @@ def test_an_answer_that_trickles_in_past_the_timeout_is_a_timeout(tmp_path, src,
     assert took < 60  # the trickled answer alone is hundreds of bytes x 0.2 s
 
 
-def test_failures_past_the_retries_are_counted_and_leave_no_merged_file(tmp_path, src,
-                                                                       demo_target):
+def test_a_server_failing_the_probe_past_its_retries_is_sent_nothing_else(tmp_path, src,
+                                                                         demo_target):
     with DemoServer(demo_target, fail_first=1000) as srv:
-        s = regenerate(opts(src, tmp_path / "out", srv.url, retries=1))
-        assert not s["finished"] and s["counts"]["failed"] == {"http_500": 6}
+        with pytest.raises(ServerFailing, match=r"the first request .* failed 2 times "
+                                                r"\(http_500: injected failure\); nothing else"):
+            regenerate(opts(src, tmp_path / "out", srv.url, retries=1))
+        assert srv.requests == 2  # the probe and its retry, not 6 samples x 2
         assert not (tmp_path / "out" / MERGED).exists()  # never a silent hole
         srv.fail_left = 0  # the server is healthy again: the same command finishes the job
         s = regenerate(opts(src, tmp_path / "out", srv.url))
@@ -133,7 +135,8 @@ def test_a_server_of_another_model_is_refused(tmp_path, src, demo_target):
     with DemoServer(demo_target, answer_as="impostor") as srv:
         with pytest.raises(ModelMismatch, match="impostor"):
             regenerate(opts(src, tmp_path / "b", srv.url))
-    assert not list((tmp_path / "b" / PARTS).glob("*.jsonl"))[0].read_text()
+        assert srv.requests == 1  # the probe found it
+    assert not any(p.read_text() for p in (tmp_path / "b" / PARTS).glob("*.jsonl"))
 
 
 def test_regenerated_data_prepares_and_agrees_with_the_target(tmp_path, src, demo_target):

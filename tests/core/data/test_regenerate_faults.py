@@ -50,7 +50,8 @@ def test_a_damaged_line_in_the_middle_of_a_part_is_set_aside_and_its_sample_redo
         before = srv.requests
         s = regenerate(_opts(src, out, srv.url))
         assert s["finished"] and s["counts"]["damaged_lines"] == 2
-        assert srv.requests - before == 2  # only the damaged lines' samples asked again
+        # only the damaged lines' samples asked again (and the probe, one request first)
+        assert srv.requests - before == 3
         assert s["counts"]["resumed"] == 3 and s["counts"]["done_now"] == 2
         assert "line 2" in s["damaged"][0] and "control character" in s["damaged"][0]
         assert "not UTF-8" in s["damaged"][1]
@@ -61,8 +62,8 @@ def test_a_damaged_line_in_the_middle_of_a_part_is_set_aside_and_its_sample_redo
         assert all(r["messages"][1]["content"] == f"question {k}"[::-1]
                    for k, r in enumerate(rows))
         assert all(i in {r["id"] for r in rows} for i in ids)
-        again = regenerate(_opts(src, out, srv.url))  # repaired for good
-        assert again["counts"]["damaged_lines"] == 0 and srv.requests - before == 2
+        again = regenerate(_opts(src, out, srv.url))  # repaired for good; nothing to ask
+        assert again["counts"]["damaged_lines"] == 0 and srv.requests - before == 3
 
 
 def test_the_verb_reports_the_repair_in_one_line_and_exits_0(tmp_path, capsys):
@@ -98,7 +99,7 @@ BAD_ANSWERS = {
 
 def test_answers_that_cannot_be_used_are_counted_with_an_example_and_retried(tmp_path):
     src = _src(tmp_path, n=len(BAD_ANSWERS))
-    with CannedServer(list(BAD_ANSWERS.values())) as srv:
+    with CannedServer([None, *BAD_ANSWERS.values()]) as srv:  # the probe's answer is good
         s = regenerate(_opts(src, tmp_path / "a", srv.url, retries=0))
         assert not s["finished"]
         assert s["counts"]["failed"] == {"bad_response": len(BAD_ANSWERS)}
@@ -112,7 +113,7 @@ def test_usage_of_the_wrong_type_is_not_an_error(tmp_path):
     odd = {"model": "canned", "choices": [{"message": {"content": "fine"},
                                            "finish_reason": 7}],
            "usage": {"prompt_tokens": "many", "completion_tokens": None}}
-    with CannedServer([odd]) as srv:
+    with CannedServer([odd, odd]) as srv:  # the probe's, then the sample's
         s = regenerate(_opts(_src(tmp_path, n=1), tmp_path / "a", srv.url))
     assert s["finished"] and _merged(tmp_path / "a")[0]["messages"][1]["content"] == "fine"
 
@@ -120,7 +121,7 @@ def test_usage_of_the_wrong_type_is_not_an_error(tmp_path):
 def test_the_verb_names_the_failed_samples_and_exits_1(tmp_path, capsys):
     from dflash_tui.cli import main
 
-    with CannedServer([{"choices": []}] * 2) as srv:
+    with CannedServer([None, {"choices": []}, {"choices": []}]) as srv:
         code = main(["data", "regenerate", str(_src(tmp_path, n=2)), "--out",
                      str(tmp_path / "a"), "--endpoint", srv.url, "--retries", "0", "--quiet"])
     out, err = capsys.readouterr()
