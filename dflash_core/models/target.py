@@ -309,6 +309,7 @@ class _StopForward(Exception):
     """Raised by the last chosen layer's hook so the layers after it never run."""
 
 
+LAST_HIDDEN = -1  # key of the final norm's output among captured layer outputs
 _LAYER_NAMES = ("layers", "h", "blocks")  # the decoder stack, by the names transformers uses
 _NORM_NAMES = ("norm", "final_layernorm", "ln_f", "final_norm")
 
@@ -352,6 +353,14 @@ class TargetModel:
         self.decoder, self.layers, self.final_norm = decoder_parts(model)
         self.embed_tokens: nn.Embedding = model.get_input_embeddings()
         self.lm_head: nn.Linear = model.get_output_embeddings()
+        if not isinstance(getattr(self.lm_head, "weight", None), torch.Tensor):
+            # The drafter borrows it (DSpark also scores the target's distribution with it).
+            raise TargetLoadError(
+                f"{type(model).__name__} has no lm_head the engine can find "
+                "(get_output_embeddings() gives "
+                f"{type(self.lm_head).__name__ if self.lm_head is not None else 'None'})",
+                hint="point target.path at a causal LM with its output head "
+                     "(docs/targets.md lists those that are supported)")
         self.num_layers = len(self.layers)
         self.hidden_size = self.text_config.hidden_size
         self.vocab_size = self.text_config.vocab_size
@@ -378,7 +387,7 @@ class TargetModel:
         return ids
 
     def _hooks(self, ids: list[int], outputs: dict, stop_after_last: bool,
-               stop: threading.Event | None = None) -> list:
+               stop: threading.Event | None = None, last_hidden: bool = False) -> list:
         # Hooks live on the shared layer modules, so they fire in every thread's forward: the
         # evaluation (a drafter thread) runs this model while its target thread extracts
         # features. Each hook acts only in the thread that registered it, or the two would
@@ -403,30 +412,49 @@ class TargetModel:
                     raise _StopForward
             return hook
 
-        return handles + [self.layers[i].register_forward_hook(make_hook(i))
-                          for i in sorted(set(ids))]
+        handles += [self.layers[i].register_forward_hook(make_hook(i)) for i in sorted(set(ids))]
+        if last_hidden:
+            def norm_hook(module, args, output):
+                if threading.get_ident() == owner:
+                    outputs[LAST_HIDDEN] = output[0] if isinstance(output, tuple) else output
+            handles.append(self.final_norm.register_forward_hook(norm_hook))
+        return handles
 
     def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                  layer_ids: list[int] | None = None,
-                 stop: threading.Event | None = None) -> torch.Tensor:
+                 stop: threading.Event | None = None,
+                 with_last_hidden: bool = False) -> torch.Tensor:
         """Outputs of ``layer_ids`` (default: ``default_layer_ids``), concatenated: [b, S, k*H].
 
         Layer i's output is HF's ``hidden_states[i+1]``; for the last layer that is after the
         final norm, as the reference and the serving stacks read it. Right padding with ``attention_mask``
         leaves the valid positions as they would be for each sequence alone. With ``stop``, raises
         ForwardInterrupted at the next layer once it is set.
+
+        ``with_last_hidden`` (DSpark): the forward runs through every layer and the final norm,
+        and the target's last hidden state after that norm (HF's ``last_hidden_state``, whose
+        lm_head product is the logits) is appended as the last H channels: [b, S, (k+1)*H].
+        Without it the forward stops after the last chosen layer. The lm_head is never run.
         """
         ids = self._layer_ids(layer_ids)
-        with self._capture(ids, stop_after_last=True, stop=stop) as outputs:
+        with self._capture(ids, stop_after_last=not with_last_hidden, stop=stop,
+                           last_hidden=with_last_hidden) as outputs:
             try:
                 # The base model, not the CausalLM: the lm_head is never reached.
                 self.decoder(**self._inputs(input_ids, attention_mask), use_cache=False)
             except _StopForward:
                 pass
+        if with_last_hidden and LAST_HIDDEN not in outputs:
+            raise TargetLoadError(
+                f"{type(self.model).__name__}: its final norm ({type(self.final_norm).__name__})"
+                " did not run in the forward, so the post-norm last hidden state DSpark trains "
+                "against cannot be read", hint="use drafter.objective: dflash with this target, "
+                "or a target whose decoder ends with its final norm (docs/targets.md)")
         self._as_hidden_states(outputs)
+        parts = [outputs[i] for i in ids] + ([outputs[LAST_HIDDEN]] if with_last_hidden else [])
         # Concatenated outside inference mode: the result is an ordinary tensor, which autograd
         # may save for backward in the drafter's fc (an inference tensor could not be).
-        return torch.cat([outputs[i] for i in ids], dim=-1)
+        return torch.cat(parts, dim=-1)
 
     def _as_hidden_states(self, outputs: dict[int, torch.Tensor]) -> None:
         """HF's hidden_states[N] is the last layer's output after the final norm: a drafter
@@ -479,10 +507,12 @@ class TargetModel:
 
     @contextlib.contextmanager
     def _capture(self, ids: list[int], stop_after_last: bool,
-                 stop: threading.Event | None = None) -> Iterator[dict]:
-        """Inference mode with the chosen layers hooked; yields {layer: output}."""
+                 stop: threading.Event | None = None,
+                 last_hidden: bool = False) -> Iterator[dict]:
+        """Inference mode with the chosen layers hooked; yields {layer: output} (and, with
+        ``last_hidden``, the final norm's output under LAST_HIDDEN)."""
         outputs: dict[int, torch.Tensor] = {}
-        handles = self._hooks(ids, outputs, stop_after_last, stop)
+        handles = self._hooks(ids, outputs, stop_after_last, stop, last_hidden)
         try:
             with torch.inference_mode():
                 yield outputs
