@@ -84,12 +84,19 @@ class Engine:
             raise ValueError("Engine needs a config or a config_path")
         self.bus = bus or EventBus()
         self._owns_bus = bus is None
+        # A config file is read once per start: ``config`` is the first start's (the command
+        # line loaded it, its --set applied); a restart reads ``config_path`` again.
         self.config_path = Path(config_path) if config_path else None
-        self._given_config = config
         self.resume = resume
-        self.max_steps = max_steps
-        # --set KEY=VALUE pairs, applied over the config at every (re)start
+        # --set KEY=VALUE pairs, applied to the config file at every (re)start; --max-steps N
+        # (the old keyword here too) is one of them: run.max_steps.
         self.overrides = list(overrides or [])
+        if max_steps is not None:
+            self.overrides.append(("run.max_steps", str(max_steps)))
+        if config is not None and self.config_path is None and self.overrides:
+            config = apply_overrides(config, self.overrides)  # no file: every start runs this
+        self._next_config = config  # the next start's config, once read (None: not yet)
+        self._config_lock = threading.Lock()
         # Start in a fresh numbered folder when run.name's holds an earlier run (run_folder.py).
         self.new_run = new_run
         self._asked_name: str | None = None
@@ -123,6 +130,15 @@ class Engine:
     def config(self) -> Config | None:
         """The config of the current (or last) run, once its preflight read it."""
         return self._run.config if self._run is not None else None
+
+    @property
+    def max_steps(self) -> int | None:
+        """run.max_steps when the command line set it (--max-steps N, or --set run.max_steps=N:
+        one spelling of the other); None while the config's own value stands."""
+        cfg = self.config
+        if cfg is None or all(key != "run.max_steps" for key, _ in self.overrides):
+            return None
+        return cfg.run.max_steps
 
     @property
     def step(self) -> int:
@@ -240,8 +256,8 @@ class Engine:
     def run_dir(self) -> Path | None:
         """Where this process's records (events.jsonl, train.log, commands/) are, if the config
         can be read: the run folder, or its node-K/ folder on several nodes."""
-        try:
-            return self._records_dir(self._read_config())
+        try:  # the current run's config, else the next start's (read once, kept for it)
+            return self._records_dir(self.config or self._peek_config())
         except (ConfigError, OSError, NodeFailure):  # the run's preflight says why
             return None
 
@@ -342,10 +358,22 @@ class Engine:
             self._teardown(run)
 
     def _read_config(self) -> Config:
-        cfg = load_config(self.config_path) if self.config_path else self._given_config
-        cfg = apply_overrides(cfg, self.overrides)
-        if self.max_steps is not None:
-            cfg.run.max_steps = self.max_steps
+        """The config of the run starting now, read once per start: the one given or read
+        before it (the command line, run_dir()), else the config file read again (a restart)."""
+        cfg = self._peek_config()
+        with self._config_lock:
+            if self.config_path is not None and self._next_config is cfg:
+                self._next_config = None  # the next start (a restart) reads the file again
+        return cfg
+
+    def _peek_config(self) -> Config:
+        """The next start's config: the file read (its --set applied) when nothing read it yet,
+        and kept for that start."""
+        with self._config_lock:
+            if self._next_config is None:
+                self._next_config = apply_overrides(load_config(self.config_path),
+                                                    self.overrides)
+            cfg = self._next_config
         if self.new_run:  # picked once: a restart resumes the folder this run started in
             if self._fresh_name is None:
                 self._asked_name = cfg.run.name

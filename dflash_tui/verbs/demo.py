@@ -37,12 +37,12 @@ def make_engine(args: argparse.Namespace):
     from dflash_core.pipeline.engine import Engine
 
     check_resume(args)
-    cfg = demo_config(output_dir=args.output_dir or "runs", device=args.device)
-    apply_overrides(cfg, args.overrides)  # a bad --set ends here, before any run: exit 2
+    # A bad --set (or --max-steps) ends here, before any run: exit 2.
+    cfg = apply_overrides(demo_config(output_dir=args.output_dir or "runs", device=args.device),
+                          args.overrides)
     # The demo is run again and again: a new demo run takes a fresh folder (runs/demo-2, ...)
     # rather than refuse; --resume continues runs/demo.
-    return Engine(cfg, resume=args.resume, max_steps=args.max_steps, new_run=not args.resume,
-                  overrides=args.overrides)
+    return Engine(cfg, resume=args.resume, new_run=not args.resume, overrides=args.overrides)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -25,6 +25,8 @@ import sys
 from pathlib import Path
 from typing import Callable
 
+from dflash_core.config.reference import keys_help
+
 from ._shared import setting, steps
 
 
@@ -41,16 +43,28 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--headless", action="store_true", help="no screen; progress lines on stdout")
     p.add_argument("--resume", action="store_true",
                    help="resume from the latest intact checkpoint of the run folder")
-    p.add_argument("--max-steps", type=steps, default=None, metavar="N",
-                   help="override run.max_steps (>= 0; 0 = all epochs)")
+    # One path for both: --max-steps N is a --set of run.max_steps, applied in command-line order.
+    p.add_argument("--max-steps", type=max_steps_setting, action="append", default=[],
+                   dest="overrides", metavar="N",
+                   help="the same as --set run.max_steps=N (>= 0; 0 = all epochs)")
     p.add_argument("--set", type=setting, action="append", default=[], dest="overrides",
                    metavar="SECTION.KEY=VALUE",
                    help="override one config key for this command's runs, e.g. --set "
-                        "optim.name=muon (repeat for several; a restart keeps them)")
+                        "optim.name=muon (repeat for several; a restart keeps them); the keys "
+                        "are listed below")
+    p.epilog = keys_help()
+
+
+def max_steps_setting(text: str) -> tuple[str, str]:
+    """--max-steps N as the --set it is: ("run.max_steps", "N"), N checked by argparse."""
+    return "run.max_steps", str(steps(text))
 
 
 def make_engine(args: argparse.Namespace):
-    from dflash_core.config import ConfigError
+    """The engine of the run: the config file read once here, its --set applied (a config
+    error ends the command before any run: exit 2), and handed to the engine for its first
+    start; a restart reads the file again."""
+    from dflash_core.config import ConfigError, apply_overrides, load_config
     from dflash_core.pipeline.engine import Engine
 
     check_resume(args)
@@ -58,8 +72,9 @@ def make_engine(args: argparse.Namespace):
         raise ConfigError("", "nothing to run: no --config",
                           hint="pass --config config.yaml, or try the built-in model: "
                                "dflash-tui demo")
-    return Engine(config_path=args.config, resume=args.resume, max_steps=args.max_steps,
-                  new_run=args.new_run, overrides=args.overrides)
+    cfg = apply_overrides(load_config(args.config), args.overrides)
+    return Engine(cfg, config_path=args.config, resume=args.resume, new_run=args.new_run,
+                  overrides=args.overrides)
 
 
 def check_resume(args: argparse.Namespace) -> None:
@@ -72,15 +87,7 @@ def check_resume(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    def checked():
-        engine = make_engine(args)
-        from dflash_core.config import apply_overrides, load_config
-
-        # a config error (the file's, or a --set's) ends here, before any run: exit 2
-        apply_overrides(load_config(args.config), args.overrides)
-        return engine
-
-    return own(checked, headless=args.headless)
+    return own(lambda: make_engine(args), headless=args.headless)
 
 
 def own(make: Callable[[], object], *, headless: bool) -> int:

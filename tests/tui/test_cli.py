@@ -21,10 +21,15 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.parametrize("argv,verb,fields", [
     (["run", "--config", "c.yaml", "--headless", "--resume", "--max-steps", "7"], "run",
-     {"config": Path("c.yaml"), "headless": True, "resume": True, "max_steps": 7}),
+     {"config": Path("c.yaml"), "headless": True, "resume": True,
+      "overrides": [("run.max_steps", "7")]}),
     (["run", "--config", "c.yaml", "--new-run"], "run", {"new_run": True, "headless": False}),
     (["demo", "--headless", "--device", "cpu", "--output-dir", "out", "--max-steps", "3"],
-     "demo", {"headless": True, "device": "cpu", "output_dir": "out", "max_steps": 3}),
+     "demo", {"headless": True, "device": "cpu", "output_dir": "out",
+              "overrides": [("run.max_steps", "3")]}),
+    # --max-steps is one spelling of --set run.max_steps: both land in one list, in order
+    (["run", "--set", "run.max_steps=2", "--max-steps", "4", "--set", "optim.name=muon"], "run",
+     {"overrides": [("run.max_steps", "2"), ("run.max_steps", "4"), ("optim.name", "muon")]}),
     (["demo", "--resume"], "demo", {"resume": True, "device": "auto", "overrides": []}),
     (["run", "--config", "c.yaml", "--set", "optim.name=muon", "--set", "run.name=a=b"], "run",
      {"overrides": [("optim.name", "muon"), ("run.name", "a=b")]}),
@@ -80,6 +85,19 @@ def test_each_verb_has_its_own_help_with_examples(verb, capsys):
     out = capsys.readouterr().out
     assert out.startswith(f"usage: dflash-tui {verb}")
     assert f"  dflash-tui {verb}" in out  # an example line, beside the usage
+
+
+@pytest.mark.parametrize("verb", ["run", "demo"])
+def test_the_help_of_set_lists_every_config_key_with_its_default_and_range(verb, capsys):
+    from dflash_core.config import config_keys
+
+    with pytest.raises(SystemExit):
+        main([verb, "--help"])
+    out = capsys.readouterr().out
+    assert "config keys (--set SECTION.KEY=VALUE" in out
+    for spec in config_keys():
+        assert f"  {spec.path}=" in out, spec.path
+    assert "  optim.lr=0.0006  [in (0, 1]]  AdamW's peak learning rate" in out
 
 
 @pytest.mark.parametrize("verb", ["attach", "serve"])
@@ -301,3 +319,29 @@ def test_the_engine_applies_the_sets_at_every_start(tmp_path):
         assert (cfg.optim.name, cfg.drafter.loss) == ("muon", "dpace")
     path.write_text(path.read_text().replace("lr: 0.006", "lr: 0.003"))
     assert engine._read_config().optim.lr == 0.003  # the file's edits still count
+
+
+def test_a_start_reads_the_config_file_once_with_its_sets_and_a_restart_again(tmp_path,
+                                                                              monkeypatch):
+    from dflash_core.config import save_config
+    from dflash_core.demo import demo_config
+    from dflash_tui.verbs.run import make_engine
+
+    path = tmp_path / "c.yaml"
+    save_config(demo_config(output_dir=str(tmp_path)), path)
+    reads = []
+    real = Path.read_text
+
+    def read_text(self, *a, **kw):
+        reads.extend([self] if self == path else [])
+        return real(self, *a, **kw)
+    monkeypatch.setattr(Path, "read_text", read_text)
+    args = parse_args(["run", "--config", str(path), "--max-steps", "3", "--set",
+                       "optim.name=muon"])
+    engine = make_engine(args)  # the command line's check (exit 2 on a bad value) is the read
+    assert engine.run_dir() == tmp_path / "demo" and len(reads) == 1
+    cfg = engine._read_config()  # the first start takes the config read for it
+    assert (cfg.run.max_steps, cfg.optim.name) == (3, "muon") and len(reads) == 1
+    again = engine._read_config()  # a restart reads the file again, with the same sets
+    assert len(reads) == 2 and (again.run.max_steps, again.optim.name) == (3, "muon")
+    assert again is not cfg

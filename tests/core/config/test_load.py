@@ -1,13 +1,12 @@
 """Strict config: every mistake names the key path, the bad value and what is allowed."""
 
-import dataclasses
 from pathlib import Path
 
 import pytest
 
 from dflash_core.config import ConfigError, config_from_dict, default_gamma, load_config
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_real_node_config_loads_and_its_plan_fits_eight_96g_gpus():
@@ -112,22 +111,6 @@ def test_every_numeric_key_is_held_to_its_range(key, bad, range_text):
     assert str(e.value).startswith(f"{key}: must be {range_text}, got ")
     assert str(e.value).endswith((repr(bad), repr(float(bad))))
     assert key in e.value.hint and range_text in e.value.hint
-
-
-def test_every_numeric_key_has_a_range_and_its_default_is_inside():
-    from dflash_core.config import RANGES, UNBOUNDED, Config, check_range
-
-    cfg = Config()
-    numeric = []
-    for section in dataclasses.fields(cfg):
-        for f in dataclasses.fields(getattr(cfg, section.name)):
-            value = getattr(getattr(cfg, section.name), f.name)
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                numeric.append(f"{section.name}.{f.name}")
-    assert sorted(numeric) == sorted([*RANGES, *UNBOUNDED]), set(numeric) ^ set(RANGES)
-    for key in RANGES:
-        section, name = key.split(".")
-        check_range(key, getattr(getattr(cfg, section), name))  # the defaults are valid
 
 
 def test_eval_fraction_is_gone_and_named_as_unknown():

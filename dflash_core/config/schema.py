@@ -1,0 +1,343 @@
+"""The run configuration's keys: one dataclass per section of config.yaml, each key a field made by
+``key``, which holds its default, what it does and its valid range in one place. Loading checks
+the ranges (load.py); ``--set``'s help and docs/config.md list the keys from here
+(reference.py)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Literal, NamedTuple
+
+# A numeric key's valid range: (low, high, low included, high included); None = unbounded.
+Range = tuple[float | None, float | None, bool, bool]
+
+
+def key(default: Any, doc: str, *, ge: float | None = None, gt: float | None = None,
+        le: float | None = None, lt: float | None = None, unbounded: str = "") -> Any:
+    """A config key: its default, what it does (``doc``) and, for a number, its valid range
+    (``ge``/``gt`` the low end included/excluded, ``le``/``lt`` the high end). A number with no
+    range says why in ``unbounded`` ("any integer"), so no key is left unchecked by oversight."""
+    lo, lo_in = (ge, True) if ge is not None else (gt, False)
+    hi, hi_in = (le, True) if le is not None else (lt, False)
+    meta = {"doc": " ".join(doc.split()),
+            "range": (lo, hi, lo_in, hi_in) if lo is not None or hi is not None else None,
+            "unbounded": unbounded}
+    if isinstance(default, (list, dict)):  # each config its own copy
+        return field(default_factory=lambda: copy.deepcopy(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class RunConfig:
+    """The run: its folder, seed and length."""
+    name: str = key("dflash", "Run folder name under output_dir: runs/<name>/.")
+    output_dir: str = key("runs", "Parent folder of run folders.")
+    seed: int = key(0, "Seeds the data order, the anchors and the drafter's init.",
+                    unbounded="any integer")
+    max_steps: int = key(0, "Optimizer steps; 0 = run all epochs of optim.epochs. --max-steps N "
+                            "is another spelling of --set run.max_steps=N.", ge=0)
+    log_every_s: float = key(5.0, "Period of the headless progress line and of train.log's "
+                                  "metrics lines, seconds; 0 = a line per event.", ge=0)
+
+
+@dataclass
+class TargetConfig:
+    """The frozen target model whose layer outputs the drafter learns from."""
+    path: str = key("builtin:tiny", """Local HF folder (config.json + *.safetensors), or
+        "builtin:tiny" for the embedded demo target.""")
+    dtype: Literal["bfloat16", "float16", "float32"] = key(
+        "bfloat16", "Dtype of the target's weights and features on the GPU.")
+    layer_ids: list[int] = key([], """Target layers whose OUTPUTS feed the drafter (0-based).
+        Empty = num_features layers spread from 1 to N-3.""")
+    num_features: int = key(5, "k, the number of target layers fed to the drafter, used when "
+                               "layer_ids is empty.", gt=0)
+    attn_implementation: str = key("sdpa", """HF attention implementation for the target ("sdpa",
+        "flash_attention_2", "flex_attention", "eager"). One the target's class cannot run is
+        settled at preflight: sdpa on gpt-oss (its attention sinks) becomes eager, said in the
+        log; any other is refused with the ones it can.""")
+    trust_remote_code: bool = key(False, """Run the Python files a target folder ships for its
+        model (config.json "auto_map", e.g. Kimi-K2). Off: such a target is refused at preflight,
+        naming this key; a model transformers knows is always built from transformers' own code.
+        Never asked on the terminal.""")
+
+
+@dataclass
+class DrafterConfig:
+    """The drafter being trained and its loss (docs/algorithm.md)."""
+    num_layers: int = key(5, "L, the drafter's decoder layers (paper: 5 for 4B/8B targets).",
+                          gt=0)
+    block_size: int = key(16, "B, the tokens of a block: an anchor and the positions it "
+                              "predicts.", ge=2)
+    mask_token_id: int = key(-1, "Id of the MASK token; -1 = the last id of the target vocab.",
+                             ge=-1)
+    num_anchors: int = key(512, "A, anchors drawn per sequence per epoch.", gt=0)
+    loss: Literal["dflash", "dpace"] = key("dflash", """The loss's slot weights
+        (docs/algorithm.md, "The loss"): "dflash" = the paper's fixed decay exp(-(k-1)/gamma);
+        "dpace" = D-PACE (arXiv 2605.18810), weights from the step's own cross-entropies, w_j =
+        sum over m >= j of prod over i <= m of q_i with q = (1 - dpace_alpha) exp(-CE) +
+        dpace_alpha, detached. The default stays "dflash": on the demo D-PACE's exact tau was
+        +0.00..+0.29 per seed after 512 steps, inside the seed spread; its step costs 0.5-5% more
+        (bench/BENCHMARKS.md, "Training recipe").""")
+    gamma: float = key(0.0, "The dflash loss's decay; 0 = 7 for B=16, 5 for B=10, 4 for B=8, "
+                            "else B/2.3.", ge=0)
+    dpace_alpha: float = key(0.5, "D-PACE's floor of q: 1 = fixed linear weights B-j; 0 = "
+                                  "exp(-CE).", ge=0, le=1)
+    loss_chunk: int = key(4096, "Block tokens per chunk of the chunked cross-entropy.", gt=0)
+    micro_block_tokens: int = key(65536, """Block tokens (sequences x anchors x block) per drafter
+        forward; a batch with more is split into sequence groups with gradients accumulated,
+        bounding activation memory.""", gt=0)
+    hidden_size: int = key(0, "Width override; 0 = the target's (the usual choice).", ge=0)
+    intermediate_size: int = key(0, "Width override; 0 = the target's.", ge=0)
+    num_attention_heads: int = key(0, "Width override; 0 = the target's.", ge=0)
+    num_key_value_heads: int = key(0, "Width override; 0 = the target's. The attention heads "
+                                      "must be a multiple of it.", ge=0)
+    dtype: Literal["bfloat16", "float32"] = key("bfloat16", """Autocast dtype on GPU (CPU trains
+        in float32), and the dtype the drafter is served in: checkpoints' model.safetensors holds
+        the weights in it (the float32 master weights are in the training state).""")
+    init_from: str = key("", "Optional interchange-format checkpoint to start from.")
+
+
+@dataclass
+class DataConfig:
+    """The training data and how it is batched (docs/data.md)."""
+    path: str = key("builtin:demo", """Tokenized data: a datasets save_to_disk folder or a folder
+        of .arrow / .parquet files with columns input_ids and optional loss_mask.
+        "builtin:demo" = generated by the demo target.""")
+    token_budget: int = key(65536, "Max tokens (padded) in one target batch; at least "
+                                   "max_length.", gt=0)
+    max_seqs_per_batch: int = key(64, "Max sequences in one batch.", gt=0)
+    max_length: int = key(3072, "Longer samples are truncated; a sample needs 2+ tokens to "
+                                "train on.", ge=2)
+    prefetch_batches: int = key(4, "Capacity of each target's prefetch queue.", gt=0)
+    eval_prompts: int = key(8, "Held-out samples used for exact tau; 0 = no evaluation.", ge=0)
+    balance_steps: bool = key(True, """Order each epoch's batches so that the batches of one
+        optimizer step (one per data-parallel drafter) cost the drafters alike: sorted by drafter
+        work (rows x anchors) into runs of a few steps, the runs in random order. Drafters step
+        together, so a step lasts as long as its dearest batch, and at one token budget a batch
+        of short samples (many rows) costs the drafter up to ~4x one of long samples. false =
+        batch order fully shuffled. No effect with one drafter. A resumed run keeps the order its
+        checkpoint was written with.""")
+    allow_changed_data: bool = key(False, """A resume refuses data other than what its checkpoint
+        trained on (the manifest's hash and the shards' names and sizes, recorded in every
+        checkpoint), naming both: the checkpoint's data position (epoch, batches done) names
+        batches of that data's plan. true = resume on the data of data.path deliberately; the
+        position then counts its batches (in the epoch it resumes, some of its samples are
+        skipped or repeated).""")
+
+
+@dataclass
+class LayoutConfig:
+    """Which devices the targets and drafters run on, and the memory they may use."""
+    device: Literal["auto", "cuda", "cpu"] = key("auto", "auto = cuda when available.")
+    targets: list[int] = key([0], "Target GPU indices (CPU: worker ids); non-empty, distinct.")
+    drafters: list[int] = key([0], "Drafter GPU indices; non-empty, distinct.")
+    hs_queue: int = key(8, "Capacity of the hidden-state queue from targets to drafters "
+                           "(batches).", gt=0)
+    gpu_memory_gib: float = key(0.0, """Plan for and enforce (per-process memory fraction) a card
+        of this many GiB on every GPU; 0 = the card's own size. Rehearses the real node's cards on
+        bigger ones (e.g. 95 on an H200 for a 96 GB RTX PRO 6000, which offers about 95.6
+        GiB).""", ge=0)
+    auto_fit: bool = key(False, """When the memory plan does not fit: false = refuse, naming the
+        sizes that would fit; true = lower drafter.micro_block_tokens, drafter.loss_chunk,
+        layout.hs_queue, data.token_budget to the largest values that fit and log the
+        choice.""")
+
+
+@dataclass
+class OptimConfig:
+    """The optimizer and its schedule (warmup, then cosine)."""
+    name: Literal["adamw", "muon"] = key("adamw", """"adamw" = AdamW on every drafter parameter;
+        "muon" = torch.optim.Muon (torch 2.9+) on the 2-D weight matrices (the layers' projections
+        and fc) with AdamW on the norms (models/optimizers.py says why). The default stays
+        "adamw": a Muon step takes 28% longer at the 27B shape (14% at 8B), and on the demo at
+        equal wall time (400 Muon steps against 512 AdamW steps) Muon's exact tau was higher on
+        every seed but inside the seed spread; after 80 steps it was beyond it
+        (bench/BENCHMARKS.md, "Training recipe").""")
+    lr: float = key(6e-4, "AdamW's peak learning rate (warmup then cosine).", gt=0, le=1)
+    muon_lr: float = key(0.0, """Muon's peak learning rate, on the same schedule; 0 = optim.lr.
+        Muon scales it per matrix to match AdamW's update size (Moonshot's match_rms_adamw), so
+        AdamW's rate is the start.""", ge=0, le=1)
+    weight_decay: float = key(0.0, "AdamW's weight decay.", ge=0, le=1)
+    betas: list[float] = key([0.9, 0.95], "AdamW's two betas, each in [0, 1).")
+    warmup_frac: float = key(0.04, "Share of the total steps with linear warmup.", ge=0, lt=1)
+    min_lr_frac: float = key(0.0, "The cosine's floor as a share of lr.", ge=0, le=1)
+    grad_clip: float = key(1.0, "Max gradient norm.", gt=0)
+    grad_accum: int = key(1, "Batches per optimizer step (per drafter).", gt=0)
+    epochs: int = key(6, "Passes over the data (run.max_steps may end the run sooner).", gt=0)
+
+
+@dataclass
+class CheckpointConfig:
+    """When checkpoints are written and how many are kept (docs/checkpoint-format.md)."""
+    every: int = key(1000, "Optimizer steps between checkpoints; 0 = only on abort and at the "
+                           "end.", ge=0)
+    keep: int = key(3, """Newest checkpoints kept; 0 = all. Preflight refuses a run whose disk
+        cannot hold keep of them plus the one being written (checkpoint_size.py counts one),
+        naming a keep that fits.""", ge=0)
+    on_abort: bool = key(True, "Write a checkpoint when the run is aborted.")
+    abort_budget_s: float = key(25.0, """An abort's checkpoint (SIGTERM, SIGINT, a) must be
+        durable within this many seconds, so the process exits before the SIGKILL that systemd,
+        Kubernetes and Slurm send 30 s after SIGTERM. When the measured write rate says it cannot
+        be (the run says so at start), the abort writes none and names the periodic checkpoint
+        that stands; one that runs over is abandoned.""", gt=0)
+    writers: int = key(0, "Writers of a checkpoint, each writing a disjoint shard at once; 0 = "
+                          "one per drafter.", ge=0)
+
+
+@dataclass
+class EvalConfig:
+    """The exact-tau evaluation and its alarms (what each tau is and what each gap means:
+    dflash_core/models/acceptance.py)."""
+    every: int = key(0, "Steps between evaluations; 0 = only at the end.", ge=0)
+    max_new_tokens: int = key(64, "Tokens decoded per held-out prompt.", gt=0)
+    prompt_tokens: int = key(64, "Prompt length cut from each held-out sample.", gt=0)
+    cache: bool = key(False, """true: exact tau's decoding keeps the target's cache between
+        rounds, so a round runs only the block (attention's keys and values cut back after a
+        rejection; recurrent layers, e.g. Gated DeltaNet, restored from a copy and fed the
+        accepted tokens again). The tokens equal the full forwards' in float32 (tests); bf16 may
+        part at a near tie, as any cached server does. false: a forward over the whole sequence
+        each round. On one H200 a round with the cache costs about the same at any length (~75 ms
+        at the 8B shape, ~340 ms at the 27B hybrid: bound by kernel launches, and the hybrid feeds
+        its kept tokens twice), while a full forward grows with it (8B: 79 ms at 1K tokens, 183 at
+        4K; 27B: 182 at 1K, 300 at 2K, 515 at 4K). The cache pays past ~1K tokens of prompt +
+        output at 8B and ~3K at 27B; with the shipped 512-token prompts and 256 new tokens it
+        would cost more (bench/BENCHMARKS.md, "Evaluation cost"), hence false.""")
+    tau_gap_warn: float = key(0.15, """The mismatch alarm: warn when the teacher-forced tau on the
+        target's own decoding of the held-out prompts, at the anchors decoding used, exceeds the
+        exact tau of that decoding by more than this (a leak in training, a position or mask
+        error). Both score the same blocks of the same text, so a healthy run's gap is float
+        noise: measured on the demo (CPU, 3 seeds, step 50) +0.01 each, while a planted leak
+        (blocks see 4 positions past their anchor) gave +0.17 at step 30 and +0.46 at step 60
+        (bench/BENCHMARKS.md, "Acceptance gaps"). 0.15 is 7x the healthy gap; bf16 GPU numerics
+        are yet to be measured.""", gt=0)
+    data_gap_warn: float = key(0.5, """The data is not the target's own text: warn when the
+        teacher-forced tau on held-out data and on the target's own text (every position) differ
+        by more than this (demo: 0.00 on its own data, 0.21-0.24 with corpus text as responses:
+        real data, with full prompts and sampled responses, differs more, hence 0.5), or when
+        the agreement is below eval.agreement_warn.""", gt=0)
+    agreement_warn: float = key(0.8, """Warn when fewer than this share of the trained labels are
+        the target's greedy next token (measured once, at the first evaluation: the demo's own
+        data 1.00, the demo's prompts with corpus text as responses 0.69; responses sampled from
+        the target at a temperature agree less than 1, hence 0.8).""", ge=0, le=1)
+    agreement_samples: int = key(8, "Training samples the agreement is measured on; 0 = no "
+                                    "agreement measured.", ge=0)
+    agreement_positions: int = key(512, "Labels sampled among them.", gt=0)
+    overfit_gap: float = key(1.5, """Over-fitting (information): the training tau (mean of the
+        last train_tau_steps steps) above the teacher-forced tau on held-out data by more than
+        this. Eight held-out samples are a noisy measure: on the healthy demo the difference ran
+        -1.17 .. +1.05 (3 seeds).""", gt=0)
+    train_tau_steps: int = key(50, "Steps averaged into the training tau of eval.overfit_gap.",
+                               gt=0)
+
+
+@dataclass
+class WandbConfig:
+    """Weights & Biases logging (optional)."""
+    enabled: bool = key(False, "Log step metrics and evaluations to W&B.")
+    mode: Literal["offline", "online", "disabled"] = key("offline", "W&B's mode.")
+    project: str = key("dflash", "W&B project.")
+    entity: str = key("", "W&B entity; empty = W&B's default.")
+    settings: dict[str, Any] = key({}, "Extra wandb.Settings keys, checked against the INSTALLED "
+                                       "wandb at preflight.")
+
+
+@dataclass
+class TelemetryConfig:
+    """GPU and host sampling, and the stall watchdog."""
+    interval_s: float = key(1.0, "GPU / host sampling period, seconds.", gt=0)
+    stall_floor_s: float = key(60.0, """A worker silent for longer than this, and than 5 times its
+        own usual interval between signs of progress, is reported as stalled (with where its
+        stack is); a compile can take minutes, so a stall is a warning, never a failure.""",
+        gt=0)
+
+
+@dataclass
+class NodesConfig:
+    """Several nodes; only read under torchrun with more than one node (docs/multi-node.md)."""
+    timeout_s: float = key(900.0, """Joining and every collective across nodes (the exchange that
+        starts each run, the step-boundary exchange, the gradient all-reduce) give up after this
+        many seconds and fail the run naming the node that did not come. A killed node is noticed
+        at once (its connection closes) and a node that fails before joining tells the others at
+        once; this bounds a node that hangs or never starts. It must cover the longest wait of a
+        healthy node for the others: the spread of start-up and target load times before the
+        first step, node 0's checkpoint and evaluation at a step boundary, and after a restart
+        node 0's teardown (its checkpoint) before the new run starts.""", gt=0)
+    checksum_every: int = key(100, """Steps between the cross-node check that every node's drafter
+        weights are identical (a checksum compared in the step exchange; a mismatch fails the run
+        naming the step). It is also checked at the first step. 0 = the first step only.""", ge=0)
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    target: TargetConfig = field(default_factory=TargetConfig)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    layout: LayoutConfig = field(default_factory=LayoutConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    nodes: NodesConfig = field(default_factory=NodesConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.output_dir) / self.run.name
+
+
+class KeySpec(NamedTuple):
+    """One key as the schema states it."""
+    path: str  # "optim.lr"
+    section: type  # OptimConfig
+    default: Any
+    doc: str
+    range: Range | None  # numbers only
+    unbounded: str  # a number with no range: why ("any integer")
+
+
+def config_keys() -> Iterator[KeySpec]:
+    """Every key of the config, section by section in the order config.yaml has them."""
+    for sec in dataclasses.fields(Config):
+        cls = sec.default_factory
+        for f in dataclasses.fields(cls):
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            yield KeySpec(f"{sec.name}.{f.name}", cls, default, f.metadata["doc"],
+                          f.metadata["range"], f.metadata["unbounded"])
+
+
+# The ranges of the numeric keys, by dotted path (read from the fields above).
+RANGES: dict[str, Range] = {k.path: k.range for k in config_keys() if k.range is not None}
+# Numeric keys with no range to hold them to, and why.
+UNBOUNDED: dict[str, str] = {k.path: k.unbounded for k in config_keys() if k.unbounded}
+
+
+def describe_range(key_path: str) -> str:
+    """The valid range of a numeric key in words: ">= 0", "> 0", "in (0, 1]"."""
+    lo, hi, lo_in, hi_in = RANGES[key_path]
+    if hi is None:
+        return f"{'>=' if lo_in else '>'} {lo}"
+    return f"in {'[' if lo_in else '('}{lo}, {hi}{']' if hi_in else ')'}"
+
+
+def key_value(cfg: Config, key_path: str) -> Any:
+    """The value at a dotted key, e.g. "drafter.loss_chunk"."""
+    section, name = key_path.split(".")
+    return getattr(getattr(cfg, section), name)
+
+
+def set_key_value(cfg: Config, key_path: str, value: Any) -> None:
+    section, name = key_path.split(".")
+    setattr(getattr(cfg, section), name, value)
+
+
+def default_gamma(block_size: int) -> float:
+    """Loss decay (docs/algorithm.md): 7 for B=16, 5 for B=10, 4 for B=8."""
+    table = {16: 7.0, 10: 5.0, 8: 4.0}
+    return table.get(block_size, max(1.0, block_size / 2.3))
