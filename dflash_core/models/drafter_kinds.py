@@ -6,12 +6,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dflash_core.models import dspark
+from dflash_core.models import drafter_objective, dspark
 from dflash_core.models.drafter import ARCHITECTURE as DFLASH_ARCHITECTURE
 from dflash_core.models.drafter import DFlashDrafter, build_drafter_config
 from dflash_core.models.dspark import DSparkDrafter, DSparkSettings, build_dspark_config
 
-OBJECTIVES = ("dflash", "dspark")
+OBJECTIVES = drafter_objective.OBJECTIVES
 _CLASSES = {"dflash": DFlashDrafter, "dspark": DSparkDrafter}
 _NAMES = {"dflash": "a DFlash drafter", "dspark": "a DSpark drafter"}
 
@@ -43,6 +43,20 @@ def objective_of(config: dict) -> str:
         return "dflash"
     raise ValueError(f"config.json has architectures {arch}: neither {DFLASH_ARCHITECTURE} nor "
                      f"{dspark.ARCHITECTURE}, not a drafter this engine trains")
+
+
+def dspark_settings(cfg) -> DSparkSettings | None:
+    """The trainer's DSparkSettings of a config whose drafter.objective is dspark (None for
+    dflash): drafter.block_size, drafter.markov_rank, drafter.gamma (0: the reference's 4), the
+    three loss weights and drafter.num_anchors. Not checked here (DSparkSettings.check)."""
+    _check(drafter_objective.objective(cfg))
+    if not drafter_objective.is_dspark(cfg):
+        return None
+    ce, tv, conf = drafter_objective.loss_weights(cfg)
+    return DSparkSettings(block_size=int(cfg.drafter.block_size),
+                          markov_rank=drafter_objective.markov_rank(cfg),
+                          gamma=drafter_objective.gamma(cfg), ce_weight=ce, tv_weight=tv,
+                          conf_weight=conf, num_anchors=int(cfg.drafter.num_anchors))
 
 
 def new_drafter(objective: str, target_config, *, num_layers: int, target_layer_ids: list[int],

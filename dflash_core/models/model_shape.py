@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dflash_core.config import Config
+from dflash_core.models import drafter_objective
 
 HYBRID_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")  # Gated DeltaNet +
 # gated full attention layers
@@ -402,19 +403,24 @@ def vision_params(hf_config: dict) -> int:
 # --------------------------------------------------------------------------------------------
 
 def drafter_param_count(cfg: Config, hf_config: dict) -> int:
-    """Trainable drafter parameters: L Qwen3 layers, fc (k*H_target -> H), hidden_norm, norm."""
+    """Trainable drafter parameters: L Qwen3 layers, fc (k*H_target -> H), hidden_norm, norm;
+    with drafter.objective dspark also its Markov and confidence heads."""
     t = model_shape(hf_config)
     s = drafter_shape(cfg, t)
     layers = cfg.drafter.num_layers * layer_params(s, "attention")
-    return layers + num_features(cfg) * t.hidden * s.hidden + 2 * s.hidden
+    return (layers + num_features(cfg) * t.hidden * s.hidden + 2 * s.hidden
+            + drafter_objective.dspark_head_params(cfg, s.hidden, t.vocab))
 
 
 def drafter_matrix_param_count(cfg: Config, hf_config: dict) -> int:
     """The drafter's parameters in 2-D weight matrices (what optim.name muon gives Muon): all of
-    drafter_param_count but its norm weights (no biases: drafter_shape has none)."""
-    s = drafter_shape(cfg, model_shape(hf_config))
+    drafter_param_count but its norm weights (no biases: drafter_shape has none) and DSpark's
+    heads (a lookup table, a map onto the vocabulary and one row: AdamW's, optimizers.py)."""
+    t = model_shape(hf_config)
+    s = drafter_shape(cfg, t)
     norms = cfg.drafter.num_layers * (2 * s.hidden + 2 * s.head_dim) + 2 * s.hidden
-    return drafter_param_count(cfg, hf_config) - norms
+    heads = drafter_objective.dspark_head_params(cfg, s.hidden, t.vocab)
+    return drafter_param_count(cfg, hf_config) - norms - heads
 
 
 def drafter_shape(cfg: Config, t: ModelShape) -> ModelShape:

@@ -4,7 +4,9 @@ One place for both checks: preflight counts the drafter from the config before a
 the run counts the drafter it built (its disk check while training); both then use
 ``checkpoint_bytes``. A format-2 checkpoint (checkpoint-format.md) holds the weights in the served
 dtype (model.safetensors), the float32 master weights and the optimizer's state (the shards);
-JSON, headers and the RNG state add a few KB, not counted.
+JSON, headers and the RNG state add a few KB, not counted. A DSpark checkpoint's model.safetensors
+also carries copies of the target's embed_tokens and lm_head in the served dtype (``frozen``:
+never trained, so no master copy and no optimizer state).
 """
 
 from __future__ import annotations
@@ -31,23 +33,37 @@ def optimizer_state_bytes(name: str, params: int, matrix_params: int) -> int:
 
 
 def checkpoint_bytes(params: int, matrix_params: int, served_bytes: int,
-                     optimizer: str = "adamw") -> int:
-    """One checkpoint on disk: served weights + float32 master weights + optimizer state."""
+                     optimizer: str = "adamw", frozen: int = 0) -> int:
+    """One checkpoint on disk: served weights + float32 master weights + optimizer state, and
+    ``frozen`` entries served only (DSpark's copies of the target's embedding and lm_head)."""
     return (params * served_bytes + params * MASTER_BYTES
-            + optimizer_state_bytes(optimizer, params, matrix_params))
+            + optimizer_state_bytes(optimizer, params, matrix_params) + frozen * served_bytes)
 
 
 def drafter_counts(cfg, hf_config: dict) -> tuple[int, int]:
-    """(parameters, of which in 2-D matrices) of the drafter the config builds on this target."""
+    """(parameters, of which in 2-D matrices given to Muon) of the drafter the config builds on
+    this target."""
     from dflash_core.models.model_shape import drafter_matrix_param_count, drafter_param_count
 
     return drafter_param_count(cfg, hf_config), drafter_matrix_param_count(cfg, hf_config)
 
 
-def state_counts(state: dict) -> tuple[int, int]:
-    """(entries, of which in 2-D tensors) of a drafter's state_dict."""
-    tensors = [t for t in state.values() if hasattr(t, "numel")]
-    return (sum(t.numel() for t in tensors), sum(t.numel() for t in tensors if t.dim() == 2))
+def frozen_count(cfg, hf_config: dict) -> int:
+    """Entries of the frozen copies the config's checkpoints serve (0 for DFlash)."""
+    from dflash_core.models import drafter_objective
+    from dflash_core.models.model_shape import model_shape
+
+    s = model_shape(hf_config)
+    return drafter_objective.frozen_numel(cfg, s.hidden, s.vocab)
+
+
+def state_counts(state: dict, adamw_only: tuple[str, ...] = ()) -> tuple[int, int]:
+    """(entries, of which in 2-D tensors Muon would take) of a drafter's state_dict: the
+    modules named in ``adamw_only`` (the drafter's, e.g. DSpark's heads) stay on AdamW."""
+    keep = tuple(f"{m}." for m in adamw_only)
+    tensors = [(k, t) for k, t in state.items() if hasattr(t, "numel")]
+    return (sum(t.numel() for _, t in tensors),
+            sum(t.numel() for k, t in tensors if t.dim() == 2 and not k.startswith(keep)))
 
 
 def planned_checkpoints(every: int, total_steps: int) -> int:

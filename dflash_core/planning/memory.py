@@ -19,6 +19,10 @@ Engine facts this plan models (they are decisions of target.py / drafter.py / en
   backward over groups of sequences of at most ``drafter.micro_block_tokens`` block tokens
   (trainer.py), under bf16 autocast on CUDA;
 - queued feature batches stay on the target GPU that made them until a drafter takes them;
+- drafter.objective dspark: the target runs every layer and its final norm and sends its
+  post-norm last hidden state with the k layer features (k+1 H-vectors per token in the features,
+  the hs queue and the drafter's copy); the drafter adds the Markov and confidence heads (AdamW
+  on float32 masters, under Muon too) and DSpark's loss chunk;
 - on CPU both roles run in float32.
 
 Sizes are bytes (units.GiB = 2**30).
@@ -36,6 +40,7 @@ from dflash_core.levers import (
     FIT_LEVERS, HS_QUEUE, LOSS_CHUNK, MICRO_BLOCK_TOKENS, NUM_ANCHORS, NUM_LAYERS, TOKEN_BUDGET,
     Lever,
 )
+from dflash_core.models import drafter_objective
 from dflash_core.models.model_shape import (
     Ledger, ModelShape, drafter_matrix_param_count, drafter_param_count, drafter_shape, model_shape,
     num_features, param_ledger, text_config,
@@ -120,6 +125,10 @@ UNIT_BYTES = 2
 # live): bf16 logits 2 + float32 upcast 4 + bf16 grad 2; the log-softmax and float32 grad are not
 # all live with them.
 LOSS_BYTES_PER_LOGIT = 8
+# drafter.objective dspark: its chunked loss (dspark_loss.py) peaks at 3.3-4.4 float32 arrays of
+# chunk x V (the drafter's and the target's distributions, their logits and the backward's
+# rebuilt ones; measured on an H200 at the 8B and 27B shapes, docs/algorithm.md "DSpark").
+DSPARK_LOSS_BYTES_PER_LOGIT = 18
 # Checked on an H200 with drafter.py at Qwen3.6-27B width, 2 layers: one forward + backward of
 # 1 and 2 sequences (8192 block tokens each) peaked at 18.9 and 25.2 GiB over params, features and
 # frozen head; these terms (saved activations + context + loss chunk + grads + autocast copies)
@@ -196,6 +205,8 @@ def full_logits_bytes(tokens: int, vocab: int, dtype: Any = "bfloat16") -> int:
 
 
 def _last_layer(cfg: Config, s: ModelShape) -> int:
+    if drafter_objective.is_dspark(cfg):
+        return s.layers - 1  # the post-norm last hidden state: every layer runs
     # Default ids (target.default_layer_ids) spread from 1 to N-3; a single one is N // 2.
     if cfg.target.layer_ids:
         return max(cfg.target.layer_ids)
@@ -280,7 +291,7 @@ def _target_components(cfg: Config, s: ModelShape, hf_config: dict, on_cuda: boo
     t, b = cfg.data.token_budget, dtype_bytes(_target_dtype(cfg, on_cuda))
     last = _last_layer(cfg, s) + 1
     run_types = set(s.layer_types[:last]) | {s.mlp_type(i) for i in range(last)}
-    features = t * num_features(cfg) * s.hidden * b
+    features = t * drafter_objective.feature_vectors(cfg, num_features(cfg)) * s.hidden * b
     return {
         **target_weight_parts(hf_config, _target_dtype(cfg, on_cuda), quantized),
         "residual stream": RESIDUAL_LIVE * t * s.hidden * b,
@@ -305,16 +316,21 @@ def target_tensors(cfg: Config, target_hf_config: dict, on_cuda: bool = True,
 
 
 def optimizer_component(cfg: Config, hf_config: dict) -> dict[str, int]:
-    """{name: bytes} of the drafter's fp32 weights, gradients and optimizer state."""
-    n_params = drafter_param_count(cfg, hf_config)
+    """{name: bytes} of the drafter's fp32 weights, gradients and optimizer state; DSpark's
+    heads in a row of their own (AdamW's under either optimizer)."""
+    t = model_shape(hf_config)
+    heads = drafter_objective.dspark_head_params(cfg, drafter_shape(cfg, t).hidden, t.vocab)
+    n_params = drafter_param_count(cfg, hf_config) - heads
+    out = {DSPARK_HEADS: heads * ADAM_BYTES_PER_PARAM} if heads else {}
     if cfg.optim.name == "muon":
         matrices = drafter_matrix_param_count(cfg, hf_config)
         return {OPTIMIZER_COMPONENTS["muon"]: matrices * MUON_BYTES_PER_PARAM
-                + (n_params - matrices) * ADAM_BYTES_PER_PARAM}
-    return {OPTIMIZER_COMPONENTS["adamw"]: n_params * ADAM_BYTES_PER_PARAM}
+                + (n_params - matrices) * ADAM_BYTES_PER_PARAM} | out
+    return {OPTIMIZER_COMPONENTS["adamw"]: n_params * ADAM_BYTES_PER_PARAM} | out
 
 
 OPTIMIZER_COMPONENTS = {"adamw": "drafter fp32+adam", "muon": "drafter fp32+muon"}
+DSPARK_HEADS = "dspark heads fp32+adam"  # Markov head 2 x r x V, confidence head H + r + 1
 
 
 def _drafter_pass(cfg: Config) -> tuple[int, int, int]:
@@ -342,20 +358,23 @@ def _drafter_components(cfg: Config, s: ModelShape, hf_config: dict,
     block_tokens = per_pass * blocks * d.block_size
     context_tokens = per_pass * data.max_length
     k = num_features(cfg)
+    sent = drafter_objective.feature_vectors(cfg, k)  # what the target sends per token
     q, kv = ds.heads * ds.head_dim, ds.kv_heads * ds.head_dim
     saved = (DRAFTER_SAVED_H * ds.hidden + DRAFTER_SAVED_Q * q + DRAFTER_SAVED_KV * kv
              + DRAFTER_SAVED_I * ds.intermediate)
     context = (CONTEXT_ONCE_KH * k * s.hidden + CONTEXT_ONCE_H * ds.hidden
                + d.num_layers * (CONTEXT_LAYER_H * ds.hidden + CONTEXT_LAYER_KV * kv))
     # trainer.py copies one group's features while the group before it computes: two live.
-    features = 2 * context_tokens * k * s.hidden * tb
+    features = 2 * context_tokens * sent * s.hidden * tb
+    per_logit = (DSPARK_LOSS_BYTES_PER_LOGIT if drafter_objective.is_dspark(cfg)
+                 else LOSS_BYTES_PER_LOGIT)
     return {
         **optimizer_component(cfg, hf_config),
         "autocast copies": n_params * AUTOCAST_COPY_BYTES if autocast else 0,
         "embed+lm_head": s.vocab * s.hidden * tb * (1 if s.tied else 2),
         "block activations": block_tokens * d.num_layers * saved * UNIT_BYTES,
         "context": context_tokens * context * UNIT_BYTES,
-        "loss chunk": min(d.loss_chunk, block_tokens) * s.vocab * LOSS_BYTES_PER_LOGIT,
+        "loss chunk": min(d.loss_chunk, block_tokens) * s.vocab * per_logit,
         "received features": features,
     }
 
@@ -541,7 +560,8 @@ def _overflow(cfg: Config, devices: list[str], row: PlanRow) -> Overflow:
             levers[lever.key] = levers.get(lever.key, 0) + nbytes
     ranked = sorted(levers, key=levers.get, reverse=True)[:3]
     fixed = sum(row.components.get(name, 0)
-                for name in ("weights", "experts", *OPTIMIZER_COMPONENTS.values()))
+                for name in ("weights", "experts", *OPTIMIZER_COMPONENTS.values(),
+                             DSPARK_HEADS))
     return Overflow(
         devices=devices, row=row, lower=[(k, key_value(cfg, k)) for k in ranked],
         separate_roles=row.role == "target+drafter" and row.device.startswith("cuda"),

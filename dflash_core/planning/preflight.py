@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from dflash_core.persist.build_cache import Progress
+from dflash_core.persist.checkpoint import verify
 from dflash_core.config import Config, ConfigError, key_value, set_key_value
 from dflash_core.observe.events import Event, Log, MemoryPlan
 from dflash_core.models.model_shape import model_shape
@@ -132,7 +133,7 @@ def check_checkpoint_disk(cfg: Config, hf_config: dict, run_dir: Path, total_ste
 
     params, matrices = size_of.drafter_counts(cfg, hf_config)
     size = size_of.checkpoint_bytes(params, matrices, getattr(torch, cfg.drafter.dtype).itemsize,
-                                    cfg.optim.name)
+                                    cfg.optim.name, size_of.frozen_count(cfg, hf_config))
     planned = size_of.planned_checkpoints(cfg.checkpoint.every, total_steps)
     existing = len(ckpt.list_checkpoints(run_dir))
     best = bool(cfg.eval.every and cfg.data.eval_prompts)
@@ -336,6 +337,7 @@ def _check_target(cfg: Config, hf_config: dict) -> tuple[list[int], int]:
                           ) from exc
     n_layers, vocab = shape.layers, shape.vocab
     _check_drafter_heads(cfg, hf_config)
+    check_dspark(cfg, vocab)
     layer_ids = cfg.target.layer_ids or default_layer_ids(n_layers, cfg.target.num_features)
     if len(set(layer_ids)) != len(layer_ids):
         raise ConfigError("target.layer_ids", f"{layer_ids} repeats a layer: the target has only "
@@ -350,6 +352,28 @@ def _check_target(cfg: Config, hf_config: dict) -> tuple[list[int], int]:
         raise ConfigError("drafter.mask_token_id", f"{mask_id} >= vocab size {vocab}",
                           hint="use an id inside the target vocabulary")
     return layer_ids, mask_id
+
+
+def check_dspark(cfg: Config, vocab: int) -> None:
+    """drafter.objective dspark: its settings against the target's vocabulary (Markov rank,
+    block size, gamma, loss weights), and D-PACE refused (its weights presuppose DFlash's
+    unlabelled slot 0 and plain CE). One ConfigError naming the key."""
+    from dflash_core.models import drafter_kinds
+
+    settings = drafter_kinds.dspark_settings(cfg)
+    if settings is None:
+        return
+    if cfg.drafter.loss == "dpace":
+        raise ConfigError("drafter.loss", "dpace does not combine with drafter.objective dspark: "
+                          "D-PACE's slot weights presuppose DFlash's unlabelled slot 0 and plain "
+                          "cross-entropy; DSpark weighs slots exp(-j/gamma)",
+                          hint="set drafter.loss: dflash, or drafter.objective: dflash")
+    bad = settings.problems(vocab)
+    if bad:
+        word, _, rest = bad[0].partition(" ")
+        key, said = (word, rest) if word.startswith("drafter.") else ("drafter.ce_weight", bad[0])
+        raise ConfigError(key, said, hint=f"change {key} in config.yaml (docs/algorithm.md, "
+                          "DSpark)")
 
 
 def _check_drafter_heads(cfg: Config, hf_config: dict) -> None:
@@ -373,6 +397,15 @@ def _check_drafter_heads(cfg: Config, hf_config: dict) -> None:
                           "folder (config.json and model.safetensors)",
                           hint="point drafter.init_from at a checkpoint folder, e.g. "
                                "runs/NAME/checkpoints/step-N, or leave it empty")
+    if d.init_from and (Path(d.init_from).expanduser() / "checksums.json").is_file():
+        # A run's checkpoint records its checksums: a damaged one must not start a run.
+        found = verify(Path(d.init_from).expanduser())
+        bad = [p for p in found.problems if p.split(" ", 1)[0] in ("config.json",
+                                                                   "model.safetensors")]
+        if bad:
+            raise ConfigError("drafter.init_from", f"{d.init_from} is damaged: {'; '.join(bad)}",
+                              hint="point drafter.init_from at an intact checkpoint (another "
+                                   "step, or a backup)")
 
 
 def _resolve_target(cfg: Config, run_dir: Path, demo_progress) -> Path:
