@@ -79,3 +79,17 @@ def test_inspect_agreement_is_the_same_every_time_whatever_is_shown(tmp_path, de
     # the samples shown do not move the samples measured; the seed does
     assert reports[0] == reports[1] == reports[2]
     assert reports[3]["indices"] != reports[0]["indices"] and reports[3]["seed"] == 3
+
+
+def test_help_shows_the_defaults(capsys):
+    import pytest
+
+    for verb, shown in (("regenerate", ["--max-tokens MAX_TOKENS", "(default: 2048)",
+                                        "(default: 1800.0)", "(default: 600.0)",
+                                        "(default: chat)"]),
+                        ("prepare", ["(default: 10000)", "(default: keep)"]),
+                        ("inspect", ["(default: 16)"])):
+        with pytest.raises(SystemExit) as e:
+            main(["data", verb, "--help"])
+        out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+        assert e.value.code == 0 and all(s in out for s in shown), (verb, out)
