@@ -41,7 +41,12 @@ class NotDSpark(ValueError):
 
 def serve_config(drafter) -> dict:
     """config.json of ``drafter`` (a DSparkDrafter)."""
-    cfg = drafter.config
+    return serve_config_of(drafter.config)
+
+
+def serve_config_of(cfg: Qwen3Config) -> dict:
+    """config.json of a DSpark drafter config (dspark.build_dspark_config's): what a run of it
+    writes, known before any weight exists (a resume compares a checkpoint's with it)."""
     d = cfg.to_dict()
     dc = d.pop("dflash_config")
     L = int(cfg.num_hidden_layers)

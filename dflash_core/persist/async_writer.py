@@ -119,6 +119,7 @@ class Staging:
         self.tensors: dict[str, torch.Tensor] = {}
         self.pinned = False
         self.streams: dict[torch.device, Any] = {}
+        self.staged_static: set[str] = set()  # static tensors already in this arena
 
     @property
     def nbytes(self) -> int:
@@ -141,11 +142,16 @@ class Staging:
         self.layout, self.tensors = layout, views(self.arena, layout)
         return True
 
-    def stage(self, sources: list[dict[str, torch.Tensor]], owner: dict[str, int]) -> None:
+    def stage(self, sources: list[dict[str, torch.Tensor]], owner: dict[str, int],
+              static: frozenset = frozenset()) -> None:
         """Copy every tensor into the arena: ``owner[name]`` picks the source (replica) it is
-        read from (absent from that source: the first). Returns once all copies are done."""
+        read from (absent from that source: the first). Tensors named in ``static`` never change
+        in a run (DSpark's frozen copies of the target's embedding and lm_head): copied once per
+        arena. Returns once all copies are done."""
         used: set[torch.device] = set()
         for name, dst in self.tensors.items():
+            if name in self.staged_static:
+                continue
             src = sources[owner.get(name, 0) % len(sources)].get(name)
             if src is None:
                 src = sources[0][name]
@@ -163,6 +169,7 @@ class Staging:
                 dst.copy_(src)
         for dev in used:
             self.streams[dev].synchronize()
+        self.staged_static |= set(static) & set(self.tensors)
 
     def close(self) -> None:
         if self.pinned:
@@ -170,6 +177,7 @@ class Staging:
         self.pinned = False
         self.arena = torch.empty(0, dtype=torch.uint8)
         self.tensors, self.layout = {}, {}
+        self.staged_static = set()
 
 
 # --------------------------------------------------------------------------------------------
@@ -467,7 +475,7 @@ class CheckpointWriter:
         owner = {src: w for w, files in enumerate(job.plans) for f in files
                  for _, src, _ in f.entries if f.name != "model.safetensors"}
         t_stage = clock()
-        self.staging.stage(sources, owner)
+        self.staging.stage(sources, owner, job.static)
         self.staging_s = clock() - t_stage
         tmp = ckpt.begin_save(self.run_dir, job)
         self.start()  # a writer that died since the last checkpoint is replaced

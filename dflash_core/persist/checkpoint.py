@@ -52,6 +52,9 @@ CHECKSUMS = "checksums.json"  # every other file's size and CRC-32; written last
 LEGACY_STATE = "training_state.pt"  # format 1, read only
 FORMAT_VERSION = 3
 MASTER = "master"  # prefix of the float32 master weights in the shards
+# Prefix of tensors written to model.safetensors only, never to the training state: DSpark's
+# copies of the target's embed_tokens and lm_head (frozen: no master, no optimizer state).
+SERVED = "served"
 _STEP_RE = re.compile(r"^step-(\d+)$")
 _HIDDEN_RE = re.compile(r"^\.(tmp|old|del)-step-(\d+)-(\d+)$")  # kind, step, pid
 _DAMAGED_RE = re.compile(r"^damaged-step-(\d+)(-.+)?$")
@@ -327,20 +330,26 @@ def shard_name(k: int, n: int) -> str:
 
 
 def plan_files(tensors: dict[str, torch.Tensor], drafter_keys: list[str],
-               served_dtype: torch.dtype | None, writers: int) -> list[list[FilePlan]]:
+               served_dtype: torch.dtype | None, writers: int,
+               served_keys: list[str] = ()) -> list[list[FilePlan]]:
     """Split a checkpoint's tensors over ``writers``: writer 0 writes model.safetensors (the
-    master weights cast to ``served_dtype``) and every writer one shard of the training state,
-    the largest tensors first to the writer with the fewest bytes so far, so all finish together.
-    ``tensors`` maps source names (``master/<key>``, ``optimizer/...``) to tensors (or anything
+    master weights, then the ``served/<key>`` tensors of ``served_keys``, cast to
+    ``served_dtype``) and every writer one shard of the training state, the largest tensors
+    first to the writer with the fewest bytes so far, so all finish together. ``tensors`` maps
+    source names (``master/<key>``, ``optimizer/...``, ``served/<key>``) to tensors (or anything
     with numel, shape and dtype). Returns each writer's files."""
     def nbytes(t, dtype=None):
         return t.numel() * (dtype or t.dtype).itemsize
-    model = [(k, f"{MASTER}/{k}", served_dtype if tensors[f"{MASTER}/{k}"].dtype.is_floating_point
-              else None) for k in drafter_keys]
+    sources = [(k, f"{MASTER}/{k}") for k in drafter_keys] + [(k, f"{SERVED}/{k}")
+                                                              for k in served_keys]
+    model = [(k, src, served_dtype if tensors[src].dtype.is_floating_point else None)
+             for k, src in sources]
     load = [0] * writers
     load[0] = sum(nbytes(tensors[src], dt) for _, src, dt in model)
     shards: list[list[str]] = [[] for _ in range(writers)]
-    for name in sorted(tensors, key=lambda n: -nbytes(tensors[n])):
+    served_only = {f"{SERVED}/{k}" for k in served_keys}
+    for name in sorted((n for n in tensors if n not in served_only),
+                       key=lambda n: -nbytes(tensors[n])):
         w = min(range(writers), key=lambda i: load[i])
         shards[w].append(name)
         load[w] += nbytes(tensors[name])
@@ -361,6 +370,8 @@ class SaveJob:
     tensors: dict[str, torch.Tensor]
     plans: list[list[FilePlan]]
     sums: dict[str, dict] = field(default_factory=dict)  # of the files written so far (file_sum)
+    # Tensors that never change in a run (the served-only frozen copies): staged once.
+    static: frozenset = frozenset()
 
     @property
     def bytes_total(self) -> int:
@@ -374,14 +385,24 @@ def _plan_bytes(f: FilePlan, tensors) -> int:
 
 def make_job(step: int, *, drafter_state: dict[str, torch.Tensor], drafter_config: dict,
              optimizer_state: dict, scheduler_state: dict, trainer_state: dict,
-             served_dtype: torch.dtype | None = None, writers: int = 1) -> SaveJob:
+             served_dtype: torch.dtype | None = None, writers: int = 1,
+             served_extra: dict[str, torch.Tensor] | None = None) -> SaveJob:
     """Take a checkpoint's state apart into JSON and named tensors (references, not copies).
+    ``served_extra``: tensors written into model.safetensors only (cast to ``served_dtype``),
+    never into the training state: DSpark's frozen copies (dspark_format.frozen_tensors).
     Raises TypeError, before anything is written, on state a checkpoint cannot hold."""
     tensors: dict[str, torch.Tensor] = {}
+    served_extra = served_extra or {}
     for k, v in drafter_state.items():
         if not torch.is_tensor(v):
             raise TypeError(f"drafter_state[{k!r}]: {type(v).__name__} is not a tensor")
         tensors[f"{MASTER}/{k}"] = v.detach()
+    for k, v in served_extra.items():
+        if k in drafter_state:
+            raise TypeError(f"served_extra[{k!r}] is also a trained weight")
+        if not torch.is_tensor(v):
+            raise TypeError(f"served_extra[{k!r}]: {type(v).__name__} is not a tensor")
+        tensors[f"{SERVED}/{k}"] = v.detach()
     state = {"format": FORMAT_VERSION, "step": int(step),
              "served_dtype": str(served_dtype).removeprefix("torch.") if served_dtype else "",
              "optimizer": state_tree.flatten(optimizer_state, "optimizer", tensors),
@@ -390,9 +411,10 @@ def make_job(step: int, *, drafter_state: dict[str, torch.Tensor], drafter_confi
     for name, t in tensors.items():
         if t.dtype not in safetensors_io.DTYPES:
             raise TypeError(f"{name}: dtype {t.dtype} cannot be stored in safetensors here")
-    plans = plan_files(tensors, list(drafter_state), served_dtype, writers)
+    plans = plan_files(tensors, list(drafter_state), served_dtype, writers, list(served_extra))
     state["shards"] = [f.name for files in plans for f in files if f.name != "model.safetensors"]
-    return SaveJob(int(step), drafter_config, state, tensors, plans)
+    return SaveJob(int(step), drafter_config, state, tensors, plans,
+                   static=frozenset(f"{SERVED}/{k}" for k in served_extra))
 
 
 def file_sum(size: int, crc: int) -> dict:
@@ -518,10 +540,12 @@ def save_checkpoint(
     run_dir: str | os.PathLike, step: int, *, drafter_state: dict[str, torch.Tensor],
     drafter_config: dict, optimizer_state: dict, scheduler_state: dict, trainer_state: dict,
     keep: int, served_dtype: torch.dtype | None = None, note: Callable[[str], None] | None = None,
+    served_extra: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write ``run_dir/checkpoints/step-<step>/`` atomically, in this thread, and prune to the
     newest ``keep``. ``served_dtype``: the dtype of model.safetensors (None: as given).
-    ``note``: told when a damaged step-<step> already there is set aside.
+    ``note``: told when a damaged step-<step> already there is set aside. ``served_extra``:
+    tensors for model.safetensors only (make_job).
 
     Raises CheckpointError (an OSError, error_kind "io", with a hint) when the disk refuses; no
     partial folder is left either way. Put ``capture_rng_state()`` into ``trainer_state`` to make
@@ -530,7 +554,7 @@ def save_checkpoint(
     job = make_job(step, drafter_state={k: v.detach().cpu() for k, v in drafter_state.items()},
                    drafter_config=drafter_config, optimizer_state=optimizer_state,
                    scheduler_state=scheduler_state, trainer_state=trainer_state,
-                   served_dtype=served_dtype)
+                   served_dtype=served_dtype, served_extra=served_extra)
     tensors = {k: v.cpu() for k, v in job.tensors.items()}
     tmp = begin_save(run_dir, job)
     try:

@@ -11,8 +11,12 @@
   be verified;
 - a checkpoint of other data than ``data.path`` (its recorded data identity,
   persist/data_identity.py): refused naming both, unless ``data.allow_changed_data``;
+- a checkpoint of the other objective than ``drafter.objective`` (a DSpark checkpoint resumed as
+  DFlash, or the other way): refused, naming both;
 - a checkpoint of another drafter shape than the config's (layers, block size, widths, target
-  layers, mask id, target vocabulary): refused, naming every differing key with both values;
+  layers, mask id, target vocabulary; DSpark's Markov rank and confidence head): refused, naming
+  every differing key with both values (a block size other than the checkpoint's is one: the
+  weights would load, but the slots and their weights would mean other positions);
 - a checkpoint written with another optimizer than ``optim.name``: refused, naming both.
 """
 
@@ -42,6 +46,12 @@ SHAPE_KEYS: list[tuple[str, str]] = [
     ("head_dim", "drafter.hidden_size"),
     ("vocab_size", "target.path"),
     ("num_target_layers", "target.path"),
+    # DSpark's config.json has its entries at the top level (dspark_format.py)
+    ("block_size", "drafter.block_size"),
+    ("target_layer_ids", "target.layer_ids"),
+    ("mask_token_id", "drafter.mask_token_id"),
+    ("markov_rank", "drafter.markov_rank"),
+    ("enable_confidence_head", "drafter.conf_weight"),
 ]
 
 
@@ -78,8 +88,21 @@ def expected_drafter_config(cfg: Config, target_path: Path, layer_ids: list[int]
     from dflash_core.models.target import load_target_config
 
     d = cfg.drafter
+    target_config = load_target_config(Path(target_path), cfg.target.trust_remote_code)
+    from dflash_core.models.drafter_kinds import dspark_settings
+
+    settings = dspark_settings(cfg)
+    if settings is not None:
+        from dflash_core.models.dspark import build_dspark_config
+        from dflash_core.models.dspark_format import serve_config_of
+
+        return serve_config_of(build_dspark_config(
+            target_config, num_layers=d.num_layers, target_layer_ids=layer_ids,
+            mask_token_id=mask_id, settings=settings, hidden_size=d.hidden_size,
+            intermediate_size=d.intermediate_size, num_attention_heads=d.num_attention_heads,
+            num_key_value_heads=d.num_key_value_heads))
     dcfg = build_drafter_config(
-        load_target_config(Path(target_path), cfg.target.trust_remote_code),
+        target_config,
         num_layers=d.num_layers,
         target_layer_ids=layer_ids, block_size=d.block_size, mask_token_id=mask_id,
         hidden_size=d.hidden_size, intermediate_size=d.intermediate_size,
@@ -175,6 +198,7 @@ def load_for_resume(run_dir: Path, expected: dict | None, publish: Callable[[Eve
                 f"checkpoint: {_lost(damaged_steps, loaded.step)} are trained again; "
                 f"damaged: {damaged}")))
         if expected is not None:
+            check_objective(expected, loaded.drafter_config, folder)
             diffs = shape_differences(expected, loaded.drafter_config)
             if diffs:
                 listed = "; ".join(f"{key} ({entry}): config {want!r}, checkpoint {have!r}"
@@ -187,6 +211,24 @@ def load_for_resume(run_dir: Path, expected: dict | None, publish: Callable[[Eve
         return loaded
     _refuse_all_damaged(run_dir, damaged, damaged_steps + [ckpt.checkpoint_step(p)
                                                            for p in earlier])
+
+
+def check_objective(expected: dict, found: dict, folder: Path) -> None:
+    """A checkpoint of the other objective (DSpark's architecture against DFlash's) is refused
+    before its shape is compared: ConfigError naming drafter.objective and both."""
+    from dflash_core.models.drafter_kinds import ObjectiveMismatch, objective_of
+
+    try:
+        want, have = objective_of(expected), objective_of(found)
+    except ValueError as exc:
+        raise ConfigError("drafter.objective", f"the checkpoint {folder}: {exc}",
+                          hint="resume a checkpoint this engine wrote, or start a new run "
+                               "(new run.name or --new-run)") from exc
+    if want != have:
+        raise ConfigError("drafter.objective",
+                          str(ObjectiveMismatch(f"the checkpoint {folder}", have, want)),
+                          hint=f"set drafter.objective: {have} to resume it, or start a new "
+                               "run (new run.name or --new-run) to train a new drafter")
 
 
 def check_resume_data(loaded: ckpt.LoadedCheckpoint, data: dict, allow_changed: bool,
