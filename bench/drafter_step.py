@@ -122,7 +122,8 @@ def main():
         drafter = DFlashDrafter(dc)
         embed = torch.nn.Embedding(tc.vocab_size, tc.hidden_size, dtype=torch.bfloat16, device="cuda")
         head = torch.nn.Linear(tc.hidden_size, tc.vocab_size, bias=False, dtype=torch.bfloat16, device="cuda")
-        (rep,) = make_replicas(drafter, [torch.device("cuda:0")], cfg, embed, head)
+        (rep,) = make_replicas(drafter, [torch.device("cuda:0")], cfg.drafter, cfg.optim, embed,
+                               head)
         if args.batches:
             batch_costs(rep, args.batches, tc, A, args.stacks_after)
             del rep, drafter, embed, head

@@ -81,8 +81,8 @@ def memorise(cfg: Config, target, samples: list[CheckSample], drafter_devices, *
     ccfg = check_config(cfg, max(len(s.response) for s in samples))
     batch = collate_samples(samples, folder / "data", ccfg.data.max_length)
     features = target.features(batch.input_ids, batch.attention_mask, layer_ids)
-    replicas = build_replicas(ccfg, target, list(drafter_devices), layer_ids=layer_ids,
-                              mask_id=mask_id)
+    replicas = build_replicas(ccfg.drafter, ccfg.optim, target, list(drafter_devices),
+                              seed=ccfg.run.seed, layer_ids=layer_ids, mask_id=mask_id)
     B = replicas[0].drafter.block_size
     pad = ANCHOR_PAD if replicas[0].device.type == "cuda" else 1
     ceiling = tau_ceiling(prepare_batch(batch, ccfg.drafter.num_anchors, B, ccfg.run.seed).labels)

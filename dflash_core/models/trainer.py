@@ -22,7 +22,7 @@ from torch import nn
 from dflash_core.models import dspark_loss
 from dflash_core.models import objective as obj
 from dflash_core.models.optimizers import build_optimizer, set_lr
-from dflash_core.config import Config, default_gamma
+from dflash_core.config import DrafterConfig, OptimConfig, default_gamma
 from dflash_core.levers import halve
 from dflash_core.models.drafter import DFlashDrafter
 from dflash_core.models.drafter_kinds import drafter_from_config, load_drafter, new_drafter
@@ -110,13 +110,16 @@ class DrafterReplica:
 
     A DSparkDrafter trains with DSpark's loss (``dspark``: its settings; default the reference's
     with the drafter's own block size and rank). Its features then carry one more H-vector per
-    token, last: the target's post-norm last hidden state ([n, S, (k+1)*H])."""
+    token, last: the target's post-norm last hidden state ([n, S, (k+1)*H]).
 
-    def __init__(self, drafter: DFlashDrafter, device: torch.device, cfg: Config,
-                 embed: nn.Embedding, lm_head: nn.Linear, dspark: DSparkSettings | None = None):
+    ``dcfg`` and ``optim``: the config's drafter and optim sections (a replica reads no other)."""
+
+    def __init__(self, drafter: DFlashDrafter, device: torch.device, dcfg: DrafterConfig,
+                 optim: OptimConfig, embed: nn.Embedding, lm_head: nn.Linear,
+                 dspark: DSparkSettings | None = None):
         self.device = torch.device(device)
-        self.cfg = cfg
-        self.dspark = _dspark_settings(drafter, dspark, cfg)
+        self.dcfg, self.optim = dcfg, optim
+        self.dspark = _dspark_settings(drafter, dspark, dcfg)
         self.stats = STATS + DSPARK_STATS if self.dspark is not None else STATS
         self.drafter = drafter.to(self.device, dtype=torch.float32)
         self.drafter.attach_target_head(embed.to(self.device), lm_head.to(self.device))
@@ -130,17 +133,17 @@ class DrafterReplica:
             # Backward adds into an existing .grad in place, so the views stay views.
             p.grad = self.flat[offset: offset + p.numel()].view_as(p)
             offset += p.numel()
-        self.optimizer = build_optimizer(self.drafter, params, cfg.optim, self.device)
-        self.gamma = cfg.drafter.gamma or default_gamma(self.drafter.block_size)
-        self.dpace_alpha = cfg.drafter.dpace_alpha if cfg.drafter.loss == "dpace" else None
+        self.optimizer = build_optimizer(self.drafter, params, optim, self.device)
+        self.gamma = dcfg.gamma or default_gamma(self.drafter.block_size)
+        self.dpace_alpha = dcfg.dpace_alpha if dcfg.loss == "dpace" else None
         if self.dspark is not None:
             self.gamma, self.dpace_alpha = self.dspark.gamma, None
-        self.autocast = (self.device.type == "cuda" and cfg.drafter.dtype == "bfloat16")
+        self.autocast = (self.device.type == "cuda" and dcfg.dtype == "bfloat16")
         self.copier = FeatureCopier(self.device)
         self.micro = Micro()
         self.sample_ids: list[int] = []  # data indices accumulated since the last step
         # Block tokens live at once in a step; halved by back_off() after an out-of-memory error.
-        self.micro_block_tokens = cfg.drafter.micro_block_tokens
+        self.micro_block_tokens = dcfg.micro_block_tokens
         self.last_rows = 0  # sequences in the last batch
         self.last_block_tokens = 0  # block tokens per sequence (anchors x block size) in it
 
@@ -166,7 +169,7 @@ class DrafterReplica:
         d = self.drafter
         B = d.block_size
         if batch.labels is None or batch.labels.shape[-1] != d.label_width:
-            batch = prepare_batch(batch, self.cfg.drafter.num_anchors, d.label_width, seed,
+            batch = prepare_batch(batch, self.dcfg.num_anchors, d.label_width, seed,
                                   pad_to=ANCHOR_PAD if self.device.type == "cuda" else 1)
         dsp = self.dspark
         if dsp is not None:
@@ -211,12 +214,12 @@ class DrafterReplica:
             if dsp is not None:
                 lo = dspark_loss.dspark_loss(
                     hidden, last, pos, labels, prev.to(self.device, non_blocking=True), d,
-                    gamma=self.gamma, chunk=self.cfg.drafter.loss_chunk, rows=picked,
+                    gamma=self.gamma, chunk=self.dcfg.loss_chunk, rows=picked,
                     loss_weights=(dsp.ce_weight, dsp.tv_weight, dsp.conf_weight))
                 terms += lo.terms
             else:
                 lo = obj.chunked_loss(hidden, labels, d.lm_head.weight, self.gamma,
-                                      self.cfg.drafter.loss_chunk, rows=picked)
+                                      self.dcfg.loss_chunk, rows=picked)
             if len(picked.rows):  # the weights of labelled slots are > 0 under either loss
                 (lo.loss * lo.weight_sum).backward()
             loss_sum += lo.loss.detach() * lo.weight_sum
@@ -306,13 +309,13 @@ def reduce_and_step(replicas: list[DrafterReplica], step: int, total_steps: int,
     ``all_reduce_(buf)`` sums a flat float32 tensor over nodes in place), divide by the total
     loss weight, clip, and step every optimizer. The step's only host synchronisation reads the
     statistics and the gradient norm together, before any weight changes."""
-    cfg = replicas[0].cfg
+    optim = replicas[0].optim
     ids = [i for r in replicas for i in r.sample_ids]
     for r in replicas:
         r.write_stats()
     sum_replicas(replicas, across)
     lead = replicas[0]
-    clip = cfg.optim.grad_clip
+    clip = optim.grad_clip
     coefs, norm = [], None
     for r in replicas:  # every replica holds the same sums: each scales its own, on its device
         tail = r.flat[r.grad_numel:]
@@ -330,11 +333,11 @@ def reduce_and_step(replicas: list[DrafterReplica], step: int, total_steps: int,
         raise NonFiniteLoss(step + 1, "the loss", loss, ids)
     if not math.isfinite(grad_norm):
         raise NonFiniteLoss(step + 1, "the gradient norm", grad_norm, ids)
-    lr = obj.lr_at(step, total_steps, cfg.optim.lr, cfg.optim.warmup_frac, cfg.optim.min_lr_frac)
+    lr = obj.lr_at(step, total_steps, optim.lr, optim.warmup_frac, optim.min_lr_frac)
     with torch.no_grad():
         for r, coef in zip(replicas, coefs):
             r.grads.mul_(coef)
-            set_lr(r.optimizer, cfg.optim, lr / cfg.optim.lr)
+            set_lr(r.optimizer, optim, lr / optim.lr)
             r.optimizer.step()
             r.flat.zero_()
             r.micro = Micro()
@@ -382,23 +385,25 @@ class StepBarrier:
             return True
 
 
-def build_replicas(cfg: Config, target, devices: list[torch.device], *, layer_ids: list[int],
-                   mask_id: int, resume=None, dspark: DSparkSettings | None = None
-                   ) -> list[DrafterReplica]:
+def build_replicas(dcfg: DrafterConfig, optim: OptimConfig, target,
+                   devices: list[torch.device], *, seed: int, layer_ids: list[int], mask_id: int,
+                   resume=None, dspark: DSparkSettings | None = None) -> list[DrafterReplica]:
     """The drafter (from a checkpoint to resume, ``drafter.init_from``, or fresh from the target's
     shape) and one replica of it per drafter device, each with the target's frozen embedding and
-    head. ``target``: a loaded TargetModel; ``resume``: a checkpoint's ResumeState or None;
-    ``dspark``: DSpark's settings when the objective is DSpark (None: DFlash). A checkpoint or
-    folder of the other objective raises drafter_kinds.ObjectiveMismatch."""
+    head. ``dcfg``, ``optim``: the config's drafter and optim sections; ``seed``: run.seed (a
+    fresh drafter's init). ``target``: a loaded TargetModel; ``resume``: a checkpoint's
+    ResumeState or None; ``dspark``: DSpark's settings when the objective is DSpark (None:
+    DFlash). A checkpoint or folder of the other objective raises
+    drafter_kinds.ObjectiveMismatch."""
     objective = "dspark" if dspark is not None else "dflash"
     if resume is not None:
         drafter = drafter_from_config(resume.drafter_config, objective)
         drafter.load_state_dict(resume.drafter_state)
-    elif cfg.drafter.init_from:
-        drafter = load_drafter(cfg.drafter.init_from, objective)
+    elif dcfg.init_from:
+        drafter = load_drafter(dcfg.init_from, objective)
     else:
-        d = cfg.drafter
-        torch.manual_seed(cfg.run.seed)
+        d = dcfg
+        torch.manual_seed(seed)
         drafter = new_drafter(
             objective, target.model.config, num_layers=d.num_layers, target_layer_ids=layer_ids,
             block_size=d.block_size, mask_token_id=mask_id, dspark_settings=dspark,
@@ -409,32 +414,32 @@ def build_replicas(cfg: Config, target, devices: list[torch.device], *, layer_id
     head.weight = nn.Parameter(target.lm_head.weight.detach().clone(), requires_grad=False)
     if devices[0].type == "cpu":
         embed, head = embed.float(), head.float()
-    reps = make_replicas(drafter, devices, cfg, embed, head, dspark)
+    reps = make_replicas(drafter, devices, dcfg, optim, embed, head, dspark)
     if resume is not None:
         for r in reps:
             r.optimizer.load_state_dict(resume.optimizer_state)
     return reps
 
 
-def make_replicas(drafter: DFlashDrafter, devices: list[torch.device], cfg: Config,
-                  embed: nn.Embedding, lm_head: nn.Linear,
+def make_replicas(drafter: DFlashDrafter, devices: list[torch.device], dcfg: DrafterConfig,
+                  optim: OptimConfig, embed: nn.Embedding, lm_head: nn.Linear,
                   dspark: DSparkSettings | None = None) -> list[DrafterReplica]:
     reps = []
     for i, dev in enumerate(devices):
         d = drafter if i == 0 else copy.deepcopy(drafter)
         # Each replica gets its own copy of the frozen head on its own device.
         e, h = (embed, lm_head) if i == 0 else (copy.deepcopy(embed), copy.deepcopy(lm_head))
-        reps.append(DrafterReplica(d, dev, cfg, e, h, dspark))
+        reps.append(DrafterReplica(d, dev, dcfg, optim, e, h, dspark))
     return reps
 
 
-def _dspark_settings(drafter, dspark: DSparkSettings | None, cfg: Config):
+def _dspark_settings(drafter, dspark: DSparkSettings | None, dcfg: DrafterConfig):
     """The DSpark settings a replica trains with, None for a DFlash drafter."""
     if not isinstance(drafter, DSparkDrafter):
         if dspark is not None:
             raise ValueError("DSpark settings given for a DFlash drafter")
         return None
-    if cfg.drafter.loss == "dpace":
+    if dcfg.loss == "dpace":
         raise ValueError("drafter.loss dpace does not apply to drafter.objective dspark: its "
                          "slot weights are exp(-j/gamma) on each block's surviving prefix; set "
                          "drafter.loss: dflash")
@@ -451,15 +456,17 @@ def _check_dspark_features(drafter, features: torch.Tensor) -> None:
                          f"{features.shape[-1]}: the target stage must append it")
 
 
-def epoch_steps_for(cfg: Config, batches_per_epoch: int, world: int) -> int:
+def epoch_steps_for(optim: OptimConfig, batches_per_epoch: int, world: int) -> int:
     """The optimizer steps that optim.epochs of the data make on ``world`` drafters."""
-    per_step = max(1, cfg.optim.grad_accum * world)
-    return math.ceil(batches_per_epoch * cfg.optim.epochs / per_step)
+    per_step = max(1, optim.grad_accum * world)
+    return math.ceil(batches_per_epoch * optim.epochs / per_step)
 
 
-def total_steps_for(cfg: Config, batches_per_epoch: int, world: int) -> int:
-    steps = epoch_steps_for(cfg, batches_per_epoch, world)
-    return min(steps, cfg.run.max_steps) if cfg.run.max_steps else steps
+def total_steps_for(optim: OptimConfig, max_steps: int, batches_per_epoch: int,
+                    world: int) -> int:
+    """The run's steps: those of optim.epochs, or run.max_steps when that is fewer (0: none)."""
+    steps = epoch_steps_for(optim, batches_per_epoch, world)
+    return min(steps, max_steps) if max_steps else steps
 
 
 class RateMeter:

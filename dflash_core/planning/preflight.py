@@ -116,11 +116,11 @@ def prepare(cfg: Config, run_dir: Path, tdev: list[torch.device], ddev: list[tor
                           hint="the data needs samples of 2+ tokens")
     check_something_trains(dataset, data_path)
     world = len(ddev) * nodes
-    total_steps = total_steps_for(cfg, stream.batches_per_epoch, world)
+    total_steps = total_steps_for(cfg.optim, cfg.run.max_steps, stream.batches_per_epoch, world)
     if checkpoints:
         check_checkpoint_disk(cfg, hf_config, run_dir, total_steps, publish)
     return Prepared(target_path, layer_ids, mask_id, dataset, eval_indices, stream, total_steps,
-                    fitted, epoch_steps_for(cfg, stream.batches_per_epoch, world))
+                    fitted, epoch_steps_for(cfg.optim, stream.batches_per_epoch, world))
 
 
 def check_checkpoint_disk(cfg: Config, hf_config: dict, run_dir: Path, total_steps: int,

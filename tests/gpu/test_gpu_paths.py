@@ -100,7 +100,7 @@ def test_two_drafter_threads_compile_and_train_at_once_on_one_gpu(tmp_path: Path
     from tests.core.models.test_trainer import head_copies
 
     cfg, gpu, tm, batches, feats, init = drafter_on_gpu(tmp_path, 6)
-    pair = make_replicas(init, [gpu, gpu], cfg, *head_copies(tm))
+    pair = make_replicas(init, [gpu, gpu], cfg.drafter, cfg.optim, *head_copies(tm))
     stop = threading.Event()
     barrier = StepBarrier(2, stop)
     results, failures = [], []
@@ -144,7 +144,7 @@ def test_a_drafter_step_synchronises_with_the_gpu_once(tmp_path: Path):
     # As the loader hands them over: anchors and labels made, pinned.
     batches = [prepare_batch(b, cfg.drafter.num_anchors, 4, cfg.run.seed, pad_to=ANCHOR_PAD).pin()
                for b in batches]
-    (rep,) = make_replicas(init, [gpu], cfg, *head_copies(tm))
+    (rep,) = make_replicas(init, [gpu], cfg.drafter, cfg.optim, *head_copies(tm))
     for b, f in zip(batches[:2], feats[:2]):  # warm-up: compilation synchronises, and may
         rep.accumulate(b, f, cfg.run.seed, ready=ready_event(f))
         reduce_and_step([rep], 0, 10)

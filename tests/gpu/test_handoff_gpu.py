@@ -39,12 +39,12 @@ def test_two_gpu_replicas_reduce_with_nccl_like_one_drafter(tmp_path):
     cfg = make_config(tmp_path, target, data, layout__device="cuda")
     g0, g1 = torch.device("cuda", 0), torch.device("cuda", 1)
     tm, batches, feats, init = drafter_setup(cfg, target, data, 2, g0)
-    pair = make_replicas(copy.deepcopy(init), [g0, g1], cfg, *head_copies(tm))
+    pair = make_replicas(copy.deepcopy(init), [g0, g1], cfg.drafter, cfg.optim, *head_copies(tm))
     assert nccl.is_available([r.flat for r in pair])
     for rep, b, f in zip(pair, batches, feats):
         rep.accumulate(b, f, cfg.run.seed, ready=ready_event(f))
     res_pair = reduce_and_step(pair, 0, 10)
-    (single,) = make_replicas(copy.deepcopy(init), [g0], cfg, *head_copies(tm))
+    (single,) = make_replicas(copy.deepcopy(init), [g0], cfg.drafter, cfg.optim, *head_copies(tm))
     for b, f in zip(batches, feats):
         single.accumulate(b, f, cfg.run.seed)
     res_single = reduce_and_step([single], 0, 10)

@@ -183,8 +183,8 @@ def test_drafter_learns_the_demo_target(demo_target, demo_data):
                                 target_layer_ids=layers, block_size=d.block_size,
                                 mask_token_id=d.mask_token_id)
     torch.manual_seed(cfg.run.seed)
-    (rep,) = make_replicas(DFlashDrafter(dcfg), [torch.device("cpu")], cfg, target.embed_tokens,
-                           target.lm_head)
+    (rep,) = make_replicas(DFlashDrafter(dcfg), [torch.device("cpu")], cfg.drafter, cfg.optim,
+                           target.embed_tokens, target.lm_head)
     prompts = [ds.get(int(i))[0][: cfg.eval.prompt_tokens].tolist() for i in held]
     fn = target_fn_for(target, layers)
 

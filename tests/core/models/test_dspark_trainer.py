@@ -48,11 +48,13 @@ def test_two_replicas_step_like_one_and_report_the_three_terms(tmp_path, assets)
     cfg, tm, batches, feats, init = _setup(tmp_path, assets)
     cpu = torch.device("cpu")
     before = {k: v.clone() for k, v in init.state_dict().items()}
-    pair = make_replicas(copy.deepcopy(init), [cpu, cpu], cfg, *head_copies(tm), SETTINGS)
+    pair = make_replicas(copy.deepcopy(init), [cpu, cpu], cfg.drafter, cfg.optim,
+                         *head_copies(tm), SETTINGS)
     pair[0].accumulate(batches[0], feats[0], cfg.run.seed)
     pair[1].accumulate(batches[1], feats[1], cfg.run.seed)
     res_pair = reduce_and_step(pair, 0, 10)
-    (single,) = make_replicas(copy.deepcopy(init), [cpu], cfg, *head_copies(tm), SETTINGS)
+    (single,) = make_replicas(copy.deepcopy(init), [cpu], cfg.drafter, cfg.optim,
+                              *head_copies(tm), SETTINGS)
     single.accumulate(batches[0], feats[0], cfg.run.seed)
     single.accumulate(batches[1], feats[1], cfg.run.seed)
     res_single = reduce_and_step([single], 0, 10)
@@ -88,7 +90,8 @@ def test_loader_made_wide_labels_train_like_the_drafters_own(tmp_path, assets):
     wrong = prepare_batch(batches[0], cfg.drafter.num_anchors, B, cfg.run.seed)
     results = []
     for batch in (batches[0], prepared, wrong):
-        (rep,) = make_replicas(copy.deepcopy(init), [cpu], cfg, *head_copies(tm), SETTINGS)
+        (rep,) = make_replicas(copy.deepcopy(init), [cpu], cfg.drafter, cfg.optim,
+                               *head_copies(tm), SETTINGS)
         rep.accumulate(batch, feats[0], cfg.run.seed)
         results.append(reduce_and_step([rep], 0, 10))
     assert results[0].loss == results[1].loss == results[2].loss
@@ -98,7 +101,8 @@ def test_loader_made_wide_labels_train_like_the_drafters_own(tmp_path, assets):
 def test_training_lowers_the_loss(tmp_path, assets):
     cfg, tm, batches, feats, init = _setup(tmp_path, assets, 1, optim__lr=1e-2,
                                            optim__warmup_frac=0.0)
-    (rep,) = make_replicas(init, [torch.device("cpu")], cfg, *head_copies(tm), SETTINGS)
+    (rep,) = make_replicas(init, [torch.device("cpu")], cfg.drafter, cfg.optim,
+                           *head_copies(tm), SETTINGS)
     first = None
     for step in range(15):
         rep.accumulate(batches[0], feats[0], cfg.run.seed)
@@ -112,7 +116,8 @@ def test_training_lowers_the_loss(tmp_path, assets):
 
 def test_features_without_the_last_hidden_state_are_named(tmp_path, assets):
     cfg, tm, batches, feats, init = _setup(tmp_path, assets, 1)
-    (rep,) = make_replicas(init, [torch.device("cpu")], cfg, *head_copies(tm), SETTINGS)
+    (rep,) = make_replicas(init, [torch.device("cpu")], cfg.drafter, cfg.optim,
+                           *head_copies(tm), SETTINGS)
     H = init.config.hidden_size
     with pytest.raises(ValueError, match="post-norm last hidden state .* the target stage must "
                        "append it"):
@@ -122,32 +127,35 @@ def test_features_without_the_last_hidden_state_are_named(tmp_path, assets):
 def test_dpace_does_not_combine_with_dspark(tmp_path, assets):
     cfg, tm, batches, feats, init = _setup(tmp_path, assets, 1, drafter__loss="dpace")
     with pytest.raises(ValueError, match="drafter.loss dpace does not apply"):
-        make_replicas(init, [torch.device("cpu")], cfg, *head_copies(tm), SETTINGS)
+        make_replicas(init, [torch.device("cpu")], cfg.drafter, cfg.optim,
+                      *head_copies(tm), SETTINGS)
 
 
 def test_resume_of_the_other_objective_is_refused_and_the_same_is_rebuilt(tmp_path, assets):
     cfg, tm, batches, feats, init = _setup(tmp_path, assets, 1)
     cpu = torch.device("cpu")
-    (rep,) = make_replicas(copy.deepcopy(init), [cpu], cfg, *head_copies(tm), SETTINGS)
+    (rep,) = make_replicas(copy.deepcopy(init), [cpu], cfg.drafter, cfg.optim,
+                           *head_copies(tm), SETTINGS)
     resume = SimpleNamespace(drafter_config=init.interchange_config(),
                              drafter_state=init.state_dict(),
                              optimizer_state=rep.optimizer.state_dict())
     kw = dict(layer_ids=init.target_layer_ids, mask_id=VOCAB - 1, resume=resume)
     with pytest.raises(ObjectiveMismatch, match="holds a DSpark drafter"):
-        build_replicas(cfg, tm, [cpu], **kw)
-    (back,) = build_replicas(cfg, tm, [cpu], dspark=SETTINGS, **kw)
+        build_replicas(cfg.drafter, cfg.optim, tm, [cpu], seed=0, **kw)
+    (back,) = build_replicas(cfg.drafter, cfg.optim, tm, [cpu], seed=0, dspark=SETTINGS, **kw)
     assert isinstance(back.drafter, DSparkDrafter)
     for k, v in init.state_dict().items():
         assert torch.equal(back.drafter.state_dict()[k], v)
     # a fresh DSpark drafter from the settings
-    (fresh,) = build_replicas(cfg, tm, [cpu], layer_ids=init.target_layer_ids,
-                              mask_id=VOCAB - 1, dspark=SETTINGS)
+    (fresh,) = build_replicas(cfg.drafter, cfg.optim, tm, [cpu], seed=0,
+                              layer_ids=init.target_layer_ids, mask_id=VOCAB - 1, dspark=SETTINGS)
     assert isinstance(fresh.drafter, DSparkDrafter) and fresh.drafter.block_size == 4
 
 
 def test_muon_leaves_the_heads_on_adamw(tmp_path, assets):
     cfg, tm, batches, feats, init = _setup(tmp_path, assets, 1, optim__name="muon")
-    (rep,) = make_replicas(init, [torch.device("cpu")], cfg, *head_copies(tm), SETTINGS)
+    (rep,) = make_replicas(init, [torch.device("cpu")], cfg.drafter, cfg.optim,
+                           *head_copies(tm), SETTINGS)
     muon = {id(p) for g in rep.optimizer.muon.param_groups for p in g["params"]}
     names = {n for n, p in rep.drafter.named_parameters() if id(p) in muon}
     assert "fc.weight" in names and "layers.0.mlp.up_proj.weight" in names

@@ -27,13 +27,13 @@ def test_two_drafter_replicas_step_like_one_drafter_on_both_batches(tmp_path, as
     cpu = torch.device("cpu")
 
     # Two replicas, one batch each.
-    pair = make_replicas(copy.deepcopy(init), [cpu, cpu], cfg, *head_copies(tm))
+    pair = make_replicas(copy.deepcopy(init), [cpu, cpu], cfg.drafter, cfg.optim, *head_copies(tm))
     pair[0].accumulate(batches[0], feats[0], cfg.run.seed)
     pair[1].accumulate(batches[1], feats[1], cfg.run.seed)
     res_pair = reduce_and_step(pair, 0, 10)
 
     # One replica, both batches accumulated (grad_accum 2).
-    (single,) = make_replicas(copy.deepcopy(init), [cpu], cfg, *head_copies(tm))
+    (single,) = make_replicas(copy.deepcopy(init), [cpu], cfg.drafter, cfg.optim, *head_copies(tm))
     single.accumulate(batches[0], feats[0], cfg.run.seed)
     single.accumulate(batches[1], feats[1], cfg.run.seed)
     res_single = reduce_and_step([single], 0, 10)
@@ -75,7 +75,7 @@ def _setup(tmp_path, assets, n_batches=2):
 
 def test_gradients_accumulate_into_the_flat_buffer_one_reduction_sums(tmp_path, assets):
     cfg, tm, batches, feats, init = _setup(tmp_path, assets)
-    (rep,) = make_replicas(init, [torch.device("cpu")], cfg, *head_copies(tm))
+    (rep,) = make_replicas(init, [torch.device("cpu")], cfg.drafter, cfg.optim, *head_copies(tm))
     rep.accumulate(batches[0], feats[0], cfg.run.seed)
     lo, hi = rep.flat.data_ptr(), rep.flat.data_ptr() + rep.grad_numel * 4
     for p in rep.params():
@@ -93,7 +93,7 @@ def test_loader_made_anchors_and_labels_train_like_the_drafters_own(tmp_path, as
     assert prepared.labels.shape[:2] == prepared.anchors.shape and prepared.labels.shape[2] == 4
     results = []
     for batch in (batches[0], prepared):
-        (rep,) = make_replicas(copy.deepcopy(init), [cpu], cfg, *head_copies(tm))
+        (rep,) = make_replicas(copy.deepcopy(init), [cpu], cfg.drafter, cfg.optim, *head_copies(tm))
         rep.accumulate(batch, feats[0], cfg.run.seed)
         results.append((reduce_and_step([rep], 0, 10), rep.drafter.state_dict()))
     (a, wa), (b, wb) = results
@@ -118,7 +118,8 @@ def test_a_step_reduces_across_nodes_once_with_its_statistics(tmp_path, assets):
     cpu = torch.device("cpu")
     runs = []
     for across in (None, Doubling()):
-        pair = make_replicas(copy.deepcopy(init), [cpu, cpu], cfg, *head_copies(tm))
+        pair = make_replicas(copy.deepcopy(init), [cpu, cpu], cfg.drafter, cfg.optim,
+                             *head_copies(tm))
         for rep in pair:
             rep.accumulate(batches[0], feats[0], cfg.run.seed)
         runs.append((reduce_and_step(pair, 0, 10, across=across), pair, across))
@@ -145,7 +146,7 @@ def _recipe_setup(tmp_path, assets, loss, optim, n_batches=2):
 
 def test_muon_takes_the_matrices_and_adamw_the_norms(tmp_path, assets):
     cfg, tm, batches, feats, init = _recipe_setup(tmp_path, assets, "dflash", "muon", 1)
-    (rep,) = make_replicas(init, [torch.device("cpu")], cfg, *head_copies(tm))
+    (rep,) = make_replicas(init, [torch.device("cpu")], cfg.drafter, cfg.optim, *head_copies(tm))
     opt = rep.optimizer
     names = {id(p): n for n, p in rep.drafter.named_parameters()}
     on_muon = {names[id(p)] for g in opt.muon.param_groups for p in g["params"]}
@@ -166,8 +167,8 @@ def test_muon_takes_the_matrices_and_adamw_the_norms(tmp_path, assets):
 def test_recipe_replicas_stay_identical_and_step_like_one_drafter(tmp_path, assets, loss, optim):
     cfg, tm, batches, feats, init = _recipe_setup(tmp_path, assets, loss, optim)
     cpu = torch.device("cpu")
-    pair = make_replicas(copy.deepcopy(init), [cpu, cpu], cfg, *head_copies(tm))
-    (single,) = make_replicas(copy.deepcopy(init), [cpu], cfg, *head_copies(tm))
+    pair = make_replicas(copy.deepcopy(init), [cpu, cpu], cfg.drafter, cfg.optim, *head_copies(tm))
+    (single,) = make_replicas(copy.deepcopy(init), [cpu], cfg.drafter, cfg.optim, *head_copies(tm))
     for step in range(2):
         for i, rep in enumerate(pair):
             rep.accumulate(batches[i], feats[i], cfg.run.seed)
@@ -194,7 +195,7 @@ def test_resume_from_a_checkpoint_gives_the_next_step_of_continuing(tmp_path, as
 
     cfg, tm, batches, feats, init = _recipe_setup(tmp_path, assets, "dpace", optim, 3)
     cpu = torch.device("cpu")
-    (rep,) = make_replicas(copy.deepcopy(init), [cpu], cfg, *head_copies(tm))
+    (rep,) = make_replicas(copy.deepcopy(init), [cpu], cfg.drafter, cfg.optim, *head_copies(tm))
     for step in range(2):
         rep.accumulate(batches[step], feats[step], cfg.run.seed)
         reduce_and_step([rep], step, 10)
@@ -209,7 +210,7 @@ def test_resume_from_a_checkpoint_gives_the_next_step_of_continuing(tmp_path, as
     loaded = ckpt.load_checkpoint(path)
     drafter = DFlashDrafter(DFlashDrafter.config_from_dict(loaded.drafter_config))
     drafter.load_state_dict(loaded.drafter_state)
-    (again,) = make_replicas(drafter, [cpu], cfg, *head_copies(tm))
+    (again,) = make_replicas(drafter, [cpu], cfg.drafter, cfg.optim, *head_copies(tm))
     again.optimizer.load_state_dict(loaded.optimizer_state)
     again.accumulate(batches[2], feats[2], cfg.run.seed)
     resumed = reduce_and_step([again], 2, 10)
@@ -217,7 +218,8 @@ def test_resume_from_a_checkpoint_gives_the_next_step_of_continuing(tmp_path, as
     for name, value in rep.drafter.state_dict().items():  # the optimizer state came back too
         assert torch.equal(again.drafter.state_dict()[name], value), name
     # Without the optimizer state the same step lands elsewhere: the check above can fail.
-    (fresh,) = make_replicas(copy.deepcopy(drafter), [cpu], cfg, *head_copies(tm))
+    (fresh,) = make_replicas(copy.deepcopy(drafter), [cpu], cfg.drafter, cfg.optim,
+                             *head_copies(tm))
     fresh.accumulate(batches[2], feats[2], cfg.run.seed)
     reduce_and_step([fresh], 2, 10)
     assert any(not torch.equal(fresh.drafter.state_dict()[n], v)
