@@ -18,7 +18,7 @@ that budget). At k = B both verify everything: exact tau.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
 import numpy as np
@@ -75,6 +75,22 @@ class Calibration:
     survival_observed: list[float] = field(default_factory=list)
     tau: float = 0.0  # every draft verified (= exact tau of these rounds)
     budgets: list[Budget] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        """Plain JSON values (an event's field, events.EvalResult.calibration)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> "Calibration | None":
+        """A Calibration from ``as_dict``'s output; None for {} or None (no confidence head,
+        or an event written before calibrations were recorded)."""
+        if not d:
+            return None
+        known = {f for f in cls.__dataclass_fields__ if f != "budgets"}
+        out = cls(**{k: v for k, v in d.items() if k in known})
+        out.budgets = [Budget(int(b["drafts"]), float(b["fixed"]), float(b["adaptive"]))
+                       for b in d.get("budgets") or []]
+        return out
 
 
 def _budget_tau(surv: np.ndarray, valid: np.ndarray, accepted: np.ndarray, k: int

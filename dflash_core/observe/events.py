@@ -279,6 +279,11 @@ class StepMetrics(Event):
     padding_frac: float = 0.0
     samples: int = 0  # samples in this optimizer step
     total_steps: int = 0  # planned optimizer steps of the run (known once the data is planned)
+    # drafter.objective dspark: its loss's three terms, each a weighted mean (the loss is
+    # 0.1 CE + 0.9 TV + 1.0 confidence BCE by default); -1 = not DSpark (or an older file)
+    loss_ce: float = -1.0
+    loss_tv: float = -1.0
+    loss_conf: float = -1.0
     kind: ClassVar[str] = "StepMetrics"
     sets_state: ClassVar[bool] = False
 
@@ -301,6 +306,10 @@ class EvalResult(Event):
     agreement_positions: int = 0  # labels the agreement was measured on (0: not measured)
     findings: list = field(default_factory=list)  # kinds raised: "mismatch", "data", "overfit"
     seconds: float = 0.0  # the evaluation's wall time
+    # A drafter with a confidence head (DSpark): the head's calibration on the exact-decoding
+    # rounds, dspark_calibration.Calibration as a dict ({} = none); acceptance.calibration_*
+    # words it, dspark_calibration.Calibration.from_dict reads it back.
+    calibration: dict = field(default_factory=dict)
     kind: ClassVar[str] = "EvalResult"
 
 

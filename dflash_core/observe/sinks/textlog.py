@@ -16,13 +16,13 @@ from dflash_core.observe.events import (
     RunStarted, SinkStatus, Stall, StateChanged, StepMetrics, TargetMetrics, TrainingPlan,
     WorkerStatus,
 )
-from dflash_core.models.acceptance import summary_line
-from dflash_core.units import GiB
+from dflash_core.models.acceptance import calibration_line, summary_line
+from dflash_core.models.dspark_calibration import Calibration
+from dflash_core.units import GiB, size_text
 
 
 
-def _gib(n: float) -> str:
-    return "-" if n is None else f"{n / GiB:.1f} GiB"
+_gib = size_text
 
 
 def _duration(seconds: float) -> str:
@@ -55,13 +55,24 @@ def _memory_table(ev: MemoryPlan) -> str:
     return header + "\n" + _indent("\n".join(lines), "  ")
 
 
+LOSS_TERMS = (("ce", "loss_ce"), ("tv", "loss_tv"), ("conf", "loss_conf"))  # DSpark's
+
+
+def loss_terms(ev: StepMetrics) -> str:
+    """' (ce 2.1 tv 0.84 conf 0.31)' for a DSpark step (its loss's three terms), else ''."""
+    got = [(name, getattr(ev, key, -1.0)) for name, key in LOSS_TERMS]
+    if all(v < 0 for _, v in got):
+        return ""
+    return " (" + " ".join(f"{name} {v:.4f}" for name, v in got if v >= 0) + ")"
+
+
 def format_event(ev: Event) -> str | None:
     """One short text (maybe several lines) for an event, or None for events not worth a line."""
     if not ev.in_text_log:
         return None
     if isinstance(ev, StepMetrics):
         return (
-            f"step {ev.step} epoch {ev.epoch} loss {ev.loss:.4f} lr {ev.lr:.2e} "
+            f"step {ev.step} epoch {ev.epoch} loss {ev.loss:.4f}{loss_terms(ev)} lr {ev.lr:.2e} "
             f"gnorm {ev.grad_norm:.3f} tau_tf {ev.tau_tf:.2f} tok/s {_rate(ev.tokens_per_s)} "
             f"samples/s {ev.samples_per_s:.2f} drafter-wait {ev.drafter_wait_frac:.0%} "
             f"target-blocked {ev.target_blocked_frac:.0%}"
@@ -81,8 +92,10 @@ def format_event(ev: Event) -> str | None:
     if isinstance(ev, EvalResult):
         hist = " ".join(f"{k}:{n}" for k, n in enumerate(ev.acceptance))
         took = f" in {_duration(ev.seconds)}" if ev.seconds > 0 else ""  # what eval.every costs
+        cal = Calibration.from_dict(getattr(ev, "calibration", None))
+        cal_line = calibration_line(cal) if cal is not None else ""
         return (f"eval step {ev.step} on {ev.prompts} prompts{took}: {summary_line(ev)}; "
-                f"accepted/round {hist}")
+                f"accepted/round {hist}" + (f"; {cal_line}" if cal_line else ""))
     if isinstance(ev, Checkpoint):
         size = (f", {ev.bytes / GiB:.1f} GiB at {ev.bytes / GiB / ev.seconds:.2f} GiB/s, training "
                 f"blocked {ev.blocked_s:.1f} s" if ev.bytes and ev.seconds > 0 else "")

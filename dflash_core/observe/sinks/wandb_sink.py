@@ -17,7 +17,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from dflash_core.config import ConfigError, WandbConfig
-from dflash_core.models.acceptance import ACCEPTED, AGREEMENT, MEASURES, MISSING, accepted_at
+from dflash_core.models.acceptance import (
+    ACCEPTED, AGREEMENT, MEASURES, MISSING, accepted_at, calibration_wandb,
+)
+from dflash_core.models.dspark_calibration import Calibration
 from dflash_core.observe.errors import error_from_exception
 from dflash_core.observe.events import Error, EvalResult, Event, Log, RunEnded, SinkStatus, StepMetrics
 
@@ -201,6 +204,9 @@ class WandbSink:
                 "perf/drafter_wait_frac": ev.drafter_wait_frac,
                 "perf/target_blocked_frac": ev.target_blocked_frac,
                 "perf/padding_frac": ev.padding_frac,
+                # DSpark's loss terms (absent, -1, for DFlash)
+                **{f"train/{k}": getattr(ev, k) for k in ("loss_ce", "loss_tv", "loss_conf")
+                   if getattr(ev, k, -1.0) >= 0},
             }, step=ev.step)
         elif isinstance(ev, EvalResult):
             data = {"eval/prompts": ev.prompts}
@@ -213,6 +219,9 @@ class WandbSink:
                     data[m.wandb] = getattr(ev, m.key)
             data.update({f"{ACCEPTED.wandb}_{k}": r
                          for k, r in enumerate(accepted_at(ev.acceptance), start=1)})
+            cal = Calibration.from_dict(getattr(ev, "calibration", None))
+            if cal is not None:  # a confidence head's calibration (DSpark)
+                data.update(calibration_wandb(cal))
             self._run.log(data, step=ev.step)
         elif isinstance(ev, RunEnded):
             run, self._run = self._run, None
