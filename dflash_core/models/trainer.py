@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from dflash_core.models import dspark_loss
+from dflash_core.models import dspark_format, dspark_loss
 from dflash_core.models import objective as obj
 from dflash_core.models.optimizers import build_optimizer, set_lr
 from dflash_core.config import DrafterConfig, OptimConfig, default_gamma
@@ -398,7 +398,10 @@ def build_replicas(dcfg: DrafterConfig, optim: OptimConfig, target,
     objective = "dspark" if dspark is not None else "dflash"
     if resume is not None:
         drafter = drafter_from_config(resume.drafter_config, objective)
-        drafter.load_state_dict(resume.drafter_state)
+        # A checkpoint without master weights reads model.safetensors, which for DSpark also
+        # holds the frozen copies of the target's embedding and lm_head (borrowed, not state).
+        drafter.load_state_dict({k: v for k, v in resume.drafter_state.items()
+                                 if k not in dspark_format.FROZEN_KEYS})
     elif dcfg.init_from:
         drafter = load_drafter(dcfg.init_from, objective)
     else:
