@@ -8,6 +8,7 @@ import time
 from typing import Sequence
 
 from dflash_core.units import GiB as GIB  # one definition of the unit
+from dflash_core.units import size_text
 
 _SPARK = "▁▂▃▄▅▆▇█"
 _EIGHTHS = " ▏▎▍▌▋▊▉"
@@ -15,10 +16,8 @@ _EXC_PREFIX = re.compile(r"^[\w.]+(Error|Exception): ")
 
 
 def gib(n: float) -> str:
-    """Bytes as GiB with one decimal: 80.1G. Small values keep a unit that still says something."""
-    if n >= GIB / 10 or n == 0:
-        return f"{n / GIB:.1f}G"
-    return f"{n / 1024**2:.0f}M"
+    """Bytes in a narrow column: 80.1G, or 300M for a small size (units.size_text)."""
+    return size_text(n, short=True)
 
 
 def duration(seconds: float | None) -> str:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dflash_core.units import GiB
+from dflash_core.units import size_text
 
 MASTER_BYTES = 4  # the replicas train in float32: the master weights
 # Optimizer state per parameter entry, by optim.name: (entry of a 2-D weight matrix, any other
@@ -126,10 +126,4 @@ def keep_that_fits(size: int, free: int, planned: int, existing: int, best: bool
     return fits
 
 
-def gib(n: int) -> str:
-    """Sizes in the log: GiB with one decimal, smaller ones in MiB or KiB so they are not 0.0."""
-    if n >= GiB // 10:
-        return f"{n / GiB:.1f} GiB"
-    if n >= 1 << 20:
-        return f"{n / (1 << 20):.1f} MiB"
-    return f"{n / 1024:.1f} KiB"
+gib = size_text  # the name its importers know (units.size_text is the one formatter)
