@@ -10,6 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from dflash_core import demo
+from dflash_core.demo import target_cache
 from dflash_core.config import ConfigError, config_from_dict
 from dflash_core.data import BatchStream, ShardedDataset, split_eval
 from dflash_core.data.byte_vocab import decode
@@ -99,7 +100,7 @@ def test_cached_target_is_reused_and_keyed_by_version(demo_target, dflash_cache,
     assert demo.ensure_tiny_target(dflash_cache) == demo_target
     assert time.monotonic() - t < 2.0  # no rebuild
     assert demo.DEMO_VERSION in demo_target.name
-    monkeypatch.setattr(demo, "DEMO_VERSION", "tiny-v0-test")
+    monkeypatch.setattr(demo.recipe, "DEMO_VERSION", "tiny-v0-test")
     assert demo.tiny_target_key() != demo_target.name
 
 
@@ -246,14 +247,14 @@ def test_nodes_installing_the_target_at_once_all_get_one_complete_copy(tmp_path,
     src.mkdir(parents=True)
     (src / "model.safetensors").write_bytes(b"w" * 1000)
     (src / demo.META_NAME).write_text('{"version": "new"}')
-    monkeypatch.setattr(demo, "ensure_tiny_target", lambda cache_dir, progress: src)
+    monkeypatch.setattr(target_cache, "ensure_tiny_target", lambda cache_dir, progress: src)
     both_copied = threading.Barrier(2, timeout=10)
     real_copytree = shutil.copytree
 
     def copytree(a, b):
         real_copytree(a, b)
         both_copied.wait()
-    monkeypatch.setattr(demo.shutil, "copytree", copytree)
+    monkeypatch.setattr(target_cache.shutil, "copytree", copytree)
     run_dir = tmp_path / "runs" / "mn"
     for old in (None, '{"version": "old"}'):
         if old:  # an earlier demo version's copy is in place
