@@ -131,7 +131,8 @@ def _check(cfg: Config) -> None:
     for key, ids in (("layout.targets", cfg.layout.targets),
                      ("layout.drafters", cfg.layout.drafters)):
         if len(set(ids)) != len(ids):
-            raise ConfigError(key, f"repeats a device: {ids}", hint=f"list each device once in {key}")
+            raise ConfigError(key, f"repeats a device: {ids}",
+                              hint=f"list each device once in {key}")
         if any(i < 0 for i in ids):
             raise ConfigError(key, f"device indices must be >= 0, got {ids}",
                               hint=f"list GPU indices (0, 1, ...) in {key}")

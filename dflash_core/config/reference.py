@@ -76,8 +76,9 @@ def keys_markdown() -> str:
         if name != section:
             section = name
             doc = " ".join((spec.section.__doc__ or "").split())
-            out += [""] * (out[-1] != "") + [f"## {name}", "", doc, "", "| key | default | allowed | what it does |",
-                    "|---|---|---|---|"]
+            out += [""] * (out[-1] != "") + [f"## {name}", "", doc, "",
+                                             "| key | default | allowed | what it does |",
+                                             "|---|---|---|---|"]
         cells = [f"`{spec.path}`", f"`{default_text(spec.default)}`", allowed(spec), spec.doc]
         out.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return "\n".join(out) + "\n"
