@@ -220,3 +220,20 @@ def test_the_same_data_at_another_path_resumes_saying_it_moved(tmp_path, assets,
     assert any(f"the data moved from {done_run / 'data'} to {moved}; the same data" in m.message
                for m in rec.of(Log))
     assert [m.step for m in rec.of(StepMetrics)] == [7]
+
+
+def test_a_damaged_checkpoint_as_drafter_init_from_is_refused_at_preflight(done_run, tmp_path,
+                                                                          assets):
+    run_dir, data = copy_run(done_run, tmp_path)
+    init = run_dir / "checkpoints" / "step-3"
+    flip_bit(init / "model.safetensors")
+    target, _ = assets
+    cfg = make_config(tmp_path, target, data, run__name="from-damaged",
+                      drafter__init_from=str(init))
+    engine = Engine(cfg)
+    rec = run_to_end(engine)
+    engine.shutdown()
+    assert rec.of(RunEnded)[0].status == "failed" and not rec.of(StepMetrics)
+    (err,) = [e for e in rec.of(Error) if e.fatal]
+    assert err.error_kind == "config" and "drafter.init_from" in err.message
+    assert "is damaged: model.safetensors does not match its checksum" in err.message
