@@ -9,6 +9,7 @@ import json
 
 from dflash_core.config import recipe_text
 from dflash_core.models import acceptance
+from dflash_core.models.dspark_calibration import Calibration
 from dflash_core.observe import events as ev
 from dflash_core.units import GiB as GIB
 
@@ -43,6 +44,15 @@ def _table(headers: list[str], rows: list[list]) -> str:
     head = "".join(f"<th>{_esc(h)}</th>" for h in headers)
     body = "".join("<tr>" + "".join(f"<td>{_esc(c)}</td>" for c in row) + "</tr>" for row in rows)
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def _loss_terms(step) -> str:
+    """DSpark's loss terms of a step ("ce 2.1250, tv 0.7500, conf 0.5000"); "" for DFlash."""
+    if step is None:
+        return ""
+    got = [(name, getattr(step, key, -1.0)) for name, key in (
+        ("ce", "loss_ce"), ("tv", "loss_tv"), ("conf", "loss_conf"))]
+    return ", ".join(f"{name} {v:.4f}" for name, v in got if v >= 0)
 
 
 def _fmt(x, spec: str = ".4g") -> str:
@@ -151,6 +161,7 @@ def render_html(data: RunData, source: str = "") -> str:
         ["step", f"{last.step}" + (f" of {total}" if total else "") if last else "-"],
         ["epoch", last.epoch if last else "-"],
         ["latest loss", _fmt(last.loss if last else None)],
+        *([["latest loss terms", terms]] if (terms := _loss_terms(last)) else []),
         ["latest teacher-forced tau", _fmt(last.tau_tf if last else None)],
         ["latest exact tau", f"{data.last_eval.tau:.4f} at step {data.last_eval.step}"
          if data.last_eval else "-"],
@@ -272,8 +283,10 @@ def render_html(data: RunData, source: str = "") -> str:
     # -- acceptance
     add('<h2 id="acceptance">Acceptance (latest evaluation)</h2>')
     if data.last_eval:
+        cal = Calibration.from_dict(getattr(data.last_eval, "calibration", None))
         add(_table(["measure", f"step {data.last_eval.step}", "what it is"],
-                   acceptance.report_rows(data.last_eval)))
+                   acceptance.report_rows(data.last_eval)
+                   + (acceptance.calibration_rows(cal) if cal is not None else [])))
     if data.last_eval and data.last_eval.acceptance:
         add(f'<div class="small">{P.acceptance_plot(plots, data.last_eval)}</div>')
         add(_table(["accepted tokens"] + [str(k) for k in range(len(data.last_eval.acceptance))],

@@ -1,5 +1,5 @@
-"""Step numbers (loss, lr, grad norm, tokens/s, samples/s, teacher-forced tau, last evaluated tau),
-where the drafters' time goes, above a plot of the loss history."""
+"""Step numbers (loss, lr, grad norm, tokens/s, samples/s, teacher-forced tau, last evaluated tau;
+DSpark's three loss terms), where the drafters' time goes, above a plot of the loss history."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from textual.app import ComposeResult
 from textual.widgets import Sparkline, Static
 
 from dflash_core.models import acceptance
+from dflash_core.models.dspark_calibration import Calibration
 
 from .. import fmt
 from ..state import DashboardState
@@ -49,6 +50,8 @@ class TrainingPanel(Panel):
         room = max(1, height - len(evals) - 2)
         main = pack_first([
             (0, field("loss", f"{st.loss:.4f}", "bold green")),
+            # DSpark: its loss's terms (cross-entropy, total variation, confidence)
+            *[(3, field(name, f"{v:.3f}")) for name, v in loss_terms(st)],
             (2, field("lr", f"{st.lr:.2e}")),
             (3, field("grad", f"{st.grad_norm:.3f}")),
             (1, field("tok/s", fmt.rate(st.tokens_per_s))),
@@ -69,6 +72,13 @@ class TrainingPanel(Panel):
                     ("step", "step"))], width))
         lines += evals
         return Text("\n").join(lines)
+
+
+def loss_terms(st) -> list[tuple[str, float]]:
+    """(label, value) of a DSpark step's loss terms: ce, tv, conf; [] for DFlash."""
+    got = [(name, getattr(st, key, -1.0)) for name, key in (
+        ("ce", "loss_ce"), ("tv", "loss_tv"), ("conf", "loss_conf"))]
+    return [(name, v) for name, v in got if v >= 0]
 
 
 def loss_caption(hist, width: int) -> str:
@@ -127,6 +137,16 @@ def eval_lines(s: DashboardState, width: int) -> list[Text]:
         more.append(Text(f"  {kind}", style="bold white on red"))
     if more:
         lines.append(Text.assemble(*more))
+    cal = Calibration.from_dict(getattr(e, "calibration", None)) if e is not None else None
+    if cal is not None:
+        # the confidence head (DSpark): per slot expected / observed, ECE, tau at each budget
+        # ECE and tau@k first: on a narrow panel the per-slot list is what the cut takes
+        fields = acceptance.calibration_fields(cal)
+        parts = []
+        for label, value in fields[1:] + fields[:1]:
+            parts += [Text(f"{label} ", style="dim"), Text(value), Text("  ")]
+        if parts:
+            lines.append(Text.assemble(*parts[:-1]))
     return [_cut(line, width) for line in lines]
 
 
