@@ -48,7 +48,7 @@ from dflash_core.models.drafter import DFlashDrafter  # noqa: E402
 from dflash_core.models.evaluate import evaluate_tau, target_fn_for  # noqa: E402
 from dflash_core.models.target import HF_BUILD_LOCK, load_target  # noqa: E402
 from dflash_core.persist import checkpoint as ckpt  # noqa: E402
-from dflash_core.pipeline.run import eval_prompts  # noqa: E402
+from dflash_core.pipeline.evaluation import eval_prompts  # noqa: E402
 
 LOSSES = ("dflash", "dpace")
 OPTIMS = ("adamw", "muon")

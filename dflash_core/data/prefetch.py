@@ -24,12 +24,14 @@ class Prefetcher:
 
     def __init__(self, source: Iterable[Any], capacity: int, *, pin: bool = False,
                  on_depth: Callable[[int, int], None] | None = None, name: str = "prefetch",
-                 stop: threading.Event | None = None, depth_interval: float = 0.2,
+                 stop: threading.Event | None = None,
                  start: bool = True, beat: Callable[[str], None] | None = None,
                  prepare: Callable[[Any], Any] | None = None):
         """``prepare(item)``: more work on each item in the loader thread, before pinning (the
         drafter's anchors and labels). ``beat(phase)``: called from the loader thread at each sign of progress (a batch
-        read, a slice of waiting for room), for the engine's stall watchdog."""
+        read, a slice of waiting for room), for the engine's stall watchdog. ``on_depth(depth,
+        capacity)``: called at each put and take, from either thread (the engine's reporter
+        decides which to publish: pipeline/queue_depth.py)."""
         if capacity <= 0:
             raise ValueError(f"capacity must be > 0, got {capacity}")
         self.capacity = capacity
@@ -42,9 +44,6 @@ class Prefetcher:
         self._pin = pin
         self._prepare = prepare
         self._on_depth = on_depth
-        self._depth_interval = depth_interval
-        self._last_report = (-1, 0.0)
-        self._report_lock = threading.Lock()
         self._beat = beat or (lambda phase: None)
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         if start:
@@ -136,16 +135,8 @@ class Prefetcher:
     def _report(self) -> None:
         if self._on_depth is None:
             return
-        depth, now = self.queue.qsize(), time.monotonic()
-        with self._report_lock:
-            last_depth, last_t = self._last_report
-            # rate-limited, but empty and full (the states an operator cares about) always show
-            edge = depth in (0, self.capacity) and depth != last_depth
-            if not edge and (depth == last_depth or now - last_t < self._depth_interval):
-                return
-            self._last_report = (depth, now)
         try:
-            self._on_depth(depth, self.capacity)
+            self._on_depth(self.queue.qsize(), self.capacity)
         except Exception:
             pass  # telemetry must never stop the data flowing
 

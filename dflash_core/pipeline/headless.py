@@ -22,7 +22,7 @@ from dflash_core.observe.sinks.textlog import LineThrottle, format_event
 
 # After SIGINT / SIGTERM before training (nothing to checkpoint yet), how long the run may take to
 # end before the process leaves without its stuck threads. From warm-up on, the engine itself
-# gives up on a stuck worker (engine.GIVE_UP_S) and skips the checkpoint it cannot trust.
+# gives up on a stuck worker (supervisor.GIVE_UP_S) and skips the checkpoint it cannot trust.
 ABANDON_S = 5.0
 ABANDON_STATES = ("idle", "preflight", "loading")
 

@@ -1,5 +1,6 @@
 """The hidden-state queue: the bounded hand-off of (batch, features) from target workers to
-drafter workers, with its depth reports and the time each side spent waiting on the other."""
+drafter workers, with its depth reports (queue_depth.py) and the time each side spent waiting on
+the other."""
 
 from __future__ import annotations
 
@@ -11,10 +12,9 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from dflash_core.observe.events import HS_QUEUE, QueueDepth
+from dflash_core.observe.events import HS_QUEUE
+from dflash_core.pipeline.queue_depth import DepthReporter
 from dflash_core.pipeline.workers import POLL_S, Stopped
-
-REPORT_EVERY_S = 0.2  # depth reports are coalesced: a screen needs a few a second
 
 
 class Handoff(NamedTuple):
@@ -46,13 +46,12 @@ class HiddenStateQueue:
         self._arrivals = itertools.count()  # ties (items without a batch) leave in arrival order
         self.capacity = capacity
         self._producers = producers
-        self._publish = publish
+        self._depth = DepthReporter(HS_QUEUE, publish)
         self._stop = stop
         self._lock = threading.Lock()
         self._done = 0
         self._blocked = 0.0  # producers' time waiting for room, since the last take_waits()
         self._waited = 0.0  # consumers' time waiting for an item, likewise
-        self._reported = 0.0
         self._beat = beat or (lambda phase: None)
 
     def put(self, item) -> float:
@@ -66,7 +65,7 @@ class HiddenStateQueue:
                 self._q.put((plan_position(item), next(self._arrivals), item), timeout=POLL_S)
                 break
             except queue.Full:
-                self._report()  # a full queue is news: a report dropped by coalescing goes out now
+                self._report()  # said again while it waits: the queues panel's history goes on
                 self._beat("waiting for room in the hs queue")
         blocked = time.monotonic() - t
         with self._lock:
@@ -114,8 +113,4 @@ class HiddenStateQueue:
                 return
 
     def _report(self) -> None:
-        now = time.monotonic()
-        if now - self._reported >= REPORT_EVERY_S:
-            self._reported = now
-            self._publish(QueueDepth(name=HS_QUEUE, depth=self._q.qsize(),
-                                     capacity=self.capacity))
+        self._depth(self._q.qsize(), self.capacity)

@@ -16,6 +16,7 @@ from dflash_core.observe.events import (
 )
 from dflash_core.persist import async_writer, safetensors_io
 from dflash_core.persist import checkpoint as ckpt
+from dflash_core.pipeline import checkpointing
 from dflash_core.pipeline import run as run_mod
 from dflash_core.pipeline.engine import Engine
 
@@ -180,7 +181,7 @@ def writer_processes() -> list:
 def test_a_writer_killed_during_a_periodic_checkpoint_is_reported_and_the_run_goes_on(
         tmp_path, assets, monkeypatch):
     # The tiny checkpoints are written by threads unless told otherwise.
-    monkeypatch.setattr(run_mod, "PROCESS_WRITER_BYTES", 0)
+    monkeypatch.setattr(checkpointing, "PROCESS_WRITER_BYTES", 0)
     monkeypatch.setattr(async_writer, "writer_main", writer_targets.writer_stuck_at_step_4)
     cfg = long_config(tmp_path, assets, run__max_steps=8, checkpoint__every=2,
                       checkpoint__keep=2)

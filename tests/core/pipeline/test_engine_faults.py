@@ -366,9 +366,9 @@ def test_abort_inside_a_long_drafter_step_waits_for_one_micro_group(tmp_path, as
 
 def test_no_checkpoint_while_a_drafter_that_ignores_stop_is_still_running(tmp_path, assets,
                                                                           monkeypatch):
-    import dflash_core.pipeline.engine as engine_mod
+    import dflash_core.pipeline.supervisor as supervisor_mod
 
-    monkeypatch.setattr(engine_mod, "GIVE_UP_S", 1.0)
+    monkeypatch.setattr(supervisor_mod, "GIVE_UP_S", 1.0)
     original, stuck, release = DrafterReplica.accumulate, threading.Event(), threading.Event()
 
     def stuck_step(self, *args, **kwargs):  # a hung kernel: deaf to the stop flag

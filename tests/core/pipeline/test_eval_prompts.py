@@ -3,7 +3,7 @@ never inside a user's turn; (c)'s held-out samples start their scored part at th
 
 import numpy as np
 
-from dflash_core.pipeline.run import eval_prompts, heldout_samples
+from dflash_core.pipeline.evaluation import eval_prompts, heldout_samples
 
 
 class Samples:

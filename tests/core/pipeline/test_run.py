@@ -8,7 +8,7 @@ import torch
 
 from dflash_core.persist import checkpoint as ckpt
 from dflash_core.models import objective
-from dflash_core.pipeline import run as run_mod
+from dflash_core.pipeline import checkpointing, evaluation
 from dflash_core.observe.events import Checkpoint, Error, EvalResult, Log, StepMetrics
 
 from ..engine_fixtures import assets, make_config, run_config  # noqa: F401 - assets is a fixture
@@ -47,7 +47,7 @@ Usage = namedtuple("Usage", "total used free")
 
 def test_a_checkpoint_that_cannot_fit_is_skipped_and_said_so(tmp_path, assets, monkeypatch):
     free = [10 * 2**30]
-    monkeypatch.setattr(run_mod.shutil, "disk_usage", lambda p: Usage(free[0] * 2, 0, free[0]))
+    monkeypatch.setattr(checkpointing.shutil, "disk_usage", lambda p: Usage(free[0] * 2, 0, free[0]))
     real_begin = ckpt.begin_save
 
     def begin(*args, **kwargs):
@@ -78,10 +78,10 @@ def test_exact_tau_far_below_teacher_forced_on_the_same_text_is_the_mismatch_war
 
     # an evaluation that accepts nothing, as a wrong mask token or layer ids would give; the
     # teacher-forced taus are what they are made to be
-    monkeypatch.setattr(run_mod, "evaluate_tau", lambda t, d, prompts, n, *a, **k: EvalSummary(
+    monkeypatch.setattr(evaluation, "evaluate_tau", lambda t, d, prompts, n, *a, **k: EvalSummary(
         tau=0.5, acceptance=[8], prompts=len(prompts), tokens=8,
         outputs=[[1, 2, 3, 4] for _ in prompts]))
-    monkeypatch.setattr(run_mod, "teacher_forced_eval", lambda *a, **k: (2.0, 10))
+    monkeypatch.setattr(evaluation, "teacher_forced_eval", lambda *a, **k: (2.0, 10))
     target, data = assets
     for warn_at, warned in ((1.4, True), (1.5, False)):
         cfg = make_config(tmp_path, target, data, run__name=f"gap-{warn_at}", run__max_steps=3,
@@ -104,7 +104,7 @@ def test_the_evaluation_decodes_uncompiled_and_training_keeps_its_attention(tmp_
     # (NoValidChoicesError); the evaluation uses the uncompiled attention, training its own.
     from dflash_core.models.drafter import DFlashDrafter
 
-    real = run_mod.evaluate_tau
+    real = evaluation.evaluate_tau
     seen_in_eval, seen_in_training = [], set()
 
     def evaluate(target_fn, drafter, *args, **kwargs):
@@ -118,7 +118,7 @@ def test_the_evaluation_decodes_uncompiled_and_training_keeps_its_attention(tmp_
             seen_in_training.add(self.attn_impl)
         return forward(self, *args, **kwargs)
 
-    monkeypatch.setattr(run_mod, "evaluate_tau", evaluate)
+    monkeypatch.setattr(evaluation, "evaluate_tau", evaluate)
     monkeypatch.setattr(DFlashDrafter, "forward", training_forward)
     target, data = assets
     cfg = make_config(tmp_path, target, data, run__max_steps=4, eval__every=2)
@@ -140,7 +140,7 @@ def test_an_evaluation_that_fails_for_another_reason_is_not_retried(tmp_path, as
         calls.append(1)
         raise ValueError("a bug in the evaluation")
 
-    monkeypatch.setattr(run_mod, "evaluate_tau", evaluate)
+    monkeypatch.setattr(evaluation, "evaluate_tau", evaluate)
     target, data = assets
     cfg = make_config(tmp_path, target, data, run__max_steps=2, eval__every=2)
     end, rec = run_config(cfg)
@@ -152,7 +152,7 @@ def test_with_eval_cache_the_runs_evaluation_decodes_with_the_cache_and_gets_the
         tmp_path, assets, monkeypatch):
     from dflash_core.models.evaluate import target_fn_for
 
-    real, compared = run_mod.evaluate_tau, []
+    real, compared = evaluation.evaluate_tau, []
 
     def evaluate(target_fn, drafter, *args, **kwargs):
         cached = real(target_fn, drafter, *args, **kwargs)
@@ -160,7 +160,7 @@ def test_with_eval_cache_the_runs_evaluation_decodes_with_the_cache_and_gets_the
         compared.append((target_fn.cache, cached.outputs == full.outputs, cached.tau, full.tau))
         return cached
 
-    monkeypatch.setattr(run_mod, "evaluate_tau", evaluate)
+    monkeypatch.setattr(evaluation, "evaluate_tau", evaluate)
     target, data = assets
     cfg = make_config(tmp_path, target, data, run__max_steps=2, eval__every=2, eval__cache=True)
     end, rec = run_config(cfg)

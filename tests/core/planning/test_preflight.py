@@ -198,7 +198,7 @@ def test_the_checkpoint_size_is_what_a_checkpoint_holds(tmp_path, assets):
 
     from dflash_core.persist import checkpoint as ckpt
     from dflash_core.persist import checkpoint_size
-    from dflash_core.pipeline.run import Run
+    from dflash_core.pipeline.checkpointing import checkpoint_bytes
 
     target, data = assets
     cfg = make_config(tmp_path, target, data, run__max_steps=3, data__eval_prompts=0,
@@ -215,9 +215,8 @@ def test_the_checkpoint_size_is_what_a_checkpoint_holds(tmp_path, assets):
                                  and not k.endswith("/step"))
     # the run's own disk check counts the drafter it built the same way
     loaded = ckpt.load_checkpoint(folder)
-    run = Run(config=cfg, replicas=[SimpleNamespace(
-        drafter=SimpleNamespace(state_dict=lambda: loaded.drafter_state))])
-    assert run.checkpoint_bytes() == size
+    drafter = SimpleNamespace(state_dict=lambda: loaded.drafter_state)
+    assert checkpoint_bytes(drafter, getattr(torch, cfg.drafter.dtype), cfg.optim.name) == size
     (said,) = [e.message for e in rec.of(Log) if e.message.startswith("checkpoints: a checkpoint")]
     # one run of 3 steps writes one checkpoint: nothing else to keep or write beside it
     assert said.startswith(f"checkpoints: a checkpoint is {checkpoint_size.gib(size)}; "
