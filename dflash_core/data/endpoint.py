@@ -134,19 +134,27 @@ class Endpoint:
         data = json.dumps(body).encode() if body is not None else None
         limit = timeout_s or self.timeout_s
         deadline = time.monotonic() + limit
-        try:
-            c = self._conn()
-            c.timeout = limit  # the connect's, when this request opens the socket
-            if c.sock is not None:  # a kept-alive socket: its last read left a shorter timeout
-                c.sock.settimeout(limit)
-            c.request(method, self.base + path, body=data, headers=self.headers)
-            status, raw = self._read_by(c, deadline)
-        except (socket.timeout, TimeoutError) as exc:
-            self._drop()  # the server may still answer on this socket: never reuse it
-            raise RequestFailed("timeout", f"no whole answer within {limit:g} s", True) from exc
-        except (OSError, http.client.HTTPException) as exc:
-            self._drop()
-            raise RequestFailed("connection", f"{type(exc).__name__}: {exc}", True) from exc
+        for fresh in (False, True):
+            try:
+                c = self._conn()
+                kept = c.sock is not None
+                c.timeout = limit  # the connect's, when this request opens the socket
+                if kept:  # a kept-alive socket: its last read left a shorter timeout
+                    c.sock.settimeout(limit)
+                c.request(method, self.base + path, body=data, headers=self.headers)
+                status, raw = self._read_by(c, deadline)
+                break
+            except (socket.timeout, TimeoutError) as exc:
+                self._drop()  # the server may still answer on this socket: never reuse it
+                raise RequestFailed("timeout", f"no whole answer within {limit:g} s",
+                                    True) from exc
+            except (OSError, http.client.HTTPException) as exc:
+                self._drop()
+                if kept and not fresh:
+                    # A kept-alive socket the server closed (it restarted, or timed the socket
+                    # out): once more on a new one, as HTTP clients do; no retry is spent.
+                    continue
+                raise RequestFailed("connection", f"{type(exc).__name__}: {exc}", True) from exc
         if status >= 400:
             retry = status == 429 or status >= 500
             raise RequestFailed(f"http_{status}", error_text(raw), retry, status)

@@ -5,6 +5,7 @@ as real servers do (a status and the server's words), and to go down and come ba
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -44,15 +45,19 @@ class CannedServer:
     """``answers``: the bodies of the first requests' answers, in order (a dict is sent as
     JSON, bytes as they are, a ``Reply`` with its status); later requests get ``answer(body)``
     (``echo``). ``models``: the answer to ``GET /v1/models``. ``bodies``: every request's
-    body. ``go_down`` / ``come_back``: connections refused meanwhile, then the same port."""
+    body. ``go_down`` / ``come_back``: open connections closed and new ones refused meanwhile,
+    then the same port. ``keep_alive``: HTTP/1.1 connections kept open, as real servers."""
 
     def __init__(self, answers: list | None = None,
-                 answer: Callable[[dict], object] = echo, models=None, delay_s: float = 0.0):
+                 answer: Callable[[dict], object] = echo, models=None, delay_s: float = 0.0,
+                 keep_alive: bool = False):
         self.answers = list(answers or [])
         self.models = models if models is not None else {
             "object": "list", "data": [{"id": MODEL, "object": "model"}]}
         self.answer = answer
         self.delay_s = delay_s
+        self.keep_alive = keep_alive
+        self._conns: set = set()
         self.requests = 0
         self.bodies: list[dict] = []
         self._lock = threading.Lock()
@@ -64,6 +69,18 @@ class CannedServer:
         server = self
 
         class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1" if server.keep_alive else "HTTP/1.0"
+
+            def setup(self):
+                super().setup()
+                with server._lock:
+                    server._conns.add(self.connection)
+
+            def finish(self):
+                with server._lock:
+                    server._conns.discard(self.connection)
+                super().finish()
+
             def log_message(self, *a):
                 pass
 
@@ -105,6 +122,14 @@ class CannedServer:
             self._httpd.shutdown()
             self._httpd.server_close()
             self._httpd = None
+        with self._lock:  # a killed server's kept-alive connections die with it
+            conns, self._conns = list(self._conns), set()
+        for c in conns:
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+                c.close()
+            except OSError:
+                pass
 
     @property
     def url(self) -> str:

@@ -166,8 +166,11 @@ def _wait_for(cond, limit=20.0):
         time.sleep(0.01)
 
 
+@pytest.mark.parametrize("keep_alive", [False, True])
 def test_an_endpoint_that_goes_down_is_waited_for_without_spending_retries(
-        tmp_path, capsys, monkeypatch):
+        tmp_path, capsys, monkeypatch, keep_alive):
+    """keep_alive: the sockets the workers kept are dead once the server is back; a request
+    on one is sent again on a new socket, not counted as a failure."""
     lines = []
 
     class Recording(regen._Progress):
@@ -176,7 +179,7 @@ def test_an_endpoint_that_goes_down_is_waited_for_without_spending_retries(
             lines.append(self.line())
 
     monkeypatch.setattr(regen, "_Progress", Recording)
-    with CannedServer(delay_s=0.02) as srv:
+    with CannedServer(delay_s=0.02, keep_alive=keep_alive) as srv:
         t, box = _run_in_thread(_opts(_src(tmp_path, n=30), tmp_path / "a", srv.url,
                                       concurrency=2, retries=0, backoff_s=0.05, progress=True))
         _wait_for(lambda: srv.requests >= 6)
