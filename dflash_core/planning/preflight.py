@@ -9,22 +9,43 @@ weight loads.
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import json
+import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
+import psutil
 import torch
+from transformers import AutoTokenizer
 
+from dflash_core import demo
+from dflash_core.config import Config, ConfigError, key_value, set_key_value
+from dflash_core.data import BatchStream, ShardedDataset, split_eval
+from dflash_core.data.byte_vocab import byte_tokenizer
+from dflash_core.data.chat_render import template_fingerprint, tokenizer_fingerprint
+from dflash_core.data.manifest import check_data_folder, read_manifest
+from dflash_core.models import drafter_kinds
+from dflash_core.models.model_shape import model_shape
+from dflash_core.models.optimizers import muon_class
+from dflash_core.models.target import (
+    REMOTE_CODE_HINT, causal_lm_class, default_layer_ids, needs_remote_code, remote_code_refusal,
+)
+from dflash_core.models.trainer import epoch_steps_for, total_steps_for
+from dflash_core.observe.events import Event, Log, MemoryPlan
+from dflash_core.observe.sinks.wandb_sink import validate_wandb_settings
+from dflash_core.persist import checkpoint as ckpt
+from dflash_core.persist import checkpoint_size as size_of
 from dflash_core.persist.build_cache import Progress
 from dflash_core.persist.checkpoint import verify
-from dflash_core.config import Config, ConfigError, key_value, set_key_value
-from dflash_core.observe.events import Event, Log, MemoryPlan
-from dflash_core.models.model_shape import model_shape
 from dflash_core.planning.card_budget import card_budget, limit_bytes
-from dflash_core.units import GiB
+from dflash_core.planning.memory import fit_sizes, plan_memory, quant_method, target_weight_bytes
+from dflash_core.planning.memory_report import format_overflow, format_plan
+from dflash_core.units import size_text
 
 MIN_FREE_DISK = 64 << 20  # the demo's assets and the run's records need this much to start
 
@@ -76,19 +97,13 @@ def prepare(cfg: Config, run_dir: Path, tdev: list[torch.device], ddev: list[tor
     """``nodes``: the nodes of the run, each with the drafters of ``ddev`` (the steps of the
     plan count every node's drafters). ``checkpoints``: this process writes the run's
     checkpoints (one node, or node 0 of several), so its disk must hold them."""
-    from dflash_core.data import BatchStream, ShardedDataset, split_eval
-    from dflash_core.models.trainer import epoch_steps_for, total_steps_for
-
     free = shutil.disk_usage(run_dir).free
     if free < MIN_FREE_DISK:
-        from dflash_core.persist.checkpoint_size import gib
-        raise ConfigError("run.output_dir", f"only {gib(free)} free in {run_dir}",
+        raise ConfigError("run.output_dir", f"only {size_text(free)} free in {run_dir}",
                           hint="free disk space or point run.output_dir elsewhere")
     if cfg.optim.name == "muon":  # before tens of GB of weights load, not at the first step
-        from dflash_core.models.optimizers import muon_class
         muon_class()
     if cfg.wandb.enabled:
-        from dflash_core.observe.sinks.wandb_sink import validate_wandb_settings
         validate_wandb_settings(cfg.wandb.settings)
 
     def warn(message: str) -> None:
@@ -128,9 +143,6 @@ def check_checkpoint_disk(cfg: Config, hf_config: dict, run_dir: Path, total_ste
     """Say what the run's checkpoints take (served weights, float32 master weights, optimizer
     state; checkpoint.keep of them plus the one being written) against the free space under the
     run folder; refuse a run whose checkpoints cannot fit, naming a checkpoint.keep that does."""
-    from dflash_core.persist import checkpoint as ckpt
-    from dflash_core.persist import checkpoint_size as size_of
-
     params, matrices = size_of.drafter_counts(cfg, hf_config)
     size = size_of.checkpoint_bytes(params, matrices, getattr(torch, cfg.drafter.dtype).itemsize,
                                     cfg.optim.name, size_of.frozen_count(cfg, hf_config))
@@ -139,14 +151,14 @@ def check_checkpoint_disk(cfg: Config, hf_config: dict, run_dir: Path, total_ste
     best = bool(cfg.eval.every and cfg.data.eval_prompts)
     need = size_of.disk_need(size, cfg.checkpoint.keep, planned, existing, best)
     free = shutil.disk_usage(run_dir).free
-    said = f"{need.describe()}; {size_of.gib(free)} free under {run_dir}"
+    said = f"{need.describe()}; {size_text(free)} free under {run_dir}"
     if free >= need.bytes:
         publish(Log(level="info", source="preflight", message=f"checkpoints: {said}"))
         return
     keep = size_of.keep_that_fits(size, free, planned, existing, best)
     if keep:
         hint = (f"set checkpoint.keep: {keep} (needs "
-                f"{size_of.gib(size_of.disk_need(size, keep, planned, existing, best).bytes)}),"
+                f"{size_text(size_of.disk_need(size, keep, planned, existing, best).bytes)}),"
                 " free disk space, or point run.output_dir at a disk with room")
     else:
         hint = "free disk space, or point run.output_dir at a disk with room"
@@ -172,8 +184,6 @@ def check_target_code(cfg: Config, hf_config: dict, target_path: Path) -> None:
     """A target that needs the Python files of its own folder (config.json ``auto_map``, a model
     type transformers does not know) is refused unless target.trust_remote_code allows them:
     transformers would otherwise ask on the terminal, or fail at load."""
-    from dflash_core.models.target import REMOTE_CODE_HINT, needs_remote_code, remote_code_refusal
-
     if needs_remote_code(hf_config) and not cfg.target.trust_remote_code:
         raise ConfigError("target.trust_remote_code", remote_code_refusal(hf_config, target_path),
                           hint=REMOTE_CODE_HINT)
@@ -200,8 +210,6 @@ def choose_attention(cfg: Config, hf_config: dict, say: Callable[[str], None]) -
     without it (gpt-oss: SDPA has no attention sinks) becomes eager, which every class runs, and
     ``say`` says so; any other is refused with the ones that work. flash_attention_2 needs CUDA
     and the flash_attn package. A model of remote code is left to its code."""
-    from dflash_core.models.target import causal_lm_class
-
     wanted = cfg.target.attn_implementation
     model_class = causal_lm_class(hf_config)
     if model_class is None or wanted not in KNOWN_ATTENTION:
@@ -213,8 +221,6 @@ def choose_attention(cfg: Config, hf_config: dict, say: Callable[[str], None]) -
         # model's own.
         choices = [c for c in choices if c not in ("flash_attention_2", "flash_attention_3")]
     if wanted == "flash_attention_2" and "flash_attention_2" in choices:
-        import importlib.util
-
         on_cpu = cfg.layout.device == "cpu" or not torch.cuda.is_available()
         if on_cpu or importlib.util.find_spec("flash_attn") is None:
             raise ConfigError("target.attn_implementation", "flash_attention_2 needs CUDA and "
@@ -248,10 +254,6 @@ def quantized_weights(cfg: Config, hf_config: dict,
     FP8 block-wise weights on a CUDA GPU of compute capability 8.9+ and MXFP4 (gpt-oss) experts
     with triton >= 3.4 and the kernels package; elsewhere it dequantizes them as it loads, to the
     dtype the target runs in. Both need accelerate: without it the load would fail, so refused."""
-    import importlib.util
-
-    from dflash_core.persist.checkpoint_size import gib
-    from dflash_core.planning.memory import quant_method, target_weight_bytes
 
     method = quant_method(hf_config)
     if not method:
@@ -261,7 +263,7 @@ def quantized_weights(cfg: Config, hf_config: dict,
     plain = target_weight_bytes(hf_config, dtype)
     if method not in ("fp8", "mxfp4"):
         return False, (f"target: weights quantized with {method}: the memory plan counts them "
-                       f"as {dtype} ({gib(plain)}), an upper bound")
+                       f"as {dtype} ({size_text(plain)}), an upper bound")
     if importlib.util.find_spec("accelerate") is None:
         raise ConfigError("target.path", f"the target's weights are quantized ({method}): "
                           "transformers loads such checkpoints only with the accelerate package",
@@ -271,10 +273,10 @@ def quantized_weights(cfg: Config, hf_config: dict,
     why = _quantized_cannot_run(method, tdev)
     if why is None:
         return True, (f"target: {label} weights (quant_method {method}) stay as stored: "
-                      f"{gib(stored)} ({gib(plain)} in {dtype})")
+                      f"{size_text(stored)} ({size_text(plain)} in {dtype})")
     return False, (f"target: the checkpoint's {label} weights cannot run here ({why}): "
-                   f"transformers dequantizes them to {dtype} as it loads, {gib(plain)} instead of "
-                   f"{gib(stored)}; the memory plan counts {dtype}")
+                   f"transformers dequantizes them to {dtype} as it loads, {size_text(plain)} "
+                   f"instead of {size_text(stored)}; the memory plan counts {dtype}")
 
 
 def _quantized_cannot_run(method: str, tdev: list[torch.device]) -> str | None:
@@ -299,9 +301,6 @@ def _quantized_cannot_run(method: str, tdev: list[torch.device]) -> str | None:
 
 def _installed(package: str, at_least: tuple[int, ...] = ()) -> bool:
     """``package`` is installed, at version ``at_least`` or later (its leading numbers)."""
-    import importlib.metadata
-    import re
-
     try:
         version = importlib.metadata.version(package)
     except importlib.metadata.PackageNotFoundError:
@@ -326,8 +325,6 @@ def _read_target_config(target_path: Path) -> dict:
 
 
 def _check_target(cfg: Config, hf_config: dict) -> tuple[list[int], int]:
-    from dflash_core.models.target import default_layer_ids
-
     try:
         shape = model_shape(hf_config)
     except (ValueError, TypeError) as exc:
@@ -358,8 +355,6 @@ def check_dspark(cfg: Config, vocab: int) -> None:
     """drafter.objective dspark: its settings against the target's vocabulary (Markov rank,
     block size, gamma, loss weights), and D-PACE refused (its weights presuppose DFlash's
     unlabelled slot 0 and plain CE). One ConfigError naming the key."""
-    from dflash_core.models import drafter_kinds
-
     settings = drafter_kinds.dspark_settings(cfg)
     if settings is None:
         return
@@ -410,7 +405,6 @@ def _check_drafter_heads(cfg: Config, hf_config: dict) -> None:
 
 def _resolve_target(cfg: Config, run_dir: Path, demo_progress) -> Path:
     if cfg.target.path == "builtin:tiny":
-        from dflash_core import demo
         demo.ensure_tiny_target(progress=demo_progress("demo target"))
         return demo.install_target(run_dir)
     path = Path(cfg.target.path).expanduser()
@@ -424,7 +418,6 @@ def _resolve_target(cfg: Config, run_dir: Path, demo_progress) -> Path:
 def resolve_data(cfg: Config, target_path: Path, demo_progress) -> Path:
     """The data folder; the demo's data is generated by its target (or taken from the cache)."""
     if cfg.data.path == "builtin:demo":
-        from dflash_core import demo
         return demo.ensure_demo_data(target_path, progress=demo_progress("demo data"))
     return Path(cfg.data.path).expanduser()
 
@@ -433,21 +426,15 @@ def check_data_manifest(cfg: Config, data_path: Path, target_path: Path) -> None
     """Refuse a data folder whose prepare did not finish, or that was tokenized with another
     tokenizer or chat template than the target's (both fingerprints named). Data made otherwise
     (no manifest) is not checked."""
-    from dflash_core.data.manifest import check_data_folder, read_manifest
-
     manifest = read_manifest(data_path) if data_path.is_dir() else None
     fps = _target_fingerprints(cfg, target_path, manifest) if manifest else None
     check_data_folder(data_path, fps, f"the target {cfg.target.path}")
 
 
 def _target_fingerprints(cfg: Config, target_path: Path, manifest: dict) -> dict | None:
-    from dflash_core.data.chat_render import tokenizer_fingerprint, template_fingerprint
-
     if cfg.target.path == "builtin:tiny":
-        from dflash_core.data.byte_vocab import byte_tokenizer
         tok = byte_tokenizer()
     elif any((target_path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
-        from transformers import AutoTokenizer
         try:
             tok = AutoTokenizer.from_pretrained(str(target_path), local_files_only=True,
                                                 trust_remote_code=cfg.target.trust_remote_code)
@@ -468,9 +455,6 @@ def check_memory(cfg: Config, hf_config: dict, tdev, ddev, publish,
     """Publish the memory plan; refuse a run that cannot fit, naming the key the plan picks and
     the sizes that would fit. With layout.auto_fit, lower those sizes in ``cfg`` instead and
     return what was changed ({key: new value}). ``quantized``: quantized_weights' verdict."""
-    from dflash_core.planning.memory import fit_sizes, plan_memory
-    from dflash_core.planning.memory_report import format_overflow, format_plan
-
     free, total = {}, {}
     limit = limit_bytes(cfg.layout.gpu_memory_gib)
     for d in set(tdev) | set(ddev):
@@ -480,8 +464,6 @@ def check_memory(cfg: Config, hf_config: dict, tdev, ddev, publish,
             t = card_budget(t, limit)
             free[f"cuda:{d.index}"], total[f"cuda:{d.index}"] = min(f, t), t
         else:  # a CPU run plans against host memory (every role shares it: one "cpu" row)
-            import psutil
-
             vm = psutil.virtual_memory()
             free["cpu"], total["cpu"] = vm.available, vm.total
     plan = plan_memory(cfg, hf_config, free or None, total or None, quantized)
