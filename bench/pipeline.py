@@ -76,10 +76,10 @@ def fake_loader(light: bool = False):
             model = random_causal_lm(cfg, device=device, dtype=torch.bfloat16)
         if progress is not None:
             n = sum(p.numel() * p.element_size() for p in model.parameters())
-            progress(target_mod.LoadInfo(bytes_loaded=n, bytes_total=n, shards_loaded=1,
-                                         shards_total=1, seconds=time.perf_counter() - t, done=True,
-                                         memory_after=(torch.cuda.memory_allocated(device)
-                                                       if torch.device(device).type == "cuda" else 0)))
+            progress(bytes_loaded=n, bytes_total=n, shards_loaded=1, shards_total=1,
+                     seconds=time.perf_counter() - t, done=True,
+                     memory_after=(torch.cuda.memory_allocated(device)
+                                   if torch.device(device).type == "cuda" else 0))
         KEPT["model"] = target_mod.TargetModel(model)
         return KEPT["model"]
     return load

@@ -84,7 +84,7 @@ class DFlashApp(App[None]):
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.start_run = start
         self.state = DashboardState()
-        self.state.attached = bool(getattr(controller, "detach_on_quit", False))
+        self.state.attached = controller.detach_on_quit
         self.state.read_only = read_only
         self.buffer = EventBuffer()
         self.shutdown_done = False  # run_app shuts the controller down if the app did not
@@ -305,14 +305,14 @@ class DFlashApp(App[None]):
         if self._live():
             return True
         try:
-            return bool(getattr(self.controller, "stuck_workers", list)())
+            return bool(self.controller.stuck_workers())
         except Exception:
             return True  # let the engine answer
 
     async def action_quit(self) -> None:
         if self._quitting:
             self.notify("still shutting down the engine…", timeout=3)
-        elif getattr(self.controller, "detach_on_quit", False):
+        elif self.controller.detach_on_quit:
             self._quitting = True  # attached to another process's run: leave it running
             self._stop_engine()
         elif not self._live():
@@ -380,8 +380,8 @@ def run_app(controller: Controller, run_dir: Path | str | None = None, *,
 
 def owned_exit_code(controller: Controller) -> int:
     """The exit code of a run this process owned (exit_codes.py): 0 when none was started."""
-    state = getattr(controller, "final_status", None) or controller.state
+    state = controller.final_status or controller.state
     if state == "idle":
         return 0
-    failure = getattr(controller, "failure", None)
+    failure = controller.failure
     return exit_code(state, failure.error_kind if failure is not None else "")

@@ -16,6 +16,8 @@ class StreamController:
     and the one thread that publishes."""
 
     detach_on_quit = False  # see dflash_core.pipeline.control.Controller
+    final_status: str | None = None  # it runs no run of its own: nothing ended here
+    failure: ev.Error | None = None
 
     def __init__(self) -> None:
         self.bus = EventBus()
@@ -27,6 +29,9 @@ class StreamController:
     @property
     def state(self) -> str:
         return self._state
+
+    def stuck_workers(self) -> list[str]:
+        return []  # no worker of a run runs in this process
 
     def publish(self, event: ev.Event) -> None:
         self._state = ev.state_after(self._state, event)

@@ -28,7 +28,6 @@ import inspect
 import json
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -60,17 +59,6 @@ class LoadAborted(Exception):
 
 class ForwardInterrupted(Exception):
     """The stop event was set during a forward; the remaining layers were skipped."""
-
-
-@dataclass(frozen=True)
-class LoadInfo:
-    bytes_loaded: int
-    bytes_total: int
-    shards_loaded: int
-    shards_total: int
-    seconds: float  # since load_target was called
-    done: bool = False
-    memory_after: int = 0  # bytes on the device once loaded (0 until done)
 
 
 def default_layer_ids(num_layers: int, k: int = 5) -> list[int]:
@@ -219,11 +207,15 @@ def load_target(
     device: str | torch.device = "cpu",
     dtype: torch.dtype | str = torch.float32,
     attn_implementation: str = "sdpa",
-    progress: Callable[[LoadInfo], None] | None = None,
+    progress: Callable[..., None] | None = None,
     stop: threading.Event | None = None,
     trust_remote_code: bool = False,
 ) -> "TargetModel":
     """Load a frozen causal LM from a local folder, reporting progress shard by shard.
+
+    ``progress(**fields)``: called with the fields of a LoadProgress event (observe/events.py)
+    but its worker and device: bytes_loaded, bytes_total, shards_loaded, shards_total, seconds
+    (since this call), done, and memory_after (bytes on the device once loaded, 0 until done).
 
     ``trust_remote_code``: run the folder's own model code (target.trust_remote_code); off, a
     model that needs it is refused before anything is read. Raises TargetLoadError for a bad
@@ -246,8 +238,9 @@ def load_target(
 
     def report(loaded: int, shards: int, done: bool = False, memory: int = 0) -> None:
         if progress is not None:
-            progress(LoadInfo(loaded, total, shards, len(files), time.monotonic() - t0,
-                              done, memory))
+            progress(bytes_loaded=loaded, bytes_total=total, shards_loaded=shards,
+                     shards_total=len(files), seconds=time.monotonic() - t0, done=done,
+                     memory_after=memory)
 
     report(0, 0)
     loaded = 0

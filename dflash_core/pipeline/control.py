@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Protocol, runtime_checkable
 
 from dflash_core.observe.bus import EventBus
+from dflash_core.observe.events import Error
 
 COMMANDS = ("abort", "restart", "shutdown", "stacks")
 
@@ -15,12 +16,20 @@ COMMANDS = ("abort", "restart", "shutdown", "stacks")
 class Controller(Protocol):
     bus: EventBus
     # True when the run belongs to another process (the dashboard attached to it): quitting then
-    # detaches without asking, and shutdown() stops nothing of the run. The engine, which owns
-    # its run, does not set it; readers take a missing one as False.
+    # detaches without asking, and shutdown() stops nothing of the run.
     detach_on_quit: bool
 
     @property
     def state(self) -> str: ...
+
+    @property
+    def final_status(self) -> str | None:
+        """How the last run this controller ran ended (a terminal state); None before any
+        ended, or when it runs none (an attached or replayed run)."""
+
+    @property
+    def failure(self) -> Error | None:
+        """The first fatal error of the run this controller ran, if it failed (else None)."""
 
     def start(self) -> None:
         """Begin a run (preflight -> loading -> ...); returns at once, work happens on threads."""
@@ -36,6 +45,10 @@ class Controller(Protocol):
 
     def stacks(self) -> None:
         """Publish where every worker thread is now (its Python stack), one Log event each."""
+
+    def stuck_workers(self) -> list[str]:
+        """Threads of its run still alive after the run ended, each with where it is now (none
+        when the run is another process's)."""
 
 
 def dispatch(controller: Controller, command: str) -> None:

@@ -23,7 +23,7 @@ from dflash_core.observe.events import (
 )
 from dflash_core.models.handoff import ready_event
 from dflash_core.pipeline.hs_queue import Handoff, HiddenStateQueue
-from dflash_core.models.target import ForwardInterrupted, LoadInfo, TargetModel, load_target
+from dflash_core.models.target import ForwardInterrupted, TargetModel, load_target
 from dflash_core.observe.watchdog import Heartbeats
 from dflash_core.pipeline.workers import POLL_S, Stopped, UpstreamFailed, use_device
 
@@ -72,13 +72,10 @@ class TargetStage:
         self.hs_queue.producer_done()
         return WORKER_STOPPED if self.stop.is_set() else WORKER_DONE
 
-    def _progress(self, info: LoadInfo) -> None:
+    def _progress(self, **fields) -> None:
+        """load_target's progress: the event's fields but this worker's name and device."""
         self.heartbeats.beat("loading weights")
-        self.publish(LoadProgress(
-            worker=self.name, device=self.label, bytes_loaded=info.bytes_loaded,
-            bytes_total=info.bytes_total, shards_loaded=info.shards_loaded,
-            shards_total=info.shards_total, seconds=info.seconds, done=info.done,
-            memory_after=info.memory_after))
+        self.publish(LoadProgress(worker=self.name, device=self.label, **fields))
 
     def _next_batch(self):
         """The next prefetched batch; None when the data is exhausted or the run stops."""

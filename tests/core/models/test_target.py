@@ -7,6 +7,7 @@ import json
 import shutil
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from transformers import (
 )
 
 from dflash_core.models.target import (
-    ForwardInterrupted, LoadAborted, LoadInfo, TargetLoadError, TargetModel, default_layer_ids, load_target,
+    ForwardInterrupted, LoadAborted, TargetLoadError, TargetModel, default_layer_ids, load_target,
 )
 
 VOCAB, HIDDEN, LAYERS = 256, 64, 6
@@ -219,11 +220,16 @@ def test_bad_layer_ids_are_refused(loaded):
             target.features(ids, layer_ids=bad)
 
 
+def kept(infos: list):
+    """A load_target progress callback that keeps each report, its fields as attributes."""
+    return lambda **fields: infos.append(SimpleNamespace(**fields))
+
+
 def test_progress_reports_every_shard(checkpoints):
     folder, ref = checkpoints["qwen3_5"]
     files = sorted(folder.glob("*.safetensors"))
-    infos: list[LoadInfo] = []
-    target = load_target(folder, progress=infos.append)
+    infos = []
+    target = load_target(folder, progress=kept(infos))
     total = sum(f.stat().st_size for f in files)
     assert all(i.bytes_total == total and i.shards_total == len(files) for i in infos)
     loaded_bytes = [i.bytes_loaded for i in infos]
@@ -258,7 +264,7 @@ def test_stop_before_loading(checkpoints):
     stop.set()
     infos = []
     with pytest.raises(LoadAborted):
-        load_target(folder, progress=infos.append, stop=stop)
+        load_target(folder, progress=kept(infos), stop=stop)
     assert all(i.shards_loaded == 0 for i in infos)
 
 
@@ -267,7 +273,8 @@ def test_stop_during_loading(checkpoints):
     stop = threading.Event()
     infos = []
 
-    def progress(info):
+    def progress(**fields):
+        info = SimpleNamespace(**fields)
         infos.append(info)
         if info.shards_loaded == 1:
             stop.set()  # as if the operator pressed abort while shard 1 was done

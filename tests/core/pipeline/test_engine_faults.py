@@ -238,8 +238,8 @@ def test_abort_during_loading(tmp_path, assets, monkeypatch):
     original = target_stage.load_target
 
     def slow_load(*args, progress=None, **kwargs):
-        def slow_progress(info):
-            progress(info)
+        def slow_progress(**fields):
+            progress(**fields)
             time.sleep(0.05)
         return original(*args, progress=slow_progress, **kwargs)
 
