@@ -513,6 +513,8 @@ class _Job:
         e = self.endpoints[0]
         for conv in todo[:PROBE_ROWS]:
             history = _first_prompt(conv)
+            if not history:  # an odd row (it opens with the answer) is not the server's test
+                continue
             try:
                 path, body = self.asker.body(history)
             except RowError:  # this row's prompt cannot be rendered: the run counts it
