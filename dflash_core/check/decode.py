@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from dflash_core.check.samples import CheckSample
-from dflash_core.models.evaluate import TargetFn, speculative_generate
+from dflash_core.models.evaluate import TargetFn, drafts_per_round, speculative_generate
 
 REFERENCE = "dflash==0.1.0"  # the public reference implementation (PyPI), dflash.model
 
@@ -29,6 +29,8 @@ class RecordingDrafter:
     def __init__(self, inner):
         self.inner = inner
         self.block_size = inner.block_size
+        # DSpark: the anchor slot predicts, so a round drafts B tokens (decoding asks this)
+        self.anchor_predicts = bool(getattr(inner, "anchor_predicts", False))
         self.target_layer_ids = list(inner.target_layer_ids)
         self.calls: list[tuple[int, list[int]]] = []
 
@@ -63,6 +65,10 @@ class DecodeResult:
     name: str
     block_size: int
     samples: list[SampleDecode] = field(default_factory=list)
+    drafts: int = 0  # tokens a round proposes: B-1, or B for DSpark (0: B-1)
+
+    def __post_init__(self):
+        self.drafts = self.drafts or self.block_size - 1
 
     def _rounds(self):
         """(anchor, proposed, accepted, text) of each round inside the trained text."""
@@ -94,7 +100,8 @@ class DecodeResult:
         return self.tau / self.ceiling if self.ceiling else 0.0
 
     def accepted_at(self) -> list[float]:
-        """Per block slot k = 1..B-1: share of rounds proposing slot k that accepted it."""
+        """Per drafted token k = 1..drafts (DFlash's block slot k; DSpark's slot k-1): share of
+        rounds proposing it that accepted it."""
         return self._per_slot(lambda k, anchor, prop, acc, full: acc >= k)
 
     def correct_at(self, offset: int = 0) -> list[float]:
@@ -106,13 +113,13 @@ class DecodeResult:
         return self._per_slot(hit)
 
     def _per_slot(self, fn) -> list[float]:
-        B = self.block_size
-        num, den = [0] * B, [0] * B
+        n = self.drafts + 1
+        num, den = [0] * n, [0] * n
         for anchor, prop, acc, full in self._rounds():
             for k in range(1, len(prop) + 1):
                 den[k] += 1
                 num[k] += bool(fn(k, anchor, prop, acc, full))
-        return [num[k] / den[k] if den[k] else float("nan") for k in range(1, B)]
+        return [num[k] / den[k] if den[k] else float("nan") for k in range(1, n)]
 
     @property
     def diverged(self) -> list[int]:
@@ -122,7 +129,8 @@ class DecodeResult:
 def decode(name: str, target_fn: TargetFn, drafter, samples: list[CheckSample], layer_ids,
            *, eos_token_id: int | None, device) -> DecodeResult:
     """Exact decoding of each sample's prompt for as many tokens as its response."""
-    out = DecodeResult(name, drafter.block_size)
+    out = DecodeResult(name, drafter.block_size,
+                       drafts=drafts_per_round(drafter, drafter.block_size))
     for s in samples:
         rec = RecordingDrafter(drafter)
         r = speculative_generate(target_fn, rec, s.prompt, len(s.response), layer_ids,

@@ -10,9 +10,12 @@ The probes ask the trained drafter questions whose healthy answers are known exa
   proposals must be equal. A difference means decoding builds the block otherwise (the mask
   token, the positions).
 - **features**: the features trained on must be the outputs of ``target.layer_ids`` as serving
-  reads them (transformers' ``hidden_states[i + 1]``).
+  reads them (transformers' ``hidden_states[i + 1]``); for DSpark also the post-norm last hidden
+  state sent with them (transformers' last ``hidden_states`` entry).
 Decoding itself adds the acceptance per block slot, each proposal's correctness on its own, and
-its correctness one position later or earlier (shifted labels).
+its correctness one position later or earlier (shifted labels). A DSpark drafter's own faults
+(slot 0 not predicting, the Markov head fed the wrong token) come from
+``models/dspark_probes.py``; its proposals here are the chain's, judged with the chain's inputs.
 """
 
 from __future__ import annotations
@@ -38,6 +41,10 @@ class Probes:
     # per layer id: relative difference of trained vs serving (hidden_states[i + 1]) features
     features: dict[int, float] | None = None
     anchors: list[int] = field(default_factory=list)
+    # DSpark: relative difference of the trained post-norm last hidden state and transformers'
+    last_hidden: float | None = None
+    # DSpark: dspark_probes.DSparkProbes of the trained drafter (its own faults)
+    dspark: object | None = None
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -51,6 +58,7 @@ def probe(drafter, input_ids: torch.Tensor, features: torch.Tensor, prompt_len: 
     its response."""
     dev = next(drafter.parameters()).device
     B = drafter.block_size
+    chain = bool(getattr(drafter, "anchor_predicts", False))  # DSpark: every slot predicts
     ids = input_ids[:1, :length].to(dev)
     ctx = features[:1, :length].to(dev)
     last = length - 2  # an anchor needs a label after it
@@ -68,13 +76,21 @@ def probe(drafter, input_ids: torch.Tensor, features: torch.Tensor, prompt_len: 
             full = drafter(ctx, emb, pos, anc)
             cut = drafter(ctx[:, :a], emb, pos, anc)
             leak = max(leak, _rel(full, cut))
-            head = drafter.lm_head.weight
-            p_full = (full[0, 1:].to(head.dtype) @ head.T).argmax(-1)
-            p_cut = (cut[0, 1:].to(head.dtype) @ head.T).argmax(-1)
+            if chain:
+                # the Markov inputs of training: the anchor, then the tokens after it
+                prev = ids[0, (a + torch.arange(B, device=dev)).clamp(max=length - 1)]
+                p_full, p_cut = (_markov_preds(drafter, h, prev) for h in (full, cut))
+            else:
+                head = drafter.lm_head.weight
+                p_full = (full[0, 1:].to(head.dtype) @ head.T).argmax(-1)
+                p_cut = (cut[0, 1:].to(head.dtype) @ head.T).argmax(-1)
             changed += int(not torch.equal(p_full, p_cut))
             seen.clear()
-            proposed = drafter.draft(ctx[:, :a], int(ids[0, a])).to(p_cut.device)
-            differs += int(not torch.equal(proposed.reshape(-1)[: B - 1], p_cut))
+            proposed = drafter.draft(ctx[:, :a], int(ids[0, a])).to(p_cut.device).reshape(-1)
+            if chain:
+                # what training gives with the chain's own tokens as the Markov inputs
+                p_cut = _markov_preds(drafter, cut, torch.cat([ids[0, a: a + 1], proposed[:-1]]))
+            differs += int(not torch.equal(proposed[: len(p_cut)], p_cut))
             if seen:
                 gap = max(gap, _rel(seen[-1].reshape(cut.shape), cut))
     finally:
@@ -83,18 +99,28 @@ def probe(drafter, input_ids: torch.Tensor, features: torch.Tensor, prompt_len: 
     return Probes(leak, changed / n, differs / n, gap, anchors=anchors)
 
 
+def _markov_preds(drafter, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+    """A DSpark block's argmax per slot with ``prev`` [B] as the Markov inputs."""
+    from dflash_core.models.dspark_loss import teacher_forced_preds
+
+    return teacher_forced_preds(drafter, hidden, prev.reshape(1, 1, -1)).reshape(-1)
+
+
 @torch.no_grad()
 def feature_gap(target, input_ids: torch.Tensor, layer_ids: list[int], trained: torch.Tensor,
-                length: int) -> dict[int, float]:
+                length: int, last_hidden: bool = False) -> tuple[dict[int, float], float | None]:
     """Per layer id: relative difference of the trained features and transformers'
-    ``hidden_states[i + 1]`` of the same tokens (what the reference and serving read)."""
+    ``hidden_states[i + 1]`` of the same tokens (what the reference and serving read); with
+    ``last_hidden`` (DSpark: the trained features end with the post-norm last hidden state) also
+    that state's against transformers' last ``hidden_states`` entry, else None."""
     with torch.inference_mode():
         out = target.model(input_ids=input_ids[:1, :length].to(target.device),
                            output_hidden_states=True, use_cache=False)
-    H = trained.shape[-1] // len(layer_ids)
+    H = trained.shape[-1] // (len(layer_ids) + int(last_hidden))
     got = trained[:1, :length].to(out.hidden_states[0].device)
-    return {i: _rel(got[..., k * H:(k + 1) * H], out.hidden_states[i + 1])
+    gaps = {i: _rel(got[..., k * H:(k + 1) * H], out.hidden_states[i + 1])
             for k, i in enumerate(layer_ids)}
+    return gaps, (_rel(got[..., -H:], out.hidden_states[-1]) if last_hidden else None)
 
 
 @dataclass
@@ -123,7 +149,7 @@ def evidence_lines(ours: DecodeResult, ref: DecodeResult | None, tau_tf: float,
             continue
         lines.append(f"{d.name}: exact tau {d.tau:.2f} of {d.ceiling:.2f} "
                      f"({d.share:.0%} of full blocks)")
-        lines.append(f"  accepted per block slot 1..{d.block_size - 1}: {_slots(d.accepted_at())}")
+        lines.append(f"  accepted per drafted token 1..{d.drafts}: {_slots(d.accepted_at())}")
         lines.append(f"  right per slot (whatever came before): {_slots(d.correct_at())}")
         lines.append(f"  equal to the token one later:           {_slots(d.correct_at(1))}")
         if d.diverged:
@@ -137,6 +163,11 @@ def evidence_lines(ours: DecodeResult, ref: DecodeResult | None, tau_tf: float,
         gaps = ", ".join(f"{i}: {g:.1e}" for i, g in probes.features.items())
         lines.append(f"trained features vs transformers' hidden_states[i + 1], per layer id: "
                      f"{gaps}")
+    if probes.last_hidden is not None:
+        lines.append(f"trained post-norm last hidden state vs transformers' last hidden_states "
+                     f"entry: {probes.last_hidden:.1e}")
+    if probes.dspark is not None:
+        lines.append(probes.dspark.describe())
     return lines
 
 
@@ -163,12 +194,24 @@ def diagnose(ours: DecodeResult, ref: DecodeResult | None, *, memorised: bool, t
     # The probes are exact: a leak or a decode that differs from training fails the check even
     # when these memorised samples are still accepted (memorising does not need the leak; a
     # drafter trained on real data learns to lean on it, and then serving cannot follow).
+    dspark = probes.dspark.fault_fixes() if probes.dspark is not None else []
+    last_off = probes.last_hidden is not None and probes.last_hidden > LEAK_TOL
     consistent = (probes.leak <= LEAK_TOL and probes.decode_gap <= LEAK_TOL
-                  and not any(g > LEAK_TOL for g in (probes.features or {}).values()))
+                  and not any(g > LEAK_TOL for g in (probes.features or {}).values())
+                  and not dspark and not last_off)
     if memorised and ok_ours and ok_ref and consistent:
         return Verdict(True, [], "passed: the memorised drafter is accepted in near-full blocks"
                        + ("" if ref is None else f", by this engine and by {ref.name}")
                        + ", and training and decoding compute the same function")
+    for what, fix in dspark:  # DSpark's own faults: the most specific evidence there is
+        found.append(Finding(what, fix, ev))
+    if last_off:
+        found.append(Finding(
+            "the target's post-norm last hidden state the drafter trained against is not "
+            f"transformers' last hidden_states entry ({probes.last_hidden:.1e}): the target "
+            "distribution of DSpark's loss is not the target's",
+            "the features must end with the final norm's output (TargetModel.features with "
+            "with_last_hidden=True)", ev))
     if probes.leak > LEAK_TOL:
         found.append(Finding(
             "a training-time leak: a block sees target features at or after its anchor in "

@@ -4,7 +4,9 @@ The engine's own pieces do the work: the samples go through ``data`` (shards, co
 target's ``features``, ``trainer.build_replicas`` (one replica per drafter GPU of the layout) and
 ``trainer.reduce_and_step``, so what is checked is what a run trains with. The target is frozen,
 so the features are computed once. Every valid position is an anchor (the check must decode from
-any of them), redrawn each step as a new epoch.
+any of them), redrawn each step as a new epoch. With drafter.objective dspark the drafter is
+DSpark's, its features carry the target's post-norm last hidden state and its labels are one slot
+wider (its anchor slot predicts: the ceiling is B+1).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import torch
 from dflash_core.config import Config
 from dflash_core.data import ShardedDataset, collate, write_shards
 from dflash_core.models import objective as obj
+from dflash_core.models.evaluate import evaluation_attention, teacher_forced_eval
+from dflash_core.models.drafter_kinds import dspark_settings
 from dflash_core.models.trainer import (
     ANCHOR_PAD, DrafterReplica, build_replicas, prepare_batch, reduce_and_step,
 )
@@ -34,7 +38,8 @@ PROGRESS_EVERY_S = 5.0
 class Memorised:
     replicas: list[DrafterReplica]
     batch: object  # the collated samples (data.Batch), anchors not drawn
-    features: torch.Tensor  # the target's features of the batch, on the target's device
+    features: torch.Tensor  # the target's features of the batch, on the target's device (DSpark:
+    # the post-norm last hidden state last, ``context`` without it)
     steps: int
     tau_tf: float  # teacher-forced tau of the last step, on the samples
     tau_ceiling: float  # what a perfect drafter reaches on them (short blocks at the end)
@@ -47,10 +52,17 @@ class Memorised:
     def drafter(self):
         return self.replicas[0].drafter
 
+    @property
+    def context(self) -> torch.Tensor:
+        """The layer features the drafter's fc reads (what decoding gives it)."""
+        d = self.drafter
+        return self.features[..., : len(d.target_layer_ids) * d.config.hidden_size]
+
 
 def tau_ceiling(labels: torch.Tensor) -> float:
     """Teacher-forced tau of a perfect predictor: per block, 1 + its labelled slots (they are a
-    prefix of slots 1..B-1: labels stop at the end of the response)."""
+    prefix of slots 1..W-1: labels stop at the end of the response). ``labels`` of the drafter's
+    label width W: B for DFlash, B+1 for DSpark (whose ceiling is then B+1)."""
     lab = labels != obj.IGNORE
     has = lab[:, :, 1]
     if not bool(has.any()):
@@ -80,10 +92,13 @@ def memorise(cfg: Config, target, samples: list[CheckSample], drafter_devices, *
     t0 = time.monotonic()
     ccfg = check_config(cfg, max(len(s.response) for s in samples))
     batch = collate_samples(samples, folder / "data", ccfg.data.max_length)
-    features = target.features(batch.input_ids, batch.attention_mask, layer_ids)
+    settings = dspark_settings(ccfg)
+    features = target.features(batch.input_ids, batch.attention_mask, layer_ids,
+                               with_last_hidden=settings is not None)
     replicas = build_replicas(ccfg.drafter, ccfg.optim, target, list(drafter_devices),
-                              seed=ccfg.run.seed, layer_ids=layer_ids, mask_id=mask_id)
-    B = replicas[0].drafter.block_size
+                              seed=ccfg.run.seed, layer_ids=layer_ids, mask_id=mask_id,
+                              dspark=settings)
+    B = replicas[0].drafter.label_width
     pad = ANCHOR_PAD if replicas[0].device.type == "cuda" else 1
     ceiling = tau_ceiling(prepare_batch(batch, ccfg.drafter.num_anchors, B, ccfg.run.seed).labels)
     feats = {r.device: features.to(r.device) for r in replicas}
@@ -99,16 +114,36 @@ def memorise(cfg: Config, target, samples: list[CheckSample], drafter_devices, *
             r.accumulate(b, feats[r.device], ccfg.run.seed)
         res = reduce_and_step(replicas, step, max_steps)
         history.append((res.step, res.loss, res.tau_tf))
-        done = res.tau_tf >= MEMORISED_SHARE * ceiling
+        tau = res.tau_tf
+        if tau >= MEMORISED_SHARE * ceiling:
+            # The step's tau is of the weights before its update; what is judged is after it
+            # (under DSpark's distribution-matching loss an update can still flip an argmax).
+            tau = settled_tau(replicas[0].drafter, samples, features)
+        done = tau >= MEMORISED_SHARE * ceiling
         if done or time.monotonic() - last_say >= PROGRESS_EVERY_S:
             last_say = time.monotonic()
             say(f"step {res.step}/{max_steps}: loss {res.loss:.3f}, teacher-forced tau "
-                f"{res.tau_tf:.2f} of {ceiling:.2f}")
+                f"{tau:.2f} of {ceiling:.2f}")
         if done:
             break
     for r in replicas:
         r.drafter.eval()
     return Memorised(replicas, batch, features, res.step if res else 0,
-                     res.tau_tf if res else 0.0, ceiling, res.loss if res else float("nan"),
-                     time.monotonic() - t0, bool(res and res.tau_tf >= MEMORISED_SHARE * ceiling),
+                     tau if res else 0.0, ceiling, res.loss if res else float("nan"),
+                     time.monotonic() - t0, bool(res and tau >= MEMORISED_SHARE * ceiling),
                      history)
+
+
+def settled_tau(drafter, samples: list[CheckSample], features: torch.Tensor) -> float:
+    """Teacher-forced tau of the drafter as it is now on the samples, a block at every valid
+    position (the anchors the check trains on), with the attention decoding uses."""
+    k = len(drafter.target_layer_ids) * drafter.config.hidden_size
+    total, blocks = 0.0, 0
+    with evaluation_attention(drafter):
+        for i, s in enumerate(samples):
+            ctx = features[i: i + 1, : len(s.input_ids), :k]
+            tau, n = teacher_forced_eval(lambda ids, ctx=ctx: ctx, drafter,
+                                         [(s.input_ids, s.loss_mask)])
+            total, blocks = total + tau * n, blocks + n
+    drafter.train()
+    return total / blocks if blocks else 0.0

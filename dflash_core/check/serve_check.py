@@ -6,8 +6,10 @@
 4. memorise: train the configured drafter on them (the engine's step) to near-full teacher-forced
    blocks, or the step cap;
 5. decode: exact greedy speculative decoding of their prompts with this engine's drafter, and
-   with the saved checkpoint in the public reference implementation when it is importable;
-6. diagnose: probes of the trained drafter, then the verdict.
+   with the saved checkpoint in the public reference implementation when it is importable (a
+   DFlash drafter only: the reference decodes no DSpark drafter; DSpark's chain drafting is
+   judged by its own probes);
+6. diagnose: probes of the trained drafter (for DSpark also dspark_probes'), then the verdict.
 
 Everything it writes goes to ``<run folder>/check/`` (the samples as shards, the checkpoint in
 the interchange format, ``check.json``), which a later run in that folder ignores.
@@ -139,7 +141,12 @@ def judge(prep: Prepared, mem, opts: CheckOptions, say: Callable[[str], None]) -
                           eos_token_id=None, device=target.device)
     say(f"  this engine: exact tau {ours.tau:.2f} of {ours.ceiling:.2f}")
     ref, ref_note, ref_mask = None, "not asked for (--no-reference)", None
-    if opts.reference:
+    dsp = bool(getattr(drafter, "anchor_predicts", False))
+    if opts.reference and dsp:
+        ref_note = (f"not used: {dec.REFERENCE} decodes DFlash drafters, not DSpark's (the "
+                    "DSpark probes judge its chain drafting)")
+        say(f"  reference implementation {ref_note}")
+    elif opts.reference:
         cls, why = dec.reference_class()
         if cls is None:
             ref_note = (f"not importable ({why}); pip install {dec.REFERENCE} to decode the "
@@ -157,9 +164,17 @@ def judge(prep: Prepared, mem, opts: CheckOptions, say: Callable[[str], None]) -
 
     say("diagnose: probes of the trained drafter")
     s0 = samples[0]
-    probes = probe(drafter, mem.batch.input_ids, mem.features, len(s0.prompt), len(s0.input_ids))
-    probes.features = feature_gap(target, mem.batch.input_ids, prep.layer_ids, mem.features,
-                                  len(s0.input_ids))
+    probes = probe(drafter, mem.batch.input_ids, mem.context, len(s0.prompt), len(s0.input_ids))
+    probes.features, probes.last_hidden = feature_gap(
+        target, mem.batch.input_ids, prep.layer_ids, mem.features, len(s0.input_ids),
+        last_hidden=dsp)
+    if dsp:
+        from dflash_core.models import dspark_probes
+
+        with evaluation_attention(drafter):
+            probes.dspark = dspark_probes.probe(
+                drafter, mem.context[:1], mem.batch.input_ids[0, : len(s0.input_ids)],
+                [a for a in probes.anchors if a < len(s0.input_ids) - 1])
     verdict = diagnose(ours, ref, memorised=mem.reached, tau_tf=mem.tau_tf,
                        ceiling_tf=mem.tau_ceiling, probes=probes, steps=mem.steps,
                        trained_mask_id=drafter.mask_token_id, reference_mask_id=ref_mask,
@@ -193,6 +208,7 @@ def _write_record(path: Path, result: CheckResult, mem, ours, ref) -> None:
                 "one_later": [_finite(v) for v in d.correct_at(1)]}
     record = {
         "passed": result.verdict.passed, "summary": result.verdict.summary,
+        "objective": getattr(mem.drafter, "objective", "dflash"),
         "findings": [asdict(f) for f in result.verdict.findings],
         "memorise": {"steps": mem.steps, "tau_tf": mem.tau_tf, "ceiling": mem.tau_ceiling,
                      "loss": _finite(mem.loss), "reached": mem.reached},

@@ -37,17 +37,39 @@ class DSparkProbes:
 
     def faults(self, margin: float = 0.1) -> list[str]:
         """The faults the evidence names, in words (empty when healthy)."""
+        return [what for what, _ in self.fault_fixes(margin)]
+
+    def fault_fixes(self, margin: float = 0.1) -> list[tuple[str, str]]:
+        """(fault, its fix) for each fault the evidence names (``dflash-tui check``'s findings)."""
         out = []
         if sum(self.own_position) > sum(self.accuracy) + margin * len(self.accuracy):
-            out.append("slot 0 is not predicting: slot j predicts the token at its own position "
-                       "(DFlash's layout), not the one after it (anchor-as-first)")
+            out.append(("slot 0 is not predicting: slot j predicts the token at its own position "
+                        "(DFlash's layout), not the one after it (anchor-as-first)",
+                        "slot j must be labelled with the token at anchor+j+1 "
+                        "(dspark_loss.dspark_targets on labels one slot wider, "
+                        "DSparkDrafter.label_width) and served with dspark_bonus_anchor false"))
         if max(self.prev_late, self.prev_anchor) > self.mean_accuracy + margin:
-            out.append("the Markov head is fed the wrong previous token: a shifted or constant "
-                       "input predicts better than the token of the slot before")
+            out.append(("the Markov head is fed the wrong previous token: a shifted or constant "
+                        "input predicts better than the token of the slot before",
+                        "train the head on the anchor token for slot 0 and the token at "
+                        "anchor+j for slot j (dspark_loss.dspark_targets' prev)"))
         if self.chain_differs > 0:
-            out.append("decoding's chain feeds the Markov head otherwise than training: "
-                       f"{self.chain_differs:.0%} of the probed blocks propose differently")
+            out.append(("decoding's chain feeds the Markov head otherwise than training: "
+                        f"{self.chain_differs:.0%} of the probed blocks propose differently",
+                        "decoding must feed slot j's Markov input the token just drafted for "
+                        "slot j-1, the anchor for slot 0 (DSparkDrafter.chain_draft)"))
         return out
+
+    def describe(self) -> str:
+        """One evidence line: accuracy per slot against the label and the slot's own token,
+        with the Markov input shifted or constant, and the chain against training."""
+        def slots(v):
+            return " ".join(f"{x:.2f}" for x in v)
+        return (f"DSpark probes at anchors {self.anchors}: per slot right {slots(self.accuracy)}"
+                f"; equal to the slot's own token {slots(self.own_position)}; with the Markov "
+                f"input one late {self.prev_late:.2f}, the anchor for every slot "
+                f"{self.prev_anchor:.2f}; chain proposals unlike training's "
+                f"{self.chain_differs:.0%}")
 
 
 def _mean_hits(preds, labels) -> float:
