@@ -205,7 +205,8 @@ class Run:
         """An evaluation (evaluation.py) with the first target and the first replica; a better
         exact tau than any before marks its checkpoint as checkpoints/best."""
         target = self.targets[0].model if self.targets else None
-        if not self.writes_records or not self.replicas or target is None:
+        if (not self.writes_records or not self.replicas or target is None
+                or self.evaluator is None):
             return
         tau = self.evaluator.evaluate(self.step, self.replicas[0].drafter, target)
         if tau is not None:
