@@ -150,13 +150,18 @@ def test_signal_during_training_aborts_with_a_checkpoint_and_exits_130(tmp_path,
     assert isinstance(events[-1], RunEnded) and events[-1].status == "aborted"
 
 
-def test_headless_path_does_not_import_textual():
+def test_headless_path_does_not_import_textual(tmp_path):
+    from dflash_core.config import save_config
+    from dflash_core.demo import demo_config
+
+    path = tmp_path / "c.yaml"  # the engine is made from the config read here (once)
+    save_config(demo_config(output_dir=str(tmp_path)), path)
     script = (
         "import sys\n"
         "import dflash_core.pipeline.headless\n"
         "from dflash_tui.cli import parse_args\n"
         "from dflash_tui.verbs.run import make_engine\n"
-        "args = parse_args(['--headless', '--config', 'missing.yaml'])\n"
+        f"args = parse_args(['--headless', '--config', {str(path)!r}])\n"
         "make_engine(args)\n"
         "bad = sorted(m for m in sys.modules if m == 'textual' or m.startswith('textual.'))\n"
         "assert not bad, bad\n"
