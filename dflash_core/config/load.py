@@ -142,6 +142,16 @@ def _check(cfg: Config) -> None:
     if any(i < 0 for i in cfg.target.layer_ids):
         raise ConfigError("target.layer_ids", f"ids must be >= 0, got {cfg.target.layer_ids}",
                           hint="list layer indices of the target (0 = the first layer)")
+    if cfg.drafter.objective == "dspark" and cfg.drafter.loss == "dpace":
+        raise ConfigError("drafter.loss", "dpace does not combine with drafter.objective dspark: "
+                          "D-PACE's slot weights presuppose DFlash's unlabelled slot 0 and plain "
+                          "cross-entropy; DSpark weighs slots exp(-j/gamma)",
+                          hint="set drafter.loss: dflash, or drafter.objective: dflash")
+    if cfg.drafter.objective == "dspark" and cfg.drafter.ce_weight + cfg.drafter.tv_weight <= 0:
+        raise ConfigError("drafter.tv_weight", "drafter.ce_weight + drafter.tv_weight must be "
+                          "above 0: DSpark's loss would train the confidence head alone",
+                          hint="set drafter.tv_weight: 0.9 and drafter.ce_weight: 0.1 (the "
+                               "reference's)")
     if "/" in cfg.run.name or not cfg.run.name or cfg.run.name in (".", ".."):
         raise ConfigError("run.name", f"must be a plain folder name, got {cfg.run.name!r}",
                           hint="set run.name to a name without '/', e.g. my-run")
@@ -168,6 +178,12 @@ def apply_overrides(cfg: Config, overrides: list[tuple[str, str]]) -> Config:
             raise ConfigError(key, f"--set {key}={text}: not a value ({exc})",
                               hint="quote it as YAML would, e.g. --set run.name=my-run") from exc
         data[section][name] = value
+    given = getattr(cfg, "given", None)
+    if given is not None:  # keys the objective chose, not the config nor --set: chosen again
+        for name, _ in OBJECTIVE_DEFAULTS:
+            key = f"drafter.{name}"
+            if key not in given and all(k != key for k, _ in overrides):
+                del data["drafter"][name]
     try:
         return config_from_dict(data)
     except ConfigError as exc:
@@ -177,8 +193,22 @@ def apply_overrides(cfg: Config, overrides: list[tuple[str, str]]) -> Config:
         raise
 
 
+# Keys whose default depends on drafter.objective: (key, DSpark's default). A config that sets
+# the objective without them gets the objective's value (DFlash's is the field's default).
+OBJECTIVE_DEFAULTS = (("block_size", 7), ("loss_chunk", 1024))
+
+
 def config_from_dict(data: dict | None) -> Config:
-    cfg = _build(Config, data or {}, "")
+    data = data or {}
+    cfg = _build(Config, data, "")
+    drafter = data.get("drafter") if isinstance(data.get("drafter"), dict) else {}
+    if cfg.drafter.objective == "dspark":
+        for name, value in OBJECTIVE_DEFAULTS:
+            if name not in drafter:
+                setattr(cfg.drafter, name, value)
+    # What the config itself said, for apply_overrides: an objective given later by --set
+    # gets its own defaults for the keys the config left to it.
+    cfg.given = frozenset(f"drafter.{name}" for name in drafter)
     _check(cfg)
     return cfg
 

@@ -67,10 +67,21 @@ class TargetConfig:
 @dataclass
 class DrafterConfig:
     """The drafter being trained and its loss (docs/algorithm.md)."""
+    objective: Literal["dflash", "dspark"] = key("dflash", """The drafter and its training
+        objective: "dflash" = DFlash (the anchor slot is input only: B inputs give B-1 drafts;
+        cross-entropy on the data's tokens); "dspark" = DSpark (arXiv 2607.05147,
+        docs/algorithm.md "DSpark"): the same backbone, the anchor slot predicts too (B inputs
+        give B drafts), a Markov head of rank markov_rank and a confidence head, trained with
+        ce_weight CE + tv_weight TV against the target's own distribution + conf_weight
+        confidence BCE; the target then also sends its post-norm last hidden state. A config
+        that sets dspark without block_size or loss_chunk gets DSpark's 7 and 1024 (the
+        reference's B; its loss holds ~2.2x DFlash's memory per row). The default stays
+        "dflash" until measurements say otherwise (bench/BENCHMARKS.md).""")
     num_layers: int = key(5, "L, the drafter's decoder layers (paper: 5 for 4B/8B targets).",
                           gt=0)
-    block_size: int = key(16, "B, the tokens of a block: an anchor and the positions it "
-                              "predicts.", ge=2)
+    block_size: int = key(16, """B, the tokens of a block: an anchor and the positions it
+        predicts (dflash: B-1 drafts; dspark: B drafts, 7 when a config does not set it).""",
+                          ge=2)
     mask_token_id: int = key(-1, "Id of the MASK token; -1 = the last id of the target vocab.",
                              ge=-1)
     num_anchors: int = key(512, "A, anchors drawn per sequence per epoch.", gt=0)
@@ -81,11 +92,21 @@ class DrafterConfig:
         dpace_alpha, detached. The default stays "dflash": on the demo D-PACE's exact tau was
         +0.00..+0.29 per seed after 512 steps, inside the seed spread; its step costs 0.5-5% more
         (bench/BENCHMARKS.md, "Training recipe").""")
-    gamma: float = key(0.0, "The dflash loss's decay; 0 = 7 for B=16, 5 for B=10, 4 for B=8, "
-                            "else B/2.3.", ge=0)
+    gamma: float = key(0.0, """The slot weights' decay; 0 = dflash: 7 for B=16, 5 for B=10, 4 for
+        B=8, else B/2.3; dspark: 4 (its weights exp(-j/gamma), slot 0 weighing 1).""", ge=0)
     dpace_alpha: float = key(0.5, "D-PACE's floor of q: 1 = fixed linear weights B-j; 0 = "
                                   "exp(-CE).", ge=0, le=1)
-    loss_chunk: int = key(4096, "Block tokens per chunk of the chunked cross-entropy.", gt=0)
+    loss_chunk: int = key(4096, """Block tokens per chunk of the chunked loss (its logits exist
+        for one chunk at a time); dspark: 1024 when a config does not set it.""", gt=0)
+    markov_rank: int = key(256, """dspark: r, the rank of the Markov head (W1 [V, r], W2 r -> V),
+        below the target's vocabulary.""", gt=0)
+    ce_weight: float = key(0.1, "dspark: the weight of the cross-entropy on the data's tokens.",
+                           ge=0)
+    tv_weight: float = key(0.9, """dspark: the weight of the total variation (L1) between the
+        drafter's and the target's distributions; ce_weight + tv_weight must be above 0.""",
+                           ge=0)
+    conf_weight: float = key(1.0, """dspark: the weight of the confidence head's loss; 0 = no
+        confidence head (neither trained nor saved, no calibration).""", ge=0)
     micro_block_tokens: int = key(65536, """Block tokens (sequences x anchors x block) per drafter
         forward; a batch with more is split into sequence groups with gradients accumulated,
         bounding activation memory.""", gt=0)
@@ -283,6 +304,9 @@ class Config:
     wandb: WandbConfig = field(default_factory=WandbConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     nodes: NodesConfig = field(default_factory=NodesConfig)
+    # Not a field: the drafter keys the loaded config itself set (load.config_from_dict), None
+    # when built otherwise; --set's drafter.objective re-chooses the others' objective defaults.
+    given = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

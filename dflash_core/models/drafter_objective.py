@@ -49,6 +49,12 @@ def confidence_head(cfg) -> bool:
     return loss_weights(cfg)[2] > 0
 
 
+def label_width(cfg) -> int:
+    """Width of the block labels the loaders prepare (trainer.prepare_batch): B for DFlash, B+1
+    for DSpark (its slot j is labelled with the token at anchor+j+1; DSparkDrafter.label_width)."""
+    return int(cfg.drafter.block_size) + int(is_dspark(cfg))
+
+
 def feature_vectors(cfg, k: int) -> int:
     """H-vectors per token the target sends the drafter: its k layer features, and for DSpark
     its post-norm last hidden state after them."""

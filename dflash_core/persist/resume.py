@@ -216,7 +216,7 @@ def load_for_resume(run_dir: Path, expected: dict | None, publish: Callable[[Eve
 def check_objective(expected: dict, found: dict, folder: Path) -> None:
     """A checkpoint of the other objective (DSpark's architecture against DFlash's) is refused
     before its shape is compared: ConfigError naming drafter.objective and both."""
-    from dflash_core.models.drafter_kinds import ObjectiveMismatch, objective_of
+    from dflash_core.models.drafter_kinds import objective_of
 
     try:
         want, have = objective_of(expected), objective_of(found)
@@ -225,8 +225,10 @@ def check_objective(expected: dict, found: dict, folder: Path) -> None:
                           hint="resume a checkpoint this engine wrote, or start a new run "
                                "(new run.name or --new-run)") from exc
     if want != have:
+        kind = {"dflash": "DFlash", "dspark": "DSpark"}
         raise ConfigError("drafter.objective",
-                          str(ObjectiveMismatch(f"the checkpoint {folder}", have, want)),
+                          f"the checkpoint {folder} holds a {kind[have]} drafter, but "
+                          f"drafter.objective is {want}",
                           hint=f"set drafter.objective: {have} to resume it, or start a new "
                                "run (new run.name or --new-run) to train a new drafter")
 

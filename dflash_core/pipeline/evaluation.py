@@ -14,6 +14,7 @@ import numpy as np
 from dflash_core.config import EvalConfig
 from dflash_core.models import acceptance
 from dflash_core.models.agreement import label_agreement
+from dflash_core.models.dspark_calibration import calibrate
 from dflash_core.models.evaluate import (
     evaluate_tau,
     evaluation_attention,
@@ -76,11 +77,14 @@ class Evaluator:
         tf_heldout = tf_heldout if n_heldout else miss
         found = acceptance.findings(step, res.tau, tf_target, tf_heldout, train, share,
                                     cfg, target_all=tf_all)
+        # A confidence head (DSpark): its calibration on the rounds just decoded
+        cal = calibrate(res.confidences, res.accepted) if res.confidences else None
         self.publish(EvalResult(
             step=step, tau=res.tau, acceptance=list(res.acceptance), prompts=len(prompts),
             tau_tf_target=tf_target, tau_tf_target_all=tf_all, tau_tf_heldout=tf_heldout,
             tau_tf_train=train, agreement=share, agreement_positions=total,
-            findings=[f.kind for f in found], seconds=time.monotonic() - t0))
+            findings=[f.kind for f in found], seconds=time.monotonic() - t0,
+            calibration=cal.as_dict() if cal is not None else {}))
         self.evaluated_step = step
         for f in found:
             self.publish(Log(level=f.level, source="eval", message=f.message))

@@ -15,6 +15,7 @@ import torch
 
 from dflash_core.config import Config
 from dflash_core.data import Prefetcher
+from dflash_core.models import dspark_format
 from dflash_core.models.target import LoadAborted
 from dflash_core.models.trainer import DrafterReplica, RateMeter, StepBarrier, reduce_and_step
 from dflash_core.multinode.node_link import NodeLink
@@ -183,7 +184,8 @@ class Run:
             grad_norm=res.grad_norm, tokens_per_s=tps, samples_per_s=sps, tau_tf=res.tau_tf,
             drafter_wait_frac=min(1.0, wait / (span * len(self.replicas))),
             target_blocked_frac=min(1.0, blocked / (span * len(self.target_devices))),
-            padding_frac=res.padding_frac, samples=res.samples, total_steps=self.total_steps))
+            padding_frac=res.padding_frac, samples=res.samples, total_steps=self.total_steps,
+            **res.extra))  # DSpark: loss_ce, loss_tv, loss_conf
         self.lifecycle.stepped()
         if self.resume_t0 is not None:
             self.publish(Log(level="info", source="engine", message=(
@@ -224,7 +226,12 @@ class Run:
         """The run's state at its step with ``rep``'s weights and optimizer: what a checkpoint
         holds (checkpoint-format.md)."""
         epoch, done = self.position.resume_position()
+        # DSpark's served folder carries the target's embedding and lm_head (frozen: served
+        # only, never in the training state)
+        served = (dspark_format.frozen_tensors(rep.drafter)
+                  if getattr(rep.drafter, "objective", "dflash") == "dspark" else None)
         return dict(
+            served_extra=served,
             drafter_state={k: v.detach() for k, v in rep.drafter.state_dict().items()},
             drafter_config=rep.drafter.interchange_config(),
             optimizer_state=rep.optimizer.state_dict(), scheduler_state={"step": self.step},

@@ -35,10 +35,12 @@ class TargetStage:
                  dtype: str, attn_implementation: str, layer_ids: list[int],
                  prefetcher: Prefetcher, hs_queue: HiddenStateQueue,
                  publish: Callable[[Any], None], stop: threading.Event,
-                 heartbeats: Heartbeats | None = None):
+                 heartbeats: Heartbeats | None = None, last_hidden: bool = False):
         self.rank, self.device, self.label = rank, device, label
         self.name = f"target-{rank}"
         self.target_path, self.layer_ids = target_path, layer_ids
+        # drafter.objective dspark: the features end with the post-norm last hidden state
+        self.last_hidden = last_hidden
         # Targets run in the configured dtype on GPUs; CPU kernels want float32.
         self.dtype = dtype if device.type == "cuda" else "float32"
         self.attn_implementation = attn_implementation
@@ -133,10 +135,11 @@ class TargetStage:
     def _features_split(self, batch, splits: int) -> torch.Tensor:
         if splits == 1:
             return self.model.features(batch.input_ids, batch.attention_mask, self.layer_ids,
-                                       stop=self.stop)
+                                       stop=self.stop, with_last_hidden=self.last_hidden)
         # Right-padded rows are independent: each group gives the same features it would give
         # inside the whole batch.
-        parts = [self.model.features(ids, mask, self.layer_ids, stop=self.stop)
+        parts = [self.model.features(ids, mask, self.layer_ids, stop=self.stop,
+                                     with_last_hidden=self.last_hidden)
                  for ids, mask in zip(batch.input_ids.tensor_split(splits),
                                       batch.attention_mask.tensor_split(splits))]
         return torch.cat(parts)
