@@ -14,6 +14,7 @@ from typing import Any, Callable
 import torch
 
 from dflash_core.config import CheckpointConfig, ConfigError
+from dflash_core.models import dspark_format
 from dflash_core.models.trainer import DrafterReplica
 from dflash_core.observe.events import Checkpoint, CheckpointProgress, Error, Log
 from dflash_core.persist import checkpoint as ckpt
@@ -32,9 +33,14 @@ PROCESS_WRITER_BYTES = 256 << 20
 
 def checkpoint_bytes(drafter, served_dtype: torch.dtype, optimizer: str) -> int:
     """What one checkpoint of ``drafter`` takes on disk (checkpoint_size.py, as preflight counts
-    it): the served weights, the float32 master weights and the state of ``optimizer``."""
-    params, matrices = checkpoint_size.state_counts(drafter.state_dict())
-    return checkpoint_size.checkpoint_bytes(params, matrices, served_dtype.itemsize, optimizer)
+    it): the served weights, the float32 master weights and the state of ``optimizer``; for
+    DSpark also the served copies of the target's embedding and lm_head."""
+    params, matrices = checkpoint_size.state_counts(drafter.state_dict(),
+                                                    getattr(drafter, "adamw_only", ()))
+    frozen = (dspark_format.frozen_numel(drafter.config)
+              if getattr(drafter, "objective", "dflash") == "dspark" else 0)
+    return checkpoint_size.checkpoint_bytes(params, matrices, served_dtype.itemsize, optimizer,
+                                            frozen)
 
 
 def check_checkpoints_writable(run_dir: Path) -> None:
