@@ -197,11 +197,11 @@ class Checkpointer:
         if budget is not None:
             if not self._abort_fits(budget, step):
                 return None
+        done = self._outcome(reason, tau)  # what the writer says when the write has ended
         writers = self.writer.writers
         job = ckpt.make_job(step, served_dtype=self.served_dtype, writers=writers,
                             **self._state(self.replicas[0]))
         sources = [job.tensors] + [self._tensors(r) for r in self.replicas[1:]]
-        done = self._outcome(reason, tau)
         self.saved_step = step
         self.saved_path = self.run_dir / ckpt.CHECKPOINTS / f"step-{step}"
         self.writer.save(job, sources, keep=self.cfg.keep, reason=reason, on_done=done)

@@ -2,11 +2,11 @@
 control.py: start, abort, restart, shutdown, stacks), its state across runs (lifecycle.py), and
 the thread that runs each run.
 
-Each start makes a ``Run`` (run.py: everything one run owns, made at start and dropped at the end)
-and a ``Supervisor`` (supervisor.py) on its own thread, which walks the run from preflight to
-finished, aborted or failed; an abort only sets the run's stop flag. Workers only ever talk to
-the operator through events on the bus; a failure anywhere fails the run, never the process, and
-the engine waits for the next command.
+Each start makes a ``Run`` (run.py: everything one run owns, made at start and dropped at the end),
+its ``SetUp`` (set_up.py) and its ``Supervisor`` (supervisor.py) on a thread of its own, which
+walks the run from preflight to finished, aborted or failed; an abort only sets the run's stop
+flag. Workers only ever talk to the operator through events on the bus; a failure anywhere fails
+the run, never the process, and the engine waits for the next command.
 """
 
 from __future__ import annotations
