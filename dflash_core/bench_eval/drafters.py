@@ -1,0 +1,247 @@
+"""The drafters an evaluation compares: this engine's checkpoints (DFlash or DSpark) and
+published drafters in the public DFlash and DSpark folder formats.
+
+A path may be a checkpoint folder (``<run>/checkpoints/step-N``), a run folder (its newest
+checkpoint), or a model folder (``config.json`` + ``model.safetensors``). The kind is read from
+``config.json``'s ``architectures``:
+
+- ``DFlashDraftModel``: this engine writes ``block_size``, ``mask_token_id`` and
+  ``target_layer_ids`` under ``dflash_config``; the public reference's released folders keep
+  ``block_size`` (and may keep the others) at the top level. Both are read; the drafter's layers
+  must be full attention (a sliding-window drafter is another model).
+- ``Qwen3DSparkModel``: the served DSpark folder (dspark_format.py), its frozen embedding and
+  lm_head copies left unread (the target's own are borrowed).
+
+Every drafter is checked against the target before anything is decoded: its hidden size and
+vocabulary must be the target's, the target depth it was trained for (``num_target_layers``) the
+target's, and its feature layers must exist in the target. A drafter for another target is
+refused in one line naming the difference.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dflash_core.bench_eval.errors import EvalInputError
+from dflash_core.models.drafter import ARCHITECTURE as DFLASH_ARCHITECTURE
+from dflash_core.models.drafter import DFlashDrafter
+from dflash_core.models.dspark import ARCHITECTURE as DSPARK_ARCHITECTURE
+from dflash_core.models.dspark import DSparkDrafter
+from dflash_core.models.model_shape import text_config
+
+_DFLASH_KEYS = ("block_size", "mask_token_id", "target_layer_ids")
+_FROZEN = ("embed_tokens.weight", "lm_head.weight")  # served copies of the target's own
+
+
+@dataclass(frozen=True)
+class TargetShape:
+    """What a drafter must agree with: the target's width, vocabulary and depth."""
+
+    hidden_size: int
+    vocab_size: int
+    num_layers: int
+
+    @classmethod
+    def of(cls, config) -> "TargetShape":
+        tc = text_config(config)
+        get = (tc.get if isinstance(tc, dict) else lambda k: getattr(tc, k, None))
+        return cls(int(get("hidden_size")), int(get("vocab_size")),
+                   int(get("num_hidden_layers")))
+
+
+@dataclass
+class DrafterSpec:
+    """A drafter folder read and checked, its weights not loaded yet."""
+
+    path: Path  # the folder holding config.json and model.safetensors
+    given: str  # the path as the user gave it
+    label: str  # its column in the tables
+    objective: str  # "dflash" | "dspark"
+    config: object  # the drafter's Qwen3Config
+    fingerprint: str  # what a results file is continued with
+    run_folder: Path | None = None  # the run that wrote it, when it is a run's checkpoint
+
+    @property
+    def block_size(self) -> int:
+        return int(self.config.dflash_config["block_size"])
+
+    @property
+    def target_layer_ids(self) -> list[int]:
+        return [int(i) for i in self.config.dflash_config["target_layer_ids"]]
+
+
+def resolve_folder(given: str) -> tuple[Path, Path | None]:
+    """(model folder, run folder or None) of a --drafter path."""
+    from dflash_core.persist.checkpoint import CHECKPOINTS, latest_checkpoint
+
+    path = Path(given).expanduser()
+    if not path.exists():
+        raise EvalInputError(f"--drafter {given}: no such folder",
+                             hint="pass a checkpoint folder (RUN/checkpoints/step-N), a run "
+                                  "folder, or a drafter model folder")
+    if path.is_dir() and not (path / "config.json").is_file() and (path / CHECKPOINTS).is_dir():
+        newest = latest_checkpoint(path)
+        if newest is None:
+            raise EvalInputError(f"--drafter {given}: the run has no complete checkpoint",
+                                 hint="pass a checkpoint folder, or let the run save one")
+        return newest, path
+    if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
+        raise EvalInputError(f"--drafter {given}: not a drafter folder (config.json and "
+                             "model.safetensors expected)",
+                             hint="pass a checkpoint folder (RUN/checkpoints/step-N), a run "
+                                  "folder, or a drafter model folder")
+    run = path.parent.parent if path.parent.name == CHECKPOINTS else None
+    return path, run
+
+
+def _label(folder: Path, run: Path | None) -> str:
+    return f"{run.name}/{folder.name}" if run is not None else folder.name
+
+
+def _dflash_config(d: dict, where: str):
+    """This engine's DFlash config.json, or the public reference's (keys at the top level)."""
+    dc = dict(d.get("dflash_config") or {})
+    for k in _DFLASH_KEYS:
+        if k not in dc and k in d:
+            dc[k] = d[k]
+    missing = [k for k in _DFLASH_KEYS if k not in dc]
+    if missing:
+        raise EvalInputError(f"{where}: the DFlash config.json lacks {', '.join(missing)}",
+                             hint="a DFlash drafter folder names its block size, mask token and "
+                                  "target layers (dflash_config)")
+    kinds = d.get("layer_types") or []
+    other = sorted({k for k in kinds if k != "full_attention"})
+    if other:
+        raise EvalInputError(f"{where}: drafter layers of type {', '.join(other)}: this engine "
+                             "decodes DFlash drafters with full-attention layers only")
+    rest = {k: v for k, v in d.items() if k not in _DFLASH_KEYS + ("auto_map",)}
+    rest["dflash_config"] = {"block_size": int(dc["block_size"]),
+                             "mask_token_id": int(dc["mask_token_id"]),
+                             "target_layer_ids": [int(i) for i in dc["target_layer_ids"]]}
+    return DFlashDrafter.config_from_dict(rest)
+
+
+def _fingerprint(folder: Path, config_text: str) -> str:
+    """The config's text, and the weights by their recorded checksum (this engine's checkpoints)
+    or their size and modification time: a changed drafter is not continued as the old one."""
+    from dflash_core.persist.checkpoint import CHECKSUMS
+
+    h = hashlib.sha256(config_text.encode())
+    sums = folder / CHECKSUMS
+    try:
+        weights = json.loads(sums.read_text())["files"]["model.safetensors"]
+        h.update(json.dumps(weights, sort_keys=True).encode())
+    except (OSError, ValueError, KeyError, TypeError):
+        st = (folder / "model.safetensors").stat()
+        h.update(f"{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:16]
+
+
+def read_drafter(given: str) -> DrafterSpec:
+    """The drafter folder's kind and config (no weights read)."""
+    folder, run = resolve_folder(given)
+    text = (folder / "config.json").read_text(encoding="utf-8")
+    where = f"--drafter {given}"
+    try:
+        d = json.loads(text)
+    except ValueError as exc:
+        raise EvalInputError(f"{where}: config.json is not JSON ({exc})") from exc
+    arch = d.get("architectures") or []
+    if arch == [DSPARK_ARCHITECTURE]:
+        from dflash_core.models.dspark_format import NotDSpark
+
+        try:
+            cfg, objective = DSparkDrafter.config_from_dict(d), "dspark"
+        except NotDSpark as exc:
+            raise EvalInputError(f"{where}: {exc}") from exc
+    elif arch == [DFLASH_ARCHITECTURE] or (not arch and "dflash_config" in d):
+        cfg, objective = _dflash_config(d, where), "dflash"
+    else:
+        raise EvalInputError(f"{where}: config.json has architectures {arch}: neither "
+                             f"{DFLASH_ARCHITECTURE} nor {DSPARK_ARCHITECTURE}",
+                             hint="pass a DFlash or DSpark drafter folder")
+    return DrafterSpec(folder, given, _label(folder, run), objective, cfg,
+                       _fingerprint(folder, text), run)
+
+
+def check_against(spec: DrafterSpec, target: TargetShape) -> None:
+    """Refuse a drafter trained for another target: one line naming what differs."""
+    cfg = spec.config
+    diffs = []
+    if int(cfg.hidden_size) != target.hidden_size:
+        diffs.append(f"hidden size {cfg.hidden_size} (the target's {target.hidden_size})")
+    if int(cfg.vocab_size) != target.vocab_size:
+        diffs.append(f"vocabulary {cfg.vocab_size} (the target's {target.vocab_size})")
+    depth = int(getattr(cfg, "num_target_layers", 0) or 0)
+    if depth and depth != target.num_layers:
+        diffs.append(f"a {depth}-layer target (this one has {target.num_layers} layers)")
+    elif max(spec.target_layer_ids) >= target.num_layers:
+        diffs.append(f"feature layers {spec.target_layer_ids} (the target has "
+                     f"{target.num_layers} layers)")
+    if diffs:
+        raise EvalInputError(f"--drafter {spec.given} was trained for another target: "
+                             + "; ".join(diffs),
+                             hint="pass the target it was trained for (--target), or a drafter "
+                                  "of this target")
+    mask = int(cfg.dflash_config["mask_token_id"])
+    if not 0 <= mask < target.vocab_size:
+        raise EvalInputError(f"--drafter {spec.given}: mask token {mask} is outside the "
+                             f"target's vocabulary of {target.vocab_size}")
+
+
+def load_weights(spec: DrafterSpec, target_model, device) -> torch.nn.Module:
+    """The drafter with its weights (float32, as the engine's evaluation runs it) on ``device``,
+    the target's embedding and lm_head attached, in eval mode."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    cls = DSparkDrafter if spec.objective == "dspark" else DFlashDrafter
+    drafter = cls(spec.config)
+    try:
+        state = load_file(str(spec.path / "model.safetensors"), device="cpu")
+    except (SafetensorError, OSError) as exc:
+        raise EvalInputError(f"--drafter {spec.given}: model.safetensors cannot be read "
+                             f"({type(exc).__name__}: {exc})",
+                             hint="the file is damaged or incomplete: copy it again") from exc
+    for k in _FROZEN:
+        state.pop(k, None)
+    try:
+        result = drafter.load_state_dict(state, strict=False)
+    except RuntimeError as exc:  # a tensor of another shape than config.json says
+        first = str(exc).splitlines()[-1].strip()
+        raise EvalInputError(f"--drafter {spec.given}: model.safetensors does not fit its "
+                             f"config.json ({first})",
+                             hint="the folder's weights and config.json belong to different "
+                                  "drafters") from exc
+    if result.missing_keys or result.unexpected_keys:
+        what = [f"missing {', '.join(result.missing_keys[:4])}"] if result.missing_keys else []
+        what += ([f"unexpected {', '.join(result.unexpected_keys[:4])}"]
+                 if result.unexpected_keys else [])
+        raise EvalInputError(f"--drafter {spec.given}: model.safetensors does not fit its "
+                             f"config.json ({'; '.join(what)})",
+                             hint="the folder's weights and config.json belong to different "
+                                  "drafters")
+    drafter = drafter.to(device).eval()
+    drafter.attach_target_head(target_model.embed_tokens, target_model.lm_head)
+    return drafter
+
+
+def unique_labels(specs: list[DrafterSpec]) -> None:
+    """Give two drafters of the same name distinct columns (``name``, ``name#2``)."""
+    seen: dict[str, int] = {}
+    for s in specs:
+        n = seen.get(s.label, 0) + 1
+        seen[s.label] = n
+        if n > 1:
+            s.label = f"{s.label}#{n}"
+
+
+def file_name(label: str) -> str:
+    """A results file's name for a drafter's label."""
+    return "drafter-" + re.sub(r"[^A-Za-z0-9._-]+", "_", label) + ".jsonl"

@@ -1,0 +1,123 @@
+"""Named prompt sets: a JSONL file per benchmark (GSM8K, MT-Bench, ...) that a user brings.
+
+One JSON object a line, blank lines skipped, in one of three shapes:
+
+- ``{"messages": [{"role": "user", "content": "..."}, ...]}``: OpenAI chat messages. The first
+  turn is evaluated: the messages up to and including the first user message (a system message
+  before it is kept); later turns, and an assistant answer the file may carry, are not used.
+- ``{"prompt": "..."}``: one user message.
+- ``{"turns": ["...", ...]}``: user turns as the public DFlash benchmark caches them; the first.
+
+An ``id`` field names the prompt in messages (else its line number). Rendering with the target's
+chat template is rendering.py's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from dflash_core.bench_eval.errors import EvalInputError
+
+SHAPES = "a JSON object a line with \"messages\" (OpenAI chat), \"prompt\" (text) or \"turns\""
+
+
+@dataclass(frozen=True)
+class Prompt:
+    index: int  # 0-based, among the file's prompts
+    id: str  # the row's "id", else "line N"
+    messages: tuple  # of {"role", "content"} dicts: the first turn
+
+
+@dataclass(frozen=True)
+class PromptSet:
+    name: str
+    path: Path
+    sha256: str  # of the file's bytes: a results file is continued only on the same prompts
+    prompts: tuple[Prompt, ...]
+
+
+def parse_spec(spec: str) -> tuple[str, Path]:
+    """``NAME=FILE`` (or ``FILE``, named by its stem) -> (name, path)."""
+    name, eq, file = spec.partition("=")
+    if not eq:
+        name, file = Path(spec).stem, spec
+    name = name.strip()
+    if not name or not file.strip():
+        raise EvalInputError(f"--prompts {spec!r}: expected NAME=FILE.jsonl",
+                             hint="e.g. --prompts gsm8k=gsm8k.jsonl")
+    if any(c in name for c in "/\\") or name.startswith("."):
+        raise EvalInputError(f"--prompts {spec!r}: the set name {name!r} names a folder of "
+                             "the results: use letters, digits, '-', '_'",
+                             hint="e.g. --prompts gsm8k=data/gsm8k.jsonl")
+    return name, Path(file).expanduser()
+
+
+def _first_turn(messages, where: str) -> tuple:
+    if not isinstance(messages, list) or not messages:
+        raise EvalInputError(f"{where}: \"messages\" must be a non-empty list", hint=SHAPES)
+    out = []
+    for m in messages:
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str)):
+            raise EvalInputError(f"{where}: a message without a string role and content "
+                                 f"({str(m)[:60]})", hint=SHAPES)
+        out.append({"role": m["role"], "content": m["content"]})
+        if m["role"] == "user":
+            return tuple(out)
+    raise EvalInputError(f"{where}: the messages hold no user turn to answer",
+                         hint="each prompt needs a {\"role\": \"user\"} message")
+
+
+def _row_messages(row: dict, where: str) -> tuple:
+    if "messages" in row:
+        return _first_turn(row["messages"], where)
+    if "prompt" in row:
+        if not isinstance(row["prompt"], str) or not row["prompt"]:
+            raise EvalInputError(f"{where}: \"prompt\" must be a non-empty string", hint=SHAPES)
+        return ({"role": "user", "content": row["prompt"]},)
+    if "turns" in row:
+        turns = row["turns"]
+        if not (isinstance(turns, list) and turns and isinstance(turns[0], str)):
+            raise EvalInputError(f"{where}: \"turns\" must be a list of strings", hint=SHAPES)
+        return ({"role": "user", "content": turns[0]},)
+    raise EvalInputError(f"{where}: no \"messages\", \"prompt\" or \"turns\" (keys: "
+                         f"{', '.join(sorted(row)) or 'none'})", hint=SHAPES)
+
+
+def load_prompt_set(name: str, path: str | Path, limit: int = 0) -> PromptSet:
+    """The set's prompts (the first ``limit`` when above 0). Raises EvalInputError naming the
+    file and line for a file that cannot be read, a line that is not a prompt, or no prompts."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise EvalInputError(f"prompt set {name}: cannot read {path} ({exc.strerror or exc})",
+                             hint="--prompts NAME=FILE.jsonl with an existing file") from exc
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise EvalInputError(f"prompt set {name}: {path} is not UTF-8 text", hint=SHAPES) from exc
+    prompts: list[Prompt] = []
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            row = json.loads(line)
+        except ValueError as exc:
+            raise EvalInputError(f"{where}: not JSON ({exc})", hint=SHAPES) from exc
+        if not isinstance(row, dict):
+            raise EvalInputError(f"{where}: not a JSON object", hint=SHAPES)
+        msgs = _row_messages(row, where)
+        pid = row.get("id")
+        prompts.append(Prompt(len(prompts), str(pid) if pid is not None else f"line {lineno}",
+                              msgs))
+        if limit and len(prompts) >= limit:
+            break
+    if not prompts:
+        raise EvalInputError(f"prompt set {name}: {path} holds no prompts",
+                             hint=f"write {SHAPES}")
+    return PromptSet(name, path, hashlib.sha256(raw).hexdigest()[:16], tuple(prompts))

@@ -1,0 +1,102 @@
+"""Prompts rendered as the target is served: its own chat template, the generation prompt, and
+the template's thinking switch.
+
+The switch is the template's ``enable_thinking`` variable (Qwen3's and its kin's): ``on`` and
+``off`` pass it, leaving it out keeps the template's default. Acceptance depends on it as much as
+on the drafter (a drafter measured with thinking left on can score less than half its tau with
+it off), so a template that has no such switch is refused when one is asked for, rather than
+rendered as if it had been switched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from dflash_core.bench_eval.errors import EvalInputError
+from dflash_core.bench_eval.prompt_sets import PromptSet
+
+SWITCH = "enable_thinking"
+THINKING = ("on", "off")
+
+
+def tokenizer_spec(target_folder: Path, tokenizer: str | None) -> str:
+    """What to load the tokenizer from: ``tokenizer`` when given, the demo's built-in byte
+    tokenizer for the demo target (its folder holds no tokenizer), else the target's folder."""
+    if tokenizer:
+        return tokenizer
+    from dflash_core.demo import META_NAME
+
+    if (target_folder / META_NAME).is_file() and not (target_folder / "tokenizer.json").is_file():
+        return "builtin:tiny"
+    return str(target_folder)
+
+
+def load_chat_tokenizer(spec: str, chat_template: str | None = None):
+    """The tokenizer with its chat template (data.chat_render's loader); its errors as one line."""
+    from dflash_core.data.chat_render import load_tokenizer
+    from dflash_core.data.shards import DataError
+
+    try:
+        return load_tokenizer(spec, chat_template)
+    except DataError as exc:
+        raise EvalInputError(str(exc), hint=getattr(exc, "hint", "") or
+                             "pass --tokenizer the target's model folder") from exc
+
+
+def has_switch(tokenizer) -> bool:
+    return SWITCH in (getattr(tokenizer, "chat_template", None) or "")
+
+
+def template_kwargs(tokenizer, thinking: str | None, where: str = "the chat template") -> dict:
+    """The template's variables for ``--thinking``; refuses a switch the template lacks."""
+    if thinking is None:
+        return {}
+    if thinking not in THINKING:
+        raise EvalInputError(f"--thinking {thinking!r}: use on or off")
+    if not has_switch(tokenizer):
+        raise EvalInputError(
+            f"--thinking {thinking}: {where} has no thinking switch (no {SWITCH} variable)",
+            hint="leave --thinking out (the template renders as it always does), or pass "
+                 "--chat-template FILE with a template that reads enable_thinking")
+    return {SWITCH: thinking == "on"}
+
+
+@dataclass(frozen=True)
+class RenderedSet:
+    name: str
+    ids: tuple[tuple[int, ...], ...]  # per prompt, the token ids the target continues
+
+
+def render_set(tokenizer, pset: PromptSet, kwargs: dict) -> RenderedSet:
+    """Each prompt's first turn with the generation prompt, tokenized as a server does (the
+    template writes the special tokens itself)."""
+    out = []
+    for p in pset.prompts:
+        try:
+            text = tokenizer.apply_chat_template(list(p.messages), tokenize=False,
+                                                 add_generation_prompt=True, **kwargs)
+        except Exception as exc:  # jinja's raise_exception and its kin: the template refuses
+            raise EvalInputError(f"prompt set {pset.name}, prompt {p.id}: the chat template "
+                                 f"fails to render it ({type(exc).__name__}: {exc})",
+                                 hint="fix the prompt's messages, or pass --chat-template"
+                                 ) from exc
+        ids = tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
+        if not ids:
+            raise EvalInputError(f"prompt set {pset.name}, prompt {p.id}: renders to no tokens",
+                                 hint="give it some text")
+        out.append(ids)
+    return RenderedSet(pset.name, tuple(out))
+
+
+def stop_ids(tokenizer, hf_config, generation_config=None) -> frozenset[int]:
+    """Where the target stops: the tokenizer's end of sequence and the model's own end ids
+    (generation_config's, which names a chat model's end-of-turn token)."""
+    found: set[int] = set()
+    for source in (getattr(tokenizer, "eos_token_id", None),
+                   getattr(generation_config, "eos_token_id", None),
+                   getattr(hf_config, "eos_token_id", None)):
+        if source is None:
+            continue
+        found.update(int(i) for i in (source if isinstance(source, (list, tuple)) else [source]))
+    return frozenset(found)

@@ -1,0 +1,140 @@
+"""Results on disk, one JSONL file per (prompt set, decoder), continued when run again.
+
+``<out>/<set>/plain.jsonl`` holds the target decoding alone (the speedup's baseline and the
+lossless check's reference); ``<out>/<set>/drafter-<label>.jsonl`` one drafter's. Lines:
+
+- first, the header: ``{"kind": "header", "format": 1, "settings": {...}}``, what the results
+  depend on (target, tokenizer and template, prompt file, drafter, thinking, temperature, seed,
+  new-token limit, batch size, cache, dtype, device). A file is continued only under the same
+  settings; otherwise the run is refused, naming what changed.
+- per prompt: ``{"kind": "prompt", "index", "id", "batch", "prompt_tokens", "tokens",
+  "acceptance", "proposed"}`` (and ``"lossless"`` when the greedy check found a difference);
+- per batch, after its prompts: ``{"kind": "batch", "batch", "prompts", "seconds",
+  "prefill_seconds"}``.
+
+A batch is appended in one write and flushed to disk; a batch without its closing line (the
+process stopped while writing) is cut off when the file is opened again and decoded anew.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dflash_core.bench_eval.errors import EvalInputError
+
+FORMAT = 1
+PLAIN = "plain.jsonl"
+
+
+@dataclass
+class Batch:
+    number: int
+    prompts: list[int]
+    seconds: float
+    prefill_seconds: float
+
+
+@dataclass
+class ResultsFile:
+    path: Path
+    settings: dict
+    prompts: dict[int, dict] = field(default_factory=dict)  # index -> its line
+    batches: list[Batch] = field(default_factory=list)
+
+    @property
+    def next_batch(self) -> int:
+        return 1 + max((b.number for b in self.batches), default=-1)
+
+    def done(self, index: int) -> bool:
+        return index in self.prompts
+
+    def append(self, lines: list[dict], batch: Batch) -> None:
+        """The batch's prompt lines and its closing line, in one write, on disk when this
+        returns."""
+        record = {"kind": "batch", "batch": batch.number, "prompts": batch.prompts,
+                  "seconds": round(batch.seconds, 6),
+                  "prefill_seconds": round(batch.prefill_seconds, 6)}
+        text = "".join(json.dumps(x, separators=(",", ":")) + "\n" for x in [*lines, record])
+        with open(self.path, "a", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        for x in lines:
+            self.prompts[int(x["index"])] = x
+        self.batches.append(batch)
+
+
+def _differences(old: dict, new: dict) -> list[str]:
+    keys = sorted(set(old) | set(new))
+    return [f"{k} {old.get(k)!r} -> {new.get(k)!r}" for k in keys if old.get(k) != new.get(k)]
+
+
+def open_results(path: Path, settings: dict, about: dict | None = None) -> ResultsFile:
+    """The results file at ``path``: continued when it exists with the same settings (a torn
+    last batch cut off), else started with a header (``about``: what is said, not compared,
+    such as where the files were). Raises EvalInputError when it holds results of other
+    settings."""
+    settings = json.loads(json.dumps(settings))  # as it reads back (tuples as lists)
+    if not path.is_file() or path.stat().st_size == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        header = {"kind": "header", "format": FORMAT, "settings": settings,
+                  "about": about or {}}
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        tmp.write_text(json.dumps(header) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+        return ResultsFile(path, settings)
+    raw = path.read_bytes()
+    lines = raw.split(b"\n")
+    try:
+        header = json.loads(lines[0])
+        assert header.get("kind") == "header"
+    except (ValueError, AssertionError, AttributeError) as exc:
+        raise EvalInputError(f"{path} is not a results file of this evaluation (no header)",
+                             hint="pass another --out, or move the file away") from exc
+    if header.get("format") != FORMAT or header.get("settings") != settings:
+        diff = _differences(header.get("settings") or {}, settings)
+        raise EvalInputError(f"{path} holds results of other settings ("
+                             + "; ".join(diff[:3]) + ("; ..." if len(diff) > 3 else "") + ")",
+                             hint="pass another --out for these settings, or delete the file "
+                                  "to measure it again")
+    res = ResultsFile(path, settings)
+    pending: list[dict] = []
+    good = len(lines[0]) + 1  # bytes up to the end of the last complete batch
+    at = good
+    for raw_line in lines[1:]:
+        at += len(raw_line) + 1
+        if not raw_line.strip():
+            continue
+        try:
+            x = json.loads(raw_line)
+        except ValueError:
+            break  # a torn line: the batch it belongs to is decoded again
+        if x.get("kind") == "prompt":
+            pending.append(x)
+        elif x.get("kind") == "batch":
+            if sorted(int(p["index"]) for p in pending) != sorted(x["prompts"]):
+                break
+            for p in pending:
+                res.prompts[int(p["index"])] = p
+            res.batches.append(Batch(int(x["batch"]), list(x["prompts"]), float(x["seconds"]),
+                                     float(x["prefill_seconds"])))
+            pending = []
+            good = min(at, len(raw))
+    if good < len(raw):
+        with open(path, "r+b") as fh:  # the torn batch goes; its prompts are decoded again
+            fh.truncate(good)
+    return res
+
+
+def write_json(path: Path, obj) -> None:
+    """``obj`` as JSON at ``path``, replaced whole (never half-written)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -1,0 +1,413 @@
+"""One evaluation: drafters against a target on named prompt sets (docs/eval.md).
+
+Everything that can be refused is checked before the target's weights are read: the prompt
+files, the tokenizer and its thinking switch, each drafter's folder and its fit to the target's
+config.json, the lengths against the target's positions, and the results files (continued only
+under the same settings). Then, per set, the prompts are sorted by length and cut into batches;
+each batch is decoded by the target alone (plain) and by each drafter in turn, so the baseline
+and the drafters are timed side by side on the same prompts, and appended to its results file.
+A run stopped anywhere continues from its last whole batch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from dflash_core.bench_eval import drafters as dk
+from dflash_core.bench_eval import results as rs
+from dflash_core.bench_eval.errors import EvalInputError
+from dflash_core.bench_eval.prompt_sets import PromptSet, load_prompt_set, parse_spec
+from dflash_core.bench_eval.rendering import (
+    RenderedSet, load_chat_tokenizer, render_set, stop_ids, template_kwargs, tokenizer_spec,
+)
+from dflash_core.bench_eval.sampling import prompt_generator
+from dflash_core.bench_eval.spec_decode import DecodeSettings, decode_rows
+from dflash_core.bench_eval.summary import Summary, first_difference, summarise
+from dflash_core.bench_eval.target_batch import CachedRows, FullBatch, head_is_lm_head
+
+RESULTS = "results.json"
+
+
+@dataclass
+class EvalOptions:
+    target: str
+    drafters: list[str]
+    prompts: list[str]  # NAME=FILE.jsonl
+    tokenizer: str | None = None  # default: the target's folder
+    chat_template: str | None = None  # a jinja file replacing the tokenizer's
+    thinking: str | None = None  # "on" | "off" | None (the template's default)
+    temperature: float = 0.0  # 0: greedy, with the lossless check
+    seed: int = 0
+    max_new_tokens: int = 256
+    batch: int = 8  # prompts decoded together
+    cache: bool = False  # the target's cache, one prompt at a time (eval.cache's path)
+    limit: int = 0  # the first N prompts of each set (0: all)
+    out: str = "eval-results"
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on the CPU
+
+
+@dataclass
+class SetReport:
+    name: str
+    prompts: int
+    plain: Summary
+    drafters: dict[str, Summary]
+
+
+@dataclass
+class EvalReport:
+    folder: Path
+    settings: dict
+    labels: list[str]
+    per_round: dict[str, int]  # label -> drafts a round proposes
+    sets: list[SetReport] = field(default_factory=list)
+
+    @property
+    def mismatches(self) -> list[tuple[str, str, dict]]:
+        """(set, drafter, mismatch) of every prompt whose greedy output left the target's."""
+        return [(s.name, label, m) for s in self.sets for label, d in s.drafters.items()
+                for m in d.mismatches]
+
+
+def resolve_device(spec: str) -> torch.device:
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(spec)
+    except RuntimeError as exc:
+        raise EvalInputError(f"--device {spec!r}: not a device",
+                             hint="use auto, cpu, cuda or cuda:N") from exc
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise EvalInputError(f"--device {spec}: no CUDA GPU is visible",
+                             hint="use --device cpu (or auto)")
+    if dev.type not in ("cpu", "cuda"):
+        raise EvalInputError(f"--device {spec}: use auto, cpu, cuda or cuda:N")
+    return dev
+
+
+def _dtype(spec: str, device: torch.device) -> str:
+    if spec == "auto":
+        return "bfloat16" if device.type == "cuda" else "float32"
+    if spec not in ("bfloat16", "float16", "float32"):
+        raise EvalInputError(f"--dtype {spec!r}: use auto, bfloat16, float16 or float32")
+    return spec
+
+
+def _target_folder(spec: str) -> Path:
+    if spec == "builtin:tiny":
+        from dflash_core.demo import ensure_tiny_target
+
+        return ensure_tiny_target()
+    folder = Path(spec).expanduser()
+    if not (folder / "config.json").is_file():
+        raise EvalInputError(f"--target {spec}: no config.json there",
+                             hint="pass the target's model folder (or builtin:tiny)")
+    return folder
+
+
+def _target_id(folder: Path) -> str:
+    """The target by its config.json and its weight files' names and sizes."""
+    h = hashlib.sha256((folder / "config.json").read_bytes())
+    for f in sorted(folder.glob("*.safetensors")):
+        h.update(f"{f.name}:{f.stat().st_size}".encode())
+    return h.hexdigest()[:16]
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _Timed:
+    """A target backend whose prefill (``start``) is timed apart from the rounds."""
+
+    def __init__(self, backend, device):
+        self.backend, self.device, self.prefill_s = backend, device, 0.0
+
+    def start(self, prompts):
+        _sync(self.device)
+        t0 = time.perf_counter()
+        out = self.backend.start(prompts)
+        _sync(self.device)
+        self.prefill_s = time.perf_counter() - t0
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self.backend, name)
+
+
+@dataclass
+class _Decoder:
+    """Plain decoding, or one drafter: its results file per set and its target features."""
+
+    label: str  # "plain" or the drafter's label
+    layer_ids: list[int]
+    drafter: object = None
+    spec: dk.DrafterSpec | None = None
+    files: dict[str, rs.ResultsFile] = field(default_factory=dict)
+
+
+class Evaluation:
+    """An evaluation prepared (everything checked, files opened) and run batch by batch."""
+
+    def __init__(self, opts: EvalOptions, say: Callable[[str], None] = print):
+        self.opts, self.say = opts, say
+        if opts.max_new_tokens < 1:
+            raise EvalInputError(f"--max-new-tokens {opts.max_new_tokens}: must be >= 1")
+        if opts.batch < 1:
+            raise EvalInputError(f"--batch {opts.batch}: must be >= 1")
+        if not opts.temperature >= 0:
+            raise EvalInputError(f"--temperature {opts.temperature}: must be >= 0")
+        if not opts.drafters:
+            raise EvalInputError("no --drafter to evaluate", hint="pass --drafter CHECKPOINT "
+                                 "(twice to compare two)")
+        if not opts.prompts:
+            raise EvalInputError("no --prompts set", hint="pass --prompts NAME=FILE.jsonl")
+        self.device = resolve_device(opts.device)
+        self.dtype = _dtype(opts.dtype, self.device)
+        self.sets = self._sets()
+        self.folder = _target_folder(opts.target)
+        self.target_config = self._target_config()
+        self.shape = dk.TargetShape.of(self.target_config)
+        self.specs = [dk.read_drafter(g) for g in opts.drafters]
+        for s in self.specs:
+            dk.check_against(s, self.shape)
+        dk.unique_labels(self.specs)
+        self.tokenizer = load_chat_tokenizer(tokenizer_spec(self.folder, opts.tokenizer),
+                                             opts.chat_template)
+        kwargs = template_kwargs(self.tokenizer, opts.thinking,
+                                 f"the chat template of {opts.tokenizer or opts.target}")
+        self.rendered = {p.name: render_set(self.tokenizer, p, kwargs) for p in self.sets}
+        self._check_lengths()
+        self.stop = stop_ids(self.tokenizer, self.target_config, self._generation_config())
+        self.out = Path(opts.out).expanduser()
+        self.settings = self._settings()
+        plain = _Decoder("plain", [self.shape.num_layers - 1])
+        self.decoders = [plain] + [_Decoder(s.label, s.target_layer_ids, spec=s)
+                                   for s in self.specs]
+        for d in self.decoders:
+            for p in self.sets:
+                d.files[p.name] = self._open(d, p)
+        self.target = None
+
+    # -- checks before any weight is read -------------------------------------------------
+    def _sets(self) -> list[PromptSet]:
+        sets, seen = [], set()
+        for spec in self.opts.prompts:
+            name, path = parse_spec(spec)
+            if name in seen:
+                raise EvalInputError(f"--prompts: two sets named {name}",
+                                     hint="give each set its own NAME=FILE")
+            seen.add(name)
+            sets.append(load_prompt_set(name, path, self.opts.limit))
+        return sets
+
+    def _target_config(self):
+        from dflash_core.models.target import TargetLoadError, load_target_config
+
+        try:
+            return load_target_config(self.folder)
+        except TargetLoadError as exc:
+            raise EvalInputError(str(exc), hint=exc.hint) from exc
+
+    def _generation_config(self):
+        try:
+            from transformers import GenerationConfig
+
+            return GenerationConfig.from_pretrained(str(self.folder), local_files_only=True)
+        except (OSError, ValueError):
+            return None  # the folder has none: the tokenizer's and config's end ids stand
+
+    def _check_lengths(self) -> None:
+        from dflash_core.models.model_shape import text_config
+
+        limit = getattr(text_config(self.target_config), "max_position_embeddings", None)
+        if not limit:
+            return
+        for p in self.sets:
+            ids = self.rendered[p.name].ids
+            j = max(range(len(ids)), key=lambda i: len(ids[i]))
+            if len(ids[j]) + self.opts.max_new_tokens > limit:
+                raise EvalInputError(
+                    f"prompt set {p.name}, prompt {p.prompts[j].id}: {len(ids[j])} tokens and "
+                    f"{self.opts.max_new_tokens} new ones pass the target's {limit} positions",
+                    hint="lower --max-new-tokens, or leave the longest prompts out of the file")
+
+    def _settings(self) -> dict:
+        from dflash_core.data.chat_render import fingerprints
+
+        o = self.opts
+        return {"target": _target_id(self.folder), "tokenizer": fingerprints(self.tokenizer),
+                "thinking": o.thinking or "template default", "temperature": o.temperature,
+                "seed": o.seed if o.temperature > 0 else None,
+                "max_new_tokens": o.max_new_tokens, "batch": o.batch, "cache": o.cache,
+                "dtype": self.dtype, "device": _device_name(self.device),
+                "stop_ids": sorted(self.stop)}
+
+    def _open(self, d: _Decoder, p: PromptSet) -> rs.ResultsFile:
+        settings = dict(self.settings, set=p.name, prompts=p.sha256)
+        about = {"target": str(self.folder), "prompts": str(p.path)}
+        if d.spec is not None:
+            settings["drafter"] = {"objective": d.spec.objective,
+                                   "fingerprint": d.spec.fingerprint}
+            about["drafter"] = str(d.spec.path)
+        name = rs.PLAIN if d.spec is None else dk.file_name(d.label)
+        return rs.open_results(self.out / p.name / name, settings, about)
+
+    # -- the run ------------------------------------------------------------------------------
+    def load(self) -> None:
+        from dflash_core.models.evaluate import EVAL_ATTENTION
+        from dflash_core.models.target import TargetLoadError, load_target
+
+        t0 = time.monotonic()
+        self.say(f"loading the target {self.folder} on {self.device} ({self.dtype})")
+        try:
+            self.target = load_target(self.folder, device=self.device, dtype=self.dtype)
+        except TargetLoadError as exc:
+            raise EvalInputError(str(exc), hint=exc.hint) from exc
+        for d in self.decoders[1:]:
+            d.drafter = dk.load_weights(d.spec, self.target, self.device)
+            d.drafter.attn_impl = EVAL_ATTENTION  # uncompiled, as the engine's evaluation
+        probe = list(self.rendered[self.sets[0].name].ids[0])[:64]
+        self.exact_head = self.opts.cache or head_is_lm_head(self.target, probe, [0])
+        self.say(f"loaded in {time.monotonic() - t0:.1f} s; {len(self.specs)} drafter(s): "
+                 + ", ".join(f"{s.label} ({s.objective}, block {s.block_size})"
+                             for s in self.specs))
+
+    def _backend(self, d: _Decoder):
+        if self.opts.cache:
+            return CachedRows(self.target, d.layer_ids)
+        return FullBatch(self.target, d.layer_ids, self.exact_head)
+
+    def _decode(self, d: _Decoder, prompts: list[list[int]], indices: list[int],
+                new_tokens: int):
+        o = self.opts
+        gens = ([prompt_generator(o.seed, i, self.device) for i in indices]
+                if o.temperature > 0 else None)
+        backend = _Timed(self._backend(d), self.device)
+        settings = DecodeSettings(new_tokens, o.temperature, self.stop)
+        _sync(self.device)
+        t0 = time.perf_counter()
+        rows = decode_rows(backend, d.drafter, prompts, settings, gens)
+        _sync(self.device)
+        return rows, time.perf_counter() - t0, backend.prefill_s
+
+    def warm_up(self) -> None:
+        """One short decode by each decoder, untimed: first calls set up kernels and buffers."""
+        ids = [list(self.rendered[self.sets[0].name].ids[0])]
+        for d in self.decoders:
+            self._decode(d, ids, [0], min(4, self.opts.max_new_tokens))
+
+    def run(self) -> EvalReport:
+        if self.target is None:
+            self.load()
+        self.warm_up()
+        t0 = time.monotonic()
+        for p in self.sets:
+            self._run_set(p, t0)
+        return self.report()
+
+    def _run_set(self, p: PromptSet, t0: float) -> None:
+        ids = self.rendered[p.name].ids
+        order = sorted(range(len(ids)), key=lambda i: (len(ids[i]), i))
+        size = self.opts.batch
+        batches = [order[k:k + size] for k in range(0, len(order), size)]
+        left = [b for b in batches if not all(d.files[p.name].done(i)
+                                              for d in self.decoders for i in b)]
+        if len(left) < len(batches):
+            self.say(f"{p.name}: {len(batches) - len(left)} of {len(batches)} batches done "
+                     "before; continuing")
+        for k, batch in enumerate(batches):
+            if batch not in left:
+                continue
+            parts = []
+            for d in self.decoders:
+                f = d.files[p.name]
+                todo = [i for i in batch if not f.done(i)]
+                if not todo:
+                    continue
+                rows, secs, prefill = self._decode(d, [list(ids[i]) for i in todo], todo,
+                                                   self.opts.max_new_tokens)
+                lines = [self._line(p, d, i, f.next_batch, r) for i, r in zip(todo, rows)]
+                f.append(lines, rs.Batch(f.next_batch, todo, secs, prefill))
+                toks = sum(len(r.tokens) for r in rows) - len(rows)
+                rate = toks / max(secs - prefill, 1e-9)
+                tau = (sum(len(r.tokens) for r in rows) - len(rows)) / max(
+                    1, sum(len(r.acceptance) for r in rows))
+                parts.append(f"{d.label} {rate:.0f} tok/s" + (f" tau {tau:.2f}"
+                                                             if d.spec else ""))
+            done = sum(len(b) for b in batches[:k + 1])
+            s = int(time.monotonic() - t0)
+            self.say(f"[{s // 60}:{s % 60:02d}] {p.name}: {done}/{len(ids)} prompts; "
+                     + "; ".join(parts))
+
+    def _line(self, p: PromptSet, d: _Decoder, i: int, batch: int, r) -> dict:
+        line = {"kind": "prompt", "index": i, "id": p.prompts[i].id, "batch": batch,
+                "prompt_tokens": len(self.rendered[p.name].ids[i]), "tokens": r.tokens,
+                "acceptance": r.acceptance, "proposed": r.proposed}
+        if d.spec is not None and self.opts.temperature == 0:
+            ref = self.decoders[0].files[p.name].prompts[i]["tokens"]
+            at = first_difference(ref, r.tokens)
+            if at is not None:
+                line["lossless"] = self._mismatch(p, i, ref, r.tokens, at)
+        return line
+
+    @torch.no_grad()
+    def _mismatch(self, p: PromptSet, i: int, ref: list[int], got: list[int], at: int) -> dict:
+        """Where speculative decoding left the target's greedy text, and how close the
+        target's top two choices were there (a near tie parts at float noise)."""
+        prefix = list(self.rendered[p.name].ids[i]) + ref[:at]
+        ids = torch.tensor([prefix], dtype=torch.long, device=self.target.device)
+        logits, _ = self.target.logits_and_features(ids, [0])
+        top = logits[0, -1].float().topk(2).values
+        return {"position": at, "plain": ref[at] if at < len(ref) else None,
+                "speculative": got[at] if at < len(got) else None,
+                "target_gap": round(float(top[0] - top[1]), 6)}
+
+    def report(self) -> EvalReport:
+        rep = EvalReport(self.out, self.settings, [s.label for s in self.specs],
+                         {s.label: s.block_size - 1 + int(s.objective == "dspark")
+                          for s in self.specs})
+        for p in self.sets:
+            indices = list(range(len(p.prompts)))
+            plain = summarise(self.decoders[0].files[p.name], indices)
+            drafted = {}
+            for d in self.decoders[1:]:
+                sm = summarise(d.files[p.name], indices)
+                if plain.tokens_per_s > 0 and sm.tokens_per_s > 0:
+                    sm.speedup = sm.tokens_per_s / plain.tokens_per_s
+                drafted[d.label] = sm
+            rep.sets.append(SetReport(p.name, len(p.prompts), plain, drafted))
+        rs.write_json(self.out / RESULTS, report_json(rep, self))
+        return rep
+
+
+def report_json(rep: EvalReport, ev: Evaluation) -> dict:
+    return {
+        "settings": rep.settings,
+        "target": str(ev.folder),
+        "drafters": {s.label: {"path": str(s.path), "objective": s.objective,
+                               "block_size": s.block_size,
+                               "run": str(s.run_folder) if s.run_folder else None}
+                     for s in ev.specs},
+        "sets": {s.name: {"prompts": s.prompts, "file": str(p.path), "plain": s.plain.as_dict(),
+                          "drafters": {k: v.as_dict() for k, v in s.drafters.items()}}
+                 for s, p in zip(rep.sets, ev.sets)},
+    }
+
+
+def run_eval(opts: EvalOptions, say: Callable[[str], None] = print) -> EvalReport:
+    """Prepare (every check), load, decode what is not done yet, and summarise."""
+    return Evaluation(opts, say).run()

@@ -1,0 +1,94 @@
+"""What a set's results say: tau, accepted@k, rounds, tokens per second, the speedup over plain
+decoding, and the lossless check.
+
+- **tau**: tokens gained per target forward (verification round), accepted drafts plus the
+  target's own token, pooled over every round of every prompt (the engine's exact tau).
+  ``tau_per_prompt`` is the mean of the prompts' own taus, the public DFlash benchmark's figure;
+  the two differ when prompts of different lengths have different taus.
+- **accepted@k**: of the rounds that proposed at least k drafts, the share that accepted at least
+  k (k = 1 is the first draft's acceptance rate).
+- **tokens/s**: new tokens over decoding time, the prefill left out (the time to the first token
+  is the target's alone), summed over the batches: each batch's time is shared by its prompts.
+- **speedup**: tokens/s over plain decoding's on the same prompts, batches and target code.
+- **lossless**: greedy only; every prompt's speculative tokens equal to plain decoding's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dflash_core.bench_eval.results import ResultsFile
+
+
+@dataclass
+class Summary:
+    prompts: int
+    tokens: int
+    rounds: int
+    tau: float
+    tau_per_prompt: float
+    acceptance: list[int]  # histogram: rounds that accepted k drafts
+    accepted_at: dict[int, float]  # k -> share (see the module)
+    seconds: float  # decoding time, prefill left out
+    prefill_seconds: float
+    tokens_per_s: float
+    speedup: float | None = None
+    mismatches: list[dict] = field(default_factory=list)  # lossless check: prompt, position
+
+    def as_dict(self) -> dict:
+        d = dict(self.__dict__)
+        d["accepted_at"] = {str(k): v for k, v in self.accepted_at.items()}
+        return d
+
+
+def summarise(res: ResultsFile, indices: list[int] | None = None) -> Summary:
+    """The summary of ``res`` over the prompts ``indices`` (None: all done)."""
+    rows = [res.prompts[i] for i in (indices if indices is not None else sorted(res.prompts))
+            if i in res.prompts]
+    hist: list[int] = []
+    reach: list[int] = []  # reach[k]: rounds that proposed at least k drafts
+    per_prompt = []
+    for r in rows:
+        for a, p in zip(r["acceptance"], r["proposed"]):
+            while len(hist) <= max(a, p):
+                hist.append(0)
+                reach.append(0)
+            hist[a] += 1
+            for k in range(1, p + 1):
+                reach[k] += 1
+        if r["acceptance"]:
+            per_prompt.append(sum(a + 1 for a in r["acceptance"]) / len(r["acceptance"]))
+    rounds = sum(hist)
+    gained = sum((k + 1) * n for k, n in enumerate(hist))
+    at = {}
+    for k in range(1, len(reach)):
+        if reach[k]:
+            got = sum(1 for r in rows for a, p in zip(r["acceptance"], r["proposed"])
+                      if p >= k and a >= k)
+            at[k] = got / reach[k]
+    wanted = {int(r["index"]) for r in rows}
+    batches = [b for b in res.batches if wanted & set(b.prompts)]
+    # a batch's time is its prompts' together: a share of it for each prompt asked about
+    seconds = sum((b.seconds - b.prefill_seconds) * len(wanted & set(b.prompts)) / len(b.prompts)
+                  for b in batches)
+    prefill = sum(b.prefill_seconds * len(wanted & set(b.prompts)) / len(b.prompts)
+                  for b in batches)
+    tokens = sum(len(r["tokens"]) for r in rows)
+    # the first token of each prompt came with the prefill
+    decoded = tokens - sum(1 for r in rows if r["tokens"])
+    return Summary(
+        prompts=len(rows), tokens=tokens, rounds=rounds,
+        tau=gained / rounds if rounds else 0.0,
+        tau_per_prompt=sum(per_prompt) / len(per_prompt) if per_prompt else 0.0,
+        acceptance=hist, accepted_at=at, seconds=seconds, prefill_seconds=prefill,
+        tokens_per_s=decoded / seconds if seconds > 0 else 0.0,
+        mismatches=[{"index": int(r["index"]), "id": r["id"], **r["lossless"]}
+                    for r in rows if r.get("lossless")])
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The first position where two token lists differ (one ending early counts), else None."""
+    for j, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return j
+    return None if len(a) == len(b) else min(len(a), len(b))

@@ -1,0 +1,57 @@
+"""The side-by-side table of one prompt set: the target alone and each drafter in a column."""
+
+from __future__ import annotations
+
+from dflash_core.bench_eval.summary import Summary
+
+
+def _ks(per_round: int) -> list[int]:
+    """accepted@k rows shown: 1, 2, 4, ... and the last draft of a round."""
+    ks, k = [], 1
+    while k < per_round:
+        ks.append(k)
+        k *= 2
+    return ks + [per_round] if per_round >= 1 else ks
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def lossless_cell(s: Summary, greedy: bool) -> str:
+    if not greedy:
+        return "n/a (sampled)"
+    if not s.mismatches:
+        return "exact"
+    m = s.mismatches[0]
+    return f"{len(s.mismatches)} differ (first: {m['id']} @{m['position']})"
+
+
+def set_table(name: str, prompts: int, plain: Summary, drafters: dict[str, Summary],
+              per_round: dict[str, int], greedy: bool) -> str:
+    labels = list(drafters)
+    ks = _ks(max(per_round.values(), default=0))
+    head = ["", "plain"] + labels
+    rows = [
+        ["tau"] + [f"{plain.tau:.2f}"] + [f"{drafters[x].tau:.2f}" for x in labels],
+        ["tau per prompt"] + ["-"] + [f"{drafters[x].tau_per_prompt:.2f}" for x in labels],
+    ]
+    for k in ks:
+        rows.append([f"accepted@{k}", "-"] + [
+            _pct(drafters[x].accepted_at.get(k)) if k <= per_round[x] else "-"
+            for x in labels])
+    rows += [
+        ["rounds", str(plain.rounds)] + [str(drafters[x].rounds) for x in labels],
+        ["new tokens", str(plain.tokens)] + [str(drafters[x].tokens) for x in labels],
+        ["tokens/s", f"{plain.tokens_per_s:.1f}"] + [f"{drafters[x].tokens_per_s:.1f}"
+                                                     for x in labels],
+        ["speedup", "1.00x"] + [f"{drafters[x].speedup:.2f}x" if drafters[x].speedup else "-"
+                                for x in labels],
+        ["lossless", "-"] + [lossless_cell(drafters[x], greedy) for x in labels],
+    ]
+    widths = [max(len(r[c]) for r in [head] + rows) for c in range(len(head))]
+    fmt = lambda r: "  ".join(v.ljust(widths[0]) if c == 0 else v.rjust(widths[c])  # noqa: E731
+                              for c, v in enumerate(r)).rstrip()
+    done = "" if plain.prompts == prompts else f", {plain.prompts} done"
+    return "\n".join([f"set {name} ({prompts} prompts{done})", fmt(head)]
+                     + [fmt(r) for r in rows])
