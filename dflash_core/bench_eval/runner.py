@@ -201,6 +201,7 @@ class Evaluation:
             for p in self.sets:
                 d.files[p.name] = self._open(d, p)
         self.target = None
+        self.warm = False
 
     # -- checks before any weight is read -------------------------------------------------
     def _sets(self) -> list[PromptSet]:
@@ -273,15 +274,19 @@ class Evaluation:
 
         t0 = time.monotonic()
         self.say(f"loading the target {self.folder} on {self.device} ({self.dtype})")
+        from dflash_core.demo import quiet_hf
+
         try:
-            self.target = load_target(self.folder, device=self.device, dtype=self.dtype)
+            with quiet_hf():  # our own line says what loads; no bar behind the progress lines
+                self.target = load_target(self.folder, device=self.device, dtype=self.dtype)
         except TargetLoadError as exc:
             raise EvalInputError(str(exc), hint=exc.hint) from exc
         for d in self.decoders[1:]:
             d.drafter = dk.load_weights(d.spec, self.target, self.device)
             d.drafter.attn_impl = EVAL_ATTENTION  # uncompiled, as the engine's evaluation
         probe = list(self.rendered[self.sets[0].name].ids[0])[:64]
-        self.exact_head = self.opts.cache or head_is_lm_head(self.target, probe, [0])
+        # the cache path reads the model's own logits; only the batched one needs the check
+        self.exact_head = True if self.opts.cache else head_is_lm_head(self.target, probe, [0])
         self.say(f"loaded in {time.monotonic() - t0:.1f} s; {len(self.specs)} drafter(s): "
                  + ", ".join(f"{s.label} ({s.objective}, block {s.block_size})"
                              for s in self.specs))
@@ -309,11 +314,11 @@ class Evaluation:
         ids = [list(self.rendered[self.sets[0].name].ids[0])]
         for d in self.decoders:
             self._decode(d, ids, [0], min(4, self.opts.max_new_tokens))
+        self.warm = True
 
     def run(self) -> EvalReport:
         if self.target is None:
             self.load()
-        self.warm_up()
         t0 = time.monotonic()
         for p in self.sets:
             self._run_set(p, t0)
@@ -326,9 +331,15 @@ class Evaluation:
         batches = [order[k:k + size] for k in range(0, len(order), size)]
         left = [b for b in batches if not all(d.files[p.name].done(i)
                                               for d in self.decoders for i in b)]
+        if not left:
+            self.say(f"{p.name}: all {len(ids)} prompts measured before (results in "
+                     f"{self.out / p.name})")
+            return
         if len(left) < len(batches):
-            self.say(f"{p.name}: {len(batches) - len(left)} of {len(batches)} batches done "
+            self.say(f"{p.name}: {len(batches) - len(left)} of {len(batches)} batches measured "
                      "before; continuing")
+        if not self.warm:
+            self.warm_up()
         for k, batch in enumerate(batches):
             if batch not in left:
                 continue

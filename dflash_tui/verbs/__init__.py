@@ -16,6 +16,7 @@ VERBS: dict[str, str] = {  # verb -> module of this package
     "run": "run",
     "demo": "demo",
     "check": "check",
+    "eval": "eval",
     "data": "data",
     "attach": "attach",
     "replay": "replay",

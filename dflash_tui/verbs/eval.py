@@ -1,0 +1,124 @@
+"""Benchmark drafters against their target on named prompt sets, side by side.
+
+Each prompt set is a JSONL file (OpenAI "messages", a plain "prompt", or "turns"; a user brings
+GSM8K, MT-Bench, ...), rendered with the target's chat template (first turn, generation prompt;
+--thinking sets the template's enable_thinking switch). Every drafter (this engine's checkpoints,
+DFlash or DSpark, or published drafters in the public DFlash / DSpark folder formats) decodes
+each prompt, greedy or at a temperature (speculative sampling's acceptance rule, seeded), and the
+target alone decodes it too in the same run: per set, tau, accepted@k, rounds, tokens/s and the
+speedup over plain decoding, in one table. Greedy decoding is checked lossless: each drafter's
+tokens must equal the target's own, or the prompt and the first differing position are named.
+Results go to --out (results.json, and one JSONL file per set and decoder); run again, the same
+command continues where it stopped. Exit 0 done, 1 the lossless check failed, 2 bad input,
+130 interrupted. docs/eval.md says what each figure means.
+
+examples:
+  dflash-tui eval --target /models/Qwen3-8B --drafter runs/q8b/checkpoints/step-4000 \\
+      --drafter /models/Qwen3-8B-DFlash-b16 --prompts gsm8k=gsm8k.jsonl \\
+      --prompts mt-bench=mt_bench.jsonl --thinking off --max-new-tokens 512
+  dflash-tui eval --target builtin:tiny --drafter runs/demo --prompts demo=prompts.jsonl \\
+      --device cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from ._shared import real_number, whole_number
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from dflash_core.bench_eval import EvalOptions
+
+    d = EvalOptions("", [], [])
+    p.add_argument("--target", required=True,
+                   help="the target's model folder (or builtin:tiny, the demo's)")
+    p.add_argument("--drafter", action="append", required=True, metavar="CKPT",
+                   help="a checkpoint folder (RUN/checkpoints/step-N), a run folder (its newest "
+                        "checkpoint) or a DFlash / DSpark model folder; again to compare")
+    p.add_argument("--prompts", action="append", required=True, metavar="NAME=FILE",
+                   help="a prompt set: JSONL with \"messages\", \"prompt\" or \"turns\" a line; "
+                        "again for more sets")
+    p.add_argument("--thinking", choices=("on", "off"), default=None,
+                   help="the chat template's enable_thinking switch (default: the template's "
+                        "own default); refused for a template without it")
+    p.add_argument("--temperature", type=real_number(0.0), default=d.temperature,
+                   help="0 (default): greedy, with the lossless check; above 0: sampled")
+    p.add_argument("--seed", type=int, default=d.seed,
+                   help="sampling's seed (each prompt draws from its own generator)")
+    p.add_argument("--max-new-tokens", type=whole_number(1), default=d.max_new_tokens,
+                   help=f"new tokens per prompt at most (default {d.max_new_tokens})")
+    p.add_argument("--batch", type=whole_number(1), default=d.batch,
+                   help=f"prompts decoded together (default {d.batch})")
+    p.add_argument("--cache", action="store_true",
+                   help="decode with the target's cache, one prompt at a time (eval.cache's "
+                        "path, hybrid targets included) instead of batched full forwards")
+    p.add_argument("--limit", type=whole_number(0), default=0,
+                   help="the first N prompts of each set (default 0: all)")
+    p.add_argument("--out", default=d.out, metavar="DIR",
+                   help=f"where the results go (default {d.out}); the same DIR continues")
+    p.add_argument("--device", default=d.device,
+                   help="auto (default: CUDA when there is a GPU), cpu, cuda or cuda:N")
+    p.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"),
+                   default=d.dtype, help="the target's dtype (auto: bfloat16 on CUDA, float32 "
+                                         "on the CPU)")
+    p.add_argument("--tokenizer", default=None,
+                   help="the tokenizer's folder (default: the target's own)")
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a jinja chat template replacing the tokenizer's")
+
+
+def _options(args):
+    from dflash_core.bench_eval import EvalOptions
+
+    return EvalOptions(
+        target=args.target, drafters=list(args.drafter), prompts=list(args.prompts),
+        tokenizer=args.tokenizer, chat_template=args.chat_template, thinking=args.thinking,
+        temperature=args.temperature, seed=args.seed, max_new_tokens=args.max_new_tokens,
+        batch=args.batch, cache=args.cache, limit=args.limit, out=args.out,
+        device=args.device, dtype=args.dtype)
+
+
+def run(args: argparse.Namespace) -> int:
+    from dflash_core.bench_eval import EvalInputError, Evaluation, set_table
+
+    t0 = time.monotonic()
+
+    def say(message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
+    try:
+        ev = Evaluation(_options(args), say)
+        ev.load()
+        report = ev.run()
+    except EvalInputError as exc:
+        print(f"error: {exc}" + (f"\nhint: {exc.hint}" if exc.hint else ""), file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"interrupted: every whole batch is kept in {args.out}; run the same command "
+              "again to continue", file=sys.stderr)
+        return 130
+    greedy = args.temperature == 0
+    mode = "greedy" if greedy else f"temperature {args.temperature:g}, seed {args.seed}"
+    print(f"{args.target}: {mode}, thinking {args.thinking or 'as the template has it'}, "
+          f"{args.max_new_tokens} new tokens at most, batch {args.batch}"
+          + (", cached" if args.cache else ""))
+    for s in report.sets:
+        print()
+        print(set_table(s.name, s.prompts, s.plain, s.drafters, report.per_round, greedy))
+    print(f"\nresults in {Path(args.out) / 'results.json'} ({time.monotonic() - t0:.0f} s)")
+    bad = report.mismatches
+    firsts: dict[tuple[str, str], list[dict]] = {}
+    for name, label, m in bad:
+        firsts.setdefault((name, label), []).append(m)
+    for (name, label), ms in firsts.items():
+        m = ms[0]
+        more = f"; {len(ms) - 1} more prompts differ" if len(ms) > 1 else ""
+        print(f"lossless check failed: set {name}, drafter {label}: prompt {m['id']} (index "
+              f"{m['index']}) leaves the target's greedy output at new token {m['position']} "
+              f"(target {m['plain']}, speculative {m['speculative']}; the target's top two "
+              f"logits there {m['target_gap']:g} apart){more}", file=sys.stderr)
+    return 1 if bad else 0
