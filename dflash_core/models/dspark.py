@@ -16,15 +16,16 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import safetensors.torch
 import torch
 from transformers import Qwen3Config
 
 from dflash_core.models.drafter import DFlashDrafter, build_drafter_config
 from dflash_core.models.dspark_heads import ConfidenceHead, MarkovHead, init_heads
+from dflash_core.models import dspark_format
+from dflash_core.models.dspark_format import ARCHITECTURE, MARKOV_HEAD_TYPE
 from dflash_core.models.dspark_loss import slot_logits
 
-ARCHITECTURE = "Qwen3DSparkModel"
-MARKOV_HEAD_TYPE = "vanilla"  # the only type this engine trains (the reference's default)
 # How decoding feeds the Markov head: the drafted token (the method); the anchor for every slot,
 # or no Markov bias at all (ablations: what the chained head adds, a probe of check).
 MARKOV_PREV = ("drafted", "anchor", "none")
@@ -198,33 +199,23 @@ class DSparkDrafter(DFlashDrafter):
 
     # -- served format -------------------------------------------------------------------------
     def interchange_config(self) -> dict:
-        from dflash_core.models import dspark_format
-
         return dspark_format.serve_config(self)
 
     def save(self, folder: str | Path, dtype: torch.dtype | None = torch.bfloat16) -> None:
-        from dflash_core.models import dspark_format
-
         dspark_format.save_folder(self, folder, dtype=dtype)
 
     @classmethod
     def config_from_dict(cls, d: dict) -> Qwen3Config:
-        from dflash_core.models import dspark_format
-
         return dspark_format.config_from_serve_dict(d)
 
     @classmethod
     def load(cls, folder: str | Path, device="cpu") -> "DSparkDrafter":
         """The drafter of a served folder; its embed_tokens / lm_head copies are not loaded
         (attach the target's), see dspark_format.load_head for them."""
-        from safetensors.torch import load_file
-
-        from dflash_core.models import dspark_format
-
         folder = Path(folder)
         cfg = cls.config_from_dict(json.loads((folder / "config.json").read_text()))
         model = cls(cfg)
-        state = load_file(str(folder / "model.safetensors"), device=str(device))
+        state = safetensors.torch.load_file(str(folder / "model.safetensors"), device=str(device))
         for k in dspark_format.FROZEN_KEYS:
             state.pop(k, None)
         model.load_state_dict(state)  # bf16 files load into the float32 weights (copy_ casts)

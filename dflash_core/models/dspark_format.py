@@ -29,7 +29,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config
 
-from dflash_core.models.dspark import ARCHITECTURE, MARKOV_HEAD_TYPE
+# The served format's names (what vLLM and SGLang look for).
+ARCHITECTURE = "Qwen3DSparkModel"
+MARKOV_HEAD_TYPE = "vanilla"  # the only type this engine trains (the reference's default)
 
 FROZEN_KEYS = ("embed_tokens.weight", "lm_head.weight")
 _DROPPED = ("model_type", "transformers_version")
