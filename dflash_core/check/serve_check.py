@@ -105,7 +105,8 @@ def prepare(cfg: Config, opts: CheckOptions, say: Callable[[str], None]) -> Prep
     say(f"loading the target {target_path} on {tdev[0]}")
     dtype = cfg.target.dtype if tdev[0].type == "cuda" else "float32"
     target = load_target(target_path, device=tdev[0], dtype=dtype,
-                         attn_implementation=cfg.target.attn_implementation)
+                         attn_implementation=cfg.target.attn_implementation,
+                         trust_remote_code=cfg.target.trust_remote_code)
     target_fn = target_fn_for(target, layer_ids)
 
     say(f"samples: the target writes {opts.response_tokens} tokens after each of "

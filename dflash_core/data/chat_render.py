@@ -87,7 +87,9 @@ def load_tokenizer(spec: str | Path, chat_template: str | Path | None = None):
         path = Path(spec).expanduser()
         try:
             from transformers import AutoTokenizer
-            tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+            # Never transformers' terminal prompt: a tokenizer that needs its own code is refused.
+            tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True,
+                                                trust_remote_code=False)
         except Exception as exc:  # a damaged tokenizer.json raises KeyError, the Rust side its own
             first = (str(exc).splitlines() or [""])[0]
             raise DataError(f"cannot load a tokenizer ({type(exc).__name__}: {first})", file=path,

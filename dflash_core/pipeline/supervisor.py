@@ -142,7 +142,8 @@ class Supervisor:
                 attn_implementation=cfg.target.attn_implementation, layer_ids=prep.layer_ids,
                 prefetcher=run.prefetchers[rank], hs_queue=run.hs_queue,
                 publish=publish, stop=run.stop, heartbeats=run.heartbeats,
-                last_hidden=drafter_objective.is_dspark(cfg))
+                last_hidden=drafter_objective.is_dspark(cfg),
+                trust_remote_code=cfg.target.trust_remote_code)
             run.targets.append(stage)
             self.run.start_worker(stage.name, "target", label, stage.run)
         for stage in run.targets:

@@ -35,8 +35,10 @@ class TargetStage:
                  dtype: str, attn_implementation: str, layer_ids: list[int],
                  prefetcher: Prefetcher, hs_queue: HiddenStateQueue,
                  publish: Callable[[Any], None], stop: threading.Event,
-                 heartbeats: Heartbeats | None = None, last_hidden: bool = False):
+                 heartbeats: Heartbeats | None = None, last_hidden: bool = False,
+                 trust_remote_code: bool = False):
         self.rank, self.device, self.label = rank, device, label
+        self.trust_remote_code = trust_remote_code  # target.trust_remote_code
         self.name = f"target-{rank}"
         self.target_path, self.layer_ids = target_path, layer_ids
         # drafter.objective dspark: the features end with the post-norm last hidden state
@@ -67,6 +69,7 @@ class TargetStage:
         self._status(WORKER_LOADING)
         self.model = load_target(self.target_path, device=self.device, dtype=self.dtype,
                                  attn_implementation=self.attn_implementation,
+                                 trust_remote_code=self.trust_remote_code,
                                  progress=self._progress, stop=self.stop)
         self.loaded.set()
         self._status(WORKER_WARMUP, "first forward (kernel compilation)")

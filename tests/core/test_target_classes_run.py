@@ -17,6 +17,7 @@ from .engine_fixtures import (  # noqa: F401 - shutdown_started_engines: autouse
     make_config, make_data, run_config, shutdown_started_engines,
 )
 from .models.target_classes import MOE, TINY, build
+from .models.test_target_classes import remote_code_target  # noqa: F401 - a fixture
 
 
 @pytest.fixture(scope="module")
@@ -71,3 +72,14 @@ def test_an_fp8_checkpoint_trains_on_the_cpu_and_the_log_says_it_is_dequantized(
     row = plan.rows[0]["components"]
     hf_config = json.loads((folder / "config.json").read_text())
     assert row["weights"] + row["experts"] == target_weight_bytes(hf_config, "float32")
+
+
+def test_a_trusted_remote_code_target_trains_through_the_engine(tmp_path, data,
+                                                               remote_code_target):
+    # target.trust_remote_code reaches every load (the target stage's too), never a prompt.
+    cfg = make_config(tmp_path, remote_code_target, data, run__max_steps=2, checkpoint__every=0,
+                      data__eval_prompts=0, target__layer_ids=[1, 2],
+                      target__trust_remote_code=True)
+    end, rec = run_config(cfg)
+    assert end.status == "finished", end.reason
+    assert all(math.isfinite(m.loss) for m in rec.of(StepMetrics))
