@@ -234,11 +234,12 @@ class EvalConfig:
         (blocks see 4 positions past their anchor) gave +0.17 at step 30 and +0.46 at step 60
         (bench/BENCHMARKS.md, "Acceptance gaps"). 0.15 is 7x the healthy gap; bf16 GPU numerics
         are yet to be measured.""", gt=0)
-    data_gap_warn: float = key(0.5, """The data is not the target's own text: warn when the
-        teacher-forced tau on held-out data and on the target's own text (every position) differ
-        by more than this (demo: 0.00 on its own data, 0.21-0.24 with corpus text as responses:
-        real data, with full prompts and sampled responses, differs more, hence 0.5), or when
-        the agreement is below eval.agreement_warn.""", gt=0)
+    data_gap_warn: float = key(0.5, """A suspicion that the data is not the target's own text,
+        raised only when the agreement was not measured (eval.agreement_warn settles it when it
+        was): the teacher-forced tau on held-out data and on the target's own text (every
+        position) differ by more than this (demo: 0.00 on its own data, 0.21-0.24 with corpus
+        text as responses: real data, with full prompts and sampled responses, differs more,
+        hence 0.5).""", gt=0)
     agreement_warn: float = key(0.8, """Warn when fewer than this share of the trained labels are
         the target's greedy next token (measured once, at the first evaluation: the demo's own
         data 1.00, the demo's prompts with corpus text as responses 0.69; responses sampled from
