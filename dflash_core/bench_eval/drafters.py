@@ -180,7 +180,7 @@ def check_against(spec: DrafterSpec, target: TargetShape) -> None:
         diffs.append(f"vocabulary {cfg.vocab_size} (the target's {target.vocab_size})")
     depth = int(getattr(cfg, "num_target_layers", 0) or 0)
     if depth and depth != target.num_layers:
-        diffs.append(f"a {depth}-layer target (this one has {target.num_layers} layers)")
+        diffs.append(f"{depth} target layers (this one has {target.num_layers})")
     elif max(spec.target_layer_ids) >= target.num_layers:
         diffs.append(f"feature layers {spec.target_layer_ids} (the target has "
                      f"{target.num_layers} layers)")

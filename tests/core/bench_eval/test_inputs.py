@@ -97,7 +97,7 @@ def test_drafters_of_this_target_pass_and_of_another_are_refused(tmp_path, demo_
     for shape, says in (
             (TargetShape(64, 258, 4), "hidden size 128 (the target's 64)"),
             (TargetShape(128, 400, 4), "vocabulary 258 (the target's 400)"),
-            (TargetShape(128, 258, 36), "a 4-layer target (this one has 36 layers)")):
+            (TargetShape(128, 258, 36), "4 target layers (this one has 36)")):
         with pytest.raises(EvalInputError) as exc:
             check_against(ours, shape)
         assert str(exc.value) == f"--drafter {ours.given} was trained for another target: {says}"
