@@ -29,6 +29,7 @@ from common import hf_config
 from dflash_core.models.drafter import DFlashDrafter, build_drafter_config
 from dflash_core.persist import checkpoint as ckpt
 from dflash_core.persist.async_writer import CheckpointWriter, enough_shared_memory
+from dflash_core.persist.checkpoint_layout import CHECKPOINTS
 from dflash_core.units import GiB
 
 
@@ -62,7 +63,7 @@ def job_of(drafter, opt, step, writers):
 
 
 def clear(run_dir: Path) -> None:
-    shutil.rmtree(run_dir / ckpt.CHECKPOINTS, ignore_errors=True)
+    shutil.rmtree(run_dir / CHECKPOINTS, ignore_errors=True)
 
 
 def main() -> None:

@@ -6,7 +6,7 @@
 - the write: the same 1 GiB written and fsynced in the writer's 64 MiB chunks, without a checksum
   and through ``safetensors_io.write_file`` (CRC-32 computed beside the writes);
 - the resume's verification of the file: read only, then each candidate algorithm (zlib CRC-32,
-  BLAKE2b, SHA-256) reading and hashing in one thread, then ``checkpoint._crc32_of`` (reads and
+  BLAKE2b, SHA-256) reading and hashing in one thread, then ``checksums._crc32_of`` (reads and
   CRC overlapped), each cold (the file's pages dropped with posix_fadvise first; a filesystem
   that ignores the advice reads from memory, and cold then equals warm) and warm;
 - the hash functions alone on 64 MiB in memory.
@@ -26,7 +26,7 @@ import torch
 import common  # noqa: F401 - puts the repository on sys.path
 
 from dflash_core.persist import safetensors_io
-from dflash_core.persist.checkpoint import _crc32_of
+from dflash_core.persist.checksums import _crc32_of
 
 MB = 1e6
 
@@ -119,7 +119,7 @@ def main() -> None:
         _crc32_of(path)
         warm = time.perf_counter() - t
         assert crc == out.crc32, "the read's CRC is not the write's"
-        print(f"verify, checkpoint._crc32_of (read and CRC overlapped): cold "
+        print(f"verify, checksums._crc32_of (read and CRC overlapped): cold "
               f"{size / cold / MB:.0f} MB/s, warm {size / warm / MB:.0f} MB/s")
     path.unlink()
 

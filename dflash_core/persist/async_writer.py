@@ -42,6 +42,7 @@ import torch.multiprocessing  # noqa: F401 - registers how tensors travel to a p
 
 from dflash_core.persist import checkpoint as ckpt
 from dflash_core.persist import safetensors_io
+from dflash_core.persist.checkpoint_layout import CHECKPOINTS, CheckpointError
 
 ALIGN = 64  # bytes; every staged tensor starts at a multiple of this in the arena
 POLL_S = 0.2
@@ -401,7 +402,7 @@ class CheckpointWriter:
         """Measure the write rate (bytes/s) with every writer writing its share of ``nbytes``
         at once."""
         self.start()
-        root = self.run_dir / ckpt.CHECKPOINTS
+        root = self.run_dir / CHECKPOINTS
         root.mkdir(parents=True, exist_ok=True)
         self._idle.wait()
         job_id = self._new_id()
@@ -540,7 +541,7 @@ class CheckpointWriter:
             try:
                 path = ckpt.finish_save(self.run_dir, j.step, j.tmp, j.keep, j.sums,
                                         note=j.notes.append)
-            except ckpt.CheckpointError as exc:
+            except CheckpointError as exc:
                 j.error, j.errno = str(exc), exc.errno
         if j.error:
             ckpt.abandon_save(j.tmp)

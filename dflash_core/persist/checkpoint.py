@@ -1,21 +1,11 @@
-"""Atomic, verifiable checkpoints and resume.
+"""Writing a checkpoint atomically, and loading one.
 
-A checkpoint is ``<run_dir>/checkpoints/step-<N>/`` with
-  config.json          the drafter config (interchange format, docs/checkpoint-format.md)
-  model.safetensors    the drafter weights in the dtype it is served in (interchange format)
-  training_state.json  step, scheduler and trainer state, and the skeleton of the optimizer state
-  training_state-<k>-of-<n>.safetensors  float32 master weights, optimizer moments, RNG tensors:
-                       n disjoint shards (one per writer, so several write at once)
-  checksums.json       each file's size and CRC-32, written last (format 3)
-No pickle anywhere. Folders of format 2 (no checksums.json) and format 1 (``training_state.pt``,
-float32 ``model.safetensors``) still load, said to be unverifiable. The folder is assembled by
-``begin_save`` (hidden folder, the small files), the writers (``write_plans``: here, or in writer
-processes, async_writer.py; each returns its files' checksums) and ``finish_save`` (checksums.json,
-fsync, rename, prune). Everything is written to a hidden ``.tmp-step-<N>-<pid>`` folder, fsynced,
-then renamed into place, so a crash at any moment leaves only complete ``step-*`` folders. Hidden
-folders (``.tmp-``, ``.old-``, ``.del-``) are ignored by readers and cleaned by the next save. A
-damaged folder is never deleted: ``set_aside`` renames it ``damaged-step-<N>``, which nothing
-reads, prunes or overwrites.
+A checkpoint folder's files: checkpoint_layout.py. The folder is assembled by ``begin_save``
+(hidden folder, the small files), the writers (``write_plans``: here, or in writer processes,
+async_writer.py; each returns its files' checksums) and ``finish_save`` (checksums.json, fsync,
+rename, prune). Everything is written to a hidden ``.tmp-step-<N>-<pid>`` folder, fsynced, then
+renamed into place, so a crash at any moment leaves only complete ``step-*`` folders (the folders
+themselves: checkpoint_folders.py). ``load_checkpoint`` verifies a folder first (checksums.py).
 """
 
 from __future__ import annotations
@@ -25,11 +15,6 @@ import json
 import os
 import random
 import re
-import shutil
-import threading
-import time
-import zlib
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -39,37 +24,22 @@ from safetensors import safe_open
 from safetensors import torch as st
 
 from dflash_core.persist import safetensors_io, state_tree
+from dflash_core.persist.checkpoint_folders import clean_hidden, prune, remove_folder, set_aside
+# Still read from here by bench_eval/drafters.py and bench/recipe.py; the rest import it from
+# checkpoint_folders.
+from dflash_core.persist.checkpoint_folders import latest_checkpoint  # noqa: F401
+from dflash_core.persist.checkpoint_layout import (
+    CHECKPOINTS, CHECKSUMS, FORMAT_VERSION, LEGACY_STATE, MASTER, SERVED, STATE_JSON,
+    CheckpointError,
+)
+from dflash_core.persist.checksums import (
+    check_safetensors, file_sum, verify, write_checksums, write_json,
+)
 
 try:
     import numpy as np
 except ImportError:  # numpy is optional for the engine; its RNG is then simply not captured
     np = None
-
-CHECKPOINTS = "checkpoints"
-STATE_JSON = "training_state.json"
-FILES = ("config.json", "model.safetensors", STATE_JSON)  # plus the shards STATE_JSON names
-CHECKSUMS = "checksums.json"  # every other file's size and CRC-32; written last (format 3)
-LEGACY_STATE = "training_state.pt"  # format 1, read only
-FORMAT_VERSION = 3
-MASTER = "master"  # prefix of the float32 master weights in the shards
-# Prefix of tensors written to model.safetensors only, never to the training state: DSpark's
-# copies of the target's embed_tokens and lm_head (frozen: no master, no optimizer state).
-SERVED = "served"
-_STEP_RE = re.compile(r"^step-(\d+)$")
-_HIDDEN_RE = re.compile(r"^\.(tmp|old|del)-step-(\d+)-(\d+)$")  # kind, step, pid
-_DAMAGED_RE = re.compile(r"^damaged-step-(\d+)(-.+)?$")
-READ_CHUNK = 16 << 20  # bytes per read when a file's checksum is verified
-
-
-class CheckpointError(OSError):
-    """A checkpoint could not be written or read (disk full, permissions, damaged files)."""
-
-    error_kind = "io"
-
-    def __init__(self, message: str, hint: str = "", errno: int | None = None):
-        super().__init__(message)
-        self.hint = hint
-        self.errno = errno
 
 
 @dataclass
@@ -121,99 +91,6 @@ def restore_rng_state(state: dict) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Listing
-# --------------------------------------------------------------------------------------------
-
-def _is_complete(folder: Path) -> bool:
-    """All fixed files there (format 2, or format 1's training_state.pt). The folder was renamed
-    into place only once every file was written; load_checkpoint checks the shards."""
-    if not all((folder / name).is_file() for name in FILES[:2]):
-        return False
-    return (folder / STATE_JSON).is_file() or (folder / LEGACY_STATE).is_file()
-
-
-def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
-    """Complete checkpoints, oldest step first.
-
-    A save that replaced an existing step-N moves the old one aside to ``.old-step-N-*`` first;
-    if it died before the new one took its place, that old folder still counts as step N.
-    """
-    root = Path(run_dir) / CHECKPOINTS
-    if not root.is_dir():
-        return []
-    found: dict[int, Path] = {}
-    aside: dict[int, Path] = {}
-    for entry in root.iterdir():
-        if (m := _STEP_RE.match(entry.name)) and _is_complete(entry):
-            found[int(m.group(1))] = entry
-        elif (m := _HIDDEN_RE.match(entry.name)) and m.group(1) == "old" and _is_complete(entry):
-            aside[int(m.group(2))] = entry
-    for step, folder in aside.items():
-        found.setdefault(step, folder)
-    return [found[s] for s in sorted(found)]
-
-
-def step_folders(run_dir: str | os.PathLike) -> list[Path]:
-    """Every ``step-<N>`` folder, complete or not, oldest step first (an ``.old-`` copy stands
-    for a step whose folder is missing or incomplete, as in list_checkpoints): what a resume
-    looks at, so that a damaged or incomplete one is named and set aside, not passed over."""
-    root = Path(run_dir) / CHECKPOINTS
-    if not root.is_dir():
-        return []
-    found: dict[int, Path] = {}
-    aside: dict[int, Path] = {}
-    for entry in root.iterdir():
-        if (m := _STEP_RE.match(entry.name)) and entry.is_dir():
-            found[int(m.group(1))] = entry
-        elif (m := _HIDDEN_RE.match(entry.name)) and m.group(1) == "old" and _is_complete(entry):
-            aside[int(m.group(2))] = entry
-    for step, folder in aside.items():
-        if step not in found or not _is_complete(found[step]):
-            found[step] = folder
-    return [found[s] for s in sorted(found)]
-
-
-def damaged_folders(run_dir: str | os.PathLike) -> list[Path]:
-    """The ``damaged-step-<N>`` folders set aside so far, oldest step first."""
-    root = Path(run_dir) / CHECKPOINTS
-    if not root.is_dir():
-        return []
-    hits = [(int(m.group(1)), e.name, e) for e in root.iterdir()
-            if (m := _DAMAGED_RE.match(e.name))]
-    return [e for _, _, e in sorted(hits)]
-
-
-def set_aside(folder: str | os.PathLike) -> Path:
-    """Move a damaged checkpoint out of the way of readers, saves and pruning, keeping it for
-    inspection (never deleted); returns where it went: ``damaged-step-<N>``, with the time and
-    this process's id added when that name is taken."""
-    folder = Path(folder)
-    dest = folder.parent / f"damaged-step-{checkpoint_step(folder)}"
-    if dest.exists():
-        dest = dest.with_name(f"{dest.name}-{int(time.time())}-{os.getpid()}")
-    os.rename(folder, dest)
-    return dest
-
-
-def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
-    found = list_checkpoints(run_dir)
-    return found[-1] if found else None
-
-
-def checkpoint_step(folder: str | os.PathLike) -> int:
-    """The step number of a folder returned by list_checkpoints / latest_checkpoint /
-    step_folders / damaged_folders."""
-    name = Path(folder).name
-    if m := _STEP_RE.match(name):
-        return int(m.group(1))
-    if m := _HIDDEN_RE.match(name):
-        return int(m.group(2))
-    if m := _DAMAGED_RE.match(name):
-        return int(m.group(1))
-    raise ValueError(f"{folder} is not a checkpoint folder")
-
-
-# --------------------------------------------------------------------------------------------
 # Saving
 # --------------------------------------------------------------------------------------------
 
@@ -223,16 +100,6 @@ def _fsync_path(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _io_error(exc: BaseException, root: Path) -> CheckpointError | None:
@@ -251,69 +118,6 @@ def _io_error(exc: BaseException, root: Path) -> CheckpointError | None:
     else:
         hint = f"check the disk holding {root} (free space, permissions), or change run.output_dir"
     return CheckpointError(f"checkpoint write failed in {root}: {exc}", hint=hint, errno=code)
-
-
-def _remove(path: Path) -> None:
-    shutil.rmtree(path, ignore_errors=True)
-
-
-def _clean_hidden(root: Path) -> None:
-    """Remove what earlier saves left behind; put back a step moved aside by a save that died."""
-    for entry in list(root.iterdir()):
-        m = _HIDDEN_RE.match(entry.name)
-        if not m:
-            continue
-        kind, step, pid = m.group(1), int(m.group(2)), int(m.group(3))
-        if kind == "tmp" and pid != os.getpid() and _pid_alive(pid):
-            continue  # another live process is writing it right now
-        final = root / f"step-{step}"
-        if kind == "old" and not _is_complete(final) and _is_complete(entry):
-            if final.exists():
-                set_aside(final)  # incomplete, so damaged: kept, never deleted
-            os.rename(entry, final)
-            continue
-        _remove(entry)
-
-
-BEST = "best"  # checkpoints/best: JSON naming the checkpoint with the highest exact tau
-
-
-def read_best(run_dir: str | os.PathLike) -> dict | None:
-    """{"step", "path", "tau"} of the best checkpoint so far, or None (none yet, or unreadable)."""
-    try:
-        with open(Path(run_dir) / CHECKPOINTS / BEST, encoding="utf-8") as f:
-            best = json.load(f)
-        return best if isinstance(best, dict) and "step" in best else None
-    except (OSError, ValueError):
-        return None
-
-
-def mark_best(run_dir: str | os.PathLike, folder: str | os.PathLike, step: int, tau: float) -> None:
-    """Point checkpoints/best at ``folder`` (written to a temporary file and renamed, so a reader
-    never sees half of it). Pruning keeps the folder it names."""
-    root = Path(run_dir) / CHECKPOINTS
-    tmp = root / f".{BEST}-{os.getpid()}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump({"step": int(step), "path": Path(folder).name, "tau": float(tau)}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, root / BEST)
-
-
-def _prune(root: Path, keep: int, protect: Path) -> None:
-    if keep <= 0:
-        return
-    complete = [p for p in list_checkpoints(root.parent) if _STEP_RE.match(p.name)]
-    best = read_best(root.parent)
-    for old in complete[:-keep]:
-        if old == protect:
-            continue  # a resume from an earlier step must not delete what it just wrote
-        if best is not None and old.name == best.get("path"):
-            continue  # the best checkpoint so far stays, whatever its age
-        # Rename first: a crash mid-delete then leaves a hidden folder, never a partial step-*.
-        doomed = root / f".del-{old.name}-{os.getpid()}"
-        os.rename(old, doomed)
-        _remove(doomed)
 
 
 @dataclass
@@ -417,11 +221,6 @@ def make_job(step: int, *, drafter_state: dict[str, torch.Tensor], drafter_confi
                    static=frozenset(f"{SERVED}/{k}" for k in served_extra))
 
 
-def file_sum(size: int, crc: int) -> dict:
-    """A file's entry in checksums.json."""
-    return {"bytes": int(size), "crc32": f"{crc & 0xFFFFFFFF:08x}"}
-
-
 def tmp_folder(run_dir: str | os.PathLike, step: int) -> Path:
     """Where step ``step`` is assembled; named after this process, which renames it."""
     return Path(run_dir) / CHECKPOINTS / f".tmp-step-{step}-{os.getpid()}"
@@ -429,23 +228,13 @@ def tmp_folder(run_dir: str | os.PathLike, step: int) -> Path:
 
 def _fail(exc: BaseException, root: Path, tmp: Path | None):
     if tmp is not None:
-        _remove(tmp)
+        remove_folder(tmp)
     if isinstance(exc, CheckpointError):
         raise exc
     err = _io_error(exc, root) if isinstance(exc, Exception) else None
     if err is not None:
         raise err from exc
     raise exc
-
-
-def _write_json(path: Path, obj: Any, indent: int) -> tuple[int, int]:
-    """Write ``obj`` as JSON and fsync it; returns (size, CRC-32) of the bytes written."""
-    raw = json.dumps(obj, indent=indent).encode("utf-8")
-    with open(path, "wb") as f:
-        f.write(raw)
-        f.flush()
-        os.fsync(f.fileno())
-    return len(raw), zlib.crc32(raw)
 
 
 def begin_save(run_dir: str | os.PathLike, job: SaveJob) -> Path:
@@ -456,12 +245,12 @@ def begin_save(run_dir: str | os.PathLike, job: SaveJob) -> Path:
     tmp = tmp_folder(run_dir, job.step)
     try:
         root.mkdir(parents=True, exist_ok=True)
-        _clean_hidden(root)
-        _remove(tmp)
+        clean_hidden(root)
+        remove_folder(tmp)
         tmp.mkdir()
         for name, obj in (("config.json", job.drafter_config), (STATE_JSON, job.state)):
-            job.sums[name] = file_sum(*_write_json(tmp / name, obj, 1 if name == STATE_JSON
-                                                   else 2))
+            job.sums[name] = file_sum(*write_json(tmp / name, obj, 1 if name == STATE_JSON
+                                                  else 2))
     except BaseException as exc:
         _fail(exc, root, tmp)
     return tmp
@@ -482,19 +271,6 @@ def write_plans(folder: Path, files: list[FilePlan], tensors: dict[str, torch.Te
     return done, sums
 
 
-def _write_checksums(tmp: Path, sums: dict[str, dict]) -> None:
-    """checksums.json, the folder's last file: every other file there must have its entry (a
-    writer that reported none, or a file nobody reported, fails the save)."""
-    there = {p.name for p in tmp.iterdir()} - {CHECKSUMS}
-    if there != set(sums):
-        raise CheckpointError(
-            f"checkpoint {tmp}: files and checksums disagree (written {sorted(there)}, "
-            f"checksummed {sorted(sums)})", hint="a bug: report it; the previous checkpoint "
-            "stands", errno=errno_mod.EIO)
-    _write_json(tmp / CHECKSUMS, {"format": FORMAT_VERSION, "algorithm": "crc32",
-                                  "files": {n: sums[n] for n in sorted(sums)}}, 1)
-
-
 def finish_save(run_dir: str | os.PathLike, step: int, tmp: Path, keep: int,
                 sums: dict[str, dict], note: Callable[[str], None] | None = None) -> Path:
     """Write checksums.json (``sums``: every file's entry), make the hidden folder step-<step>
@@ -503,7 +279,7 @@ def finish_save(run_dir: str | os.PathLike, step: int, tmp: Path, keep: int,
     root = Path(run_dir) / CHECKPOINTS
     final = root / f"step-{step}"
     try:
-        _write_checksums(tmp, sums)
+        write_checksums(tmp, sums)
         _fsync_path(tmp)
         aside = None
         if final.exists():
@@ -521,11 +297,11 @@ def finish_save(run_dir: str | os.PathLike, step: int, tmp: Path, keep: int,
         os.rename(tmp, final)
         _fsync_path(root)
         if aside is not None:
-            _remove(aside)
+            remove_folder(aside)
     except BaseException as exc:
         _fail(exc, root, tmp)
     try:
-        _prune(root, keep, protect=final)
+        prune(root, keep, protect=final)
     except OSError:
         pass  # the new checkpoint is safe; pruning is retried by the next save
     return final
@@ -533,7 +309,7 @@ def finish_save(run_dir: str | os.PathLike, step: int, tmp: Path, keep: int,
 
 def abandon_save(tmp: Path) -> None:
     """A save that failed or whose writer died: its hidden folder goes, the previous stands."""
-    _remove(tmp)
+    remove_folder(tmp)
 
 
 def save_checkpoint(
@@ -568,199 +344,6 @@ def save_checkpoint(
 # --------------------------------------------------------------------------------------------
 # Loading
 # --------------------------------------------------------------------------------------------
-
-def _check_safetensors(path: Path) -> None:
-    """A safetensors file whose size is what its header says (a truncated one is damaged)."""
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise ValueError("shorter than its header")
-        n = int.from_bytes(head, "little")
-        if 8 + n > os.fstat(f.fileno()).st_size:  # a garbled length: do not try to read it
-            raise ValueError(f"truncated: its header length {n} runs past the file's end")
-        meta = json.loads(f.read(n))
-    end = max((v["data_offsets"][1] for k, v in meta.items() if k != "__metadata__"), default=0)
-    size = path.stat().st_size
-    if size != 8 + n + end:
-        raise ValueError(f"truncated: {size} bytes, its header says {8 + n + end}")
-
-
-def _crc32_of(path: Path, progress: Callable[[int], None] | None = None) -> int:
-    """A file's CRC-32, read in large chunks into two buffers: one is read while the other's
-    CRC is computed in a second thread, so a cold file is verified at the disk's read rate."""
-    bufs = [bytearray(READ_CHUNK), bytearray(READ_CHUNK)]
-    busy = [None, None]  # the CRC still reading each buffer
-    crc = safetensors_io.Crc32()
-    try:
-        with open(path, "rb", buffering=0) as f:
-            i = 0
-            while True:
-                if busy[i] is not None:
-                    busy[i].result()
-                n = f.readinto(bufs[i])
-                if not n:
-                    break
-                busy[i] = crc.add(memoryview(bufs[i])[:n])
-                if progress is not None:
-                    progress(n)
-                i ^= 1
-        return crc.value()
-    finally:
-        crc.close()
-
-
-VERIFY_FILES_AT_ONCE = 4  # files read at once: each shard is one writer's, and a disk serves
-                          # several streams faster than one
-
-
-def _crc32_all(folder: Path, names: list[str], sums: dict[str, dict],
-               progress: Callable[[int, int, int, int], None] | None
-               ) -> list[tuple[str, str | OSError]]:
-    """(name, its CRC-32 as hex, or the OSError that stopped the read) of each file, several
-    read at once; ``progress(bytes_read, bytes_total, files_read, files_total)`` as they go."""
-    total = sum(sums[n]["bytes"] for n in names)
-    lock = threading.Lock()
-    state = [0, 0]  # bytes read, files done
-
-    def seen(n: int, file_done: bool = False) -> None:
-        with lock:  # one call at a time, the counts only growing
-            state[0] += n
-            state[1] += file_done
-            if progress is not None:
-                progress(min(state[0], total), total, state[1], len(names))
-
-    def one(name: str) -> str | OSError:
-        try:
-            return f"{_crc32_of(folder / name, seen):08x}"
-        except OSError as exc:
-            return exc
-        finally:
-            seen(0, True)
-    if not names:
-        return []
-    with ThreadPoolExecutor(min(VERIFY_FILES_AT_ONCE, len(names)),
-                            thread_name_prefix="verify") as pool:
-        return list(zip(names, pool.map(one, names)))
-
-
-@dataclass
-class Verified:
-    """What ``verify`` found in a checkpoint folder."""
-
-    format: int  # 1, 2 (no checksums) or 3
-    problems: list[str]  # what is wrong, each naming its file (empty: nothing found)
-    note: str = ""  # what could not be checked ("" when every file matched its checksum)
-
-    @property
-    def kind(self) -> str:
-        """"incomplete" when files are only missing, else "damaged"."""
-        return "incomplete" if self.problems and all(
-            p.endswith(" is missing") or " is missing (" in p for p in self.problems) \
-            else "damaged"
-
-
-def _read_checksums(folder: Path) -> dict[str, dict]:
-    record = json.loads((folder / CHECKSUMS).read_text(encoding="utf-8"))
-    sums = record["files"]
-    for name, entry in sums.items():
-        if not (isinstance(entry.get("bytes"), int) and isinstance(entry.get("crc32"), str)):
-            raise ValueError(f"entry of {name!r} is {entry!r}")
-    return sums
-
-
-def verify(folder: str | os.PathLike, *, read: bool = True,
-           progress: Callable[[int, int, int, int], None] | None = None) -> Verified:
-    """Check a checkpoint folder against its checksums.json: every file there, of its recorded
-    size and (``read``) CRC-32; the files training_state.json names all present. ``read`` False
-    checks sizes and headers only (no file is read whole). Folders written before checksums
-    (formats 1 and 2) get the checks they allow (files present, safetensors sizes as their
-    headers say) and a note that they cannot be verified. ``progress(bytes_read, bytes_total,
-    files_read, files_total)`` as the files are read."""
-    folder = Path(folder)
-    problems: list[str] = []
-    flagged: set[str] = set()
-
-    def wrong(name: str, what: str) -> None:
-        problems.append(f"{name} {what}")
-        flagged.add(name)
-
-    if not (folder / STATE_JSON).exists() and (folder / LEGACY_STATE).is_file():
-        for name in FILES[:2]:
-            if not (folder / name).is_file():
-                wrong(name, "is missing")
-        _check_sizes(folder, ["model.safetensors"], flagged, wrong)
-        return Verified(1, problems, "written before checksums (format 1): it cannot be "
-                                     "verified")
-    sums: dict[str, dict] | None = None
-    if (folder / CHECKSUMS).is_file():
-        try:
-            sums = _read_checksums(folder)
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            wrong(CHECKSUMS, f"cannot be read ({type(exc).__name__}: {exc})")
-    if not (folder / STATE_JSON).is_file():
-        wrong(STATE_JSON, "is missing")
-    if sums is not None:
-        order = [n for n in FILES if n in sums] + sorted(n for n in sums if n not in FILES)
-        present = [n for n in order if (folder / n).is_file()]
-        for name in order:
-            if name not in present:
-                if name not in flagged:
-                    wrong(name, "is missing")
-                continue
-            try:
-                size, want = (folder / name).stat().st_size, sums[name]["bytes"]
-            except OSError as exc:  # gone since it was listed (another node set it aside)
-                wrong(name, f"cannot be read ({exc})")
-                continue
-            if size != want:
-                wrong(name, f"is truncated: {size} bytes of the {want} written" if size < want
-                      else f"is {size} bytes, {want} were written")
-        if read:
-            for name, got in _crc32_all(folder, [n for n in present if n not in flagged],
-                                        sums, progress):
-                if isinstance(got, OSError):
-                    wrong(name, f"cannot be read ({got})")
-                elif got != sums[name]["crc32"]:
-                    wrong(name, f"does not match its checksum (crc32 {got}, written "
-                                f"{sums[name]['crc32']}): it changed after it was written")
-    fmt = 3 if sums is not None else 2
-    state = None
-    if (folder / STATE_JSON).is_file() and STATE_JSON not in flagged:
-        try:
-            state = json.loads((folder / STATE_JSON).read_text(encoding="utf-8"))
-            fmt = max(fmt, int(state.get("format", 2)))
-        except (OSError, ValueError, TypeError, AttributeError) as exc:
-            wrong(STATE_JSON, f"cannot be read ({type(exc).__name__}: {exc})")
-    if fmt >= 3 and sums is None and CHECKSUMS not in flagged:
-        wrong(CHECKSUMS, "is missing (a format-3 checkpoint writes it last)")
-    shards = state.get("shards", []) if isinstance(state, dict) else []
-    shards = shards if isinstance(shards, list) else []
-    for name in ("config.json", "model.safetensors", *shards):
-        if name not in flagged and not (folder / name).is_file():
-            wrong(name, "is missing")
-        elif sums is not None and name not in sums and name not in flagged:
-            wrong(name, f"has no checksum in {CHECKSUMS}")
-    note = ""
-    if sums is None:
-        _check_sizes(folder, ["model.safetensors", *shards], flagged, wrong)
-        note = (f"written before checksums (format {fmt}): it cannot be verified"
-                if fmt < 3 else "")
-    elif not read:
-        note = "sizes checked, contents not read"
-    return Verified(fmt, problems, note)
-
-
-def _check_sizes(folder: Path, names: list[str], flagged: set[str], wrong) -> None:
-    """Safetensors files whose size is what their header says (reads the headers only)."""
-    for name in names:
-        if name in flagged or not (folder / name).is_file():
-            continue
-        try:
-            _check_safetensors(folder / name)
-        except (OSError, ValueError, TypeError, KeyError) as exc:
-            wrong(name, f"cannot be read ({exc})" if not str(exc).startswith("truncated")
-                  else f"is {exc}")
-
 
 def checkpoint_files(path: str | os.PathLike) -> list[Path]:
     """The files of a checkpoint folder of format 2 or 3 (for sizes and progress)."""
@@ -799,7 +382,7 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
         with open(path / name, encoding="utf-8") as f:
             drafter_config = json.load(f)
         name = "model.safetensors"
-        _check_safetensors(path / name)
+        check_safetensors(path / name)
         if legacy:
             drafter_state = st.load_file(str(path / name), device=device)
             name = LEGACY_STATE
@@ -817,7 +400,7 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
             read = 0
             for i, (shard, size) in enumerate(zip(shards, sizes)):
                 name = shard.name
-                _check_safetensors(shard)
+                check_safetensors(shard)
                 in_shard = 0
                 with safe_open(str(shard), framework="pt", device=device) as f:
                     for key in f.keys():

@@ -28,6 +28,10 @@ from pathlib import Path
 from typing import Callable
 
 from dflash_core.persist import checkpoint as ckpt
+from dflash_core.persist.checkpoint_folders import (
+    checkpoint_step, damaged_folders, set_aside, step_folders,
+)
+from dflash_core.persist.checkpoint_layout import CHECKPOINTS, CheckpointError
 from dflash_core.persist.data_identity import describe
 from dflash_core.config import Config, ConfigError
 from dflash_core.observe.events import Event, LoadProgress, Log
@@ -113,9 +117,6 @@ def expected_drafter_config(cfg: Config, target_path: Path, layer_ids: list[int]
     return out
 
 
-set_aside = ckpt.set_aside  # where it lives: saves use it too
-
-
 def _lost(found: list[int], step: int | None) -> str:
     """The steps a resume from ``step`` (None: none) trains again, said for damaged ``found``."""
     newest = max(found)
@@ -127,8 +128,8 @@ def _lost(found: list[int], step: int | None) -> str:
 
 
 def _refuse_all_damaged(run_dir: Path, damaged: list[str], steps: list[int]) -> None:
-    root = Path(run_dir) / ckpt.CHECKPOINTS
-    raise ckpt.CheckpointError(
+    root = Path(run_dir) / CHECKPOINTS
+    raise CheckpointError(
         f"resume: no intact checkpoint in {root}: every one is damaged and set aside "
         f"({', '.join(damaged)}); resuming would start over, losing {_lost(steps, None)}",
         hint="restore a checkpoint from a backup into that folder, or start over deliberately: "
@@ -144,14 +145,14 @@ def load_for_resume(run_dir: Path, expected: dict | None, publish: Callable[[Eve
     intact checkpoint is left (also when earlier resumes set them all aside), ConfigError on a
     shape mismatch. ``set_aside_damaged`` False: a damaged one is only skipped (the other nodes
     of a shared run folder leave the move to node 0, which makes the same choice)."""
-    found = ckpt.step_folders(run_dir)
-    earlier = ckpt.damaged_folders(run_dir)
+    found = step_folders(run_dir)
+    earlier = damaged_folders(run_dir)
     if not found:
         if earlier:
             _refuse_all_damaged(run_dir, [str(p) for p in earlier],
-                                [ckpt.checkpoint_step(p) for p in earlier])
+                                [checkpoint_step(p) for p in earlier])
         publish(Log(level="warning", source="engine", message=(
-            f"resume: nothing to resume, no checkpoint in {Path(run_dir) / ckpt.CHECKPOINTS}; "
+            f"resume: nothing to resume, no checkpoint in {Path(run_dir) / CHECKPOINTS}; "
             "starting at step 0")))
         return None
     damaged: list[str] = []
@@ -170,8 +171,8 @@ def load_for_resume(run_dir: Path, expected: dict | None, publish: Callable[[Eve
                                      shards_total=shards_total, seconds=now - t0, done=end))
         try:
             loaded = ckpt.load_checkpoint(folder, progress=progress)
-        except ckpt.CheckpointError as exc:
-            damaged_steps.append(ckpt.checkpoint_step(folder))
+        except CheckpointError as exc:
+            damaged_steps.append(checkpoint_step(folder))
             if not set_aside_damaged:
                 damaged.append(str(folder))
                 publish(Log(level="warning", source="engine", message=(
@@ -209,7 +210,7 @@ def load_for_resume(run_dir: Path, expected: dict | None, publish: Callable[[Eve
                     hint="set these keys back to the checkpoint's values to resume it, or start "
                          "a new run (new run.name or --new-run) to train the new shape")
         return loaded
-    _refuse_all_damaged(run_dir, damaged, damaged_steps + [ckpt.checkpoint_step(p)
+    _refuse_all_damaged(run_dir, damaged, damaged_steps + [checkpoint_step(p)
                                                            for p in earlier])
 
 

@@ -19,6 +19,10 @@ from dflash_core.models.trainer import DrafterReplica
 from dflash_core.observe.events import Checkpoint, CheckpointProgress, Error, Log
 from dflash_core.persist import checkpoint as ckpt
 from dflash_core.persist import checkpoint_size, state_tree
+from dflash_core.persist.checkpoint_folders import (
+    checkpoint_step, latest_checkpoint, mark_best, read_best,
+)
+from dflash_core.persist.checkpoint_layout import CHECKPOINTS, MASTER
 from dflash_core.persist.async_writer import (
     PROBE_BYTES, CheckpointWriter, Outcome, enough_shared_memory, stepped_optimizer_state,
 )
@@ -47,7 +51,7 @@ def check_checkpoints_writable(run_dir: Path) -> None:
     """A checkpoints folder that is there but cannot take a checkpoint (a file of that name, a
     folder without write permission) is found now, not at the first save after an hour of
     training. One that is not there yet is made, in the writable run folder, at the first save."""
-    folder = run_dir / ckpt.CHECKPOINTS
+    folder = run_dir / CHECKPOINTS
     if not os.path.lexists(folder):
         return
     try:
@@ -188,7 +192,7 @@ class Checkpointer:
                 keep=self.cfg.keep, **self._state(self.replicas[0]),
                 note=lambda m: publish(Log(level="warning", source="checkpoint", message=m)))
             if reason == "best":
-                ckpt.mark_best(self.run_dir, path, step, tau)
+                mark_best(self.run_dir, path, step, tau)
             publish(Checkpoint(step=step, path=str(path), seconds=time.monotonic() - t,
                                reason=reason, tau=tau, bytes=self.checkpoint_bytes()))
             return path
@@ -203,7 +207,7 @@ class Checkpointer:
                             **self._state(self.replicas[0]))
         sources = [job.tensors] + [self._tensors(r) for r in self.replicas[1:]]
         self.saved_step = step
-        self.saved_path = self.run_dir / ckpt.CHECKPOINTS / f"step-{step}"
+        self.saved_path = self.run_dir / CHECKPOINTS / f"step-{step}"
         self.writer.save(job, sources, keep=self.cfg.keep, reason=reason, on_done=done)
         if reason in ("periodic", "best"):
             return self.saved_path
@@ -219,7 +223,7 @@ class Checkpointer:
         evaluation at a step without a checkpoint saves one for it. Resume still uses the
         latest."""
         if self.best_tau is None:
-            best = ckpt.read_best(self.run_dir)
+            best = read_best(self.run_dir)
             self.best_tau = float(best["tau"]) if best else float("-inf")
         if tau <= self.best_tau or step == 0:
             return
@@ -228,7 +232,7 @@ class Checkpointer:
                 self.writer.wait_idle()  # it names a folder that must exist
             if not self.saved_path.is_dir():
                 return  # its write failed (said by its Error)
-            ckpt.mark_best(self.run_dir, self.saved_path, step, tau)  # this step's checkpoint
+            mark_best(self.run_dir, self.saved_path, step, tau)  # this step's checkpoint
             self.publish(Checkpoint(step=step, path=str(self.saved_path), seconds=0.0,
                                     reason="best", tau=tau))
         elif self.save("best", step, tau=tau) is None:
@@ -247,7 +251,7 @@ class Checkpointer:
                 return
             if o.path is None:
                 self.saved_path, self.saved_step = prev
-                stands = (f"the checkpoint at step {ckpt.checkpoint_step(prev[0])} stands"
+                stands = (f"the checkpoint at step {checkpoint_step(prev[0])} stands"
                           if prev[0] is not None else "no earlier checkpoint of this run")
                 err = ckpt._io_error(OSError(o.errno, o.error), self.run_dir) \
                     if o.errno else None
@@ -261,7 +265,7 @@ class Checkpointer:
                 return
             self.saved_path = o.path
             if reason == "best":
-                ckpt.mark_best(self.run_dir, o.path, o.step, tau)
+                mark_best(self.run_dir, o.path, o.step, tau)
             publish(Checkpoint(step=o.step, path=str(o.path), seconds=o.seconds, reason=reason,
                                tau=tau, bytes=o.bytes, blocked_s=o.blocked_s))
         return done
@@ -275,8 +279,8 @@ class Checkpointer:
             f"abandoned, {self._stands()}")))
 
     def _stands(self) -> str:
-        last = ckpt.latest_checkpoint(self.run_dir)
-        return (f"the checkpoint at step {ckpt.checkpoint_step(last)} stands ({last})"
+        last = latest_checkpoint(self.run_dir)
+        return (f"the checkpoint at step {checkpoint_step(last)} stands ({last})"
                 if last is not None else "no checkpoint of this run stands")
 
     def _abort_fits(self, budget: float, step: int) -> bool:
@@ -299,6 +303,6 @@ class Checkpointer:
     @staticmethod
     def _tensors(rep) -> dict[str, torch.Tensor]:
         """A replica's master weights and optimizer tensors, named as make_job names them."""
-        out = {f"{ckpt.MASTER}/{k}": v.detach() for k, v in rep.drafter.state_dict().items()}
+        out = {f"{MASTER}/{k}": v.detach() for k, v in rep.drafter.state_dict().items()}
         state_tree.flatten(rep.optimizer.state_dict(), "optimizer", out)
         return out

@@ -38,10 +38,10 @@ from dflash_core.models.target import (
 from dflash_core.models.trainer import epoch_steps_for, total_steps_for
 from dflash_core.observe.events import Event, Log, MemoryPlan
 from dflash_core.observe.sinks.wandb_sink import validate_wandb_settings
-from dflash_core.persist import checkpoint as ckpt
 from dflash_core.persist import checkpoint_size as size_of
 from dflash_core.persist.build_cache import Progress
-from dflash_core.persist.checkpoint import verify
+from dflash_core.persist.checkpoint_folders import list_checkpoints
+from dflash_core.persist.checksums import verify
 from dflash_core.planning.card_budget import card_budget, limit_bytes
 from dflash_core.planning.memory import fit_sizes, plan_memory, quant_method, target_weight_bytes
 from dflash_core.planning.memory_report import format_overflow, format_plan
@@ -147,7 +147,7 @@ def check_checkpoint_disk(cfg: Config, hf_config: dict, run_dir: Path, total_ste
     size = size_of.checkpoint_bytes(params, matrices, getattr(torch, cfg.drafter.dtype).itemsize,
                                     cfg.optim.name, size_of.frozen_count(cfg, hf_config))
     planned = size_of.planned_checkpoints(cfg.checkpoint.every, total_steps)
-    existing = len(ckpt.list_checkpoints(run_dir))
+    existing = len(list_checkpoints(run_dir))
     best = bool(cfg.eval.every and cfg.data.eval_prompts)
     need = size_of.disk_need(size, cfg.checkpoint.keep, planned, existing, best)
     free = shutil.disk_usage(run_dir).free

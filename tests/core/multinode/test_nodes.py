@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from dflash_core.persist import checkpoint as ckpt
+from dflash_core.persist.checkpoint_folders import list_checkpoints
 from dflash_core.config import ConfigError, NodesConfig
 from dflash_core.observe.events import Error, Log, NodeStatus, RunEnded, StepMetrics
 from dflash_core.observe.event_log import read_events
@@ -144,12 +145,12 @@ def test_two_nodes_under_torchrun_match_one_node_with_the_same_global_batch(tmp_
     assert sum(n for _, _, n in want) == 64  # every sample once (one epoch, none held out)
 
     # node 0 alone writes checkpoints and the run's config; it shows both nodes' summaries
-    assert [p.name for p in ckpt.list_checkpoints(run_dir)] == [f"step-{want[-1][0]}"]
+    assert [p.name for p in list_checkpoints(run_dir)] == [f"step-{want[-1][0]}"]
     assert (run_dir / "config.yaml").exists() and not (run_dir / "node-1" / "config.yaml").exists()
     shown = {e.node for e in read_events(run_dir / "node-0" / "events.jsonl")
              if isinstance(e, NodeStatus)}
     assert shown == {0, 1}
-    final = ckpt.load_checkpoint(ckpt.list_checkpoints(run_dir)[-1])
+    final = ckpt.load_checkpoint(list_checkpoints(run_dir)[-1])
     assert final.trainer_state["nodes"] == 2
 
 
@@ -173,7 +174,7 @@ def test_two_nodes_share_one_run_folder_with_the_demo_target(tmp_path, demo_data
         ended = [e for e in read_events(run_dir / f"node-{k}" / "events.jsonl")
                  if isinstance(e, RunEnded)]
         assert [(e.status, e.step) for e in ended] == [("finished", 1)]
-    assert [p.name for p in ckpt.list_checkpoints(run_dir)] == ["step-1"]  # node 0's
+    assert [p.name for p in list_checkpoints(run_dir)] == ["step-1"]  # node 0's
     assert not (run_dir / "node-1" / "config.yaml").exists()
 
 
@@ -248,7 +249,7 @@ def test_abort_on_node_0_ends_both_nodes_with_a_checkpoint(tmp_path, assets, pro
              if isinstance(e, RunEnded)][-1] for k in (0, 1)]
     assert [e.status for e in ends] == ["aborted", "aborted"]
     assert ends[0].step == ends[1].step  # both stopped at the same step boundary
-    assert [p.name for p in ckpt.list_checkpoints(cfg.run_dir)] == [f"step-{ends[0].step}"]
+    assert [p.name for p in list_checkpoints(cfg.run_dir)] == [f"step-{ends[0].step}"]
 
 
 def test_killed_node_surfaces_on_node_0_which_stops_with_a_checkpoint(tmp_path, assets, procs):
@@ -266,7 +267,7 @@ def test_killed_node_surfaces_on_node_0_which_stops_with_a_checkpoint(tmp_path, 
     assert fatal and fatal[0].error_kind == "node" and "node 1 is gone" in fatal[0].message
     end = [e for e in events if isinstance(e, RunEnded)][-1]
     assert end.status == "failed"
-    assert [p.name for p in ckpt.list_checkpoints(cfg.run_dir)] == [f"step-{end.step}"]
+    assert [p.name for p in list_checkpoints(cfg.run_dir)] == [f"step-{end.step}"]
     assert "node 1 is gone" in out
 
 
@@ -325,7 +326,7 @@ def test_a_node_stuck_before_the_step_exchange_is_named_then_fails_node_0(tmp_pa
     assert "node 1 did not reach the step-boundary exchange" in fatal[0].message
     end = [e for e in events if isinstance(e, RunEnded)][-1]
     assert end.status == "failed" and end.step == 2
-    assert [p.name for p in ckpt.list_checkpoints(cfg.run_dir)] == ["step-2"]
+    assert [p.name for p in list_checkpoints(cfg.run_dir)] == ["step-2"]
     # node 1 wakes, finds node 0 gone and ends too
     assert procs[1].wait(STUCK_S + 15) == 1, outputs(tmp_path)
 
@@ -416,7 +417,7 @@ def test_an_abort_while_joining_ends_that_node_and_tells_the_others(tmp_path, as
     said = [e.message for e in ev if isinstance(e, Log)]  # node 0's: told why, by whom
     assert any("node 1" in m and "aborted before joining: stopped while joining" in m
                for m in said), said
-    assert ckpt.list_checkpoints(cfg.run_dir) == []  # nothing trained, nothing written
+    assert list_checkpoints(cfg.run_dir) == []  # nothing trained, nothing written
 
 
 # --------------------------------------------------------------------------------------------

@@ -11,6 +11,9 @@ import pytest
 import torch
 
 from dflash_core.persist import checkpoint as ckpt
+from dflash_core.persist.checkpoint_folders import latest_checkpoint
+from dflash_core.persist.checkpoint_layout import CHECKSUMS
+from dflash_core.persist.checksums import Verified, verify
 from dflash_core.persist import safetensors_io
 from dflash_core.persist.async_writer import CheckpointWriter, writer_main
 
@@ -42,7 +45,7 @@ def _save(w, lin, opt, step):
 
 
 def _resumes(run_dir, step):
-    loaded = ckpt.load_checkpoint(ckpt.latest_checkpoint(run_dir))
+    loaded = ckpt.load_checkpoint(latest_checkpoint(run_dir))
     lin, opt = _model()
     lin.load_state_dict(loaded.drafter_state)
     opt.load_state_dict(loaded.optimizer_state)
@@ -76,10 +79,10 @@ def test_staged_state_is_the_step_although_training_went_on(tmp_path):
     assert all(t.dtype == torch.bfloat16 for t in served.values())
     assert len([p for p in out.path.iterdir() if p.name.startswith("training_state-")]) == 2
     # checksums.json holds every file of both writers, as they are on disk
-    sums = json.loads((out.path / ckpt.CHECKSUMS).read_text())["files"]
-    assert set(sums) == {p.name for p in out.path.iterdir()} - {ckpt.CHECKSUMS}
+    sums = json.loads((out.path / CHECKSUMS).read_text())["files"]
+    assert set(sums) == {p.name for p in out.path.iterdir()} - {CHECKSUMS}
     assert all(sums[n]["bytes"] == (out.path / n).stat().st_size for n in sums)
-    assert ckpt.verify(out.path) == ckpt.Verified(3, [], "")
+    assert verify(out.path) == Verified(3, [], "")
 
 
 def test_a_full_disk_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
@@ -143,6 +146,6 @@ def test_a_killed_writer_process_leaves_the_previous_checkpoint(tmp_path):
         _save(w, lin, opt, 3)
         out = w.wait(120)
         assert out.path is not None and w.pids() != [pid]
-        assert ckpt.verify(out.path) == ckpt.Verified(3, [], "")  # a writer process's checksums
+        assert verify(out.path) == Verified(3, [], "")  # a writer process's checksums
     finally:
         w.close()

@@ -15,10 +15,13 @@ import safetensors.torch
 import torch
 
 from dflash_core.persist.checkpoint import (
-    CHECKSUMS, FILES, CheckpointError, Verified, capture_rng_state, checkpoint_step,
-    damaged_folders, latest_checkpoint, list_checkpoints, load_checkpoint, restore_rng_state,
-    save_checkpoint, step_folders, verify,
+    capture_rng_state, load_checkpoint, restore_rng_state, save_checkpoint,
 )
+from dflash_core.persist.checkpoint_folders import (
+    checkpoint_step, damaged_folders, latest_checkpoint, list_checkpoints, step_folders,
+)
+from dflash_core.persist.checkpoint_layout import CHECKSUMS, FILES, CheckpointError
+from dflash_core.persist.checksums import Verified, verify
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -153,7 +156,8 @@ def test_unpicklable_state_refused_before_writing(tmp_path):
 # tensor holding its step number; it first re-saves the latest step (the replace path).
 ZYGOTE = """
 import os, sys, torch
-from dflash_core.persist.checkpoint import checkpoint_step, latest_checkpoint, save_checkpoint
+from dflash_core.persist.checkpoint import save_checkpoint
+from dflash_core.persist.checkpoint_folders import checkpoint_step, latest_checkpoint
 run_dir = sys.argv[1]
 print("ready", flush=True)
 for _ in sys.stdin:

@@ -19,6 +19,7 @@ from dflash_core.models import dspark_format
 from dflash_core.models.drafter_kinds import dspark_settings, new_drafter
 from dflash_core.models.dspark import DSparkDrafter, DSparkSettings
 from dflash_core.persist import checkpoint as ckpt
+from dflash_core.persist.checkpoint_layout import SERVED, STATE_JSON
 from dflash_core.persist import checkpoint_size
 from dflash_core.persist.async_writer import CheckpointWriter, Staging
 from dflash_core.persist.resume import expected_drafter_config, load_for_resume
@@ -85,9 +86,9 @@ def _check_served_folder(folder: Path, d: DSparkDrafter):
     config = json.loads((folder / "config.json").read_text())
     assert config["architectures"] == ["Qwen3DSparkModel"] and "dflash_config" not in config
     assert (config["block_size"], config["markov_rank"]) == (3, 8)
-    for shard in json.loads((folder / ckpt.STATE_JSON).read_text())["shards"]:
+    for shard in json.loads((folder / STATE_JSON).read_text())["shards"]:
         names = set(load_file(str(folder / shard)))
-        assert not any(n.startswith(f"{ckpt.SERVED}/") or n.endswith(k)
+        assert not any(n.startswith(f"{SERVED}/") or n.endswith(k)
                        for n in names for k in dspark_format.FROZEN_KEYS), names
     loaded = ckpt.load_checkpoint(folder)
     assert set(loaded.drafter_state) == own  # the masters: no frozen copy
@@ -120,7 +121,7 @@ def test_written_in_the_background_with_the_copies_staged_once(tmp_path):
     try:
         w.start()
         job = ckpt.make_job(1, writers=2, **_save_args(d, opt))
-        assert job.static == {f"{ckpt.SERVED}/{k}" for k in dspark_format.FROZEN_KEYS}
+        assert job.static == {f"{SERVED}/{k}" for k in dspark_format.FROZEN_KEYS}
         w.save(job, [job.tensors], keep=3)
         first = w.wait(60)
         staged = dict(w.staging.tensors)

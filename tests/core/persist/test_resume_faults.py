@@ -24,7 +24,9 @@ import shutil
 import pytest
 
 from dflash_core.observe.events import Error, Log, RunEnded, StepMetrics
-from dflash_core.persist import checkpoint as ckpt
+from dflash_core.persist.checkpoint_folders import list_checkpoints
+from dflash_core.persist.checkpoint_layout import CHECKSUMS
+from dflash_core.persist.checksums import Verified, verify
 from dflash_core.persist.data_identity import data_identity
 from dflash_core.pipeline.engine import Engine
 from dflash_core.pipeline.exit_codes import exit_code
@@ -48,7 +50,7 @@ def done_run(tmp_path_factory, assets):
     rec = run_to_end(engine)
     engine.shutdown()
     assert rec.of(RunEnded)[0].status == "finished"
-    assert [p.name for p in ckpt.list_checkpoints(cfg.run_dir)] == ["step-3", "step-6"]
+    assert [p.name for p in list_checkpoints(cfg.run_dir)] == ["step-3", "step-6"]
     return root
 
 
@@ -103,7 +105,7 @@ FAULTS = {
         lambda f: (f / "config.json").unlink(), "is incomplete: config.json is missing"),
     "missing shard": (lambda f: (f / SHARD).unlink(), f"is incomplete: {SHARD} is missing"),
     "missing checksums.json": (
-        lambda f: (f / ckpt.CHECKSUMS).unlink(),
+        lambda f: (f / CHECKSUMS).unlink(),
         "is incomplete: checksums.json is missing (a format-3 checkpoint writes it last)"),
 }
 
@@ -126,7 +128,7 @@ def test_a_damaged_newest_checkpoint_is_set_aside_and_the_older_one_resumed(
         "checkpoint: steps 4 to 6 (3 steps) are trained again" in said[1], said
     assert [m.step for m in rec.of(StepMetrics)] == [4, 5, 6]
     assert snapshot(aside) == before  # kept as it was, not overwritten by the new step-6
-    assert ckpt.verify(step6) == ckpt.Verified(3, [], "")  # the new one
+    assert verify(step6) == Verified(3, [], "")  # the new one
     log = (run_dir / "train.log").read_text()
     assert expected in log and "steps 4 to 6 (3 steps) are trained again" in log
 
@@ -157,7 +159,7 @@ def test_a_checkpoint_written_before_checksums_and_data_identities_resumes_with_
         tmp_path, assets, done_run):
     run_dir, data = copy_run(done_run, tmp_path)
     step6 = run_dir / "checkpoints" / "step-6"
-    (step6 / ckpt.CHECKSUMS).unlink()
+    (step6 / CHECKSUMS).unlink()
     state = json.loads((step6 / "training_state.json").read_text())
     state["format"] = 2
     del state["trainer"]["data"]

@@ -23,6 +23,10 @@ import torch
 import yaml
 
 from dflash_core.persist import checkpoint as ckpt
+from dflash_core.persist.checkpoint_folders import (
+    checkpoint_step, latest_checkpoint, list_checkpoints,
+)
+from dflash_core.persist.checkpoint_layout import CheckpointError
 from dflash_core.pipeline.engine import Engine
 from dflash_core.observe.events import Error, Log, RunEnded, RunStarted, StepMetrics
 from dflash_core.observe.event_log import read_events
@@ -45,7 +49,7 @@ def done_run(tmp_path_factory, assets):
     rec = run_to_end(engine)
     engine.shutdown()
     assert rec.of(RunEnded)[0].status == "finished"
-    assert [p.name for p in ckpt.list_checkpoints(cfg.run_dir)] == ["step-3", "step-6"]
+    assert [p.name for p in list_checkpoints(cfg.run_dir)] == ["step-3", "step-6"]
     return cfg.run_dir
 
 
@@ -158,7 +162,7 @@ def test_a_truncated_latest_checkpoint_is_named_kept_and_the_older_one_resumed(
     assert [m.step for m in rec.of(StepMetrics)] == [4, 5, 6]  # from step 3
     # the damaged one is kept as it was, never deleted, and no longer taken for a checkpoint
     assert (damaged / "model.safetensors").read_bytes() == data_bytes[: len(data_bytes) // 2]
-    assert ckpt.checkpoint_step(ckpt.latest_checkpoint(run_dir)) == 6  # the new step-6
+    assert checkpoint_step(latest_checkpoint(run_dir)) == 6  # the new step-6
 
 
 def test_every_checkpoint_damaged_fails_naming_them(tmp_path, assets, done_run):
@@ -183,13 +187,13 @@ def test_load_checkpoint_names_the_damaged_file(tmp_path, done_run):
     folder = run_dir / "checkpoints" / "step-3"
     config = (folder / "config.json").read_bytes()
     (folder / "config.json").write_text("{not json")
-    with pytest.raises(ckpt.CheckpointError) as e:
+    with pytest.raises(CheckpointError) as e:
         ckpt.load_checkpoint(folder)
     assert f"checkpoint {folder} is damaged: config.json is truncated: 9 bytes of the " \
         f"{len(config)} written" in str(e.value)
     assert "older checkpoint" in e.value.hint
     (folder / "config.json").write_bytes(b"{" + config[1:-1] + b"!")  # same size, garbled
-    with pytest.raises(ckpt.CheckpointError, match=r"damaged: config.json does not match its "
+    with pytest.raises(CheckpointError, match=r"damaged: config.json does not match its "
                        r"checksum \(crc32 [0-9a-f]{8}, written [0-9a-f]{8}\)"):
         ckpt.load_checkpoint(folder)
 

@@ -16,6 +16,8 @@ from dflash_core.observe.events import (
 )
 from dflash_core.persist import async_writer, safetensors_io
 from dflash_core.persist import checkpoint as ckpt
+from dflash_core.persist.checkpoint_folders import latest_checkpoint
+from dflash_core.persist.checkpoint_layout import CHECKPOINTS
 from dflash_core.pipeline import checkpointing
 from dflash_core.pipeline import run as run_mod
 from dflash_core.pipeline.engine import Engine
@@ -44,7 +46,7 @@ def abort_at_step_3(monkeypatch, engine: Engine, cfg, on_abort=None) -> list[flo
     """Abort ``engine`` right after step 3, once step 2's periodic checkpoint is durable (so no
     write is in flight when the abort's checkpoint is decided). Returns [the abort's time]."""
     real = run_mod.reduce_and_step
-    step2 = cfg.run_dir / ckpt.CHECKPOINTS / "step-2"
+    step2 = cfg.run_dir / CHECKPOINTS / "step-2"
 
     def reduce_and_step(replicas, step, total, **kw):
         if step == 2:  # the step that makes step 3; no bus lock is held here
@@ -66,7 +68,7 @@ def abort_at_step_3(monkeypatch, engine: Engine, cfg, on_abort=None) -> list[flo
 
 
 def hidden(run_dir) -> list[str]:
-    return sorted(p.name for p in (run_dir / ckpt.CHECKPOINTS).iterdir() if p.name.startswith("."))
+    return sorted(p.name for p in (run_dir / CHECKPOINTS).iterdir() if p.name.startswith("."))
 
 
 def warnings(rec) -> list[str]:
@@ -92,14 +94,14 @@ def test_an_abort_that_cannot_meet_its_budget_writes_none_and_names_the_step_tha
                           "(raise the budget with the grace period before SIGKILL, or write to a "
                           "faster disk)")
     # on abort: none written, and the one that stands named
-    step2 = cfg.run_dir / ckpt.CHECKPOINTS / "step-2"
+    step2 = cfg.run_dir / CHECKPOINTS / "step-2"
     (said,) = [w for w in warnings(rec) if w.startswith("abort:")]
     assert re.match(r"abort: no checkpoint of step 3: it needs ~\d+ s and [45] s of "
                     r"checkpoint.abort_budget_s \(5 s\) are left; the checkpoint at step 2 "
                     rf"stands \({re.escape(str(step2))}\)$", said), said
     assert [(c.step, c.reason) for c in rec.of(Checkpoint)] == [(2, "periodic")]
     assert not rec.of(Error)
-    assert ckpt.load_checkpoint(ckpt.latest_checkpoint(cfg.run_dir)).step == 2
+    assert ckpt.load_checkpoint(latest_checkpoint(cfg.run_dir)).step == 2
     assert hidden(cfg.run_dir) == []
 
 
@@ -127,14 +129,14 @@ def test_an_abort_write_over_its_budget_is_dropped_and_the_run_still_ends_prompt
     assert end.status == "aborted" and end.step == 3
     # the budget, then the writer is stopped and the run ends (no 5 s waits on a stuck writer)
     assert end.ts - when[0] < budget + 3.0, end.ts - when[0]
-    step2 = cfg.run_dir / ckpt.CHECKPOINTS / "step-2"
+    step2 = cfg.run_dir / CHECKPOINTS / "step-2"
     (said,) = [w for w in warnings(rec) if "abort checkpoint of step 3" in w]
     assert said == (f"abort checkpoint of step 3 did not finish within checkpoint.abort_budget_s "
                     f"(1 s); abandoned, the checkpoint at step 2 stands ({step2})")
     assert [(c.step, c.reason) for c in rec.of(Checkpoint)] == [(2, "periodic")]
     assert not rec.of(Error)  # an abandoned write is said once, as above, not as a failure
-    assert sorted(p.name for p in (cfg.run_dir / ckpt.CHECKPOINTS).iterdir()) == ["step-2"]
-    assert ckpt.load_checkpoint(ckpt.latest_checkpoint(cfg.run_dir)).step == 2
+    assert sorted(p.name for p in (cfg.run_dir / CHECKPOINTS).iterdir()) == ["step-2"]
+    assert ckpt.load_checkpoint(latest_checkpoint(cfg.run_dir)).step == 2
 
 
 def test_an_abort_within_its_budget_is_durable_before_the_run_ends(tmp_path, assets,
@@ -159,7 +161,7 @@ def test_an_abort_within_its_budget_is_durable_before_the_run_ends(tmp_path, ass
 
     def on_end(ev):  # what a process exiting at RunEnded leaves on disk
         if isinstance(ev, RunEnded):
-            latest = ckpt.latest_checkpoint(cfg.run_dir)
+            latest = latest_checkpoint(cfg.run_dir)
             at_end.append(ckpt.load_checkpoint(latest).step if latest is not None else None)
     engine.bus.tap(on_end)
     rec = run_to_end(engine)
@@ -198,7 +200,7 @@ def test_a_writer_killed_during_a_periodic_checkpoint_is_reported_and_the_run_go
     errors = rec.of(Error)
     assert len(errors) == 1, [(e.source, e.message) for e in errors]
     (err,) = errors
-    tmp = cfg.run_dir / ckpt.CHECKPOINTS / f".tmp-step-4-{os.getpid()}"
+    tmp = cfg.run_dir / CHECKPOINTS / f".tmp-step-4-{os.getpid()}"
     assert (err.source, err.error_kind, err.fatal) == ("checkpoint", "io", False)
     assert err.message.startswith(f"periodic checkpoint of step 4 could not be written to {tmp}: "
                                   f"writer 0 (pid {writer.pid}) died (killed by SIGKILL)")
@@ -209,7 +211,7 @@ def test_a_writer_killed_during_a_periodic_checkpoint_is_reported_and_the_run_go
     assert [e.step for e in after if isinstance(e, StepMetrics)][-1] == 8
     assert [(c.step, c.reason) for c in rec.of(Checkpoint)] == [(2, "periodic"), (6, "periodic"),
                                                                 (8, "periodic")]
-    assert sorted(p.name for p in (cfg.run_dir / ckpt.CHECKPOINTS).iterdir()) == [
+    assert sorted(p.name for p in (cfg.run_dir / CHECKPOINTS).iterdir()) == [
         "step-6", "step-8"]
     # and --resume from what it left trains on
     monkeypatch.undo()
@@ -219,4 +221,4 @@ def test_a_writer_killed_during_a_periodic_checkpoint_is_reported_and_the_run_go
     resumed.shutdown()
     assert rec2.of(RunEnded)[0].status == "finished"
     assert [m.step for m in rec2.of(StepMetrics)] == [9, 10]
-    assert ckpt.load_checkpoint(ckpt.latest_checkpoint(cfg.run_dir)).step == 10
+    assert ckpt.load_checkpoint(latest_checkpoint(cfg.run_dir)).step == 10

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from dflash_core.persist import checkpoint as ckpt
+from dflash_core.persist.checkpoint_folders import latest_checkpoint
 from dflash_core.models.drafter import DFlashDrafter
 from dflash_core.observe.events import Error, Log, StepMetrics
 
@@ -21,7 +22,7 @@ def run(tmp_path, assets, name: str, micro: int):
                       drafter__micro_block_tokens=micro, data__eval_prompts=0,
                       checkpoint__every=0)
     end, rec = run_config(cfg)
-    weights = ckpt.load_checkpoint(ckpt.latest_checkpoint(cfg.run_dir)).drafter_state
+    weights = ckpt.load_checkpoint(latest_checkpoint(cfg.run_dir)).drafter_state
     return end, rec, weights
 
 

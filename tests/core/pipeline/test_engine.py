@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from dflash_core.persist import checkpoint as ckpt
+from dflash_core.persist.checkpoint_folders import checkpoint_step, latest_checkpoint, read_best
 from dflash_core.config import ConfigError, config_from_dict, load_config
 from dflash_core.pipeline.engine import Engine
 from dflash_core.observe.events import (
@@ -89,7 +90,7 @@ def test_run_finishes_with_its_records(tmp_path, assets):
     saved = rec.of(Checkpoint)
     # the end's evaluation is the only one, so it makes the last checkpoint the best
     assert [(c.step, c.reason) for c in saved] == [(3, "periodic"), (6, "periodic"), (6, "best")]
-    assert ckpt.read_best(run_dir) == {"step": 6, "path": "step-6", "tau": saved[-1].tau}
+    assert read_best(run_dir) == {"step": 6, "path": "step-6", "tau": saved[-1].tau}
     for step in (3, 6):
         folder = run_dir / "checkpoints" / f"step-{step}"
         assert {p.name for p in folder.iterdir()} >= {"config.json", "model.safetensors",
@@ -119,7 +120,7 @@ def test_resume_trains_the_batches_an_uninterrupted_run_trains(tmp_path, assets,
     first.bus.tap(lambda ev: first.abort() if isinstance(ev, StepMetrics) and ev.step == 3 else None)
     rec_b1 = run_to_end(first)
     assert rec_b1.of(RunEnded)[0].status == "aborted"
-    assert ckpt.checkpoint_step(ckpt.latest_checkpoint(cfg_b.run_dir)) == 3
+    assert checkpoint_step(latest_checkpoint(cfg_b.run_dir)) == 3
     assert seen == batches_a[:3]
     seen[:] = []
 
@@ -154,7 +155,7 @@ def test_resume_on_another_layout_keeps_the_checkpoints_batch_order(tmp_path, as
     assert run_to_end(Engine(two)).of(RunEnded)[0].status == "finished"
     first = [tuple(b) for b in seen]
     assert len(first) == 4
-    assert ckpt.load_checkpoint(ckpt.latest_checkpoint(two.run_dir)).trainer_state["balance"] == 2
+    assert ckpt.load_checkpoint(latest_checkpoint(two.run_dir)).trainer_state["balance"] == 2
     seen[:] = []
     one = make_config(tmp_path, target, data, layout__drafters=[0], data__eval_prompts=0,
                       run__max_steps=0, checkpoint__every=0)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from dflash_core.persist import checkpoint as ckpt
+from dflash_core.persist.checkpoint_folders import latest_checkpoint
 from dflash_core.data import batching as data_mod
 from dflash_core.models import target as target_mod
 from dflash_core.pipeline import target_stage
@@ -193,7 +194,7 @@ def assert_aborted_quickly(engine, rec, before, t_abort: float, *, checkpoint: b
     if checkpoint:
         assert end.step >= 1
         assert [c.reason for c in saved] == ["abort"] and saved[0].step == end.step
-        latest = ckpt.latest_checkpoint(engine.config.run_dir)
+        latest = latest_checkpoint(engine.config.run_dir)
         assert latest is not None and ckpt.load_checkpoint(latest).step == end.step
     else:
         assert end.step == 0 and not saved

@@ -7,6 +7,9 @@ from collections import namedtuple
 import torch
 
 from dflash_core.persist import checkpoint as ckpt
+from dflash_core.persist.checkpoint_folders import latest_checkpoint
+from dflash_core.persist.checkpoint_layout import CHECKPOINTS
+from dflash_core.persist.checksums import Verified, verify
 from dflash_core.models import objective
 from dflash_core.pipeline import checkpointing, evaluation
 from dflash_core.observe.events import Checkpoint, Error, EvalResult, Log, StepMetrics
@@ -37,7 +40,7 @@ def test_a_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, a
     assert err.error_kind == "data" and "the loss is nan at step 5" in err.message
     assert "samples (data indices):" in err.message and "last checkpoint stands" in err.hint
     assert [c.step for c in rec.of(Checkpoint)] == [2, 4]  # nothing saved after the NaN
-    latest = ckpt.load_checkpoint(ckpt.latest_checkpoint(cfg.run_dir))
+    latest = ckpt.load_checkpoint(latest_checkpoint(cfg.run_dir))
     assert latest.step == 4
     assert all(torch.isfinite(t).all() for t in latest.drafter_state.values())
 
@@ -68,7 +71,7 @@ def test_a_checkpoint_that_cannot_fit_is_skipped_and_said_so(tmp_path, assets, m
     assert [w.split(":")[0] for w in skipped] == [
         "periodic checkpoint at step 4 skipped", "periodic checkpoint at step 6 skipped",
         "final checkpoint at step 6 skipped"]
-    assert ckpt.load_checkpoint(ckpt.latest_checkpoint(cfg.run_dir)).step == 2
+    assert ckpt.load_checkpoint(latest_checkpoint(cfg.run_dir)).step == 2
     assert math.isfinite(rec.of(StepMetrics)[-1].loss)
 
 
@@ -178,7 +181,7 @@ def test_a_damaged_folder_in_the_way_of_a_checkpoint_is_set_aside_and_said_so(tm
 
     def begin(run_dir, job):
         if job.step == 4:
-            stray = run_dir / ckpt.CHECKPOINTS / "step-4"
+            stray = run_dir / CHECKPOINTS / "step-4"
             stray.mkdir()
             (stray / "config.json").write_text("{}")
         return real_begin(run_dir, job)
@@ -189,7 +192,7 @@ def test_a_damaged_folder_in_the_way_of_a_checkpoint_is_set_aside_and_said_so(tm
                       checkpoint__every=2)
     end, rec = run_config(cfg)
     assert end.status == "finished"
-    root = cfg.run_dir / ckpt.CHECKPOINTS
+    root = cfg.run_dir / CHECKPOINTS
     (said,) = [e for e in rec.of(Log) if e.level == "warning" and "damaged" in e.message]
     assert said.source == "checkpoint"
     assert f"checkpoint {root / 'step-4'} is damaged (" in said.message
@@ -197,5 +200,5 @@ def test_a_damaged_folder_in_the_way_of_a_checkpoint_is_set_aside_and_said_so(tm
     assert f"moved it to {root / 'damaged-step-4'} (kept, not deleted) before writing step 4 " \
         "again" in said.message
     assert (root / "damaged-step-4" / "config.json").read_text() == "{}"
-    assert ckpt.verify(root / "step-4") == ckpt.Verified(3, [], "")
+    assert verify(root / "step-4") == Verified(3, [], "")
     assert [c.step for c in rec.of(Checkpoint)] == [2, 4]

@@ -4,6 +4,7 @@ on, with the features (and so the training) it would have had without the error.
 import torch
 
 from dflash_core.persist import checkpoint as ckpt
+from dflash_core.persist.checkpoint_folders import latest_checkpoint
 from dflash_core.observe.events import Error, Log, StepMetrics
 from dflash_core.models.target import TargetModel
 
@@ -15,7 +16,7 @@ def run(tmp_path, assets, name: str, **over):
     cfg = make_config(tmp_path, target, data, run__name=name, run__max_steps=4,
                       data__eval_prompts=0, checkpoint__every=0, **over)
     end, rec = run_config(cfg)
-    weights = ckpt.load_checkpoint(ckpt.latest_checkpoint(cfg.run_dir)).drafter_state
+    weights = ckpt.load_checkpoint(latest_checkpoint(cfg.run_dir)).drafter_state
     return end, rec, weights
 
 

@@ -197,6 +197,7 @@ def test_the_checkpoint_size_is_what_a_checkpoint_holds(tmp_path, assets):
     from types import SimpleNamespace
 
     from dflash_core.persist import checkpoint as ckpt
+    from dflash_core.persist.checkpoint_folders import latest_checkpoint
     from dflash_core.persist import checkpoint_size
     from dflash_core.pipeline.checkpointing import checkpoint_bytes
 
@@ -209,7 +210,7 @@ def test_the_checkpoint_size_is_what_a_checkpoint_holds(tmp_path, assets):
     hf_config = json.loads((target / "config.json").read_text())
     params, matrices = checkpoint_size.drafter_counts(cfg, hf_config)
     size = checkpoint_size.checkpoint_bytes(params, matrices, 2, "adamw")  # bfloat16 served
-    folder = ckpt.latest_checkpoint(cfg.run_dir)
+    folder = latest_checkpoint(cfg.run_dir)
     # every tensor but the RNG state and AdamW's scalar step counts, byte for byte
     assert size == _tensor_bytes(folder, lambda k: not k.startswith("trainer/")
                                  and not k.endswith("/step"))
