@@ -23,8 +23,13 @@ def lossless_cell(s: Summary, greedy: bool) -> str:
         return "n/a (sampled)"
     if not s.mismatches:
         return "exact"
-    m = s.mismatches[0]
-    return f"{len(s.mismatches)} differ (first: {m['id']} @{m['position']})"
+    ties = sum(1 for m in s.mismatches if m.get("near_tie"))
+    bad = [m for m in s.mismatches if not m.get("near_tie")]
+    if not bad:
+        return f"{ties} near tie{'s' if ties > 1 else ''}"
+    m = bad[0]
+    return (f"{len(bad)} differ (first: {m['id']} @{m['position']})"
+            + (f", {ties} near ties" if ties else ""))
 
 
 def set_table(name: str, prompts: int, plain: Summary, drafters: dict[str, Summary],
