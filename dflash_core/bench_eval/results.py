@@ -72,6 +72,28 @@ def _differences(old: dict, new: dict) -> list[str]:
     return [f"{k} {old.get(k)!r} -> {new.get(k)!r}" for k in keys if old.get(k) != new.get(k)]
 
 
+def check_header(path: Path, settings: dict) -> None:
+    """Refuse (EvalInputError) a results file at ``path`` written under other settings; nothing
+    is written (every file is checked before any is started)."""
+    settings = json.loads(json.dumps(settings))
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    with open(path, "rb") as fh:
+        first = fh.readline()
+    try:
+        header = json.loads(first)
+        assert header.get("kind") == "header"
+    except (ValueError, AssertionError, AttributeError) as exc:
+        raise EvalInputError(f"{path} is not a results file of this evaluation (no header)",
+                             hint="pass another --out, or move the file away") from exc
+    if header.get("format") != FORMAT or header.get("settings") != settings:
+        diff = _differences(header.get("settings") or {}, settings)
+        raise EvalInputError(f"{path} holds results of other settings ("
+                             + "; ".join(diff[:3]) + ("; ..." if len(diff) > 3 else "") + ")",
+                             hint="pass another --out for these settings, or delete the file "
+                                  "to measure it again")
+
+
 def open_results(path: Path, settings: dict, about: dict | None = None) -> ResultsFile:
     """The results file at ``path``: continued when it exists with the same settings (a torn
     last batch cut off), else started with a header (``about``: what is said, not compared,
@@ -86,20 +108,9 @@ def open_results(path: Path, settings: dict, about: dict | None = None) -> Resul
         tmp.write_text(json.dumps(header) + "\n", encoding="utf-8")
         os.replace(tmp, path)
         return ResultsFile(path, settings)
+    check_header(path, settings)
     raw = path.read_bytes()
     lines = raw.split(b"\n")
-    try:
-        header = json.loads(lines[0])
-        assert header.get("kind") == "header"
-    except (ValueError, AssertionError, AttributeError) as exc:
-        raise EvalInputError(f"{path} is not a results file of this evaluation (no header)",
-                             hint="pass another --out, or move the file away") from exc
-    if header.get("format") != FORMAT or header.get("settings") != settings:
-        diff = _differences(header.get("settings") or {}, settings)
-        raise EvalInputError(f"{path} holds results of other settings ("
-                             + "; ".join(diff[:3]) + ("; ..." if len(diff) > 3 else "") + ")",
-                             hint="pass another --out for these settings, or delete the file "
-                                  "to measure it again")
     res = ResultsFile(path, settings)
     pending: list[dict] = []
     good = len(lines[0]) + 1  # bytes up to the end of the last complete batch

@@ -208,9 +208,13 @@ class Evaluation:
         plain = _Decoder("plain", [self.shape.num_layers - 1])
         self.decoders = [plain] + [_Decoder(s.label, s.target_layer_ids, spec=s)
                                    for s in self.specs]
+        # every file checked before any is started: a refusal leaves the folder as it was
         for d in self.decoders:
             for p in self.sets:
-                d.files[p.name] = self._open(d, p)
+                rs.check_header(*self._where(d, p)[:2])
+        for d in self.decoders:
+            for p in self.sets:
+                d.files[p.name] = rs.open_results(*self._where(d, p))
         self.target = None
         self.warm = False
 
@@ -268,7 +272,8 @@ class Evaluation:
                 "dtype": self.dtype, "device": _device_name(self.device),
                 "stop_ids": sorted(self.stop)}
 
-    def _open(self, d: _Decoder, p: PromptSet) -> rs.ResultsFile:
+    def _where(self, d: _Decoder, p: PromptSet) -> tuple[Path, dict, dict]:
+        """(results file, settings compared, what is only said) of decoder ``d`` on set ``p``."""
         settings = dict(self.settings, set=p.name, prompts=p.sha256)
         about = {"target": str(self.folder), "prompts": str(p.path)}
         if d.spec is not None:
@@ -276,7 +281,7 @@ class Evaluation:
                                    "fingerprint": d.spec.fingerprint}
             about["drafter"] = str(d.spec.path)
         name = rs.PLAIN if d.spec is None else dk.file_name(d.label)
-        return rs.open_results(self.out / p.name / name, settings, about)
+        return self.out / p.name / name, settings, about
 
     # -- the run ------------------------------------------------------------------------------
     def load(self) -> None:

@@ -87,11 +87,17 @@ def test_interrupted_then_run_again_it_continues_to_the_same_results(measured, d
     assert any("chat: all 5 prompts measured before" in m for m in said)
 
 
-def test_other_settings_are_not_mixed_into_a_results_file(measured, demo_eval):
+def test_other_settings_are_not_mixed_into_a_results_file(measured, demo_eval, tmp_path):
     _, _, out = measured
-    with pytest.raises(EvalInputError) as exc:
-        Evaluation(_opts(demo_eval, out, max_new_tokens=NEW + 1), lambda m: None)
+    extra = tmp_path / "extra.jsonl"
+    extra.write_text('{"prompt": "The"}\n')
+    before = sorted(p.relative_to(out) for p in out.rglob("*"))
+    with pytest.raises(EvalInputError) as exc:  # a new set too: nothing of it is started
+        Evaluation(_opts(demo_eval, out, max_new_tokens=NEW + 1,
+                         prompts=[f"new={extra}", f"chat={demo_eval['sets']['chat']}"]),
+                   lambda m: None)
     assert "holds results of other settings (max_new_tokens 20 -> 21)" in str(exc.value)
+    assert sorted(p.relative_to(out) for p in out.rglob("*")) == before
     with pytest.raises(EvalInputError, match="temperature 0.0 -> 0.5"):
         Evaluation(_opts(demo_eval, out, temperature=0.5), lambda m: None)
 
