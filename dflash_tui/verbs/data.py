@@ -132,7 +132,7 @@ def _tokenizer_args(p: argparse.ArgumentParser, required: bool) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dflash_core.data.regenerate import ServerFailing
+    from dflash_core.data.regen_errors import ServerFailing
     from dflash_core.data.shards import DataError
 
     try:
@@ -207,7 +207,9 @@ def _load_target(spec: str):
 
 
 def _regenerate(args) -> int:
-    from dflash_core.data.regenerate import DAMAGED, MERGED, RegenOptions, regenerate
+    from dflash_core.data.regen_options import RegenOptions
+    from dflash_core.data.regen_parts import DAMAGED, MERGED
+    from dflash_core.data.regenerate import regenerate
 
     target = _load_target(args.target) if args.target else None
     # the target's own folder holds its tokenizer and template: what the measure renders with

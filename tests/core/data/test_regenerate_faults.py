@@ -9,9 +9,9 @@ import re
 
 import pytest
 
-from dflash_core.data.regenerate import (
-    DAMAGED, MERGED, PARTS, STATE, RegenOptions, regenerate,
-)
+from dflash_core.data.regen_options import RegenOptions
+from dflash_core.data.regen_parts import DAMAGED, MERGED, PARTS, STATE
+from dflash_core.data.regenerate import regenerate
 from dflash_core.data.shards import DataError
 
 from tests.core.data.canned_server import CannedServer

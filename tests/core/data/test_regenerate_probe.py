@@ -11,11 +11,12 @@ import time
 
 import pytest
 
-from dflash_core.data import regenerate as regen
+from dflash_core.data import regen_job
 from dflash_core.data.endpoint import Endpoint, RequestFailed, refusal_fix
-from dflash_core.data.regenerate import (
-    MERGED, RegenOptions, ServerRefuses, regenerate,
-)
+from dflash_core.data.regen_errors import ServerRefuses
+from dflash_core.data.regen_options import RegenOptions
+from dflash_core.data.regen_parts import MERGED
+from dflash_core.data.regenerate import regenerate
 from dflash_core.data.shards import DataError
 
 from tests.core.data.canned_server import CannedServer, Reply, echo, strict_fields
@@ -45,7 +46,7 @@ def with_ids(body):
 def test_the_probe_says_in_one_line_that_the_server_returns_token_ids(tmp_path, capsys):
     with CannedServer(answer=with_ids) as srv:
         s = regenerate(_opts(_src(tmp_path), tmp_path / "a", srv.url))
-        assert srv.requests == 5 and srv.bodies[0]["max_tokens"] == regen.PROBE_TOKENS
+        assert srv.requests == 5 and srv.bodies[0]["max_tokens"] == regen_job.PROBE_TOKENS
     assert s["finished"] and s["probe"]["answers"] == "token_ids"
     assert s["counts"]["turns_with_server_ids"] == 4
     probe = [x for x in capsys.readouterr().err.splitlines() if x.startswith("probe:")]
@@ -105,7 +106,7 @@ def test_a_run_of_identical_refusals_stops_the_rest(tmp_path):
                                                 r"answer \(http_400: this request is not "
                                                 r"allowed\); the other samples were not sent"):
             regenerate(_opts(_src(tmp_path, n=40), tmp_path / "a", srv.url))
-        assert srv.requests == 1 + regen.REFUSALS_IN_A_ROW  # not 40
+        assert srv.requests == 1 + regen_job.REFUSALS_IN_A_ROW  # not 40
 
 
 def test_a_folder_where_nothing_was_generated_takes_new_settings(tmp_path, capsys):
@@ -173,12 +174,12 @@ def test_an_endpoint_that_goes_down_is_waited_for_without_spending_retries(
     on one is sent again on a new socket, not counted as a failure."""
     lines = []
 
-    class Recording(regen._Progress):
+    class Recording(regen_job._Progress):
         def update(self, *a, **kw):
             super().update(*a, **kw)
             lines.append(self.line())
 
-    monkeypatch.setattr(regen, "_Progress", Recording)
+    monkeypatch.setattr(regen_job, "_Progress", Recording)
     with CannedServer(delay_s=0.02, keep_alive=keep_alive) as srv:
         t, box = _run_in_thread(_opts(_src(tmp_path, n=30), tmp_path / "a", srv.url,
                                       concurrency=2, retries=0, backoff_s=0.05, progress=True))
@@ -225,7 +226,7 @@ def test_an_endpoint_down_past_the_wait_leaves_its_samples_for_the_next_run(tmp_
 
 def test_the_progress_line_names_the_endpoint_it_waits_for():
     e = Endpoint("http://127.0.0.1:9", 1.0)
-    bar = regen._Progress("regenerate", 10, "samples", enabled=False, endpoints=[e])
+    bar = regen_job._Progress("regenerate", 10, "samples", enabled=False, endpoints=[e])
     assert "waiting" not in bar.line()
     e.down_since, e.next_try = time.monotonic() - 42, time.monotonic() + 8.4
     assert bar.line().endswith(", waiting for 127.0.0.1:9 (down 0:42, next try in 8 s)")
