@@ -19,11 +19,11 @@ H200_BF16_PEAK = 790e12  # measured dense bf16 matmul rate on this GPU (8192^3, 
 
 
 def hf_config(name):
-    """A transformers config object from a fixture JSON name or a path (text config for
-    multimodal ones)."""
+    """A transformers config object from a fixture JSON name, a path or a config.json dict (text
+    config for multimodal ones)."""
     from transformers import AutoConfig
 
-    d = json.loads((FIXTURES / name).read_text())
+    d = dict(name) if isinstance(name, dict) else json.loads((FIXTURES / name).read_text())
     d = d.get("text_config", d) | {"model_type": d.get("text_config", d).get("model_type", d["model_type"])}
     if d["model_type"] == "qwen3_5":
         d["model_type"] = "qwen3_5_text"
