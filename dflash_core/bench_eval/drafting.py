@@ -39,7 +39,8 @@ def _backbone(drafter, context: torch.Tensor, lengths: list[int], last: list[int
     return drafter(context, embeds, pos, anchors)
 
 
-def _pick(logits: torch.Tensor, temperature: float, gens) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _pick(logits: torch.Tensor, temperature: float,
+          gens) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Rows' tokens [m] from logits [m, V]: argmax, or one draw per row with its generator."""
     if temperature <= 0:
         return logits.argmax(-1), None

@@ -12,7 +12,6 @@ A run stopped anywhere continues from its last whole batch.
 from __future__ import annotations
 
 import hashlib
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +24,7 @@ from dflash_core.bench_eval import results as rs
 from dflash_core.bench_eval.errors import EvalInputError
 from dflash_core.bench_eval.prompt_sets import PromptSet, load_prompt_set, parse_spec
 from dflash_core.bench_eval.rendering import (
-    RenderedSet, load_chat_tokenizer, render_set, stop_ids, template_kwargs, tokenizer_spec,
+    load_chat_tokenizer, render_set, stop_ids, template_kwargs, tokenizer_spec,
 )
 from dflash_core.bench_eval.sampling import prompt_generator
 from dflash_core.bench_eval.spec_decode import DecodeSettings, decode_rows

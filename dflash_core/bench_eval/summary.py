@@ -4,8 +4,8 @@ decoding, and the lossless check.
 - **tau**: tokens gained per target forward (verification round), accepted drafts plus the
   target's own token, pooled over every round of every prompt (the engine's exact tau).
   ``tau_per_prompt`` is the mean of the prompts' own taus, the public DFlash benchmark's figure;
-  it usually runs above tau when the prompts' taus differ (a prompt with a high tau needs few rounds, so
-  it weighs little in the pooled figure).
+  it usually runs above tau when the prompts' taus differ (a prompt with a high tau needs few
+  rounds, so it weighs little in the pooled figure).
 - **accepted@k**: of the rounds that proposed at least k drafts, the share that accepted at least
   k (k = 1 is the first draft's acceptance rate).
 - **tokens/s**: new tokens over decoding time, the prefill left out (the time to the first token

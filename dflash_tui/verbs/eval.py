@@ -124,7 +124,8 @@ def run(args: argparse.Namespace) -> int:
     ties = report.near_ties
     if ties:
         name, label, m = ties[0]
-        print(f"note: {len(ties)} decodings (prompt, drafter) parted from the target's greedy output at a near tie "
+        print(f"note: {len(ties)} decodings (prompt, drafter) parted from the target's greedy "
+              f"output at a near tie "
               f"of the target (first: set {name}, drafter {label}, prompt {m['id']} at new token "
               f"{m['position']}, its top two logits {m['target_gap']:g} apart): two correct "
               f"computations in {report.settings['dtype']} may order them either way; not a "

@@ -108,8 +108,9 @@ def test_a_published_dflash_folder_is_read(tmp_path, demo_hf_config):
     folder = save_dflash(tmp_path / "pub", demo_hf_config, 0, block=6)
     d = json.loads((folder / "config.json").read_text())
     dc = d.pop("dflash_config")
-    d.update(block_size=dc["block_size"], dflash_config={"mask_token_id": dc["mask_token_id"],
-                                                         "target_layer_ids": dc["target_layer_ids"]},
+    d.update(block_size=dc["block_size"],
+             dflash_config={"mask_token_id": dc["mask_token_id"],
+                            "target_layer_ids": dc["target_layer_ids"]},
              auto_map={"AutoModel": "dflash.DFlashDraftModel"})
     (folder / "config.json").write_text(json.dumps(d))
     spec = read_drafter(str(folder))
