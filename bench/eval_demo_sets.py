@@ -2,7 +2,7 @@
 
 - heldout.jsonl: slices of the help text the demo target never trained on (its own domain), as
   OpenAI messages;
-- docstrings.jsonl: the first paragraph of standard-library module docstrings (English about
+- docstrings.jsonl: the first paragraph of stdlib module docstrings (English about
   Python, but not the help topics' text), as plain prompts.
 
     python bench/eval_demo_sets.py OUT_DIR [--n 32]
