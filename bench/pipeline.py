@@ -91,11 +91,11 @@ def kept_features(keep: int):
     real = target_mod.TargetModel.features
     seen = [0]
 
-    def features(self, input_ids, attention_mask=None, layer_ids=None, stop=None):
+    def features(self, input_ids, attention_mask=None, layer_ids=None, stop=None, **kw):
         seen[0] += 1
         if 3 < seen[0] <= 3 + keep:
             KEPT["calls"].append((input_ids, attention_mask, layer_ids))
-        return real(self, input_ids, attention_mask, layer_ids, stop=stop)
+        return real(self, input_ids, attention_mask, layer_ids, stop=stop, **kw)
     return features
 
 
@@ -163,13 +163,14 @@ def idle_accumulate(self, batch, features, seed, stop=None, beat=None, ready=Non
     return out
 
 
-def random_features(self, input_ids, attention_mask=None, layer_ids=None, stop=None):
+def random_features(self, input_ids, attention_mask=None, layer_ids=None, stop=None,
+                    with_last_hidden=False):
     """TargetModel.features at almost no GPU cost: random values of the real shape and dtype, so a
     drafter runs as if a stored-features source fed it (its standalone rate on these batches)."""
     ids = self._layer_ids(layer_ids)
     b, s = input_ids.shape
-    return torch.randn(b, s, len(ids) * self.hidden_size, device=self.device,
-                       dtype=self.model.dtype)
+    width = (len(ids) + int(with_last_hidden)) * self.hidden_size
+    return torch.randn(b, s, width, device=self.device, dtype=self.model.dtype)
 
 
 def make_data(folder: Path, vocab: int, n: int, max_length: int):
