@@ -9,7 +9,7 @@ spread.
     # here, DFlash's 0.448 (bench/BENCHMARKS.md, "DSpark against DFlash on the demo"):
     nice -n 10 python bench/recipe.py --objectives dflash,dspark --losses dflash --optims adamw \
         --objective-set dspark:drafter.block_size=7 --steps 256 --steps-of dspark=268 \
-        --seeds 0,1,2 --eval-tokens 64 --reference-seeds 0 --out bench/results/recipe-dspark
+        --seeds 0,1,2 --eval-tokens 64 --reference-seeds 0 --out <scratch folder>
     # equal wall time at the 27B shape (a Muon step costs 2.601 s there, AdamW's 2.029 s),
     # on a GPU, nine runs at once (bench/BENCHMARKS.md, "Training recipe"):
     python bench/recipe.py --device cuda --jobs 9 --steps 512 --steps-of muon=400,muon=512 \
