@@ -38,10 +38,14 @@ def run(args: argparse.Namespace) -> int:
     if events is None:
         return 2
     from dflash_tui import lifeline
+
+    # A browser's dashboard (serve): ends with its session or server, whatever its loop does.
+    # Armed before the app's imports: threads a library starts while importing (numpy's BLAS
+    # pool) must inherit the blocked signals, or a SIGTERM lands on one of them and waits for a
+    # main thread stuck in a write.
+    guard = lifeline.Lifeline().arm() if lifeline.served() else None
     from dflash_tui.app import run_app
     from dflash_tui.follow import FollowController
 
-    # A browser's dashboard (serve): ends with its session or server, whatever its loop does.
-    guard = lifeline.Lifeline().arm() if lifeline.served() else None
     return run_app(FollowController(events.parent), run_dir=None, read_only=not args.control,
                    lifeline=guard)
