@@ -17,6 +17,10 @@ from dflash_core.models.dspark import DSparkDrafter
 FAST = CheckOptions(samples=1, response_tokens=32, max_steps=300)
 B = 4
 
+# Memorising the DSpark drafter is a training of ~40 s on the CPU: make test-slow. The fast
+# path of its probes is tests/core/models/test_dspark_decoding.py; of check, the DFlash tests.
+pytestmark = pytest.mark.slow
+
 
 def _cfg(tmp_path, name):
     cfg = demo_config(output_dir=str(tmp_path / "runs"), name=name, device="cpu")

@@ -98,6 +98,7 @@ def test_loader_made_wide_labels_train_like_the_drafters_own(tmp_path, assets):
     assert results[0].extra == results[1].extra == results[2].extra
 
 
+@pytest.mark.slow  # 15 steps of training; the fast path: the step tests above
 def test_training_lowers_the_loss(tmp_path, assets):
     cfg, tm, batches, feats, init = _setup(tmp_path, assets, 1, optim__lr=1e-2,
                                            optim__warmup_frac=0.0)
