@@ -19,8 +19,8 @@ from typing import Callable
 
 import torch
 
-from dflash_core.bench_eval import drafters as dk
-from dflash_core.bench_eval import results as rs
+import dflash_core.bench_eval.drafters as dk
+import dflash_core.bench_eval.results as rs
 from dflash_core.bench_eval.errors import EvalInputError
 from dflash_core.bench_eval.prompt_sets import PromptSet, load_prompt_set, parse_spec
 from dflash_core.bench_eval.rendering import (

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from dflash_core.data.byte_vocab import EOS_ID
-from dflash_core.demo import split_corpus
+from dflash_core.demo.corpus import split_corpus
 
 
 def _heldout_texts() -> list[str]:

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dflash_core.demo import recipe
+import dflash_core.demo.recipe as recipe
 from dflash_core.demo.corpus import split_corpus
 from dflash_core.demo.recipe import (
     BUILD_THREADS, DATA_PROMPT_LEN, DATA_RESPONSE_LEN, DATA_SAMPLES, GEN_BATCH, META_NAME,

@@ -8,7 +8,7 @@ import shutil
 import uuid
 from pathlib import Path
 
-from dflash_core.demo import recipe
+import dflash_core.demo.recipe as recipe
 from dflash_core.demo.corpus import corpus_digest
 from dflash_core.demo.recipe import BUILD_THREADS, META_NAME, TRAIN_STEPS
 from dflash_core.demo.tiny_target import build_tiny_target, read_meta

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash_core.data.byte_vocab import EOS_ID, MASK_ID, VOCAB_SIZE, encode
-from dflash_core.demo import recipe
+import dflash_core.demo.recipe as recipe
 from dflash_core.demo.corpus import corpus_digest, split_corpus
 from dflash_core.demo.recipe import (
     BUILD_THREADS, META_NAME, PROBE_TEXT, TINY_ARCH, TRAIN_BATCH, TRAIN_LR, TRAIN_SEQ, TRAIN_STEPS,
