@@ -36,19 +36,7 @@ def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
     A save that replaced an existing step-N moves the old one aside to ``.old-step-N-*`` first;
     if it died before the new one took its place, that old folder still counts as step N.
     """
-    root = Path(run_dir) / CHECKPOINTS
-    if not root.is_dir():
-        return []
-    found: dict[int, Path] = {}
-    aside: dict[int, Path] = {}
-    for entry in root.iterdir():
-        if (m := _STEP_RE.match(entry.name)) and _is_complete(entry):
-            found[int(m.group(1))] = entry
-        elif (m := _HIDDEN_RE.match(entry.name)) and m.group(1) == "old" and _is_complete(entry):
-            aside[int(m.group(2))] = entry
-    for step, folder in aside.items():
-        found.setdefault(step, folder)
-    return [found[s] for s in sorted(found)]
+    return [f for f in step_folders(run_dir) if _is_complete(f)]
 
 
 def step_folders(run_dir: str | os.PathLike) -> list[Path]:
