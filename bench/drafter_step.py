@@ -100,6 +100,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="print every thread's stack if a step takes longer than this (s)")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                     help="cpu: a smoke run of this script (--shapes tiny)")
+    ap.add_argument("--gpu-memory-gib", type=float, default=None,
+                    help="cap the process at this much of the GPU, as layout.gpu_memory_gib does "
+                         "(95: the 96 GB card's usable share rehearsed on a larger one)")
     args = ap.parse_args(argv)
     args.shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
     unknown = [s for s in args.shapes if s not in SHAPES]
@@ -337,6 +340,11 @@ def main(argv=None) -> None:
         use_transformers_norm()
     cuda = args.device == "cuda"
     device = torch.device("cuda:0" if cuda else "cpu")
+    if cuda and args.gpu_memory_gib:
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_memory_gib * 2**30 / total),
+                                                   device)
+        print(f"  GPU capped at {args.gpu_memory_gib:g} GiB of {total / 2**30:.1f}", flush=True)
     S, A, B, k = args.seq_len, args.anchors, args.block_size, len(LAYER_IDS)
     dspark = args.objective == "dspark"
     for shape in args.shapes:
