@@ -23,9 +23,8 @@ from dflash_core.persist.checkpoint_folders import (
     checkpoint_step, latest_checkpoint, mark_best, read_best,
 )
 from dflash_core.persist.checkpoint_layout import CHECKPOINTS, MASTER
-from dflash_core.persist.async_writer import (
-    PROBE_BYTES, CheckpointWriter, Outcome, enough_shared_memory, stepped_optimizer_state,
-)
+from dflash_core.persist.async_writer import PROBE_BYTES, CheckpointWriter, Outcome
+from dflash_core.persist.staging import enough_shared_memory, stepped_optimizer_state
 from dflash_core.persist.checkpoint_size import gib
 from dflash_core.units import GiB
 

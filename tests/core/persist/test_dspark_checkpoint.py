@@ -21,7 +21,8 @@ from dflash_core.models.dspark import DSparkDrafter, DSparkSettings
 from dflash_core.persist import checkpoint as ckpt
 from dflash_core.persist.checkpoint_layout import SERVED, STATE_JSON
 from dflash_core.persist import checkpoint_size
-from dflash_core.persist.async_writer import CheckpointWriter, Staging
+from dflash_core.persist.async_writer import CheckpointWriter
+from dflash_core.persist.staging import Staging
 from dflash_core.persist.resume import expected_drafter_config, load_for_resume
 
 VOCAB, HIDDEN, LAYERS = 96, 32, 4
