@@ -313,6 +313,10 @@ class EvalResult(Event):
     # rounds, dspark_calibration.Calibration as a dict ({} = none); acceptance.calibration_*
     # words it, dspark_calibration.Calibration.from_dict reads it back.
     calibration: dict = field(default_factory=dict)
+    # The prompts evaluated: "" = the held-out prompts of the data (every measure, the findings);
+    # a name = that set of eval.prompt_sets (exact tau and its histogram only; the teacher-forced
+    # measures and the agreement -1). Older events.jsonl files, without it, are held-out ones.
+    prompt_set: str = ""
     kind: ClassVar[str] = "EvalResult"
 
 
