@@ -9,15 +9,17 @@ from dflash_core.config.load import (
 )
 from dflash_core.config.recipe import recipe_text
 from dflash_core.config.schema import (
-    RANGES, UNBOUNDED, CheckpointConfig, Config, DataConfig, DrafterConfig, EvalConfig, KeySpec,
-    LayoutConfig, NodesConfig, OptimConfig, RunConfig, TargetConfig, TelemetryConfig,
-    WandbConfig, config_keys, default_gamma, describe_range, key, key_value, set_key_value,
+    RANGES, UNBOUNDED, CheckpointConfig, Config, CostConfig, DataConfig, DrafterConfig,
+    EvalConfig, KeySpec, LayoutConfig, NodesConfig, OptimConfig, RunConfig, TargetConfig,
+    TelemetryConfig, WandbConfig, config_keys, default_gamma, describe_range, key, key_value,
+    set_key_value,
 )
 
 __all__ = [
-    "RANGES", "UNBOUNDED", "CheckpointConfig", "Config", "ConfigError", "DataConfig",
-    "DrafterConfig", "EvalConfig", "KeySpec", "LayoutConfig", "NodesConfig", "OptimConfig",
-    "RunConfig", "TargetConfig", "TelemetryConfig", "WandbConfig", "apply_overrides",
-    "check_range", "config_from_dict", "config_keys", "default_gamma", "describe_range", "key",
-    "key_value", "load_config", "recipe_text", "save_config", "set_key_value",
+    "RANGES", "UNBOUNDED", "CheckpointConfig", "Config", "ConfigError", "CostConfig",
+    "DataConfig", "DrafterConfig", "EvalConfig", "KeySpec", "LayoutConfig", "NodesConfig",
+    "OptimConfig", "RunConfig", "TargetConfig", "TelemetryConfig", "WandbConfig",
+    "apply_overrides", "check_range", "config_from_dict", "config_keys", "default_gamma",
+    "describe_range", "key", "key_value", "load_config", "recipe_text", "save_config",
+    "set_key_value",
 ]

@@ -296,6 +296,18 @@ class NodesConfig:
 
 
 @dataclass
+class CostConfig:
+    """What the run's device time costs (docs/eval.md, "Cost"). The run always counts its
+    GPU-hours, per role and across resumes; a price turns them into money."""
+    gpu_hour_price: float = key(0.0, """Price of one GPU-hour in cost.currency; 0 = no price (the
+        run, its report and dflash-tui eval show GPU-hours only). Every GPU the run holds counts
+        wall time from the run's start to its end (loading, warm-up, evaluations and checkpoints
+        included), on every node; a GPU shared by a target and a drafter is split between them
+        equally. A run on the CPU counts host-hours instead, never priced.""", ge=0)
+    currency: str = key("USD", "The price's currency, printed beside the money (USD, EUR, ...).")
+
+
+@dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     target: TargetConfig = field(default_factory=TargetConfig)
@@ -308,6 +320,7 @@ class Config:
     wandb: WandbConfig = field(default_factory=WandbConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     nodes: NodesConfig = field(default_factory=NodesConfig)
+    cost: CostConfig = field(default_factory=CostConfig)
     # Not a field: the drafter keys the loaded config itself set (load.config_from_dict), None
     # when built otherwise; --set's drafter.objective re-chooses the others' objective defaults.
     given = None
