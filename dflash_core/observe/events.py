@@ -438,12 +438,48 @@ class NodeStatus(Event):
     in_text_log: ClassVar[bool] = False
 
 
+@dataclass(frozen=True)
+class DeviceHours(Event):
+    """The device time the run has held so far (pipeline/hours_meter.py): every device it holds
+    counts wall time from the run's start to its end, split equally among the workers on it, on
+    every node; cumulative across resumes (each checkpoint records the figure and a resume goes
+    on from it). A CPU run holds the host, counted as one device in ``host_*`` (0 GPU-hours).
+    Published periodically, before each evaluation (its x in the report's tau against
+    GPU-hours), as each checkpoint's state is taken and at the end."""
+
+    step: int
+    gpu_target: float = 0.0  # GPU-hours of the target workers
+    gpu_drafter: float = 0.0  # GPU-hours of the drafter workers
+    host_target: float = 0.0  # host-hours (CPU runs) of the target workers
+    host_drafter: float = 0.0
+    # Hours earlier segments of this run folder held that this figure leaves out: a crashed
+    # segment's time after its last checkpoint, attempts that trained nothing, a resume from an
+    # older checkpoint (the run folder's device_hours.json keeps them). GPU and host apart.
+    lost_gpu: float = 0.0
+    lost_host: float = 0.0
+    devices: int = 0  # devices held now, every node's (a CPU run: 1 per node)
+    price: float = 0.0  # cost.gpu_hour_price in force (0: no price)
+    currency: str = ""
+    reason: str = "periodic"  # periodic | eval | checkpoint | end
+    since_step: int = 0  # counted from this step (a resume of a checkpoint that has no figure)
+    kind: ClassVar[str] = "DeviceHours"
+    sets_state: ClassVar[bool] = False
+
+    @property
+    def gpu_hours(self) -> float:
+        return self.gpu_target + self.gpu_drafter
+
+    @property
+    def host_hours(self) -> float:
+        return self.host_target + self.host_drafter
+
+
 EVENT_TYPES: dict[str, type[Event]] = {
     cls.kind: cls
     for cls in (
         RunStarted, StateChanged, WorkerStatus, LoadProgress, GpuSample, HostSample, QueueDepth,
         TargetMetrics, DrafterMetrics, StepMetrics, EvalResult, MemoryPlan, Checkpoint, Log, Error,
-        SinkStatus, CheckpointProgress, RunEnded, Stall, NodeStatus, TrainingPlan,
+        SinkStatus, CheckpointProgress, RunEnded, Stall, NodeStatus, TrainingPlan, DeviceHours,
     )
 }
 
