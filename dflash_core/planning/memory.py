@@ -42,13 +42,15 @@ from dflash_core.levers import (
 )
 from dflash_core.models import drafter_objective
 from dflash_core.models.model_shape import (
-    Ledger, ModelShape, drafter_matrix_param_count, drafter_param_count, drafter_shape, model_shape,
-    num_features, param_ledger, text_config,
+    ModelShape, drafter_matrix_param_count, drafter_param_count, drafter_shape, model_shape,
+    num_features,
 )
 from dflash_core.models.objective import sequences_per_group
+from dflash_core.planning.weight_bytes import (
+    FP32_BYTES, dtype_bytes, full_logits_bytes, target_weight_parts,
+)
 from dflash_core.units import GiB
 
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 # What a GPU holds beyond the tensors, counted once per CUDA device (not on CPU), so that "fits"
 # means planned tensors + this margin <= the memory the process may use. Measured with
@@ -76,7 +78,6 @@ RESIDUAL_LIVE = 3  # residual, the layer's normed input / output, and the embedd
 # keeps referenced for the whole forward: each tokens x H
 MLP_LIVE = 3  # gate_proj out, up_proj out, act(gate) * up; down_proj output reuses a freed one
 GDN_CHUNK = 64  # flash-linear-attention chunk size: one K x V state per chunk per value head
-FP32_BYTES = 4  # softmax / norms / losses upcast to float32
 # A mixture-of-experts layer (transformers' grouped_mm experts, integrations/moe.py) works on
 # tokens x experts_per_tok (token, expert) pairs. Per pair, the largest of: the gathered input (H),
 # gate_up out (2I) and the gate's I-wide temporaries; then the input, the gated I and the down
@@ -87,16 +88,6 @@ FP32_BYTES = 4  # softmax / norms / losses upcast to float32
 MOE_GATE_LIVE = 2
 CLAMPED_GLU_TYPES = {"gpt_oss": 5}
 MOE_ROUTER_BYTES = 2 * FP32_BYTES  # + the dtype's logits
-# Quantized weights as transformers holds them on a GPU that runs them:
-FP8_BYTES = 1  # float8_e4m3 weight, plus one float32 scale_inv per weight_block_size block
-MXFP4_BYTES = 0.5 + 1 / 32  # 4-bit values in uint8 pairs, one uint8 scale per 32 values
-# What an FP8 block-wise checkpoint (Qwen's, DeepSeek's) quantizes: every linear layer's weight
-# but the embeddings, the lm_head and the router; gpt-oss's MXFP4 quantizes the routed experts.
-FP8_GROUPS = ("attention", "linear_attention", "mlp", "shared_experts", "experts")
-MXFP4_GROUPS = ("experts",)
-EXPERT_COMPONENT = ("experts", "router")  # the plan's "experts" row; the rest is "weights"
-ROUTER_MIN_BYTES = FP32_BYTES  # DeepSeek-V3 / GLM-4.5 keep their router in float32
-
 # Drafter training (autograd saves activations; optimizer states are fp32).
 ADAM_BYTES_PER_PARAM = 16  # fp32 master weight 4 + fp32 grad 4 + AdamW exp_avg 4 + exp_avg_sq 4
 # optim.name muon: a matrix entry has fp32 weight 4 + grad 4 + Muon's momentum 4; the norms stay on
@@ -137,72 +128,8 @@ DSPARK_LOSS_BYTES_PER_LOGIT = 18
 
 
 # --------------------------------------------------------------------------------------------
-# Bytes
+# The target's layer choice and dtype
 # --------------------------------------------------------------------------------------------
-
-def dtype_bytes(dtype: Any) -> int:
-    """Bytes per element of "bfloat16" / "float16" / "float32" or a torch dtype."""
-    name = str(dtype).removeprefix("torch.")
-    if name not in DTYPE_BYTES:
-        raise ValueError(f"unsupported dtype {dtype!r}; choose one of {list(DTYPE_BYTES)}")
-    return DTYPE_BYTES[name]
-
-
-def quantization(hf_config: dict) -> dict:
-    """The checkpoint's ``quantization_config`` (top level, or in a nested text config); {} for
-    weights stored in a plain dtype."""
-    q = hf_config.get("quantization_config") or text_config(hf_config).get("quantization_config")
-    return q if isinstance(q, dict) else {}
-
-
-def quant_method(hf_config: dict) -> str | None:
-    return quantization(hf_config).get("quant_method") or None
-
-
-def target_weight_bytes(hf_config: dict, dtype: Any, quantized: bool = False) -> int:
-    """Bytes of the target's weights in ``dtype``; with ``quantized``, as its checkpoint holds
-    them (FP8 / MXFP4 kept as stored: transformers runs them on this device)."""
-    return sum(target_weight_parts(hf_config, dtype, quantized).values())
-
-
-def target_weight_parts(hf_config: dict, dtype: Any, quantized: bool = False) -> dict[str, int]:
-    """{"weights": bytes, "experts": bytes}: the routed experts and their router apart from the
-    rest (embeddings, attention, dense MLPs, shared experts, norms; a vision tower loaded with the
-    language model). See target_weight_bytes for ``quantized``."""
-    led = param_ledger(hf_config)
-    b = dtype_bytes(dtype)
-    method = quant_method(hf_config) if quantized else None
-    parts = {"weights": 0, "experts": 0}
-    for group, n in led.groups().items():
-        part = "experts" if group in EXPERT_COMPONENT else "weights"
-        if method == "fp8" and group in FP8_GROUPS:
-            parts[part] += _fp8_bytes(led, group, hf_config) + led.vectors[group] * b
-        elif method == "mxfp4" and group in MXFP4_GROUPS:
-            matrices = n - led.vectors[group]
-            parts[part] += math.ceil(matrices * MXFP4_BYTES) + led.vectors[group] * b
-        elif group == "router":
-            parts[part] += n * max(b, ROUTER_MIN_BYTES)
-        else:
-            parts[part] += n * b
-    return parts
-
-
-def _fp8_bytes(led: Ledger, group: str, hf_config: dict) -> int:
-    """A group's weight matrices in FP8 with one float32 scale per block (a per-tensor scale when
-    the config names no block size)."""
-    block = quantization(hf_config).get("weight_block_size") or None
-    total = 0
-    for rows, cols, copies in led.matrices[group]:
-        scales = math.ceil(rows / block[0]) * math.ceil(cols / block[1]) if block else 1
-        total += copies * (rows * cols * FP8_BYTES + scales * FP32_BYTES)
-    return total
-
-
-def full_logits_bytes(tokens: int, vocab: int, dtype: Any = "bfloat16") -> int:
-    """Full lm_head logits of a batch. HF's loss path (when labels are passed) also upcasts them
-    with ``logits.float()``: call again with "float32" for that extra copy."""
-    return tokens * vocab * dtype_bytes(dtype)
-
 
 def _last_layer(cfg: Config, s: ModelShape) -> int:
     if drafter_objective.is_dspark(cfg):

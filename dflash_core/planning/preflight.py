@@ -43,7 +43,8 @@ from dflash_core.persist.build_cache import Progress
 from dflash_core.persist.checkpoint_folders import list_checkpoints
 from dflash_core.persist.checksums import verify
 from dflash_core.planning.card_budget import card_budget, limit_bytes
-from dflash_core.planning.memory import fit_sizes, plan_memory, quant_method, target_weight_bytes
+from dflash_core.planning.memory import fit_sizes, plan_memory
+from dflash_core.planning.weight_bytes import quant_method, target_weight_bytes
 from dflash_core.planning.memory_report import format_overflow, format_plan
 from dflash_core.units import size_text
 

@@ -54,7 +54,7 @@ def test_each_target_class_trains_through_the_engine(tmp_path, data, name):
 
 
 def test_an_fp8_checkpoint_trains_on_the_cpu_and_the_log_says_it_is_dequantized(tmp_path, data):
-    from dflash_core.planning.memory import target_weight_bytes
+    from dflash_core.planning.weight_bytes import target_weight_bytes
 
     from .models.test_target_classes import fp8_checkpoint
 

@@ -8,10 +8,9 @@ import pytest
 import torch
 
 from dflash_core.config import config_from_dict
-from dflash_core.planning.memory import (
-    CUDA_CONTEXT, cuda_margin, fit_sizes, plan_memory, target_weight_bytes,
-)
+from dflash_core.planning.memory import CUDA_CONTEXT, cuda_margin, fit_sizes, plan_memory
 from dflash_core.planning.memory_report import format_plan
+from dflash_core.planning.weight_bytes import target_weight_bytes
 from dflash_core.units import GiB
 
 from ..models.test_model_shape import QWEN3_8B, QWEN36_27B

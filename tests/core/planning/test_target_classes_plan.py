@@ -16,9 +16,8 @@ from safetensors import safe_open
 from dflash_core.config import ConfigError, config_from_dict
 from dflash_core.planning import preflight
 from dflash_core.models.model_shape import param_count
-from dflash_core.planning.memory import (
-    MXFP4_BYTES, plan_memory, target_weight_bytes, target_weight_parts,
-)
+from dflash_core.planning.memory import plan_memory
+from dflash_core.planning.weight_bytes import MXFP4_BYTES, target_weight_bytes, target_weight_parts
 from dflash_core.planning.preflight import (
     check_target_code, choose_attention, quantized_weights,
 )
