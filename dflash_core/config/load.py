@@ -16,6 +16,7 @@ from typing import Any, Literal
 import yaml
 
 from dflash_core.config.errors import ConfigError
+from dflash_core.config.eval_sets import check_prompt_sets
 from dflash_core.config.schema import RANGES, Config, describe_range, key_value
 
 
@@ -116,6 +117,7 @@ def _check(cfg: Config) -> None:
     """Range and cross-field checks that types alone cannot express."""
     for key in RANGES:
         check_range(key, key_value(cfg, key))
+    check_prompt_sets(cfg.eval)
     if cfg.data.max_length > cfg.data.token_budget:
         raise ConfigError(
             "data.max_length",

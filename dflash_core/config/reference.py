@@ -6,6 +6,7 @@ docs/config.md is this module's output; after changing a key, write it again wit
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import sys
@@ -20,19 +21,40 @@ from dflash_core.config.schema import KeySpec, config_keys, describe_range
 def allowed(spec: KeySpec) -> str:
     """What a key takes, in words: its range, its choices or its kind of value."""
     if spec.range is not None:
-        return describe_range(spec.path)
+        return describe_range(spec.path, spec.range)
     if spec.unbounded:
         return spec.unbounded
-    tp = typing.get_type_hints(spec.section)[spec.path.split(".")[1]]
+    tp = typing.get_type_hints(spec.section)[spec.path.rsplit(".", 1)[1]]
     origin = typing.get_origin(tp)
     if origin is Literal:
         return " | ".join(typing.get_args(tp))
     if origin is list:
         item = typing.get_args(tp)[0]
+        if dataclasses.is_dataclass(item):
+            return "a list of mappings (keys below)"
         return {int: "a list of integers", float: "a list of numbers"}.get(item, "a list")
     if origin is dict:
         return "a mapping"
     return {bool: "true | false", str: "text"}.get(tp, getattr(tp, "__name__", str(tp)))
+
+
+def item_keys(spec: KeySpec) -> list[KeySpec]:
+    """The keys of each item of a list of mappings (eval.prompt_sets[].name, ...), documented
+    where their dataclass defines them; [] for any other key."""
+    tp = typing.get_type_hints(spec.section)[spec.path.rsplit(".", 1)[1]]
+    item = typing.get_args(tp)[0] if typing.get_origin(tp) is list else None
+    if item is None or not dataclasses.is_dataclass(item):
+        return []
+    return [KeySpec(f"{spec.path}[].{f.name}", item, f.default, f.metadata["doc"],
+                    f.metadata["range"], f.metadata["unbounded"])
+            for f in dataclasses.fields(item)]
+
+
+def all_keys():
+    """config_keys, each list of mappings followed by its items' keys."""
+    for spec in config_keys():
+        yield spec
+        yield from item_keys(spec)
 
 
 def default_text(value: Any) -> str:
@@ -71,7 +93,7 @@ def keys_markdown() -> str:
            "`python -m dflash_core.config.reference docs/config.md`; "
            "`tests/core/config/test_reference.py` fails when this file is behind.", ""]
     section = None
-    for spec in config_keys():
+    for spec in all_keys():
         name = spec.path.split(".")[0]
         if name != section:
             section = name

@@ -212,6 +212,23 @@ class CheckpointConfig:
 
 
 @dataclass
+class PromptSetConfig:
+    """One named prompt set of the run's evaluation (an item of eval.prompt_sets): a JSONL file of
+    prompts as `dflash-tui eval --prompts` reads it (docs/eval.md, "Prompt sets")."""
+    name: str = key("", """The set's name: in the log, on the dashboard, in the report and in
+        W&B (eval/<name>/tau); letters, digits, '.', '-', '_'.""")
+    path: str = key("", """The JSONL file (one object a line: OpenAI "messages", "prompt" or
+        "turns"; the first turn is evaluated), relative to the working directory.""")
+    thinking: Literal["template", "on", "off"] = key("template", """The chat template's
+        enable_thinking switch: "template" leaves it to the template's default; "on" / "off"
+        set it (a template without the switch is refused at preflight), as eval's --thinking.""")
+    prompts: int = key(16, """The file's first this many prompts are decoded (0 = all): the
+        evaluation's cost grows with it.""", ge=0)
+    max_new_tokens: int = key(0, """New tokens per prompt at most (a prompt also stops at the
+        target's end of turn); 0 = eval.max_new_tokens.""", ge=0)
+
+
+@dataclass
 class EvalConfig:
     """The exact-tau evaluation and its alarms (what each tau is and what each gap means:
     dflash_core/models/acceptance.py)."""
@@ -256,6 +273,20 @@ class EvalConfig:
         -1.17 .. +1.05 (3 seeds).""", gt=0)
     train_tau_steps: int = key(50, "Steps averaged into the training tau of eval.overfit_gap.",
                                gt=0)
+    prompt_sets: list[PromptSetConfig] = key([], """Named prompt sets decoded at each evaluation
+        (and the final one) after the held-out measures, so the tau curve of the run is the one
+        `dflash-tui eval` gives a user: each set's prompts rendered with the target's chat
+        template and decoded by exact greedy speculative decoding as the held-out prompts are
+        (eval.cache, the evaluation's attention), stopping at the target's end of turn; one
+        exact tau and accepted@k per set (no teacher-forced measures, no findings). Each item:
+        name, path, thinking (template | on | off), prompts (16; 0 = all), max_new_tokens (0 =
+        eval.max_new_tokens), as eval.prompt_sets[].* below. A missing file, a file without
+        prompts, a name given twice and thinking on/off with a template that has no switch are
+        refused at preflight. Each set adds about its prompts x new tokens / tau target forwards
+        to an evaluation (docs/eval.md, "The run's evaluation on prompt sets"). Example:
+        [{name: gsm8k, path: sets/gsm8k.jsonl, thinking: off}].""")
+    best_set: str = key("", """What checkpoints/best follows: "" = the exact tau on the held-out
+        prompts; a name of eval.prompt_sets = that set's exact tau.""")
 
 
 @dataclass
@@ -359,9 +390,10 @@ RANGES: dict[str, Range] = {k.path: k.range for k in config_keys() if k.range is
 UNBOUNDED: dict[str, str] = {k.path: k.unbounded for k in config_keys() if k.unbounded}
 
 
-def describe_range(key_path: str) -> str:
-    """The valid range of a numeric key in words: ">= 0", "> 0", "in (0, 1]"."""
-    lo, hi, lo_in, hi_in = RANGES[key_path]
+def describe_range(key_path: str, rng: Range | None = None) -> str:
+    """The valid range of a numeric key in words: ">= 0", "> 0", "in (0, 1]" (``rng``: a range
+    not in RANGES, a key of a list's items such as eval.prompt_sets[].prompts)."""
+    lo, hi, lo_in, hi_in = rng or RANGES[key_path]
     if hi is None:
         return f"{'>=' if lo_in else '>'} {lo}"
     return f"in {'[' if lo_in else '('}{lo}, {hi}{']' if hi_in else ')'}"
