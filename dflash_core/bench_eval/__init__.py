@@ -12,7 +12,8 @@ One module a job:
 - spec_decode.py: the decoding loop (speculative, or plain without a drafter);
 - results.py: results files per (set, decoder), continued when run again;
 - summary.py: tau, accepted@k, tokens/s, speedup, the lossless check;
-- table.py: the side-by-side table; runner.py: one evaluation from options to report.
+- table.py: the side-by-side table; runner.py: one evaluation from options to report;
+- run_sets.py: a training run's own evaluation on named sets (eval.prompt_sets).
 """
 
 from dflash_core.bench_eval.errors import EvalInputError

@@ -48,15 +48,19 @@ def has_switch(tokenizer) -> bool:
     return SWITCH in (getattr(tokenizer, "chat_template", None) or "")
 
 
-def template_kwargs(tokenizer, thinking: str | None, where: str = "the chat template") -> dict:
-    """The template's variables for ``--thinking``; refuses a switch the template lacks."""
+def template_kwargs(tokenizer, thinking: str | None, where: str = "the chat template",
+                    option: str = "--thinking") -> dict:
+    """The template's variables for ``--thinking`` (``option``: what the message calls the
+    switch asked for; "" for a run's prompt set, whose error names its config key); refuses a
+    switch the template lacks."""
     if thinking is None:
         return {}
+    asked = f"{option} {thinking}" if option else thinking
     if thinking not in THINKING:
-        raise EvalInputError(f"--thinking {thinking!r}: use on or off")
+        raise EvalInputError(f"{option} {thinking!r}: use on or off")
     if not has_switch(tokenizer):
         raise EvalInputError(
-            f"--thinking {thinking}: {where} has no thinking switch (no {SWITCH} variable)",
+            f"{asked}: {where} has no thinking switch (no {SWITCH} variable)",
             hint="leave --thinking out (the template renders as it always does), or pass "
                  "--chat-template FILE with a template that reads enable_thinking")
     return {SWITCH: thinking == "on"}
@@ -87,6 +91,30 @@ def render_set(tokenizer, pset: PromptSet, kwargs: dict) -> RenderedSet:
                                  hint="give it some text")
         out.append(ids)
     return RenderedSet(pset.name, tuple(out))
+
+
+def longest_past(pset: PromptSet, rendered: RenderedSet, new_tokens: int,
+                 positions: int | None) -> str:
+    """'' when every prompt of the set with ``new_tokens`` fits the target's ``positions``; else
+    the line naming the longest prompt that does not."""
+    ids = rendered.ids
+    if not positions or not ids:
+        return ""
+    j = max(range(len(ids)), key=lambda i: len(ids[i]))
+    if len(ids[j]) + new_tokens <= positions:
+        return ""
+    return (f"prompt set {pset.name}, prompt {pset.prompts[j].id}: {len(ids[j])} tokens and "
+            f"{new_tokens} new ones pass the target's {positions} positions")
+
+
+def generation_config(folder: Path):
+    """The target folder's generation_config.json (its end-of-turn ids), None when it has none."""
+    try:
+        from transformers import GenerationConfig
+
+        return GenerationConfig.from_pretrained(str(folder), local_files_only=True)
+    except (OSError, ValueError):
+        return None  # the folder has none: the tokenizer's and config's end ids stand
 
 
 def stop_ids(tokenizer, hf_config, generation_config=None) -> frozenset[int]:

@@ -24,7 +24,8 @@ import dflash_core.bench_eval.results as rs
 from dflash_core.bench_eval.errors import EvalInputError
 from dflash_core.bench_eval.prompt_sets import PromptSet, load_prompt_set, parse_spec
 from dflash_core.bench_eval.rendering import (
-    load_chat_tokenizer, render_set, stop_ids, template_kwargs, tokenizer_spec,
+    generation_config, load_chat_tokenizer, longest_past, render_set, stop_ids, template_kwargs,
+    tokenizer_spec,
 )
 from dflash_core.bench_eval.sampling import prompt_generator
 from dflash_core.bench_eval.spec_decode import DecodeSettings, decode_rows
@@ -201,7 +202,7 @@ class Evaluation:
                                  f"the chat template of {opts.tokenizer or opts.target}")
         self.rendered = {p.name: render_set(self.tokenizer, p, kwargs) for p in self.sets}
         self._check_lengths()
-        self.stop = stop_ids(self.tokenizer, self.target_config, self._generation_config())
+        self.stop = stop_ids(self.tokenizer, self.target_config, generation_config(self.folder))
         self.out = Path(opts.out).expanduser()
         self.settings = self._settings()
         plain = _Decoder("plain", [self.shape.num_layers - 1])
@@ -237,28 +238,15 @@ class Evaluation:
         except TargetLoadError as exc:
             raise EvalInputError(str(exc), hint=exc.hint) from exc
 
-    def _generation_config(self):
-        try:
-            from transformers import GenerationConfig
-
-            return GenerationConfig.from_pretrained(str(self.folder), local_files_only=True)
-        except (OSError, ValueError):
-            return None  # the folder has none: the tokenizer's and config's end ids stand
-
     def _check_lengths(self) -> None:
         from dflash_core.models.model_shape import text_config
 
         limit = getattr(text_config(self.target_config), "max_position_embeddings", None)
-        if not limit:
-            return
         for p in self.sets:
-            ids = self.rendered[p.name].ids
-            j = max(range(len(ids)), key=lambda i: len(ids[i]))
-            if len(ids[j]) + self.opts.max_new_tokens > limit:
-                raise EvalInputError(
-                    f"prompt set {p.name}, prompt {p.prompts[j].id}: {len(ids[j])} tokens and "
-                    f"{self.opts.max_new_tokens} new ones pass the target's {limit} positions",
-                    hint="lower --max-new-tokens, or leave the longest prompts out of the file")
+            past = longest_past(p, self.rendered[p.name], self.opts.max_new_tokens, limit)
+            if past:
+                raise EvalInputError(past, hint="lower --max-new-tokens, or leave the longest "
+                                                "prompts out of the file")
 
     def _settings(self) -> dict:
         from dflash_core.data.chat_render import fingerprints

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Collection, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -82,6 +82,14 @@ class EvalSummary:
     accepted: list[int] = field(default_factory=list)
 
 
+def _stop_set(eos_token_id) -> frozenset[int]:
+    if eos_token_id is None:
+        return frozenset()
+    if isinstance(eos_token_id, (list, tuple, set, frozenset)):
+        return frozenset(int(i) for i in eos_token_id)
+    return frozenset([int(eos_token_id)])
+
+
 def _as_ids(prompt_ids: Sequence[int] | torch.Tensor) -> list[int]:
     if isinstance(prompt_ids, torch.Tensor):
         return [int(t) for t in prompt_ids.reshape(-1).tolist()]
@@ -107,18 +115,21 @@ def _drafter_device(drafter) -> torch.device:
 def speculative_generate(target_fn: TargetFn, drafter: Drafter | None,
                          prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int,
                          layer_ids: Sequence[int] | None = None, block_size: int | None = None,
-                         *, eos_token_id: int | None = None, device="cpu") -> GenResult:
+                         *, eos_token_id: int | Collection[int] | None = None,
+                         device="cpu") -> GenResult:
     """Greedy speculative decoding of ``max_new_tokens`` after ``prompt_ids``.
 
     ``block_size`` defaults to the drafter's; a smaller one drafts fewer tokens per round; 1 is
     plain decoding (the drafter is never called; every round accepts 0). ``layer_ids``, when given,
     must be the layers the drafter was trained on (``target_fn`` must return their features).
-    Decoding stops after ``eos_token_id`` when given. ``device`` is where input ids are built for
+    Decoding stops after ``eos_token_id`` when given (one id, or several: a chat target's end
+    of turn and its end of text). ``device`` is where input ids are built for
     ``target_fn``.
     """
     ids = _as_ids(prompt_ids)
     if not ids:
         raise ValueError("the prompt must hold at least one token")
+    stops = _stop_set(eos_token_id)
     B = block_size or (drafter.block_size if drafter is not None else 1)
     if B < 1:
         raise ValueError(f"block_size must be >= 1, got {B}")
@@ -143,7 +154,7 @@ def speculative_generate(target_fn: TargetFn, drafter: Drafter | None,
     with_conf = (per_round > 0 and hasattr(drafter, "draft_with_confidence")
                  and getattr(drafter, "confidence_head", None) is not None)
 
-    while len(result.tokens) < max_new_tokens and ids[-1] != eos_token_id:
+    while len(result.tokens) < max_new_tokens and ids[-1] not in stops:
         left = max_new_tokens - len(result.tokens)
         S = len(ids) - 1  # position of the last accepted token; features exist for 0..S-1
         n_draft = min(per_round, left - 1)  # never draft past the end: the bonus token fills it
@@ -165,8 +176,10 @@ def speculative_generate(target_fn: TargetFn, drafter: Drafter | None,
         while accepted < len(drafted) and drafted[accepted] == int(preds[accepted]):
             accepted += 1
         new = drafted[:accepted] + [int(preds[accepted])]
-        if eos_token_id is not None and eos_token_id in new:
-            new = new[: new.index(eos_token_id) + 1]  # the target stops there: so do we
+        for k, t in enumerate(new):
+            if t in stops:  # the target stops there: so do we
+                new = new[:k + 1]
+                break
         ids.extend(new)
         result.tokens.extend(new)
         result.acceptance.append(len(new) - 1)
@@ -191,7 +204,8 @@ def plain_greedy(target_fn: TargetFn, prompt_ids: Sequence[int] | torch.Tensor, 
 def evaluate_tau(target_fn: TargetFn, drafter: Drafter | None,
                  prompts: Sequence[Sequence[int] | torch.Tensor], max_new_tokens: int,
                  layer_ids: Sequence[int] | None = None, block_size: int | None = None, *,
-                 eos_token_id: int | None = None, device="cpu") -> EvalSummary:
+                 eos_token_id: int | Collection[int] | None = None,
+                 device="cpu") -> EvalSummary:
     """Exact tau over held-out prompts: mean of (accepted + 1) over all rounds of all prompts."""
     B = block_size or (drafter.block_size if drafter is not None else 1)
     hist = [0] * (B + int(B > 1 and bool(getattr(drafter, "anchor_predicts", False))))

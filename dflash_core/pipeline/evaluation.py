@@ -1,16 +1,19 @@
 """The run's evaluation, owned in one place: the measures of acceptance (models/acceptance.py) on
 the held-out prompts with the first target and the first replica, the data/target agreement, the
-training tau of the recent steps, and the prompts themselves. The run says when; this measures,
-publishes, and gives back the exact tau (checkpoints/best is the checkpointer's)."""
+training tau of the recent steps, and the prompts themselves; then exact tau on each named prompt
+set of eval.prompt_sets (bench_eval/run_sets.py). The run says when; this measures, publishes,
+and gives back the exact tau checkpoints/best follows (eval.best_set; the checkpointer keeps
+it)."""
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from dflash_core.bench_eval.run_sets import RunSet, evaluate_set
 from dflash_core.config import EvalConfig
 from dflash_core.models import acceptance
 from dflash_core.models.agreement import label_agreement
@@ -28,11 +31,13 @@ from dflash_core.observe.events import EvalResult, Log
 class Evaluator:
     """Made at warm-up. ``dataset`` / ``eval_indices``: the run's data and its held-out split;
     ``max_length``: data.max_length (held-out samples are cut as training cuts them);
-    ``loss_chunk``: drafter.loss_chunk; ``seed``: run.seed (the agreement's sample)."""
+    ``loss_chunk``: drafter.loss_chunk; ``seed``: run.seed (the agreement's sample); ``sets``:
+    eval.prompt_sets as preflight rendered them (run_sets.RunSet)."""
 
     def __init__(self, cfg: EvalConfig, publish: Callable[[Any], None], *, dataset,
-                 eval_indices, layer_ids: list[int], max_length: int, loss_chunk: int, seed: int):
-        self.cfg, self.publish = cfg, publish
+                 eval_indices, layer_ids: list[int], max_length: int, loss_chunk: int, seed: int,
+                 sets: Sequence[RunSet] = ()):
+        self.cfg, self.publish, self.sets = cfg, publish, list(sets)
         self.dataset, self.eval_indices, self.layer_ids = dataset, eval_indices, layer_ids
         self.max_length, self.loss_chunk, self.seed = max_length, loss_chunk, seed
         # teacher-forced tau of the recent steps: an evaluation's training tau (d) is their mean
@@ -49,15 +54,31 @@ class Evaluator:
         self.recent_tau_tf.append(tau_tf)
 
     def evaluate(self, step: int, drafter, target) -> float | None:
+        """The held-out measures (``_heldout``), then exact tau on each prompt set. Returns the
+        exact tau checkpoints/best follows: the held-out one, or eval.best_set's (None: nothing
+        to evaluate, or this step was)."""
+        if self.evaluated_step == step:  # the last periodic evaluation was this step
+            return None
+        taus = {}
+        if len(self.eval_indices):
+            taus[""] = self._heldout(step, drafter, target)
+        if self.sets:
+            target_fn = target_fn_for(target, self.layer_ids, cache=self.cfg.cache)
+            with evaluation_attention(drafter):
+                for s in self.sets:  # after the held-out line: its findings come first
+                    res = evaluate_set(s, step, target_fn, drafter, self.layer_ids)
+                    self.publish(res)
+                    taus[s.name] = res.tau
+        if taus:
+            self.evaluated_step = step
+        return taus.get(self.cfg.best_set)
+
+    def _heldout(self, step: int, drafter, target) -> float:
         """The measures of acceptance: exact tau on the held-out prompts, teacher-forced tau on
         the target's own decoding of them and on the held-out samples, the training tau of the
         recent steps, and at the first evaluation the data/target agreement; then each finding's
-        message. Returns the exact tau (None: nothing to evaluate, or this step was)."""
+        message. Returns the exact tau."""
         cfg = self.cfg
-        if not len(self.eval_indices):
-            return None
-        if self.evaluated_step == step:  # the last periodic evaluation was this step
-            return None
         t0 = time.monotonic()
         prompts = eval_prompts(self.dataset, self.eval_indices, cfg.prompt_tokens)
         # (c) scores as many response tokens as (a) decodes, on the data's own labels
@@ -85,7 +106,6 @@ class Evaluator:
             tau_tf_train=train, agreement=share, agreement_positions=total,
             findings=[f.kind for f in found], seconds=time.monotonic() - t0,
             calibration=cal.as_dict() if cal is not None else {}))
-        self.evaluated_step = step
         for f in found:
             self.publish(Log(level=f.level, source="eval", message=f.message))
         return res.tau

@@ -2,7 +2,8 @@
 
 Devices, disk space, wandb settings against the installed wandb, the target folder (its own code,
 its layer ids and mask id, the attention implementation its class can run, its quantized weights
-against the devices), the data shards and their batch plan, and the memory plan per GPU. Any
+against the devices), the evaluation's prompt sets (eval.prompt_sets: files, chat template), the
+data shards and their batch plan, and the memory plan per GPU. Any
 problem is a ConfigError / DataError naming the key or file and the fix, raised before a single
 weight loads.
 """
@@ -24,6 +25,7 @@ import torch
 from transformers import AutoTokenizer
 
 from dflash_core import demo
+from dflash_core.bench_eval.run_sets import prepare_sets
 from dflash_core.config import Config, ConfigError, key_value, set_key_value
 from dflash_core.data import BatchStream, ShardedDataset, split_eval
 from dflash_core.data.byte_vocab import byte_tokenizer
@@ -90,6 +92,7 @@ class Prepared:
     total_steps: int
     fitted: dict = field(default_factory=dict)  # sizes layout.auto_fit lowered {key: new value}
     epoch_steps: int = 0  # the steps optim.epochs make; total_steps is less when max_steps is
+    eval_sets: list = field(default_factory=list)  # eval.prompt_sets rendered (run_sets.RunSet)
 
 
 def prepare(cfg: Config, run_dir: Path, tdev: list[torch.device], ddev: list[torch.device], *,
@@ -112,6 +115,9 @@ def prepare(cfg: Config, run_dir: Path, tdev: list[torch.device], ddev: list[tor
 
     target_path, hf_config, layer_ids, mask_id = resolve_target(cfg, run_dir, demo_progress,
                                                                 say=warn)
+    # the evaluating process's prompt sets: their files and the chat template, before weights
+    eval_sets = prepare_sets(cfg.eval, target_path, cfg.target.path,
+                             cfg.target.trust_remote_code) if checkpoints else []
     kept, said = quantized_weights(cfg, hf_config, tdev)
     if said:
         publish(Log(level="info" if kept else "warning", source="preflight", message=said))
@@ -136,7 +142,8 @@ def prepare(cfg: Config, run_dir: Path, tdev: list[torch.device], ddev: list[tor
     if checkpoints:
         check_checkpoint_disk(cfg, hf_config, run_dir, total_steps, publish)
     return Prepared(target_path, layer_ids, mask_id, dataset, eval_indices, stream, total_steps,
-                    fitted, epoch_steps_for(cfg.optim, stream.batches_per_epoch, world))
+                    fitted, epoch_steps_for(cfg.optim, stream.batches_per_epoch, world),
+                    eval_sets)
 
 
 def check_checkpoint_disk(cfg: Config, hf_config: dict, run_dir: Path, total_steps: int,
@@ -149,7 +156,7 @@ def check_checkpoint_disk(cfg: Config, hf_config: dict, run_dir: Path, total_ste
                                     cfg.optim.name, size_of.frozen_count(cfg, hf_config))
     planned = size_of.planned_checkpoints(cfg.checkpoint.every, total_steps)
     existing = len(list_checkpoints(run_dir))
-    best = bool(cfg.eval.every and cfg.data.eval_prompts)
+    best = bool(cfg.eval.every and (cfg.data.eval_prompts or cfg.eval.best_set))
     need = size_of.disk_need(size, cfg.checkpoint.keep, planned, existing, best)
     free = shutil.disk_usage(run_dir).free
     said = f"{need.describe()}; {size_text(free)} free under {run_dir}"
