@@ -147,3 +147,22 @@ class CannedServer:
 
     def __exit__(self, *exc) -> None:
         self._close()
+
+
+def convs(tmp_path, n: int, extra=()):
+    """A JSONL of ``n`` one-turn conversations (ids c0..), plus ``extra`` rows, to regenerate."""
+    rows = [{"id": f"c{k}", "messages": [{"role": "user", "content": f"question {k}"},
+                                         {"role": "assistant", "content": "old"}]}
+            for k in range(n)] + list(extra)
+    path = tmp_path / "convs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def quick_opts(src, out, url, **kw):
+    """regenerate's options against a canned server: one worker, no retries or back-off waits,
+    no progress line; ``kw`` overrides."""
+    from dflash_core.data.regen_options import RegenOptions
+    base = dict(concurrency=1, timeout_s=10, backoff_s=0.0, retries=0, progress=False)
+    base.update(kw)
+    return RegenOptions(src, out, [url], **base)

@@ -9,27 +9,11 @@ import re
 
 import pytest
 
-from dflash_core.data.regen_options import RegenOptions
 from dflash_core.data.regen_parts import DAMAGED, MERGED, PARTS, STATE
 from dflash_core.data.regenerate import regenerate
 from dflash_core.data.shards import DataError
 
-from tests.core.data.canned_server import CannedServer
-
-
-def _src(tmp_path, n=5, extra=()):
-    rows = [{"id": f"c{k}", "messages": [{"role": "user", "content": f"question {k}"},
-                                         {"role": "assistant", "content": "old"}]}
-            for k in range(n)] + list(extra)
-    path = tmp_path / "convs.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
-def _opts(src, out, url, **kw):
-    base = dict(concurrency=1, timeout_s=10, backoff_s=0.0, retries=0, progress=False)
-    base.update(kw)
-    return RegenOptions(src, out, [url], **base)
+from tests.core.data.canned_server import CannedServer, convs, quick_opts
 
 
 def _merged(out):
@@ -37,9 +21,9 @@ def _merged(out):
 
 
 def test_a_damaged_line_in_the_middle_of_a_part_is_set_aside_and_its_sample_redone(tmp_path):
-    src, out = _src(tmp_path), tmp_path / "regen"
+    src, out = convs(tmp_path, 5), tmp_path / "regen"
     with CannedServer() as srv:
-        assert regenerate(_opts(src, out, srv.url))["finished"]
+        assert regenerate(quick_opts(src, out, srv.url))["finished"]
         part = next((out / PARTS).glob("*.jsonl"))
         lines = part.read_bytes().split(b"\n")
         # a control character in a string (the issue's JSONDecodeError) and a byte not UTF-8
@@ -48,7 +32,7 @@ def test_a_damaged_line_in_the_middle_of_a_part_is_set_aside_and_its_sample_redo
         part.write_bytes(b"\n".join(lines))
         ids = [json.loads(lines[k])["id"] for k in (0, 2, 4)]
         before = srv.requests
-        s = regenerate(_opts(src, out, srv.url))
+        s = regenerate(quick_opts(src, out, srv.url))
         assert s["finished"] and s["counts"]["damaged_lines"] == 2
         # only the damaged lines' samples asked again (and the probe, one request first)
         assert srv.requests - before == 3
@@ -62,14 +46,14 @@ def test_a_damaged_line_in_the_middle_of_a_part_is_set_aside_and_its_sample_redo
         assert all(r["messages"][1]["content"] == f"question {k}"[::-1]
                    for k, r in enumerate(rows))
         assert all(i in {r["id"] for r in rows} for i in ids)
-        again = regenerate(_opts(src, out, srv.url))  # repaired for good; nothing to ask
+        again = regenerate(quick_opts(src, out, srv.url))  # repaired for good; nothing to ask
         assert again["counts"]["damaged_lines"] == 0 and srv.requests - before == 3
 
 
 def test_the_verb_reports_the_repair_in_one_line_and_exits_0(tmp_path, capsys):
     from dflash_tui.cli import main
 
-    src, out = _src(tmp_path, n=3), tmp_path / "regen"
+    src, out = convs(tmp_path, n=3), tmp_path / "regen"
     with CannedServer() as srv:
         argv = ["data", "regenerate", str(src), "--out", str(out), "--endpoint", srv.url,
                 "--quiet"]
@@ -98,14 +82,14 @@ BAD_ANSWERS = {
 
 
 def test_answers_that_cannot_be_used_are_counted_with_an_example_and_retried(tmp_path):
-    src = _src(tmp_path, n=len(BAD_ANSWERS))
+    src = convs(tmp_path, n=len(BAD_ANSWERS))
     with CannedServer([None, *BAD_ANSWERS.values()]) as srv:  # the probe's answer is good
-        s = regenerate(_opts(src, tmp_path / "a", srv.url, retries=0))
+        s = regenerate(quick_opts(src, tmp_path / "a", srv.url, retries=0))
         assert not s["finished"]
         assert s["counts"]["failed"] == {"bad_response": len(BAD_ANSWERS)}
         assert s["examples"]["bad_response"].startswith("c")  # the sample id, then why
         assert not (tmp_path / "a" / MERGED).exists()
-        s = regenerate(_opts(src, tmp_path / "a", srv.url))  # the server is sane again
+        s = regenerate(quick_opts(src, tmp_path / "a", srv.url))  # the server is sane again
     assert s["finished"] and len(_merged(tmp_path / "a")) == len(BAD_ANSWERS)
 
 
@@ -114,7 +98,7 @@ def test_usage_of_the_wrong_type_is_not_an_error(tmp_path):
                                            "finish_reason": 7}],
            "usage": {"prompt_tokens": "many", "completion_tokens": None}}
     with CannedServer([odd, odd]) as srv:  # the probe's, then the sample's
-        s = regenerate(_opts(_src(tmp_path, n=1), tmp_path / "a", srv.url))
+        s = regenerate(quick_opts(convs(tmp_path, n=1), tmp_path / "a", srv.url))
     assert s["finished"] and _merged(tmp_path / "a")[0]["messages"][1]["content"] == "fine"
 
 
@@ -122,7 +106,7 @@ def test_the_verb_names_the_failed_samples_and_exits_1(tmp_path, capsys):
     from dflash_tui.cli import main
 
     with CannedServer([None, {"choices": []}, {"choices": []}]) as srv:
-        code = main(["data", "regenerate", str(_src(tmp_path, n=2)), "--out",
+        code = main(["data", "regenerate", str(convs(tmp_path, n=2)), "--out",
                      str(tmp_path / "a"), "--endpoint", srv.url, "--retries", "0", "--quiet"])
     out, err = capsys.readouterr()
     assert code == 1 and "Traceback" not in out + err
@@ -132,7 +116,7 @@ def test_the_verb_names_the_failed_samples_and_exits_1(tmp_path, capsys):
 def test_an_unreadable_settings_file_is_refused_in_one_line(tmp_path, capsys):
     from dflash_tui.cli import main
 
-    src, out = _src(tmp_path, n=1), tmp_path / "regen"
+    src, out = convs(tmp_path, n=1), tmp_path / "regen"
     with CannedServer() as srv:
         argv = ["data", "regenerate", str(src), "--out", str(out), "--endpoint", srv.url,
                 "--quiet"]
@@ -145,16 +129,16 @@ def test_an_unreadable_settings_file_is_refused_in_one_line(tmp_path, capsys):
 
 
 def test_an_output_that_is_or_holds_its_input_is_refused_before_asking(tmp_path):
-    src = _src(tmp_path, n=1)
+    src = convs(tmp_path, n=1)
     with CannedServer() as srv:
         for out, words in ((tmp_path, "holds the conversations source"),
                            (src, "is the conversations source itself")):
             with pytest.raises(DataError, match=words):
-                regenerate(_opts(src, out, srv.url))
+                regenerate(quick_opts(src, out, srv.url))
         (tmp_path / "mine").mkdir()
         (tmp_path / "mine" / "notes.txt").write_text("keep")
         with pytest.raises(DataError, match="no data verb wrote .*notes.txt"):
-            regenerate(_opts(src, tmp_path / "mine", srv.url))
+            regenerate(quick_opts(src, tmp_path / "mine", srv.url))
         assert srv.requests == 0
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep"
 
@@ -171,9 +155,9 @@ def test_a_row_whose_prompt_cannot_be_rendered_is_left_out_and_counted(tmp_path)
         return {"model": "canned", "choices": [{"text": "ok", "finish_reason": "stop"}]}
 
     with CannedServer(answer=complete) as srv:
-        s = regenerate(_opts(_src(tmp_path, n=2, extra=[bad]), tmp_path / "a", srv.url,
-                             api="completions", tokenizer="builtin:tiny",
-                             chat_template=template))
+        s = regenerate(quick_opts(convs(tmp_path, n=2, extra=[bad]), tmp_path / "a", srv.url,
+                                  api="completions", tokenizer="builtin:tiny",
+                                  chat_template=template))
     assert s["finished"] and s["counts"]["left_out"] == {"template_error": 1}
     assert s["examples"]["template_error"].startswith("boom: ")
     assert [r["id"] for r in _merged(tmp_path / "a")] == ["c0", "c1"]
@@ -181,17 +165,17 @@ def test_a_row_whose_prompt_cannot_be_rendered_is_left_out_and_counted(tmp_path)
 
 def test_bad_numbers_given_to_the_function_are_refused_together(tmp_path):
     with pytest.raises(DataError) as e:
-        regenerate(_opts(_src(tmp_path, n=1), tmp_path / "a", "http://127.0.0.1:9",
-                         concurrency=0, timeout_s=float("nan"), limit=-1))
+        regenerate(quick_opts(convs(tmp_path, n=1), tmp_path / "a", "http://127.0.0.1:9",
+                              concurrency=0, timeout_s=float("nan"), limit=-1))
     msg = str(e.value)
     assert "concurrency must be >= 1" in msg and "timeout_s" in msg and "limit" in msg
 
 
 def test_an_endpoint_that_is_not_a_url_is_one_line(tmp_path):
     with pytest.raises(DataError, match="is not a URL"):
-        regenerate(_opts(_src(tmp_path, n=1), tmp_path / "a", "http://[::1"))
+        regenerate(quick_opts(convs(tmp_path, n=1), tmp_path / "a", "http://[::1"))
     with pytest.raises(DataError, match="is not a URL"):
-        regenerate(_opts(_src(tmp_path, n=1), tmp_path / "a", "http://host:99999"))
+        regenerate(quick_opts(convs(tmp_path, n=1), tmp_path / "a", "http://host:99999"))
 
 
 @pytest.mark.parametrize("models,words", [
@@ -204,8 +188,8 @@ def test_an_endpoint_that_is_not_a_url_is_one_line(tmp_path):
 def test_a_models_answer_that_cannot_be_used_is_one_line(tmp_path, models, words):
     with CannedServer(models=models) as srv:
         with pytest.raises(DataError, match=re.escape(words)) as e:
-            regenerate(_opts(_src(tmp_path, n=1), tmp_path / "a", srv.url,
-                             model="canned" if "serves" in words else None))
+            regenerate(quick_opts(convs(tmp_path, n=1), tmp_path / "a", srv.url,
+                                  model="canned" if "serves" in words else None))
         assert srv.requests == 0
     assert e.value.hint and not (tmp_path / "a").exists()
 
@@ -213,10 +197,10 @@ def test_a_models_answer_that_cannot_be_used_is_one_line(tmp_path, models, words
 def test_a_second_regenerate_of_one_folder_is_refused_naming_the_first(tmp_path):
     from dflash_core.data.lock import OutputBusy, OutputLock
 
-    src, out = _src(tmp_path, n=2), tmp_path / "regen"
+    src, out = convs(tmp_path, n=2), tmp_path / "regen"
     with CannedServer() as srv:
         with OutputLock(out, "regenerate"):  # the first, still asking
             with pytest.raises(OutputBusy, match="another process is writing this folder "
                                                  r"\(data regenerate, pid"):
-                regenerate(_opts(src, out, srv.url))
-        assert regenerate(_opts(src, out, srv.url))["finished"]
+                regenerate(quick_opts(src, out, srv.url))
+        assert regenerate(quick_opts(src, out, srv.url))["finished"]

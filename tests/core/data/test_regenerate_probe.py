@@ -14,27 +14,13 @@ import pytest
 from dflash_core.data import regen_job
 from dflash_core.data.endpoint import Endpoint, RequestFailed, refusal_fix
 from dflash_core.data.regen_errors import ServerRefuses
-from dflash_core.data.regen_options import RegenOptions
 from dflash_core.data.regen_parts import MERGED
 from dflash_core.data.regenerate import regenerate
 from dflash_core.data.shards import DataError
 
-from tests.core.data.canned_server import CannedServer, Reply, echo, strict_fields
-
-
-def _src(tmp_path, n=4):
-    rows = [{"id": f"c{k}", "messages": [{"role": "user", "content": f"question {k}"},
-                                         {"role": "assistant", "content": "old"}]}
-            for k in range(n)]
-    path = tmp_path / "convs.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
-def _opts(src, out, url, **kw):
-    base = dict(concurrency=1, timeout_s=10, backoff_s=0.0, retries=0, progress=False)
-    base.update(kw)
-    return RegenOptions(src, out, [url], **base)
+from tests.core.data.canned_server import (
+    CannedServer, Reply, convs, quick_opts, echo, strict_fields,
+)
 
 
 def with_ids(body):
@@ -45,7 +31,7 @@ def with_ids(body):
 
 def test_the_probe_says_in_one_line_that_the_server_returns_token_ids(tmp_path, capsys):
     with CannedServer(answer=with_ids) as srv:
-        s = regenerate(_opts(_src(tmp_path), tmp_path / "a", srv.url))
+        s = regenerate(quick_opts(convs(tmp_path, 4), tmp_path / "a", srv.url))
         assert srv.requests == 5 and srv.bodies[0]["max_tokens"] == regen_job.PROBE_TOKENS
     assert s["finished"] and s["probe"]["answers"] == "token_ids"
     assert s["counts"]["turns_with_server_ids"] == 4
@@ -56,7 +42,7 @@ def test_the_probe_says_in_one_line_that_the_server_returns_token_ids(tmp_path, 
 
 def test_a_server_that_refuses_return_token_ids_is_asked_for_text(tmp_path, capsys):
     with CannedServer(answer=strict_fields()) as srv:
-        s = regenerate(_opts(_src(tmp_path), tmp_path / "a", srv.url))
+        s = regenerate(quick_opts(convs(tmp_path, 4), tmp_path / "a", srv.url))
         # the probe with the field (refused), without it, then the 4 samples without it
         assert srv.requests == 6
         assert [("return_token_ids" in b) for b in srv.bodies] == [True] + [False] * 5
@@ -77,10 +63,10 @@ def test_token_id_prompts_refused_stop_at_the_probe_with_the_fix(tmp_path, capsy
             return Reply(400, {"detail": "prompt must be a string."})
         return {"choices": [{"text": "ok", "finish_reason": "stop"}]}
 
-    src, out = _src(tmp_path, n=10), tmp_path / "a"
+    src, out = convs(tmp_path, n=10), tmp_path / "a"
     with CannedServer(answer=text_prompts_only) as srv:
         with pytest.raises(ServerRefuses) as e:
-            regenerate(_opts(src, out, srv.url, api="completions", tokenizer="builtin:tiny"))
+            regenerate(quick_opts(src, out, srv.url, api="completions", tokenizer="builtin:tiny"))
         assert srv.requests == 2  # the probe, and again without return_token_ids
         assert "prompt must be a string." in str(e.value) and "--api chat" in e.value.hint
         code = main(["data", "regenerate", str(src), "--out", str(out), "--endpoint", srv.url,
@@ -105,23 +91,23 @@ def test_a_run_of_identical_refusals_stops_the_rest(tmp_path):
         with pytest.raises(ServerRefuses, match=r"refused 5 requests in a row with the same "
                                                 r"answer \(http_400: this request is not "
                                                 r"allowed\); the other samples were not sent"):
-            regenerate(_opts(_src(tmp_path, n=40), tmp_path / "a", srv.url))
+            regenerate(quick_opts(convs(tmp_path, n=40), tmp_path / "a", srv.url))
         assert srv.requests == 1 + regen_job.REFUSALS_IN_A_ROW  # not 40
 
 
 def test_a_folder_where_nothing_was_generated_takes_new_settings(tmp_path, capsys):
-    src, out = _src(tmp_path), tmp_path / "a"
+    src, out = convs(tmp_path, 4), tmp_path / "a"
     with CannedServer(answer=lambda b: Reply(404, {"detail": "Not Found"})) as srv:
         with pytest.raises(ServerRefuses) as e:
-            regenerate(_opts(src, out, srv.url))
+            regenerate(quick_opts(src, out, srv.url))
     assert "use --api completions" in e.value.hint
     with CannedServer() as srv:
-        s = regenerate(_opts(src, out, srv.url, max_tokens=64, token_ids=False))
+        s = regenerate(quick_opts(src, out, srv.url, max_tokens=64, token_ids=False))
         assert s["finished"]
         assert ("nothing was generated in this folder yet: it takes the new settings "
                 "(max_tokens 2048 -> 64)") in capsys.readouterr().err
         with pytest.raises(DataError, match="other settings: max_tokens 64"):  # now it binds
-            regenerate(_opts(src, out, srv.url, max_tokens=32))
+            regenerate(quick_opts(src, out, srv.url, max_tokens=32))
 
 
 @pytest.mark.parametrize("status,words,fix", [
@@ -181,8 +167,8 @@ def test_an_endpoint_that_goes_down_is_waited_for_without_spending_retries(
 
     monkeypatch.setattr(regen_job, "_Progress", Recording)
     with CannedServer(delay_s=0.02, keep_alive=keep_alive) as srv:
-        t, box = _run_in_thread(_opts(_src(tmp_path, n=30), tmp_path / "a", srv.url,
-                                      concurrency=2, retries=0, backoff_s=0.05, progress=True))
+        t, box = _run_in_thread(quick_opts(convs(tmp_path, n=30), tmp_path / "a", srv.url,
+                                           concurrency=2, retries=0, backoff_s=0.05, progress=True))
         _wait_for(lambda: srv.requests >= 6)
         srv.go_down()  # connections refused: a server killed, restarting
         _wait_for(lambda: any("waiting for 127.0.0.1" in x for x in lines))
@@ -207,8 +193,8 @@ def test_an_endpoint_that_goes_down_is_waited_for_without_spending_retries(
 
 def test_an_endpoint_down_past_the_wait_leaves_its_samples_for_the_next_run(tmp_path):
     with CannedServer(delay_s=0.02) as srv:
-        t, box = _run_in_thread(_opts(_src(tmp_path, n=30), tmp_path / "a", srv.url,
-                                      retries=3, backoff_s=0.05, down_wait_s=0.5))
+        t, box = _run_in_thread(quick_opts(convs(tmp_path, n=30), tmp_path / "a", srv.url,
+                                           retries=3, backoff_s=0.05, down_wait_s=0.5))
         _wait_for(lambda: srv.requests >= 4)
         srv.go_down()
         t.join(30)
@@ -220,7 +206,7 @@ def test_an_endpoint_down_past_the_wait_leaves_its_samples_for_the_next_run(tmp_
         assert failed["endpoint_down"] + s["counts"]["done_now"] == 30
         assert "did not answer for 0.5 s" in s["examples"]["endpoint_down"]
         srv.come_back()
-        again = regenerate(_opts(_src(tmp_path, n=30), tmp_path / "a", srv.url))
+        again = regenerate(quick_opts(convs(tmp_path, n=30), tmp_path / "a", srv.url))
     assert again["finished"] and again["counts"]["resumed"] == s["counts"]["done_now"]
 
 
@@ -258,8 +244,8 @@ def test_a_server_that_strips_leading_whitespace_is_measured_with_the_target(
     shares = {}
     for strip in (False, True):
         with CannedServer(answer=serve(strip)) as srv:
-            s = regenerate(_opts(src, tmp_path / f"out-{strip}", srv.url, max_tokens=12,
-                                 target=model, tokenizer="builtin:tiny"))
+            s = regenerate(quick_opts(src, tmp_path / f"out-{strip}", srv.url, max_tokens=12,
+                                      target=model, tokenizer="builtin:tiny"))
         assert s["finished"] and s["probe"]["answers"] == "text"
         shares[strip] = s["probe"]["round_trip"]
     assert shares[False]["agree"] == shares[False]["positions"] > 5  # the text is the target's
