@@ -19,6 +19,7 @@ from dflash_core.models import dspark_format
 from dflash_core.models.target import LoadAborted
 from dflash_core.models.trainer import DrafterReplica, RateMeter, StepBarrier, reduce_and_step
 from dflash_core.multinode.node_link import NodeLink
+from dflash_core.observe.device_hours import RECORD_KEY
 from dflash_core.observe.errors import error_event
 from dflash_core.observe.events import (
     WORKER_FAILED, WORKER_STOPPED, Error, Log, StepMetrics, WorkerStatus,
@@ -28,8 +29,10 @@ from dflash_core.observe.watchdog import Heartbeats
 from dflash_core.persist import checkpoint as ckpt
 from dflash_core.persist.data_identity import of_dataset
 from dflash_core.persist.data_position import DataPosition
+from dflash_core.persist.hours_ledger import write_held
 from dflash_core.pipeline.checkpointing import Checkpointer
 from dflash_core.pipeline.evaluation import Evaluator
+from dflash_core.pipeline.hours_meter import HoursMeter
 from dflash_core.pipeline.hs_queue import HiddenStateQueue
 from dflash_core.pipeline.lifecycle import Lifecycle
 from dflash_core.pipeline.target_stage import TargetStage
@@ -58,6 +61,7 @@ class Run:
     drafter_devices: list[torch.device] = field(default_factory=list)
     prep: Prepared | None = None
     resume: ckpt.LoadedCheckpoint | None = None
+    hours: HoursMeter | None = None  # the device time it holds, from its announcement on
 
     # loading and training
     threads: list[threading.Thread] = field(default_factory=list)
@@ -81,6 +85,7 @@ class Run:
     peer_failed: bool = False
     resume_t0: float | None = None  # when --resume began reading, until the first step
     _data_id: dict | None = None
+    _ledger_failed: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -146,6 +151,32 @@ class Run:
             self.publish(WorkerStatus(worker=source, role=role, device=device,
                                       status=last or WORKER_STOPPED, detail=detail))
 
+    # -- its device time (hours_meter.py) --------------------------------------------------------
+    def publish_hours(self, reason: str = "periodic") -> None:
+        """The device time held so far as a DeviceHours event; the records' writer also keeps
+        the run folder's total (persist/hours_ledger.py)."""
+        meter = self.hours
+        if meter is None:
+            return
+        e = meter.event(self.step, reason)
+        self.publish(e)
+        if not self.writes_records or self.config is None or self._ledger_failed:
+            return
+        try:  # what the run folder's segments held: this figure and what it leaves out
+            write_held(self.config.run_dir, e.gpu_hours + e.lost_gpu, e.host_hours + e.lost_host,
+                       step=self.step)
+        except OSError as exc:  # the figures still go to the events and the checkpoints
+            self._ledger_failed = True
+            self.publish(Log(level="warning", source="engine", message=(
+                f"device time: cannot write {self.config.run_dir}/device_hours.json ({exc}); "
+                "the checkpoints and events still record it, but the time a crash loses after "
+                "the last checkpoint will not be known")))
+
+    def hours_tick(self) -> None:
+        """A periodic DeviceHours event when one is due (called from the engine's waits)."""
+        if self.hours is not None and self.hours.due():
+            self.publish_hours()
+
     # -- at each optimizer step (runs in the last drafter thread to reach the barrier) ---------
     def step_once(self) -> None:
         link = self.link
@@ -210,6 +241,7 @@ class Run:
         if (not self.writes_records or not self.replicas or target is None
                 or self.evaluator is None):
             return
+        self.publish_hours("eval")  # the report's tau against GPU-hours takes this figure
         tau = self.evaluator.evaluate(self.step, self.replicas[0].drafter, target)
         if tau is not None:
             self.checkpointer.keep_best(self.step, tau)
@@ -245,7 +277,10 @@ class Run:
                            **({"balance": self.prep.stream.balance} if self.prep is not None
                               else {}),
                            # the data "done" refers to (absent: written before it was recorded)
-                           **({"data": self.data_identity()} if self.prep is not None else {})})
+                           **({"data": self.data_identity()} if self.prep is not None else {}),
+                           # the device time that led to these weights (hours_meter.py)
+                           **({RECORD_KEY: self.hours.figure().record()}
+                              if self.hours is not None else {})})
 
     def release(self) -> None:
         """Drop the run's models, queues and buffers (teardown, after every worker ended)."""

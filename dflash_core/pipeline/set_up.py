@@ -17,15 +17,18 @@ from dflash_core.config import Config, ConfigError, NodesConfig, save_config
 from dflash_core.multinode.node_link import NodeLink
 from dflash_core.multinode.nodes import NodeFailure, NodeGroup, node_dir_name
 from dflash_core.observe.bus import EventBus
+from dflash_core.observe.device_hours import RECORD_KEY, Figure, figure_text
 from dflash_core.observe.events import Log, RunStarted
 from dflash_core.observe.sinks.run_sinks import RunSinks
 from dflash_core.observe.watchdog import Watchdog
+from dflash_core.persist.hours_ledger import read_held
 from dflash_core.persist.resume import (
     check_resume_data, check_resume_nodes, check_resume_optimizer, expected_drafter_config,
     load_for_resume,
 )
 from dflash_core.persist.run_folder import refuse_if_used
 from dflash_core.pipeline.checkpointing import check_checkpoints_writable
+from dflash_core.pipeline.hours_meter import HoursMeter
 from dflash_core.pipeline.run import Run
 from dflash_core.pipeline.workers import Stopped
 from dflash_core.planning.allocator import AllocatorSetting
@@ -134,6 +137,12 @@ class SetUp:
         """Resolve the devices and publish RunStarted (and the allocator's settings on CUDA)."""
         run = self.run
         run.target_devices, run.drafter_devices = resolve_devices(cfg)
+        # From here on the run holds its devices: their time counts from the run's start.
+        run.hours = HoursMeter(run.target_devices, run.drafter_devices,
+                               started_at=run.started_at,
+                               nodes=self.nodes.world if self.nodes is not None else 1,
+                               price=cfg.cost.gpu_hour_price, currency=cfg.cost.currency,
+                               held_before=read_held(cfg.run_dir))
         cuda = any(d.type == "cuda" for d in run.target_devices + run.drafter_devices)
         self.bus.publish(RunStarted(
             run_name=cfg.run.name, run_dir=str(records_dir(cfg, self.nodes)),
@@ -178,6 +187,26 @@ class SetUp:
                               self.bus.publish)
             self.bus.publish(Log(level="info", source="engine", message=(
                 f"resuming from {run.resume.path} (step {run.resume.step})")))
+        self._resume_hours()
+
+    def _resume_hours(self) -> None:
+        """The device time goes on from the resumed checkpoint's figure (hours_meter.py)."""
+        run, meter = self.run, self.run.hours
+        if meter is None:
+            return
+        loaded = run.resume
+        if loaded is not None and not meter.resume_from(loaded.trainer_state.get(RECORD_KEY),
+                                                        loaded.step):
+            self.bus.publish(Log(level="info", source="engine", message=(
+                f"resume: {loaded.path} records no device time (written before checkpoints "
+                f"did): device-hours are counted from step {loaded.step}")))
+            return
+        carried, (lost_gpu, lost_host) = meter.carried, meter.lost()
+        if loaded is not None or lost_gpu or lost_host:
+            self.bus.publish(Log(level="info", source="engine", message=(
+                "resume: device time so far " + figure_text(
+                    Figure(**{**carried.record(), "price": meter.price,
+                              "currency": meter.currency}), lost_gpu, lost_host))))
 
     def _join_nodes(self, cfg: Config) -> None:
         """Several nodes: join the others (the first run of the process) and make this run's

@@ -151,6 +151,7 @@ class Supervisor:
                 if run.stop.wait(POLL_S):
                     raise Stopped()
                 run.heartbeats.beat("waiting for the targets to load")
+                run.hours_tick()
 
     def _start_telemetry(self, limits: dict[int, int]) -> None:
         run = self.run
@@ -186,7 +187,7 @@ class Supervisor:
         run.evaluator = Evaluator(
             cfg.eval, publish, dataset=prep.dataset, eval_indices=prep.eval_indices,
             layer_ids=prep.layer_ids, max_length=cfg.data.max_length,
-            loss_chunk=cfg.drafter.loss_chunk, seed=cfg.run.seed, sets=prep.eval_sets)
+            loss_chunk=cfg.drafter.loss_chunk, seed=cfg.run.seed)
         run.checkpointer.start(run.step)
         run.barrier = StepBarrier(len(run.replicas), run.stop)
         gpus = torch.cuda.device_count() if run.drafter_devices[0].type == "cuda" else 0
@@ -214,6 +215,7 @@ class Supervisor:
             self.run.start_worker(stage.name, "drafter", label, stage.run)
         while not run.stop.wait(POLL_S):
             run.heartbeats.beat("supervising training")
+            run.hours_tick()
 
     # -- teardown ------------------------------------------------------------------------------
     def _join_workers(self) -> list[str]:
@@ -266,8 +268,7 @@ class Supervisor:
             try:
                 if status == "finished" or run.config.checkpoint.on_abort:
                     ck.save("final" if status == "finished" else "abort", run.step)
-                evaluates = run.config.data.eval_prompts or run.config.eval.prompt_sets
-                if status == "finished" and evaluates and not failed:
+                if status == "finished" and run.config.data.eval_prompts and not failed:
                     run.evaluate()
             except BaseException as exc:  # noqa: BLE001
                 run.fail(error_event(exc, source="engine", role="engine", device="",
@@ -287,6 +288,7 @@ class Supervisor:
         gc.collect()
         free_cuda_caches()
         reason = run.failure.message if run.failure is not None else ""
+        run.publish_hours("end")  # the devices are held until here
         self.lifecycle.end(status, step=run.step, seconds=time.monotonic() - run.started_at,
                            reason=reason)
         self.bus.drain(timeout=5.0)

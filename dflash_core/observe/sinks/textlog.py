@@ -12,11 +12,12 @@ import time
 from pathlib import Path
 
 from dflash_core.observe.events import (
-    Checkpoint, CheckpointProgress, DrafterMetrics, Error, Event, EvalResult, LoadProgress, Log, MemoryPlan, RunEnded,
-    RunStarted, SinkStatus, Stall, StateChanged, StepMetrics, TargetMetrics, TrainingPlan,
-    WorkerStatus,
+    Checkpoint, CheckpointProgress, DeviceHours, DrafterMetrics, Error, Event, EvalResult,
+    LoadProgress, Log, MemoryPlan, RunEnded, RunStarted, SinkStatus, Stall, StateChanged,
+    StepMetrics, TargetMetrics, TrainingPlan, WorkerStatus,
 )
-from dflash_core.models.acceptance import calibration_line, summary_line
+from dflash_core.models.acceptance import calibration_line, evaluated_on, summary_line
+from dflash_core.observe.device_hours import event_line
 from dflash_core.models.dspark_calibration import Calibration
 from dflash_core.units import GiB, size_text
 
@@ -94,13 +95,15 @@ def format_event(ev: Event) -> str | None:
         took = f" in {_duration(ev.seconds)}" if ev.seconds > 0 else ""  # what eval.every costs
         cal = Calibration.from_dict(getattr(ev, "calibration", None))
         cal_line = calibration_line(cal) if cal is not None else ""
-        return (f"eval step {ev.step} on {ev.prompts} prompts{took}: {summary_line(ev)}; "
+        return (f"eval step {ev.step} on {evaluated_on(ev)}{took}: {summary_line(ev)}; "
                 f"accepted/round {hist}" + (f"; {cal_line}" if cal_line else ""))
     if isinstance(ev, Checkpoint):
         size = (f", {ev.bytes / GiB:.1f} GiB at {ev.bytes / GiB / ev.seconds:.2f} GiB/s, training "
                 f"blocked {ev.blocked_s:.1f} s" if ev.bytes and ev.seconds > 0 else "")
         return (f"checkpoint step {ev.step} ({ev.reason}) in {_duration(ev.seconds)}{size}: "
                 f"{ev.path}")
+    if isinstance(ev, DeviceHours):  # an evaluation's and the end's; the periodic ones are not
+        return event_line(ev) if ev.reason in ("eval", "end") else None
     if isinstance(ev, CheckpointProgress):
         rate = ev.bytes_written / GiB / ev.seconds if ev.seconds > 0 else 0.0
         return (f"writing checkpoint step {ev.step} ({ev.reason}): {ev.bytes_written / GiB:.1f} of "

@@ -1,0 +1,42 @@
+"""The run folder's record of the device time every segment of the run held
+(``<run_dir>/device_hours.json``), kept beside the checkpoints' figures.
+
+A checkpoint records the device-hours that led to its weights, and a resume goes on from that
+figure; the time a segment held after its last checkpoint (a crash, a kill) is in no checkpoint.
+This file keeps the total the run folder's segments held, written with each DeviceHours event
+(about every half minute), so a resume can say what was held and lost: the total here less the
+checkpoint's figure. Only node 0 (or the one node) writes it; a missing or unreadable file reads
+as nothing held.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+
+LEDGER = "device_hours.json"
+_lock = threading.Lock()  # the periodic figure (the engine's thread) and an evaluation's
+
+
+def read_held(run_dir: str | os.PathLike) -> tuple[float, float]:
+    """(GPU-hours, host-hours) the run folder's segments held so far; (0, 0) without a record."""
+    try:
+        d = json.loads((Path(run_dir) / LEDGER).read_text(encoding="utf-8"))
+        return max(0.0, float(d.get("gpu", 0.0))), max(0.0, float(d.get("host", 0.0)))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return 0.0, 0.0
+
+
+def write_held(run_dir: str | os.PathLike, gpu: float, host: float, step: int) -> None:
+    """Write the total whole (a temporary file renamed over it). Raises OSError."""
+    path = Path(run_dir) / LEDGER
+    tmp = path.with_name(f".{LEDGER}.{os.getpid()}.tmp")
+    text = json.dumps({"gpu": gpu, "host": host, "step": step}) + "\n"
+    with _lock:
+        try:
+            tmp.write_text(text, encoding="utf-8")
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
