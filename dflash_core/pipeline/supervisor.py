@@ -187,7 +187,7 @@ class Supervisor:
         run.evaluator = Evaluator(
             cfg.eval, publish, dataset=prep.dataset, eval_indices=prep.eval_indices,
             layer_ids=prep.layer_ids, max_length=cfg.data.max_length,
-            loss_chunk=cfg.drafter.loss_chunk, seed=cfg.run.seed)
+            loss_chunk=cfg.drafter.loss_chunk, seed=cfg.run.seed, sets=prep.eval_sets)
         run.checkpointer.start(run.step)
         run.barrier = StepBarrier(len(run.replicas), run.stop)
         gpus = torch.cuda.device_count() if run.drafter_devices[0].type == "cuda" else 0
@@ -268,7 +268,8 @@ class Supervisor:
             try:
                 if status == "finished" or run.config.checkpoint.on_abort:
                     ck.save("final" if status == "finished" else "abort", run.step)
-                if status == "finished" and run.config.data.eval_prompts and not failed:
+                evaluates = run.config.data.eval_prompts or run.config.eval.prompt_sets
+                if status == "finished" and evaluates and not failed:
                     run.evaluate()
             except BaseException as exc:  # noqa: BLE001
                 run.fail(error_event(exc, source="engine", role="engine", device="",
