@@ -23,6 +23,7 @@ from dflash_core.observe.fold import EventFold
 from dflash_core.planning.card_budget import card_budget
 
 from . import fmt
+from .set_evals import SetEvals
 
 if TYPE_CHECKING:
     from .postmortem import PostMortem
@@ -178,7 +179,8 @@ class DashboardState(EventFold):
         self.drafter_times: dict[str, ev.DrafterMetrics] = {}  # latest report per drafter
         self.queues: dict[str, QueueRow] = {}
         self.step: ev.StepMetrics | None = None
-        self.eval: ev.EvalResult | None = None
+        self.eval: ev.EvalResult | None = None  # the latest held-out evaluation
+        self.set_evals = SetEvals()  # the latest of each prompt set (eval.prompt_sets)
         self.loss_history: deque[float] = deque(maxlen=self._loss_points)
         self._step_window: deque[tuple[float, int]] = deque(maxlen=50)
         # Several nodes: each node's latest summary (empty on one node: no nodes panel).
@@ -414,9 +416,12 @@ class DashboardState(EventFold):
         return {"nodes"}
 
     def _on_EvalResult(self, e: ev.EvalResult) -> set[str]:
-        self.eval = e
-        self.eval_history.append((e.step, e.tau, self.step.tau_tf if self.step else None))
-        self.add_log("info", "eval", f"step {e.step} on {e.prompts} prompts: "
+        if getattr(e, "prompt_set", ""):
+            self.set_evals.add(e)
+        else:
+            self.eval = e
+            self.eval_history.append((e.step, e.tau, self.step.tau_tf if self.step else None))
+        self.add_log("info", "eval", f"step {e.step} on {acceptance.evaluated_on(e)}: "
                      f"{acceptance.summary_line(e)}")
         return {"training", "log"}
 

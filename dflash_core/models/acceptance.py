@@ -135,10 +135,19 @@ def _fmt(x: float | None) -> str:
     return f"{x:.2f}" if _have(x) else "-"
 
 
+def evaluated_on(ev) -> str:
+    """What an EvalResult decoded: '8 prompts' (held-out), 'set gsm8k, 16 prompts' (a set of
+    eval.prompt_sets)."""
+    name = getattr(ev, "prompt_set", "")
+    return f"set {name}, {ev.prompts} prompts" if name else f"{ev.prompts} prompts"
+
+
 def summary_fields(ev) -> list[tuple[str, str]]:
     """(label, value) of an EvalResult's measures, in MEASURES order, then the agreement: what
-    the dashboard, train.log and the report show, in the same words."""
-    rows = [(m.label, _fmt(getattr(ev, m.key, None))) for m in MEASURES]
+    the dashboard, train.log and the report show, in the same words. A prompt set's result has
+    exact tau alone (the others are measured on held-out data only)."""
+    measures = MEASURES[:1] if getattr(ev, "prompt_set", "") else MEASURES
+    rows = [(m.label, _fmt(getattr(ev, m.key, None))) for m in measures]
     share = getattr(ev, "agreement", MISSING)
     if _have(share):
         rows.append((AGREEMENT.label, f"{share:.0%}"))
@@ -152,6 +161,17 @@ def summary_line(ev) -> str:
     if rates:
         parts.append(f"{ACCEPTED.label} " + " ".join(f"{r:.0%}" for r in rates))
     return " | ".join(parts)
+
+
+def set_wandb(ev) -> dict:
+    """W&B of a prompt set's EvalResult, the held-out keys under the set's name:
+    eval/<set>/tau, eval/<set>/accepted_at_<k> (k = 1 ..), eval/<set>/prompts."""
+    def key(held_out: str) -> str:
+        return held_out.replace("eval/", f"eval/{ev.prompt_set}/", 1)
+    data = {key("eval/prompts"): ev.prompts, key(MEASURES[0].wandb): ev.tau}
+    data.update({f"{key(ACCEPTED.wandb)}_{k}": r
+                 for k, r in enumerate(accepted_at(ev.acceptance), start=1)})
+    return data
 
 
 def report_rows(ev) -> list[list[str]]:

@@ -43,7 +43,7 @@ class TrainingPanel(Panel):
             caption.update("")
             return note(empty_reason(s), width)
         caption.update(Text(loss_caption(s.loss_history, width), style="dim"))
-        evals = eval_lines(s, width) if s.eval_history else []
+        evals = eval_lines(s, width) if s.eval_history or s.set_evals else []
         # Rows of the panel: the numbers, the drafters' split, the evaluation, the caption and at
         # least one row of the plot. A small terminal (80x24: 5 rows) keeps what matters most.
         height = self.scrollable_content_region.height or 100
@@ -108,8 +108,12 @@ def empty_reason(s: DashboardState) -> str:
 def eval_lines(s: DashboardState, width: int) -> list[Text]:
     """Exact tau over the run (a small plot) beside the teacher-forced taus of the latest
     evaluation and the mismatch gap (red past eval.tau_gap_warn: training and decoding
-    disagree); under them the data/target agreement, how often each block position was
-    accepted, and the findings raised (acceptance.py: what each measure and gap means)."""
+    disagree); under them exact tau on each prompt set of eval.prompt_sets, the data/target
+    agreement, how often each block position was accepted, and the findings raised
+    (acceptance.py: what each measure and gap means)."""
+    sets = [set_line(s, width)] if s.set_evals else []
+    if not s.eval_history:  # prompt sets only (data.eval_prompts 0)
+        return sets
     e = s.eval
     taus = [tau for _, tau, _ in s.eval_history]
     first = acceptance.MEASURES[0]
@@ -124,7 +128,7 @@ def eval_lines(s: DashboardState, width: int) -> list[Text]:
             # next to (b): the gap the mismatch alarm watches
             warn = gap > s.tau_gap_warn
             parts.append(Text(f" gap {gap:+.2f}", style="bold white on red" if warn else "dim"))
-    lines = [Text.assemble(*parts)]
+    lines = [Text.assemble(*parts)] + sets
     more: list[Text] = []
     if e is not None and e.agreement >= 0:
         more += [Text(f"{acceptance.AGREEMENT.label} ", style="dim"), Text(f"{e.agreement:.0%}"),
@@ -148,6 +152,24 @@ def eval_lines(s: DashboardState, width: int) -> list[Text]:
         if parts:
             lines.append(Text.assemble(*parts[:-1]))
     return [_cut(line, width) for line in lines]
+
+
+def set_line(s: DashboardState, width: int) -> Text:
+    """'tau exact on gsm8k ▃█ 2.10  mt-bench ▂▅ 1.95': each set's exact tau over the run and its
+    latest, in the held-out line's words; without the plots when they do not fit."""
+    label = Text(f"{acceptance.MEASURES[0].label} on ", style="dim")
+    for plot in (8, 0):
+        parts = [label]
+        for name in s.set_evals.names():
+            taus = list(s.set_evals.taus[name])
+            parts += [Text(f"{name} ", style="dim")]
+            if plot:
+                parts += [Text(fmt.spark(taus, plot), style="cyan"), Text(" ")]
+            parts += [Text(f"{taus[-1]:.2f}", style="bold"), Text("  ")]
+        line = Text.assemble(*parts[:-1])
+        if line.cell_len <= width:
+            return line
+    return _cut(line, width)
 
 
 def _cut(text: Text, width: int) -> Text:

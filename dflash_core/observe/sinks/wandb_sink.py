@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from dflash_core.config import ConfigError, WandbConfig
 from dflash_core.models.acceptance import (
-    ACCEPTED, AGREEMENT, MEASURES, MISSING, accepted_at, calibration_wandb,
+    ACCEPTED, AGREEMENT, MEASURES, MISSING, accepted_at, calibration_wandb, set_wandb,
 )
 from dflash_core.models.dspark_calibration import Calibration
 from dflash_core.observe.errors import error_from_exception
@@ -208,6 +208,8 @@ class WandbSink:
                 **{f"train/{k}": getattr(ev, k) for k in ("loss_ce", "loss_tv", "loss_conf")
                    if getattr(ev, k, -1.0) >= 0},
             }, step=ev.step)
+        elif isinstance(ev, EvalResult) and getattr(ev, "prompt_set", ""):
+            self._run.log(set_wandb(ev), step=ev.step)  # a set of eval.prompt_sets
         elif isinstance(ev, EvalResult):
             data = {"eval/prompts": ev.prompts}
             total = sum(ev.acceptance) or 1
