@@ -16,6 +16,7 @@ from dflash_core.observe import events as ev
 from dflash_core.observe.fold import EventFold
 from dflash_core.units import GiB as GIB
 
+from .hours import HoursData
 from .series import DEFAULT_CAP, FirstLast, Series
 
 MAX_SERIES = 64  # queues or GPUs with their own series; more names than this are counted only
@@ -41,6 +42,7 @@ class RunData(EventFold):
         self.last_step: ev.StepMetrics | None = None
         self.evals = FirstLast(cap // 2, cap // 2)  # (ts, step, tau, prompts)
         self.last_eval: ev.EvalResult | None = None
+        self.hours = HoursData(cap)  # device time: to the best checkpoint, the end; tau on it
         self.queues: dict[str, Series] = {}
         self.queue_capacity: dict[str, int] = {}
         self.gpus: dict[int, dict] = {}  # index -> {"used", "alloc": Series, "name", ...}
@@ -85,7 +87,11 @@ class RunData(EventFold):
         self.step_at.add(e.ts, e.step)
         self.last_step = e
 
+    def _on_DeviceHours(self, e: ev.DeviceHours) -> None:
+        self.hours.hours(e)
+
     def _on_EvalResult(self, e: ev.EvalResult) -> None:
+        self.hours.evaluated(e)
         self.evals.add((e.ts, e.step, e.tau, e.prompts))
         self.last_eval = e
 
@@ -121,6 +127,7 @@ class RunData(EventFold):
         self.plan = e
 
     def _on_Checkpoint(self, e: ev.Checkpoint) -> None:
+        self.hours.checkpoint(e)
         self.checkpoints.add(e)
 
     def _on_Error(self, e: ev.Error) -> None:

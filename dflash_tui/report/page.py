@@ -11,10 +11,12 @@ from dflash_core.config import recipe_text
 from dflash_core.models import acceptance
 from dflash_core.models.dspark_calibration import Calibration
 from dflash_core.observe import events as ev
+from dflash_core.observe.device_hours import Figure, figure_text
 from dflash_core.units import GiB as GIB
 
 from . import plots as P
 from .data import MAX_SERIES, RunData
+from .hours import hours_html
 
 
 def _utc(ts: float | None) -> str:
@@ -144,6 +146,7 @@ def render_html(data: RunData, source: str = "") -> str:
     if data.over:
         add(f'<p class="ending">{_esc(ending(data))}</p>')
     add('<nav><a href="#summary">summary</a><a href="#loss">loss</a><a href="#tau">tau</a>'
+        '<a href="#cost">cost</a>'
         '<a href="#throughput">samples/s</a><a href="#queues">queues</a>'
         '<a href="#memory">GPU memory</a><a href="#errors">errors and stalls</a>'
         '<a href="#acceptance">acceptance</a><a href="#config">config</a></nav>')
@@ -181,6 +184,9 @@ def render_html(data: RunData, source: str = "") -> str:
     if cks:
         rows.append(["checkpoints", f"{data.checkpoints.count}; last: step {cks[-1].step} "
                      f"({cks[-1].reason}) {cks[-1].path}"])
+    if data.hours.last is not None:
+        h = data.hours.last
+        rows.append(["device time", figure_text(Figure.of_event(h), h.lost_gpu, h.lost_host)])
     rows.append(["errors / stalls", f"{data.errors.count} / {data.stalls.count}"])
     notes = []
     if data.loss.nonfinite:
@@ -227,6 +233,8 @@ def render_html(data: RunData, source: str = "") -> str:
             + _table(["step", "exact tau", "prompts", "time", "elapsed"],
                      [[st, f"{tau:.4f}", n, _utc(ts), _duration(ts - t0)]
                       for ts, st, tau, n in reversed(evals)]) + "</details>")
+    add('<h2 id="cost">Cost</h2>')
+    add(hours_html(plots, data.hours, data.over))
     add('<h2 id="throughput">Samples per second</h2>')
     add(P.line_plot(plots, data, clock, data.samples_per_s, "samples/s", "training throughput",
                     "tab:green") if len(data.samples_per_s) else none("steps"))

@@ -247,7 +247,7 @@ def test_the_report_reads_only_the_kinds_it_folds():
     # the page's events; host samples, worker phases and logs are passed over unparsed
     assert report.RunData.kinds() == {
         "RunStarted", "StateChanged", "StepMetrics", "EvalResult", "GpuSample", "QueueDepth",
-        "MemoryPlan", "Checkpoint", "Error", "Stall", "RunEnded"}
+        "MemoryPlan", "Checkpoint", "Error", "Stall", "RunEnded", "DeviceHours"}
 
 
 # -- what the page says is true (log-scale loss, step axis, integer depths, CPU plan, endings) --
