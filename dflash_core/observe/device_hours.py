@@ -143,3 +143,16 @@ def table_cells(f: Figure | None) -> tuple[str, str]:
         return "-", "-"
     hours = hours_text(f.gpu) if f.gpu > 0 or f.host == 0 else f"0 (CPU {hours_text(f.host)} h)"
     return hours, money_text(f.money, f.currency) if f.money is not None else "-"
+
+
+def wandb_data(e: DeviceHours) -> dict:
+    """W&B's cost/* keys of a figure (host-hours only for a CPU run, money only with a price)."""
+    f = Figure.of_event(e)
+    data = {"cost/gpu_hours": f.gpu, "cost/gpu_hours_target": f.gpu_target,
+            "cost/gpu_hours_drafter": f.gpu_drafter}
+    if f.host > 0:
+        data.update({"cost/host_hours": f.host, "cost/host_hours_target": f.host_target,
+                     "cost/host_hours_drafter": f.host_drafter})
+    if f.money is not None:
+        data["cost/money"] = f.money
+    return data

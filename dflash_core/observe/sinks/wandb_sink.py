@@ -21,8 +21,11 @@ from dflash_core.models.acceptance import (
     ACCEPTED, AGREEMENT, MEASURES, MISSING, accepted_at, calibration_wandb, set_wandb,
 )
 from dflash_core.models.dspark_calibration import Calibration
+from dflash_core.observe.device_hours import wandb_data
 from dflash_core.observe.errors import error_from_exception
-from dflash_core.observe.events import Error, EvalResult, Event, Log, RunEnded, SinkStatus, StepMetrics
+from dflash_core.observe.events import (
+    DeviceHours, Error, EvalResult, Event, Log, RunEnded, SinkStatus, StepMetrics,
+)
 
 # Old private settings keys and their public replacements (None: removed, drop the key). Read off
 # the installed wandb's sdk/wandb_settings.py; other "_name" keys map to "x_name" when that exists.
@@ -137,6 +140,7 @@ class WandbSink:
         self._wandb = wandb_module  # injected in tests; imported lazily otherwise
         self._run = None
         self._state = "new"  # new | active | disabled | failed | finished
+        self._step = 0  # the highest step logged: wandb drops a lower one
         self._lock = threading.Lock()  # close() comes from the engine's thread
 
     @property
@@ -196,6 +200,10 @@ class WandbSink:
         return str(Path(self._run.dir).parent)
 
     def _handle(self, ev: Event) -> None:
+        if isinstance(ev, DeviceHours):  # taken between steps: logged with the latest
+            self._run.log(wandb_data(ev), step=max(ev.step, self._step))
+            return
+        self._step = max(self._step, getattr(ev, "step", 0))
         if isinstance(ev, StepMetrics):
             self._run.log({
                 "train/loss": ev.loss, "train/lr": ev.lr, "train/grad_norm": ev.grad_norm,

@@ -246,3 +246,21 @@ def test_wandb_banners_are_off_unless_asked_for(tmp_path):
     sink = WandbSink(WandbConfig(enabled=True), tmp_path, "r", {}, [].append, wandb_module=wb)
     sink(_step(1))
     assert wb.calls[0]["settings"]["silent"] is True
+
+
+def test_device_hours_go_to_cost_keys_at_the_latest_step(tmp_path):
+    from dflash_core.observe.events import DeviceHours
+
+    run = FakeRun()
+    sink = WandbSink(WandbConfig(enabled=True), tmp_path, "r", {}, [].append,
+                     wandb_module=fake_wandb(run))
+    sink(_step(5))
+    # taken by the engine's thread between steps 4 and 5: logged at 5, never below it
+    sink(DeviceHours(step=4, gpu_target=1.0, gpu_drafter=3.0, price=2.0, currency="USD"))
+    sink(DeviceHours(step=6, host_target=0.5, host_drafter=0.5, price=2.0, currency="USD"))
+    (s1, d1), (s2, d2) = run.logged[1:]
+    assert s1 == 5 and d1 == {"cost/gpu_hours": 4.0, "cost/gpu_hours_target": 1.0,
+                              "cost/gpu_hours_drafter": 3.0, "cost/money": 8.0}
+    # a CPU run: host-hours, no money (the price is per GPU-hour)
+    assert s2 == 6 and d2["cost/host_hours"] == 1.0 and d2["cost/gpu_hours"] == 0.0
+    assert "cost/money" not in d2
