@@ -171,6 +171,7 @@ class DashboardState(EventFold):
         # (step, exact tau, teacher-forced tau of the step then) of every evaluation
         self.eval_history: deque[tuple[int, float, float | None]] = deque(maxlen=500)
         self.best: ev.Checkpoint | None = None  # checkpoints/best: the highest exact tau
+        self.hours: ev.DeviceHours | None = None  # the device time so far (hours_view.py)
         self.tau_gap_warn = EvalConfig.tau_gap_warn  # eval.tau_gap_warn of the run's config
         self.target_labels: list[str] = []
         self.drafter_labels: list[str] = []
@@ -441,6 +442,10 @@ class DashboardState(EventFold):
             return None
         _, tau, tf = self.eval_history[-1]
         return tf - tau
+
+    def _on_DeviceHours(self, e: ev.DeviceHours) -> set[str]:
+        self.hours = e
+        return {"header"}
 
     def _on_CheckpointProgress(self, e: ev.CheckpointProgress) -> set[str]:
         self.checkpoint_writing = e

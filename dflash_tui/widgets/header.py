@@ -1,7 +1,7 @@
 """Top lines: run name, lifecycle state (why it ended), step, epoch, elapsed, ETA, error count on
 one line; then what is going on now (attached, stalls, a checkpoint being written), the limit that
-ends the run, the best checkpoint, where the metrics go (wandb URL or offline folder) and the run
-folder, as many as fit."""
+ends the run, the best checkpoint, the device time held so far (hours_view.py), where the metrics
+go (wandb URL or offline folder) and the run folder, as many as fit."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from rich.text import Text
 from textual.widgets import Static
 
 from .. import fmt
+from ..hours_view import header_text
 from ..state import DashboardState
 from .panel import field, pack, pack_first
 
@@ -137,6 +138,9 @@ def second_line(s: DashboardState, width: int) -> list[tuple[int, Text]]:
         out.append((1, field("ends", ends)))
     if s.best is not None:  # the checkpoint to serve: highest exact tau so far
         out.append((2, field("best", f"step {s.best.step} τ {s.best.tau:.2f}", "bold")))
+    cost = header_text(s)
+    if cost:  # the device time held so far (and its money with cost.gpu_hour_price)
+        out.append((2, field("cost", cost)))
     failed_sink = s.sinks.get("wandb") is not None and s.sinks["wandb"].status != "ok"
     out.append((1 if failed_sink else 4, field("wandb", s.wandb or "off")))
     if s.run_dir:
