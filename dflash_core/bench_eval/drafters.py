@@ -23,7 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -34,6 +34,7 @@ from dflash_core.models.drafter import DFlashDrafter
 from dflash_core.models.dspark import ARCHITECTURE as DSPARK_ARCHITECTURE
 from dflash_core.models.dspark import DSparkDrafter
 from dflash_core.models.model_shape import text_config
+from dflash_core.observe.device_hours import Figure, read_checkpoint_figure
 
 _DFLASH_KEYS = ("block_size", "mask_token_id", "target_layer_ids")
 _FROZEN = ("embed_tokens.weight", "lm_head.weight")  # served copies of the target's own
@@ -66,6 +67,7 @@ class DrafterSpec:
     config: object  # the drafter's Qwen3Config
     fingerprint: str  # what a results file is continued with
     run_folder: Path | None = None  # the run that wrote it, when it is a run's checkpoint
+    hours: Figure | None = None  # the device time to it (a run's checkpoint that recorded it)
 
     @property
     def block_size(self) -> int:
@@ -168,7 +170,25 @@ def read_drafter(given: str) -> DrafterSpec:
                              f"{DFLASH_ARCHITECTURE} nor {DSPARK_ARCHITECTURE}",
                              hint="pass a DFlash or DSpark drafter folder")
     return DrafterSpec(folder, given, _label(folder, run), objective, cfg,
-                       _fingerprint(folder, text), run)
+                       _fingerprint(folder, text), run,
+                       run_hours(folder, run) if run is not None else None)
+
+
+def run_hours(folder: Path, run: Path) -> Figure | None:
+    """The device time a run's checkpoint recorded (observe/device_hours.py); without a price
+    recorded, the run folder's config.yaml's cost.gpu_hour_price (set after the fact) prices
+    it. None: written before checkpoints recorded it."""
+    fig = read_checkpoint_figure(folder)
+    if fig is None or fig.price > 0:
+        return fig
+    import yaml
+
+    try:
+        cost = (yaml.safe_load((run / "config.yaml").read_text(encoding="utf-8")) or {})["cost"]
+        price, currency = float(cost.get("gpu_hour_price") or 0), str(cost.get("currency", ""))
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, yaml.YAMLError):
+        return fig
+    return replace(fig, price=price, currency=currency) if price > 0 else fig
 
 
 def check_against(spec: DrafterSpec, target: TargetShape) -> None:

@@ -73,6 +73,8 @@ class EvalReport:
     labels: list[str]
     per_round: dict[str, int]  # label -> drafts a round proposes
     sets: list[SetReport] = field(default_factory=list)
+    # label -> the device time to it (a run's checkpoint); None: not known (a downloaded one)
+    hours: dict = field(default_factory=dict)
 
     @property
     def mismatches(self) -> list[tuple[str, str, dict]]:
@@ -395,7 +397,7 @@ class Evaluation:
     def report(self) -> EvalReport:
         rep = EvalReport(self.out, self.settings, [s.label for s in self.specs],
                          {s.label: s.block_size - 1 + int(s.objective == "dspark")
-                          for s in self.specs})
+                          for s in self.specs}, hours={s.label: s.hours for s in self.specs})
         for p in self.sets:
             indices = list(range(len(p.prompts)))
             plain = summarise(self.decoders[0].files[p.name], indices)
@@ -416,7 +418,10 @@ def report_json(rep: EvalReport, ev: Evaluation) -> dict:
         "target": str(ev.folder),
         "drafters": {s.label: {"path": str(s.path), "objective": s.objective,
                                "block_size": s.block_size,
-                               "run": str(s.run_folder) if s.run_folder else None}
+                               "run": str(s.run_folder) if s.run_folder else None,
+                               # what it cost to train (None: not known)
+                               "device_hours": s.hours.record() if s.hours else None,
+                               "cost": s.hours.money if s.hours else None}
                      for s in ev.specs},
         "sets": {s.name: {"prompts": s.prompts, "file": str(p.path), "plain": s.plain.as_dict(),
                           "drafters": {k: v.as_dict() for k, v in s.drafters.items()}}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dflash_core.bench_eval.summary import Summary
+from dflash_core.observe.device_hours import table_cells
 
 
 def _ks(per_round: int) -> list[int]:
@@ -33,7 +34,9 @@ def lossless_cell(s: Summary, greedy: bool) -> str:
 
 
 def set_table(name: str, prompts: int, plain: Summary, drafters: dict[str, Summary],
-              per_round: dict[str, int], greedy: bool) -> str:
+              per_round: dict[str, int], greedy: bool, hours: dict | None = None) -> str:
+    """``hours``: each drafter's device time (observe/device_hours.Figure, None when not
+    known): the rows "GPU-hours" and "cost", "-" where not known."""
     labels = list(drafters)
     ks = _ks(max(per_round.values(), default=0))
     head = ["", "plain"] + labels
@@ -54,6 +57,9 @@ def set_table(name: str, prompts: int, plain: Summary, drafters: dict[str, Summa
                                 for x in labels],
         ["lossless", "-"] + [lossless_cell(drafters[x], greedy) for x in labels],
     ]
+    if hours is not None:
+        cells = [table_cells(hours.get(x)) for x in labels]
+        rows += [["GPU-hours", "-"] + [c[0] for c in cells], ["cost", "-"] + [c[1] for c in cells]]
     widths = [max(len(r[c]) for r in [head] + rows) for c in range(len(head))]
     fmt = lambda r: "  ".join(v.ljust(widths[0]) if c == 0 else v.rjust(widths[c])  # noqa: E731
                               for c, v in enumerate(r)).rstrip()

@@ -108,7 +108,15 @@ def run(args: argparse.Namespace) -> int:
           + (", cached" if args.cache else ""))
     for s in report.sets:
         print()
-        print(set_table(s.name, s.prompts, s.plain, s.drafters, report.per_round, greedy))
+        print(set_table(s.name, s.prompts, s.plain, s.drafters, report.per_round, greedy,
+                        report.hours))
+    costs = [(label, h) for label, h in report.hours.items() if h is not None]
+    if costs:  # each run checkpoint's device time in full: its roles, what it was counted from
+        from dflash_core.observe.device_hours import figure_text
+
+        print("\ntraining cost to each run checkpoint (dflash-tui run's device time):")
+        for label, h in costs:
+            print(f"  {label}: {figure_text(h)}")
     print(f"\nresults in {Path(args.out) / 'results.json'} ({time.monotonic() - t0:.0f} s)")
     bad = report.mismatches
     firsts: dict[tuple[str, str], list[dict]] = {}
