@@ -68,7 +68,8 @@ def tau_hours_plot(plots, data: HoursData) -> str:
         if data.best is not None and data.best[1] is not None:
             ck, h = data.best
             ax.plot([h.gpu_hours if gpu else h.host_hours], [ck.tau], "*", markersize=12,
-                    color="gold", markeredgecolor="black", label=f"best checkpoint (step {ck.step})")
+                    color="gold", markeredgecolor="black",
+                    label=f"best checkpoint (step {ck.step})")
         ax.set_xlabel("GPU-hours" if gpu else "host-hours (a CPU run: no GPU-hours)")
         ax.set_ylabel("exact tau")
         ax.set_title("exact tau against the device time spent to reach it", loc="left")
