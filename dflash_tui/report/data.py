@@ -18,6 +18,7 @@ from dflash_core.units import GiB as GIB
 
 from .hours import HoursData
 from .series import DEFAULT_CAP, FirstLast, Series
+from .sets import SetSeries
 
 MAX_SERIES = 64  # queues or GPUs with their own series; more names than this are counted only
 
@@ -41,7 +42,8 @@ class RunData(EventFold):
         self.step_at = Series(cap, mean=False)  # x: time, y: step (the plots' step axis)
         self.last_step: ev.StepMetrics | None = None
         self.evals = FirstLast(cap // 2, cap // 2)  # (ts, step, tau, prompts)
-        self.last_eval: ev.EvalResult | None = None
+        self.last_eval: ev.EvalResult | None = None  # the latest held-out evaluation
+        self.sets = SetSeries(cap)  # each prompt set's evaluations (eval.prompt_sets)
         self.hours = HoursData(cap)  # device time: to the best checkpoint, the end; tau on it
         self.queues: dict[str, Series] = {}
         self.queue_capacity: dict[str, int] = {}
@@ -92,6 +94,9 @@ class RunData(EventFold):
 
     def _on_EvalResult(self, e: ev.EvalResult) -> None:
         self.hours.evaluated(e)
+        if getattr(e, "prompt_set", ""):  # a prompt set's: its own series, not the held-out's
+            self.sets.add(e)
+            return
         self.evals.add((e.ts, e.step, e.tau, e.prompts))
         self.last_eval = e
 

@@ -16,6 +16,7 @@ from dflash_core.units import GiB as GIB
 
 from . import plots as P
 from .data import MAX_SERIES, RunData
+from .sets import sets_html, summary_text
 from .hours import hours_html
 
 
@@ -168,6 +169,7 @@ def render_html(data: RunData, source: str = "") -> str:
         ["latest teacher-forced tau", _fmt(last.tau_tf if last else None)],
         ["latest exact tau", f"{data.last_eval.tau:.4f} at step {data.last_eval.step}"
          if data.last_eval else "-"],
+        *([["latest exact tau on the sets", summary_text(data.sets)]] if data.sets else []),
         ["training recipe", (recipe_text(s.config) if s and s.config else "") or "-"],
         ["targets", ", ".join(map(str, s.targets)) if s else "-"],
         ["drafters", ", ".join(map(str, s.drafters)) if s else "-"],
@@ -221,7 +223,7 @@ def render_html(data: RunData, source: str = "") -> str:
     add(P.line_plot(plots, data, clock, data.loss, "loss", "training loss per step",
                     "tab:blue", log=True) if len(data.loss) else none("steps"))
     add('<h2 id="tau">Tau</h2>')
-    if len(data.tau_tf) or len(data.evals):
+    if len(data.tau_tf) or len(data.evals) or data.sets:
         add(P.tau_plot(plots, data, clock))
     else:
         add(none("steps or evaluations"))
@@ -233,6 +235,8 @@ def render_html(data: RunData, source: str = "") -> str:
             + _table(["step", "exact tau", "prompts", "time", "elapsed"],
                      [[st, f"{tau:.4f}", n, _utc(ts), _duration(ts - t0)]
                       for ts, st, tau, n in reversed(evals)]) + "</details>")
+    if data.sets:
+        add(sets_html(data.sets))
     add('<h2 id="cost">Cost</h2>')
     add(hours_html(plots, data.hours, data.over))
     add('<h2 id="throughput">Samples per second</h2>')

@@ -14,6 +14,9 @@ from .data import RunData
 from .series import Series
 
 EVAL_COLOR = "tab:red"  # exact tau and the evaluations' steps
+# the prompt sets' exact tau (eval.prompt_sets): neither the held-out red nor the steps' blue
+SET_COLORS = ("tab:purple", "tab:orange", "tab:green", "tab:brown", "tab:pink", "tab:olive",
+              "tab:cyan", "tab:gray")
 
 
 class Clock:
@@ -199,13 +202,19 @@ def tau_plot(plots: Plots, data: RunData, clock: Clock) -> str:
         if xs:
             ax.plot(clock(xs), ys, color="tab:blue", linewidth=1.0,
                     label="teacher-forced tau (each step)")
+        at_step = step_positions(data, clock)
+
+        def xs_of(points):  # (ts, step, tau, ...) each: under its step, else when it ended
+            return ([at_step(p[1]) for p in points] if at_step is not None
+                    else clock([p[0] for p in points]))
         evals = data.evals.items()
         if evals:
-            at_step = step_positions(data, clock)
-            xs = ([at_step(e[1]) for e in evals] if at_step is not None
-                  else clock([e[0] for e in evals]))  # no step series: when each one ended
-            ax.plot(xs, [e[2] for e in evals], "o-", color=EVAL_COLOR, markersize=4,
+            ax.plot(xs_of(evals), [e[2] for e in evals], "o-", color=EVAL_COLOR, markersize=4,
                     linewidth=1.0, label="exact tau (evaluation, at its step)")
+        for k, name in enumerate(data.sets.names()):  # one line per prompt set
+            pts = data.sets.points(name)
+            ax.plot(xs_of(pts), [p[2] for p in pts], "s--", color=SET_COLORS[k % len(SET_COLORS)],
+                    markersize=3, linewidth=1.0, label=f"exact tau on {name}")
         ax.set_xlabel(clock.label)
         ax.set_ylabel("tau (accepted tokens per round)")
         ax.set_title("tau", loc="left")
