@@ -148,7 +148,7 @@ def run_one(out: Path, loss: str, optim: str, seed: int, steps: int, eval_tokens
                             ).returncode
     wall = time.monotonic() - t
     events = [json.loads(line) for line in (run_dir / "events.jsonl").open()]
-    evals = [e for e in events if e["event"] == "EvalResult"]
+    evals = [e for e in events if e["event"] == "EvalResult" and not e.get("prompt_set")]
     metrics = [e for e in events if e["event"] == "StepMetrics"]
     last = metrics[-1] if metrics else {}
     return {"name": name, "objective": objective, "block_size": cfg.drafter.block_size,
