@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from safetensors.torch import save_file
 
 from dflash_core.data.byte_vocab import EOS_ID, MASK_ID, VOCAB_SIZE, encode
 import dflash_core.demo.recipe as recipe
@@ -72,8 +73,14 @@ def build_tiny_target(folder: str | Path, progress: Progress | None = None, seed
             probe = model(input_ids=torch.tensor([encode(PROBE_TEXT)])).logits[0, -1, :16]
 
     folder.mkdir(parents=True, exist_ok=True)
+    # Not model.save_pretrained: once torch.distributed is set up (several nodes) it writes
+    # nothing on a rank other than 0, and the node that holds the build lock may be any rank.
     with quiet_hf():
-        model.save_pretrained(folder)
+        model.config.save_pretrained(folder)
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight")  # the embedding's own tensor; loading ties it back
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
     meta = {
         "version": recipe.DEMO_VERSION,
         "corpus": "pydoc_data.topics",

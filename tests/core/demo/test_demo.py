@@ -13,7 +13,7 @@ from dflash_core import demo
 from dflash_core.demo import target_cache
 from dflash_core.config import ConfigError, config_from_dict
 from dflash_core.data import BatchStream, ShardedDataset, split_eval
-from dflash_core.data.byte_vocab import decode
+from dflash_core.data.byte_vocab import decode, encode
 from dflash_core.models.drafter import DFlashDrafter, build_drafter_config
 from dflash_core.models.evaluate import evaluate_tau, hf_target_fn, plain_greedy, target_fn_for
 from dflash_core.models.target import load_target
@@ -80,6 +80,23 @@ def test_build_is_deterministic_for_a_seed(tmp_path):
     for m in (ma, mb):
         m.pop("build_seconds")
     assert ma == mb and ma["seed"] == 3 and ma["steps"] == 2
+
+
+def test_a_build_on_a_rank_other_than_0_writes_the_weights(tmp_path, monkeypatch):
+    """Several nodes: whichever node holds the build lock builds the target. transformers'
+    save_pretrained writes nothing on a rank other than 0 once torch.distributed is set up, and
+    the other nodes then found a folder without config.json (a failure by chance)."""
+    import transformers.distributed.mixin as mixin
+    monkeypatch.setattr(mixin, "_is_torch_distributed_initialized", lambda: True)
+    monkeypatch.setattr(mixin, "_get_torch_distributed_rank", lambda: 1)
+    folder = demo.build_tiny_target(tmp_path / "t", seed=3, steps=2)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    probe = demo.read_meta(folder)["probe_logits"]
+    with torch.no_grad():
+        got = model(input_ids=torch.tensor([encode(demo.read_meta(folder)["probe_text"])]))
+    assert (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert torch.allclose(got.logits[0, -1, :16], torch.tensor(probe), atol=1e-5)
 
 
 def test_progress_is_reported_in_order(tmp_path):
