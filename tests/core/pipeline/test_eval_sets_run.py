@@ -14,8 +14,6 @@ from dflash_core.config import config_from_dict
 from dflash_core.observe.events import Checkpoint, Error, EvalResult, LoadProgress, RunEnded
 from dflash_core.pipeline.engine import Engine
 
-from ..engine_fixtures import shutdown_started_engines  # noqa: F401 - autouse
-
 TEXTS = ["The value of an expression is ", "Built-in functions and the return ",
          "If the object is a class, the ", "A sequence of statements that "]
 
