@@ -37,14 +37,16 @@ def run(tmp: Path, name: str, sets: list[dict], **eval_keys) -> list:
     engine = Engine(config_from_dict(d))
     events: list = []
     engine.bus.tap(events.append)
-    with demo.torch_threads(1):
-        engine.start()
-        deadline = time.monotonic() + 120
-        while not any(isinstance(e, RunEnded) for e in events):
-            assert time.monotonic() < deadline, "the run did not end in 120 s"
-            time.sleep(0.05)
-        assert engine.join(10)
-    engine.shutdown()
+    try:
+        with demo.torch_threads(1):
+            engine.start()
+            deadline = time.monotonic() + 120
+            while not any(isinstance(e, RunEnded) for e in events):
+                assert time.monotonic() < deadline, "the run did not end in 120 s"
+                time.sleep(0.05)
+            assert engine.join(10)
+    finally:  # a failed wait leaves no run going under the next tests
+        engine.shutdown(timeout=10)
     return events
 
 
