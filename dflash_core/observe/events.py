@@ -3,16 +3,21 @@
 Each one serialises to a single JSON line (``to_json``) and comes back with ``from_json``, so
 ``events.jsonl`` replays into any subscriber (the dashboard, tests, a post-mortem). The bus that
 carries them is ``dflash_core.observe.bus``; the file they are written to and read back from is
-``dflash_core.observe.event_log``'s.
+``dflash_core.observe.event_log``'s. The base class is ``event_base.Event``; the periodic
+samples (GPU, host, queue depths) are ``sample_events``'; this module is the whole vocabulary.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
+
+from dflash_core.observe.event_base import Event
+from dflash_core.observe.sample_events import (  # noqa: F401 - part of the vocabulary
+    HS_QUEUE, GpuSample, HostSample, QueueDepth, prefetch_queue, prefetch_rank,
+)
 
 # Lifecycle states, in order. Terminal states end a run; the engine then waits for the operator.
 STATES = ("idle", "preflight", "loading", "warmup", "training", "finished", "aborted", "failed")
@@ -36,68 +41,6 @@ WORKER_STOPPED = "stopped"
 WORKER_FAILED = "failed"
 WORKER_STATUSES = (WORKER_LOADING, WORKER_WARMUP, WORKER_RUNNING, WORKER_DONE, WORKER_STOPPED,
                    WORKER_FAILED)
-
-# Queue names, QueueDepth.name: one prefetch queue per target ("prefetch-0", ...; batches from
-# its loader thread) and the hidden-states queue from the targets to the drafters.
-HS_QUEUE = "hs"
-_PREFETCH = "prefetch"
-
-
-def prefetch_queue(rank: int) -> str:
-    """The name of target ``rank``'s prefetch queue."""
-    return f"{_PREFETCH}-{rank}"
-
-
-def prefetch_rank(name: str) -> int | None:
-    """The target rank of a prefetch queue's name; None for any other queue."""
-    head, _, tail = name.rpartition("-")
-    return int(tail) if head == _PREFETCH and tail.isdigit() else None
-
-
-def _now() -> float:
-    return time.time()
-
-
-@dataclass(frozen=True)
-class Event:
-    """Base class: every event carries the wall-clock time it was made.
-
-    The class-level flags below say where an event matters; a subclass sets the ones where it
-    differs from these defaults.
-    """
-
-    ts: float = field(default_factory=_now, kw_only=True)
-    kind: ClassVar[str] = "Event"
-    # Fields renamed since events.jsonl files were first written: {old key: field name}, so that
-    # ``from_dict`` still reads an old file.
-    old_names: ClassVar[dict[str, str]] = {}
-    # Rare, and the operator must never miss it: a reader that has fallen far behind and drops
-    # events to catch up keeps this one (the dashboard's event buffer).
-    keep_when_behind: ClassVar[bool] = False
-    # It sets what the dashboard shows (the run, its state, a worker's phase, a plan, an error, a
-    # log line) rather than adding one more point to a series of samples that later ones replace.
-    # Attaching to a long run reads these from the whole run and the samples only from the tail
-    # of events.jsonl.
-    sets_state: ClassVar[bool] = True
-    # Worth a line in train.log and on the headless console (LineThrottle thins the periodic
-    # ones); GPU, host and queue samples are not.
-    in_text_log: ClassVar[bool] = True
-
-    def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["event"] = self.kind
-        return d
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), separators=(",", ":"), default=_json_default)
-
-
-def _json_default(obj: Any) -> Any:
-    # numpy / torch scalars and paths sneak in; keep the line valid JSON.
-    if hasattr(obj, "item"):
-        return obj.item()
-    return str(obj)
-
 
 @dataclass(frozen=True)
 class RunStarted(Event):
@@ -197,47 +140,6 @@ class LoadProgress(Event):
     done: bool = False
     memory_after: int = 0  # bytes allocated on the device once loaded (0 until done)
     kind: ClassVar[str] = "LoadProgress"
-
-
-@dataclass(frozen=True)
-class GpuSample(Event):
-    index: int
-    name: str
-    mem_used: int
-    mem_total: int
-    util: float = -1.0  # percent, -1 unknown
-    temperature: float = -1.0  # celsius, -1 unknown
-    power: float = -1.0  # watts, -1 unknown
-    torch_allocated: int = 0
-    torch_reserved: int = 0
-    role: str = ""  # target | drafter | target+drafter | "" unused
-    limit: int = 0  # bytes this process may use on the GPU (layout.gpu_memory_gib); 0 = the card
-    alloc_retries: int = 0  # caching allocator: times it freed its cache to retry an allocation
-    ooms: int = 0  # allocations that failed even so (each one an OutOfMemoryError)
-    kind: ClassVar[str] = "GpuSample"
-    sets_state: ClassVar[bool] = False
-    in_text_log: ClassVar[bool] = False
-
-
-@dataclass(frozen=True)
-class HostSample(Event):
-    ram_used: int
-    ram_total: int
-    cpu_percent: float
-    process_rss: int = 0
-    kind: ClassVar[str] = "HostSample"
-    sets_state: ClassVar[bool] = False
-    in_text_log: ClassVar[bool] = False
-
-
-@dataclass(frozen=True)
-class QueueDepth(Event):
-    name: str  # prefetch_queue(rank) ("prefetch-0", ...) or HS_QUEUE ("hs")
-    depth: int
-    capacity: int
-    kind: ClassVar[str] = "QueueDepth"
-    sets_state: ClassVar[bool] = False
-    in_text_log: ClassVar[bool] = False
 
 
 @dataclass(frozen=True)
