@@ -355,7 +355,7 @@ class DeviceHours(Event):
     host_target: float = 0.0  # host-hours (CPU runs) of the target workers
     host_drafter: float = 0.0
     # Hours earlier segments of this run folder held that this figure leaves out: a crashed
-    # segment's time after its last checkpoint, attempts that trained nothing, a resume from an
+    # segment's time after its last checkpoint, attempts that failed loading, a resume from an
     # older checkpoint (the run folder's device_hours.json keeps them). GPU and host apart.
     lost_gpu: float = 0.0
     lost_host: float = 0.0

@@ -62,6 +62,10 @@ class Run:
     prep: Prepared | None = None
     resume: ckpt.LoadedCheckpoint | None = None
     hours: HoursMeter | None = None  # the device time it holds, from its announcement on
+    # device_hours.json is written only from when the resume is settled: an attempt refused
+    # before (preflight, a resume on other data or optimizer) changes nothing in the run folder
+    # but its events.jsonl and train.log (its time is in its DeviceHours events).
+    ledger_open: bool = False
 
     # loading and training
     threads: list[threading.Thread] = field(default_factory=list)
@@ -160,7 +164,8 @@ class Run:
             return
         e = meter.event(self.step, reason)
         self.publish(e)
-        if not self.writes_records or self.config is None or self._ledger_failed:
+        if (not self.writes_records or self.config is None or self._ledger_failed
+                or not self.ledger_open):
             return
         try:  # what the run folder's segments held: this figure and what it leaves out
             write_held(self.config.run_dir, e.gpu_hours + e.lost_gpu, e.host_hours + e.lost_host,

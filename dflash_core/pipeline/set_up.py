@@ -83,6 +83,7 @@ class SetUp:
         self._check(cfg)
         if self.resume:
             self._find_resume(cfg)
+        run.ledger_open = True  # preflight passed, the resume settled: device_hours.json may change
         if (self.resume or run.prep.fitted) and self.lead:  # config.yaml: what the run uses
             save_config(cfg, cfg.run_dir / "config.yaml")
 
