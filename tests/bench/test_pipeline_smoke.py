@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 
@@ -25,6 +27,7 @@ def test_the_target_alone_trains_nothing_and_is_timed_outside_the_engine_too():
                      r".*from a thread with its own stream and abort flag: [0-9,]+", text)
 
 
+@pytest.mark.slow  # the fast path: the target-alone run of the same script, above
 def test_the_drafter_alone_trains_on_random_features():
     text = pipeline("--features", "random")
     first, last = map(float, re.search(r"loss ([0-9.]+) -> ([0-9.]+)", text).groups())

@@ -278,9 +278,11 @@ def test_a_browser_gone_mid_session_leaves_no_dashboard(run, tmp_path, how):
         served.close()
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP,
+@pytest.mark.parametrize("sig", [signal.SIGTERM,
+                                 pytest.param(signal.SIGHUP, marks=pytest.mark.slow),
                                  pytest.param(signal.SIGINT, marks=pytest.mark.slow),
-                                 signal.SIGKILL], ids=["SIGTERM", "SIGHUP", "SIGINT", "SIGKILL"])
+                                 pytest.param(signal.SIGKILL, marks=pytest.mark.slow)],
+                         ids=["SIGTERM", "SIGHUP", "SIGINT", "SIGKILL"])  # SIGTERM: the fast path
 def test_serve_ended_by_a_signal_leaves_no_dashboard(run, tmp_path, sig):
     served = Served(run.run_dir)
     browser = browse(served.url, tmp_path / "profile")

@@ -190,6 +190,7 @@ checkpoint.save_checkpoint = save_checkpoint
 """
 
 
+@pytest.mark.slow  # the fast path: test_a_restart_on_another_node_restarts_this_one (the link)
 def test_restart_on_node_0_restarts_every_node_from_its_checkpoint(tmp_path, assets, procs):
     """r on node 0 (its command inbox, as an attached dashboard sends it): both nodes stop at the
     same step boundary, node 0 writes the checkpoint, both resume from it and train the rest of
@@ -285,6 +286,7 @@ run.Run.step_once = step_once
 """
 
 
+@pytest.mark.slow  # the fast path: a killed node (test_killed_node_surfaces_on_node_0...)
 def test_a_node_stuck_before_the_step_exchange_is_named_then_fails_node_0(tmp_path, assets,
                                                                           procs):
     """Node 1's stepping thread hangs before step 3's exchange (its process lives on): node 0
@@ -335,7 +337,9 @@ def test_a_node_stuck_before_the_step_exchange_is_named_then_fails_node_0(tmp_pa
 # A node that fails before it joins
 # --------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("bad, why", [(1, "config"), (0, "folder")])
+# node 1 refused is the slow variant; node 0 refused stays the fast path
+@pytest.mark.parametrize("bad, why", [pytest.param(1, "config", marks=pytest.mark.slow),
+                                      (0, "folder")])
 def test_a_node_refused_before_joining_fails_the_other_at_once(tmp_path, assets, procs, bad,
                                                                why):
     """Node ``bad`` is refused before it joins, on its own: node 1 by the CLI (its config.yaml
@@ -372,6 +376,7 @@ def test_a_node_refused_before_joining_fails_the_other_at_once(tmp_path, assets,
     assert f"node {bad}" in outputs(tmp_path)[other]
 
 
+@pytest.mark.slow  # the fast path: test_an_abort_while_joining_ends_that_node_and_tells_the_others
 def test_a_node_that_never_joins_is_named_after_the_timeout(tmp_path, assets, procs):
     cfg = node_config(tmp_path, assets, nodes__timeout_s=2.0)
     path = write_config(tmp_path / "config.yaml", cfg)

@@ -398,23 +398,21 @@ def test_no_checkpoint_while_a_drafter_that_ignores_stop_is_still_running(tmp_pa
 # Restart, again and again: no thread and no memory left behind
 # --------------------------------------------------------------------------------------------
 
-RESTARTS = 20
-
-
-def test_restarts_leak_no_threads_and_no_memory(tmp_path, assets):
+@pytest.mark.parametrize("restarts", [5, pytest.param(20, marks=pytest.mark.slow)])
+def test_restarts_leak_no_threads_and_no_memory(tmp_path, assets, restarts):
     engine, rec, before = started(long_config(tmp_path, assets, checkpoint__keep=1))
     proc = psutil.Process()
     rec.wait_for(lambda e: isinstance(e, StepMetrics), 30)
     restart_and_train(engine, rec)  # warm-up: first-use allocations and imports are not leaks
     threads0, rss0 = len(threading.enumerate()), proc.memory_info().rss
-    for _ in range(RESTARTS):
+    for _ in range(restarts):
         restart_and_train(engine, rec)
     assert len(threading.enumerate()) <= threads0, [t.name for t in threading.enumerate()]
     grown = proc.memory_info().rss - rss0
-    assert grown < 200 * 2**20, f"RSS grew {grown / 2**20:.0f} MiB over {RESTARTS} restarts"
+    assert grown < 200 * 2**20, f"RSS grew {grown / 2**20:.0f} MiB over {restarts} restarts"
 
     ends = rec.of(RunEnded)
-    assert [e.status for e in ends] == ["aborted"] * (RESTARTS + 1)
+    assert [e.status for e in ends] == ["aborted"] * (restarts + 1)
     assert all(e.step >= 1 for e in ends)
     # each restart resumed from the abort checkpoint of the run before it
     assert [e.step for e in ends] == sorted(e.step for e in ends)

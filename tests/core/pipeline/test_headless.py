@@ -128,7 +128,8 @@ def test_a_run_folder_that_holds_a_run_is_refused_with_exit_2_and_no_traceback(t
     assert (cfg.run_dir / "train.log").read_text() == log_before  # not appended to
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("sig", [pytest.param(signal.SIGINT, marks=pytest.mark.slow),
+                                 signal.SIGTERM], ids=["SIGINT", "SIGTERM"])  # SIGTERM: fast
 def test_signal_during_training_aborts_with_a_checkpoint_and_exits_130(tmp_path, assets, sig):
     target, data = assets
     cfg = make_config(tmp_path, target, data, run__max_steps=0, optim__epochs=200,
