@@ -24,7 +24,7 @@ import torch
 
 from dflash_core.bench_eval.drafting import propose
 from dflash_core.bench_eval.sampling import accept_sampled, choose
-from dflash_core.models.evaluate import drafts_per_round
+from dflash_core.models.evaluate import drafts_per_round, until_stop
 
 
 @dataclass(frozen=True)
@@ -97,11 +97,7 @@ def decode_rows(backend, drafter, prompts: list[list[int]], settings: DecodeSett
                 preds = lg.argmax(-1).tolist()
                 accepted = greedy_accept(d, preds)
                 nxt = preds[accepted]
-            new = d[:accepted] + [nxt]
-            for k, t in enumerate(new):
-                if t in stop:  # the target stops there: so do we
-                    new = new[:k + 1]
-                    break
+            new = until_stop(d[:accepted] + [nxt], stop)
             ids[i].extend(new)
             out[i].tokens.extend(new)
             out[i].acceptance.append(len(new) - 1)

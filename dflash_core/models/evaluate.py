@@ -90,6 +90,15 @@ def _stop_set(eos_token_id) -> frozenset[int]:
     return frozenset([int(eos_token_id)])
 
 
+def until_stop(new: list[int], stops) -> list[int]:
+    """A round's new tokens up to and including the first stop id: the target stops there, so
+    does the decoding."""
+    for k, t in enumerate(new):
+        if t in stops:
+            return new[:k + 1]
+    return new
+
+
 def _as_ids(prompt_ids: Sequence[int] | torch.Tensor) -> list[int]:
     if isinstance(prompt_ids, torch.Tensor):
         return [int(t) for t in prompt_ids.reshape(-1).tolist()]
@@ -175,11 +184,7 @@ def speculative_generate(target_fn: TargetFn, drafter: Drafter | None,
         accepted = 0
         while accepted < len(drafted) and drafted[accepted] == int(preds[accepted]):
             accepted += 1
-        new = drafted[:accepted] + [int(preds[accepted])]
-        for k, t in enumerate(new):
-            if t in stops:  # the target stops there: so do we
-                new = new[:k + 1]
-                break
+        new = until_stop(drafted[:accepted] + [int(preds[accepted])], stops)
         ids.extend(new)
         result.tokens.extend(new)
         result.acceptance.append(len(new) - 1)
