@@ -8,7 +8,6 @@ import dataclasses
 import re
 
 from dflash_core.config.errors import ConfigError
-from dflash_core.config.schema import describe_range
 
 # a set's name is a W&B key's part (eval/<name>/tau) and a word of the log: no '/' or spaces
 NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
@@ -20,18 +19,13 @@ def item_key(i: int, name: str = "") -> str:
 
 def check_prompt_sets(eval_cfg) -> None:
     """Raise ConfigError naming the item and key of the first problem."""
+    from dflash_core.config.load import check_range  # load.py calls this module
+
     seen: dict[str, int] = {}
     for i, s in enumerate(eval_cfg.prompt_sets):
         for f in dataclasses.fields(s):
-            rng, value = f.metadata["range"], getattr(s, f.name)
-            if rng is None:
-                continue
-            lo, hi, lo_in, hi_in = rng
-            if ((lo is not None and (value < lo if lo_in else value <= lo))
-                    or (hi is not None and (value > hi if hi_in else value >= hi))):
-                key = item_key(i, f.name)
-                raise ConfigError(key, f"must be {describe_range(key, rng)}, got {value!r}",
-                                  hint=f"set {key} to a value {describe_range(key, rng)}")
+            if f.metadata["range"] is not None:
+                check_range(item_key(i, f.name), getattr(s, f.name), f.metadata["range"])
         if not s.name:
             raise ConfigError(item_key(i, "name"), "missing: each prompt set needs a name",
                               hint=f"add name: gsm8k (say) to {item_key(i)} in config.yaml")

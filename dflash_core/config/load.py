@@ -104,13 +104,16 @@ def _build(cls: type, data: dict, prefix: str) -> Any:
     return cls(**kwargs)
 
 
-def check_range(key: str, value: float) -> None:
-    lo, hi, lo_in, hi_in = RANGES[key]
+def check_range(key: str, value: float, rng: tuple | None = None) -> None:
+    """Refuse a value outside its key's range (``rng``: a range not in RANGES, such as a list
+    item's key eval.prompt_sets[0].prompts)."""
+    lo, hi, lo_in, hi_in = rng or RANGES[key]
     below = lo is not None and (value < lo if lo_in else value <= lo)
     above = hi is not None and (value > hi if hi_in else value >= hi)
     if below or above or value != value:  # value != value: NaN
-        raise ConfigError(key, f"must be {describe_range(key)}, got {value!r}",
-                          hint=f"set {key} to a value {describe_range(key)} in config.yaml")
+        said = describe_range(key, rng)
+        raise ConfigError(key, f"must be {said}, got {value!r}",
+                          hint=f"set {key} to a value {said} in config.yaml")
 
 
 def _check(cfg: Config) -> None:
