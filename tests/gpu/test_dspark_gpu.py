@@ -16,35 +16,18 @@ from dflash_core.models.dspark import DSparkDrafter
 from dflash_core.models.dspark_calibration import Calibration
 from dflash_core.models.evaluate import evaluation_attention
 from dflash_core.models.trainer import DrafterReplica
-from dflash_core.observe.bus import EventBus
-from dflash_core.observe.events import Error, EvalResult, StepMetrics
+from dflash_core.observe.events import EvalResult, StepMetrics
 from dflash_core.persist import checkpoint as ckpt
-from dflash_core.pipeline.engine import Engine
 from tests.core.engine_fixtures import make_config, make_data, make_target
+from tests.gpu.watch import Watched, watch_flex
 
 STEPS = 6
-
-
-def watched_bus():
-    """A bus with its step metrics, evaluations and errors (as text) collected."""
-    bus = EventBus()
-    steps, evals, errors = [], [], []
-    bus.tap(lambda e: steps.append(e) if isinstance(e, StepMetrics) else None)
-    bus.tap(lambda e: evals.append(e) if isinstance(e, EvalResult) else None)
-    bus.tap(lambda e: errors.append(f"{e.source} {e.phase}: {e.message}\n{e.traceback}")
-            if isinstance(e, Error) else None)
-    return bus, steps, evals, errors
 
 
 def dspark_run(tmp_path: Path, monkeypatch, drafters=(0,)):
     """A DSpark run of STEPS steps on the GPUs: (cfg, steps, evaluations, feature widths seen,
     FlexAttention calls)."""
-    import dflash_core.models.block_attention as ba
-
-    flex_calls = []
-    real_flex = ba.flex_block_attention
-    monkeypatch.setattr(ba, "flex_block_attention",
-                        lambda *a, **k: flex_calls.append(1) or real_flex(*a, **k))
+    flex_calls, _ = watch_flex(monkeypatch)
     widths = []
     accumulate = DrafterReplica.accumulate
 
@@ -58,14 +41,9 @@ def dspark_run(tmp_path: Path, monkeypatch, drafters=(0,)):
     cfg = make_config(tmp_path, target, data, layout__device="cuda", target__dtype="bfloat16",
                       layout__drafters=list(drafters), drafter__objective="dspark",
                       drafter__markov_rank=16, run__max_steps=STEPS, checkpoint__every=3)
-    bus, steps, evals, errors = watched_bus()
-    engine = Engine(cfg, bus=bus)
-    try:
-        engine.start()
-        assert engine.wait(600) == "finished", "\n".join(errors)
-    finally:
-        engine.shutdown()
-    return cfg, steps, evals, widths, flex_calls
+    run = Watched()
+    run.run(cfg, timeout=600)
+    return cfg, run.of(StepMetrics), run.of(EvalResult), widths, flex_calls
 
 
 def test_dspark_trains_on_one_gpu_and_its_checkpoint_is_the_served_folder(tmp_path: Path,

@@ -6,11 +6,10 @@ import torch
 
 from dflash_core import demo
 from dflash_core.config import config_from_dict
-from dflash_core.observe.bus import EventBus
-from dflash_core.observe.events import DeviceHours, Error, EvalResult
-from dflash_core.pipeline.engine import Engine
+from dflash_core.observe.events import DeviceHours, EvalResult
 
 from tests.core.pipeline.test_eval_sets_run import write_sets
+from tests.gpu.watch import Watched
 
 
 def test_a_gpu_run_evaluates_its_prompt_sets_and_counts_gpu_hours(tmp_path, demo_data):
@@ -23,22 +22,15 @@ def test_a_gpu_run_evaluates_its_prompt_sets_and_counts_gpu_hours(tmp_path, demo
     d["cost"].update(gpu_hour_price=2.5)
     cfg = config_from_dict(d)
     assert cfg.layout.device == "cuda"
-    bus = EventBus()
-    seen, errors = [], []
-    bus.tap(seen.append)
-    bus.tap(lambda e: errors.append(f"{e.source}: {e.message}\n{e.traceback}")
-            if isinstance(e, Error) else None)
-    engine = Engine(cfg, bus=bus)
-    engine.start()
-    assert engine.wait(600) == "finished", "\n".join(errors)
-    engine.shutdown()
-    evals = [(e.step, e.prompt_set) for e in seen if isinstance(e, EvalResult)]
+    run = Watched()
+    run.run(cfg, timeout=600)
+    evals = [(e.step, e.prompt_set) for e in run.of(EvalResult)]
     assert evals == [(10, ""), (10, "chat"), (10, "plain"), (20, ""), (20, "chat"),
                      (20, "plain")]
-    for e in seen:
-        if isinstance(e, EvalResult) and e.prompt_set:
+    for e in run.of(EvalResult):
+        if e.prompt_set:
             assert e.prompts == {"chat": 4, "plain": 2}[e.prompt_set] and e.tau >= 1.0
-    hours = [e for e in seen if isinstance(e, DeviceHours)]
+    hours = run.of(DeviceHours)
     end = hours[-1]
     assert end.reason == "end" and end.gpu_target > 0 and end.gpu_drafter > 0
     assert end.host_target == end.host_drafter == 0 and end.price == 2.5

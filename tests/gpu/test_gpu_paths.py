@@ -7,21 +7,10 @@ import pytest
 import torch
 
 from dflash_core.models.block_attention import chunked_block_attention, flex_block_attention
-from dflash_core.observe.bus import EventBus
-from dflash_core.pipeline.engine import Engine
-from dflash_core.observe.events import Error, StepMetrics
+from dflash_core.observe.events import Error, EvalResult, Log, StepMetrics
 from tests.core.engine_fixtures import make_config, make_data, make_target
 from tests.core.models.test_block_attention import dense, inputs
-
-
-def watched_bus() -> tuple[EventBus, list, list[str]]:
-    """A bus with its step metrics and errors (as text, with tracebacks) collected."""
-    bus = EventBus()
-    steps, errors = [], []
-    bus.tap(lambda e: steps.append(e) if isinstance(e, StepMetrics) else None)
-    bus.tap(lambda e: errors.append(f"{e.source} {e.phase}: {e.message}\n{e.traceback}")
-            if isinstance(e, Error) else None)
-    return bus, steps, errors
+from tests.gpu.watch import Watched, watch_flex
 
 
 def drafter_on_gpu(tmp_path: Path, n_batches: int):
@@ -45,21 +34,15 @@ def test_compiled_flex_equals_dense_on_gpu():
 
 
 def test_engine_trains_on_one_gpu_and_frees_memory(tmp_path: Path, monkeypatch):
-    import dflash_core.models.block_attention as ba
-
-    flex_calls = []
-    real_flex = ba.flex_block_attention
-    monkeypatch.setattr(ba, "flex_block_attention",
-                        lambda *a, **k: flex_calls.append(1) or real_flex(*a, **k))
+    flex_calls, _ = watch_flex(monkeypatch)
     target = make_target(tmp_path / "target", head_dim=16)
     data = make_data(tmp_path / "data")
     cfg = make_config(tmp_path, target, data, layout__device="cuda", target__dtype="bfloat16")
-    bus, steps, errors = watched_bus()
+    run = Watched()
     before_threads = {t.name for t in threading.enumerate()}
     base = torch.cuda.memory_allocated()
-    engine = Engine(cfg, bus=bus)
-    engine.start()
-    assert engine.wait(300) == "finished", "\n".join(errors)
+    engine = run.run(cfg, keep=True)
+    steps = run.of(StepMetrics)
     assert len(steps) == cfg.run.max_steps
     assert flex_calls, "the drafter did not run FlexAttention on the GPU"
     assert all(torch.isfinite(torch.tensor(s.loss)) for s in steps)
@@ -82,11 +65,10 @@ def test_engine_trains_two_data_parallel_drafters(tmp_path: Path):
     data = make_data(tmp_path / "data")
     cfg = make_config(tmp_path, target, data, layout__device="cuda", target__dtype="bfloat16",
                       layout__drafters=drafters, run__max_steps=8)
-    bus, steps, errors = watched_bus()
-    engine = Engine(cfg, bus=bus)
-    engine.start()
-    assert engine.wait(300) == "finished", "\n".join(errors)
-    assert errors == []
+    run = Watched()
+    run.run(cfg)
+    assert run.of(Error) == []
+    steps = run.of(StepMetrics)
     assert len(steps) == cfg.run.max_steps
     assert all(torch.isfinite(torch.tensor(s.loss)) for s in steps)
 
@@ -181,29 +163,14 @@ def test_a_gpu_run_evaluates_without_compiling_its_attention(tmp_path: Path, mon
     # At step 200 of the demo on an H200, inductor found no kernel for compiled FlexAttention at
     # one of the evaluation's shapes (NoValidChoicesError). Training uses it; the evaluation
     # must not (no flex call without gradients), and the run says nothing about it.
-    import dflash_core.models.block_attention as ba
-    from dflash_core.observe.events import EvalResult, Log
-
-    real_flex = ba.flex_block_attention
-    in_training, outside = [], []
-
-    def flex(*a, **k):
-        (in_training if torch.is_grad_enabled() else outside).append(1)
-        return real_flex(*a, **k)
-
-    monkeypatch.setattr(ba, "flex_block_attention", flex)
+    in_training, outside = watch_flex(monkeypatch)
     target = make_target(tmp_path / "target", head_dim=16)
     data = make_data(tmp_path / "data")
     cfg = make_config(tmp_path, target, data, layout__device="cuda", run__max_steps=4,
                       eval__every=2)
-    bus, steps, errors = watched_bus()
-    seen = []
-    bus.tap(lambda e: seen.append(e) if isinstance(e, (EvalResult, Log)) else None)
-    engine = Engine(cfg, bus=bus)
-    engine.start()
-    assert engine.wait(300) == "finished", "\n".join(errors)
-    engine.shutdown()
-    evals = [e for e in seen if isinstance(e, EvalResult)]
+    run = Watched()
+    run.run(cfg)
+    evals = run.of(EvalResult)
     assert [e.step for e in evals] == [2, 4] and all(e.tau >= 1.0 for e in evals)
     assert in_training and not outside
-    assert not [e for e in seen if isinstance(e, Log) and "compiled attention" in e.message]
+    assert not [e for e in run.of(Log) if "compiled attention" in e.message]
