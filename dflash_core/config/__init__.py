@@ -5,14 +5,14 @@
 
 from dflash_core.config.errors import ConfigError
 from dflash_core.config.load import (
-    apply_overrides, check_range, config_from_dict, load_config, save_config,
+    apply_overrides, config_from_dict, load_config, save_config,
 )
 from dflash_core.config.recipe import recipe_text
 from dflash_core.config.schema import (
     RANGES, UNBOUNDED, CheckpointConfig, Config, CostConfig, DataConfig, DrafterConfig,
     EvalConfig, KeySpec, LayoutConfig, NodesConfig, OptimConfig, RunConfig, TargetConfig,
-    TelemetryConfig, WandbConfig, config_keys, default_gamma, describe_range, key, key_value,
-    set_key_value,
+    TelemetryConfig, WandbConfig, check_range, config_keys, default_gamma, describe_range, key,
+    key_value, set_key_value,
 )
 
 __all__ = [

@@ -8,6 +8,7 @@ import dataclasses
 import re
 
 from dflash_core.config.errors import ConfigError
+from dflash_core.config.schema import check_range
 
 # a set's name is a W&B key's part (eval/<name>/tau) and a word of the log: no '/' or spaces
 NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
@@ -19,8 +20,6 @@ def item_key(i: int, name: str = "") -> str:
 
 def check_prompt_sets(eval_cfg) -> None:
     """Raise ConfigError naming the item and key of the first problem."""
-    from dflash_core.config.load import check_range  # load.py calls this module
-
     seen: dict[str, int] = {}
     for i, s in enumerate(eval_cfg.prompt_sets):
         for f in dataclasses.fields(s):

@@ -17,7 +17,7 @@ import yaml
 
 from dflash_core.config.errors import ConfigError
 from dflash_core.config.eval_sets import check_prompt_sets
-from dflash_core.config.schema import RANGES, Config, describe_range, key_value
+from dflash_core.config.schema import RANGES, Config, check_range, key_value
 
 
 def _type_name(tp: Any) -> str:
@@ -102,18 +102,6 @@ def _build(cls: type, data: dict, prefix: str) -> Any:
             )
         kwargs[name] = _coerce(value, hints[name], key)
     return cls(**kwargs)
-
-
-def check_range(key: str, value: float, rng: tuple | None = None) -> None:
-    """Refuse a value outside its key's range (``rng``: a range not in RANGES, such as a list
-    item's key eval.prompt_sets[0].prompts)."""
-    lo, hi, lo_in, hi_in = rng or RANGES[key]
-    below = lo is not None and (value < lo if lo_in else value <= lo)
-    above = hi is not None and (value > hi if hi_in else value >= hi)
-    if below or above or value != value:  # value != value: NaN
-        said = describe_range(key, rng)
-        raise ConfigError(key, f"must be {said}, got {value!r}",
-                          hint=f"set {key} to a value {said} in config.yaml")
 
 
 def _check(cfg: Config) -> None:

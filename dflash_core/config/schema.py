@@ -1,7 +1,7 @@
 """The run configuration's keys: one dataclass per section of config.yaml, each key a field made by
-``key``, which holds its default, what it does and its valid range in one place. Loading checks
-the ranges (load.py); ``--set``'s help and docs/config.md list the keys from here
-(reference.py)."""
+``key``, which holds its default, what it does and its valid range in one place; the ranges'
+check is here too (``check_range``: loading calls it for every key, load.py). ``--set``'s help
+and docs/config.md list the keys from here (reference.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Literal, NamedTuple
+
+from dflash_core.config.errors import ConfigError
 
 # A numeric key's valid range: (low, high, low included, high included); None = unbounded.
 Range = tuple[float | None, float | None, bool, bool]
@@ -397,6 +399,18 @@ def describe_range(key_path: str, rng: Range | None = None) -> str:
     if hi is None:
         return f"{'>=' if lo_in else '>'} {lo}"
     return f"in {'[' if lo_in else '('}{lo}, {hi}{']' if hi_in else ')'}"
+
+
+def check_range(key: str, value: float, rng: tuple | None = None) -> None:
+    """Refuse a value outside its key's range (``rng``: a range not in RANGES, such as a list
+    item's key eval.prompt_sets[0].prompts)."""
+    lo, hi, lo_in, hi_in = rng or RANGES[key]
+    below = lo is not None and (value < lo if lo_in else value <= lo)
+    above = hi is not None and (value > hi if hi_in else value >= hi)
+    if below or above or value != value:  # value != value: NaN
+        said = describe_range(key, rng)
+        raise ConfigError(key, f"must be {said}, got {value!r}",
+                          hint=f"set {key} to a value {said} in config.yaml")
 
 
 def key_value(cfg: Config, key_path: str) -> Any:
