@@ -7,11 +7,10 @@ the report's plots (plots.py)."""
 
 from __future__ import annotations
 
-import html
-
 from dflash_core.observe import events as ev
 from dflash_core.observe.device_hours import Figure, figure_text
 
+from .cells import esc
 from .series import FirstLast
 
 EVAL_COLOR = "tab:red"
@@ -81,7 +80,6 @@ def tau_hours_plot(plots, data: HoursData) -> str:
 
 def hours_html(plots, data: HoursData, over: bool) -> str:
     """The page's cost section: to the best checkpoint, to the end (or so far), the plot."""
-    esc = html.escape
     last = data.last
     if last is None:
         return ('<p class="muted">No device time recorded (a run before runs counted it, or '

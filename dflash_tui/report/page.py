@@ -4,7 +4,6 @@ fetched from a network) from a ``RunData``."""
 from __future__ import annotations
 
 import datetime as _dt
-import html
 import json
 
 from dflash_core.config import recipe_text
@@ -15,6 +14,7 @@ from dflash_core.observe.device_hours import Figure, figure_text
 from dflash_core.units import GiB as GIB
 
 from . import plots as P
+from .cells import esc, table
 from .data import MAX_SERIES, RunData
 from .sets import sets_html, summary_text
 from .hours import hours_html
@@ -36,17 +36,6 @@ def _duration(seconds: float) -> str:
     if h:
         return f"{h}h {m:02d}m {s:02d}s"
     return f"{m}m {s:02d}s"
-
-
-def _esc(x) -> str:
-    return html.escape(str(x), quote=True)
-
-
-
-def _table(headers: list[str], rows: list[list]) -> str:
-    head = "".join(f"<th>{_esc(h)}</th>" for h in headers)
-    body = "".join("<tr>" + "".join(f"<td>{_esc(c)}</td>" for c in row) + "</tr>" for row in rows)
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
 def _loss_terms(step) -> str:
@@ -74,10 +63,10 @@ def _plan_html(plan: ev.MemoryPlan) -> str:
                      "-" if free is None else _fmt(free / GIB, ".1f"),
                      "not checked" if free is None else ("yes" if r.get("fits") else "no")])
     out = ("<p>Memory plan (preflight)" + ("" if plan.fits else " — <strong>does not fit</strong>")
-           + ":</p>" + _table(["device", "role", "planned GiB", "free GiB", "fits"], rows))
+           + ":</p>" + table(["device", "role", "planned GiB", "free GiB", "fits"], rows))
     if unchecked:
         on_cpu = all(d.partition(":")[0] == "cpu" for d in unchecked)
-        out += ('<p class="muted">' + _esc(
+        out += ('<p class="muted">' + esc(
             "On the CPU the plan is not checked against a card: there is no free memory to "
             "compare it with, so the planned GiB is an estimate of what the run holds."
             if on_cpu else f"Not checked on {', '.join(unchecked)}: no free memory was measured "
@@ -140,12 +129,12 @@ def render_html(data: RunData, source: str = "") -> str:
     parts: list[str] = []
     add = parts.append
 
-    add(f"<h1>{_esc(title)}</h1>")
-    add(f'<p><span class="status {css_status}">{_esc(status)}</span> '
-        f'<span class="muted">made {_esc(_utc(_dt.datetime.now(_dt.timezone.utc).timestamp()))}'
-        f"{' from ' + _esc(source) if source else ''}</span></p>")
+    add(f"<h1>{esc(title)}</h1>")
+    add(f'<p><span class="status {css_status}">{esc(status)}</span> '
+        f'<span class="muted">made {esc(_utc(_dt.datetime.now(_dt.timezone.utc).timestamp()))}'
+        f"{' from ' + esc(source) if source else ''}</span></p>")
     if data.over:
-        add(f'<p class="ending">{_esc(ending(data))}</p>')
+        add(f'<p class="ending">{esc(ending(data))}</p>')
     add('<nav><a href="#summary">summary</a><a href="#loss">loss</a><a href="#tau">tau</a>'
         '<a href="#cost">cost</a>'
         '<a href="#throughput">samples/s</a><a href="#queues">queues</a>'
@@ -205,11 +194,11 @@ def render_html(data: RunData, source: str = "") -> str:
     rows.append(["events read", f"{data.events} of this run"
                  + ("; " + "; ".join(notes) if notes else "")])
     add('<h2 id="summary">Summary</h2>')
-    add("<table><tbody>" + "".join(f"<tr><th>{_esc(k)}</th><td>{_esc(v)}</td></tr>"
+    add("<table><tbody>" + "".join(f"<tr><th>{esc(k)}</th><td>{esc(v)}</td></tr>"
                                    for k, v in rows) + "</tbody></table>")
     states = data.states.items()
     if states:
-        add("<details><summary>state changes</summary>" + _table(
+        add("<details><summary>state changes</summary>" + table(
             ["time", "elapsed", "state", "from", "reason"],
             [[_utc(x.ts), _duration(x.ts - t0), x.state, x.previous, x.reason] for x in states])
             + "</details>")
@@ -231,8 +220,8 @@ def render_html(data: RunData, source: str = "") -> str:
     if evals:
         more = (f" ({data.evals.dropped} in the middle of the run not listed)"
                 if data.evals.dropped else "")
-        add(f"<details open><summary>exact tau at each evaluation{_esc(more)}</summary>"
-            + _table(["step", "exact tau", "prompts", "time", "elapsed"],
+        add(f"<details open><summary>exact tau at each evaluation{esc(more)}</summary>"
+            + table(["step", "exact tau", "prompts", "time", "elapsed"],
                      [[st, f"{tau:.4f}", n, _utc(ts), _duration(ts - t0)]
                       for ts, st, tau, n in reversed(evals)]) + "</details>")
     if data.sets:
@@ -252,7 +241,7 @@ def render_html(data: RunData, source: str = "") -> str:
     if data.plan:
         add(_plan_html(data.plan))
     if data.gpus:
-        add(_table(["GPU", "name", "role", "last used GiB", "last torch allocated GiB",
+        add(table(["GPU", "name", "role", "last used GiB", "last torch allocated GiB",
                     "card GiB", "limit GiB", "allocator retries", "OOMs"],
                    [[i, g.get("name", ""), g.get("role", ""), _fmt(g["used"].last(), ".1f"),
                      _fmt(g["alloc"].last(), ".1f"), _fmt(g.get("total"), ".1f"),
@@ -265,28 +254,28 @@ def render_html(data: RunData, source: str = "") -> str:
     if errors or stalls:
         add(P.timeline_plot(plots, data, clock))
     elif data.state in ("failed", "aborted"):
-        add(f'<p class="muted">No errors or stalls were recorded. {_esc(ending(data))}</p>')
+        add(f'<p class="muted">No errors or stalls were recorded. {esc(ending(data))}</p>')
     else:
         add(none("errors or stalls"))
     if errors:
         more = f" ({data.errors.dropped} in the middle not listed)" if data.errors.dropped else ""
         rows_html = "".join(
-            "<tr>" + "".join(f"<td>{_esc(c)}</td>" for c in (
+            "<tr>" + "".join(f"<td>{esc(c)}</td>" for c in (
                 _utc(e.ts), _duration(e.ts - t0), e.source, e.error_kind,
                 "fatal" if e.fatal else "no", e.device or "-", e.phase or "-"))
-            + f'<td class="msg">{_esc(e.message)}'
-            + (f"<br><em>hint: {_esc(e.hint)}</em>" if e.hint else "")
-            + (f"<details><summary>traceback</summary><pre>{_esc(e.traceback)}</pre></details>"
+            + f'<td class="msg">{esc(e.message)}'
+            + (f"<br><em>hint: {esc(e.hint)}</em>" if e.hint else "")
+            + (f"<details><summary>traceback</summary><pre>{esc(e.traceback)}</pre></details>"
                if e.traceback else "") + "</td></tr>" for e in errors)
-        add(f"<p>Errors: {data.errors.count}{_esc(more)}</p><table><thead><tr>"
+        add(f"<p>Errors: {data.errors.count}{esc(more)}</p><table><thead><tr>"
             + "".join(f"<th>{h}</th>" for h in ("time", "elapsed", "source", "kind", "fatal",
                                                   "device", "phase", "message"))
             + f"</tr></thead><tbody>{rows_html}</tbody></table>")
     if stalls:
         more = f" ({data.stalls.dropped} in the middle not listed)" if data.stalls.dropped else ""
         open_now = sum(1 for _, c in stalls if c is None)
-        add(f"<p>Stalls: {data.stalls.count}, {open_now} never cleared{_esc(more)}</p>")
-        add(_table(["time", "elapsed", "worker", "phase", "silent s", "where", "cleared"],
+        add(f"<p>Stalls: {data.stalls.count}, {open_now} never cleared{esc(more)}</p>")
+        add(table(["time", "elapsed", "worker", "phase", "silent s", "where", "cleared"],
                    [[_utc(st.ts), _duration(st.ts - t0), st.worker, st.phase,
                      f"{st.seconds:.0f}", st.where,
                      f"after {_duration(c - st.ts)}" if c else "NOT CLEARED"]
@@ -296,12 +285,12 @@ def render_html(data: RunData, source: str = "") -> str:
     add('<h2 id="acceptance">Acceptance (latest evaluation)</h2>')
     if data.last_eval:
         cal = Calibration.from_dict(getattr(data.last_eval, "calibration", None))
-        add(_table(["measure", f"step {data.last_eval.step}", "what it is"],
+        add(table(["measure", f"step {data.last_eval.step}", "what it is"],
                    acceptance.report_rows(data.last_eval)
                    + (acceptance.calibration_rows(cal) if cal is not None else [])))
     if data.last_eval and data.last_eval.acceptance:
         add(f'<div class="small">{P.acceptance_plot(plots, data.last_eval)}</div>')
-        add(_table(["accepted tokens"] + [str(k) for k in range(len(data.last_eval.acceptance))],
+        add(table(["accepted tokens"] + [str(k) for k in range(len(data.last_eval.acceptance))],
                    [["rounds"] + list(data.last_eval.acceptance)]))
     else:
         add(none("evaluations"))
@@ -309,12 +298,12 @@ def render_html(data: RunData, source: str = "") -> str:
     # -- config
     add('<h2 id="config">Resolved config</h2>')
     if s:
-        add(f"<pre>{_esc(_config_text(s.config))}</pre>" if s.config else
+        add(f"<pre>{esc(_config_text(s.config))}</pre>" if s.config else
             '<p class="muted">The run recorded an empty config.</p>')
     else:
         add(none("RunStarted event"))
 
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
-            f"<title>{_esc(title)}</title>"
+            f"<title>{esc(title)}</title>"
             '<meta name="viewport" content="width=device-width, initial-scale=1">'
             f"<style>{_CSS}</style></head><body>\n" + "\n".join(parts) + "\n</body></html>\n")

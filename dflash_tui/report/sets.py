@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dflash_core.observe import events as ev
 
+from .cells import esc, table
 from .series import FirstLast
 
 MAX_SETS = 16  # sets with their own series; a config names a few
@@ -56,8 +57,6 @@ def summary_text(sets: SetSeries) -> str:
 def sets_html(sets: SetSeries) -> str:
     """Two tables: each set (prompts, latest, best, seconds of its latest evaluation), and each
     set's exact tau by step, the newest first."""
-    from .page import _esc, _table  # the page's own cells (it imports this module)
-
     rows = []
     for name in sets.names():
         e, (best, at) = sets.latest[name], sets.best(name)
@@ -73,9 +72,9 @@ def sets_html(sets: SetSeries) -> str:
         if sets.extra else ""
     return ("<p>Exact tau on the named prompt sets (eval.prompt_sets), decoded at each evaluation "
             "as the held-out prompts are; the acceptance section below is the held-out "
-            f"evaluation's.{_esc(more)}</p>"
-            + _table(["set", "prompts", "latest exact tau", "best exact tau",
+            f"evaluation's.{esc(more)}</p>"
+            + table(["set", "prompts", "latest exact tau", "best exact tau",
                       "seconds (latest)", "evaluations"], rows)
             + "<details open><summary>exact tau on each set at each evaluation</summary>"
-            + _table(["step"] + sets.names(), steps) + "</details>")
+            + table(["step"] + sets.names(), steps) + "</details>")
 
