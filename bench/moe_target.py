@@ -9,8 +9,8 @@ throughput and memory do not depend on the values) and each attention implementa
   inference_mode, as one would run it with transformers;
 - engine: TargetModel.features of the run's default layers (5 spread from 1 to N-3; it stops after
   the last one and never computes logits), as the engine's target worker runs it;
-- plan: the memory plan's target tensors for that batch (planning/memory.target_tensors: weights,
-  routed experts, residual stream, layer transient, mask, features) against each one's peak
+- plan: the memory plan's target tensors for that batch (planning/target_memory.target_tensors:
+  weights, routed experts, residual stream, layer transient, mask, features) against each one's peak
   (torch.cuda.max_memory_allocated), and whether the peak stayed under --cap-gib (enforced as
   layout.gpu_memory_gib does, torch.cuda.set_per_process_memory_fraction, to rehearse a 96 GB
   card on a bigger one).
@@ -154,7 +154,7 @@ def _rate(m: Measured) -> str:
 
 def bench_shape(name: str, args, cap: int | None) -> list[str]:
     """Table rows for one shape, one per attention implementation."""
-    from dflash_core.planning.memory import target_tensors
+    from dflash_core.planning.target_memory import target_tensors
 
     shape, rows = SHAPES[name], []
     cuda = args.device == "cuda"

@@ -14,9 +14,8 @@ from dflash_core.models.dspark import DSparkSettings
 from dflash_core.models.model_shape import drafter_matrix_param_count, drafter_param_count
 from dflash_core.persist import checkpoint_size
 from dflash_core.planning import preflight
-from dflash_core.planning.memory import (
-    DSPARK_HEADS, DSPARK_LOSS_BYTES_PER_LOGIT, cuda_margin, plan_memory,
-)
+from dflash_core.planning.drafter_memory import DSPARK_HEADS, DSPARK_LOSS_BYTES_PER_LOGIT
+from dflash_core.planning.memory import cuda_margin, plan_memory
 from dflash_core.units import GiB
 
 from ..models.test_model_shape import QWEN36_27B
