@@ -44,3 +44,8 @@ def check_prompt_sets(eval_cfg) -> None:
         raise ConfigError("eval.best_set", f"{eval_cfg.best_set!r} names no set of "
                           f"eval.prompt_sets ({names})",
                           hint='set eval.best_set to "" (the held-out tau) or to one of them')
+
+
+def set_words(name: str) -> str:
+    """A set as messages name it: "" is the held-out prompts (eval.best_set's default)."""
+    return f"prompt set {name}" if name else "the held-out prompts"

@@ -238,6 +238,7 @@ class Checkpoint(Event):
     seconds: float
     reason: str = "periodic"  # periodic | abort | final | best (checkpoints/best now names it)
     tau: float = -1.0  # with reason "best": the exact tau that made it the best so far
+    prompt_set: str = ""  # with reason "best": the set that tau is on (eval.best_set; "" held-out)
     bytes: int = 0  # on disk (0: not known, e.g. "best" naming an existing one)
     blocked_s: float = 0.0  # training stopped for this; ``seconds`` is staging to durable
     kind: ClassVar[str] = "Checkpoint"

@@ -135,7 +135,9 @@ BEST = "best"  # checkpoints/best: JSON naming the checkpoint with the highest e
 
 
 def read_best(run_dir: str | os.PathLike) -> dict | None:
-    """{"step", "path", "tau"} of the best checkpoint so far, or None (none yet, or unreadable)."""
+    """{"step", "path", "tau", "prompt_set"} of the best checkpoint so far, or None (none yet, or
+    unreadable). "prompt_set": the set whose exact tau it is ("" = the held-out prompts; a
+    marker written before sets were recorded has none)."""
     try:
         with open(Path(run_dir) / CHECKPOINTS / BEST, encoding="utf-8") as f:
             best = json.load(f)
@@ -144,13 +146,16 @@ def read_best(run_dir: str | os.PathLike) -> dict | None:
         return None
 
 
-def mark_best(run_dir: str | os.PathLike, folder: str | os.PathLike, step: int, tau: float) -> None:
+def mark_best(run_dir: str | os.PathLike, folder: str | os.PathLike, step: int, tau: float,
+              prompt_set: str = "") -> None:
     """Point checkpoints/best at ``folder`` (written to a temporary file and renamed, so a reader
-    never sees half of it). Pruning keeps the folder it names."""
+    never sees half of it), ``tau`` measured on ``prompt_set`` (eval.best_set). Pruning keeps the
+    folder it names."""
     root = Path(run_dir) / CHECKPOINTS
     tmp = root / f".{BEST}-{os.getpid()}.tmp"
     with open(tmp, "w", encoding="utf-8") as f:
-        json.dump({"step": int(step), "path": Path(folder).name, "tau": float(tau)}, f)
+        json.dump({"step": int(step), "path": Path(folder).name, "tau": float(tau),
+                   "prompt_set": prompt_set}, f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, root / BEST)

@@ -14,6 +14,7 @@ from typing import Any, Callable
 import torch
 
 from dflash_core.config import CheckpointConfig, ConfigError
+from dflash_core.config.eval_sets import set_words
 from dflash_core.models import dspark_format
 from dflash_core.models.trainer import DrafterReplica
 from dflash_core.observe.events import Checkpoint, CheckpointProgress, Error, Log
@@ -69,12 +70,13 @@ class Checkpointer:
     """Made at warm-up, once the replicas exist. ``state(replica)``: the run's training state at
     its step with that replica's weights and optimizer (what a checkpoint holds; all replicas
     are equal, replica 0's is written and the others stage their copies in parallel).
-    ``records``: this process writes the run's checkpoints (one node, or node 0 of several)."""
+    ``records``: this process writes the run's checkpoints (one node, or node 0 of several).
+    ``best_set``: eval.best_set, the prompt set whose exact tau checkpoints/best follows."""
 
     def __init__(self, cfg: CheckpointConfig, run_dir: Path, publish: Callable[[Any], None], *,
                  replicas: list[DrafterReplica], state: Callable[[DrafterReplica], dict],
                  served_dtype: torch.dtype, optimizer: str, records: bool = True,
-                 beat: Callable[[str], None] | None = None):
+                 beat: Callable[[str], None] | None = None, best_set: str = ""):
         self.cfg, self.run_dir, self.publish = cfg, Path(run_dir), publish
         self.replicas, self._state = replicas, state
         self.served_dtype = served_dtype  # model.safetensors' (drafter.dtype)
@@ -85,6 +87,7 @@ class Checkpointer:
         self.saved_step = -1
         self.saved_path: Path | None = None
         self.best_tau: float | None = None  # exact tau of checkpoints/best (read on first use)
+        self.best_set = best_set
         self._bytes: int | None = None
         self._disk_ok: bool | None = None
         self._disk_checked = 0.0
@@ -191,9 +194,10 @@ class Checkpointer:
                 keep=self.cfg.keep, **self._state(self.replicas[0]),
                 note=lambda m: publish(Log(level="warning", source="checkpoint", message=m)))
             if reason == "best":
-                mark_best(self.run_dir, path, step, tau)
+                mark_best(self.run_dir, path, step, tau, self.best_set)
             publish(Checkpoint(step=step, path=str(path), seconds=time.monotonic() - t,
-                               reason=reason, tau=tau, bytes=self.checkpoint_bytes()))
+                               reason=reason, tau=tau, bytes=self.checkpoint_bytes(),
+                               prompt_set=self._set_of(reason)))
             return path
         t0 = time.monotonic()
         budget = self.cfg.abort_budget_s if reason == "abort" else None
@@ -222,8 +226,7 @@ class Checkpointer:
         evaluation at a step without a checkpoint saves one for it. Resume still uses the
         latest."""
         if self.best_tau is None:
-            best = read_best(self.run_dir)
-            self.best_tau = float(best["tau"]) if best else float("-inf")
+            self.best_tau = self._best_so_far()
         if tau <= self.best_tau or step == 0:
             return
         if self.saved_step == step and self.saved_path is not None:
@@ -231,12 +234,32 @@ class Checkpointer:
                 self.writer.wait_idle()  # it names a folder that must exist
             if not self.saved_path.is_dir():
                 return  # its write failed (said by its Error)
-            mark_best(self.run_dir, self.saved_path, step, tau)  # this step's checkpoint
+            mark_best(self.run_dir, self.saved_path, step, tau, self.best_set)  # this step's
             self.publish(Checkpoint(step=step, path=str(self.saved_path), seconds=0.0,
-                                    reason="best", tau=tau))
+                                    reason="best", tau=tau, prompt_set=self.best_set))
         elif self.save("best", step, tau=tau) is None:
             return  # no room on the disk: said by save
         self.best_tau = tau
+
+    def _best_so_far(self) -> float:
+        """The exact tau checkpoints/best was chosen by, when it is on this run's eval.best_set.
+        A resume that changed eval.best_set compares taus of different prompts: the best is
+        chosen again from the new set's, and the run says so."""
+        best = read_best(self.run_dir)
+        if not best:
+            return float("-inf")
+        before = str(best.get("prompt_set", ""))
+        if before == self.best_set:
+            return float(best["tau"])
+        self.publish(Log(level="warning", source="checkpoint", message=(
+            f"checkpoints/best (step {best['step']}) was chosen by exact tau "
+            f"{float(best['tau']):.4f} on {set_words(before)}; eval.best_set now names "
+            f"{set_words(self.best_set)}: the best is chosen again from its tau, from this "
+            "evaluation on")))
+        return float("-inf")
+
+    def _set_of(self, reason: str) -> str:
+        return self.best_set if reason == "best" else ""
 
     def _outcome(self, reason: str, tau: float) -> Callable[[Outcome], None]:
         prev = (self.saved_path, self.saved_step)
@@ -264,9 +287,10 @@ class Checkpointer:
                 return
             self.saved_path = o.path
             if reason == "best":
-                mark_best(self.run_dir, o.path, o.step, tau)
+                mark_best(self.run_dir, o.path, o.step, tau, self.best_set)
             publish(Checkpoint(step=o.step, path=str(o.path), seconds=o.seconds, reason=reason,
-                               tau=tau, bytes=o.bytes, blocked_s=o.blocked_s))
+                               tau=tau, bytes=o.bytes, blocked_s=o.blocked_s,
+                               prompt_set=self._set_of(reason)))
         return done
 
     def _abandon(self, what: str, budget: float) -> None:

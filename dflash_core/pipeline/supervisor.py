@@ -183,7 +183,8 @@ class Supervisor:
         run.checkpointer = Checkpointer(
             cfg.checkpoint, cfg.run_dir, publish, replicas=run.replicas,
             state=run.training_state, served_dtype=getattr(torch, cfg.drafter.dtype),
-            optimizer=cfg.optim.name, records=run.writes_records, beat=run.heartbeats.beat)
+            optimizer=cfg.optim.name, records=run.writes_records, beat=run.heartbeats.beat,
+            best_set=cfg.eval.best_set)
         run.evaluator = Evaluator(
             cfg.eval, publish, dataset=prep.dataset, eval_indices=prep.eval_indices,
             layer_ids=prep.layer_ids, max_length=cfg.data.max_length,

@@ -94,7 +94,7 @@ class RunData(EventFold):
 
     def _on_EvalResult(self, e: ev.EvalResult) -> None:
         self.hours.evaluated(e)
-        if getattr(e, "prompt_set", ""):  # a prompt set's: its own series, not the held-out's
+        if e.prompt_set:  # a prompt set's: its own series, not the held-out's
             self.sets.add(e)
             return
         self.evals.add((e.ts, e.step, e.tau, e.prompts))

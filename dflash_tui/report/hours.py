@@ -35,7 +35,7 @@ class HoursData:
     def evaluated(self, e: ev.EvalResult) -> None:
         fig = self.at_eval
         if fig is not None and fig.step == e.step:
-            self.points.add((getattr(e, "prompt_set", "") or HELDOUT, e.step, e.tau, fig))
+            self.points.add((e.prompt_set or HELDOUT, e.step, e.tau, fig))
 
     def checkpoint(self, e: ev.Checkpoint) -> None:
         if e.reason == "best":  # marked right after the evaluation of its step

@@ -137,7 +137,8 @@ def second_line(s: DashboardState, width: int) -> list[tuple[int, Text]]:
             ends += f" ({s.plan.max_steps_from} {s.plan.max_steps} is past them)"
         out.append((1, field("ends", ends)))
     if s.best is not None:  # the checkpoint to serve: highest exact tau so far
-        out.append((2, field("best", f"step {s.best.step} τ {s.best.tau:.2f}", "bold")))
+        on = f" on {s.best.prompt_set}" if s.best.prompt_set else ""  # eval.best_set
+        out.append((2, field("best", f"step {s.best.step} τ {s.best.tau:.2f}{on}", "bold")))
     cost = header_text(s)
     if cost:  # the device time held so far (and its money with cost.gpu_hour_price)
         out.append((2, field("cost", cost)))

@@ -90,7 +90,8 @@ def test_run_finishes_with_its_records(tmp_path, assets):
     saved = rec.of(Checkpoint)
     # the end's evaluation is the only one, so it makes the last checkpoint the best
     assert [(c.step, c.reason) for c in saved] == [(3, "periodic"), (6, "periodic"), (6, "best")]
-    assert read_best(run_dir) == {"step": 6, "path": "step-6", "tau": saved[-1].tau}
+    assert read_best(run_dir) == {"step": 6, "path": "step-6", "tau": saved[-1].tau,
+                                "prompt_set": ""}
     for step in (3, 6):
         folder = run_dir / "checkpoints" / f"step-{step}"
         assert {p.name for p in folder.iterdir()} >= {"config.json", "model.safetensors",

@@ -12,6 +12,7 @@ import pytest
 from dflash_core import demo
 from dflash_core.config import config_from_dict
 from dflash_core.observe.events import Checkpoint, Error, EvalResult, LoadProgress, RunEnded
+from dflash_core.persist.checkpoint_folders import read_best
 from dflash_core.pipeline.engine import Engine
 
 TEXTS = ["The value of an expression is ", "Built-in functions and the return ",
@@ -104,7 +105,9 @@ def test_checkpoints_best_follows_the_set_eval_best_set_names(runs):
     best = [c for c in with_sets if isinstance(c, Checkpoint) and c.reason == "best"]
     assert best, "no checkpoints/best was marked"
     for c in best:
-        assert c.tau == plain[c.step]
+        assert c.tau == plain[c.step] and c.prompt_set == "plain"
+    marker = read_best(Path(best[-1].path).parent.parent)
+    assert marker["prompt_set"] == "plain" and marker["step"] == best[-1].step
 
 
 @pytest.mark.parametrize("case, key, says", [
