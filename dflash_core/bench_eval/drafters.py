@@ -191,6 +191,14 @@ def run_hours(folder: Path, run: Path) -> Figure | None:
     return replace(fig, price=price, currency=currency) if price > 0 else fig
 
 
+def priced(spec: DrafterSpec, price: float, currency: str = "") -> DrafterSpec:
+    """``spec`` with its device time at ``price`` per GPU-hour (0: as recorded)."""
+    if price <= 0 or spec.hours is None:
+        return spec
+    return replace(spec, hours=replace(spec.hours, price=price,
+                                       currency=currency or spec.hours.currency))
+
+
 def check_against(spec: DrafterSpec, target: TargetShape) -> None:
     """Refuse a drafter trained for another target: one line naming what differs."""
     cfg = spec.config

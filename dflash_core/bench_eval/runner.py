@@ -56,6 +56,10 @@ class EvalOptions:
     out: str = "eval-results"
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on the CPU
+    # Prices every run checkpoint's GPU-hours (comparing drafters at one price, today's);
+    # 0: each at the price its run recorded, else its run folder's cost.gpu_hour_price.
+    gpu_hour_price: float = 0.0
+    currency: str = ""  # with gpu_hour_price ("": the one the run recorded)
 
 
 @dataclass
@@ -194,7 +198,8 @@ class Evaluation:
         self.folder = _target_folder(opts.target)
         self.target_config = self._target_config()
         self.shape = dk.TargetShape.of(self.target_config)
-        self.specs = [dk.read_drafter(g) for g in opts.drafters]
+        self.specs = [dk.priced(dk.read_drafter(g), opts.gpu_hour_price, opts.currency)
+                      for g in opts.drafters]
         for s in self.specs:
             dk.check_against(s, self.shape)
         dk.unique_labels(self.specs)
@@ -233,7 +238,7 @@ class Evaluation:
         return sets
 
     def _target_config(self):
-        from dflash_core.models.target import TargetLoadError, load_target_config
+        from dflash_core.models.target_config import TargetLoadError, load_target_config
 
         try:
             return load_target_config(self.folder)
@@ -275,7 +280,8 @@ class Evaluation:
     # -- the run ------------------------------------------------------------------------------
     def load(self) -> None:
         from dflash_core.models.evaluate import EVAL_ATTENTION
-        from dflash_core.models.target import TargetLoadError, load_target
+        from dflash_core.models.target_config import TargetLoadError
+        from dflash_core.models.target_load import load_target
 
         t0 = time.monotonic()
         self.say(f"loading the target {self.folder} on {self.device} ({self.dtype})")

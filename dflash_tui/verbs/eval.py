@@ -65,6 +65,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"),
                    default=d.dtype, help="the target's dtype (auto: bfloat16 on CUDA, float32 "
                                          "on the CPU)")
+    p.add_argument("--gpu-hour-price", type=real_number(0.0), default=d.gpu_hour_price,
+                   metavar="PRICE", help="price every run checkpoint's GPU-hours at PRICE, to "
+                   "compare drafters at one price (default 0: the price each run recorded, "
+                   "else its config.yaml's cost.gpu_hour_price)")
+    p.add_argument("--currency", default=d.currency,
+                   help="the currency of --gpu-hour-price (default: the one the run recorded)")
     p.add_argument("--tokenizer", default=None,
                    help="the tokenizer's folder (default: the target's own)")
     p.add_argument("--chat-template", default=None, metavar="FILE",
@@ -79,7 +85,8 @@ def _options(args):
         tokenizer=args.tokenizer, chat_template=args.chat_template, thinking=args.thinking,
         temperature=args.temperature, seed=args.seed, max_new_tokens=args.max_new_tokens,
         batch=args.batch, cache=args.cache, limit=args.limit, out=args.out,
-        device=args.device, dtype=args.dtype)
+        device=args.device, dtype=args.dtype, gpu_hour_price=args.gpu_hour_price,
+        currency=args.currency)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -67,3 +67,32 @@ def test_a_price_set_after_the_run_prices_its_checkpoints(demo_eval, tmp_path, c
     assert main(_args(demo_eval, tmp_path / "out", [ck])) == 0
     cost = [c.strip() for c in rows(capsys.readouterr().out, "cost")[0] if c.strip()]
     assert cost == ["cost", "-", "6.00 EUR"]
+
+
+def test_gpu_hour_price_prices_every_run_checkpoint_at_one_price(demo_eval, tmp_path, capsys):
+    # two runs that recorded different prices (2 USD; none, 3 EUR in its config) compared at 1.5
+    a = run_checkpoint(demo_eval["drafters"][0], tmp_path / "runs" / "a", 300,
+                       Figure(gpu_target=1.5, gpu_drafter=4.5, price=2.0, currency="USD"))
+    b = run_checkpoint(demo_eval["drafters"][0], tmp_path / "runs" / "b", 50,
+                       Figure(gpu_target=1.0, gpu_drafter=1.0), price_in_config=3.0)
+    out = tmp_path / "out"
+    args = _args(demo_eval, out, [a, b, demo_eval["drafters"][1]])
+    assert main(args + ["--gpu-hour-price", "1.5", "--currency", "CHF"]) == 0
+    cost = [c.strip() for c in rows(capsys.readouterr().out, "cost")[0] if c.strip()]
+    assert cost == ["cost", "-", "9.00 CHF", "3.00 CHF", "-"]
+    drafters = json.loads((out / "results.json").read_text())["drafters"]
+    assert drafters["a/step-300"]["cost"] == 9.0 and drafters["b/step-50"]["cost"] == 3.0
+    # a price is no decoding setting: the same folder continues, at the recorded prices again
+    assert main(args) == 0
+    cost = [c.strip() for c in rows(capsys.readouterr().out, "cost")[0] if c.strip()]
+    assert cost == ["cost", "-", "12.00 USD", "6.00 EUR", "-"]
+
+
+def test_a_negative_gpu_hour_price_is_refused(demo_eval, tmp_path, capsys):
+    import pytest
+
+    with pytest.raises(SystemExit) as exc:
+        main(_args(demo_eval, tmp_path / "out", [demo_eval["drafters"][0]])
+             + ["--gpu-hour-price", "-1"])
+    assert exc.value.code == 2
+    assert "--gpu-hour-price: must be >= 0, got -1" in capsys.readouterr().err
