@@ -7,12 +7,16 @@ Time is event time: "now" is the timestamp of the newest event seen. A replayed 
 shows the elapsed time of that run rather than the time since it died, and snapshots are stable.
 Between events a live run's clock is moved on by `tick(wall_time)`, but only while the stream is
 current (its newest event is seconds old): a replay of an old file never jumps to today.
+
+The rows the panels draw (GpuRow, TargetRow, ...) are in state_rows.py; what the panels compute
+from these facts without changing them (ETA, bottleneck, GPU rows with roles, tau gap) is in
+state_views.py, DashboardState's base. Here: the facts and the handlers that keep them.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Iterable
 
 from dflash_core.config import EvalConfig
@@ -20,104 +24,28 @@ from dflash_core.models import acceptance
 from dflash_core.observe import events as ev
 from dflash_core.observe.errors import error_from_exception
 from dflash_core.observe.fold import EventFold
-from dflash_core.planning.card_budget import card_budget
 
 from . import fmt
 from .set_evals import SetEvals
+from .state_rows import (TARGET_LOADED, TARGET_PENDING, ErrorEntry, GpuRow, LogLine, QueueRow,
+                         TargetRow, device_index)
+from .state_views import LIVE_STATES, DashboardViews
 
 if TYPE_CHECKING:
     from .postmortem import PostMortem
 
 PANELS = ("header", "gpus", "targets", "queues", "nodes", "training", "errors", "log")
-LIVE_STATES = ("preflight", "loading", "warmup", "training")
-# Below this share of waiting, neither side is called the bottleneck.
-BOTTLENECK_FRAC = 0.2
 # A stream whose newest event is older than this is a replay (or a hung engine): its clock stays.
 LIVE_CLOCK_S = 30.0
-# A target row's status is its worker's own (ev.WORKER_STATUSES) or one of the dashboard's: no
-# WorkerStatus yet, or its weights are loaded and its warmup not reported yet.
-TARGET_PENDING = "pending"
-TARGET_LOADED = "loaded"
 # The statuses of a target still at work: one that says nothing more once the run ends has stopped.
 _TARGET_AT_WORK = (ev.WORKER_LOADING, TARGET_LOADED, ev.WORKER_WARMUP, ev.WORKER_RUNNING)
 # A worker's last word (its WorkerStatus as its thread ends): one log line each.
 _WORKER_ENDS = (ev.WORKER_DONE, ev.WORKER_STOPPED)
-# How a run that ended is said ("the run failed before loading").
-_ENDED = {"failed": "failed", "aborted": "was aborted", "finished": "finished"}
 
 
 # A GPU with less than this share of its usable memory left (or whose allocator starts retrying)
 # gets one warning in the log until it recovers.
 TIGHT_HEADROOM = 0.03
-
-
-@dataclass
-class GpuRow:
-    index: int
-    name: str = ""
-    role: str = ""
-    mem_used: int = 0
-    mem_total: int = 0
-    torch_allocated: int = 0
-    torch_reserved: int = 0
-    limit: int = 0  # bytes the run may use here (layout.gpu_memory_gib); 0 = the whole card
-    alloc_retries: int = 0
-    ooms: int = 0
-    tight: bool = False  # headroom under TIGHT_HEADROOM or the allocator retrying: warned once
-    plan: int = 0  # preflight estimate of the peak, bytes (0 = no plan for this GPU)
-    plan_fits: bool = True
-    plan_role: str = ""
-    util: float = -1.0
-    temperature: float = -1.0
-    sampled: bool = False  # a GpuSample arrived (plan-only rows have none)
-
-    @property
-    def budget(self) -> int:
-        """What the run may use here: the card, or the rehearsed smaller card of its limit."""
-        return card_budget(self.mem_total, self.limit)
-
-
-@dataclass
-class TargetRow:
-    worker: str
-    device: str = ""
-    # pending | loading | loaded | warmup | running | done | stopped | failed (see TARGET_PENDING)
-    status: str = TARGET_PENDING
-    detail: str = ""
-    bytes_loaded: int = 0
-    bytes_total: int = 0
-    shards_loaded: int = 0
-    shards_total: int = 0
-    seconds: float = 0.0
-    memory_after: int = 0
-    tokens_per_s: float = 0.0
-    batches: int = 0
-    blocked_frac: float = 0.0
-    starved_frac: float = 0.0
-    error: str = ""  # why it failed, from an Error whose source is this worker
-
-
-@dataclass
-class QueueRow:
-    name: str
-    depth: int = 0
-    capacity: int = 0
-    history: deque = field(default_factory=lambda: deque(maxlen=120))
-
-
-@dataclass
-class ErrorEntry:
-    event: ev.Error
-    previous: bool = False  # from the post-mortem of an earlier run, not counted in the header
-
-
-@dataclass
-class LogLine:
-    seq: int
-    ts: float
-    level: str  # debug | info | warning | error
-    source: str
-    text: str
 
 
 def _queue_order(name: str) -> tuple:
@@ -128,13 +56,7 @@ def _queue_order(name: str) -> tuple:
     return (1 if name == ev.HS_QUEUE else 2, 0, name)
 
 
-def _device_index(label: str) -> int | None:
-    """ "cuda:3" -> 3; anything else (cpu:0, cpu) -> None."""
-    kind, _, idx = str(label).partition(":")
-    return int(idx) if kind == "cuda" and idx.isdigit() else None
-
-
-class DashboardState(EventFold):
+class DashboardState(EventFold, DashboardViews):
     """The screen's facts, folded from events by ``_on_<Kind>`` handlers (``EventFold``)."""
 
     def __init__(self, *, log_lines: int = 1000, loss_points: int = 600) -> None:
@@ -363,7 +285,7 @@ class DashboardState(EventFold):
         # A GPU shared by a target and a drafter may come as two rows: add them up.
         plans: dict[int, list[dict]] = {}
         for r in e.rows:
-            idx = _device_index(r.get("device", ""))
+            idx = device_index(r.get("device", ""))
             if idx is not None:
                 plans.setdefault(idx, []).append(r)
         for idx, rows in plans.items():
@@ -381,14 +303,6 @@ class DashboardState(EventFold):
     def _on_DrafterMetrics(self, e: ev.DrafterMetrics) -> set[str]:
         self.drafter_times[e.worker] = e
         return {"training"}
-
-    def drafter_shares(self) -> dict[str, float] | None:
-        """Where the drafters' time went lately, averaged over them (None before any report)."""
-        ms = list(self.drafter_times.values())
-        if not ms:
-            return None
-        keys = ("waiting", "compute", "barrier", "step")
-        return {k: sum(getattr(m, f"{k}_frac") for m in ms) / len(ms) for k in keys}
 
     def _on_QueueDepth(self, e: ev.QueueDepth) -> set[str]:
         row = self.queues.get(e.name)
@@ -425,23 +339,6 @@ class DashboardState(EventFold):
         self.add_log("info", "eval", f"step {e.step} on {acceptance.evaluated_on(e)}: "
                      f"{acceptance.summary_line(e)}")
         return {"training", "log"}
-
-    def accepted_by_position(self) -> list[float]:
-        """Of the latest evaluation: how often position k (1..) of a drafted block was accepted,
-        i.e. the share of rounds that accepted k or more drafted tokens."""
-        return acceptance.accepted_at(self.eval.acceptance if self.eval else [])
-
-    @property
-    def tau_gap(self) -> float | None:
-        """The mismatch gap of the latest evaluation: teacher-forced tau on the target's own
-        decoding minus exact tau (an older run's events, without it: the step's teacher-forced
-        tau minus exact). None before an evaluation."""
-        if self.eval is not None and self.eval.tau_tf_target >= 0:
-            return self.eval.tau_tf_target - self.eval.tau
-        if not self.eval_history or self.eval_history[-1][2] is None:
-            return None
-        _, tau, tf = self.eval_history[-1]
-        return tf - tau
 
     def _on_DeviceHours(self, e: ev.DeviceHours) -> set[str]:
         self.hours = e
@@ -507,113 +404,3 @@ class DashboardState(EventFold):
         if pm.last_error is not None:
             self.add_error(pm.last_error, previous=True)
         return {"log", "errors"}
-
-    # ---------------------------------------------------------------- derived view
-
-    @property
-    def live(self) -> bool:
-        return self.state in LIVE_STATES
-
-    @property
-    def ended(self) -> bool:
-        return self.state in ev.TERMINAL_STATES
-
-    @property
-    def current_step(self) -> int | None:
-        """The step the run is at: its last one once it ended, the newest step's, else the one
-        it starts from (None while a resume has not said which)."""
-        if self.end_step is not None:
-            return self.end_step
-        if self.step is not None:
-            return self.step.step
-        return self.start_step
-
-    def ended_before(self, phase: str) -> str:
-        """'the run failed before loading' when the run ended before it reached ``phase`` (a
-        lifecycle state); "" while it runs or once it got there. An empty panel says it."""
-        if not self.ended or self.ended_in not in ev.STATES:
-            return ""
-        if ev.STATES.index(self.ended_in) >= ev.STATES.index(phase):
-            return ""
-        return f"the run {_ENDED[self.state]} before {phase}"
-
-    @property
-    def failure(self) -> ev.Error | None:
-        """The fatal error that ended this run, when it failed."""
-        if self.state != "failed":
-            return None
-        return next((x.event for x in reversed(self.errors)
-                     if x.event.fatal and not x.previous), None)
-
-    @property
-    def error_count(self) -> int:
-        return sum(1 for x in self.errors if not x.previous)
-
-    @property
-    def elapsed(self) -> float | None:
-        if self.started_ts is None:
-            return None
-        end = self.end_ts if self.end_ts is not None else self.now
-        return max(0.0, end - self.started_ts)
-
-    @property
-    def steps_per_s(self) -> float:
-        if len(self._step_window) < 2:
-            return 0.0
-        (t0, s0), (t1, s1) = self._step_window[0], self._step_window[-1]
-        return (s1 - s0) / (t1 - t0) if t1 > t0 and s1 > s0 else 0.0
-
-    @property
-    def eta(self) -> float | None:
-        if self.state != "training" or not self.total_steps or self.step is None:
-            return None
-        r = self.steps_per_s
-        return max(0, self.total_steps - self.step.step) / r if r > 0 else None
-
-    @property
-    def wandb(self) -> str:
-        s = self.sinks.get("wandb")
-        if s is None:
-            return ""
-        return s.detail if s.status == "ok" and s.detail else f"{s.status}{': ' + s.detail if s.detail else ''}"
-
-    @property
-    def cpu_only(self) -> bool:
-        labels = self.target_labels + self.drafter_labels
-        return not self.gpus and all(_device_index(x) is None for x in labels)
-
-    def gpu_rows(self) -> list[GpuRow]:
-        """GPU rows in index order. Role: the sample's own, else RunStarted's device labels, else
-        the memory plan's."""
-        roles: dict[int, set[str]] = {}
-        for role, labels in (("target", self.target_labels), ("drafter", self.drafter_labels)):
-            for label in labels:
-                idx = _device_index(label)
-                if idx is not None:
-                    roles.setdefault(idx, set()).add(role)
-        rows = []
-        for idx in sorted(set(self.gpus) | set(roles)):
-            row = self.gpus.get(idx) or GpuRow(idx)
-            if not row.role:
-                row = replace(row, role="+".join(r for r in ("target", "drafter") if r in roles[idx])
-                              if idx in roles else row.plan_role)
-            rows.append(row)
-        return rows
-
-    def bottleneck(self) -> str:
-        """Which side of the HS queue waits on the other, in words; "" before any flow data."""
-        running = [t for t in self.targets.values() if t.status == ev.WORKER_RUNNING]
-        if self.step is None and not running:
-            return ""
-        blocked = max([self.step.target_blocked_frac if self.step else 0.0]
-                      + ([sum(t.blocked_frac for t in running) / len(running)] if running else []))
-        starved = sum(t.starved_frac for t in running) / len(running) if running else 0.0
-        waited = self.step.drafter_wait_frac if self.step else 0.0
-        if blocked >= BOTTLENECK_FRAC and blocked >= waited:
-            return f"drafter-bound: targets blocked {fmt.pct(blocked)} of the time"
-        if waited >= BOTTLENECK_FRAC and starved >= BOTTLENECK_FRAC:
-            return (f"data-bound: targets starved {fmt.pct(starved)} of the time, "
-                    f"drafter waited {fmt.pct(waited)}")
-        if waited >= BOTTLENECK_FRAC:
-            return f"target-bound: drafter waited {fmt.pct(waited)} of the time"
-        return "balanced"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 from dflash_core.observe import events as ev
+from dflash_tui.state import DashboardState
 
 T0 = 1_750_000_000.0  # fixed start; every ts below is T0 + seconds
 GIB = 1024**3
@@ -251,3 +252,10 @@ def evaluated(steps: int = 120) -> list[ev.Event]:
                               acceptance=[5, 9, 12, 11, 9, 8, 7, 6, 5, 4, 3, 3, 2, 2, 1, 1])
         out.append(e)
     return out
+
+
+def fold(events: list[ev.Event]) -> DashboardState:
+    """A dashboard state that has seen ``events`` (no Textual: the fold alone)."""
+    s = DashboardState()
+    s.apply_all(events)
+    return s
