@@ -34,7 +34,8 @@ from dflash_core.models.drafter import DFlashDrafter
 from dflash_core.models.dspark import ARCHITECTURE as DSPARK_ARCHITECTURE
 from dflash_core.models.dspark import DSparkDrafter
 from dflash_core.models.model_shape import text_config
-from dflash_core.observe.device_hours import Figure, read_checkpoint_figure
+from dflash_core.observe.device_hours import Figure
+from dflash_core.persist.hours_ledger import read_checkpoint_figure
 
 _DFLASH_KEYS = ("block_size", "mask_token_id", "target_layer_ids")
 _FROZEN = ("embed_tokens.weight", "lm_head.weight")  # served copies of the target's own

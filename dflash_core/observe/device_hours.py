@@ -1,7 +1,7 @@
 """A run's device time as a figure, in records and in words: what a DeviceHours event says
-(events.py), how a checkpoint records it (training_state.json, ``trainer.device_hours``) and how
-it is read back (a resume, ``dflash-tui eval``), and the words every reader prints (train.log,
-the dashboard, the report, eval's table). The meter that counts it: pipeline/hours_meter.py.
+(events.py), the record a checkpoint keeps of it (training_state.json, ``trainer.device_hours``;
+a checkpoint folder's is read by persist/hours_ledger.py for ``dflash-tui eval``), and the words
+every reader prints (train.log, the dashboard, the report, eval's table). The meter that counts it: pipeline/hours_meter.py.
 
 GPU-hours are what a user pays for: every GPU the run holds, from the run's start to its end,
 split equally among the workers (targets, drafters) on it. A run on the CPU holds the host, not a
@@ -11,9 +11,7 @@ GPU-hours; a price per GPU-hour never applies to it.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, fields
-from pathlib import Path
 
 from dflash_core.observe.events import DeviceHours
 
@@ -69,19 +67,6 @@ class Figure:
     def of_event(cls, e: DeviceHours) -> Figure:
         return cls(e.gpu_target, e.gpu_drafter, e.host_target, e.host_drafter, e.since_step,
                    e.price, e.currency)
-
-
-def read_checkpoint_figure(folder: str | Path) -> Figure | None:
-    """The figure a checkpoint folder recorded (its training_state.json), without reading its
-    tensors; None for a folder of another kind, or one written before the figure was."""
-    from dflash_core.persist.checkpoint_layout import STATE_JSON
-
-    try:
-        state = json.loads((Path(folder) / STATE_JSON).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    trainer = state.get("trainer") if isinstance(state, dict) else None
-    return Figure.from_record(trainer.get(RECORD_KEY)) if isinstance(trainer, dict) else None
 
 
 # -- words ----------------------------------------------------------------------------------------

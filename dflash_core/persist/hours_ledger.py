@@ -6,7 +6,7 @@ figure; the time a segment held after its last checkpoint (a crash, a kill) is i
 This file keeps the total the run folder's segments held, written with each DeviceHours event
 (about every half minute), so a resume can say what was held and lost: the total here less the
 checkpoint's figure. Only node 0 (or the one node) writes it; a missing or unreadable file reads
-as nothing held.
+as nothing held. A checkpoint's own figure is read here too (``read_checkpoint_figure``).
 """
 
 from __future__ import annotations
@@ -15,6 +15,9 @@ import json
 import os
 import threading
 from pathlib import Path
+
+from dflash_core.observe.device_hours import RECORD_KEY, Figure
+from dflash_core.persist.checkpoint_layout import STATE_JSON
 
 LEDGER = "device_hours.json"
 _lock = threading.Lock()  # the periodic figure (the engine's thread) and an evaluation's
@@ -40,3 +43,14 @@ def write_held(run_dir: str | os.PathLike, gpu: float, host: float, step: int) -
             os.replace(tmp, path)
         finally:
             tmp.unlink(missing_ok=True)
+
+
+def read_checkpoint_figure(folder: str | Path) -> Figure | None:
+    """The figure a checkpoint folder recorded (its training_state.json), without reading its
+    tensors; None for a folder of another kind, or one written before the figure was."""
+    try:
+        state = json.loads((Path(folder) / STATE_JSON).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    trainer = state.get("trainer") if isinstance(state, dict) else None
+    return Figure.from_record(trainer.get(RECORD_KEY)) if isinstance(trainer, dict) else None

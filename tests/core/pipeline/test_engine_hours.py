@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from dflash_core.observe.device_hours import RECORD_KEY, Figure, read_checkpoint_figure
+from dflash_core.observe.device_hours import RECORD_KEY, Figure
+from dflash_core.persist.hours_ledger import read_checkpoint_figure
 from dflash_core.observe.event_log import read_events
 from dflash_core.observe.events import DeviceHours, EvalResult, RunEnded, StepMetrics
 from dflash_core.persist.hours_ledger import read_held
