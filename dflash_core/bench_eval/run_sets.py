@@ -43,7 +43,7 @@ def prepare_sets(cfg: EvalConfig, target_path: Path, target_name: str,
     if not cfg.prompt_sets:
         return []
     from dflash_core.models.model_shape import text_config
-    from dflash_core.models.target import TargetLoadError, load_target_config
+    from dflash_core.models.target_config import TargetLoadError, load_target_config
 
     try:
         tokenizer = load_chat_tokenizer(tokenizer_spec(Path(target_path), None))

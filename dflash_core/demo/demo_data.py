@@ -25,7 +25,7 @@ def load_lm(target_folder: Path):
     demo target for its server and data; any folder for ``data inspect``'s agreement)."""
     from transformers import AutoModelForCausalLM
 
-    from dflash_core.models.target import HF_BUILD_LOCK
+    from dflash_core.models.target_load import HF_BUILD_LOCK
 
     with quiet_hf(), HF_BUILD_LOCK:
         model = AutoModelForCausalLM.from_pretrained(target_folder, dtype=torch.float32,

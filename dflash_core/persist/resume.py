@@ -89,7 +89,7 @@ def expected_drafter_config(cfg: Config, target_path: Path, layer_ids: list[int]
             raise ConfigError("drafter.init_from", f"cannot read {path}: {exc}",
                               hint="point drafter.init_from at a drafter checkpoint folder") from exc
     from dflash_core.models.drafter import build_drafter_config
-    from dflash_core.models.target import load_target_config
+    from dflash_core.models.target_config import load_target_config
 
     d = cfg.drafter
     target_config = load_target_config(Path(target_path), cfg.target.trust_remote_code)

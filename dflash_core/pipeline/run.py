@@ -16,7 +16,7 @@ import torch
 from dflash_core.config import Config
 from dflash_core.data import Prefetcher
 from dflash_core.models import dspark_format
-from dflash_core.models.target import LoadAborted
+from dflash_core.models.target_load import LoadAborted
 from dflash_core.models.trainer import DrafterReplica, RateMeter, StepBarrier, reduce_and_step
 from dflash_core.multinode.node_link import NodeLink
 from dflash_core.observe.device_hours import RECORD_KEY

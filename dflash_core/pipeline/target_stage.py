@@ -23,7 +23,8 @@ from dflash_core.observe.events import (
 )
 from dflash_core.models.handoff import ready_event
 from dflash_core.pipeline.hs_queue import Handoff, HiddenStateQueue
-from dflash_core.models.target import ForwardInterrupted, TargetModel, load_target
+from dflash_core.models.target import ForwardInterrupted, TargetModel
+from dflash_core.models.target_load import load_target
 from dflash_core.observe.watchdog import Heartbeats
 from dflash_core.pipeline.workers import POLL_S, Stopped, UpstreamFailed, use_device
 

@@ -76,7 +76,7 @@ def test_dspark_trains_on_one_gpu_and_its_checkpoint_is_the_served_folder(tmp_pa
     for name, value in back.state_dict().items():
         assert torch.equal(value.cpu(), masters[name].bfloat16().float()), name
     head = dspark_format.load_head(folder)
-    from dflash_core.models.target import load_target
+    from dflash_core.models.target_load import load_target
 
     target = load_target(cfg.target.path, device="cuda", dtype="bfloat16")
     assert torch.equal(head["lm_head.weight"].cuda(), target.lm_head.weight)

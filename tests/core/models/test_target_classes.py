@@ -14,7 +14,9 @@ import torch
 from safetensors.torch import save_file
 from transformers import Qwen3_5MoeForConditionalGeneration
 
-from dflash_core.models.target import TargetLoadError, TargetModel, load_target
+from dflash_core.models.target import TargetModel
+from dflash_core.models.target_config import TargetLoadError
+from dflash_core.models.target_load import load_target
 
 from .target_classes import LAYERS, MOE, TINY, VOCAB, build
 

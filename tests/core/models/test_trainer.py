@@ -7,7 +7,8 @@ import torch
 
 from dflash_core.data import BatchStream, ShardedDataset
 from dflash_core.models.drafter import DFlashDrafter, build_drafter_config
-from dflash_core.models.target import default_layer_ids, load_target
+from dflash_core.models.target_config import default_layer_ids
+from dflash_core.models.target_load import load_target
 from dflash_core.models.trainer import STATS, make_replicas, prepare_batch, reduce_and_step
 
 from ..engine_fixtures import VOCAB, assets, make_config  # noqa: F401 - assets is a fixture

@@ -16,6 +16,7 @@ from dflash_core.persist import checkpoint as ckpt
 from dflash_core.persist.checkpoint_folders import latest_checkpoint
 from dflash_core.data import batching as data_mod
 from dflash_core.models import target as target_mod
+from dflash_core.models import target_load
 from dflash_core.pipeline import target_stage
 from dflash_core.observe.events import (
     WORKER_STOPPED, Checkpoint, Error, LoadProgress, Log, QueueDepth, RunEnded, StateChanged,
@@ -234,8 +235,8 @@ def test_abort_during_preflight(tmp_path, assets, monkeypatch):
 
 def test_abort_during_loading(tmp_path, assets, monkeypatch):
     # The real loader, made slow: small reads, a progress report after each, each report slow.
-    monkeypatch.setattr(target_mod, "_READ_CHUNK", 4096)
-    monkeypatch.setattr(target_mod, "_REPORT_EVERY_S", 0.0)
+    monkeypatch.setattr(target_load, "_READ_CHUNK", 4096)
+    monkeypatch.setattr(target_load, "_REPORT_EVERY_S", 0.0)
     original = target_stage.load_target
 
     def slow_load(*args, progress=None, **kwargs):
