@@ -47,7 +47,8 @@ from dflash_core.models import drafter_kinds, dspark_loss
 from dflash_core.models import objective as obj
 from dflash_core.models.drafter_objective import DSPARK_LOSS_CHUNK, DSPARK_MARKOV_RANK
 from dflash_core.models.model_shape import model_shape
-from dflash_core.models.trainer import ANCHOR_PAD, make_replicas, prepare_batch, reduce_and_step
+from dflash_core.models.replica import ANCHOR_PAD, prepare_batch
+from dflash_core.models.trainer import make_replicas, reduce_and_step
 from dflash_core.planning.memory import plan_memory
 
 # name -> the target's config.json (the releases' own; a tiny Qwen3 for the CPU smoke run)

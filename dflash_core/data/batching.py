@@ -145,7 +145,7 @@ class Batch:
     num_tokens: int  # real tokens
     padded_tokens: int  # n * L
     padding_frac: float
-    # Made by the loader thread for the drafter (trainer.prepare_batch): [n, A] anchors, -1
+    # Made by the loader thread for the drafter (replica.prepare_batch): [n, A] anchors, -1
     # padded, and their [n, A, B] block labels, so the drafter's GPU never waits for host work.
     anchors: torch.Tensor | None = None
     labels: torch.Tensor | None = None

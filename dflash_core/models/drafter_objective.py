@@ -50,7 +50,7 @@ def confidence_head(cfg) -> bool:
 
 
 def label_width(cfg) -> int:
-    """Width of the block labels the loaders prepare (trainer.prepare_batch): B for DFlash, B+1
+    """Width of the block labels the loaders prepare (replica.prepare_batch): B for DFlash, B+1
     for DSpark (its slot j is labelled with the token at anchor+j+1; DSparkDrafter.label_width)."""
     return int(cfg.drafter.block_size) + int(is_dspark(cfg))
 

@@ -52,7 +52,7 @@ def batch_anchors(loss_masks: list[np.ndarray], num_anchors: int, seed: int, epo
 def sequences_per_group(micro_block_tokens: int, block_tokens_per_sequence: int) -> int:
     """How many sequences one drafter forward/backward takes, so that at most
     ``micro_block_tokens`` block tokens (anchors x block size per sequence) are live; at least
-    one. trainer.py groups a batch by it, and the memory plan sizes activations by it."""
+    one. replica.py groups a batch by it, and the memory plan sizes activations by it."""
     return max(1, micro_block_tokens // max(1, block_tokens_per_sequence))
 
 

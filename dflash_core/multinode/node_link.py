@@ -38,7 +38,7 @@ from dflash_core.models.trainer import RateMeter
 
 if TYPE_CHECKING:  # the run's parts, named for the reader only: the link never builds them
     from dflash_core.data import Prefetcher
-    from dflash_core.models.trainer import DrafterReplica
+    from dflash_core.models.replica import DrafterReplica
     from dflash_core.observe.watchdog import Heartbeats
     from dflash_core.persist.checkpoint import LoadedCheckpoint
     from dflash_core.persist.data_position import DataPosition

@@ -23,7 +23,8 @@ from dflash_core.data import Prefetcher
 from dflash_core.models import drafter_objective
 from dflash_core.models.compile_guard import serialize_triton_autotuning
 from dflash_core.models.drafter_kinds import dspark_settings
-from dflash_core.models.trainer import ANCHOR_PAD, StepBarrier, build_replicas, prepare_batch
+from dflash_core.models.replica import ANCHOR_PAD, prepare_batch
+from dflash_core.models.trainer import StepBarrier, build_replicas
 from dflash_core.observe.bus import EventBus
 from dflash_core.observe.errors import error_event
 from dflash_core.observe.events import Log, TrainingPlan, prefetch_queue

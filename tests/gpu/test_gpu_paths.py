@@ -119,7 +119,8 @@ def test_a_drafter_step_synchronises_with_the_gpu_once(tmp_path: Path):
     import warnings
 
     from dflash_core.models.handoff import ready_event
-    from dflash_core.models.trainer import ANCHOR_PAD, make_replicas, prepare_batch, reduce_and_step
+    from dflash_core.models.replica import ANCHOR_PAD, prepare_batch
+    from dflash_core.models.trainer import make_replicas, reduce_and_step
     from tests.core.models.test_trainer import head_copies
 
     cfg, gpu, tm, batches, feats, init = drafter_on_gpu(tmp_path, 3)

@@ -9,13 +9,8 @@ import torch
 
 from dflash_core.models.drafter_kinds import ObjectiveMismatch, new_drafter
 from dflash_core.models.dspark import DSparkDrafter, DSparkSettings
-from dflash_core.models.trainer import (
-    STATS,
-    build_replicas,
-    make_replicas,
-    prepare_batch,
-    reduce_and_step,
-)
+from dflash_core.models.replica import STATS, prepare_batch
+from dflash_core.models.trainer import build_replicas, make_replicas, reduce_and_step
 
 from ..engine_fixtures import VOCAB, assets, make_config  # noqa: F401 - assets is a fixture
 from .test_trainer import drafter_setup, head_copies

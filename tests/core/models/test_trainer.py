@@ -9,7 +9,8 @@ from dflash_core.data import BatchStream, ShardedDataset
 from dflash_core.models.drafter import DFlashDrafter, build_drafter_config
 from dflash_core.models.target_config import default_layer_ids
 from dflash_core.models.target_load import load_target
-from dflash_core.models.trainer import STATS, make_replicas, prepare_batch, reduce_and_step
+from dflash_core.models.replica import STATS
+from dflash_core.models.trainer import make_replicas, reduce_and_step
 
 from ..engine_fixtures import VOCAB, assets, make_config  # noqa: F401 - assets is a fixture
 
@@ -72,35 +73,6 @@ def _setup(tmp_path, assets, n_batches=2):
     target, data = assets
     cfg = make_config(tmp_path, target, data)
     return (cfg, *drafter_setup(cfg, target, data, n_batches))
-
-
-def test_gradients_accumulate_into_the_flat_buffer_one_reduction_sums(tmp_path, assets):
-    cfg, tm, batches, feats, init = _setup(tmp_path, assets)
-    (rep,) = make_replicas(init, [torch.device("cpu")], cfg.drafter, cfg.optim, *head_copies(tm))
-    rep.accumulate(batches[0], feats[0], cfg.run.seed)
-    lo, hi = rep.flat.data_ptr(), rep.flat.data_ptr() + rep.grad_numel * 4
-    for p in rep.params():
-        assert lo <= p.grad.data_ptr() < hi, "a gradient left the flat buffer: not reduced"
-    assert rep.grads.abs().sum() > 0
-    assert torch.equal(torch.cat([p.grad.reshape(-1) for p in rep.params()]), rep.grads)
-
-
-def test_loader_made_anchors_and_labels_train_like_the_drafters_own(tmp_path, assets):
-    # The loader thread prepares each batch's anchors and labels; the step must be the same as
-    # when the drafter makes them itself (an older or foreign batch).
-    cfg, tm, batches, feats, init = _setup(tmp_path, assets, 1)
-    cpu = torch.device("cpu")
-    prepared = prepare_batch(batches[0], cfg.drafter.num_anchors, 4, cfg.run.seed)
-    assert prepared.labels.shape[:2] == prepared.anchors.shape and prepared.labels.shape[2] == 4
-    results = []
-    for batch in (batches[0], prepared):
-        (rep,) = make_replicas(copy.deepcopy(init), [cpu], cfg.drafter, cfg.optim, *head_copies(tm))
-        rep.accumulate(batch, feats[0], cfg.run.seed)
-        results.append((reduce_and_step([rep], 0, 10), rep.drafter.state_dict()))
-    (a, wa), (b, wb) = results
-    assert a.loss == b.loss and a.grad_norm == b.grad_norm and a.tau_tf == b.tau_tf
-    for k in wa:
-        assert torch.equal(wa[k], wb[k])
 
 
 class Doubling:

@@ -26,7 +26,7 @@ from dflash_core.observe.sinks.jsonl import JsonlSink
 from dflash_core.observe.sinks.textlog import TextLogSink
 from dflash_core.observe.sinks.wandb_sink import WandbSink
 from dflash_core.observe.telemetry import TelemetrySampler
-from dflash_core.models.trainer import DrafterReplica
+from dflash_core.models.replica import DrafterReplica
 
 from ..engine_fixtures import (  # noqa: F401 - assets, shutdown_started_engines: fixtures
     FAIL_WITHIN_S, Recorder, assets, ended, long_config, make_config, restart_and_train,
