@@ -40,3 +40,19 @@ def demo_data(demo_target, dflash_cache) -> Path:
     from dflash_core.demo import ensure_demo_data
 
     return ensure_demo_data(demo_target, dflash_cache)
+
+
+@pytest.fixture(scope="session")
+def _hf_modules_root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("hf-modules")
+
+
+@pytest.fixture
+def hf_modules_cache(_hf_modules_root, monkeypatch) -> Path:
+    """Where transformers copies a folder's own Python code (auto_map) for a test: ONE folder for
+    the whole session. Python imports ``transformers_modules`` from the first such folder on
+    sys.path, so a second folder in the same process would hide the modules copied into it."""
+    import transformers.dynamic_module_utils as dmu
+
+    monkeypatch.setattr(dmu, "HF_MODULES_CACHE", str(_hf_modules_root))
+    return _hf_modules_root

@@ -32,13 +32,14 @@ def tokenizer_spec(target_folder: Path, tokenizer: str | None) -> str:
     return str(target_folder)
 
 
-def load_chat_tokenizer(spec: str, chat_template: str | None = None):
+def load_chat_tokenizer(spec: str, chat_template: str | None = None,
+                        trust_remote_code: bool = False):
     """The tokenizer with its chat template (data.chat_render's loader); its errors as one line."""
     from dflash_core.data.chat_render import load_tokenizer
     from dflash_core.data.shards import DataError
 
     try:
-        return load_tokenizer(spec, chat_template)
+        return load_tokenizer(spec, chat_template, trust_remote_code)
     except DataError as exc:
         raise EvalInputError(str(exc), hint=getattr(exc, "hint", "") or
                              "pass --tokenizer the target's model folder") from exc

@@ -46,7 +46,8 @@ def prepare_sets(cfg: EvalConfig, target_path: Path, target_name: str,
     from dflash_core.models.target_config import TargetLoadError, load_target_config
 
     try:
-        tokenizer = load_chat_tokenizer(tokenizer_spec(Path(target_path), None))
+        tokenizer = load_chat_tokenizer(tokenizer_spec(Path(target_path), None),
+                                        trust_remote_code=trust_remote_code)
     except EvalInputError as exc:
         raise ConfigError("eval.prompt_sets", str(exc), hint=(
             "a set is rendered with the target's own tokenizer and chat template: the target "

@@ -60,6 +60,7 @@ class EvalOptions:
     # 0: each at the price its run recorded, else its run folder's cost.gpu_hour_price.
     gpu_hour_price: float = 0.0
     currency: str = ""  # with gpu_hour_price ("": the one the run recorded)
+    trust_remote_code: bool = False  # a target or tokenizer of its folder's own code may run
 
 
 @dataclass
@@ -204,7 +205,7 @@ class Evaluation:
             dk.check_against(s, self.shape)
         dk.unique_labels(self.specs)
         self.tokenizer = load_chat_tokenizer(tokenizer_spec(self.folder, opts.tokenizer),
-                                             opts.chat_template)
+                                             opts.chat_template, opts.trust_remote_code)
         kwargs = template_kwargs(self.tokenizer, opts.thinking,
                                  f"the chat template of {opts.tokenizer or opts.target}")
         self.rendered = {p.name: render_set(self.tokenizer, p, kwargs) for p in self.sets}
@@ -238,10 +239,20 @@ class Evaluation:
         return sets
 
     def _target_config(self):
-        from dflash_core.models.target_config import TargetLoadError, load_target_config
+        from dflash_core.models.target_config import (
+            TargetLoadError, load_target_config, needs_remote_code, read_config_json,
+            remote_code_refusal,
+        )
 
+        trusted = self.opts.trust_remote_code
         try:
-            return load_target_config(self.folder)
+            raw = read_config_json(self.folder)
+            if needs_remote_code(raw) and not trusted:  # in the flag's words, not the key's
+                raise EvalInputError(
+                    remote_code_refusal(raw, self.folder, "--trust-remote-code is not given"),
+                    hint="pass --trust-remote-code if you trust the *.py files in that folder "
+                         "(they run in this process)")
+            return load_target_config(self.folder, trusted)
         except TargetLoadError as exc:
             raise EvalInputError(str(exc), hint=exc.hint) from exc
 
@@ -289,7 +300,8 @@ class Evaluation:
 
         try:
             with quiet_hf():  # our own line says what loads; no bar behind the progress lines
-                self.target = load_target(self.folder, device=self.device, dtype=self.dtype)
+                self.target = load_target(self.folder, device=self.device, dtype=self.dtype,
+                                          trust_remote_code=self.opts.trust_remote_code)
         except TargetLoadError as exc:
             raise EvalInputError(str(exc), hint=exc.hint) from exc
         for d in self.decoders[1:]:

@@ -77,9 +77,12 @@ class RenderStats:
 # Tokenizers and fingerprints
 # ------------------------------------------------------------------------------------------------
 
-def load_tokenizer(spec: str | Path, chat_template: str | Path | None = None):
+def load_tokenizer(spec: str | Path, chat_template: str | Path | None = None,
+                   trust_remote_code: bool = False):
     """A tokenizer from a model folder (or ``builtin:tiny``, the demo's), with ``chat_template``
-    (a jinja file) replacing its own when given. Refuses one without any chat template."""
+    (a jinja file) replacing its own when given. Refuses one without any chat template. A
+    tokenizer that exists only as the folder's own Python files (tokenizer_config.json's
+    auto_map, as Kimi-K2's) loads only with ``trust_remote_code`` (``--trust-remote-code``)."""
     if str(spec) == "builtin:tiny":
         from dflash_core.data.byte_vocab import byte_tokenizer
         tok = byte_tokenizer()
@@ -87,10 +90,16 @@ def load_tokenizer(spec: str | Path, chat_template: str | Path | None = None):
         path = Path(spec).expanduser()
         try:
             from transformers import AutoTokenizer
-            # Never transformers' terminal prompt: a tokenizer that needs its own code is refused.
+            # Never transformers' terminal prompt: trust_remote_code is always said.
             tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True,
-                                                trust_remote_code=False)
+                                                trust_remote_code=trust_remote_code)
         except Exception as exc:  # a damaged tokenizer.json raises KeyError, the Rust side its own
+            code = None if trust_remote_code else tokenizer_code(path)
+            if code is not None:
+                raise DataError(f"the tokenizer needs its own code ({code}, in the folder's "
+                                "Python files), which runs only when trusted", file=path,
+                                hint="pass --trust-remote-code if you trust the files in this "
+                                     "folder (they run as Python on this machine)") from exc
             first = (str(exc).splitlines() or [""])[0]
             raise DataError(f"cannot load a tokenizer ({type(exc).__name__}: {first})", file=path,
                             hint="pass --tokenizer a model folder holding tokenizer.json / "
@@ -105,6 +114,18 @@ def load_tokenizer(spec: str | Path, chat_template: str | Path | None = None):
                             hint="pass --chat-template a jinja text file") from exc
     check_template(tok, spec)
     return tok
+
+
+def tokenizer_code(folder: Path) -> str | None:
+    """The class a tokenizer folder's auto_map names for AutoTokenizer (its own Python code), or
+    None when it names none."""
+    try:
+        cfg = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+        names = cfg["auto_map"]["AutoTokenizer"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    names = [n for n in (names if isinstance(names, list) else [names]) if n]
+    return ", ".join(map(str, names)) or None
 
 
 def check_template(tok, name: Any = "") -> None:

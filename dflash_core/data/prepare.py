@@ -43,6 +43,7 @@ class PrepareOptions:
     out: str | Path
     tokenizer: str = "builtin:tiny"
     chat_template: str | Path | None = None
+    trust_remote_code: bool = False  # a tokenizer of the folder's own code (auto_map) may run
     thinking: str = "keep"
     max_length: int = 0  # 0 = no limit; longer samples are counted under too_long
     workers: int = 0  # 0 = one per core
@@ -231,7 +232,7 @@ def prepare(opts: PrepareOptions) -> dict:
     check_apart(out, [("conversations source", opts.source), ("tokenizer folder",
                       opts.tokenizer), ("chat template", opts.chat_template)])
     claim_output(out, opts.overwrite)  # the cheap refusals before loading the tokenizer
-    tok = load_tokenizer(opts.tokenizer, opts.chat_template)
+    tok = load_tokenizer(opts.tokenizer, opts.chat_template, opts.trust_remote_code)
     renderer = ChatRenderer(tok, opts.thinking)
     with OutputLock(out, "prepare", _note):
         staging = Staging(out, _ours, _note)

@@ -19,6 +19,7 @@ class RegenOptions:
     api: str = "chat"  # chat | completions
     tokenizer: str | None = None  # completions: renders the prompt ids; target: the measure
     chat_template: str | Path | None = None
+    trust_remote_code: bool = False  # a tokenizer of the folder's own code (auto_map) may run
     thinking: str = "keep"
     concurrency: int = 8  # requests in flight per endpoint
     max_tokens: int = 2048

@@ -79,7 +79,8 @@ def regenerate(opts: RegenOptions) -> dict:
                             hint="pass --tokenizer TARGET_FOLDER" + (
                                 " (or use --api chat)" if opts.api == "completions" else ""))
         from dflash_core.data.chat_render import ChatRenderer, load_tokenizer
-        renderer = ChatRenderer(load_tokenizer(opts.tokenizer, opts.chat_template),
+        renderer = ChatRenderer(load_tokenizer(opts.tokenizer, opts.chat_template,
+                                               opts.trust_remote_code),
                                 opts.thinking)
     endpoints = [Endpoint(u, opts.timeout_s, opts.api_key) for u in opts.endpoints]
     if len({e.name for e in endpoints}) != len(endpoints):

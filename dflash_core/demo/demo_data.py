@@ -20,16 +20,18 @@ from dflash_core.demo.torch_env import quiet_hf, torch_threads
 from dflash_core.persist.build_cache import Progress, cache_root, cached_build, is_built, report
 
 
-def load_lm(target_folder: Path):
+def load_lm(target_folder: Path, trust_remote_code: bool = False):
     """An HF causal LM from a model folder: float32 on the CPU, eval mode, no progress bars (the
-    demo target for its server and data; any folder for ``data inspect``'s agreement)."""
+    demo target for its server and data; any folder for ``data inspect``'s agreement; a model of
+    the folder's own code only with ``trust_remote_code``)."""
     from transformers import AutoModelForCausalLM
 
     from dflash_core.models.target_load import HF_BUILD_LOCK
 
     with quiet_hf(), HF_BUILD_LOCK:
         model = AutoModelForCausalLM.from_pretrained(target_folder, dtype=torch.float32,
-                                                     local_files_only=True, use_safetensors=True)
+                                                     local_files_only=True, use_safetensors=True,
+                                                     trust_remote_code=trust_remote_code)
     return model.eval()
 
 

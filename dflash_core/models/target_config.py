@@ -64,18 +64,20 @@ def needs_remote_code(hf_config: dict) -> bool:
     return bool(auto_map) and causal_lm_class(hf_config) is None
 
 
-def remote_code_refusal(hf_config: dict, folder: Path) -> str:
-    """The one line saying that the target needs its own code, and why."""
+def remote_code_refusal(hf_config: dict, folder: Path,
+                        switch: str = "target.trust_remote_code is off") -> str:
+    """The one line saying that the target needs its own code, and why (``switch``: what did
+    not allow it, the config key or a command's flag)."""
     import transformers
 
     names = sorted(hf_config.get("auto_map") or {})
     return (f"the target {folder} needs its own code: its config.json maps {', '.join(names)} "
             f"to Python files in the folder (auto_map), and transformers "
             f"{transformers.__version__} cannot build model type "
-            f"{hf_config.get('model_type')!r} itself; target.trust_remote_code is off")
+            f"{hf_config.get('model_type')!r} itself; {switch}")
 
 
-def _read_config_json(folder: Path) -> dict:
+def read_config_json(folder: Path) -> dict:
     try:
         data = json.loads((folder / CONFIG_NAME).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as exc:
@@ -92,7 +94,7 @@ def load_target_config(folder: Path, trust_remote_code: bool = False):
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    raw = _read_config_json(folder)
+    raw = read_config_json(folder)
     # Before transformers sees it: with trust_remote_code unset it would ask on the terminal.
     if needs_remote_code(raw) and not trust_remote_code:
         raise TargetLoadError(remote_code_refusal(raw, folder), hint=REMOTE_CODE_HINT)

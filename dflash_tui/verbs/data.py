@@ -112,6 +112,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     i.add_argument("--tokenizer", help="decode samples with this tokenizer (default: the one "
                                        "the manifest names)")
     i.add_argument("--target", help="target model folder (or builtin:tiny) for the agreement")
+    _trust_arg(i)
     i.add_argument("--samples", type=_shown, default=2, help="samples to show")
     i.add_argument("--agreement-samples", type=_probed, default=16,
                    help="samples the agreement is measured on")
@@ -120,12 +121,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     i.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
+def _trust_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="run the Python files of the tokenizer's and target's folders when "
+                        "they exist only as such (auto_map, as Kimi-K2's); only for folders "
+                        "you trust")
+
+
 def _tokenizer_args(p: argparse.ArgumentParser, required: bool) -> None:
     p.add_argument("--tokenizer", required=required,
                    help="the target's model folder (its tokenizer and chat template), or "
                         "builtin:tiny for the demo target")
     p.add_argument("--chat-template", help="a jinja chat template file replacing the "
                                            "tokenizer's own (e.g. the one it is served with)")
+    _trust_arg(p)
     p.add_argument("--thinking", choices=("keep", "last", "drop"), default="keep",
                    help="reasoning content: keep it in every turn, only in the last assistant "
                         "turn, or drop it")
@@ -170,6 +179,7 @@ def _prepare(args) -> int:
 
     m = prepare(PrepareOptions(args.source, args.out, tokenizer=args.tokenizer,
                                chat_template=args.chat_template, thinking=args.thinking,
+                               trust_remote_code=args.trust_remote_code,
                                max_length=args.max_length, workers=args.workers,
                                overwrite=args.overwrite, samples_per_shard=args.samples_per_shard,
                                fmt=args.fmt, progress=not args.quiet))
@@ -190,7 +200,7 @@ def _prepare(args) -> int:
     return 0
 
 
-def _load_target(spec: str):
+def _load_target(spec: str, trust_remote_code: bool = False):
     """An HF causal LM of the target, for an agreement: a model folder, or builtin:tiny."""
     from pathlib import Path
 
@@ -199,7 +209,7 @@ def _load_target(spec: str):
 
     folder = demo.ensure_tiny_target() if spec == "builtin:tiny" else spec
     try:
-        return demo.load_lm(Path(folder).expanduser())
+        return demo.load_lm(Path(folder).expanduser(), trust_remote_code)
     except (OSError, ValueError, KeyError) as exc:
         raise DataError(f"cannot load the target model ({str(exc).splitlines()[0]})",
                         file=folder, hint="pass --target a model folder (config.json and "
@@ -211,13 +221,13 @@ def _regenerate(args) -> int:
     from dflash_core.data.regen_parts import DAMAGED, MERGED
     from dflash_core.data.regenerate import regenerate
 
-    target = _load_target(args.target) if args.target else None
+    target = _load_target(args.target, args.trust_remote_code) if args.target else None
     # the target's own folder holds its tokenizer and template: what the measure renders with
     tokenizer = args.tokenizer or args.target
     s = regenerate(RegenOptions(
         args.source, args.out, args.endpoint, model=args.model, api=args.api,
         tokenizer=tokenizer, chat_template=args.chat_template, thinking=args.thinking,
-        concurrency=args.concurrency, max_tokens=args.max_tokens, temperature=args.temperature,
+        trust_remote_code=args.trust_remote_code, concurrency=args.concurrency, max_tokens=args.max_tokens, temperature=args.temperature,
         timeout_s=args.timeout, retries=args.retries, down_wait_s=args.down_wait,
         token_ids=not args.no_token_ids,
         api_key=os.environ.get(args.api_key_env) if args.api_key_env else None,
@@ -259,10 +269,10 @@ def _inspect(args) -> int:
     tok = None
     if spec:
         try:
-            tok = load_tokenizer(spec)
+            tok = load_tokenizer(spec, trust_remote_code=args.trust_remote_code)
         except Exception as exc:  # samples are then shown as ids; say why
             print(f"note: samples shown as ids ({exc})", file=sys.stderr)
-    target = _load_target(args.target) if args.target else None
+    target = _load_target(args.target, args.trust_remote_code) if args.target else None
     r = inspect(args.folder, samples=args.samples, tokenizer=tok, target=target,
                 agreement_samples=args.agreement_samples, seed=args.seed)
     print(json.dumps(r, indent=2, default=str) if args.json else format_report(r))

@@ -71,6 +71,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "else its config.yaml's cost.gpu_hour_price)")
     p.add_argument("--currency", default=d.currency,
                    help="the currency of --gpu-hour-price (default: the one the run recorded)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="run the Python files of the target's (and tokenizer's) folder when the "
+                        "model exists only as such (auto_map, as Kimi-K2's); only for folders "
+                        "you trust")
     p.add_argument("--tokenizer", default=None,
                    help="the tokenizer's folder (default: the target's own)")
     p.add_argument("--chat-template", default=None, metavar="FILE",
@@ -86,7 +90,7 @@ def _options(args):
         temperature=args.temperature, seed=args.seed, max_new_tokens=args.max_new_tokens,
         batch=args.batch, cache=args.cache, limit=args.limit, out=args.out,
         device=args.device, dtype=args.dtype, gpu_hour_price=args.gpu_hour_price,
-        currency=args.currency)
+        currency=args.currency, trust_remote_code=args.trust_remote_code)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -145,13 +145,11 @@ class TinyRemoteForCausalLM(Qwen3ForCausalLM):
 
 
 @pytest.fixture
-def remote_code_target(tmp_path, monkeypatch):
+def remote_code_target(tmp_path, hf_modules_cache):
     """A folder whose model exists only as its own Python files (auto_map), as Kimi-K2's does.
-    transformers copies such files into its modules cache: a temporary one here."""
-    import transformers.dynamic_module_utils as dmu
+    transformers copies such files into its modules cache: the session's (hf_modules_cache)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    monkeypatch.setattr(dmu, "HF_MODULES_CACHE", str(tmp_path / "modules"))
     folder = tmp_path / "remote"
     torch.manual_seed(8)
     Qwen3ForCausalLM(Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,

@@ -1,0 +1,55 @@
+"""`dflash-tui eval` on a target that exists only as its folder's own Python files (auto_map, as
+Kimi-K2's): refused in one line naming --trust-remote-code before anything loads, and decoded
+losslessly with it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dflash_core.bench_eval import EvalInputError, EvalOptions, Evaluation, run_eval
+from tests.core.bench_eval.conftest import chat_target, save_dflash, write_jsonl
+from tests.core.models.test_target_classes import REMOTE_CONFIG, REMOTE_MODEL
+
+
+@pytest.fixture
+def remote_chat(tmp_path, hf_modules_cache):
+    """A tiny chat target (its tokenizer and template) made remote-code, and a drafter of it."""
+    from transformers import AutoConfig
+
+    folder = chat_target(tmp_path / "target")
+    hf = AutoConfig.from_pretrained(folder)
+    drafter = save_dflash(tmp_path / "drafter", hf, 0, [0, 2], block=4, mask=hf.vocab_size - 1)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(model_type="tiny_remote", architectures=["TinyRemoteForCausalLM"], auto_map={
+        "AutoConfig": "configuration_tiny_remote.TinyRemoteConfig",
+        "AutoModelForCausalLM": "modeling_tiny_remote.TinyRemoteForCausalLM"})
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "configuration_tiny_remote.py").write_text(REMOTE_CONFIG)
+    (folder / "modeling_tiny_remote.py").write_text(REMOTE_MODEL)
+    prompts = write_jsonl(tmp_path / "a.jsonl", [{"prompt": "What is two plus two?"},
+                                                 {"prompt": "Hello!"}])
+    return folder, drafter, prompts
+
+
+def _opts(remote_chat, out, **kw) -> EvalOptions:
+    folder, drafter, prompts = remote_chat
+    return EvalOptions(str(folder), [str(drafter)], [f"a={prompts}"], max_new_tokens=8,
+                       batch=2, out=str(out), device="cpu", **kw)
+
+
+def test_refused_without_the_flag_before_anything_loads(remote_chat, tmp_path):
+    with pytest.raises(EvalInputError) as exc:
+        Evaluation(_opts(remote_chat, tmp_path / "out"), lambda m: None).load()
+    assert "needs its own code" in str(exc.value)
+    assert str(exc.value).endswith("--trust-remote-code is not given")
+    assert "--trust-remote-code" in exc.value.hint
+    assert not (tmp_path / "out").exists()
+
+
+def test_trusted_it_decodes_losslessly(remote_chat, tmp_path):
+    rep = run_eval(_opts(remote_chat, tmp_path / "out", trust_remote_code=True), lambda m: None)
+    assert not rep.mismatches
+    (s,) = rep.sets
+    assert s.prompts == 2 and s.drafters["drafter"].rounds > 0
