@@ -9,7 +9,8 @@ one forward and each row gets what drafting it alone gives (``DFlashDrafter.draf
 - DFlash: slots 1..B-1 of the block, each the argmax of its logits (greedy) or a draw from
   softmax(logits / T) (sampled; the slots are drawn independently, as the reference does).
 - DSpark: slots 0..B-1 chained through the Markov head, slot j's logits taking the token chosen
-  at slot j-1 (the anchor for slot 0), chosen by argmax or drawn at T.
+  at slot j-1 (the anchor for slot 0), chosen by argmax or drawn at T; with a confidence head,
+  each slot's confidence from the same inputs (what the run's evaluation calibrates).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from dflash_core.bench_eval.sampling import probabilities
 class Proposal:
     tokens: torch.Tensor  # [m, D] long: D = drafts a round proposes
     probs: torch.Tensor | None  # [m, D, V] float32: each draft's distribution (sampled only)
+    confidences: torch.Tensor | None = None  # [m, D]: DSpark's confidence head, when it has one
 
 
 def _backbone(drafter, context: torch.Tensor, lengths: list[int], last: list[int]):
@@ -69,12 +71,16 @@ def propose(drafter, context: torch.Tensor, lengths: list[int], last: list[int],
     base = F.linear(hidden.to(w.dtype), w)
     base = base.to(torch.promote_types(base.dtype, torch.float32))  # [m, B, V]
     prev = torch.tensor(last, device=context.device, dtype=torch.long)
-    head = drafter.markov_head
-    tokens, probs = [], []
+    head, conf_head = drafter.markov_head, getattr(drafter, "confidence_head", None)
+    tokens, probs, confs = [], [], []
     for j in range(drafter.block_size):
-        logits = base[:, j] + head.bias(head.embed(prev), w.dtype).to(base.dtype)
+        e = head.embed(prev)
+        logits = base[:, j] + head.bias(e, w.dtype).to(base.dtype)
+        if conf_head is not None:  # chain_draft's: slot j's state and the token before it
+            confs.append(torch.sigmoid(conf_head(hidden[:, j], e)))
         prev, p = _pick(logits, temperature, gens)
         tokens.append(prev)
         probs.append(p)
     return Proposal(torch.stack(tokens, 1),
-                    torch.stack(probs, 1) if temperature > 0 else None)
+                    torch.stack(probs, 1) if temperature > 0 else None,
+                    torch.stack(confs, 1) if confs else None)

@@ -4,9 +4,9 @@ the one ``dflash-tui eval`` measures.
 At preflight, before any weight loads, each set is read and rendered with the eval verb's own
 loaders (prompt_sets.py, rendering.py: the target's tokenizer and chat template, the thinking
 switch, the first turn, the target's end-of-turn ids); each problem is a ConfigError naming the
-item's key. At each evaluation the prompts are decoded as the held-out prompts are
-(``models/evaluate.evaluate_tau``: one prompt at a time, the evaluation's attention, eval.cache),
-stopping at the target's end of turn, and one EvalResult per set is published.
+item's key. At each evaluation the prompts are decoded by the eval verb's own code
+(``spec_decode.decode_rows``: eval.set_batch prompts together, the evaluation's attention,
+eval.cache), stopping at the target's end of turn, and one EvalResult per set is published.
 """
 
 from __future__ import annotations
@@ -91,16 +91,35 @@ def prepare_sets(cfg: EvalConfig, target_path: Path, target_name: str,
     return out
 
 
-def evaluate_set(s: RunSet, step: int, target_fn, drafter, layer_ids) -> EvalResult:
+def evaluate_set(s: RunSet, step: int, target, drafter, layer_ids: list[int], *,
+                 batch: int, cache: bool = False, exact_head: bool = True) -> EvalResult:
     """Exact greedy tau of ``drafter`` on the set's prompts (the caller holds the evaluation's
-    attention): the held-out evaluation's decoding, stopping at the target's end of turn."""
+    attention), decoded as ``dflash-tui eval`` decodes them (spec_decode.decode_rows): ``batch``
+    prompts together, the target's cache with ``cache``, stopping at the target's end of turn.
+    ``exact_head``: target_batch.head_is_lm_head's answer for this target."""
+    from dflash_core.bench_eval.spec_decode import DecodeSettings, decode_rows
+    from dflash_core.bench_eval.target_batch import rows_backend
     from dflash_core.models.dspark_calibration import calibrate
-    from dflash_core.models.evaluate import evaluate_tau
+    from dflash_core.models.evaluate import drafts_per_round
 
     t0 = time.monotonic()
-    res = evaluate_tau(target_fn, drafter, [list(p) for p in s.prompt_ids], s.max_new_tokens,
-                       layer_ids, eos_token_id=s.stop_ids)
-    cal = calibrate(res.confidences, res.accepted) if res.confidences else None
-    return EvalResult(step=step, tau=res.tau, acceptance=list(res.acceptance),
-                      prompts=len(s.prompt_ids), seconds=time.monotonic() - t0,
+    prompts = [list(p) for p in s.prompt_ids]
+    settings = DecodeSettings(s.max_new_tokens, 0.0, s.stop_ids)
+    rows = []
+    for i in range(0, len(prompts), batch):
+        backend = rows_backend(target, layer_ids, cache, exact_head)
+        rows += decode_rows(backend, drafter, prompts[i:i + batch], settings)
+    hist = [0] * (drafts_per_round(drafter, drafter.block_size) + 1)
+    confidences, accepted = [], []
+    for r in rows:
+        for a in r.acceptance:
+            hist[a] += 1
+        if r.confidences:
+            confidences += r.confidences
+            accepted += r.acceptance
+    rounds = sum(hist)
+    tau = sum((k + 1) * n for k, n in enumerate(hist)) / rounds if rounds else 0.0
+    cal = calibrate(confidences, accepted) if confidences else None
+    return EvalResult(step=step, tau=tau, acceptance=hist, prompts=len(prompts),
+                      seconds=time.monotonic() - t0,
                       calibration=cal.as_dict() if cal is not None else {}, prompt_set=s.name)

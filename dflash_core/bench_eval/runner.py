@@ -30,7 +30,7 @@ from dflash_core.bench_eval.rendering import (
 from dflash_core.bench_eval.sampling import prompt_generator
 from dflash_core.bench_eval.spec_decode import DecodeSettings, decode_rows
 from dflash_core.bench_eval.summary import Summary, first_difference, summarise
-from dflash_core.bench_eval.target_batch import CachedRows, FullBatch, head_is_lm_head
+from dflash_core.bench_eval.target_batch import head_is_lm_head, rows_backend
 
 RESULTS = "results.json"
 # A greedy mismatch where the target's top two logits lie within this share of the top one is a
@@ -315,9 +315,7 @@ class Evaluation:
                              for s in self.specs))
 
     def _backend(self, d: _Decoder):
-        if self.opts.cache:
-            return CachedRows(self.target, d.layer_ids)
-        return FullBatch(self.target, d.layer_ids, self.exact_head)
+        return rows_backend(self.target, d.layer_ids, self.opts.cache, self.exact_head)
 
     def _decode(self, d: _Decoder, prompts: list[list[int]], indices: list[int],
                 new_tokens: int):

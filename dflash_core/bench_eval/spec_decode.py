@@ -39,6 +39,9 @@ class RowOutput:
     tokens: list[int] = field(default_factory=list)  # new tokens only
     acceptance: list[int] = field(default_factory=list)  # drafts accepted, per round
     proposed: list[int] = field(default_factory=list)  # drafts proposed, per round
+    # A drafter with a confidence head (DSpark): per round, its drafts' confidences (a round
+    # without drafts records none), as models/evaluate records them for the calibration.
+    confidences: list[list[float]] = field(default_factory=list)
 
 
 def greedy_accept(drafts: list[int], preds: list[int]) -> int:
@@ -67,6 +70,7 @@ def decode_rows(backend, drafter, prompts: list[list[int]], settings: DecodeSett
         ids[i].append(tok)
         out[i].tokens.append(tok)
     per_round = drafts_per_round(drafter, drafter.block_size) if drafter is not None else 0
+    with_conf = per_round > 0 and getattr(drafter, "confidence_head", None) is not None
 
     def going(i: int) -> bool:
         return len(out[i].tokens) < limit and out[i].tokens[-1] not in stop
@@ -78,6 +82,7 @@ def decode_rows(backend, drafter, prompts: list[list[int]], settings: DecodeSett
         want = {i: min(per_round, limit - len(out[i].tokens) - 1) for i in active}
         drafts: dict[int, list[int]] = {i: [] for i in active}
         q: dict[int, torch.Tensor | None] = {i: None for i in active}
+        conf: dict[int, list[float]] = {i: [] for i in active}
         drafting = [i for i in active if want[i] > 0]
         if drafting:
             ctx = backend.context(drafting, [S[i] for i in drafting])
@@ -88,6 +93,9 @@ def decode_rows(backend, drafter, prompts: list[list[int]], settings: DecodeSett
                 drafts[i] = toks[j][:want[i]]
                 if prop.probs is not None:
                     q[i] = prop.probs[j, :want[i]]
+            if with_conf:
+                for j, c in enumerate(prop.confidences.tolist()):
+                    conf[drafting[j]] = c[:want[drafting[j]]]
         logits = backend.verify(active, [[ids[i][-1]] + drafts[i] for i in active])
         for i, lg in zip(active, logits):
             d = drafts[i]
@@ -102,6 +110,8 @@ def decode_rows(backend, drafter, prompts: list[list[int]], settings: DecodeSett
             out[i].tokens.extend(new)
             out[i].acceptance.append(len(new) - 1)
             out[i].proposed.append(len(d))
+            if with_conf:
+                out[i].confidences.append(conf[i])
             backend.keep(i, S[i] + accepted + 1)
         active = [i for i in active if going(i)]
     return out

@@ -150,3 +150,9 @@ class CachedRows:
 
     def keep(self, row: int, length: int) -> None:
         self.rows[row][0].rewind(length)
+
+
+def rows_backend(target, layer_ids: list[int], cache: bool, exact_head: bool = True):
+    """The target's side of ``spec_decode.decode_rows``: the target's cache per row (``cache``:
+    eval.cache, ``--cache``), else one full forward per round for all rows."""
+    return CachedRows(target, layer_ids) if cache else FullBatch(target, layer_ids, exact_head)

@@ -278,8 +278,9 @@ class EvalConfig:
     prompt_sets: list[PromptSetConfig] = key([], """Named prompt sets decoded at each evaluation
         (and the final one) after the held-out measures, so the tau curve of the run is the one
         `dflash-tui eval` gives a user: each set's prompts rendered with the target's chat
-        template and decoded by exact greedy speculative decoding as the held-out prompts are
-        (eval.cache, the evaluation's attention), stopping at the target's end of turn; one
+        template and decoded by exact greedy speculative decoding with the eval verb's own code,
+        eval.set_batch prompts at a time (eval.cache, the evaluation's attention), stopping at
+        the target's end of turn; one
         exact tau and accepted@k per set (no teacher-forced measures, no findings). Each item:
         name, path, thinking (template | on | off), prompts (16; 0 = all), max_new_tokens (0 =
         eval.max_new_tokens), as eval.prompt_sets[].* below. A missing file, a file without
@@ -289,6 +290,12 @@ class EvalConfig:
         [{name: gsm8k, path: sets/gsm8k.jsonl, thinking: off}].""")
     best_set: str = key("", """What checkpoints/best follows: "" = the exact tau on the held-out
         prompts; a name of eval.prompt_sets = that set's exact tau.""")
+    set_batch: int = key(8, """Prompts of a prompt set decoded together (one target forward
+        per round for all of them, as `dflash-tui eval --batch`); with eval.cache the target
+        runs them one after another, their drafts still in one drafter forward. On one H200 at
+        the 8B shape, 8 prompts together decode 2.9x as many prompts per second as one at a
+        time for 0.9 GiB more (bench/BENCHMARKS.md). The held-out prompts are decoded one at a
+        time (their teacher-forced measures follow each prompt's rounds).""", ge=1)
 
 
 @dataclass

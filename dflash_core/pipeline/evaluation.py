@@ -14,6 +14,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from dflash_core.bench_eval.run_sets import RunSet, evaluate_set
+from dflash_core.bench_eval.target_batch import head_is_lm_head
 from dflash_core.config import EvalConfig
 from dflash_core.models import acceptance
 from dflash_core.models.agreement import label_agreement
@@ -44,6 +45,7 @@ class Evaluator:
         self.recent_tau_tf: deque = deque(maxlen=cfg.train_tau_steps)
         self.agreement: tuple[int, int] | None = None  # (agree, total), at the first evaluation
         self.evaluated_step = -1  # the end of a run evaluates again only when it is a new step
+        self.exact_head: bool | None = None  # the prompt sets' batched decoding (_exact_head)
 
     def due(self, step: int) -> bool:
         """A periodic evaluation is due at this step."""
@@ -63,15 +65,26 @@ class Evaluator:
         if len(self.eval_indices):
             taus[""] = self._heldout(step, drafter, target)
         if self.sets:
-            target_fn = target_fn_for(target, self.layer_ids, cache=self.cfg.cache)
+            exact_head = self._exact_head(target)
             with evaluation_attention(drafter):
                 for s in self.sets:  # after the held-out line: its findings come first
-                    res = evaluate_set(s, step, target_fn, drafter, self.layer_ids)
+                    res = evaluate_set(s, step, target, drafter, self.layer_ids,
+                                       batch=self.cfg.set_batch, cache=self.cfg.cache,
+                                       exact_head=exact_head)
                     self.publish(res)
                     taus[s.name] = res.tau
         if taus:
             self.evaluated_step = step
         return taus.get(self.cfg.best_set)
+
+    def _exact_head(self, target) -> bool:
+        """Whether the batched decoding may take logits as lm_head of the last hidden state at
+        the fed positions only (target_batch.head_is_lm_head), asked once; the cache path reads
+        the model's own logits."""
+        if self.exact_head is None:
+            probe = list(self.sets[0].prompt_ids[0])[:64]
+            self.exact_head = self.cfg.cache or head_is_lm_head(target, probe, [0])
+        return self.exact_head
 
     def _heldout(self, step: int, drafter, target) -> float:
         """The measures of acceptance: exact tau on the held-out prompts, teacher-forced tau on

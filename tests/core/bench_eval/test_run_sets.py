@@ -1,13 +1,14 @@
 """The run's prompt sets (run_sets.py) are the eval verb's: the same file renders to the same
 token ids with the target's chat template, and a drafter's exact tau on them is the eval verb's
-tau (the same prompts, the same new-token limit and end of turn)."""
+tau (the same prompts, the same new-token limit and end of turn, the same decoding code) at any
+eval.set_batch, with and without the cache."""
 
 import pytest
 
 from dflash_core.bench_eval import EvalOptions, Evaluation
 from dflash_core.bench_eval.run_sets import evaluate_set, prepare_sets
 from dflash_core.config import ConfigError, config_from_dict
-from dflash_core.models.evaluate import evaluation_attention, target_fn_for
+from dflash_core.models.evaluate import evaluation_attention
 from tests.core.bench_eval.conftest import DEMO_LAYERS, THINK_TEMPLATE, chat_target, write_jsonl
 
 NEW = 20
@@ -38,14 +39,15 @@ def test_a_set_renders_to_the_eval_verbs_token_ids(verb, demo_eval):
     assert s.stop_ids == ev.stop and s.stop_ids  # the target's end of turn
 
 
-def test_the_runs_tau_on_a_set_is_the_eval_verbs(verb, demo_eval):
+@pytest.mark.parametrize("batch, cache", [(1, False), (3, False), (2, True)])
+def test_the_runs_tau_on_a_set_is_the_eval_verbs(verb, demo_eval, batch, cache):
     ev, rep = verb
     (s,) = prepare_sets(eval_config({"name": "chat", "path": str(demo_eval["sets"]["chat"]),
                                      "prompts": 3, "max_new_tokens": NEW}),
                         demo_eval["target"], "builtin:tiny")
     drafter = ev.decoders[1].drafter
     with evaluation_attention(drafter):
-        res = evaluate_set(s, 7, target_fn_for(ev.target, DEMO_LAYERS), drafter, DEMO_LAYERS)
+        res = evaluate_set(s, 7, ev.target, drafter, DEMO_LAYERS, batch=batch, cache=cache)
     got = rep.sets[0].drafters[ev.decoders[1].label]
     assert (res.step, res.prompt_set, res.prompts) == (7, "chat", 3)
     assert res.tau == pytest.approx(got.tau) and sum(res.acceptance) == got.rounds

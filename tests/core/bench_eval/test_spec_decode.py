@@ -66,6 +66,23 @@ def test_a_batch_decodes_as_the_engine_decodes_each_prompt(demo, drafters, kind,
     assert all(p <= d.block_size for r in rows for p in r.proposed)
 
 
+@pytest.mark.parametrize("cache", [False, True], ids=["full", "cache"])
+def test_a_batch_records_dsparks_confidences_as_the_engine_does(demo, drafters, cache):
+    # the run's evaluation of a prompt set calibrates DSpark's confidence head on them
+    d = drafters["dspark"]
+    assert d.confidence_head is not None
+    backend = CachedRows(demo, DEMO_LAYERS) if cache else FullBatch(demo, DEMO_LAYERS)
+    rows = decode_rows(backend, d, PROMPTS, DecodeSettings(NEW))
+    want = evaluate_tau(target_fn_for(demo, DEMO_LAYERS), d, PROMPTS, NEW, DEMO_LAYERS)
+    got = [c for r in rows for c in r.confidences]
+    assert [len(c) for c in got] == [len(c) for c in want.confidences]
+    assert torch.allclose(torch.tensor([x for c in got for x in c]),
+                          torch.tensor([x for c in want.confidences for x in c]), atol=1e-5)
+    assert [a for r in rows for a in r.acceptance] == want.accepted
+    assert all(r.confidences == [] for r in decode_rows(
+        FullBatch(demo, DEMO_LAYERS), drafters["dflash"], PROMPTS, DecodeSettings(NEW)))
+
+
 def test_the_demo_target_head_is_its_lm_head(demo):
     assert head_is_lm_head(demo, PROMPTS[0], [0])
 
