@@ -331,7 +331,7 @@ class DashboardState(EventFold, DashboardViews):
         return {"nodes"}
 
     def _on_EvalResult(self, e: ev.EvalResult) -> set[str]:
-        if getattr(e, "prompt_set", ""):
+        if e.prompt_set:
             self.set_evals.add(e)
         else:
             self.eval = e
@@ -357,8 +357,9 @@ class DashboardState(EventFold, DashboardViews):
         self._checkpoint_written(e.step)
         if e.reason == "best":
             self.best = e
-            self.add_log("info", "checkpoint", f"best so far: step {e.step} (tau {e.tau:.2f}), "
-                         f"{e.path}", e.ts)
+            on = f" on {e.prompt_set}" if e.prompt_set else ""  # eval.best_set
+            self.add_log("info", "checkpoint", f"best so far: step {e.step} (tau {e.tau:.2f}"
+                         f"{on}), {e.path}", e.ts)
             return {"log", "header", "training"}
         self.add_log("info", "checkpoint",
                      f"step {e.step} saved to {e.path} in {e.seconds:.1f}s ({e.reason})")
