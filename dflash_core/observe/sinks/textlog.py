@@ -100,8 +100,11 @@ def format_event(ev: Event) -> str | None:
     if isinstance(ev, Checkpoint):
         size = (f", {ev.bytes / GiB:.1f} GiB at {ev.bytes / GiB / ev.seconds:.2f} GiB/s, training "
                 f"blocked {ev.blocked_s:.1f} s" if ev.bytes and ev.seconds > 0 else "")
-        return (f"checkpoint step {ev.step} ({ev.reason}) in {_duration(ev.seconds)}{size}: "
-                f"{ev.path}")
+        why = ev.reason
+        if ev.reason == "best":  # what made it the best: the exact tau and where it was measured
+            why += f", exact tau {ev.tau:.2f}" + (f" on set {ev.prompt_set}" if ev.prompt_set
+                                                  else "")
+        return f"checkpoint step {ev.step} ({why}) in {_duration(ev.seconds)}{size}: {ev.path}"
     if isinstance(ev, DeviceHours):  # an evaluation's and the end's; the periodic ones are not
         return event_line(ev) if ev.reason in ("eval", "end") else None
     if isinstance(ev, CheckpointProgress):

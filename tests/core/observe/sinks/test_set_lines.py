@@ -5,7 +5,7 @@ evaluation's lines and keys as they were."""
 from __future__ import annotations
 
 from dflash_core.config import WandbConfig
-from dflash_core.observe.events import EvalResult, from_json
+from dflash_core.observe.events import Checkpoint, EvalResult, from_json
 from dflash_core.observe.sinks.textlog import format_event
 from dflash_core.observe.sinks.wandb_sink import WandbSink
 from tests.core.observe.sinks.test_dspark_lines import FakeRun, fake_wandb
@@ -23,6 +23,15 @@ def test_train_log_writes_a_line_per_set_naming_it():
     held = format_event(HELD_OUT)  # unchanged: every measure, no set named
     assert held.startswith("eval step 40 on 8 prompts in 5.0 s: tau exact 3.21 | tf target 3.40")
     assert "set" not in held
+
+
+def test_train_log_says_which_tau_made_a_checkpoint_the_best():
+    best = dict(step=40, path="runs/r/checkpoints/step-40", seconds=0.0, reason="best", tau=2.5)
+    assert format_event(Checkpoint(**best, prompt_set="gsm8k")) == (
+        "checkpoint step 40 (best, exact tau 2.50 on set gsm8k) in 0.0 s: "
+        "runs/r/checkpoints/step-40")
+    assert "(best, exact tau 2.50) in" in format_event(Checkpoint(**best))
+    assert "(periodic) in" in format_event(Checkpoint(step=40, path="p", seconds=1.0))
 
 
 def test_wandb_logs_each_set_under_its_name(tmp_path):
