@@ -89,7 +89,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def run_config(shape: dict, args, attn: str):
     """The engine config this measurement stands for: one target, its default layers, a batch of
     --batch x --tokens, the attention implementation settled as preflight settles it."""
-    from dflash_core.planning.preflight import choose_attention
+    from dflash_core.planning.attention_choice import choose_attention
 
     cfg = config_from_dict({
         "layout": {"device": args.device, "targets": [0], "drafters": [0]},

@@ -33,7 +33,7 @@ from dflash_core.check.samples import pick_prompts, write_responses
 from dflash_core.config import Config
 from dflash_core.models.evaluate import evaluation_attention, target_fn_for
 from dflash_core.models.target_load import load_target
-from dflash_core.planning import preflight
+from dflash_core.planning import data_checks, preflight, target_checks
 
 CHECK_FOLDER = "check"
 
@@ -94,11 +94,11 @@ def prepare(cfg: Config, opts: CheckOptions, say: Callable[[str], None]) -> Prep
     tdev, ddev = preflight.resolve_devices(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     progress = preflight.demo_log_progress(lambda e: say(e.message), lambda: None)
-    target_path, _, layer_ids, mask_id = preflight.resolve_target(cfg, run_dir, progress)
+    target_path, _, layer_ids, mask_id = target_checks.resolve_target(cfg, run_dir, progress)
     from dflash_core.data import ShardedDataset
 
-    data_path = preflight.resolve_data(cfg, target_path, progress)
-    preflight.check_data_manifest(cfg, data_path, target_path)
+    data_path = data_checks.resolve_data(cfg, target_path, progress)
+    data_checks.check_data_manifest(cfg, data_path, target_path)
     dataset = ShardedDataset.open(data_path)
     prompts = pick_prompts(dataset, opts.samples, cfg.data.max_length - opts.response_tokens)
 

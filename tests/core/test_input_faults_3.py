@@ -83,7 +83,7 @@ def test_a_run_folder_under_a_file_is_a_config_error_not_a_crash_of_the_inbox(tm
 
 def test_a_loss_mask_of_zeros_everywhere_is_refused_before_any_model_loads(tmp_path):
     from dflash_core.data import ShardedDataset, write_shards
-    from dflash_core.planning.preflight import check_something_trains
+    from dflash_core.planning.data_checks import check_something_trains
 
     ids = list(range(1, 40))
     write_shards([{"input_ids": ids, "loss_mask": [0] * 39}] * 8, tmp_path / "zero")
@@ -103,7 +103,7 @@ def test_a_cpu_run_whose_plan_exceeds_host_memory_is_refused_with_the_numbers(tm
     import psutil
     import torch
 
-    from dflash_core.planning.preflight import check_memory
+    from dflash_core.planning.capacity_checks import check_memory
 
     hf = json.loads((Path(__file__).parents[1] / "fixtures" / "qwen3_8b_config.json").read_text())
     cfg = make_config(tmp_path, tmp_path / "t", tmp_path / "d", layout__device="cpu",

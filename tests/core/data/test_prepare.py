@@ -139,7 +139,7 @@ def test_manifest_checked_against_the_target_names_both_sides(tmp_path, bpe_fold
 
 def test_preflight_refuses_data_prepared_for_another_tokenizer(tmp_path, bpe_folder):
     from dflash_core.config import config_from_dict
-    from dflash_core.planning.preflight import check_data_manifest
+    from dflash_core.planning.data_checks import check_data_manifest
 
     src = write_demo_conversations(tmp_path / "demo.jsonl", n=4)
     prepare(PrepareOptions(src, tmp_path / "data", tokenizer=str(bpe_folder), workers=1,

@@ -13,7 +13,7 @@ from dflash_core.models.drafter_kinds import dspark_settings, new_drafter
 from dflash_core.models.dspark import DSparkSettings
 from dflash_core.models.model_shape import drafter_matrix_param_count, drafter_param_count
 from dflash_core.persist import checkpoint_size
-from dflash_core.planning import preflight
+from dflash_core.planning import capacity_checks, drafter_checks
 from dflash_core.planning.drafter_memory import DSPARK_HEADS, DSPARK_LOSS_BYTES_PER_LOGIT
 from dflash_core.planning.memory import cuda_margin, plan_memory
 from dflash_core.units import GiB
@@ -133,7 +133,7 @@ def test_checkpoint_disk_counts_the_frozen_copies(tmp_path):
     said = []
     cfg = dspark(node(block_size=7))
     cfg.checkpoint.keep, cfg.checkpoint.every = 1, 0
-    preflight.check_checkpoint_disk(cfg, QWEN36_27B, tmp_path, 10, said.append)
+    capacity_checks.check_checkpoint_disk(cfg, QWEN36_27B, tmp_path, 10, said.append)
     params, matrices = checkpoint_size.drafter_counts(cfg, QWEN36_27B)
     size = checkpoint_size.checkpoint_bytes(params, matrices, torch.bfloat16.itemsize, "adamw",
                                             2 * V * H)
@@ -149,7 +149,7 @@ def test_checkpoint_disk_counts_the_frozen_copies(tmp_path):
 def test_dspark_settings_that_cannot_work_are_one_line(keys, key, words):
     cfg = dspark(node(block_size=7), **keys)
     with pytest.raises(ConfigError) as exc:
-        preflight.check_dspark(cfg, V)
+        drafter_checks.check_dspark(cfg, V)
     assert exc.value.key == key and words in str(exc.value)
     assert "\n" not in str(exc.value) and key in exc.value.hint
 
@@ -158,6 +158,6 @@ def test_dspark_refuses_dpace():
     cfg = dspark(node(block_size=7))
     cfg.drafter.loss = "dpace"
     with pytest.raises(ConfigError, match="dpace does not combine") as exc:
-        preflight.check_dspark(cfg, V)
+        drafter_checks.check_dspark(cfg, V)
     assert exc.value.key == "drafter.loss"
-    preflight.check_dspark(node(), V)  # DFlash: nothing to check here
+    drafter_checks.check_dspark(node(), V)  # DFlash: nothing to check here

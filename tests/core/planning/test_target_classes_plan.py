@@ -14,13 +14,12 @@ import torch
 from safetensors import safe_open
 
 from dflash_core.config import ConfigError, config_from_dict
-from dflash_core.planning import preflight
 from dflash_core.models.model_shape import param_count
 from dflash_core.planning.memory import plan_memory
 from dflash_core.planning.weight_bytes import MXFP4_BYTES, target_weight_bytes, target_weight_parts
-from dflash_core.planning.preflight import (
-    check_target_code, choose_attention, quantized_weights,
-)
+from dflash_core.planning.attention_choice import choose_attention
+from dflash_core.planning.quantized_check import quantized_weights
+from dflash_core.planning.target_checks import check_target_code, resolve_target
 from dflash_core.units import GiB
 
 from ..models.target_classes import GPT_OSS_20B, MOE, QWEN3_30B_A3B, TINY, build
@@ -260,5 +259,5 @@ def test_preflight_resolves_the_attention_before_the_plan(tmp_path):
     cfg = config_from_dict({"layout": {"device": "cpu"}, "target": {"path": str(folder),
                                                                     "layer_ids": [1, 2]}})
     said = []
-    _, hf_config, layer_ids, _ = preflight.resolve_target(cfg, tmp_path, None, say=said.append)
+    _, hf_config, layer_ids, _ = resolve_target(cfg, tmp_path, None, say=said.append)
     assert cfg.target.attn_implementation == "eager" and layer_ids == [1, 2] and len(said) == 1

@@ -1,0 +1,67 @@
+"""Preflight's checks of the drafter's settings against the target, before any weight loads.
+
+Head counts the drafter cannot be built with, a drafter.init_from that is not an intact
+checkpoint, and drafter.objective dspark's settings against the target's vocabulary. Apart from
+target_checks.py, which reads the target folder and calls these with its config.json: they
+judge drafter.* keys, each refusal a ConfigError naming the key.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dflash_core.config import Config, ConfigError
+from dflash_core.models import drafter_kinds
+from dflash_core.persist.checksums import verify
+
+
+def check_dspark(cfg: Config, vocab: int) -> None:
+    """drafter.objective dspark: its settings against the target's vocabulary (Markov rank,
+    block size, gamma, loss weights), and D-PACE refused (its weights presuppose DFlash's
+    unlabelled slot 0 and plain CE). One ConfigError naming the key."""
+    settings = drafter_kinds.dspark_settings(cfg)
+    if settings is None:
+        return
+    if cfg.drafter.loss == "dpace":
+        raise ConfigError("drafter.loss", "dpace does not combine with drafter.objective dspark: "
+                          "D-PACE's slot weights presuppose DFlash's unlabelled slot 0 and plain "
+                          "cross-entropy; DSpark weighs slots exp(-j/gamma)",
+                          hint="set drafter.loss: dflash, or drafter.objective: dflash")
+    bad = settings.problems(vocab)
+    if bad:
+        word, _, rest = bad[0].partition(" ")
+        key, said = (word, rest) if word.startswith("drafter.") else ("drafter.ce_weight", bad[0])
+        raise ConfigError(key, said, hint=f"change {key} in config.yaml (docs/algorithm.md, "
+                          "DSpark)")
+
+
+def check_drafter_heads(cfg: Config, hf_config: dict) -> None:
+    """Head counts the drafter cannot be built with (its attention groups query heads by key /
+    value head), refused with the keys that set them."""
+    text = hf_config.get("text_config") or hf_config
+    d = cfg.drafter
+    heads = d.num_attention_heads or text.get("num_attention_heads") or 0
+    kv = d.num_key_value_heads or text.get("num_key_value_heads") or heads
+    if heads and kv and heads % kv:
+        raise ConfigError(
+            "drafter.num_key_value_heads" if d.num_key_value_heads else
+            "drafter.num_attention_heads",
+            f"the drafter would have {heads} attention heads and {kv} key/value heads: the "
+            "heads must be a multiple of the key/value heads",
+            hint="set drafter.num_attention_heads and drafter.num_key_value_heads so that the "
+                 "first is a multiple of the second (0 = the target's)")
+    if d.init_from and not all((Path(d.init_from).expanduser() / f).is_file()
+                               for f in ("config.json", "model.safetensors")):
+        raise ConfigError("drafter.init_from", f"{d.init_from} is not a drafter checkpoint "
+                          "folder (config.json and model.safetensors)",
+                          hint="point drafter.init_from at a checkpoint folder, e.g. "
+                               "runs/NAME/checkpoints/step-N, or leave it empty")
+    if d.init_from and (Path(d.init_from).expanduser() / "checksums.json").is_file():
+        # A run's checkpoint records its checksums: a damaged one must not start a run.
+        found = verify(Path(d.init_from).expanduser())
+        bad = [p for p in found.problems if p.split(" ", 1)[0] in ("config.json",
+                                                                   "model.safetensors")]
+        if bad:
+            raise ConfigError("drafter.init_from", f"{d.init_from} is damaged: {'; '.join(bad)}",
+                              hint="point drafter.init_from at an intact checkpoint (another "
+                                   "step, or a backup)")
