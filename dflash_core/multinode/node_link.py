@@ -33,7 +33,9 @@ import torch
 
 from dflash_core.config import NodesConfig
 from dflash_core.observe.events import Error, Log, NodeStatus
-from dflash_core.multinode.nodes import JOIN_NOTICE_S, NodeFailure, NodeGroup
+from dflash_core.multinode.node_failure import NodeFailure
+from dflash_core.multinode.node_join import JOIN_NOTICE_S
+from dflash_core.multinode.nodes import NodeGroup
 from dflash_core.models.trainer import RateMeter
 
 if TYPE_CHECKING:  # the run's parts, named for the reader only: the link never builds them

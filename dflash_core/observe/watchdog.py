@@ -25,8 +25,9 @@ STACK_FRAMES = 12  # frames kept in a Stall's stack (innermost last)
 # (label, path fragments, function names)
 ACTIVITIES = (
     ("compiling", ("torch/_inductor", "torch/_dynamo", "torch/_functorch", "triton/compiler"), ()),
-    # nodes.py: the engine's own wait loops around collectives across nodes
-    ("in a collective", ("torch/distributed", "dflash_core/multinode/nodes.py"), ()),
+    # nodes.py, node_join.py: the engine's own wait loops around collectives across nodes
+    ("in a collective", ("torch/distributed", "dflash_core/multinode/nodes.py",
+                         "dflash_core/multinode/node_join.py"), ()),
     ("waiting on the GPU", (), ("synchronize", "item", "tolist", "cpu")),
     ("reading", ("pyarrow", "safetensors", "/data/shards.py", "/data/batching.py"),
      ("read", "readinto", "load_file")),

@@ -15,7 +15,9 @@ import threading
 from pathlib import Path
 
 from dflash_core.config import Config, ConfigError, apply_overrides, load_config
-from dflash_core.multinode.nodes import NodeFailure, NodeGroup, node_info
+from dflash_core.multinode.node_failure import NodeFailure
+from dflash_core.multinode.node_place import node_info
+from dflash_core.multinode.nodes import NodeGroup
 from dflash_core.observe.bus import EventBus
 from dflash_core.observe.events import TERMINAL_STATES, Error, Log
 from dflash_core.observe.watchdog import format_stack, thread_stack, where

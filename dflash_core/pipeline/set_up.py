@@ -15,7 +15,9 @@ from transformers.utils import logging as hf_logging
 
 from dflash_core.config import Config, ConfigError, NodesConfig, save_config
 from dflash_core.multinode.node_link import NodeLink
-from dflash_core.multinode.nodes import NodeFailure, NodeGroup, node_dir_name
+from dflash_core.multinode.node_failure import NodeFailure
+from dflash_core.multinode.node_place import node_dir_name
+from dflash_core.multinode.nodes import NodeGroup
 from dflash_core.observe.bus import EventBus
 from dflash_core.observe.device_hours import RECORD_KEY, Figure, figure_text
 from dflash_core.observe.events import Log, RunStarted

@@ -11,7 +11,9 @@ import time
 
 import pytest
 
-from dflash_core.multinode.nodes import NodeFailure, NodeGroup, NodeInfo
+from dflash_core.multinode.node_failure import NodeFailure
+from dflash_core.multinode.node_place import NodeInfo
+from dflash_core.multinode.nodes import NodeGroup
 from dflash_core.observe.events import RunStarted, StepMetrics
 from dflash_core.observe.event_log import read_events
 

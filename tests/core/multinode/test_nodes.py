@@ -27,7 +27,6 @@ from dflash_core.config import ConfigError, NodesConfig
 from dflash_core.observe.events import Error, Log, NodeStatus, RunEnded, StepMetrics
 from dflash_core.observe.event_log import read_events
 from dflash_core.multinode.node_link import NodeLink, NodeMismatch, weights_checksum
-from dflash_core.multinode.nodes import node_info
 from dflash_core.persist.resume import check_resume_nodes
 
 from ..engine_fixtures import assets, make_config, run_config, write_config  # noqa: F401
@@ -397,7 +396,7 @@ def test_an_abort_while_joining_ends_that_node_and_tells_the_others(tmp_path, as
     port = free_port()
     procs += start_nodes(write_config(tmp_path / "config.yaml", cfg), tmp_path, world=3, port=port)
     procs[2].kill()  # never reaches the store
-    # Node 1 is joining once it has posted itself in node 0's store (nodes.py: join/K).
+    # Node 1 is joining once it has posted itself in node 0's store (node_join.py: join/K).
     deadline = time.monotonic() + 60
     store = None
     while True:
@@ -428,15 +427,6 @@ def test_an_abort_while_joining_ends_that_node_and_tells_the_others(tmp_path, as
 # --------------------------------------------------------------------------------------------
 # Small parts
 # --------------------------------------------------------------------------------------------
-
-def test_node_info_only_under_torchrun_with_several_nodes():
-    assert node_info({}) is None
-    assert node_info({"WORLD_SIZE": "1", "RANK": "0"}) is None
-    info = node_info({"WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "h", "MASTER_PORT": "1"})
-    assert (info.rank, info.world, info.lead) == (1, 2, False)
-    with pytest.raises(ConfigError, match="MASTER_ADDR"):
-        node_info({"WORLD_SIZE": "2", "RANK": "1"})
-
 
 def test_resume_needs_the_same_number_of_nodes():
     two = SimpleNamespace(trainer_state={"nodes": 2}, path=Path("runs/r/checkpoints/step-5"))

@@ -46,6 +46,12 @@ def test_where_says_what_a_stack_is_doing(innermost, says):
     assert text.endswith(f"({own})")
 
 
+def test_the_wait_to_join_the_other_nodes_is_in_a_collective():
+    # The join's wait loops live in node_join.py, apart from the collectives in nodes.py.
+    joining = ("/x/dflash_core/multinode/node_join.py", 290, "_await_joins")
+    assert where(frames(OWN, joining)).startswith("in a collective: multinode/node_join.py:290")
+
+
 def test_where_without_a_known_activity_names_the_innermost_frame():
     assert where(frames(OWN, ("/x/mine.py", 3, "spin"))).startswith("running: ")
     assert where([]) == "unknown"
