@@ -127,7 +127,7 @@ class WorkerStatus(Event):
 
 @dataclass(frozen=True)
 class LoadProgress(Event):
-    """A load's progress: a target's weights (models/target.load_target reports these fields but
+    """A load's progress: a target's weights (models/target_load.load_target reports these fields but
     the worker and device), or a checkpoint a resume reads (worker "checkpoint")."""
 
     worker: str
