@@ -16,7 +16,7 @@ from typing import Callable
 from dflash_core import demo
 from dflash_core.config import Config, ConfigError
 from dflash_core.models.model_shape import model_shape
-from dflash_core.models.target import (
+from dflash_core.models.target_config import (
     REMOTE_CODE_HINT, default_layer_ids, needs_remote_code, remote_code_refusal,
 )
 from dflash_core.planning.attention_choice import choose_attention
