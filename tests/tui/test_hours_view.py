@@ -8,12 +8,7 @@ import tui_scenarios as sc
 from dflash_core.observe import events as ev
 from dflash_tui.hours_view import header_text, hours_now
 from dflash_tui.state import DashboardState
-
-
-def fold(events) -> DashboardState:
-    s = DashboardState()
-    s.apply_all(events)
-    return s
+from tui_scenarios import fold
 
 
 def header(s: DashboardState, width: int = 160) -> str:

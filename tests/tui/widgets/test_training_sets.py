@@ -12,8 +12,8 @@ import tui_scenarios as sc
 from dflash_core.observe import events as ev
 from dflash_tui.app import DFlashApp
 from dflash_tui.replay import ReplayController
-from dflash_tui.state import DashboardState
 from dflash_tui.widgets.training import eval_lines
+from tui_scenarios import fold
 
 BIG = (160, 48)
 
@@ -29,12 +29,6 @@ def with_sets(events: list[ev.Event]) -> list[ev.Event]:
                     ev.EvalResult(step=e.step, tau=1.5, acceptance=[4, 1], prompts=16,
                                   seconds=3.0, prompt_set="mt-bench", ts=e.ts + 2)]
     return out
-
-
-def fold(events) -> DashboardState:
-    s = DashboardState()
-    s.apply_all(events)
-    return s
 
 
 def test_state_keeps_the_held_out_evaluation_and_each_sets_latest_apart():
