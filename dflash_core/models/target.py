@@ -23,11 +23,6 @@ import torch
 from torch import nn
 
 from dflash_core.models.target_config import TargetLoadError, default_layer_ids
-# The preflight checks (planning/) import these (and default_layer_ids) from here; they live in
-# target_config.py, re-exported until those imports name that module.
-from dflash_core.models.target_config import (  # noqa: F401 - re-exported, see above
-    REMOTE_CODE_HINT, causal_lm_class, needs_remote_code, remote_code_refusal,
-)
 
 
 class ForwardInterrupted(Exception):
