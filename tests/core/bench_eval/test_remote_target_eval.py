@@ -4,13 +4,11 @@ losslessly with it."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from dflash_core.bench_eval import EvalInputError, EvalOptions, Evaluation, run_eval
 from tests.core.bench_eval.conftest import chat_target, save_dflash, write_jsonl
-from tests.core.models.test_target_classes import REMOTE_CONFIG, REMOTE_MODEL
+from tests.core.models.test_target_classes import made_remote
 
 
 @pytest.fixture
@@ -21,13 +19,7 @@ def remote_chat(tmp_path, hf_modules_cache):
     folder = chat_target(tmp_path / "target")
     hf = AutoConfig.from_pretrained(folder)
     drafter = save_dflash(tmp_path / "drafter", hf, 0, [0, 2], block=4, mask=hf.vocab_size - 1)
-    config = json.loads((folder / "config.json").read_text())
-    config.update(model_type="tiny_remote", architectures=["TinyRemoteForCausalLM"], auto_map={
-        "AutoConfig": "configuration_tiny_remote.TinyRemoteConfig",
-        "AutoModelForCausalLM": "modeling_tiny_remote.TinyRemoteForCausalLM"})
-    (folder / "config.json").write_text(json.dumps(config))
-    (folder / "configuration_tiny_remote.py").write_text(REMOTE_CONFIG)
-    (folder / "modeling_tiny_remote.py").write_text(REMOTE_MODEL)
+    made_remote(folder)
     prompts = write_jsonl(tmp_path / "a.jsonl", [{"prompt": "What is two plus two?"},
                                                  {"prompt": "Hello!"}])
     return folder, drafter, prompts

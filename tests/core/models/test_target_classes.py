@@ -155,6 +155,11 @@ def remote_code_target(tmp_path, hf_modules_cache):
     Qwen3ForCausalLM(Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
                                  num_hidden_layers=4, num_attention_heads=4,
                                  num_key_value_heads=2, head_dim=8)).save_pretrained(folder)
+    return made_remote(folder)
+
+
+def made_remote(folder):
+    """A saved Qwen3 folder turned into one whose model exists only as its own Python files."""
     config = json.loads((folder / "config.json").read_text())
     config.update(model_type="tiny_remote", architectures=["TinyRemoteForCausalLM"], auto_map={
         "AutoConfig": "configuration_tiny_remote.TinyRemoteConfig",
