@@ -72,6 +72,7 @@ def test_demo_trains_aborts_and_quits_cleanly(shell: Path):
     assert "TRAINING" not in screen() and "ABORTED" not in screen()
 
 
+@pytest.mark.slow  # fast paths: test_follow.py's attach (in process), and the demo test above in tmux
 def test_attach_to_a_headless_run_aborts_it_and_detaches(shell: Path):
     # One terminal's headless run, another terminal's dashboard: here both in one shell, the
     # headless run in the background.

@@ -181,6 +181,7 @@ def status(url: str) -> int:
         return exc.code
 
 
+@pytest.mark.slow  # fast path: tests/tui/test_read_only.py (the same refusals in process)
 def test_read_only_view_shows_the_run_and_refuses_abort(run, page):
     served = Served(run.run_dir)
     try:

@@ -238,6 +238,7 @@ def two_nodes_training(tmp_path, assets, procs):
     return cfg
 
 
+@pytest.mark.slow  # fast path: test_killed_node_surfaces_on_node_0... (node 0 stops both, checkpoint)
 def test_abort_on_node_0_ends_both_nodes_with_a_checkpoint(tmp_path, assets, procs):
     cfg = two_nodes_training(tmp_path, assets, procs)
     t = time.monotonic()

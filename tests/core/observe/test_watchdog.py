@@ -122,6 +122,7 @@ def test_a_slow_worker_is_a_warning_that_clears_and_the_run_goes_on(
     assert len(rec.of(StepMetrics)) == 4
 
 
+@pytest.mark.slow  # fast path: test_engine_faults.py's test_abort_during_preflight (in process)
 def test_sigterm_ends_a_headless_run_stuck_in_preflight(tmp_path, assets, monkeypatch):
     # Opening the data never returns and ignores the stop flag, as a read on a hung network mount.
     release = threading.Event()

@@ -82,6 +82,7 @@ def test_trains_evaluates_checkpoints_and_resumes(tmp_path, assets, monkeypatch)
     assert said <= size < said + 64 * 1024
 
 
+@pytest.mark.slow  # fast path: tests/core/persist/test_dspark_checkpoint.py (the same refusal)
 def test_a_dspark_checkpoint_resumed_as_dflash_is_refused_with_exit_2(tmp_path, assets):
     cfg = dspark_config(tmp_path, assets, run__max_steps=2, checkpoint__every=2,
                        data__eval_prompts=0)

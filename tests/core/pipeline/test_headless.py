@@ -111,6 +111,7 @@ def cfg_run_dir(tmp_path):
     return tmp_path / "runs" / "t"
 
 
+@pytest.mark.slow  # fast paths: tests/core/persist/test_run_folder.py; test_failing_config_exits_2...
 def test_a_run_folder_that_holds_a_run_is_refused_with_exit_2_and_no_traceback(tmp_path, assets):
     target, data = assets
     cfg = make_config(tmp_path, target, data, run__max_steps=1, data__eval_prompts=0)
