@@ -101,6 +101,7 @@ def owner(tmp_path, assets):
     o.close()
 
 
+@pytest.mark.slow  # fast path: test_a_stop_after_the_terminal_died_takes_seconds[no-sighup]
 def test_hang_up_goes_on_headless_and_an_attached_abort_ends_it(owner):
     owner.training()
     hung_at = time.time()

@@ -99,6 +99,7 @@ def view(live_run):
     v.close()
 
 
+@pytest.mark.slow  # fast path: test_a_view_whose_server_closed_its_pipes_ends
 def test_sigterm_ends_a_view_stuck_writing_to_a_full_pipe_within_a_second(view):
     view.started()
     # The server stops reading (its reader ended with the websocket): the pipe fills and the

@@ -376,7 +376,7 @@ def test_a_node_refused_before_joining_fails_the_other_at_once(tmp_path, assets,
     assert f"node {bad}" in outputs(tmp_path)[other]
 
 
-@pytest.mark.slow  # the fast path: test_an_abort_while_joining_ends_that_node_and_tells_the_others
+@pytest.mark.slow  # the fast path: test_a_node_refused_before_joining_fails_the_other_at_once
 def test_a_node_that_never_joins_is_named_after_the_timeout(tmp_path, assets, procs):
     cfg = node_config(tmp_path, assets, nodes__timeout_s=2.0)
     path = write_config(tmp_path / "config.yaml", cfg)
@@ -389,6 +389,7 @@ def test_a_node_that_never_joins_is_named_after_the_timeout(tmp_path, assets, pr
     assert "console of node 1" in fatal[0].hint
 
 
+@pytest.mark.slow  # fast path: test_a_node_refused_before_joining_fails_the_other_at_once[0-folder]
 def test_an_abort_while_joining_ends_that_node_and_tells_the_others(tmp_path, assets, procs):
     """Node 1 is stopped while it waits for node 2 (never started): it ends at once as aborted,
     and node 0, waiting too, is told who stopped and ends as aborted too, instead of waiting out
