@@ -43,7 +43,10 @@ def install_target(run_dir: str | Path, cache_dir: str | Path | None = None,
     dst = Path(run_dir) / "target"
 
     def current() -> bool:
-        return is_built(dst, META_NAME) and read_meta(dst) == read_meta(src)
+        try:
+            return is_built(dst, META_NAME) and read_meta(dst) == read_meta(src)
+        except FileNotFoundError:  # another node renamed an old copy aside as it was read
+            return False
 
     if current():
         return dst

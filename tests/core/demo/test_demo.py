@@ -292,3 +292,26 @@ def test_nodes_installing_the_target_at_once_all_get_one_complete_copy(tmp_path,
         assert demo.read_meta(run_dir / "target") == {"version": "new"}
         assert (run_dir / "target" / "model.safetensors").read_bytes() == b"w" * 1000
         assert sorted(p.name for p in run_dir.iterdir()) == ["target"]  # no .tmp- or .old-
+
+
+def test_a_copy_renamed_aside_while_it_is_read_counts_as_not_current(tmp_path, monkeypatch):
+    """Another node renames the out-of-date copy aside between this node's two reads of it: the
+    read finds no file, which means "not current" (it failed the install, by chance, in CI)."""
+    src = tmp_path / "cache" / "target"
+    src.mkdir(parents=True)
+    (src / "model.safetensors").write_bytes(b"w" * 10)
+    (src / demo.META_NAME).write_text('{"version": "new"}')
+    monkeypatch.setattr(target_cache, "ensure_tiny_target", lambda cache_dir, progress: src)
+    run_dir = tmp_path / "runs" / "mn"
+    (run_dir / "target").mkdir(parents=True)
+    (run_dir / "target" / demo.META_NAME).write_text('{"version": "old"}')
+    real_read, vanished = target_cache.read_meta, []
+
+    def read_meta(folder):
+        if folder == run_dir / "target" and not vanished:
+            vanished.append(1)
+            raise FileNotFoundError(2, "No such file or directory")  # renamed aside just now
+        return real_read(folder)
+    monkeypatch.setattr(target_cache, "read_meta", read_meta)
+    assert demo.install_target(run_dir) == run_dir / "target" and vanished
+    assert real_read(run_dir / "target") == {"version": "new"}
