@@ -239,20 +239,14 @@ class Evaluation:
         return sets
 
     def _target_config(self):
-        from dflash_core.models.target_config import (
-            TargetLoadError, load_target_config, needs_remote_code, read_config_json,
-            remote_code_refusal,
-        )
+        from dflash_core.models.target_config import TargetLoadError, load_target_config
 
-        trusted = self.opts.trust_remote_code
-        try:
-            raw = read_config_json(self.folder)
-            if needs_remote_code(raw) and not trusted:  # in the flag's words, not the key's
-                raise EvalInputError(
-                    remote_code_refusal(raw, self.folder, "--trust-remote-code is not given"),
-                    hint="pass --trust-remote-code if you trust the *.py files in that folder "
-                         "(they run in this process)")
-            return load_target_config(self.folder, trusted)
+        try:  # a refusal of its own code in the flag's words, not the run's key's
+            return load_target_config(
+                self.folder, self.opts.trust_remote_code,
+                switch="--trust-remote-code is not given",
+                hint="pass --trust-remote-code if you trust the *.py files in that folder (they "
+                     "run in this process)")
         except TargetLoadError as exc:
             raise EvalInputError(str(exc), hint=exc.hint) from exc
 

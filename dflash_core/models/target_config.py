@@ -77,7 +77,7 @@ def remote_code_refusal(hf_config: dict, folder: Path,
             f"{hf_config.get('model_type')!r} itself; {switch}")
 
 
-def read_config_json(folder: Path) -> dict:
+def _read_config_json(folder: Path) -> dict:
     try:
         data = json.loads((folder / CONFIG_NAME).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as exc:
@@ -88,16 +88,20 @@ def read_config_json(folder: Path) -> dict:
     return data
 
 
-def load_target_config(folder: Path, trust_remote_code: bool = False):
+def load_target_config(folder: Path, trust_remote_code: bool = False, *,
+                       switch: str = "target.trust_remote_code is off",
+                       hint: str = REMOTE_CODE_HINT):
     """The target's transformers config, refused in one line when it needs code it may not run
-    (never the terminal prompt) or has no causal-LM class."""
+    (never the terminal prompt) or has no causal-LM class. ``switch`` and ``hint``: the
+    refusal's words for what did not allow the code and how to allow it (the run's config key
+    by default; a command's flag)."""
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    raw = read_config_json(folder)
+    raw = _read_config_json(folder)
     # Before transformers sees it: with trust_remote_code unset it would ask on the terminal.
     if needs_remote_code(raw) and not trust_remote_code:
-        raise TargetLoadError(remote_code_refusal(raw, folder), hint=REMOTE_CODE_HINT)
+        raise TargetLoadError(remote_code_refusal(raw, folder, switch), hint=hint)
     try:
         config = AutoConfig.from_pretrained(folder, local_files_only=True,
                                             trust_remote_code=trust_remote_code)
