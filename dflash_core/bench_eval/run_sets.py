@@ -100,7 +100,7 @@ def evaluate_set(s: RunSet, step: int, target, drafter, layer_ids: list[int], *,
     from dflash_core.bench_eval.spec_decode import DecodeSettings, decode_rows
     from dflash_core.bench_eval.target_batch import rows_backend
     from dflash_core.models.dspark_calibration import calibrate
-    from dflash_core.models.evaluate import drafts_per_round
+    from dflash_core.models.evaluate import drafts_per_round, pooled_tau
 
     t0 = time.monotonic()
     prompts = [list(p) for p in s.prompt_ids]
@@ -117,9 +117,7 @@ def evaluate_set(s: RunSet, step: int, target, drafter, layer_ids: list[int], *,
         if r.confidences:
             confidences += r.confidences
             accepted += r.acceptance
-    rounds = sum(hist)
-    tau = sum((k + 1) * n for k, n in enumerate(hist)) / rounds if rounds else 0.0
     cal = calibrate(confidences, accepted) if confidences else None
-    return EvalResult(step=step, tau=tau, acceptance=hist, prompts=len(prompts),
+    return EvalResult(step=step, tau=pooled_tau(hist), acceptance=hist, prompts=len(prompts),
                       seconds=time.monotonic() - t0,
                       calibration=cal.as_dict() if cal is not None else {}, prompt_set=s.name)

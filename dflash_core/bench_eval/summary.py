@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dflash_core.bench_eval.results import ResultsFile
+from dflash_core.models.evaluate import pooled_tau
 
 
 @dataclass
@@ -60,7 +61,6 @@ def summarise(res: ResultsFile, indices: list[int] | None = None) -> Summary:
         if r["acceptance"]:
             per_prompt.append(sum(a + 1 for a in r["acceptance"]) / len(r["acceptance"]))
     rounds = sum(hist)
-    gained = sum((k + 1) * n for k, n in enumerate(hist))
     at = {}
     for k in range(1, len(reach)):
         if reach[k]:
@@ -79,7 +79,7 @@ def summarise(res: ResultsFile, indices: list[int] | None = None) -> Summary:
     decoded = tokens - sum(1 for r in rows if r["tokens"])
     return Summary(
         prompts=len(rows), tokens=tokens, rounds=rounds,
-        tau=gained / rounds if rounds else 0.0,
+        tau=pooled_tau(hist),
         tau_per_prompt=sum(per_prompt) / len(per_prompt) if per_prompt else 0.0,
         acceptance=hist, accepted_at=at, seconds=seconds, prefill_seconds=prefill,
         tokens_per_s=decoded / seconds if seconds > 0 else 0.0,

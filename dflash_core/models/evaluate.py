@@ -90,6 +90,13 @@ def _stop_set(eos_token_id) -> frozenset[int]:
     return frozenset([int(eos_token_id)])
 
 
+def pooled_tau(hist: Sequence[int]) -> float:
+    """Tokens gained per round over all rounds of all prompts, from the histogram of drafts
+    accepted per round (hist[k]: rounds that accepted k); 0 without a round."""
+    rounds = sum(hist)
+    return sum((k + 1) * n for k, n in enumerate(hist)) / rounds if rounds else 0.0
+
+
 def until_stop(new: list[int], stops) -> list[int]:
     """A round's new tokens up to and including the first stop id: the target stops there, so
     does the decoding."""
@@ -229,10 +236,8 @@ def evaluate_tau(target_fn: TargetFn, drafter: Drafter | None,
             starts.append(at)
             at += a + 1
         anchors.append(starts)
-    rounds = sum(hist)
-    gained = sum((k + 1) * c for k, c in enumerate(hist))
-    return EvalSummary(tau=gained / rounds if rounds else 0.0, acceptance=hist,
-                       prompts=len(prompts), tokens=sum(map(len, outputs)), rounds=rounds,
+    return EvalSummary(tau=pooled_tau(hist), acceptance=hist,
+                       prompts=len(prompts), tokens=sum(map(len, outputs)), rounds=sum(hist),
                        outputs=outputs, anchors=anchors, confidences=confidences,
                        accepted=accepted)
 
