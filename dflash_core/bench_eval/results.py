@@ -23,6 +23,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dflash_core import strict_json
 from dflash_core.bench_eval.errors import EvalInputError
 
 FORMAT = 1
@@ -57,7 +58,8 @@ class ResultsFile:
         record = {"kind": "batch", "batch": batch.number, "prompts": batch.prompts,
                   "seconds": round(batch.seconds, 6),
                   "prefill_seconds": round(batch.prefill_seconds, 6)}
-        text = "".join(json.dumps(x, separators=(",", ":")) + "\n" for x in [*lines, record])
+        text = "".join(strict_json.dumps(x, separators=(",", ":")) + "\n"
+                       for x in [*lines, record])
         with open(self.path, "a", encoding="utf-8") as fh:
             fh.write(text)
             fh.flush()
@@ -145,7 +147,7 @@ def write_json(path: Path, obj) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        tmp.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
+        tmp.write_text(strict_json.dumps(obj, indent=2) + "\n", encoding="utf-8")
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)

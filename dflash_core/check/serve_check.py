@@ -17,7 +17,6 @@ the interchange format, ``check.json``), which a later run in that folder ignore
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -26,6 +25,7 @@ from typing import Callable
 
 import torch
 
+from dflash_core import strict_json
 from dflash_core.check import decode as dec
 from dflash_core.check.diagnose import Verdict, diagnose, evidence_lines, feature_gap, probe
 from dflash_core.check.memorise import memorise
@@ -217,5 +217,5 @@ def _write_record(path: Path, result: CheckResult, mem, ours, ref) -> None:
         "seconds": round(result.seconds, 1),
     }
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record, indent=2), encoding="utf-8")
+    tmp.write_text(strict_json.dumps(record, indent=2), encoding="utf-8")
     tmp.replace(path)

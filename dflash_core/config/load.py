@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import typing
 from pathlib import Path
@@ -79,6 +80,9 @@ def _coerce_value(value: Any, tp: Any, key: str) -> Any:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(key, f"expected a number, got {value!r}")
+        if not math.isfinite(value):  # YAML's .inf / .nan: no key means either
+            raise ConfigError(key, f"expected a finite number, got {value!r}",
+                              hint=f"set {key} to an ordinary number in config.yaml")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
@@ -161,7 +165,9 @@ def apply_overrides(cfg: Config, overrides: list[tuple[str, str]]) -> Config:
         section, _, name = key.partition(".")
         if name not in data.get(section, {}):
             keys = [f"{a}.{b}" for a, part in data.items() for b in part]
-            near = difflib.get_close_matches(key, keys, 1)
+            # The key's name under another section (run.lr -> optim.lr) before a spelling guess.
+            near = ([k for k in keys if k.partition(".")[2] == name][:1]
+                    or difflib.get_close_matches(key, keys, 1))
             raise ConfigError(key, "--set names no config key" + (
                 f" (did you mean {near[0]}?)" if near else ""), hint=(
                 "--set SECTION.KEY=VALUE with a key of config.yaml, e.g. --set optim.name=muon"))

@@ -15,6 +15,7 @@ import shutil
 import time
 from pathlib import Path
 
+from dflash_core import strict_json
 from dflash_core.persist.checkpoint_layout import CHECKPOINTS, FILES, LEGACY_STATE, STATE_JSON
 
 _STEP_RE = re.compile(r"^step-(\d+)$")
@@ -154,8 +155,8 @@ def mark_best(run_dir: str | os.PathLike, folder: str | os.PathLike, step: int, 
     root = Path(run_dir) / CHECKPOINTS
     tmp = root / f".{BEST}-{os.getpid()}.tmp"
     with open(tmp, "w", encoding="utf-8") as f:
-        json.dump({"step": int(step), "path": Path(folder).name, "tau": float(tau),
-                   "prompt_set": prompt_set}, f)
+        f.write(strict_json.dumps({"step": int(step), "path": Path(folder).name,
+                                   "tau": float(tau), "prompt_set": prompt_set}))
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, root / BEST)

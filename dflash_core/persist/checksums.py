@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from dflash_core import strict_json
 from dflash_core.persist import safetensors_io
 from dflash_core.persist.checkpoint_layout import (
     CHECKSUMS, FILES, FORMAT_VERSION, LEGACY_STATE, STATE_JSON, CheckpointError,
@@ -30,7 +31,7 @@ def file_sum(size: int, crc: int) -> dict:
 
 def write_json(path: Path, obj: Any, indent: int) -> tuple[int, int]:
     """Write ``obj`` as JSON and fsync it; returns (size, CRC-32) of the bytes written."""
-    raw = json.dumps(obj, indent=indent).encode("utf-8")
+    raw = strict_json.dumps(obj, indent=indent).encode("utf-8")
     with open(path, "wb") as f:
         f.write(raw)
         f.flush()

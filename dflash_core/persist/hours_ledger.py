@@ -16,6 +16,7 @@ import os
 import threading
 from pathlib import Path
 
+from dflash_core import strict_json
 from dflash_core.observe.device_hours import RECORD_KEY, Figure
 from dflash_core.persist.checkpoint_layout import STATE_JSON
 
@@ -36,7 +37,7 @@ def write_held(run_dir: str | os.PathLike, gpu: float, host: float, step: int) -
     """Write the total whole (a temporary file renamed over it). Raises OSError."""
     path = Path(run_dir) / LEDGER
     tmp = path.with_name(f".{LEDGER}.{os.getpid()}.tmp")
-    text = json.dumps({"gpu": gpu, "host": host, "step": step}) + "\n"
+    text = strict_json.dumps({"gpu": gpu, "host": host, "step": step}) + "\n"
     with _lock:
         try:
             tmp.write_text(text, encoding="utf-8")
