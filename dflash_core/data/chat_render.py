@@ -88,6 +88,7 @@ def load_tokenizer(spec: str | Path, chat_template: str | Path | None = None,
         tok = byte_tokenizer()
     else:
         path = Path(spec).expanduser()
+        _check_tokenizer_files(path, trust_remote_code)
         try:
             from transformers import AutoTokenizer
             # Never transformers' terminal prompt: trust_remote_code is always said.
@@ -114,6 +115,24 @@ def load_tokenizer(spec: str | Path, chat_template: str | Path | None = None,
                             hint="pass --chat-template a jinja text file") from exc
     check_template(tok, spec)
     return tok
+
+
+# A tokenizer's vocabulary lives in one of these; a folder with none of them (a config.json and
+# nothing else) loads in transformers as an EMPTY vocabulary that tokenizes every text to nothing.
+VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model",
+               "sentencepiece.bpe.model", "tiktoken.model", "qwen.tiktoken")
+
+
+def _check_tokenizer_files(path: Path, trust_remote_code: bool) -> None:
+    if not path.is_dir() or (trust_remote_code and tokenizer_code(path) is not None):
+        return  # not a folder: transformers' own error says so; remote code keeps its own files
+    if any((path / name).is_file() for name in VOCAB_FILES) or any(path.glob("*.tiktoken")):
+        return
+    raise DataError("the folder holds no tokenizer files (none of " + ", ".join(VOCAB_FILES[:4])
+                    + ", ...): transformers would build an empty vocabulary from config.json "
+                    "and every sample would tokenize to nothing", file=path,
+                    hint="pass --tokenizer the target's own model folder (the one with "
+                         "tokenizer.json), or builtin:tiny")
 
 
 def tokenizer_code(folder: Path) -> str | None:

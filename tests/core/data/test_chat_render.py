@@ -122,6 +122,20 @@ def test_tokenizer_without_chat_template_is_refused(tmp_path):
     assert "--chat-template" in e.value.hint
 
 
+def test_a_tokenizer_folder_without_tokenizer_files_is_refused_even_with_a_template(tmp_path):
+    # It prepared "32 samples, 64 tokens": transformers built an empty vocabulary from config.json.
+    import json
+    from dflash_core.data.shards import DataError
+    folder = tmp_path / "config-only"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen3", "vocab_size": 100}))
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    with pytest.raises(DataError, match="holds no tokenizer files") as e:
+        load_tokenizer(folder, chat_template=template)
+    assert "tokenizer.json" in e.value.hint
+
+
 def test_template_that_fails_to_render_is_refused(tmp_path, bpe_folder):
     bad = tmp_path / "bad.jinja"
     bad.write_text("{% for m in messages %}{{ m.content }")  # unclosed expression

@@ -162,7 +162,7 @@ def test_cli_bad_input_exits_2_without_traceback(tmp_path, capsys):
     assert main(["data", "prepare", str(src), "--tokenizer", str(tmp_path / "tok"), "--out",
                  str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
-    assert "cannot load a tokenizer" in err and "hint:" in err and "Traceback" not in err
+    assert "holds no tokenizer files" in err and "hint:" in err and "Traceback" not in err
     assert not (tmp_path / "o").exists()
     assert main(["data", "prepare", str(src), "--tokenizer", "builtin:tiny", "--out",
                  str(tmp_path / "o"), "--quiet"]) == 0
