@@ -22,6 +22,7 @@ from dflash_core.observe.bus import EventBus
 from dflash_core.observe.events import TERMINAL_STATES, Error, Log
 from dflash_core.observe.watchdog import format_stack, thread_stack, where
 from dflash_core.persist.run_folder import fresh_name
+from dflash_core.pipeline import host_memory
 from dflash_core.pipeline.hs_queue import HiddenStateQueue
 from dflash_core.pipeline.lifecycle import Lifecycle
 from dflash_core.pipeline.run import Run
@@ -42,6 +43,7 @@ class Engine:
             raise ValueError("Engine needs a config or a config_path")
         self.bus = bus or EventBus()
         self._owns_bus = bus is None
+        host_memory.limit_arenas()  # before any run's threads: restarts must not grow RSS
         # A config file is read once per start: ``config`` is the first start's (the command
         # line loaded it, its --set applied); a restart reads ``config_path`` again.
         self.config_path = Path(config_path) if config_path else None

@@ -30,6 +30,7 @@ from dflash_core.observe.errors import error_event
 from dflash_core.observe.events import Log, TrainingPlan, prefetch_queue
 from dflash_core.observe.telemetry import TelemetrySampler
 from dflash_core.persist.data_position import DataPosition
+from dflash_core.pipeline import host_memory
 from dflash_core.pipeline.checkpointing import Checkpointer
 from dflash_core.pipeline.drafter_stage import DrafterStage
 from dflash_core.pipeline.evaluation import Evaluator
@@ -290,6 +291,7 @@ class Supervisor:
         run.release()
         gc.collect()
         free_cuda_caches()
+        host_memory.give_back()
         reason = run.failure.message if run.failure is not None else ""
         run.publish_hours("end")  # the devices are held until here
         self.lifecycle.end(status, step=run.step, seconds=time.monotonic() - run.started_at,
