@@ -1,7 +1,7 @@
 """The policy the run calls, as a trainer calls its checkpointer: when a checkpoint is written
 (periodic, best, final, an abort's within its budget, only when it fits on the disk), the
 background writer that writes it, and every call into the rest of this package that a save
-makes. The run keeps the step and makes one call per step (``stepped``); this never calls back
+makes. The run keeps the step and makes one call per step (``step_taken``); this never calls back
 but for the run's training state, which it is given at the start."""
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ class Checkpointer:
         self._disk_checked = 0.0
         self._disk_warned = False
 
-    def stepped(self, step: int) -> None:
+    def step_taken(self, step: int) -> None:
         """The run took optimizer step ``step``: the disk's room is looked at (warned about while
         low) and the periodic checkpoint written when it is due."""
         self.disk_check()

@@ -229,7 +229,7 @@ class Run:
                 f"resume: first step ({res.step}) {time.monotonic() - self.resume_t0:.1f} s "
                 "after the resume began reading its checkpoint")))
             self.resume_t0 = None
-        self.checkpointer.stepped(self.step)
+        self.checkpointer.step_taken(self.step)
         if self.evaluator.due(self.step):
             self.evaluate()
         used_up = verdict.all_exhausted if link is not None else self.hs_queue.exhausted()
