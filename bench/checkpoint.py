@@ -27,10 +27,10 @@ import common  # noqa: F401 - puts the repository on sys.path
 from common import hf_config
 
 from dflash_core.models.drafter import DFlashDrafter, build_drafter_config
-from dflash_core.persist import checkpoint as ckpt
-from dflash_core.persist.async_writer import CheckpointWriter
-from dflash_core.persist.staging import enough_shared_memory
-from dflash_core.persist.checkpoint_layout import CHECKPOINTS
+from dflash_core.checkpoint import save_load as ckpt
+from dflash_core.checkpoint.async_writer import CheckpointWriter
+from dflash_core.checkpoint.staging import enough_shared_memory
+from dflash_core.checkpoint.layout import CHECKPOINTS
 from dflash_core.units import GiB
 
 

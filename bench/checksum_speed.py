@@ -25,8 +25,8 @@ import torch
 
 import common  # noqa: F401 - puts the repository on sys.path
 
-from dflash_core.persist import safetensors_io
-from dflash_core.persist.checksums import _crc32_of
+from dflash_core.checkpoint import safetensors_io
+from dflash_core.checkpoint.checksums import _crc32_of
 
 MB = 1e6
 

@@ -81,8 +81,8 @@ class DrafterSpec:
 
 def resolve_folder(given: str) -> tuple[Path, Path | None]:
     """(model folder, run folder or None) of a --drafter path."""
-    from dflash_core.persist.checkpoint_folders import latest_checkpoint
-    from dflash_core.persist.checkpoint_layout import CHECKPOINTS
+    from dflash_core.checkpoint.folders import latest_checkpoint
+    from dflash_core.checkpoint.layout import CHECKPOINTS
 
     path = Path(given).expanduser()
     if not path.exists():
@@ -134,7 +134,7 @@ def _dflash_config(d: dict, where: str):
 def _fingerprint(folder: Path, config_text: str) -> str:
     """The config's text, and the weights by their recorded checksum (this engine's checkpoints)
     or their size and modification time: a changed drafter is not continued as the old one."""
-    from dflash_core.persist.checkpoint_layout import CHECKSUMS
+    from dflash_core.checkpoint.layout import CHECKSUMS
 
     h = hashlib.sha256(config_text.encode())
     sums = folder / CHECKSUMS

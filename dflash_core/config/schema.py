@@ -201,7 +201,7 @@ class CheckpointConfig:
     every: int = key(1000, "Optimizer steps between checkpoints; 0 = only on abort and at the "
                            "end.", ge=0)
     keep: int = key(3, """Newest checkpoints kept; 0 = all. Preflight refuses a run whose disk
-        cannot hold keep of them plus the one being written (checkpoint_size.py counts one),
+        cannot hold keep of them plus the one being written (checkpoint/size.py counts one),
         naming a keep that fits.""", ge=0)
     on_abort: bool = key(True, "Write a checkpoint when the run is aborted.")
     abort_budget_s: float = key(25.0, """An abort's checkpoint (SIGTERM, SIGINT, a) must be

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from dflash_core.data.shards import DataError
+from dflash_core.pids import pid_alive
 
 
 class OutputBusy(DataError):
@@ -43,16 +44,6 @@ def _who(h: dict) -> str:
     since = time.strftime("%H:%M:%S", time.localtime(h.get("started", 0)))
     return f"data {h.get('verb', '?')}, pid {h.get('pid', '?')} on {h.get('host', '?')}, " \
            f"since {since}"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # it exists, as another user's process
-    return True
 
 
 class OutputLock:
@@ -102,7 +93,7 @@ class OutputLock:
                                  hint=f"if that process has ended, remove {self.path} and run "
                                       "again; else wait for it, or pass another --out")
             pid = held.get("pid")
-            state = "no longer running" if isinstance(pid, int) and not _alive(pid) \
+            state = "no longer running" if isinstance(pid, int) and not pid_alive(pid) \
                 else "which no longer holds it"
             self.note(f"took over the lock of {self.out}, left by {_who(held)} ({state})")
         os.ftruncate(fd, 0)

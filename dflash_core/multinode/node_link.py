@@ -42,8 +42,8 @@ if TYPE_CHECKING:  # the run's parts, named for the reader only: the link never 
     from dflash_core.data import Prefetcher
     from dflash_core.models.replica import DrafterReplica
     from dflash_core.observe.watchdog import Heartbeats
-    from dflash_core.persist.checkpoint import LoadedCheckpoint
-    from dflash_core.persist.data_position import DataPosition
+    from dflash_core.checkpoint.save_load import LoadedCheckpoint
+    from dflash_core.checkpoint.data_position import DataPosition
 
 STATUS_EVERY_S = 1.0  # NodeStatus per node at most this often (a change of ending / error: always)
 ERROR_CHARS = 2000  # of a node's last error message in its summary

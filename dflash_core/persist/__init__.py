@@ -1,1 +1,2 @@
-"""What outlives a process: checkpoints, resume, the run folder, the build cache, the data position."""
+"""What outlives a process besides the checkpoint (that is checkpoint/): the run folder, its
+device-hours ledger, where a run's events are, the build cache."""

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from dflash_core import strict_json
 from dflash_core.observe.device_hours import RECORD_KEY, Figure
-from dflash_core.persist.checkpoint_layout import STATE_JSON
+from dflash_core.checkpoint.layout import STATE_JSON
 
 LEDGER = "device_hours.json"
 _lock = threading.Lock()  # the periodic figure (the engine's thread) and an evaluation's

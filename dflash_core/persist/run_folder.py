@@ -17,8 +17,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from dflash_core.config import ConfigError
-from dflash_core.persist.checkpoint_folders import list_checkpoints
-from dflash_core.persist.checkpoint_layout import CHECKPOINTS
+from dflash_core.checkpoint.folders import list_checkpoints
+from dflash_core.checkpoint.layout import CHECKPOINTS
 
 RECORDS = ("config.yaml", "events.jsonl", "train.log", CHECKPOINTS)
 EVENTS = "events.jsonl"

@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import torch
 
-from dflash_core.persist.data_position import DataPosition
+from dflash_core.checkpoint.data_position import DataPosition
 from dflash_core.observe.events import WORKER_RUNNING, WORKER_WARMUP, DrafterMetrics, Log, WorkerStatus
 from dflash_core.pipeline.hs_queue import HiddenStateQueue
 from dflash_core.models.replica import DrafterReplica, StepInterrupted

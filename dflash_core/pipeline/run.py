@@ -1,8 +1,8 @@
 """Everything one run owns, made whole when the run starts and dropped whole when it ends (so a
 restart can never see the last run's state): its worker threads, each guarded (an exception
 fails the run, never the process), and what the run does at each optimizer step: reduce and
-step, report, then call its checkpointer (checkpointing.py) and its evaluator (evaluation.py)
-when they are due."""
+step, report, then call its checkpointer (checkpoint/checkpointer.py: one call, it decides what
+is due) and its evaluator (evaluation.py) when it is due."""
 
 from __future__ import annotations
 
@@ -27,11 +27,11 @@ from dflash_core.observe.events import (
 )
 from dflash_core.observe.sinks.run_sinks import RunSinks
 from dflash_core.observe.watchdog import Heartbeats
-from dflash_core.persist import checkpoint as ckpt
-from dflash_core.persist.data_identity import of_dataset
-from dflash_core.persist.data_position import DataPosition
+from dflash_core.checkpoint import save_load as ckpt
+from dflash_core.checkpoint.data_identity import of_dataset
+from dflash_core.checkpoint.data_position import DataPosition
 from dflash_core.persist.hours_ledger import write_held
-from dflash_core.pipeline.checkpointing import Checkpointer
+from dflash_core.checkpoint.checkpointer import Checkpointer
 from dflash_core.pipeline.evaluation import Evaluator
 from dflash_core.pipeline.hours_meter import HoursMeter
 from dflash_core.pipeline.hs_queue import HiddenStateQueue
@@ -229,9 +229,7 @@ class Run:
                 f"resume: first step ({res.step}) {time.monotonic() - self.resume_t0:.1f} s "
                 "after the resume began reading its checkpoint")))
             self.resume_t0 = None
-        self.checkpointer.disk_check()
-        if self.checkpointer.due(self.step):
-            self.checkpointer.save("periodic", self.step)
+        self.checkpointer.step_taken(self.step)
         if self.evaluator.due(self.step):
             self.evaluate()
         used_up = verdict.all_exhausted if link is not None else self.hs_queue.exhausted()
@@ -254,7 +252,7 @@ class Run:
 
     # -- what a checkpoint holds of the run ------------------------------------------------------
     def data_identity(self) -> dict:
-        """What data the run trains on (persist/data_identity.py): recorded in each checkpoint,
+        """What data the run trains on (checkpoint/data_identity.py): recorded in each checkpoint,
         compared by a resume."""
         if self._data_id is None:
             self._data_id = of_dataset(self.prep.dataset)

@@ -24,12 +24,12 @@ from dflash_core.observe.events import Log, RunStarted
 from dflash_core.observe.sinks.run_sinks import RunSinks
 from dflash_core.observe.watchdog import Watchdog
 from dflash_core.persist.hours_ledger import read_held
-from dflash_core.persist.resume import (
+from dflash_core.checkpoint.resume import (
     check_resume_data, check_resume_nodes, check_resume_optimizer, expected_drafter_config,
     load_for_resume,
 )
 from dflash_core.persist.run_folder import refuse_if_used
-from dflash_core.pipeline.checkpointing import check_checkpoints_writable
+from dflash_core.checkpoint.checkpointer import check_checkpoints_writable
 from dflash_core.pipeline.hours_meter import HoursMeter
 from dflash_core.pipeline.run import Run
 from dflash_core.pipeline.workers import Stopped

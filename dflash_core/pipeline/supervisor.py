@@ -29,9 +29,9 @@ from dflash_core.observe.bus import EventBus
 from dflash_core.observe.errors import error_event
 from dflash_core.observe.events import Log, TrainingPlan, prefetch_queue
 from dflash_core.observe.telemetry import TelemetrySampler
-from dflash_core.persist.data_position import DataPosition
+from dflash_core.checkpoint.data_position import DataPosition
+from dflash_core.checkpoint.checkpointer import Checkpointer
 from dflash_core.pipeline import host_memory
-from dflash_core.pipeline.checkpointing import Checkpointer
 from dflash_core.pipeline.drafter_stage import DrafterStage
 from dflash_core.pipeline.evaluation import Evaluator
 from dflash_core.pipeline.hs_queue import HiddenStateQueue

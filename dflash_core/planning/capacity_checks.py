@@ -2,7 +2,7 @@
 
 The memory plan (memory.py) against each device's free memory, lowered to fit with
 layout.auto_fit or refused naming the key and the sizes that would fit; and the run's
-checkpoints (persist/checkpoint_size.py) against the free disk under the run folder, refused
+checkpoints (checkpoint/size.py) against the free disk under the run folder, refused
 naming a checkpoint.keep that fits. Apart from preflight.py, which calls them with the devices
 and the step count it has settled.
 """
@@ -18,8 +18,8 @@ import torch
 
 from dflash_core.config import Config, ConfigError, key_value, set_key_value
 from dflash_core.observe.events import Event, Log, MemoryPlan
-from dflash_core.persist import checkpoint_size as size_of
-from dflash_core.persist.checkpoint_folders import list_checkpoints
+from dflash_core.checkpoint import size as size_of
+from dflash_core.checkpoint.folders import list_checkpoints
 from dflash_core.planning.card_budget import card_budget, limit_bytes
 from dflash_core.planning.memory import fit_sizes, plan_memory
 from dflash_core.planning.memory_report import format_overflow, format_plan

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from dflash_core.config import Config, ConfigError
 from dflash_core.models import drafter_kinds
-from dflash_core.persist.checksums import verify
+from dflash_core.checkpoint.checksums import verify
 
 
 def check_dspark(cfg: Config, vocab: int) -> None:

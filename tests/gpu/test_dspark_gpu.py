@@ -17,7 +17,7 @@ from dflash_core.models.dspark_calibration import Calibration
 from dflash_core.models.evaluate import evaluation_attention
 from dflash_core.models.replica import DrafterReplica
 from dflash_core.observe.events import EvalResult, StepMetrics
-from dflash_core.persist import checkpoint as ckpt
+from dflash_core.checkpoint import save_load as ckpt
 from tests.core.engine_fixtures import make_config, make_data, make_target
 from tests.gpu.watch import Watched, watch_flex
 

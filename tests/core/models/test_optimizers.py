@@ -71,7 +71,7 @@ def test_muon_lr_zero_means_optim_lr():
 def test_the_staging_layout_made_before_the_first_step_is_the_stepped_state(name):
     """The checkpoint arena is sized at warm-up from the state the optimizer will have: for Muon
     too (a wrong guess remakes the arena at the first checkpoint, blocking training longer)."""
-    from dflash_core.persist.staging import stepped_optimizer_state
+    from dflash_core.checkpoint.staging import stepped_optimizer_state
 
     model = _model()
     params = list(model.parameters())

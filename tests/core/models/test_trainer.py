@@ -164,7 +164,7 @@ def test_recipe_replicas_stay_identical_and_step_like_one_drafter(tmp_path, asse
 
 @pytest.mark.parametrize("optim", ["adamw", "muon"])
 def test_resume_from_a_checkpoint_gives_the_next_step_of_continuing(tmp_path, assets, optim):
-    from dflash_core.persist import checkpoint as ckpt
+    from dflash_core.checkpoint import save_load as ckpt
 
     cfg, tm, batches, feats, init = _recipe_setup(tmp_path, assets, "dpace", optim, 3)
     cpu = torch.device("cpu")

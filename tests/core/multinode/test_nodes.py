@@ -21,13 +21,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dflash_core.persist import checkpoint as ckpt
-from dflash_core.persist.checkpoint_folders import list_checkpoints
+from dflash_core.checkpoint import save_load as ckpt
+from dflash_core.checkpoint.folders import list_checkpoints
 from dflash_core.config import ConfigError, NodesConfig
 from dflash_core.observe.events import Error, Log, NodeStatus, RunEnded, StepMetrics
 from dflash_core.observe.event_log import read_events
 from dflash_core.multinode.node_link import NodeLink, NodeMismatch, weights_checksum
-from dflash_core.persist.resume import check_resume_nodes
+from dflash_core.checkpoint.resume import check_resume_nodes
 
 from ..engine_fixtures import assets, make_config, run_config, write_config  # noqa: F401
 
@@ -179,7 +179,7 @@ def test_two_nodes_share_one_run_folder_with_the_demo_target(tmp_path, demo_data
 
 SLOW_CHECKPOINT = """
 import time
-from dflash_core.persist import checkpoint
+from dflash_core.checkpoint import save_load as checkpoint
 _save = checkpoint.save_checkpoint
 _slow = [1.5]
 def save_checkpoint(*a, **kw):

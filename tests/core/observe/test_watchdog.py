@@ -35,13 +35,13 @@ OWN = ("/x/dflash_core/pipeline/drafter_stage.py", 70, "_accumulate_step")
      "in a collective"),
     (("/v/site-packages/torch/cuda/__init__.py", 1000, "synchronize"), "waiting on the GPU"),
     (("/v/site-packages/pyarrow/ipc.py", 40, "read_all"), "reading"),
-    (("/x/dflash_core/persist/checkpoint.py", 250, "save_checkpoint"), "writing a checkpoint"),
+    (("/x/dflash_core/checkpoint/save_load.py", 250, "save_checkpoint"), "writing a checkpoint"),
 ])
 def test_where_says_what_a_stack_is_doing(innermost, says):
     text = where(frames(OWN, innermost))
     assert text.startswith(says + ": ")
     # and the innermost frame of the engine's own code
-    own = "checkpoint.py:250 save_checkpoint" if "dflash_core" in innermost[0] \
+    own = "save_load.py:250 save_checkpoint" if "dflash_core" in innermost[0] \
         else "drafter_stage.py:70 _accumulate_step"
     assert text.endswith(f"({own})")
 

@@ -22,15 +22,15 @@ import pytest
 import torch
 import yaml
 
-from dflash_core.persist import checkpoint as ckpt
-from dflash_core.persist.checkpoint_folders import (
+from dflash_core.checkpoint import save_load as ckpt
+from dflash_core.checkpoint.folders import (
     checkpoint_step, latest_checkpoint, list_checkpoints,
 )
-from dflash_core.persist.checkpoint_layout import CheckpointError
+from dflash_core.checkpoint.layout import CheckpointError
 from dflash_core.pipeline.engine import Engine
 from dflash_core.observe.events import Error, Log, RunEnded, RunStarted, StepMetrics
 from dflash_core.observe.event_log import read_events
-from dflash_core.persist.resume import shape_differences
+from dflash_core.checkpoint.resume import shape_differences
 from dflash_core.config import ConfigError
 from dflash_core.persist.run_folder import earlier_run, fresh_name, records_in, refuse_if_used
 

@@ -1,6 +1,6 @@
 """Checkpoints written in the background by a running engine: an abort's checkpoint within
 checkpoint.abort_budget_s (or none, naming the checkpoint that stands), and a writer process
-killed mid-write. The disk's speed is modelled (async_writer.clock, safetensors_io._write), not
+killed mid-write. The disk's speed is modelled (writer_loop.clock, safetensors_io._write), not
 waited for."""
 
 import multiprocessing
@@ -14,11 +14,11 @@ import pytest
 from dflash_core.observe.events import (
     Checkpoint, CheckpointProgress, Error, Log, RunEnded, StepMetrics,
 )
-from dflash_core.persist import async_writer, safetensors_io
-from dflash_core.persist import checkpoint as ckpt
-from dflash_core.persist.checkpoint_folders import latest_checkpoint
-from dflash_core.persist.checkpoint_layout import CHECKPOINTS
-from dflash_core.pipeline import checkpointing
+from dflash_core.checkpoint import async_writer, safetensors_io, writer_loop
+from dflash_core.checkpoint import save_load as ckpt
+from dflash_core.checkpoint.folders import latest_checkpoint
+from dflash_core.checkpoint.layout import CHECKPOINTS
+from dflash_core.checkpoint import checkpointer
 from dflash_core.pipeline import run as run_mod
 from dflash_core.pipeline.engine import Engine
 
@@ -26,7 +26,7 @@ from ..engine_fixtures import (  # noqa: F401 - assets, shutdown_started_engines
     FAIL_WITHIN_S, Recorder, assets, ended, long_config, run_to_end, shutdown_started_engines,
     started, wait_gone,
 )
-from ..persist import writer_targets
+from ..checkpoint import writer_targets
 
 
 def model_disk(monkeypatch, bytes_per_s: float) -> None:
@@ -39,7 +39,7 @@ def model_disk(monkeypatch, bytes_per_s: float) -> None:
         real(fd, view)
         ahead[0] += len(view) / bytes_per_s
     monkeypatch.setattr(safetensors_io, "_write", write)
-    monkeypatch.setattr(async_writer, "clock", lambda: time.monotonic() + ahead[0])
+    monkeypatch.setattr(writer_loop, "clock", lambda: time.monotonic() + ahead[0])
 
 
 def abort_at_step_3(monkeypatch, engine: Engine, cfg, on_abort=None) -> list[float]:
@@ -183,7 +183,7 @@ def writer_processes() -> list:
 def test_a_writer_killed_during_a_periodic_checkpoint_is_reported_and_the_run_goes_on(
         tmp_path, assets, monkeypatch):
     # The tiny checkpoints are written by threads unless told otherwise.
-    monkeypatch.setattr(checkpointing, "PROCESS_WRITER_BYTES", 0)
+    monkeypatch.setattr(checkpointer, "PROCESS_WRITER_BYTES", 0)
     monkeypatch.setattr(async_writer, "writer_main", writer_targets.writer_stuck_at_step_4)
     cfg = long_config(tmp_path, assets, run__max_steps=8, checkpoint__every=2,
                       checkpoint__keep=2)

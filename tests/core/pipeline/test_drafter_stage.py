@@ -4,8 +4,8 @@ batches again: the run goes on as if it had used the smaller size from the start
 import pytest
 import torch
 
-from dflash_core.persist import checkpoint as ckpt
-from dflash_core.persist.checkpoint_folders import latest_checkpoint
+from dflash_core.checkpoint import save_load as ckpt
+from dflash_core.checkpoint.folders import latest_checkpoint
 from dflash_core.models.drafter import DFlashDrafter
 from dflash_core.observe.events import Error, Log, StepMetrics
 

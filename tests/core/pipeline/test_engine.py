@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_core.persist import checkpoint as ckpt
-from dflash_core.persist.checkpoint_folders import checkpoint_step, latest_checkpoint, read_best
+from dflash_core.checkpoint import save_load as ckpt
+from dflash_core.checkpoint.folders import checkpoint_step, latest_checkpoint, read_best
 from dflash_core.config import ConfigError, config_from_dict, load_config
 from dflash_core.pipeline.engine import Engine
 from dflash_core.observe.events import (

@@ -15,7 +15,7 @@ from dflash_core.models.dspark_calibration import Calibration
 from dflash_core.models.replica import DrafterReplica
 from dflash_core.observe.events import Checkpoint, Error, EvalResult, RunEnded, StepMetrics
 from dflash_core.pipeline.engine import Engine
-from dflash_core.persist import checkpoint as ckpt
+from dflash_core.checkpoint import save_load as ckpt
 
 from ..engine_fixtures import assets, make_config, run_to_end, write_config  # noqa: F401
 from .test_headless import Headless
@@ -82,7 +82,7 @@ def test_trains_evaluates_checkpoints_and_resumes(tmp_path, assets, monkeypatch)
     assert said <= size < said + 64 * 1024
 
 
-@pytest.mark.slow  # fast path: tests/core/persist/test_dspark_checkpoint.py (the same refusal)
+@pytest.mark.slow  # fast path: tests/core/checkpoint/test_dspark_checkpoint.py (the same refusal)
 def test_a_dspark_checkpoint_resumed_as_dflash_is_refused_with_exit_2(tmp_path, assets):
     cfg = dspark_config(tmp_path, assets, run__max_steps=2, checkpoint__every=2,
                        data__eval_prompts=0)

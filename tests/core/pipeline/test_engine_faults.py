@@ -12,8 +12,8 @@ import psutil
 import pytest
 import torch
 
-from dflash_core.persist import checkpoint as ckpt
-from dflash_core.persist.checkpoint_folders import latest_checkpoint
+from dflash_core.checkpoint import save_load as ckpt
+from dflash_core.checkpoint.folders import latest_checkpoint
 from dflash_core.data import batching as data_mod
 from dflash_core.models import target as target_mod
 from dflash_core.models import target_load

@@ -12,7 +12,7 @@ import pytest
 from dflash_core import demo
 from dflash_core.config import config_from_dict
 from dflash_core.observe.events import Checkpoint, Error, EvalResult, LoadProgress, RunEnded
-from dflash_core.persist.checkpoint_folders import read_best
+from dflash_core.checkpoint.folders import read_best
 from dflash_core.pipeline.engine import Engine
 
 TEXTS = ["The value of an expression is ", "Built-in functions and the return ",

@@ -6,12 +6,13 @@ from collections import namedtuple
 
 import torch
 
-from dflash_core.persist import checkpoint as ckpt
-from dflash_core.persist.checkpoint_folders import latest_checkpoint
-from dflash_core.persist.checkpoint_layout import CHECKPOINTS
-from dflash_core.persist.checksums import Verified, verify
+from dflash_core.checkpoint import save_load as ckpt
+from dflash_core.checkpoint.folders import latest_checkpoint
+from dflash_core.checkpoint.layout import CHECKPOINTS
+from dflash_core.checkpoint.checksums import Verified, verify
 from dflash_core.models import objective
-from dflash_core.pipeline import checkpointing, evaluation
+from dflash_core.checkpoint import checkpointer
+from dflash_core.pipeline import evaluation
 from dflash_core.observe.events import Checkpoint, Error, EvalResult, Log, StepMetrics
 
 from ..engine_fixtures import assets, make_config, run_config  # noqa: F401 - assets is a fixture
@@ -50,7 +51,7 @@ Usage = namedtuple("Usage", "total used free")
 
 def test_a_checkpoint_that_cannot_fit_is_skipped_and_said_so(tmp_path, assets, monkeypatch):
     free = [10 * 2**30]
-    monkeypatch.setattr(checkpointing.shutil, "disk_usage", lambda p: Usage(free[0] * 2, 0, free[0]))
+    monkeypatch.setattr(checkpointer.shutil, "disk_usage", lambda p: Usage(free[0] * 2, 0, free[0]))
     real_begin = ckpt.begin_save
 
     def begin(*args, **kwargs):

@@ -3,8 +3,8 @@ on, with the features (and so the training) it would have had without the error.
 
 import torch
 
-from dflash_core.persist import checkpoint as ckpt
-from dflash_core.persist.checkpoint_folders import latest_checkpoint
+from dflash_core.checkpoint import save_load as ckpt
+from dflash_core.checkpoint.folders import latest_checkpoint
 from dflash_core.observe.events import Error, Log, StepMetrics
 from dflash_core.models.target import TargetModel
 

@@ -118,10 +118,10 @@ def test_the_checkpoint_size_is_what_a_checkpoint_holds(tmp_path, assets):
     import json
     from types import SimpleNamespace
 
-    from dflash_core.persist import checkpoint as ckpt
-    from dflash_core.persist.checkpoint_folders import latest_checkpoint
-    from dflash_core.persist import checkpoint_size
-    from dflash_core.pipeline.checkpointing import checkpoint_bytes
+    from dflash_core.checkpoint import save_load as ckpt
+    from dflash_core.checkpoint.folders import latest_checkpoint
+    from dflash_core.checkpoint import size as checkpoint_size
+    from dflash_core.checkpoint.checkpointer import checkpoint_bytes
 
     target, data = assets
     cfg = make_config(tmp_path, target, data, run__max_steps=3, data__eval_prompts=0,
@@ -176,7 +176,7 @@ def test_checkpoints_that_cannot_fit_are_refused_before_loading(tmp_path, assets
     import json
     from collections import namedtuple
 
-    from dflash_core.persist import checkpoint_size
+    from dflash_core.checkpoint import size as checkpoint_size
     from dflash_core.planning import preflight
 
     target, data = assets
@@ -203,7 +203,7 @@ def test_checkpoints_that_cannot_fit_are_refused_before_loading(tmp_path, assets
 
 
 def test_optimizer_state_per_parameter_is_what_torch_keeps():
-    from dflash_core.persist.checkpoint_size import optimizer_state_bytes
+    from dflash_core.checkpoint.size import optimizer_state_bytes
 
     def state_bytes(opt):
         return sum(t.numel() * t.element_size() for st in opt.state.values()

@@ -12,7 +12,7 @@ from dflash_core.models import drafter_objective
 from dflash_core.models.drafter_kinds import dspark_settings, new_drafter
 from dflash_core.models.dspark import DSparkSettings
 from dflash_core.models.model_shape import drafter_matrix_param_count, drafter_param_count
-from dflash_core.persist import checkpoint_size
+from dflash_core.checkpoint import size as checkpoint_size
 from dflash_core.planning import capacity_checks, drafter_checks
 from dflash_core.planning.drafter_memory import DSPARK_HEADS, DSPARK_LOSS_BYTES_PER_LOGIT
 from dflash_core.planning.memory import cuda_margin, plan_memory

@@ -14,14 +14,14 @@ import pytest
 import safetensors.torch
 import torch
 
-from dflash_core.persist.checkpoint import (
+from dflash_core.checkpoint.save_load import (
     capture_rng_state, load_checkpoint, restore_rng_state, save_checkpoint,
 )
-from dflash_core.persist.checkpoint_folders import (
+from dflash_core.checkpoint.folders import (
     checkpoint_step, damaged_folders, latest_checkpoint, list_checkpoints, step_folders,
 )
-from dflash_core.persist.checkpoint_layout import CHECKSUMS, FILES, CheckpointError
-from dflash_core.persist.checksums import Verified, verify
+from dflash_core.checkpoint.layout import CHECKSUMS, FILES, CheckpointError
+from dflash_core.checkpoint.checksums import Verified, verify
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -135,7 +135,7 @@ def test_write_failure_leaves_nothing(tmp_path, monkeypatch, exc):
     def full_disk(*args, **kwargs):
         raise exc
 
-    from dflash_core.persist import safetensors_io
+    from dflash_core.checkpoint import safetensors_io
     monkeypatch.setattr(safetensors_io, "_write", full_disk)
     with pytest.raises(CheckpointError) as err:
         _save(tmp_path, 2)
@@ -156,8 +156,8 @@ def test_unpicklable_state_refused_before_writing(tmp_path):
 # tensor holding its step number; it first re-saves the latest step (the replace path).
 ZYGOTE = """
 import os, sys, torch
-from dflash_core.persist.checkpoint import save_checkpoint
-from dflash_core.persist.checkpoint_folders import checkpoint_step, latest_checkpoint
+from dflash_core.checkpoint.save_load import save_checkpoint
+from dflash_core.checkpoint.folders import checkpoint_step, latest_checkpoint
 run_dir = sys.argv[1]
 print("ready", flush=True)
 for _ in sys.stdin:
@@ -225,7 +225,7 @@ def test_sigkill_never_leaves_a_half_checkpoint(tmp_path):
 
 def test_loading_reports_bytes_and_shards_and_a_resume_shows_them(tmp_path):
     from dflash_core.observe.events import LoadProgress
-    from dflash_core.persist.resume import load_for_resume
+    from dflash_core.checkpoint.resume import load_for_resume
 
     _save(tmp_path, 3, optimizer_state={"state": {0: {"exp_avg": torch.ones(64, 64)}},
                                         "param_groups": []})

@@ -9,7 +9,7 @@ A checkpoint is ``<run_dir>/checkpoints/step-<N>/`` with
   checksums.json       each file's size and CRC-32, written last (format 3)
 No pickle anywhere. Folders of format 2 (no checksums.json) and format 1 (``training_state.pt``,
 float32 ``model.safetensors``) still load, said to be unverifiable. Writing and loading:
-checkpoint.py; the checksums: checksums.py; a run's folders of them: checkpoint_folders.py.
+save_load.py; the checksums: checksums.py; a run's folders of them: folders.py.
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
 """Writing a checkpoint atomically, and loading one.
 
-A checkpoint folder's files: checkpoint_layout.py. The folder is assembled by ``begin_save``
-(hidden folder, the small files), the writers (``write_plans``: here, or in writer processes,
-async_writer.py; each returns its files' checksums) and ``finish_save`` (checksums.json, fsync,
-rename, prune). Everything is written to a hidden ``.tmp-step-<N>-<pid>`` folder, fsynced, then
-renamed into place, so a crash at any moment leaves only complete ``step-*`` folders (the folders
-themselves: checkpoint_folders.py). ``load_checkpoint`` verifies a folder first (checksums.py).
+A checkpoint folder's files: layout.py. The folder is assembled by ``begin_save`` (hidden
+folder, the small files), the writers (``write_plans``: here, or in writer processes,
+async_writer.py and writer_loop.py; each returns its files' checksums) and ``finish_save``
+(checksums.json, fsync, rename, prune). Everything is written to a hidden
+``.tmp-step-<N>-<pid>`` folder, fsynced, then renamed into place, so a crash at any moment leaves
+only complete ``step-*`` folders (the folders themselves: folders.py). ``load_checkpoint``
+verifies a folder first (checksums.py).
 """
 
 from __future__ import annotations
@@ -23,16 +24,16 @@ import torch
 from safetensors import safe_open
 from safetensors import torch as st
 
-from dflash_core.persist import safetensors_io, state_tree
-from dflash_core.persist.checkpoint_folders import clean_hidden, prune, remove_folder, set_aside
+from dflash_core.checkpoint import safetensors_io, state_tree
+from dflash_core.checkpoint.folders import clean_hidden, prune, remove_folder, set_aside
 # Still read from here by bench_eval/drafters.py and bench/recipe.py; the rest import it from
-# checkpoint_folders.
-from dflash_core.persist.checkpoint_folders import latest_checkpoint  # noqa: F401
-from dflash_core.persist.checkpoint_layout import (
+# folders.py.
+from dflash_core.checkpoint.folders import latest_checkpoint  # noqa: F401
+from dflash_core.checkpoint.layout import (
     CHECKPOINTS, CHECKSUMS, FORMAT_VERSION, LEGACY_STATE, MASTER, SERVED, STATE_JSON,
     CheckpointError,
 )
-from dflash_core.persist.checksums import (
+from dflash_core.checkpoint.checksums import (
     check_safetensors, file_sum, verify, write_checksums, write_json,
 )
 

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from dflash_core import strict_json
-from dflash_core.persist import safetensors_io
-from dflash_core.persist.checkpoint_layout import (
+from dflash_core.checkpoint import safetensors_io
+from dflash_core.checkpoint.layout import (
     CHECKSUMS, FILES, FORMAT_VERSION, LEGACY_STATE, STATE_JSON, CheckpointError,
 )
 

@@ -18,12 +18,12 @@ from dflash_core.config import ConfigError, config_from_dict
 from dflash_core.models import dspark_format
 from dflash_core.models.drafter_kinds import dspark_settings, new_drafter
 from dflash_core.models.dspark import DSparkDrafter, DSparkSettings
-from dflash_core.persist import checkpoint as ckpt
-from dflash_core.persist.checkpoint_layout import SERVED, STATE_JSON
-from dflash_core.persist import checkpoint_size
-from dflash_core.persist.async_writer import CheckpointWriter
-from dflash_core.persist.staging import Staging
-from dflash_core.persist.resume import expected_drafter_config, load_for_resume
+from dflash_core.checkpoint import save_load as ckpt
+from dflash_core.checkpoint.layout import SERVED, STATE_JSON
+from dflash_core.checkpoint import size as checkpoint_size
+from dflash_core.checkpoint.async_writer import CheckpointWriter
+from dflash_core.checkpoint.staging import Staging
+from dflash_core.checkpoint.resume import expected_drafter_config, load_for_resume
 
 VOCAB, HIDDEN, LAYERS = 96, 32, 4
 TARGET = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64,

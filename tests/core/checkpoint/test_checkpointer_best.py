@@ -8,9 +8,9 @@ import torch
 
 from dflash_core.config import CheckpointConfig
 from dflash_core.observe.events import Checkpoint, Log
-from dflash_core.persist.checkpoint_folders import mark_best, read_best
-from dflash_core.persist.checkpoint_layout import CHECKPOINTS
-from dflash_core.pipeline.checkpointing import Checkpointer
+from dflash_core.checkpoint.folders import mark_best, read_best
+from dflash_core.checkpoint.layout import CHECKPOINTS
+from dflash_core.checkpoint.checkpointer import Checkpointer
 
 
 def checkpointer(run_dir, best_set: str, seen: list) -> Checkpointer:

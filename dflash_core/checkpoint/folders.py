@@ -16,7 +16,8 @@ import time
 from pathlib import Path
 
 from dflash_core import strict_json
-from dflash_core.persist.checkpoint_layout import CHECKPOINTS, FILES, LEGACY_STATE, STATE_JSON
+from dflash_core.checkpoint.layout import CHECKPOINTS, FILES, LEGACY_STATE, STATE_JSON
+from dflash_core.pids import pid_alive
 
 _STEP_RE = re.compile(r"^step-(\d+)$")
 _HIDDEN_RE = re.compile(r"^\.(tmp|old|del)-step-(\d+)-(\d+)$")  # kind, step, pid
@@ -100,16 +101,6 @@ def checkpoint_step(folder: str | os.PathLike) -> int:
     raise ValueError(f"{folder} is not a checkpoint folder")
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def remove_folder(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
@@ -121,7 +112,7 @@ def clean_hidden(root: Path) -> None:
         if not m:
             continue
         kind, step, pid = m.group(1), int(m.group(2)), int(m.group(3))
-        if kind == "tmp" and pid != os.getpid() and _pid_alive(pid):
+        if kind == "tmp" and pid != os.getpid() and pid_alive(pid):
             continue  # another live process is writing it right now
         final = root / f"step-{step}"
         if kind == "old" and not _is_complete(final) and _is_complete(entry):

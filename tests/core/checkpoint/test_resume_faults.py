@@ -24,10 +24,10 @@ import shutil
 import pytest
 
 from dflash_core.observe.events import Error, Log, RunEnded, StepMetrics
-from dflash_core.persist.checkpoint_folders import list_checkpoints
-from dflash_core.persist.checkpoint_layout import CHECKSUMS
-from dflash_core.persist.checksums import Verified, verify
-from dflash_core.persist.data_identity import data_identity
+from dflash_core.checkpoint.folders import list_checkpoints
+from dflash_core.checkpoint.layout import CHECKSUMS
+from dflash_core.checkpoint.checksums import Verified, verify
+from dflash_core.checkpoint.data_identity import data_identity
 from dflash_core.pipeline.engine import Engine
 from dflash_core.pipeline.exit_codes import exit_code
 

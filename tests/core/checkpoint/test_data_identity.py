@@ -4,7 +4,7 @@ and sizes, not where the data lies or how its prepare ran."""
 import json
 import shutil
 
-from dflash_core.persist.data_identity import data_identity, describe
+from dflash_core.checkpoint.data_identity import data_identity, describe
 
 
 def _folder(path, manifest=None, shards=(("a.arrow", 10), ("b.arrow", 20))):

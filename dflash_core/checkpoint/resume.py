@@ -10,7 +10,7 @@
 - a checkpoint written before checksums (format 2 or 1): resumed, with a note that it could not
   be verified;
 - a checkpoint of other data than ``data.path`` (its recorded data identity,
-  persist/data_identity.py): refused naming both, unless ``data.allow_changed_data``;
+  data_identity.py): refused naming both, unless ``data.allow_changed_data``;
 - a checkpoint of the other objective than ``drafter.objective`` (a DSpark checkpoint resumed as
   DFlash, or the other way): refused, naming both;
 - a checkpoint of another drafter shape than the config's (layers, block size, widths, target
@@ -27,12 +27,12 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from dflash_core.persist import checkpoint as ckpt
-from dflash_core.persist.checkpoint_folders import (
+from dflash_core.checkpoint import save_load as ckpt
+from dflash_core.checkpoint.folders import (
     checkpoint_step, damaged_folders, set_aside, step_folders,
 )
-from dflash_core.persist.checkpoint_layout import CHECKPOINTS, CheckpointError
-from dflash_core.persist.data_identity import describe
+from dflash_core.checkpoint.layout import CHECKPOINTS, CheckpointError
+from dflash_core.checkpoint.data_identity import describe
 from dflash_core.config import Config, ConfigError
 from dflash_core.observe.events import Event, LoadProgress, Log
 from dflash_core.units import GiB
@@ -237,7 +237,7 @@ def check_objective(expected: dict, found: dict, folder: Path) -> None:
 def check_resume_data(loaded: ckpt.LoadedCheckpoint, data: dict, allow_changed: bool,
                       publish: Callable[[Event], None]) -> None:
     """A checkpoint resumes on the data it trained on (``data``: the identity of data.path now,
-    persist/data_identity.py): its data position names batches of that data's plan. Another
+    data_identity.py): its data position names batches of that data's plan. Another
     data set is refused naming both (ConfigError, key data.allow_changed_data), or, with
     ``allow_changed``, resumed with a warning. A checkpoint written before identities were
     recorded resumes with a note."""

@@ -10,12 +10,13 @@ import time
 import pytest
 import torch
 
-from dflash_core.persist import checkpoint as ckpt
-from dflash_core.persist.checkpoint_folders import latest_checkpoint
-from dflash_core.persist.checkpoint_layout import CHECKSUMS
-from dflash_core.persist.checksums import Verified, verify
-from dflash_core.persist import safetensors_io
-from dflash_core.persist.async_writer import CheckpointWriter, writer_main
+from dflash_core.checkpoint import save_load as ckpt
+from dflash_core.checkpoint.folders import latest_checkpoint
+from dflash_core.checkpoint.layout import CHECKSUMS
+from dflash_core.checkpoint.checksums import Verified, verify
+from dflash_core.checkpoint import safetensors_io
+from dflash_core.checkpoint.async_writer import CheckpointWriter
+from dflash_core.checkpoint.writer_loop import writer_main
 
 
 def _model():

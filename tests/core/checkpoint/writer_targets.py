@@ -3,8 +3,8 @@ in: this small one, not a test module with its fixtures and their imports."""
 
 import time
 
-from dflash_core.persist import checkpoint as ckpt
-from dflash_core.persist.async_writer import writer_main
+from dflash_core.checkpoint import save_load as ckpt
+from dflash_core.checkpoint.writer_loop import writer_main
 
 STUCK_STEP = 4
 

@@ -1,21 +1,22 @@
 """Checkpoints written in the background: training stops only while one step boundary's state is
 copied to host memory, and writer processes put it on disk while the drafters train on.
 
-- Staging (staging.py): one host buffer (an arena) holding every tensor of a checkpoint, allocated once and
-  reused. It lives in shared memory so the writer processes read it without a copy, and is
-  pinned (registered with CUDA) so device copies are DMA at full bus speed. ``stage`` issues
-  each tensor's copy on a side stream of its device (non_blocking), then waits once per device.
+- Staging (staging.py): one host buffer (an arena) holding every tensor of a checkpoint,
+  allocated once and reused. It lives in shared memory so the writer processes read it without
+  a copy, and is pinned (registered with CUDA) so device copies are DMA at full bus speed.
+  ``stage`` issues each tensor's copy on a side stream of its device (non_blocking), then waits
+  once per device.
   Data-parallel replicas hold the same state, so replica r copies the tensors writer r writes:
   every GPU's link carries only its share.
-- Writers: one ``spawn`` process per share (the dashboard, telemetry and workers share this
-  interpreter; a write must not take its time). Each gets the arena once and, per checkpoint,
-  the list of files to write from it (checkpoint.plan_files); it reports bytes written through
-  a shared counter and its end, with its files' checksums, through a queue. This process
-  assembles the folder (checkpoint.begin_save / finish_save: checksums.json from every writer's
-  report, written last), so the atomic rename stays here: a writer killed mid-
-  write leaves a hidden folder that is removed, and the previous checkpoint stands. A dead
-  writer is reported and replaced at the next checkpoint; if no process can be started the
-  writes go to threads of this process instead (``mode`` "thread").
+- Writers (writer_loop.py): one ``spawn`` process per share (the dashboard, telemetry and
+  workers share this interpreter; a write must not take its time). Each gets the arena once and,
+  per checkpoint, the list of files to write from it (save_load.plan_files); it reports bytes
+  written through a shared counter and its end, with its files' checksums, through a queue. This
+  process assembles the folder (save_load.begin_save / finish_save: checksums.json from every
+  writer's report, written last), so the atomic rename stays here: a writer killed mid-write
+  leaves a hidden folder that is removed, and the previous checkpoint stands. A dead writer is
+  reported and replaced at the next checkpoint; if no process can be started the writes go to
+  threads of this process instead (``mode`` "thread").
 - One write at a time: a checkpoint asked for while one is in flight waits for it (the arena is
   in use), it never overwrites it.
 
@@ -40,96 +41,14 @@ from typing import Any, Callable
 import torch
 import torch.multiprocessing  # noqa: F401 - registers how tensors travel to a process
 
-from dflash_core.persist import checkpoint as ckpt
-from dflash_core.persist import safetensors_io
-from dflash_core.persist.checkpoint_layout import CHECKPOINTS, CheckpointError
-from dflash_core.persist.staging import Staging, views
+from dflash_core.checkpoint import save_load as ckpt
+from dflash_core.checkpoint import writer_loop
+from dflash_core.checkpoint.layout import CHECKPOINTS, CheckpointError
+from dflash_core.checkpoint.staging import Staging
+from dflash_core.checkpoint.writer_loop import POLL_S, serve, writer_main
 
-POLL_S = 0.2
 PROGRESS_EVERY_S = 1.0
 PROBE_BYTES = 256 << 20
-
-
-def clock() -> float:
-    """Seconds, for the writers' times and the write rate measured from them (one place, so a
-    test can model a disk of any speed without waiting for it)."""
-    return time.monotonic()
-
-
-# --------------------------------------------------------------------------------------------
-# Writers (one process, or one thread, each)
-# --------------------------------------------------------------------------------------------
-
-def _error_report(exc: BaseException) -> tuple[int | None, str]:
-    code = getattr(exc, "errno", None) if isinstance(exc, OSError) else None
-    return code, f"{type(exc).__name__}: {exc}"
-
-
-def serve(index: int, jobs, results, progress: torch.Tensor, alive: Callable[[], bool],
-          cancelled: Callable[[], bool] | None = None) -> None:
-    """A writer's loop: ("arena", arena, layout) | ("write", job_id, folder, files) |
-    ("probe", job_id, path, nbytes) | None (end). Reports ("done", job_id, index, bytes,
-    seconds, {file: checksum entry}) or ("error", job_id, index, errno, message) on
-    ``results``. A write stops between chunks once ``alive()`` is false or ``cancelled()`` true
-    (a writer thread cannot be killed)."""
-    def stop() -> bool:
-        return not alive() or (cancelled is not None and cancelled())
-    tensors: dict[str, torch.Tensor] = {}
-    while alive():
-        try:
-            msg = jobs.get(timeout=POLL_S)
-        except queue.Empty:
-            continue
-        if msg is None:
-            return
-        if msg[0] == "arena":
-            tensors = views(msg[1], msg[2])
-            continue
-        job_id = msg[1]
-        progress[index] = 0
-        t0 = clock()
-        try:
-            if msg[0] == "write":
-                def add(n: int) -> None:
-                    progress[index] += n
-                done, sums = ckpt.write_plans(Path(msg[2]), msg[3], tensors, progress=add,
-                                              cancelled=stop)
-            else:
-                done, sums = _probe(Path(msg[2]), msg[3]), {}
-            results.put(("done", job_id, index, done, clock() - t0, sums))
-        except BaseException as exc:  # noqa: BLE001 - every failure is reported, the loop goes on
-            code, text = _error_report(exc)
-            results.put(("error", job_id, index, code, text))
-
-
-def _probe(path: Path, nbytes: int) -> int:
-    """Write ``nbytes`` and fsync: the disk's write rate, measured the way checkpoints write
-    (through the same chunked writes)."""
-    chunk = memoryview(bytes(min(nbytes, safetensors_io.CHUNK)))
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        left = nbytes
-        while left > 0:
-            n = min(left, len(chunk))
-            safetensors_io._write(fd, chunk[:n])
-            left -= n
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
-    return nbytes
-
-
-def writer_main(index: int, jobs, results, progress: torch.Tensor) -> None:
-    """Entry point of a writer process. It stops once its parent is gone (checked between
-    chunks). Not PR_SET_PDEATHSIG: that signal follows the thread that started the process, and
-    a writer replaced from a drafter thread was killed, its write lost, when that thread ended."""
-    torch.set_num_threads(2)  # casts to the served dtype; the host's cores belong to training
-    parent = os.getppid()
-    serve(index, jobs, results, progress, alive=lambda: os.getppid() == parent)
 
 
 # --------------------------------------------------------------------------------------------
@@ -282,12 +201,12 @@ class CheckpointWriter:
         self._idle.wait()
         job_id = self._new_id()
         share = max(1 << 16, nbytes // self.writers)
-        t0 = clock()
+        t0 = writer_loop.clock()
         for i in range(self.writers):
             self._jobs[i].put(("probe", job_id, str(root / f".probe-{os.getpid()}-{i}"), share))
         left = set(range(self.writers))
         took = 0.0  # the slowest writer's own time: a process's start is not the disk's
-        while left and clock() - t0 < timeout:
+        while left and writer_loop.clock() - t0 < timeout:
             try:
                 msg = self._results.get(timeout=POLL_S)
             except queue.Empty:
@@ -343,19 +262,19 @@ class CheckpointWriter:
         """Stage ``job`` (its tensors come from ``sources``, one dict per replica, holding the
         same values) and hand it to the writers; returns the seconds training was blocked.
         Raises CheckpointError (nothing written) when even the folder cannot be made."""
-        t0 = clock()
+        t0 = writer_loop.clock()
         self.wait_idle()
         self._cancel.clear()
         if self.staging.ensure(job.tensors):
             self._send_arena()
         owner = {src: w for w, files in enumerate(job.plans) for f in files
                  for _, src, _ in f.entries if f.name != "model.safetensors"}
-        t_stage = clock()
+        t_stage = writer_loop.clock()
         self.staging.stage(sources, owner, job.static)
-        self.staging_s = clock() - t_stage
+        self.staging_s = writer_loop.clock() - t_stage
         tmp = ckpt.begin_save(self.run_dir, job)
         self.start()  # a writer that died since the last checkpoint is replaced
-        blocked = clock() - t0
+        blocked = writer_loop.clock() - t0
         j = _Job(self._new_id(), job.step, tmp, job.plans, job.bytes_total, keep, reason, t0,
                  blocked, on_done, set(range(self.writers)), sums=dict(job.sums))
         self.progress.zero_()
@@ -401,7 +320,7 @@ class CheckpointWriter:
                            and code < 0 else f"exit code {code}")
                     dead.append(f"writer {i} (pid {getattr(p, 'pid', '?')}) died ({how})")
                     j.pending.discard(i)
-            now = clock()
+            now = writer_loop.clock()
             written = int(self.progress.sum())
             if self.beat is not None:
                 self.beat()
@@ -420,7 +339,7 @@ class CheckpointWriter:
                 j.error, j.errno = str(exc), exc.errno
         if j.error:
             ckpt.abandon_save(j.tmp)
-        seconds = clock() - j.started
+        seconds = writer_loop.clock() - j.started
         written = int(self.progress.sum())
         if path is not None and j.write_s > 0:
             self.rate = j.bytes_total / j.write_s
@@ -470,4 +389,4 @@ class CheckpointWriter:
             self.staging.close()
 
 
-__all__ = ["CheckpointWriter", "Outcome", "writer_main", "serve"]
+__all__ = ["CheckpointWriter", "Outcome"]

@@ -1,6 +1,7 @@
-"""The run's checkpoints, owned in one place: when one is written (periodic, best, final, an abort's
-within its budget, only when it fits on the disk), the background writer that writes it, and every
-call into persist/ that a save makes. The run keeps the step and calls in; this never calls back
+"""The policy the run calls, as a trainer calls its checkpointer: when a checkpoint is written
+(periodic, best, final, an abort's within its budget, only when it fits on the disk), the
+background writer that writes it, and every call into the rest of this package that a save
+makes. The run keeps the step and makes one call per step (``step_taken``); this never calls back
 but for the run's training state, which it is given at the start."""
 
 from __future__ import annotations
@@ -18,15 +19,15 @@ from dflash_core.config.eval_sets import set_words
 from dflash_core.models import dspark_format
 from dflash_core.models.replica import DrafterReplica
 from dflash_core.observe.events import Checkpoint, CheckpointProgress, Error, Log
-from dflash_core.persist import checkpoint as ckpt
-from dflash_core.persist import checkpoint_size, state_tree
-from dflash_core.persist.checkpoint_folders import (
+from dflash_core.checkpoint import save_load as ckpt
+from dflash_core.checkpoint import size as checkpoint_size, state_tree
+from dflash_core.checkpoint.async_writer import PROBE_BYTES, CheckpointWriter, Outcome
+from dflash_core.checkpoint.folders import (
     checkpoint_step, latest_checkpoint, mark_best, read_best,
 )
-from dflash_core.persist.checkpoint_layout import CHECKPOINTS, MASTER
-from dflash_core.persist.async_writer import PROBE_BYTES, CheckpointWriter, Outcome
-from dflash_core.persist.staging import enough_shared_memory, stepped_optimizer_state
-from dflash_core.persist.checkpoint_size import gib
+from dflash_core.checkpoint.layout import CHECKPOINTS, MASTER
+from dflash_core.checkpoint.size import gib
+from dflash_core.checkpoint.staging import enough_shared_memory, stepped_optimizer_state
 from dflash_core.units import GiB
 
 DISK_CHECK_S = 60.0  # free space under the run folder is looked at this often while training
@@ -36,7 +37,7 @@ PROCESS_WRITER_BYTES = 256 << 20
 
 
 def checkpoint_bytes(drafter, served_dtype: torch.dtype, optimizer: str) -> int:
-    """What one checkpoint of ``drafter`` takes on disk (checkpoint_size.py, as preflight counts
+    """What one checkpoint of ``drafter`` takes on disk (size.py, as preflight counts
     it): the served weights, the float32 master weights and the state of ``optimizer``; for
     DSpark also the served copies of the target's embedding and lm_head."""
     params, matrices = checkpoint_size.state_counts(drafter.state_dict(),
@@ -92,6 +93,13 @@ class Checkpointer:
         self._disk_ok: bool | None = None
         self._disk_checked = 0.0
         self._disk_warned = False
+
+    def step_taken(self, step: int) -> None:
+        """The run took optimizer step ``step``: the disk's room is looked at (warned about while
+        low) and the periodic checkpoint written when it is due."""
+        self.disk_check()
+        if self.due(step):
+            self.save("periodic", step)
 
     def due(self, step: int) -> bool:
         """A periodic checkpoint is due at this step."""
