@@ -31,7 +31,7 @@ ACTIVITIES = (
     ("waiting on the GPU", (), ("synchronize", "item", "tolist", "cpu")),
     ("reading", ("pyarrow", "safetensors", "/data/shards.py", "/data/batching.py"),
      ("read", "readinto", "load_file")),
-    ("writing a checkpoint", ("/checkpoint.py", "/checkpoint/save_load.py"), ()),
+    ("writing a checkpoint", ("dflash_core/checkpoint/",), ()),  # any of its modules
     ("waiting on a queue", (), ("wait",)),
 )
 

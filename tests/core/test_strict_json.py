@@ -4,7 +4,7 @@ import math
 import pytest
 
 from dflash_core import strict_json
-from dflash_core.persist.checksums import write_json
+from dflash_core.checkpoint.checksums import write_json
 
 
 def _strict_load(text: str):
