@@ -153,11 +153,26 @@ def mark_best(run_dir: str | os.PathLike, folder: str | os.PathLike, step: int, 
     os.replace(tmp, root / BEST)
 
 
-def prune(root: Path, keep: int, protect: Path) -> None:
+def delete_folder(path: Path) -> str:
+    """Delete ``path``; "" when it is gone, else why not (the first error met)."""
+    errors: list[str] = []
+
+    def seen(_fn, where, exc_info) -> None:
+        if not errors:
+            errors.append(f"{exc_info[1].strerror or exc_info[1]}: {where}"
+                          if isinstance(exc_info[1], OSError) else str(exc_info[1]))
+
+    shutil.rmtree(path, onerror=seen)
+    return "" if not path.exists() else (errors[0] if errors else "still there")
+
+
+def prune(root: Path, keep: int, protect: Path) -> list[str]:
     """Delete all but the newest ``keep`` step folders in ``root`` (0: keep all), never
-    ``protect`` nor the one checkpoints/best names."""
+    ``protect`` nor the one checkpoints/best names. Returns one line per folder that could not
+    be deleted (its space is not freed; the next save tries again)."""
     if keep <= 0:
-        return
+        return []
+    left: list[str] = []
     complete = [p for p in list_checkpoints(root.parent) if _STEP_RE.match(p.name)]
     best = read_best(root.parent)
     for old in complete[:-keep]:
@@ -167,6 +182,13 @@ def prune(root: Path, keep: int, protect: Path) -> None:
             continue  # the best checkpoint so far stays, whatever its age
         # Rename first: a crash mid-delete then leaves a hidden folder, never a partial step-*.
         doomed = root / f".del-{old.name}-{os.getpid()}"
-        os.rename(old, doomed)
-        remove_folder(doomed)
+        try:
+            os.rename(old, doomed)
+        except OSError as exc:
+            left.append(f"{old} ({exc.strerror or exc})")
+            continue
+        why = delete_folder(doomed)
+        if why:
+            left.append(f"{old.name}, now {doomed} ({why})")
+    return left
 

@@ -302,9 +302,13 @@ def finish_save(run_dir: str | os.PathLike, step: int, tmp: Path, keep: int,
     except BaseException as exc:
         _fail(exc, root, tmp)
     try:
-        prune(root, keep, protect=final)
-    except OSError:
-        pass  # the new checkpoint is safe; pruning is retried by the next save
+        left = prune(root, keep, protect=final)
+    except OSError as exc:  # the new checkpoint is safe; pruning is retried by the next save
+        left = [f"{root} ({exc.strerror or exc})"]
+    if left and note is not None:
+        note(f"checkpoint.keep {keep}: could not delete {'; '.join(left)}: its space is not "
+             "freed; the next checkpoint tries again. Fix the folder's permissions or remove it "
+             "by hand")
     return final
 
 

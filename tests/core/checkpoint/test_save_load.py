@@ -93,6 +93,32 @@ def test_keep_pruning_and_replace(tmp_path):
     assert [p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith(".")] == []
 
 
+def test_a_pruned_folder_that_cannot_be_deleted_is_said_with_its_path(tmp_path, monkeypatch):
+    # It was renamed to a hidden .del-step-N-<pid> and left there, space not freed, nothing said.
+    import shutil
+    real = shutil.rmtree
+
+    def stuck(path, ignore_errors=False, onerror=None, **kw):
+        if ".del-step-1-" in str(path):
+            err = PermissionError(13, "Permission denied")
+            onerror(os.unlink, str(path) + "/model.safetensors", (type(err), err, None))
+            return
+        real(path, ignore_errors=ignore_errors, onerror=onerror, **kw)
+
+    _save(tmp_path, 1, keep=1)
+    monkeypatch.setattr(shutil, "rmtree", stuck)
+    notes: list[str] = []
+    _save(tmp_path, 2, keep=1, note=notes.append)
+    assert [checkpoint_step(p) for p in list_checkpoints(tmp_path)] == [2]
+    (line,) = notes
+    assert line.startswith("checkpoint.keep 1: could not delete step-1, now ")
+    assert ".del-step-1-" in line and "Permission denied" in line and "not freed" in line
+    monkeypatch.setattr(shutil, "rmtree", real)
+    _save(tmp_path, 3, keep=1, note=notes.append)  # the next save cleans it and says nothing
+    assert len(notes) == 1
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith(".")] == []
+
+
 def test_latest_ignores_tmp_and_incomplete(tmp_path):
     assert latest_checkpoint(tmp_path) is None
     _save(tmp_path, 2)
