@@ -63,8 +63,8 @@ def bench_regenerate(tmp: Path, n: int, max_tokens: int) -> list[dict]:
     from dflash_core import demo
     from dflash_core.demo.chat import write_demo_conversations
     from dflash_core.demo.server import DemoServer
-    from dflash_core.data.regen_options import RegenOptions
-    from dflash_core.data.regenerate import regenerate
+    from dflash_core.data.regen.options import RegenOptions
+    from dflash_core.data.regen.regenerate import regenerate
 
     src = write_demo_conversations(tmp / "regen.jsonl", n=n)
     target = demo.ensure_tiny_target()

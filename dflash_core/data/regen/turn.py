@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dflash_core.data.conversations import RowError, split_thinking
-from dflash_core.data.endpoint import RequestFailed
-from dflash_core.data.regen_errors import ModelMismatch
-from dflash_core.data.regen_options import RegenOptions
+from dflash_core.data.regen.endpoint import RequestFailed
+from dflash_core.data.regen.errors import ModelMismatch
+from dflash_core.data.regen.options import RegenOptions
 
 
 @dataclass

@@ -162,7 +162,7 @@ def convs(tmp_path, n: int, extra=()):
 def quick_opts(src, out, url, **kw):
     """regenerate's options against a canned server: one worker, no retries or back-off waits,
     no progress line; ``kw`` overrides."""
-    from dflash_core.data.regen_options import RegenOptions
+    from dflash_core.data.regen.options import RegenOptions
     base = dict(concurrency=1, timeout_s=10, backoff_s=0.0, retries=0, progress=False)
     base.update(kw)
     return RegenOptions(src, out, [url], **base)

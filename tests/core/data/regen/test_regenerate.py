@@ -13,10 +13,10 @@ from dflash_core import demo
 from dflash_core.data.byte_vocab import EOS_ID, byte_tokenizer
 from dflash_core.demo.chat import write_demo_conversations
 from dflash_core.demo.server import DemoServer
-from dflash_core.data.regen_errors import ModelMismatch, ServerFailing
-from dflash_core.data.regen_options import RegenOptions
-from dflash_core.data.regen_parts import MERGED, PARTS
-from dflash_core.data.regenerate import regenerate
+from dflash_core.data.regen.errors import ModelMismatch, ServerFailing
+from dflash_core.data.regen.options import RegenOptions
+from dflash_core.data.regen.parts import MERGED, PARTS
+from dflash_core.data.regen.regenerate import regenerate
 from dflash_core.data.shards import DataError
 
 N_TOKENS = 12

@@ -14,7 +14,7 @@ Both ask for ``"return_token_ids": true``: vLLM then returns the answer's ids as
 turn (``token_ids``) and ``prepare`` trains on them. Reasoning comes back as
 ``message.reasoning_content`` (vLLM and SGLang with a reasoning parser) or inline ``<think>``.
 
-One probe request goes first (``regen_job.Job.probe``): it finds out what the server takes (token ids,
+One probe request goes first (``job.Job.probe``): it finds out what the server takes (token ids,
 else text: a server that refuses ``return_token_ids`` is asked for text), says so in one line,
 and stops the command with the server's own words and the fix when it refuses the request as
 made (``--api completions`` on a server that takes text prompts only). When only text comes
@@ -35,9 +35,9 @@ last. A server that answers with another model's name stops the run: that data w
 target's. The output folder is never an input nor a folder of other files, and has one writer at a
 time (``output``, ``lock``); its settings bind it once a sample was written there.
 
-Here the command's checks and set-up; the options: regen_options.py; one turn's request and
-answer: regen_turn.py; the probe, the workers and the summary: regen_job.py; the output folder's
-parts, state and merge: regen_parts.py; what stops a run: regen_errors.py.
+Here the command's checks and set-up; the options: options.py; one turn's request and
+answer: turn.py; the probe, the workers and the summary: job.py; the output folder's
+parts, state and merge: parts.py; what stops a run: errors.py; one server: endpoint.py.
 """
 
 from __future__ import annotations
@@ -46,13 +46,13 @@ import time
 from pathlib import Path
 
 from dflash_core.data.conversations import source_files, source_fingerprint
-from dflash_core.data.endpoint import Endpoint
+from dflash_core.data.regen.endpoint import Endpoint
 from dflash_core.data.lock import OutputLock
 from dflash_core.data.output import OWNER, check_apart, check_out, mark_owner
-from dflash_core.data.regen_errors import ModelMismatch
-from dflash_core.data.regen_job import Job, note
-from dflash_core.data.regen_options import RegenOptions, check_options
-from dflash_core.data.regen_parts import check_state, has_samples
+from dflash_core.data.regen.errors import ModelMismatch
+from dflash_core.data.regen.job import Job, note
+from dflash_core.data.regen.options import RegenOptions, check_options
+from dflash_core.data.regen.parts import check_state, has_samples
 from dflash_core.data.shards import DataError
 
 

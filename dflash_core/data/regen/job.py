@@ -17,13 +17,13 @@ from pathlib import Path
 
 from dflash_core.data import round_trip
 from dflash_core.data.conversations import Conversation, Malformed, RowError, read_rows
-from dflash_core.data.endpoint import Endpoint, RequestFailed, refusal_fix
+from dflash_core.data.regen.endpoint import Endpoint, RequestFailed, refusal_fix
 from dflash_core.data.manifest import write_json_atomic
 from dflash_core.data.progress import ProgressLine
-from dflash_core.data.regen_errors import ServerFailing, ServerRefuses
-from dflash_core.data.regen_options import RegenOptions
-from dflash_core.data.regen_parts import MANIFEST, PARTS, merge, repair_parts
-from dflash_core.data.regen_turn import Asker, Turn
+from dflash_core.data.regen.errors import ServerFailing, ServerRefuses
+from dflash_core.data.regen.options import RegenOptions
+from dflash_core.data.regen.parts import MANIFEST, PARTS, merge, repair_parts
+from dflash_core.data.regen.turn import Asker, Turn
 
 PROBE_TOKENS = 32  # the probe's answer: enough to see the server's ways, short to wait for
 PROBE_ROWS = 16  # rows tried for a probe whose prompt renders

@@ -11,14 +11,14 @@ import time
 
 import pytest
 
-from dflash_core.data import regen_job
-from dflash_core.data.endpoint import Endpoint, RequestFailed, refusal_fix
-from dflash_core.data.regen_errors import ServerRefuses
-from dflash_core.data.regen_parts import MERGED
-from dflash_core.data.regenerate import regenerate
+from dflash_core.data.regen import job as regen_job
+from dflash_core.data.regen.endpoint import Endpoint, RequestFailed, refusal_fix
+from dflash_core.data.regen.errors import ServerRefuses
+from dflash_core.data.regen.parts import MERGED
+from dflash_core.data.regen.regenerate import regenerate
 from dflash_core.data.shards import DataError
 
-from tests.core.data.canned_server import (
+from tests.core.data.regen.canned_server import (
     CannedServer, Reply, convs, quick_opts, echo, strict_fields,
 )
 
@@ -124,7 +124,7 @@ def test_each_refusal_names_its_fix(status, words, fix):
 
 
 def test_the_servers_words_are_read_from_its_error_shapes():
-    from dflash_core.data.endpoint import error_text
+    from dflash_core.data.regen.endpoint import error_text
 
     assert error_text(b'{"detail": "prompt must be a string."}') == "prompt must be a string."
     assert error_text(b'{"error": {"message": "bad\\n  thing", "code": 400}}') == "bad thing"

@@ -9,11 +9,11 @@ import re
 
 import pytest
 
-from dflash_core.data.regen_parts import DAMAGED, MERGED, PARTS, STATE
-from dflash_core.data.regenerate import regenerate
+from dflash_core.data.regen.parts import DAMAGED, MERGED, PARTS, STATE
+from dflash_core.data.regen.regenerate import regenerate
 from dflash_core.data.shards import DataError
 
-from tests.core.data.canned_server import CannedServer, convs, quick_opts
+from tests.core.data.regen.canned_server import CannedServer, convs, quick_opts
 
 
 def _merged(out):
