@@ -15,7 +15,7 @@ from pathlib import Path
 
 from common import ROOT  # noqa: F401 - puts the project on sys.path
 from dflash_core.observe import events as ev
-from dflash_tui.follow import FollowController
+from dflash_tui.sources.follow import FollowController
 
 
 def write_run(path: Path, mb: int) -> tuple[int, float]:

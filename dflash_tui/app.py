@@ -27,11 +27,11 @@ from dflash_core.pipeline.control import Controller, dispatch
 from dflash_core.pipeline.exit_codes import exit_code
 from dflash_core.observe.errors import error_from_exception
 
-from . import postmortem
 from .commands import DashboardCommands
 from .messages import EngineEvents, EventBuffer, TerminalLost
 from .screens import ConfirmScreen, HelpScreen
-from .state import DashboardState
+from .sources import postmortem
+from .state.dashboard import DashboardState
 from .terminal import guarded_driver
 from .widgets.errors import ErrorsPanel
 from .widgets.gpus import GpusPanel
@@ -360,7 +360,7 @@ def run_app(controller: Controller, run_dir: Path | str | None = None, *,
     ``on_hangup``: the controller is this process's engine; when the terminal hangs up the
     dashboard leaves and this goes on with the run (and returns the exit code).
     ``read_only``: abort and restart are refused (see DFlashApp). ``lifeline``: an armed
-    `dflash_tui.lifeline.Lifeline` (a dashboard serve started), told which app to end."""
+    `dflash_tui.browser.lifeline.Lifeline` (a dashboard serve started), told which app to end."""
     app = DFlashApp(controller, run_dir, owns_run=on_hangup is not None, read_only=read_only)
     if lifeline is not None:
         lifeline.watch(app)

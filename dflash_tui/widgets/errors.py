@@ -10,8 +10,8 @@ from textual.containers import Vertical, VerticalScroll
 from textual.widgets import DataTable, Static
 
 from .. import fmt
-from ..state import DashboardState
-from ..state_rows import ErrorEntry
+from ..state.dashboard import DashboardState
+from ..state.rows import ErrorEntry
 
 
 def error_detail(entry: ErrorEntry) -> Text:

@@ -8,7 +8,7 @@ from textual import events
 from textual.widgets import RichLog
 
 from .. import fmt
-from ..state import DashboardState
+from ..state.dashboard import DashboardState
 
 LEVEL_STYLES = {"debug": "dim", "info": "", "warning": "yellow", "error": "bold red"}
 

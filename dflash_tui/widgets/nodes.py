@@ -9,7 +9,7 @@ from rich.text import Text
 from dflash_core.observe import events as ev
 
 from .. import fmt
-from ..state import DashboardState
+from ..state.dashboard import DashboardState
 from .panel import Panel, line
 
 

@@ -12,7 +12,7 @@ from textual.containers import VerticalScroll
 from textual.widgets import Static
 
 from .. import fmt
-from ..state import DashboardState
+from ..state.dashboard import DashboardState
 
 
 def pack(fields: list[Text], width: int, sep: str = "  ") -> Text:

@@ -11,7 +11,7 @@ from dflash_core.observe import event_log
 from dflash_core.observe import events as ev
 from dflash_core.observe.event_log import EVENTS_FILE
 
-from . import fmt
+from .. import fmt
 
 
 @dataclass

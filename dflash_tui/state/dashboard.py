@@ -8,9 +8,9 @@ shows the elapsed time of that run rather than the time since it died, and snaps
 Between events a live run's clock is moved on by `tick(wall_time)`, but only while the stream is
 current (its newest event is seconds old): a replay of an old file never jumps to today.
 
-The rows the panels draw (GpuRow, TargetRow, ...) are in state_rows.py; what the panels compute
+The rows the panels draw (GpuRow, TargetRow, ...) are in rows.py; what the panels compute
 from these facts without changing them (ETA, bottleneck, GPU rows with roles, tau gap) is in
-state_views.py, DashboardState's base. Here: the facts and the handlers that keep them.
+views.py, DashboardState's base. Here: the facts and the handlers that keep them.
 """
 
 from __future__ import annotations
@@ -25,14 +25,14 @@ from dflash_core.observe import events as ev
 from dflash_core.observe.errors import error_from_exception
 from dflash_core.observe.fold import EventFold
 
-from . import fmt
+from .. import fmt
 from .set_evals import SetEvals
-from .state_rows import (TARGET_LOADED, TARGET_PENDING, ErrorEntry, GpuRow, LogLine, QueueRow,
+from .rows import (TARGET_LOADED, TARGET_PENDING, ErrorEntry, GpuRow, LogLine, QueueRow,
                          TargetRow, device_index)
-from .state_views import LIVE_STATES, DashboardViews
+from .views import LIVE_STATES, DashboardViews
 
 if TYPE_CHECKING:
-    from .postmortem import PostMortem
+    from ..sources.postmortem import PostMortem
 
 PANELS = ("header", "gpus", "targets", "queues", "nodes", "training", "errors", "log")
 # A stream whose newest event is older than this is a replay (or a hung engine): its clock stays.
@@ -93,7 +93,7 @@ class DashboardState(EventFold, DashboardViews):
         # (step, exact tau, teacher-forced tau of the step then) of every evaluation
         self.eval_history: deque[tuple[int, float, float | None]] = deque(maxlen=500)
         self.best: ev.Checkpoint | None = None  # checkpoints/best: the highest exact tau
-        self.hours: ev.DeviceHours | None = None  # the device time so far (hours_view.py)
+        self.hours: ev.DeviceHours | None = None  # the device time so far (hours.py)
         self.tau_gap_warn = EvalConfig.tau_gap_warn  # eval.tau_gap_warn of the run's config
         self.target_labels: list[str] = []
         self.drafter_labels: list[str] = []
@@ -399,7 +399,7 @@ class DashboardState(EventFold, DashboardViews):
         return {"header", "log"}
 
     def add_postmortem(self, pm: PostMortem) -> set[str]:
-        """Show what a previous run left behind (see postmortem.py) before anything new arrives."""
+        """Show what a previous run left behind (sources/postmortem.py) before anything new."""
         for line in pm.lines():
             self.add_log("warning", "post-mortem", line, pm.last_ts)
         if pm.last_error is not None:

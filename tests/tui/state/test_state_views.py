@@ -1,4 +1,4 @@
-"""What the dashboard's panels compute from its facts (state_views.py): GPU rows and their roles,
+"""What the dashboard's panels compute from its facts (state/views.py): GPU rows and their roles,
 the bottleneck line, the drafters' time shares, acceptance per position and the tau gap."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import tui_scenarios as sc
 from dflash_core.observe import events as ev
-from dflash_tui.state import DashboardState
+from dflash_tui.state.dashboard import DashboardState
 from tui_scenarios import fold
 
 GIB = sc.GIB

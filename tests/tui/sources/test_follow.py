@@ -13,8 +13,8 @@ from dflash_core.observe import events as ev
 from dflash_core.observe.event_log import read_events
 from dflash_core.pipeline.inbox import CommandInbox, command_dir
 from dflash_tui.app import DFlashApp
-from dflash_tui.follow import FollowController
-from dflash_tui.replay import ReplayController
+from dflash_tui.sources.follow import FollowController
+from dflash_tui.sources.replay import ReplayController
 from tests.core.engine_fixtures import assets  # noqa: F401 - a fixture
 
 
@@ -213,7 +213,7 @@ def test_attaching_late_to_a_long_run_reads_its_tail_and_every_state_event(tmp_p
 
 @pytest.mark.parametrize("block", [7, 64, 1000, 1 << 20])
 def test_state_lines_found_by_block_search_equal_a_line_by_line_scan(tmp_path, block):
-    from dflash_tui.follow import _state_lines
+    from dflash_tui.sources.follow import _state_lines
 
     events = sc.training()
     write(tmp_path / "events.jsonl", events, mode="w")

@@ -3,9 +3,9 @@
 GPU rows with their roles, the bottleneck line, the drafters' time shares, and the latest
 evaluation's acceptance per position and mismatch gap.
 
-Apart from state.py, whose handlers fold events into facts: how a number on screen is kept is
+Apart from dashboard.py, whose handlers fold events into facts: how a number on screen is kept is
 there, how it is computed from them is here. DashboardState takes these in as its base, so
-they read as its own (``state.eta``); they read only the facts state.py sets.
+they read as its own (``state.eta``); they read only the facts dashboard.py sets.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from dataclasses import replace
 from dflash_core.models import acceptance
 from dflash_core.observe import events as ev
 
-from . import fmt
-from .state_rows import GpuRow, device_index
+from .. import fmt
+from .rows import GpuRow, device_index
 
 LIVE_STATES = ("preflight", "loading", "warmup", "training")
 # Below this share of waiting, neither side is called the bottleneck.
@@ -26,7 +26,7 @@ _ENDED = {"failed": "failed", "aborted": "was aborted", "finished": "finished"}
 
 
 class DashboardViews:
-    """DashboardState's derived, read-only views (its base; its facts are in state.py)."""
+    """DashboardState's derived, read-only views (its base; its facts are in dashboard.py)."""
 
     @property
     def live(self) -> bool:

@@ -1,4 +1,4 @@
-"""The device time on the dashboard: the run's last DeviceHours figure (state.py keeps it),
+"""The device time on the dashboard: the run's last DeviceHours figure (dashboard.py keeps it),
 moved on with the clock while the run lives (the devices go on being held at the figure's
 rate), in the header's few cells: GPU-hours and money with a price, host-hours for a CPU run."""
 
@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from dflash_core.observe.device_hours import Figure, short_text
 
 if TYPE_CHECKING:
-    from .state import DashboardState
+    from .dashboard import DashboardState
 
 
 def hours_now(s: DashboardState) -> Figure | None:

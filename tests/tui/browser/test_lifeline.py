@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from dflash_core.observe import events as ev
-from dflash_tui.lifeline import PARENT_ENV
+from dflash_tui.browser.lifeline import PARENT_ENV
 from tests.core.pipeline.test_headless import ROOT
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="Linux signals and pipes")

@@ -15,7 +15,7 @@ served without it; they say nothing about the run.
 
 Serve owns its dashboards: each runs in a process group of its own (``exec``'d by the shell, so
 the group leader is the dashboard itself) and knows serve's pid (``DFLASH_SERVE_PID``), so it ends
-when serve does, even by SIGKILL (`dflash_tui.lifeline`). When a session ends (the browser closed,
+when serve does, even by SIGKILL (`lifeline.py` beside this). When a session ends (the browser closed,
 crashed or was killed) its dashboard is asked to quit, then sent SIGTERM after ``QUIT_GRACE_S``,
 then SIGKILL, and always reaped; SIGINT, SIGTERM and SIGHUP end serve the same way for all.
 """
@@ -81,7 +81,7 @@ def make_server(run_dir: Path, host: str = DEFAULT_HOST, port: int = DEFAULT_POR
     from textual_serve.app_service import AppService
     from textual_serve.server import Server, to_int
 
-    from dflash_tui.lifeline import PARENT_ENV
+    from dflash_tui.browser.lifeline import PARENT_ENV
 
     class Session(AppService):
         """One browser's dashboard process, which serve ends and reaps whatever happens."""

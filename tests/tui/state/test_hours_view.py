@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import tui_scenarios as sc
 from dflash_core.observe import events as ev
-from dflash_tui.hours_view import header_text, hours_now
-from dflash_tui.state import DashboardState
+from dflash_tui.state.dashboard import DashboardState
+from dflash_tui.state.hours import header_text, hours_now
 from tui_scenarios import fold
 
 

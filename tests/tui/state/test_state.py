@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import tui_scenarios as sc
 from dflash_core.observe import events as ev
-from dflash_tui import postmortem
-from dflash_tui.state import DashboardState
+from dflash_tui.sources import postmortem
+from dflash_tui.state.dashboard import DashboardState
 from tui_scenarios import fold
 
 GIB = sc.GIB

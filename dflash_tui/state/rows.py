@@ -1,7 +1,7 @@
 """The rows the dashboard's panels draw, as plain records: a GPU, a target worker, a queue, an
 error, a log line; and which GPU row a device label names.
 
-DashboardState (state.py) keeps them up to date from events and the widgets draw them. They are
+DashboardState (dashboard.py) keeps them up to date from events and the widgets draw them. They are
 apart from the fold because they are data without its rules: a widget's test builds a row
 without folding a run.
 """
