@@ -34,7 +34,9 @@ from .views import LIVE_STATES, DashboardViews
 if TYPE_CHECKING:
     from ..sources.postmortem import PostMortem
 
-PANELS = ("header", "gpus", "targets", "queues", "nodes", "training", "errors", "log")
+# What a handler returns when every panel changed; the panels are listed in widgets/registry.py
+# (above this: the state names a panel by its id, it does not know the list).
+EVERY_PANEL = "*"
 # A stream whose newest event is older than this is a replay (or a hung engine): its clock stays.
 LIVE_CLOCK_S = 30.0
 # The statuses of a target still at work: one that says nothing more once the run ends has stopped.
@@ -161,7 +163,7 @@ class DashboardState(EventFold, DashboardViews):
         self.start_step = e.resumed_from_step or (None if e.resume else 0)
         resumed = f", resumed from step {e.resumed_from_step}" if e.resumed_from_step else ""
         self.add_log("info", "engine", f"run {e.run_name} started in {e.run_dir}{resumed}")
-        return set(PANELS)
+        return {EVERY_PANEL}
 
     def _on_TrainingPlan(self, e: ev.TrainingPlan) -> set[str]:
         self.plan = e
@@ -187,7 +189,7 @@ class DashboardState(EventFold, DashboardViews):
             for name, w in self.workers.items():
                 if w.status not in _WORKER_ENDS + (ev.WORKER_FAILED,):
                     self.workers[name] = replace(w, status=ev.WORKER_STOPPED)
-            changed = set(PANELS)  # an empty panel now says why it stayed empty
+            changed = {EVERY_PANEL}  # an empty panel now says why it stayed empty
         elif e.state in LIVE_STATES and self.end_ts is not None:
             # a restart without a new RunStarted: the clock runs again
             self.end_ts, self.end_step, self.ended_in = None, None, ""

@@ -95,6 +95,7 @@ def host_line(s: DashboardState, width: int) -> Text:
 
 
 class GpusPanel(Panel):
+    PANEL_ID = "gpus"
     TITLE = "GPUs"
 
     def draw(self, s: DashboardState, width: int) -> Text:

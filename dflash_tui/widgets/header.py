@@ -27,7 +27,11 @@ STATE_STYLES = {
 
 
 class HeaderBar(Static):
+    PANEL_ID = "header"
+    SAMPLED = False  # the run's state shows at once
+
     def __init__(self, **kwargs) -> None:
+        kwargs.setdefault("id", self.PANEL_ID)
         super().__init__(**kwargs)
         self._state: DashboardState | None = None
 

@@ -34,6 +34,7 @@ def node_lines(n: ev.NodeStatus, lead_step: int, width: int) -> Text:
 
 
 class NodesPanel(Panel):
+    PANEL_ID = "nodes"  # hidden until a node summary arrives (several nodes)
     TITLE = "Nodes"
     EMPTY = "one node"
 

@@ -24,6 +24,7 @@ def bottleneck_style(text: str) -> str:
 
 
 class QueuesPanel(Panel):
+    PANEL_ID = "queues"
     TITLE = "Queues"
     EMPTY = "no queues yet"
 

@@ -48,6 +48,7 @@ def target_line(t: TargetRow, width: int) -> Text:
 
 
 class TargetsPanel(Panel):
+    PANEL_ID = "targets"
     TITLE = "Targets"
     EMPTY = "no target workers yet"
 

@@ -23,6 +23,7 @@ DRAFTER_LINE_MIN_WIDTH = 50
 
 
 class TrainingPanel(Panel):
+    PANEL_ID = "training"
     TITLE = "Training"
     EMPTY = "no step yet"
 
