@@ -17,10 +17,10 @@ throughput and memory do not depend on the values) and each attention implementa
 
 Then a check that the engine's features are the plain forward's hidden states (one short row).
 
-    cd bench && python3 moe_target.py --shapes qwen3-30b-a3b,gpt-oss-20b --tokens 2048 \\
+    cd bench && python3 target/moe_target.py --shapes qwen3-30b-a3b,gpt-oss-20b --tokens 2048 \\
         --batch 16 --cap-gib 95
-    cd bench && python3 moe_target.py --shapes gpt-oss-20b --attn eager,flex_attention
-    cd bench && python3 moe_target.py --device cpu --shapes tiny-moe --tokens 32 --batch 2
+    cd bench && python3 target/moe_target.py --shapes gpt-oss-20b --attn eager,flex_attention
+    cd bench && python3 target/moe_target.py --device cpu --shapes tiny-moe --tokens 32 --batch 2
 
 --attn auto (the default) takes what preflight would choose for the target (sdpa, or eager for
 gpt-oss, whose attention sinks SDPA cannot run).
@@ -30,11 +30,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common.py
 from common import FIXTURES, env_line, gib  # noqa: F401 - common puts the repository on sys.path
 
 from dflash_core.config import config_from_dict

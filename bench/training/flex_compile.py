@@ -3,16 +3,19 @@ and its backward, at the drafter-step benchmark's 8B shape (a micro-batch of 2 s
 context tokens, 512 anchors x block 16, 32 query / 8 KV heads of 128), then the same calls again.
 Run it twice: the second process shows what inductor's on-disk cache saves.
 
-    python bench/flex_compile.py [--samples 2]
+    python bench/training/flex_compile.py [--samples 2]
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common.py
 from common import env_line
 from dflash_core.models.block_attention import flex_block_attention, make_block_mask
 

@@ -3,8 +3,8 @@ of S tokens, in a process that first ran the training shapes (A anchors x B), as
 evaluation does. Tries each (B, S) with the kernel chosen by default and with the kernel options
 given by --options, and prints the innermost error for each failure.
 
-    python bench/flex_decoding.py --heads 4 --kv-heads 2 --head-dim 32 --blocks 8,16
-    python bench/flex_decoding.py --heads 32 --kv-heads 8 --head-dim 128 --blocks 16
+    python bench/eval/flex_decoding.py --heads 4 --kv-heads 2 --head-dim 32 --blocks 8,16
+    python bench/eval/flex_decoding.py --heads 32 --kv-heads 8 --head-dim 128 --blocks 16
 
 The first line is the demo drafter's attention, the second an 8B-shape drafter's.
 """
@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common.py
 from common import cuda_time, env_line
 from dflash_core.models import block_attention as ba
 

@@ -2,20 +2,20 @@
 8B-shaped random target, synthetic variable-length data, headless; optionally with the dashboard
 attached (Textual, headless driver) for the TUI-vs-headless ratio.
 
-    python bench/pipeline.py --targets 0 --drafters 0 --steps 30            # one GPU, both roles
-    python bench/pipeline.py --targets 0 --drafters 1 --steps 30            # two GPUs
-    python bench/pipeline.py --targets 0 --drafters 0 --steps 30 --tui      # same, dashboard on
-    python bench/pipeline.py --targets 0 --drafters 1 --steps 12 --profile 3  # where GPU time goes
+    python bench/training/pipeline.py --targets 0 --drafters 0 --steps 30            # one GPU, both roles
+    python bench/training/pipeline.py --targets 0 --drafters 1 --steps 30            # two GPUs
+    python bench/training/pipeline.py --targets 0 --drafters 0 --steps 30 --tui      # same, dashboard on
+    python bench/training/pipeline.py --targets 0 --drafters 1 --steps 12 --profile 3  # where GPU time goes
     # each side alone on one GPU, on the run's own batches: the drafters (random features), and
     # the target in the engine (drafters train nothing) against the same forward outside it
-    python bench/pipeline.py --targets 0 --drafters 0 --features random --steps 16
-    python bench/pipeline.py --targets 0 --drafters 0 --drafter-work none --standalone 6 --steps 16
+    python bench/training/pipeline.py --targets 0 --drafters 0 --features random --steps 16
+    python bench/training/pipeline.py --targets 0 --drafters 0 --drafter-work none --standalone 6 --steps 16
     # two nodes of one GPU each on one machine (NCCL across them; docs/multi-node.md):
     for r in 0 1; do CUDA_VISIBLE_DEVICES=$r RANK=$r WORLD_SIZE=2 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 \
-        MASTER_ADDR=127.0.0.1 MASTER_PORT=29400 python bench/pipeline.py --targets 0 --drafters 0 \
+        MASTER_ADDR=127.0.0.1 MASTER_PORT=29400 python bench/training/pipeline.py --targets 0 --drafters 0 \
         --features random --steps 20 --budget 16384 > node$r.txt 2>&1 & done; wait
     # config.yaml's drafter and data sections at the 27B shape on a rehearsed 95 GiB card:
-    python bench/pipeline.py --fixture qwen3_6_27b_config.json --shipped --gpu-memory-gib 95 \
+    python bench/training/pipeline.py --fixture qwen3_6_27b_config.json --shipped --gpu-memory-gib 95 \
         --targets 0 --drafters 1 --steps 20
 """
 
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import threading
 import time
@@ -33,6 +34,7 @@ import torch
 
 import yaml
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common.py
 from common import env_line, gib, hf_config, random_causal_lm, use_transformers_norm, FIXTURES, ROOT
 import dflash_core.models.target as target_mod
 import dflash_core.pipeline.target_stage as target_stage

@@ -1,9 +1,9 @@
-"""bench/timeline.py: GPU busy shares and idle gaps from a profiler trace."""
+"""bench/training/timeline.py: GPU busy shares and idle gaps from a profiler trace."""
 
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench" / "training"))
 
 from timeline import gaps, summarize, union  # noqa: E402
 

@@ -1,8 +1,8 @@
 """Where a GPU's time goes in a torch profiler trace: busy share per GPU and per stream, and the
 longest idle gaps with what each host thread was doing meanwhile (the op it was inside).
 
-    python bench/timeline.py trace.json            # a chrome trace from torch.profiler
-    (bench/pipeline.py --profile K writes one of K steady-state steps and prints this summary)
+    python bench/training/timeline.py trace.json            # a chrome trace from torch.profiler
+    (bench/training/pipeline.py --profile K writes one of K steady-state steps and prints this summary)
 
 A GPU counts as busy while any kernel or copy runs on it (the union over its streams), so a copy
 overlapping a kernel is not counted twice.

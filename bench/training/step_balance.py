@@ -3,19 +3,22 @@ prints, from the batch plan alone (CPU, no model), the share of drafter time spe
 (sum over steps of the mean batch cost / sum of the maxima) with the epoch's batches in shuffled
 order and in the balanced order of ``data.balance_steps``.
 
-    python bench/step_balance.py --budget 65536 --drafters 6    # config.yaml's node
-    python bench/step_balance.py --budget 16384 --drafters 2    # bench/pipeline.py's two drafters
+    python bench/training/step_balance.py --budget 65536 --drafters 6    # config.yaml's node
+    python bench/training/step_balance.py --budget 16384 --drafters 2    # bench/training/pipeline.py's two drafters
 
-Lengths: log-normal like chat SFT data (median ~900 tokens, 256..3072), as bench/pipeline.py
+Lengths: log-normal like chat SFT data (median ~900 tokens, 256..3072), as bench/training/pipeline.py
 makes them. Cost of a batch for the drafter: rows x min(anchors, longest row) block positions.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common.py
 from common import ROOT  # noqa: F401  (puts the project on sys.path)
 from dflash_core.data.batching import drafter_cost, plan_epoch
 

@@ -2,7 +2,7 @@
 (eval.cache: false) against a forward of the block with the target's cache (eval.cache: true),
 at the real shapes and several context lengths.
 
-    python bench/eval_cost.py --shapes 8B,27B --lengths 512,1024,2048,4096
+    python bench/eval/cost.py --shapes 8B,27B --lengths 512,1024,2048,4096
 
 A round verifies a block of --block tokens after a context of L tokens and keeps --accept of
 them: full forwards run L + block tokens; the cache runs the block, then is cut back (an
@@ -14,9 +14,12 @@ Random weights (nothing can be downloaded): the time does not depend on the valu
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common.py
 from common import cuda_time, env_line, gib, hf_config, random_causal_lm
 from dflash_core.models.evaluate import target_fn_for
 from dflash_core.models.target import TargetModel

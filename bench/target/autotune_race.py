@@ -2,17 +2,20 @@
 same moment, as two target workers (or the evaluation beside its target) do; on a GPU with Triton
 and flash-linear-attention, those forwards tune the same autotuned kernels at once.
 
-    python bench/autotune_race.py            # as transformers and Triton come: may fail
-    python bench/autotune_race.py --guard    # with the engine's compile_guard.serialize_triton_autotuning
+    python bench/target/autotune_race.py            # as transformers and Triton come: may fail
+    python bench/target/autotune_race.py --guard    # with the engine's compile_guard.serialize_triton_autotuning
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import threading
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common.py
 from common import ROOT  # noqa: F401  (puts the project on sys.path)
 from tests.gpu.test_targets_gpu import _hybrid
 

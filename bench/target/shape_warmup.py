@@ -5,7 +5,7 @@ count (its chunk cumsum kernel) and, in its l2norm, the bucket ceil(rows x lengt
 65536), printed here per shape. Compiled kernels and tuned configs are cached on disk, so a second
 process on the same machine does not pay again for a value it met.
 
-    python bench/shape_warmup.py [--layers 4] [--rows 3,5,7] [--lengths 2] [--budget 65536]
+    python bench/target/shape_warmup.py [--layers 4] [--rows 3,5,7] [--lengths 2] [--budget 65536]
 
 Qwen3.6-27B-shaped by default (``--fixture`` for another target), random bf16 weights;
 ``--layers`` keeps the first N layers (the cost is per kernel, not per layer).
@@ -14,9 +14,12 @@ Qwen3.6-27B-shaped by default (``--fixture`` for another target), random bf16 we
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common.py
 from common import cuda_time, env_line, hf_config, random_causal_lm
 from dflash_core.models.target import TargetModel
 

@@ -2,17 +2,19 @@
 has gone on for days (8 GPUs sampled every second, queue depths, a step every 10 s, a few errors),
 then the follower's time from start to its "attached" line.
 
-    python bench/attach_backlog.py --mb 300
+    python bench/ui/attach_backlog.py --mb 300
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common.py
 from common import ROOT  # noqa: F401 - puts the project on sys.path
 from dflash_core.observe import events as ev
 from dflash_tui.sources.follow import FollowController

@@ -1,8 +1,8 @@
 """Checkpoint cost at the shipped drafter's size: training blocked per checkpoint, wall time to
 durable, bytes, write rate, abort-to-exit time and resume time (issue 26).
 
-    python bench/checkpoint.py --size shipped --dir /tmp/ckpt-bench      # one H200
-    python bench/checkpoint.py --size small --dir /tmp/ckpt-bench        # CPU, minutes
+    python bench/checkpoint/cost.py --size shipped --dir /tmp/ckpt-bench      # one H200
+    python bench/checkpoint/cost.py --size small --dir /tmp/ckpt-bench        # CPU, minutes
 
 The drafter is config.yaml's (8 layers, 5 target features) on the Qwen3.6-27B shape
 (tests/fixtures/qwen3_6_27b_config.json), with AdamW moments made by one optimizer step, on one
@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import sys
 import time
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common.py
 import common  # noqa: F401 - puts the repository on sys.path
 from common import hf_config
 

@@ -2,7 +2,7 @@
 target forward per round for the whole batch) against one at a time, and with the target's
 cache one prompt at a time (--cache), for plain decoding and for a DFlash drafter.
 
-    python bench/eval_batching.py --batches 1,4,8,16 --prompts 16 --prompt-tokens 256 \\
+    python bench/eval/batching.py --batches 1,4,8,16 --prompts 16 --prompt-tokens 256 \\
         --new-tokens 256
 
 Random weights (nothing can be downloaded): the time does not depend on the values, but a random
@@ -14,10 +14,13 @@ command's own (bench_eval.spec_decode.decode_rows with its target backends).
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common.py
 from common import env_line, gib, hf_config, random_causal_lm
 from dflash_core.bench_eval.spec_decode import DecodeSettings, decode_rows
 from dflash_core.bench_eval.target_batch import CachedRows, FullBatch, head_is_lm_head

@@ -5,7 +5,7 @@
 - docstrings.jsonl: the first paragraph of stdlib module docstrings (English about
   Python, but not the help topics' text), as plain prompts.
 
-    python bench/eval_demo_sets.py OUT_DIR [--n 32]
+    python bench/eval/demo_sets.py OUT_DIR [--n 32]
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import sys
 import warnings
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 MODULES = ["abc", "argparse", "base64", "bisect", "calendar", "collections", "colorsys",
            "contextlib", "copy", "csv", "dataclasses", "datetime", "decimal", "difflib",

@@ -1,12 +1,12 @@
-"""bench/moe_target.py: its arguments, and a tiny-shape run on the CPU (the GPU run measures the
-real shapes; this checks that the script runs and says what it measured)."""
+"""bench/target/moe_target.py: its arguments, and a tiny-shape run on the CPU (the GPU run
+measures the real shapes; this checks that the script runs and says what it measured)."""
 
 import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench" / "target"))
 
 from moe_target import HEADER, SHAPES, main, parse_args  # noqa: E402
 

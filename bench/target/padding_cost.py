@@ -3,7 +3,7 @@ are planned by length (data/batching.py: sorted within windows, filled to a toke
 batch pads each row to its longest. This times TargetModel.features on such planned batches and
 on the same real tokens laid out without padding (rows of equal length), per real token.
 
-    python bench/padding_cost.py [--layers 16] [--budget 65536] [--batches 12]
+    python bench/target/padding_cost.py [--layers 16] [--budget 65536] [--batches 12]
 
 Qwen3.6-27B-shaped (Gated DeltaNet + full attention), random bf16 weights; ``--layers`` keeps the
 first N layers of the 64 (the layer pattern repeats, so the ratio does not need all of them).
@@ -12,10 +12,13 @@ first N layers of the 64 (the layer pattern repeats, so the ratio does not need 
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import numpy as np
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common.py
 from common import cuda_time, env_line, hf_config, random_causal_lm
 from dflash_core.data.batching import padding_fraction, plan_epoch
 from dflash_core.models.target import TargetModel

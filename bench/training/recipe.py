@@ -2,17 +2,17 @@
 dspark) x drafter.loss (dflash, dpace) x optim.name (adamw, muon), over several seeds, with the
 spread.
 
-    nice -n 10 python bench/recipe.py [--steps 80] [--seeds 0,1,2] [--eval-tokens 32]
+    nice -n 10 python bench/training/recipe.py [--steps 80] [--seeds 0,1,2] [--eval-tokens 32]
                                       [--reference-seeds 0] [--out bench/results/recipe]
     # DSpark against DFlash at equal wall time, both verifying 8 tokens a round (DFlash's B 8 is
     # 7 drafts + the bonus; DSpark's B 7 is 7 drafts + the bonus); a DSpark step cost 0.428 s
     # here, DFlash's 0.448 (bench/BENCHMARKS.md, "DSpark against DFlash on the demo"):
-    nice -n 10 python bench/recipe.py --objectives dflash,dspark --losses dflash --optims adamw \
+    nice -n 10 python bench/training/recipe.py --objectives dflash,dspark --losses dflash --optims adamw \
         --objective-set dspark:drafter.block_size=7 --steps 256 --steps-of dspark=268 \
         --seeds 0,1,2 --eval-tokens 64 --reference-seeds 0 --out <scratch folder>
     # equal wall time at the 27B shape (a Muon step costs 2.601 s there, AdamW's 2.029 s),
     # on a GPU, nine runs at once (bench/BENCHMARKS.md, "Training recipe"):
-    python bench/recipe.py --device cuda --jobs 9 --steps 512 --steps-of muon=400,muon=512 \
+    python bench/training/recipe.py --device cuda --jobs 9 --steps 512 --steps-of muon=400,muon=512 \
         --seeds 0,1,2 --eval-tokens 64 --reference-seeds 0 --cpu-decode
 
 Each run is the demo's config with run.seed, drafter.objective, drafter.loss and optim.name set
@@ -49,7 +49,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from dflash_core import demo  # noqa: E402

@@ -2,9 +2,9 @@
 an operator runs it) and with --headless. Measured from the StepMetrics timestamps each run writes
 to its events.jsonl, skipping the first steps (warm-up).
 
-    python bench/tui_vs_headless.py --demo --steps 150 --repeats 2
-    python bench/tui_vs_headless.py --config my.yaml --steps 100
-    python bench/tui_vs_headless.py --demo --modes headless,attached   # dashboard in its own process
+    python bench/ui/tui_vs_headless.py --demo --steps 150 --repeats 2
+    python bench/ui/tui_vs_headless.py --config my.yaml --steps 100
+    python bench/ui/tui_vs_headless.py --demo --modes headless,attached   # dashboard in its own process
 """
 
 from __future__ import annotations

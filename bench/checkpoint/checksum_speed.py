@@ -1,7 +1,7 @@
 """What a checkpoint's checksums cost, on a ~1 GiB file (docs/checkpoint-format.md,
 "checksums.json").
 
-    python bench/checksum_speed.py --dir /tmp/checksum-bench
+    python bench/checkpoint/checksum_speed.py --dir /tmp/checksum-bench
 
 - the write: the same 1 GiB written and fsynced in the writer's 64 MiB chunks, without a checksum
   and through ``safetensors_io.write_file`` (CRC-32 computed beside the writes);
@@ -17,12 +17,14 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import sys
 import time
 import zlib
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common.py
 import common  # noqa: F401 - puts the repository on sys.path
 
 from dflash_core.persist import safetensors_io

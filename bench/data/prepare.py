@@ -1,7 +1,7 @@
 """Throughput of the data commands on the CPU: prepare (rows/s, tokens/s at 1 and N workers) and
 regenerate against the demo server on 127.0.0.1 at several concurrencies.
 
-    python3 bench/data_prepare.py [--rows 4000] [--regen-samples 48] [--max-tokens 32]
+    python3 bench/data/prepare.py [--rows 4000] [--regen-samples 48] [--max-tokens 32]
 
 prepare runs on demo conversations (one turn, ~130 tokens) with the demo tokenizer, and on
 multi-turn conversations (4 turns, reasoning on the last) with a byte-level BPE trained here and a
@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 

@@ -1,11 +1,11 @@
-"""bench/recipe.py: which runs a sweep makes, and the table that groups them."""
+"""bench/training/recipe.py: which runs a sweep makes, and the table that groups them."""
 
 import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench" / "training"))
 
 from recipe import (  # noqa: E402
     parse_objective_sets, parse_steps_of, plan_runs, plan_sweep, table,

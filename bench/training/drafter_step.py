@@ -2,22 +2,22 @@
 chunked loss), 8B- and 27B-shaped, 3072-token samples, 512 anchors; DFlash (block 16) or DSpark
 (block 7, Markov rank 256, loss chunk 1024: the config's DSpark defaults).
 
-    python bench/drafter_step.py [--samples 8] [--steps 6]
+    python bench/training/drafter_step.py [--samples 8] [--steps 6]
     # config.yaml's drafter (8 layers, one sequence per micro-group, loss chunk 4096), 27B shape:
-    python bench/drafter_step.py --shapes 27B --layers 8 --micro 8192 --loss-chunk 4096 --samples 4
+    python bench/training/drafter_step.py --shapes 27B --layers 8 --micro 8192 --loss-chunk 4096 --samples 4
     # what token-budget batches of different lengths cost the drafter (data.balance_steps):
-    python bench/drafter_step.py --shapes 8B --batches 64x256,32x512,16x1024,8x2048,5x3072
+    python bench/training/drafter_step.py --shapes 8B --batches 64x256,32x512,16x1024,8x2048,5x3072
     # the training recipe (drafter.loss, optim.name): step time and peak memory of each
-    python bench/drafter_step.py --shapes 8B --loss dpace --optim muon
+    python bench/training/drafter_step.py --shapes 8B --loss dpace --optim muon
     # DSpark next to DFlash: step time, samples/s, MFU, peak memory against the plan
-    python bench/drafter_step.py --shapes 8B --objective dflash
-    python bench/drafter_step.py --shapes 8B --objective dspark [--markov-rank 256]
+    python bench/training/drafter_step.py --shapes 8B --objective dflash
+    python bench/training/drafter_step.py --shapes 8B --objective dspark [--markov-rank 256]
     # the loss alone, forward + backward of one micro-group (DSpark's CE+TV+confidence with its
     # recompute, and DFlash's chunked CE over the same rows: what the TV term costs)
-    python bench/drafter_step.py --shapes 8B --objective dspark --time-loss
-    python bench/drafter_step.py --shapes 8B --objective dflash --time-loss
+    python bench/training/drafter_step.py --shapes 8B --objective dspark --time-loss
+    python bench/training/drafter_step.py --shapes 8B --objective dflash --time-loss
     # a CPU smoke run of this script (tiny shape; no MFU nor peak memory there)
-    python bench/drafter_step.py --device cpu --shapes tiny --objective dspark --seq-len 96 \\
+    python bench/training/drafter_step.py --device cpu --shapes tiny --objective dspark --seq-len 96 \\
         --anchors 8 --samples 2 --steps 1 --warmup 1
 
 MFU counts model FLOPs, forward x 3 for everything that backpropagates (the frozen lm_head too, as
@@ -36,9 +36,11 @@ import io
 import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common.py
 from common import (FIXTURES, H200_BF16_PEAK, decoder_flops_per_token, env_line, gib, hf_config,
                     use_transformers_norm)
 from dflash_core.config import ConfigError, config_from_dict

@@ -1,6 +1,6 @@
-"""bench/drafter_step.py: its arguments, the FLOPs DSpark's loss adds, and tiny-shape runs on the
-CPU with --objective dspark (the GPU run measures the real shapes; this checks that the script
-runs through the engine's trainer and prints the step time next to the plan)."""
+"""bench/training/drafter_step.py: its arguments, the FLOPs DSpark's loss adds, and tiny-shape
+runs on the CPU with --objective dspark (the GPU run measures the real shapes; this checks that
+the script runs through the engine's trainer and prints the step time next to the plan)."""
 
 import re
 import sys
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench" / "training"))
 
 from drafter_step import SHAPES, main, parse_args, run_config, size, step_flops  # noqa: E402
 

@@ -3,16 +3,19 @@
 worker runs 20+ batches without running out of memory; the report shows its peak next to what full
 logits would have added.
 
-    python bench/hybrid_target.py [--batches 20]
+    python bench/target/hybrid_target.py [--batches 20]
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common.py
 from common import H200_BF16_PEAK, env_line, gib, hf_config, random_causal_lm
 from dflash_core.models.target import TargetModel
 from dflash_core.models.target_config import default_layer_ids

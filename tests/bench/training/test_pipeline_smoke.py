@@ -1,5 +1,5 @@
-"""bench/pipeline.py's one-sided runs at a toy size on the CPU (what --device cpu is for): the
-target alone in the engine with its forward timed outside it, and the drafter alone."""
+"""bench/training/pipeline.py's one-sided runs at a toy size on the CPU (what --device cpu is
+for): the target alone in the engine with its forward timed outside it, and the drafter alone."""
 
 import re
 import subprocess
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+BENCH = Path(__file__).resolve().parents[3] / "bench" / "training"
 
 
 def pipeline(*args: str) -> str:

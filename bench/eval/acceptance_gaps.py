@@ -2,9 +2,9 @@
 (a), teacher-forced tau on the target's own decoding (b), on held-out data (c), in training (d),
 the data/target agreement, which findings fired, and the evaluations' share of the run's time.
 
-    python bench/acceptance_gaps.py --seeds 0 1 2 --steps 300 --every 100
-    python bench/acceptance_gaps.py --faults leak foreign overfit --steps 100 --every 100
-    python bench/acceptance_gaps.py --device cuda --seeds 0 --steps 512 --every 100   # on a GPU
+    python bench/eval/acceptance_gaps.py --seeds 0 1 2 --steps 300 --every 100
+    python bench/eval/acceptance_gaps.py --faults leak foreign overfit --steps 100 --every 100
+    python bench/eval/acceptance_gaps.py --device cuda --seeds 0 --steps 512 --every 100   # on a GPU
 
 The healthy demo's spread of (b) - (a) over the seeds is what eval.tau_gap_warn is set above.
 """
@@ -16,7 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from dflash_core import demo  # noqa: E402

@@ -2,16 +2,19 @@
 plain transformers forward of the same Qwen3-8B-shaped model, at 16K and 64K-token batches, and on
 variable-length data (padding counted as waste).
 
-    python bench/target_features.py [--rows fixed,varlen]
+    python bench/target/target_features.py [--rows fixed,varlen]
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import numpy as np
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common.py
 from common import H200_BF16_PEAK, cuda_time, decoder_flops_per_token, env_line, gib, hf_config, random_causal_lm
 from dflash_core.data import plan_epoch
 from dflash_core.models.target import TargetModel
