@@ -27,25 +27,20 @@ from dflash_core.pipeline.control import Controller, dispatch
 from dflash_core.pipeline.exit_codes import exit_code
 from dflash_core.observe.errors import error_from_exception
 
-from . import postmortem
 from .commands import DashboardCommands
 from .messages import EngineEvents, EventBuffer, TerminalLost
 from .screens import ConfirmScreen, HelpScreen
-from .state import DashboardState
+from .sources import postmortem
+from .state.dashboard import DashboardState
 from .terminal import guarded_driver
 from .widgets.errors import ErrorsPanel
-from .widgets.gpus import GpusPanel
-from .widgets.header import HeaderBar
 from .widgets.log import LogPanel
-from .widgets.nodes import NodesPanel
-from .widgets.queues import QueuesPanel
-from .widgets.targets import TargetsPanel
-from .widgets.training import TrainingPanel
+from .widgets.registry import HEADER, ROWS, SAMPLED_PANELS, changed_panels
 
 REFRESH_HZ = 5
-# Panels fed by high-rate samples redraw at most once per period; errors, log and the header's
-# state change at once. On a small machine drawing competes with training for CPU and the GIL.
-SAMPLED_PANELS = frozenset({"gpus", "targets", "queues", "nodes", "training"})
+# Panels fed by high-rate samples (SAMPLED_PANELS) redraw at most once per period; errors, log and
+# the header's state change at once. On a small machine drawing competes with training for CPU and
+# the GIL.
 SAMPLED_PERIOD_S = 0.8  # + one drain tick (0.2 s): samples reach the screen within 1 s
 QUIET_STATES = ("idle",) + ev.TERMINAL_STATES  # quitting in these needs no confirmation
 READ_ONLY_MESSAGE = "read-only view: start serve with --control to allow abort/restart"
@@ -95,17 +90,11 @@ class DFlashApp(App[None]):
         self._drawn_at: dict[str, float] = {}
 
     def compose(self) -> ComposeResult:
-        yield HeaderBar(id="header")
-        with Horizontal(id="row-hw", classes="row"):
-            yield GpusPanel(id="gpus")
-            yield TargetsPanel(id="targets")
-        with Horizontal(id="row-flow", classes="row"):
-            yield QueuesPanel(id="queues")
-            yield NodesPanel(id="nodes")  # shown once a node summary arrives (several nodes)
-            yield TrainingPanel(id="training")
-        with Horizontal(id="row-report", classes="row"):
-            yield ErrorsPanel(id="errors")
-            yield LogPanel(id="log")
+        yield HEADER()
+        for row_id, panels in ROWS:
+            with Horizontal(id=row_id, classes="row"):
+                for panel in panels:
+                    yield panel()
         yield Footer()
 
     def get_driver_class(self):
@@ -200,7 +189,7 @@ class DFlashApp(App[None]):
             self._show({"log"})
 
     def on_engine_events(self, message: EngineEvents) -> None:
-        changed = self.state.apply_all(message.events)
+        changed = changed_panels(self.state.apply_all(message.events))
         self._pending |= changed & SAMPLED_PANELS
         self._show(changed - SAMPLED_PANELS)
         self._flush_due()
@@ -343,10 +332,10 @@ class DFlashApp(App[None]):
         self._command("stacks")
 
     def action_focus_errors(self) -> None:
-        self.query_one("#errors", ErrorsPanel).query_one(DataTable).focus()
+        self.query_one(ErrorsPanel).query_one(DataTable).focus()
 
     def action_focus_log(self) -> None:
-        self.query_one("#log", LogPanel).focus()
+        self.query_one(LogPanel).focus()
 
     def action_help(self) -> None:
         if not isinstance(self.screen, HelpScreen):
@@ -360,7 +349,7 @@ def run_app(controller: Controller, run_dir: Path | str | None = None, *,
     ``on_hangup``: the controller is this process's engine; when the terminal hangs up the
     dashboard leaves and this goes on with the run (and returns the exit code).
     ``read_only``: abort and restart are refused (see DFlashApp). ``lifeline``: an armed
-    `dflash_tui.lifeline.Lifeline` (a dashboard serve started), told which app to end."""
+    `dflash_tui.browser.lifeline.Lifeline` (a dashboard serve started), told which app to end."""
     app = DFlashApp(controller, run_dir, owns_run=on_hangup is not None, read_only=read_only)
     if lifeline is not None:
         lifeline.watch(app)

@@ -55,7 +55,7 @@ from dflash_core.units import GiB
 
 # What a GPU holds beyond the tensors, counted once per CUDA device (not on CPU), so that "fits"
 # means planned tensors + this margin <= the memory the process may use. Measured with
-# bench/pipeline.py on two H200s capped at 95 GiB (torch 2.11, expandable segments, the 27B
+# bench/training/pipeline.py on two H200s capped at 95 GiB (torch 2.11, expandable segments, the 27B
 # shape of config.yaml, 18 steps; bench/BENCHMARKS.md, "The shipped config on a 96 GB card"):
 # - NVML used minus torch reserved (CUDA context, cuBLAS / Triton modules, driver pools):
 #   1.3 GiB on the target GPU, 1.8 GiB on the drafter GPU;

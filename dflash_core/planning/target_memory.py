@@ -144,7 +144,7 @@ def target_components(cfg: Config, s: ModelShape, hf_config: dict, on_cuda: bool
 def target_tensors(cfg: Config, target_hf_config: dict, on_cuda: bool = True,
                    quantized: bool | None = None) -> dict[str, int]:
     """A target device's planned tensors with one batch in flight and none queued, without the
-    CUDA margins: what a lone forward holds (bench/moe_target.py measures against it)."""
+    CUDA margins: what a lone forward holds (bench/target/moe_target.py measures against it)."""
     kept = on_cuda if quantized is None else quantized
     comps = target_components(cfg, model_shape(target_hf_config), target_hf_config, on_cuda, 0,
                               kept)

@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
     events = run_events(args.run_dir, "attach to")
     if events is None:
         return 2
-    from dflash_tui import lifeline
+    from dflash_tui.browser import lifeline
 
     # A browser's dashboard (serve): ends with its session or server, whatever its loop does.
     # Armed before the app's imports: threads a library starts while importing (numpy's BLAS
@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     # main thread stuck in a write.
     guard = lifeline.Lifeline().arm() if lifeline.served() else None
     from dflash_tui.app import run_app
-    from dflash_tui.follow import FollowController
+    from dflash_tui.sources.follow import FollowController
 
     return run_app(FollowController(events.parent), run_dir=None, read_only=not args.control,
                    lifeline=guard)

@@ -141,7 +141,7 @@ def _tokenizer_args(p: argparse.ArgumentParser, required: bool) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dflash_core.data.regen_errors import ServerFailing
+    from dflash_core.data.regen.errors import ServerFailing
     from dflash_core.data.shards import DataError
 
     try:
@@ -217,9 +217,9 @@ def _load_target(spec: str, trust_remote_code: bool = False):
 
 
 def _regenerate(args) -> int:
-    from dflash_core.data.regen_options import RegenOptions
-    from dflash_core.data.regen_parts import DAMAGED, MERGED
-    from dflash_core.data.regenerate import regenerate
+    from dflash_core.data.regen.options import RegenOptions
+    from dflash_core.data.regen.parts import DAMAGED, MERGED
+    from dflash_core.data.regen.regenerate import regenerate
 
     target = _load_target(args.target, args.trust_remote_code) if args.target else None
     # the target's own folder holds its tokenizer and template: what the measure renders with

@@ -26,7 +26,7 @@ def run(args: argparse.Namespace) -> int:
     path = run_events(args.events, "replay", file_ok=True)
     if path is None:
         return 2
-    from dflash_tui.replay import ReplayController
+    from dflash_tui.sources.replay import ReplayController
 
     try:
         controller = ReplayController.from_jsonl(path)

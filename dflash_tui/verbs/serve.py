@@ -22,7 +22,7 @@ from ._shared import run_events
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from dflash_tui.serve import DEFAULT_HOST, DEFAULT_PORT
+    from dflash_tui.browser.server import DEFAULT_HOST, DEFAULT_PORT
 
     p.add_argument("run_dir", type=Path, metavar="RUN_DIR",
                    help="the run folder (run.output_dir/run.name, e.g. runs/demo)")
@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     events = run_events(args.run_dir, "serve")
     if events is None:
         return 2
-    from dflash_tui.serve import make_server
+    from dflash_tui.browser.server import make_server
 
     run_dir = events.parent
     try:

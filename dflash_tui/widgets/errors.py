@@ -10,8 +10,8 @@ from textual.containers import Vertical, VerticalScroll
 from textual.widgets import DataTable, Static
 
 from .. import fmt
-from ..state import DashboardState
-from ..state_rows import ErrorEntry
+from ..state.dashboard import DashboardState
+from ..state.rows import ErrorEntry
 
 
 def error_detail(entry: ErrorEntry) -> Text:
@@ -31,7 +31,11 @@ def error_detail(entry: ErrorEntry) -> Text:
 
 
 class ErrorsPanel(Vertical):
+    PANEL_ID = "errors"
+    SAMPLED = False  # an error shows at once
+
     def __init__(self, **kwargs) -> None:
+        kwargs.setdefault("id", self.PANEL_ID)
         super().__init__(**kwargs)
         self.border_title = "Errors"
         self._shown = 0

@@ -7,8 +7,8 @@ from __future__ import annotations
 from rich.text import Text
 
 from .. import fmt
-from ..state import DashboardState
-from ..state_rows import GpuRow
+from ..state.dashboard import DashboardState
+from ..state.rows import GpuRow
 from .panel import Panel, bar, fit, line, note
 
 MIN_BAR = 8
@@ -95,6 +95,7 @@ def host_line(s: DashboardState, width: int) -> Text:
 
 
 class GpusPanel(Panel):
+    PANEL_ID = "gpus"
     TITLE = "GPUs"
 
     def draw(self, s: DashboardState, width: int) -> Text:

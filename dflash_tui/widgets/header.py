@@ -1,6 +1,6 @@
 """Top lines: run name, lifecycle state (why it ended), step, epoch, elapsed, ETA, error count on
 one line; then what is going on now (attached, stalls, a checkpoint being written), the limit that
-ends the run, the best checkpoint, the device time held so far (hours_view.py), where the metrics
+ends the run, the best checkpoint, the device time held so far (state/hours.py), where the metrics
 go (wandb URL or offline folder) and the run folder, as many as fit."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from rich.text import Text
 from textual.widgets import Static
 
 from .. import fmt
-from ..hours_view import header_text
-from ..state import DashboardState
+from ..state.dashboard import DashboardState
+from ..state.hours import header_text
 from .panel import field, pack, pack_first
 
 # Plain ANSI colours: they read the same in 16, 256 and true colour terminals.
@@ -27,7 +27,11 @@ STATE_STYLES = {
 
 
 class HeaderBar(Static):
+    PANEL_ID = "header"
+    SAMPLED = False  # the run's state shows at once
+
     def __init__(self, **kwargs) -> None:
+        kwargs.setdefault("id", self.PANEL_ID)
         super().__init__(**kwargs)
         self._state: DashboardState | None = None
 

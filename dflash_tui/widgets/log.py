@@ -8,13 +8,17 @@ from textual import events
 from textual.widgets import RichLog
 
 from .. import fmt
-from ..state import DashboardState
+from ..state.dashboard import DashboardState
 
 LEVEL_STYLES = {"debug": "dim", "info": "", "warning": "yellow", "error": "bold red"}
 
 
 class LogPanel(RichLog):
+    PANEL_ID = "log"
+    SAMPLED = False  # a log line shows at once
+
     def __init__(self, max_lines: int = 1000, **kwargs) -> None:
+        kwargs.setdefault("id", self.PANEL_ID)
         super().__init__(max_lines=max_lines, wrap=True, min_width=20, markup=False,
                          highlight=False, **kwargs)
         self.border_title = "Log"

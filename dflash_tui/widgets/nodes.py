@@ -9,7 +9,7 @@ from rich.text import Text
 from dflash_core.observe import events as ev
 
 from .. import fmt
-from ..state import DashboardState
+from ..state.dashboard import DashboardState
 from .panel import Panel, line
 
 
@@ -34,6 +34,7 @@ def node_lines(n: ev.NodeStatus, lead_step: int, width: int) -> Text:
 
 
 class NodesPanel(Panel):
+    PANEL_ID = "nodes"  # hidden until a node summary arrives (several nodes)
     TITLE = "Nodes"
     EMPTY = "one node"
 

@@ -12,7 +12,7 @@ from textual.containers import VerticalScroll
 from textual.widgets import Static
 
 from .. import fmt
-from ..state import DashboardState
+from ..state.dashboard import DashboardState
 
 
 def pack(fields: list[Text], width: int, sep: str = "  ") -> Text:
@@ -88,10 +88,13 @@ def fit(required: list, optional: list, width: int, keep: int = 0) -> tuple[Text
 
 
 class Panel(VerticalScroll):
+    PANEL_ID = ""  # each panel's own (registry.py lists the panels)
+    SAMPLED = True  # fed by high-rate samples: redrawn at most once per period
     TITLE = ""
     EMPTY = "waiting for the engine…"
 
     def __init__(self, **kwargs) -> None:
+        kwargs.setdefault("id", self.PANEL_ID)
         super().__init__(**kwargs)
         self.border_title = self.TITLE
         self._state: DashboardState | None = None

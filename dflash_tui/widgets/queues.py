@@ -6,8 +6,8 @@ from __future__ import annotations
 from rich.text import Text
 
 from .. import fmt
-from ..state import DashboardState
-from ..state_rows import QueueRow
+from ..state.dashboard import DashboardState
+from ..state.rows import QueueRow
 from .panel import Panel, line, note
 
 
@@ -24,6 +24,7 @@ def bottleneck_style(text: str) -> str:
 
 
 class QueuesPanel(Panel):
+    PANEL_ID = "queues"
     TITLE = "Queues"
     EMPTY = "no queues yet"
 

@@ -9,8 +9,8 @@ from rich.text import Text
 from dflash_core.observe import events as ev
 
 from .. import fmt
-from ..state import DashboardState
-from ..state_rows import TARGET_LOADED, TargetRow
+from ..state.dashboard import DashboardState
+from ..state.rows import TARGET_LOADED, TargetRow
 from .panel import Panel, bar, fit, line, note
 
 
@@ -48,6 +48,7 @@ def target_line(t: TargetRow, width: int) -> Text:
 
 
 class TargetsPanel(Panel):
+    PANEL_ID = "targets"
     TITLE = "Targets"
     EMPTY = "no target workers yet"
 

@@ -14,7 +14,7 @@ from dflash_core.models import acceptance
 from dflash_core.models.dspark_calibration import Calibration
 
 from .. import fmt
-from ..state import DashboardState
+from ..state.dashboard import DashboardState
 from .panel import Panel, field, note, pack, pack_first
 
 
@@ -23,6 +23,7 @@ DRAFTER_LINE_MIN_WIDTH = 50
 
 
 class TrainingPanel(Panel):
+    PANEL_ID = "training"
     TITLE = "Training"
     EMPTY = "no step yet"
 

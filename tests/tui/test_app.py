@@ -16,7 +16,7 @@ from textual.widgets import DataTable
 from dflash_core.observe import events as ev
 from dflash_tui.app import DFlashApp
 from dflash_tui.messages import EngineEvents
-from dflash_tui.replay import ReplayController
+from dflash_tui.sources.replay import ReplayController
 from dflash_tui.screens import KEYS, ConfirmScreen, HelpScreen
 from dflash_tui.widgets.log import LogPanel
 

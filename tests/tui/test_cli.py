@@ -173,7 +173,7 @@ def test_two_modes_at_once_are_refused_in_one_line_with_exit_2(argv, message, ca
 
 
 def test_serve_runs_each_browser_through_the_attach_verb(tmp_path):
-    from dflash_tui.serve import attach_command
+    from dflash_tui.browser.server import attach_command
 
     for read_only, flag in ((True, "--read-only"), (False, "--control")):
         argv = attach_command(tmp_path, read_only).split()

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_tui.follow import FollowController
+from dflash_tui.sources.follow import FollowController
 from tests.core.engine_fixtures import assets, make_config, write_config  # noqa: F401 - fixture
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="needs a Linux pseudo-terminal")

@@ -7,7 +7,7 @@ from textual.screen import ModalScreen
 import tui_scenarios as sc
 from dflash_core.pipeline.inbox import command_dir
 from dflash_tui.app import READ_ONLY_MESSAGE, DFlashApp
-from dflash_tui.follow import FollowController
+from dflash_tui.sources.follow import FollowController
 
 
 @pytest.mark.anyio

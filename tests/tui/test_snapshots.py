@@ -9,7 +9,7 @@ import tui_scenarios as sc
 from textual.widgets import DataTable
 
 from dflash_tui.app import DFlashApp
-from dflash_tui.replay import ReplayController
+from dflash_tui.sources.replay import ReplayController
 
 SIZES = {"80x24": (80, 24), "160x48": (160, 48)}
 STATES = {"loading": sc.loading, "training": sc.training, "failed_oom": sc.failed,

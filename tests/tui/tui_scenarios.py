@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 from dflash_core.observe import events as ev
-from dflash_tui.state import DashboardState
+from dflash_tui.state.dashboard import DashboardState
 
 T0 = 1_750_000_000.0  # fixed start; every ts below is T0 + seconds
 GIB = 1024**3

@@ -1,5 +1,5 @@
 """The demo trained with a fault planted (or none), for the acceptance tests and
-bench/acceptance_gaps.py: each run's evaluations and the findings its log raised.
+bench/eval/acceptance_gaps.py: each run's evaluations and the findings its log raised.
 
 Faults:
 - ``leak``: training's block attention lets each block see the context up to its anchor + ``leak``

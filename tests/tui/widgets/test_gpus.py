@@ -1,6 +1,6 @@
 """One GPU line: what a rehearsed card and a struggling allocator look like."""
 
-from dflash_tui.state_rows import GpuRow
+from dflash_tui.state.rows import GpuRow
 from dflash_tui.widgets.gpus import gpu_line
 
 GIB = 2**30

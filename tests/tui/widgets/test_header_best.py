@@ -6,7 +6,7 @@ from __future__ import annotations
 import tui_scenarios as sc
 
 from dflash_core.observe import events as ev
-from dflash_tui.state import DashboardState
+from dflash_tui.state.dashboard import DashboardState
 from dflash_tui.widgets.header import second_line
 
 

@@ -13,7 +13,7 @@ from dflash_core.models import acceptance
 from dflash_core.models.dspark_calibration import calibrate
 from dflash_core.observe import events as ev
 from dflash_tui.app import DFlashApp
-from dflash_tui.replay import ReplayController
+from dflash_tui.sources.replay import ReplayController
 
 BIG = (160, 48)
 CAL = calibrate([[0.9, 0.8, 0.3], [0.95, 0.5, 0.2], [0.6, 0.4, 0.1]], [2, 1, 0])

@@ -11,7 +11,7 @@ import tui_scenarios as sc
 
 from dflash_core.observe import events as ev
 from dflash_tui.app import DFlashApp
-from dflash_tui.replay import ReplayController
+from dflash_tui.sources.replay import ReplayController
 from dflash_tui.widgets.training import eval_lines
 from tui_scenarios import fold
 
