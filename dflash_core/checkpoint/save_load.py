@@ -26,7 +26,7 @@ from safetensors import torch as st
 
 from dflash_core.checkpoint import safetensors_io, state_tree
 from dflash_core.checkpoint.folders import clean_hidden, prune, remove_folder, set_aside
-# Still read from here by bench_eval/drafters.py and bench/recipe.py; the rest import it from
+# Still read from here by bench_eval/drafters.py and bench/training/recipe.py; the rest import it from
 # folders.py.
 from dflash_core.checkpoint.folders import latest_checkpoint  # noqa: F401
 from dflash_core.checkpoint.layout import (
