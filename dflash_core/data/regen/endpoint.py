@@ -23,15 +23,31 @@ from dflash_core.data.shards import DataError
 
 
 class RequestFailed(Exception):
-    def __init__(self, kind: str, detail: str, retry: bool, status: int = 0):
+    def __init__(self, kind: str, detail: str, retry: bool, status: int = 0,
+                 retry_after_s: float | None = None):
         self.kind, self.detail, self.retry, self.status = kind, detail, retry, status
+        self.retry_after_s = retry_after_s  # the server's Retry-After (429, 503), in seconds
         super().__init__(f"{kind}: {detail}")
+
+    @property
+    def rate_limited(self) -> bool:
+        return self.status == 429
 
     @property
     def refused(self) -> bool:
         """A 4xx answer other than 429: the request as made is refused, a retry changes
         nothing."""
         return 400 <= self.status < 500 and self.status != 429
+
+
+def retry_after(value: str | None) -> float | None:
+    """Seconds a Retry-After header asks for (its delay-seconds form; an HTTP date or nonsense:
+    None, the client's own backoff then)."""
+    try:
+        seconds = float(value) if value is not None else None
+    except ValueError:
+        return None
+    return seconds if seconds is not None and 0 <= seconds < 3600 else None
 
 
 def error_text(raw: bytes, limit: int = 300) -> str:
@@ -142,7 +158,7 @@ class Endpoint:
                 if kept:  # a kept-alive socket: its last read left a shorter timeout
                     c.sock.settimeout(limit)
                 c.request(method, self.base + path, body=data, headers=self.headers)
-                status, raw = self._read_by(c, deadline)
+                status, raw, after = self._read_by(c, deadline)
                 break
             except (socket.timeout, TimeoutError) as exc:
                 self._drop()  # the server may still answer on this socket: never reuse it
@@ -157,7 +173,8 @@ class Endpoint:
                 raise RequestFailed("connection", f"{type(exc).__name__}: {exc}", True) from exc
         if status >= 400:
             retry = status == 429 or status >= 500
-            raise RequestFailed(f"http_{status}", error_text(raw), retry, status)
+            raise RequestFailed(f"http_{status}", error_text(raw), retry, status,
+                                retry_after(after))
         try:
             out = json.loads(raw)
         except ValueError as exc:
@@ -166,7 +183,8 @@ class Endpoint:
             raise RequestFailed("bad_response", "the answer is not a JSON object", True)
         return out
 
-    def _read_by(self, c: http.client.HTTPConnection, deadline: float) -> tuple[int, bytes]:
+    def _read_by(self, c: http.client.HTTPConnection,
+                 deadline: float) -> tuple[int, bytes, str | None]:
         """The answer's status and body, all of it before ``deadline``: a server that trickles
         its bytes never waits long on one read, so each read gets only the time that is left."""
         def left() -> float:
@@ -183,7 +201,7 @@ class Endpoint:
         while left() and (chunk := resp.read1(1 << 16)):
             chunks.append(chunk)
         resp.close()  # read1 leaves a fully read answer open; a kept-alive socket needs it shut
-        return resp.status, b"".join(chunks)
+        return resp.status, b"".join(chunks), resp.getheader("Retry-After")
 
     def models(self) -> list[str]:
         try:

@@ -132,6 +132,8 @@ class Job:
                 # lockstep.
                 delay = min(30.0, self.opts.backoff_s * 2 ** attempt) * (0.5 + random.random()
                                                                          / 2)
+                if exc.retry_after_s is not None:  # the server said how long: wait that long
+                    delay = max(delay, exc.retry_after_s)
                 self.stop.wait(delay)
         raise AssertionError("unreachable")
 
@@ -234,6 +236,13 @@ class Job:
     def failed_probe(self, e: Endpoint, exc: RequestFailed) -> Exception:
         if exc.refused:
             return self.refusal_error(e, exc, "refuses the first request")
+        if exc.rate_limited:
+            return ServerFailing(
+                f"{e.url} is rate limiting: the first request was answered HTTP 429 "
+                f"{self.opts.retries + 1} times ({exc.detail}); nothing else was sent",
+                hint="send fewer requests at once (--concurrency) or retry more often "
+                     "(--retries), or raise the server's rate limit; then run the same command "
+                     "again")
         return ServerFailing(f"the first request to {e.url} failed {self.opts.retries + 1} "
                              f"times ({exc.kind}: {exc.detail}); nothing else was sent",
                              hint="see the server's log; run the same command again once it "

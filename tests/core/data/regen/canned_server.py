@@ -8,7 +8,7 @@ import json
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
 
@@ -20,6 +20,7 @@ class Reply:
     """An answer of another status than 200 (``body``: a dict sent as JSON, or bytes)."""
     status: int
     body: object
+    headers: dict = field(default_factory=dict)  # e.g. {"Retry-After": "2"}
 
 
 def echo(body: dict) -> dict:
@@ -85,11 +86,13 @@ class CannedServer:
                 pass
 
             def _send(self, obj) -> None:
-                status = 200
+                status, headers = 200, {}
                 if isinstance(obj, Reply):
-                    status, obj = obj.status, obj.body
+                    status, obj, headers = obj.status, obj.body, obj.headers
                 raw = obj if isinstance(obj, bytes) else json.dumps(obj).encode()
                 self.send_response(status)
+                for name, value in headers.items():
+                    self.send_header(name, value)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(raw)))
                 self.end_headers()

@@ -255,3 +255,29 @@ def test_a_server_that_strips_leading_whitespace_is_measured_with_the_target(
     err = capsys.readouterr().err
     assert "first difference at answer token 0: the text gives 't', the target writes ' '" in err
     assert "a server that returns token ids (vLLM) keeps the target's own" in err
+
+
+def test_a_server_rate_limiting_the_probe_is_named_so_and_its_retry_after_is_waited(tmp_path,
+                                                                                  monkeypatch):
+    # It said "see the server's log": the server was telling us to slow down.
+    from dflash_core.data.regen.errors import ServerFailing
+    limited = Reply(429, {"error": {"message": "too many requests"}}, {"Retry-After": "0.25"})
+    waits: list[float] = []
+    real_wait = threading.Event.wait
+    monkeypatch.setattr(threading.Event, "wait",
+                        lambda self, t=None: (waits.append(t), real_wait(self, 0))[1])
+    with CannedServer(answers=[limited] * 3) as srv:
+        with pytest.raises(ServerFailing) as e:
+            regenerate(quick_opts(convs(tmp_path, 2), tmp_path / "out", srv.url, retries=2))
+        assert srv.requests == 3  # the probe and its two retries, nothing else
+    assert "is rate limiting: the first request was answered HTTP 429 3 times" in str(e.value)
+    assert "--concurrency" in e.value.hint and "--retries" in e.value.hint
+    assert waits.count(0.25) == 2  # each retry waited what the server asked (backoff_s is 0)
+
+
+@pytest.mark.parametrize("value, seconds", [("2", 2.0), ("0.5", 0.5), (None, None),
+                                            ("Wed, 21 Oct 2026 07:28:00 GMT", None),
+                                            ("-1", None), ("99999", None)])
+def test_retry_after_reads_seconds_and_nothing_else(value, seconds):
+    from dflash_core.data.regen.endpoint import retry_after
+    assert retry_after(value) == seconds
