@@ -237,6 +237,11 @@ def _regenerate(args) -> int:
           f"({s['samples_per_s']} samples/s) with {s['model']}; request errors "
           f"{c['request_errors'] or 'none'}, retries {c['retries']}; answers "
           f"{'with their token ids' if c['turns_with_server_ids'] else 'as text'}")
+    if c.get("answers_cut"):  # the samples end mid-answer, where the server stopped
+        print(f"  {c['answers_cut']} of {c['turns']} answers written now were cut at "
+              f"--max-tokens {args.max_tokens} (finish_reason \"length\"): they end where the "
+              "server stopped, not where the target would; raise --max-tokens to let them "
+              "finish", file=sys.stderr if c["answers_cut"] == c["turns"] else sys.stdout)
     ex = s.get("examples", {})
     for what, by in (("malformed", c["malformed"]), ("left out", c.get("left_out", {}))):
         for reason, n in by.items():

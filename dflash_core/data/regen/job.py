@@ -47,6 +47,7 @@ class _Counts:
     turns: int = 0
     with_ids: int = 0
     empty: int = 0  # answers with no text (prepare counts their rows as empty_assistant)
+    cut: int = 0  # answers the server ended at --max-tokens (finish_reason "length")
     prompt_tokens: int = 0
     completion_tokens: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -330,6 +331,7 @@ class Job:
                     c.turns += 1
                     c.with_ids += t["server_ids"]
                     c.empty += t["empty"]
+                    c.cut += t["finish_reason"] == "length"
                     c.prompt_tokens += t["prompt_tokens"]
                     c.completion_tokens += t["completion_tokens"]
             with self.lock:
@@ -406,7 +408,7 @@ class Job:
                        "left_out": dict(sorted(c.left_out.items())),
                        "damaged_lines": len(damaged),
                        "turns": c.turns, "turns_with_server_ids": c.with_ids,
-                       "empty_answers": c.empty},
+                       "empty_answers": c.empty, "answers_cut": c.cut},
             "examples": dict(sorted(c.examples.items())),
             "damaged": damaged[:5],
             "tokens": {"prompt": c.prompt_tokens, "completion": c.completion_tokens},

@@ -281,3 +281,24 @@ def test_a_server_rate_limiting_the_probe_is_named_so_and_its_retry_after_is_wai
 def test_retry_after_reads_seconds_and_nothing_else(value, seconds):
     from dflash_core.data.regen.endpoint import retry_after
     assert retry_after(value) == seconds
+
+
+def test_answers_cut_at_max_tokens_are_counted_and_said(tmp_path, capsys):
+    # Every answer ended with finish_reason "length" and was merged without a word.
+    from dflash_tui.cli import main
+
+    def cut(body):
+        out = echo(body)
+        out["choices"][0]["finish_reason"] = "length"
+        return out
+
+    with CannedServer(answer=cut) as srv:
+        assert main(["data", "regenerate", str(convs(tmp_path, 3)), "--out",
+                     str(tmp_path / "out"), "--endpoint", srv.url, "--max-tokens", "64",
+                     "--concurrency", "1", "--quiet"]) == 0
+    out, err = capsys.readouterr()
+    assert ("3 of 3 answers written now were cut at --max-tokens 64 (finish_reason \"length\")"
+            in err), (out, err)
+    assert "raise --max-tokens" in err
+    summary = json.loads((tmp_path / "out" / "dflash_regen.json").read_text())
+    assert summary["counts"]["answers_cut"] == 3
