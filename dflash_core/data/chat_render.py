@@ -56,6 +56,8 @@ class Rendered:
 @dataclass
 class RenderStats:
     split_rows: int = 0  # conversations split into one sample per assistant turn
+    tool_call_turns: int = 0  # assistant turns with tool_calls (rendered and trained)
+    tool_turns: int = 0  # tool results (rendered as context, not trained)
     server_ids_turns: int = 0  # turns whose answer came with the server's token ids
     server_ids_differ: int = 0  # ... of which re-tokenizing the text gave other ids
     # conversations whose prompt and answer were tokenized apart and the ids joined: the
@@ -66,11 +68,18 @@ class RenderStats:
 
     def add(self, other: "RenderStats") -> None:
         self.split_rows += other.split_rows
+        self.tool_call_turns += other.tool_call_turns
+        self.tool_turns += other.tool_turns
         self.joined_rows += other.joined_rows
         for k, v in other.split_samples_dropped.items():
             self.split_samples_dropped[k] = self.split_samples_dropped.get(k, 0) + v
         self.server_ids_turns += other.server_ids_turns
         self.server_ids_differ += other.server_ids_differ
+
+
+# Fields of a turn the template reads besides role and content: an assistant's tool calls, and
+# the call a tool result answers.
+TOOL_FIELDS = ("tool_calls", "tool_call_id", "name")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -249,6 +258,7 @@ class ChatRenderer:
         out = []
         for i, m in enumerate(messages):
             msg = {"role": m["role"], "content": m["content"]}
+            msg.update({k: m[k] for k in TOOL_FIELDS if k in m})
             reasoning = m.get("reasoning_content")
             keep = self.thinking == "keep" or (self.thinking == "last" and (i == last
                                                                               or last_keeps))
@@ -266,6 +276,8 @@ class ChatRenderer:
         a row that raises is counted once, under its reason, by the caller."""
         mine = RenderStats()
         out = self._render(conv, mine)
+        mine.tool_call_turns = sum(bool(m.get("tool_calls")) for m in conv.messages)
+        mine.tool_turns = sum(m["role"] == "tool" for m in conv.messages)
         if stats is not None:
             stats.add(mine)
         return out

@@ -145,8 +145,19 @@ def normalise(row: Any, index: int) -> Conversation:
             ids = t.get("token_ids")  # the server's own ids for this answer (regenerate)
             if isinstance(ids, list) and ids and all(isinstance(x, int) for x in ids):
                 msg["token_ids"] = ids
-            if not msg["content"].strip() and not msg.get("reasoning_content"):
+            calls = t.get("tool_calls")
+            if calls:  # the target wrote them: the template renders them into the answer
+                if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
+                    raise RowError("bad_turn", f"turn {k}: tool_calls is not a list of objects")
+                msg["tool_calls"] = calls
+            if (not msg["content"].strip() and not msg.get("reasoning_content")
+                    and not msg.get("tool_calls")):
                 raise RowError("empty_assistant", f"turn {k}")
+        elif role == "tool":
+            # Which call a result answers: templates render it (Qwen3's, Llama's).
+            for name in ("tool_call_id", "name"):
+                if isinstance(t.get(name), str) and t[name]:
+                    msg[name] = t[name]
         messages.append(msg)
     if not any(m["role"] == "assistant" for m in messages):
         raise RowError("no_assistant")

@@ -317,6 +317,8 @@ def _prepare_into(stage: Path, opts: PrepareOptions, fmt: str, files: list[Path]
                    "split_samples_dropped": dict(sorted(
                        tally.render.split_samples_dropped.items())),
                    "joined_rows": tally.render.joined_rows,
+                   "tool_call_turns": tally.render.tool_call_turns,
+                   "tool_turns": tally.render.tool_turns,
                    "server_ids_turns": tally.render.server_ids_turns,
                    "server_ids_differ": tally.render.server_ids_differ},
         "examples": tally.examples,

@@ -193,6 +193,9 @@ def _prepare(args) -> int:
               "(the template renders history differently from the last turn)")
         for reason, n in c.get("split_samples_dropped", {}).items():
             print(f"    of their turns, {n} left out: {reason} (the rest of each row is used)")
+    if c.get("tool_call_turns") or c.get("tool_turns"):
+        print(f"  {c.get('tool_call_turns', 0)} assistant turns with tool calls (rendered by the "
+              f"template and trained) and {c.get('tool_turns', 0)} tool results (context)")
     if c.get("joined_rows"):
         print(f"  {c['joined_rows']} conversations tokenized piece by piece at the turn "
               "boundaries (the tokenizer merges an answer's first characters with the "

@@ -161,3 +161,36 @@ def test_fingerprints_tell_tokenizers_and_templates_apart(tmp_path, tok, bpe_fol
     assert a == fingerprints(load_tokenizer(bpe_folder))  # stable over loads
     b = fingerprints(byte_tokenizer())
     assert a["tokenizer"] != b["tokenizer"] and a["chat_template"] != b["chat_template"]
+
+
+TOOL_TEMPLATE = (
+    "{%- for m in messages -%}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{%- if m.tool_calls -%}{%- for c in m.tool_calls -%}"
+    "<tool_call>{{ c.function.name }}({{ c.function.arguments }})</tool_call>"
+    "{%- endfor -%}{%- endif -%}"
+    "{%- if m.role == 'tool' %} [{{ m.tool_call_id }}]{% endif -%}<|im_end|>\n"
+    "{%- endfor -%}{%- if add_generation_prompt -%}<|im_start|>assistant\n{%- endif -%}")
+
+
+def test_tool_calls_are_rendered_trained_and_counted_not_dropped(tmp_path, bpe_folder):
+    # Assistant tool_calls (and tool turns' ids) were dropped without a count while the template
+    # renders them; an assistant turn holding only a call was refused as empty.
+    template = tmp_path / "tools.jinja"
+    template.write_text(TOOL_TEMPLATE)
+    tok = load_tokenizer(bpe_folder, chat_template=template)
+    call = {"type": "function", "function": {"name": "fox", "arguments": "{}"}}
+    c = normalise({"messages": [
+        {"role": "user", "content": "Where is the fox?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "content": "brown", "tool_call_id": "call-1"},
+        {"role": "assistant", "content": "The fox is brown."}]}, 0)
+    stats = RenderStats()
+    [r] = ChatRenderer(tok).render(c, stats)
+    texts = trained_texts(tok, r)
+    assert len(texts) == 2 and texts[0].strip() == "<tool_call>fox({})</tool_call><|im_end|>"
+    assert texts[1].strip() == "The fox is brown.<|im_end|>"
+    assert "brown [call-1]" in tok.decode(r.input_ids)  # the tool turn, as context
+    assert (stats.tool_call_turns, stats.tool_turns) == (1, 1)
+    with pytest.raises(RowError, match="tool_calls is not a list of objects"):
+        normalise({"messages": [{"role": "user", "content": "x"},
+                                {"role": "assistant", "content": "", "tool_calls": "fox()"}]}, 0)
