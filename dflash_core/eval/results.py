@@ -23,7 +23,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dflash_core.bench_eval.errors import EvalInputError
+from dflash_core.eval.errors import EvalInputError
 
 FORMAT = 1
 PLAIN = "plain.jsonl"
