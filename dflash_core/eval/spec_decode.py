@@ -101,7 +101,8 @@ def _draft(drafter, ctx: torch.Tensor, lengths: list[int], last: list[int], coun
             raise ValueError("sampled decoding needs a drafter that drafts a batch")
         toks = propose_each(drafter, ctx, lengths, last, counts).tokens.tolist()
         # a row shorter than the longest is padded with -1 (no token)
-        return [[t for t in r[:n] if t >= 0] for r, n in zip(toks, counts)], [None] * len(toks), None
+        rows = [[t for t in r[:n] if t >= 0] for r, n in zip(toks, counts)]
+        return rows, [None] * len(rows), None
     prop = propose(drafter, ctx, lengths, last, temperature, gens)
     toks = [r[:n] for r, n in zip(prop.tokens.tolist(), counts)]
     q = ([prop.probs[j, :n] for j, n in enumerate(counts)] if prop.probs is not None

@@ -276,7 +276,7 @@ class DFlashDrafter(nn.Module):
 
     # -- evaluation: what a round drafts, a batch's drafts, the teacher-forced tau ----------------
     def drafts_per_round(self, block_size: int) -> int:
-        """Tokens a round proposes at ``block_size``: slots 1..B-1 (block size 1: plain decoding)."""
+        """Tokens a round proposes at ``block_size``: slots 1..B-1 (block 1: plain decoding)."""
         return max(0, block_size - 1)
 
     @torch.no_grad()
