@@ -8,7 +8,7 @@ cache one prompt at a time (--cache), for plain decoding and for a DFlash drafte
 Random weights (nothing can be downloaded): the time does not depend on the values, but a random
 drafter is accepted about never (tau ~1), so the drafter's rows show what a round costs, not a
 speedup; the plain rows are the batching's effect on the target alone. The decoding code is the
-command's own (bench_eval.spec_decode.decode_rows with its target backends).
+command's own (eval.spec_decode.decode_rows with its target backends).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common.py
 from common import env_line, gib, hf_config, random_causal_lm
-from dflash_core.bench_eval.spec_decode import DecodeSettings, decode_rows
-from dflash_core.bench_eval.target_batch import CachedRows, FullBatch, head_is_lm_head
+from dflash_core.eval.spec_decode import DecodeSettings, decode_rows
+from dflash_core.eval.target_decoding import CachedRows, FullBatch, head_is_lm_head
 from dflash_core.models.drafter import DFlashDrafter, build_drafter_config
 from dflash_core.models.target import TargetModel
 from dflash_core.models.target_config import default_layer_ids

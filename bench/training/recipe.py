@@ -57,7 +57,7 @@ from dflash_core.config import ConfigError, apply_overrides, save_config  # noqa
 from dflash_core.data import ShardedDataset  # noqa: E402
 from dflash_core.data.batching import split_eval  # noqa: E402
 from dflash_core.models.drafter_kinds import OBJECTIVES, drafter_from_config  # noqa: E402
-from dflash_core.models.evaluate import evaluate_tau, target_fn_for  # noqa: E402
+from dflash_core.eval.evaluate import evaluate_tau, target_fn_for  # noqa: E402
 from dflash_core.models.target_load import HF_BUILD_LOCK, load_target  # noqa: E402
 from dflash_core.checkpoint import save_load as ckpt  # noqa: E402
 from dflash_core.pipeline.evaluation import eval_prompts  # noqa: E402

@@ -1,8 +1,10 @@
 """Exact decoding of the check's prompts, through this engine's drafter and through the public
 reference implementation, with every proposal recorded.
 
-Both go through the one exact loop (``evaluate.speculative_generate``); only the drafter (and, for
-the reference, the way features are read from the target) changes. Since the loop's output is the
+Both go through the one decoding loop (``eval/spec_decode.decode_rows``, each sample a batch of
+one: ``evaluate.speculative_generate``), which records every round's drafts; only the drafter
+(and, for the reference, the way features are read from the target) changes: both are asked one
+context at a time (``draft``). Since the loop's output is the
 target's greedy text, the target's choice at every drafted position is known afterwards, so each
 proposed token can be judged on its own (not only as part of the accepted prefix) and against its
 neighbours (a proposal equal to the token one position later is the mark of shifted labels).
@@ -17,30 +19,29 @@ from pathlib import Path
 import torch
 
 from dflash_core.check.samples import CheckSample
-from dflash_core.models.evaluate import TargetFn, drafts_per_round, speculative_generate
+from dflash_core.eval.drafting import drafts_per_round
+from dflash_core.eval.evaluate import TargetFn, anchors_of, speculative_generate
 
 REFERENCE = "dflash==0.1.0"  # the public reference implementation (PyPI), dflash.model
 
 
-class RecordingDrafter:
-    """A drafter whose proposals are recorded: (S, tokens) per round, S being the position of
-    the last accepted token (the block's anchor)."""
+class OneContext:
+    """Our drafter asked one context at a time (its ``draft``), as the reference is: the two then
+    decode through the same path and differ only in the drafter."""
 
     def __init__(self, inner):
         self.inner = inner
         self.block_size = inner.block_size
-        # DSpark: the anchor slot predicts, so a round drafts B tokens (decoding asks this)
-        self.anchor_predicts = bool(getattr(inner, "anchor_predicts", False))
         self.target_layer_ids = list(inner.target_layer_ids)
-        self.calls: list[tuple[int, list[int]]] = []
 
     def parameters(self):
         return self.inner.parameters()
 
+    def drafts_per_round(self, block_size: int) -> int:
+        return drafts_per_round(self.inner, block_size)  # DSpark: the anchor slot drafts too
+
     def draft(self, context: torch.Tensor, last_token: int, num_tokens: int | None = None):
-        out = self.inner.draft(context, last_token, num_tokens)
-        self.calls.append((int(context.shape[1]), [int(t) for t in out.reshape(-1).tolist()]))
-        return out
+        return self.inner.draft(context, last_token, num_tokens)
 
 
 @dataclass
@@ -132,10 +133,12 @@ def decode(name: str, target_fn: TargetFn, drafter, samples: list[CheckSample], 
     out = DecodeResult(name, drafter.block_size,
                        drafts=drafts_per_round(drafter, drafter.block_size))
     for s in samples:
-        rec = RecordingDrafter(drafter)
-        r = speculative_generate(target_fn, rec, s.prompt, len(s.response), layer_ids,
-                                 eos_token_id=eos_token_id, device=device)
-        out.samples.append(SampleDecode(r.tokens, s.response, list(r.acceptance), rec.calls,
+        r = speculative_generate(target_fn, OneContext(drafter), s.prompt, len(s.response),
+                                 layer_ids, eos_token_id=eos_token_id, device=device)
+        # (anchor, proposed tokens) of each round that drafted
+        drafts = [(at, d) for at, d in zip(anchors_of(len(s.prompt), r.acceptance), r.drafts)
+                  if d]
+        out.samples.append(SampleDecode(r.tokens, s.response, list(r.acceptance), drafts,
                                         len(s.prompt)))
     return out
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dflash_core.data import DataError, ShardedDataset
-from dflash_core.models.evaluate import TargetFn, plain_greedy
+from dflash_core.eval.evaluate import TargetFn, plain_greedy
 
 
 @dataclass

@@ -31,7 +31,7 @@ from dflash_core.check.diagnose import Verdict, diagnose, evidence_lines, featur
 from dflash_core.check.memorise import memorise
 from dflash_core.check.samples import pick_prompts, write_responses
 from dflash_core.config import Config
-from dflash_core.models.evaluate import evaluation_attention, target_fn_for
+from dflash_core.eval.evaluate import evaluation_attention, target_fn_for
 from dflash_core.models.target_load import load_target
 from dflash_core.planning import data_checks, preflight, target_checks
 

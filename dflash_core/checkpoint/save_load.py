@@ -26,8 +26,8 @@ from safetensors import torch as st
 
 from dflash_core.checkpoint import safetensors_io, state_tree
 from dflash_core.checkpoint.folders import clean_hidden, prune, remove_folder, set_aside
-# Still read from here by bench_eval/drafters.py and bench/training/recipe.py; the rest import it from
-# folders.py.
+# Still read from here by eval/drafters.py and bench/training/recipe.py; the rest import it
+# from folders.py.
 from dflash_core.checkpoint.folders import latest_checkpoint  # noqa: F401
 from dflash_core.checkpoint.layout import (
     CHECKPOINTS, CHECKSUMS, FORMAT_VERSION, LEGACY_STATE, MASTER, SERVED, STATE_JSON,

@@ -1,6 +1,6 @@
 """The checks of eval.prompt_sets and eval.best_set that need no file: each item's ranges, a name
 and a path, no name twice, a best_set that names a set. Preflight checks the files and the
-chat template (bench_eval/run_sets.py), with the eval verb's own loaders."""
+chat template (eval/run_sets.py), with the eval verb's own loaders."""
 
 from __future__ import annotations
 

@@ -25,6 +25,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 
 from dflash_core.models.block_attention import block_attention, make_block_mask, resolve_impl
 from dflash_core.models.model_shape import drafter_intermediate, text_config
+from dflash_core.models.proposal import Proposal, block_states, probabilities
 
 ARCHITECTURE = "DFlashDraftModel"
 
@@ -272,3 +273,33 @@ class DFlashDrafter(nn.Module):
         model = cls(cfg)
         model.load_state_dict(load_file(str(folder / "model.safetensors"), device=str(device)))
         return model.to(device)
+
+    # -- evaluation: what a round drafts, a batch's drafts, the teacher-forced tau ----------------
+    def drafts_per_round(self, block_size: int) -> int:
+        """Tokens a round proposes at ``block_size``: slots 1..B-1 (block 1: plain decoding)."""
+        return max(0, block_size - 1)
+
+    @torch.no_grad()
+    def draft_batch(self, context: torch.Tensor, lengths: list[int], last: list[int],
+                    temperature: float = 0.0, gens=None) -> Proposal:
+        """Each row's B-1 drafts (models/proposal.py): the argmax of slots 1..B-1, or at
+        ``temperature`` one draw per slot from row i's generator ``gens[i]`` (the slots drawn
+        independently, as the reference does)."""
+        hidden = block_states(self, context, lengths, last)
+        logits = self.lm_head(hidden[:, 1:].to(self.lm_head.weight.dtype))  # [m, B-1, V]
+        if temperature <= 0:
+            return Proposal(logits.argmax(-1), None)
+        probs = probabilities(logits, temperature)
+        toks = torch.stack([torch.multinomial(probs[i], 1, generator=g)[:, 0]
+                            for i, g in enumerate(gens)])
+        return Proposal(toks, probs)
+
+    def teacher_forced_tau(self, hidden: torch.Tensor, labels: torch.Tensor,
+                           ids: torch.Tensor, anchors: torch.Tensor,
+                           chunk: int) -> tuple[float, int]:
+        """(sum of tau, blocks) of teacher-forced blocks at ``anchors``: ``hidden`` the
+        drafter's block states, ``labels`` ``label_width`` wide (objective.block_labels)."""
+        from dflash_core.models import objective as obj
+
+        out = obj.chunked_loss(hidden, labels, self.lm_head.weight, 1.0, chunk)
+        return float(out.tau_sum), out.blocks

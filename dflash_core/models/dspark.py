@@ -25,6 +25,7 @@ from dflash_core.models.dspark_heads import ConfidenceHead, MarkovHead, init_hea
 from dflash_core.models import dspark_format
 from dflash_core.models.dspark_format import ARCHITECTURE, MARKOV_HEAD_TYPE
 from dflash_core.models.dspark_loss import slot_logits
+from dflash_core.models.proposal import Proposal, block_states, pick
 
 # How decoding feeds the Markov head: the drafted token (the method); the anchor for every slot,
 # or no Markov bias at all (ablations: what the chained head adds, a probe of check).
@@ -152,38 +153,11 @@ class DSparkDrafter(DFlashDrafter):
     def chain_draft(self, context: torch.Tensor, last_token: int, num_tokens: int | None = None,
                     markov_prev: str = "drafted") -> ChainDraft:
         """Greedy proposal of up to B tokens after ``last_token`` (at position S; context
-        [1, S, k*H] features of positions 0..S-1): one backbone pass, then for j = 0.. the argmax
-        of slot j's logits with the Markov head fed ``prev_j`` (the anchor for slot 0, then the
-        token just drafted). ``markov_prev`` other than "drafted" is an ablation (MARKOV_PREV)."""
-        if markov_prev not in MARKOV_PREV:
-            raise ValueError(f"markov_prev {markov_prev!r}: use one of {', '.join(MARKOV_PREV)}")
-        n = min(num_tokens or self.block_size, self.block_size)
-        S = context.shape[1]
-        dev = context.device
-        anchors = torch.tensor([[S]], device=dev)
-        ids, pos = self.block_inputs(torch.full((1, S + 1), last_token, device=dev), anchors)
-        hidden = self(context, self.embed_tokens(ids).to(self.fc.weight.dtype), pos, anchors)[0]
-        w = self.lm_head.weight
-        # slot_logits' formula, the lm_head GEMM once for all slots
-        base = torch.nn.functional.linear(hidden[:n].to(w.dtype), w)
-        base = base.to(torch.promote_types(base.dtype, torch.float32))  # [n, V]
-        prev = torch.tensor([last_token], device=dev)
-        tokens, confs, rows = [], [], []
-        for j in range(n):
-            logits = base[j: j + 1]
-            if markov_prev != "none":
-                e = self.markov_head.embed(prev)
-                logits = logits + self.markov_head.bias(e, w.dtype).to(logits.dtype)
-            x = logits.argmax(-1)
-            if self.confidence_head is not None:
-                confs.append(torch.sigmoid(self.confidence_head(hidden[j: j + 1],
-                                                                self.markov_head.embed(prev))))
-            tokens.append(x)
-            rows.append(logits)
-            if markov_prev == "drafted":
-                prev = x
-        return ChainDraft(torch.cat(tokens), torch.cat(confs) if confs else None,
-                          torch.cat(rows))
+        [1, S, k*H] features of positions 0..S-1): one row of ``draft_batch``."""
+        p = self.draft_batch(context, [context.shape[1]], [last_token], num_tokens=num_tokens,
+                             markov_prev=markov_prev, keep_logits=True)
+        return ChainDraft(p.tokens[0], None if p.confidences is None else p.confidences[0],
+                          p.logits[0])
 
     @torch.no_grad()
     def draft_with_confidence(self, context: torch.Tensor, last_token: int,
@@ -220,3 +194,59 @@ class DSparkDrafter(DFlashDrafter):
             state.pop(k, None)
         model.load_state_dict(state)  # bf16 files load into the float32 weights (copy_ casts)
         return model.to(device)
+
+    # -- evaluation: what a round drafts, a batch's drafts, the teacher-forced tau ----------------
+    def drafts_per_round(self, block_size: int) -> int:
+        """The anchor slot predicts too: B drafts a round (block size 1: plain decoding)."""
+        return block_size if block_size > 1 else 0
+
+    @torch.no_grad()
+    def draft_batch(self, context: torch.Tensor, lengths: list[int], last: list[int],
+                    temperature: float = 0.0, gens=None, *, num_tokens: int | None = None,
+                    markov_prev: str = "drafted", keep_logits: bool = False) -> Proposal:
+        """Each row's chain (models/proposal.py): one backbone pass, then for slot j = 0.. the
+        token of slot j's logits with the Markov head fed ``prev_j`` (the anchor for slot 0,
+        then the token just drafted), by argmax or drawn at ``temperature`` with row i's
+        generator ``gens[i]``; with a confidence head, each slot's confidence from the same
+        inputs. ``num_tokens``: the first slots only; ``markov_prev`` other than "drafted" is an
+        ablation (MARKOV_PREV); ``keep_logits``: each slot's logits too (probes)."""
+        if markov_prev not in MARKOV_PREV:
+            raise ValueError(f"markov_prev {markov_prev!r}: use one of {', '.join(MARKOV_PREV)}")
+        n = min(num_tokens or self.block_size, self.block_size)
+        hidden = block_states(self, context, lengths, last)
+        w = self.lm_head.weight
+        # slot_logits' formula, the lm_head GEMM once for all slots
+        base = torch.nn.functional.linear(hidden[:, :n].to(w.dtype), w)
+        base = base.to(torch.promote_types(base.dtype, torch.float32))  # [m, n, V]
+        prev = torch.tensor(last, device=context.device, dtype=torch.long)
+        tokens, probs, confs, rows = [], [], [], []
+        for j in range(n):
+            e = self.markov_head.embed(prev)
+            logits = base[:, j]
+            if markov_prev != "none":
+                logits = logits + self.markov_head.bias(e, w.dtype).to(logits.dtype)
+            if self.confidence_head is not None:
+                confs.append(torch.sigmoid(self.confidence_head(hidden[:, j], e)))
+            x, p = pick(logits, temperature, gens)
+            tokens.append(x)
+            probs.append(p)
+            if keep_logits:
+                rows.append(logits)
+            if markov_prev == "drafted":
+                prev = x
+        return Proposal(torch.stack(tokens, 1),
+                        torch.stack(probs, 1) if temperature > 0 else None,
+                        torch.stack(confs, 1) if confs else None,
+                        torch.stack(rows, 1) if rows else None)
+
+    def teacher_forced_tau(self, hidden: torch.Tensor, labels: torch.Tensor,
+                           ids: torch.Tensor, anchors: torch.Tensor,
+                           chunk: int) -> tuple[float, int]:
+        """DFlash's, with DSpark's labels (one slot wider in DFlash's layout,
+        dspark_loss.dspark_targets) and its chain's teacher-forced predictions."""
+        from dflash_core.models import dspark_loss
+
+        labels, prev = dspark_loss.dspark_targets(labels, dspark_loss.anchor_tokens(ids, anchors))
+        preds = dspark_loss.teacher_forced_preds(self, hidden, prev, chunk)
+        blocks = int((labels[..., 0] != dspark_loss.IGNORE).sum())
+        return float(dspark_loss.tau_sum(preds, labels)), blocks

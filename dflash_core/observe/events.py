@@ -195,7 +195,7 @@ class StepMetrics(Event):
 
 @dataclass(frozen=True)
 class EvalResult(Event):
-    """One evaluation's measures of acceptance (models/acceptance.py says what each means). A
+    """One evaluation's measures of acceptance (eval/acceptance.py says what each means). A
     measure not taken is -1 (so events.jsonl files written before it existed still replay)."""
 
     step: int

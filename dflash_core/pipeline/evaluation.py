@@ -1,7 +1,7 @@
-"""The run's evaluation, owned in one place: the measures of acceptance (models/acceptance.py) on
+"""The run's evaluation, owned in one place: the measures of acceptance (eval/acceptance.py) on
 the held-out prompts with the first target and the first replica, the data/target agreement, the
 training tau of the recent steps, and the prompts themselves; then exact tau on each named prompt
-set of eval.prompt_sets (bench_eval/run_sets.py). The run says when; this measures, publishes,
+set of eval.prompt_sets (eval/run_sets.py). The run says when; this measures, publishes,
 and gives back the exact tau checkpoints/best follows (eval.best_set; the checkpointer keeps
 it)."""
 
@@ -13,19 +13,13 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from dflash_core.bench_eval.run_sets import RunSet, evaluate_set
-from dflash_core.bench_eval.target_batch import head_is_lm_head
 from dflash_core.config import EvalConfig
-from dflash_core.models import acceptance
+from dflash_core.eval import acceptance
+from dflash_core.eval.evaluate import evaluate_tau, evaluation_attention, teacher_forced_eval
+from dflash_core.eval.run_sets import RunSet, evaluate_set
+from dflash_core.eval.target_decoding import features_fn_for, head_is_lm_head, target_fn_for
 from dflash_core.models.agreement import label_agreement
 from dflash_core.models.dspark_calibration import calibrate
-from dflash_core.models.evaluate import (
-    evaluate_tau,
-    evaluation_attention,
-    features_fn_for,
-    target_fn_for,
-    teacher_forced_eval,
-)
 from dflash_core.observe.events import EvalResult, Log
 
 
@@ -79,7 +73,7 @@ class Evaluator:
 
     def _exact_head(self, target) -> bool:
         """Whether the batched decoding may take logits as lm_head of the last hidden state at
-        the fed positions only (target_batch.head_is_lm_head), asked once; the cache path reads
+        the fed positions only (target_decoding.head_is_lm_head), asked once; the cache path reads
         the model's own logits."""
         if self.exact_head is None:
             probe = list(self.sets[0].prompt_ids[0])[:64]

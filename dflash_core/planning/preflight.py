@@ -22,7 +22,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from dflash_core.bench_eval.run_sets import prepare_sets
+from dflash_core.eval.run_sets import prepare_sets
 from dflash_core.config import Config, ConfigError
 from dflash_core.data import BatchStream, ShardedDataset, split_eval
 from dflash_core.models.optimizers import muon_class

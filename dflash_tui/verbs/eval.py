@@ -31,7 +31,7 @@ from ._shared import real_number, whole_number
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from dflash_core.bench_eval import EvalOptions
+    from dflash_core.eval import EvalOptions
 
     d = EvalOptions("", [], [])
     p.add_argument("--target", required=True,
@@ -82,7 +82,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _options(args):
-    from dflash_core.bench_eval import EvalOptions
+    from dflash_core.eval import EvalOptions
 
     return EvalOptions(
         target=args.target, drafters=list(args.drafter), prompts=list(args.prompts),
@@ -94,7 +94,7 @@ def _options(args):
 
 
 def run(args: argparse.Namespace) -> int:
-    from dflash_core.bench_eval import EvalInputError, Evaluation, set_table
+    from dflash_core.eval import EvalInputError, Evaluation, set_table
 
     t0 = time.monotonic()
 

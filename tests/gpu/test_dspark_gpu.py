@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from dflash_core.models import dspark_format
 from dflash_core.models.dspark import DSparkDrafter
 from dflash_core.models.dspark_calibration import Calibration
-from dflash_core.models.evaluate import evaluation_attention
+from dflash_core.eval.evaluate import evaluation_attention
 from dflash_core.models.replica import DrafterReplica
 from dflash_core.observe.events import EvalResult, StepMetrics
 from dflash_core.checkpoint import save_load as ckpt

@@ -4,9 +4,9 @@ target, the cache copied on the device) decodes what full forwards decode."""
 import pytest
 import torch
 
-from dflash_core.models.evaluate import plain_greedy, speculative_generate, target_fn_for
+from dflash_core.eval.evaluate import plain_greedy, speculative_generate, target_fn_for
 from dflash_core.models.target import TargetModel
-from tests.core.models.test_target_decoding import (
+from tests.core.eval.test_target_decoding import (
     BLOCK, LAYERS, MAX_NEW, PROMPTS, Recording, _qwen3, _qwen35,
 )
 

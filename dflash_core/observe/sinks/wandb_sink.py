@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from dflash_core.config import ConfigError, WandbConfig
-from dflash_core.models.acceptance import (
+from dflash_core.eval.acceptance import (
     ACCEPTED, AGREEMENT, MEASURES, MISSING, accepted_at, calibration_wandb, set_wandb,
 )
 from dflash_core.models.dspark_calibration import Calibration

@@ -1,5 +1,5 @@
 """eval.prompt_sets and eval.best_set at config load: each mistake one line naming the item's key
-(the files and the chat template are preflight's: tests/core/bench_eval/test_run_sets.py)."""
+(the files and the chat template are preflight's: tests/core/eval/test_run_sets.py)."""
 
 import pytest
 import yaml

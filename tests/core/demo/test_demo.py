@@ -15,7 +15,7 @@ from dflash_core.config import ConfigError, config_from_dict
 from dflash_core.data import BatchStream, ShardedDataset, split_eval
 from dflash_core.data.byte_vocab import decode, encode
 from dflash_core.models.drafter import DFlashDrafter, build_drafter_config
-from dflash_core.models.evaluate import evaluate_tau, hf_target_fn, plain_greedy, target_fn_for
+from dflash_core.eval.evaluate import evaluate_tau, hf_target_fn, plain_greedy, target_fn_for
 from dflash_core.models.target_load import load_target
 from dflash_core.models.trainer import make_replicas, reduce_and_step
 

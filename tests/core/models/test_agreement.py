@@ -11,10 +11,10 @@ from dflash_core.models.agreement import (
     label_agreement,
     sample_positions,
 )
-from dflash_core.models.evaluate import hf_target_fn, plain_greedy
+from dflash_core.eval.evaluate import hf_target_fn, plain_greedy
 from dflash_core.models.target import TargetModel
 
-from .test_evaluate import VOCAB, one_thread, tiny_qwen3  # noqa: F401 - one_thread: a fixture
+from tests.core.eval.test_evaluate import VOCAB, one_thread, tiny_qwen3  # noqa: F401 - one_thread: a fixture
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import torch
 from transformers import Qwen3Config
 
 from dflash_core.models.dspark import DSparkDrafter, DSparkSettings, build_dspark_config
-from dflash_core.models.evaluate import (
+from dflash_core.eval.evaluate import (
     evaluate_tau,
     hf_target_fn,
     plain_greedy,
@@ -15,7 +15,7 @@ from dflash_core.models.evaluate import (
     teacher_forced_eval,
 )
 
-from .test_evaluate import LAYERS, VOCAB, tiny_qwen3
+from tests.core.eval.test_evaluate import LAYERS, VOCAB, tiny_qwen3
 
 B = 5
 

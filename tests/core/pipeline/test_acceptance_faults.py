@@ -1,6 +1,6 @@
 """Each fault planted in the demo raises its own finding at the first evaluation, and only that
 one; the healthy demo raises none (three seeds). These train the demo for minutes on CPU: the
-fast paths of the same rules are tests/core/models/test_acceptance.py (the rules),
+fast paths of the same rules are tests/core/eval/test_acceptance.py (the rules),
 test_evaluate.py (the teacher-forced pass is decoding's) and test_agreement.py."""
 
 import pytest

@@ -78,7 +78,7 @@ def test_a_checkpoint_that_cannot_fit_is_skipped_and_said_so(tmp_path, assets, m
 
 def test_exact_tau_far_below_teacher_forced_on_the_same_text_is_the_mismatch_warning(
         tmp_path, assets, monkeypatch):
-    from dflash_core.models.evaluate import EvalSummary
+    from dflash_core.eval.evaluate import EvalSummary
 
     # an evaluation that accepts nothing, as a wrong mask token or layer ids would give; the
     # teacher-forced taus are what they are made to be
@@ -154,7 +154,7 @@ def test_an_evaluation_that_fails_for_another_reason_is_not_retried(tmp_path, as
 
 def test_with_eval_cache_the_runs_evaluation_decodes_with_the_cache_and_gets_the_same_figures(
         tmp_path, assets, monkeypatch):
-    from dflash_core.models.evaluate import target_fn_for
+    from dflash_core.eval.evaluate import target_fn_for
 
     real, compared = evaluation.evaluate_tau, []
 

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from dflash_tui.cli import main
-from tests.core.bench_eval.conftest import (  # noqa: F401  (fixtures)
+from tests.core.eval.conftest import (  # noqa: F401  (fixtures)
     demo_eval, demo_hf_config, module_thread, one_thread, save_dflash,
 )
 
@@ -43,7 +43,7 @@ def test_two_sets_two_drafters_in_one_table_per_set(demo_eval, tmp_path, capsys)
 @pytest.mark.parametrize("tie", [False, True], ids=["clear", "near-tie"])
 def test_a_broken_acceptance_fails_the_lossless_check(demo_eval, tmp_path, capsys,
                                                       monkeypatch, tie):
-    from dflash_core.bench_eval import runner, spec_decode
+    from dflash_core.eval import runner, spec_decode
 
     honest = spec_decode.greedy_accept
     monkeypatch.setattr(spec_decode, "greedy_accept",

@@ -7,7 +7,7 @@ import shutil
 
 from dflash_core.observe.device_hours import Figure
 from dflash_tui.cli import main
-from tests.core.bench_eval.conftest import (  # noqa: F401  (fixtures)
+from tests.core.eval.conftest import (  # noqa: F401  (fixtures)
     demo_eval, demo_hf_config, module_thread, one_thread,
 )
 

@@ -15,9 +15,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_core.bench_eval.errors import EvalInputError
-from dflash_core.bench_eval.prompt_sets import load_prompt_set
-from dflash_core.bench_eval.rendering import (
+from dflash_core.eval.errors import EvalInputError
+from dflash_core.eval.prompt_sets import load_prompt_set
+from dflash_core.eval.rendering import (
     generation_config, load_chat_tokenizer, longest_past, render_set, stop_ids, template_kwargs,
     tokenizer_spec,
 )
@@ -96,11 +96,12 @@ def evaluate_set(s: RunSet, step: int, target, drafter, layer_ids: list[int], *,
     """Exact greedy tau of ``drafter`` on the set's prompts (the caller holds the evaluation's
     attention), decoded as ``dflash-tui eval`` decodes them (spec_decode.decode_rows): ``batch``
     prompts together, the target's cache with ``cache``, stopping at the target's end of turn.
-    ``exact_head``: target_batch.head_is_lm_head's answer for this target."""
-    from dflash_core.bench_eval.spec_decode import DecodeSettings, decode_rows
-    from dflash_core.bench_eval.target_batch import rows_backend
+    ``exact_head``: target_decoding.head_is_lm_head's answer for this target."""
+    from dflash_core.eval.acceptance import pooled_tau
+    from dflash_core.eval.drafting import drafts_per_round
+    from dflash_core.eval.spec_decode import DecodeSettings, decode_rows
+    from dflash_core.eval.target_decoding import rows_backend
     from dflash_core.models.dspark_calibration import calibrate
-    from dflash_core.models.evaluate import drafts_per_round, pooled_tau
 
     t0 = time.monotonic()
     prompts = [list(p) for p in s.prompt_ids]

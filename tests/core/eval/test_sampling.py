@@ -2,7 +2,7 @@
 
 import torch
 
-from dflash_core.bench_eval.sampling import accept_sampled, prompt_generator
+from dflash_core.eval.sampling import accept_sampled, prompt_generator
 
 
 def test_tokens_follow_the_targets_distribution_whatever_the_drafts():

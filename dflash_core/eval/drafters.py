@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from dflash_core.bench_eval.errors import EvalInputError
+from dflash_core.eval.errors import EvalInputError
 from dflash_core.models.drafter import ARCHITECTURE as DFLASH_ARCHITECTURE
 from dflash_core.models.drafter import DFlashDrafter
 from dflash_core.models.dspark import ARCHITECTURE as DSPARK_ARCHITECTURE

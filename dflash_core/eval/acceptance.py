@@ -74,6 +74,13 @@ class Finding:
     message: str
 
 
+def pooled_tau(hist: Sequence[int]) -> float:
+    """Tokens gained per round over all rounds of all prompts, from the histogram of drafts
+    accepted per round (hist[k]: rounds that accepted k); 0 without a round."""
+    rounds = sum(hist)
+    return sum((k + 1) * n for k, n in enumerate(hist)) / rounds if rounds else 0.0
+
+
 def accepted_at(histogram: Sequence[int]) -> list[float]:
     """Per block position k = 1..B-1: the share of rounds that accepted k or more drafted tokens
     (``histogram[j]`` = rounds that accepted exactly j)."""

@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_core.bench_eval.errors import EvalInputError
-from dflash_core.bench_eval.prompt_sets import PromptSet
+from dflash_core.eval.errors import EvalInputError
+from dflash_core.eval.prompt_sets import PromptSet
 
 SWITCH = "enable_thinking"
 THINKING = ("on", "off")

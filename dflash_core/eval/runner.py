@@ -19,18 +19,18 @@ from typing import Callable
 
 import torch
 
-import dflash_core.bench_eval.drafters as dk
-import dflash_core.bench_eval.results as rs
-from dflash_core.bench_eval.errors import EvalInputError
-from dflash_core.bench_eval.prompt_sets import PromptSet, load_prompt_set, parse_spec
-from dflash_core.bench_eval.rendering import (
+import dflash_core.eval.drafters as dk
+import dflash_core.eval.results as rs
+from dflash_core.eval.errors import EvalInputError
+from dflash_core.eval.prompt_sets import PromptSet, load_prompt_set, parse_spec
+from dflash_core.eval.rendering import (
     generation_config, load_chat_tokenizer, longest_past, render_set, stop_ids, template_kwargs,
     tokenizer_spec,
 )
-from dflash_core.bench_eval.sampling import prompt_generator
-from dflash_core.bench_eval.spec_decode import DecodeSettings, decode_rows
-from dflash_core.bench_eval.summary import Summary, first_difference, summarise
-from dflash_core.bench_eval.target_batch import head_is_lm_head, rows_backend
+from dflash_core.eval.sampling import prompt_generator
+from dflash_core.eval.spec_decode import DecodeSettings, decode_rows
+from dflash_core.eval.summary import Summary, first_difference, summarise
+from dflash_core.eval.target_decoding import head_is_lm_head, rows_backend
 
 RESULTS = "results.json"
 # A greedy mismatch where the target's top two logits lie within this share of the top one is a
@@ -284,7 +284,7 @@ class Evaluation:
 
     # -- the run ------------------------------------------------------------------------------
     def load(self) -> None:
-        from dflash_core.models.evaluate import EVAL_ATTENTION
+        from dflash_core.eval.evaluate import EVAL_ATTENTION
         from dflash_core.models.target_config import TargetLoadError
         from dflash_core.models.target_load import load_target
 

@@ -5,11 +5,11 @@ eval.set_batch, with and without the cache."""
 
 import pytest
 
-from dflash_core.bench_eval import EvalOptions, Evaluation
-from dflash_core.bench_eval.run_sets import evaluate_set, prepare_sets
+from dflash_core.eval import EvalOptions, Evaluation
+from dflash_core.eval.run_sets import evaluate_set, prepare_sets
 from dflash_core.config import ConfigError, config_from_dict
-from dflash_core.models.evaluate import evaluation_attention
-from tests.core.bench_eval.conftest import DEMO_LAYERS, THINK_TEMPLATE, chat_target, write_jsonl
+from dflash_core.eval.evaluate import evaluation_attention
+from tests.core.eval.conftest import DEMO_LAYERS, THINK_TEMPLATE, chat_target, write_jsonl
 
 NEW = 20
 

@@ -5,7 +5,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dflash_core.models.drafter import DFlashDrafter, build_drafter_config
-from dflash_core.models.evaluate import (
+from dflash_core.eval.evaluate import (
     evaluate_tau,
     hf_target_fn,
     plain_greedy,
@@ -217,7 +217,7 @@ def _self_consistent_text(target_fn, drafter, prompt, rounds):
 
 
 def test_teacher_forced_eval_makes_the_pass_decoding_makes(target, target_fn, drafter):
-    from dflash_core.models.evaluate import teacher_forced_eval
+    from dflash_core.eval.evaluate import teacher_forced_eval
 
     B = drafter.block_size
     prompt = PROMPTS[2]

@@ -5,13 +5,13 @@ import json
 
 import pytest
 
-from dflash_core.bench_eval.drafters import TargetShape, check_against, read_drafter
-from dflash_core.bench_eval.errors import EvalInputError
-from dflash_core.bench_eval.prompt_sets import load_prompt_set, parse_spec
-from dflash_core.bench_eval.rendering import (
+from dflash_core.eval.drafters import TargetShape, check_against, read_drafter
+from dflash_core.eval.errors import EvalInputError
+from dflash_core.eval.prompt_sets import load_prompt_set, parse_spec
+from dflash_core.eval.rendering import (
     has_switch, load_chat_tokenizer, render_set, stop_ids, template_kwargs, tokenizer_spec,
 )
-from tests.core.bench_eval.conftest import THINK_TEMPLATE, save_dflash, save_dspark, write_jsonl
+from tests.core.eval.conftest import THINK_TEMPLATE, save_dflash, save_dspark, write_jsonl
 
 
 def test_the_three_row_shapes_and_the_first_turn(tmp_path):

@@ -19,7 +19,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_core.bench_eval.errors import EvalInputError
+from dflash_core.eval.errors import EvalInputError
 
 SHAPES = "a JSON object a line with \"messages\" (OpenAI chat), \"prompt\" (text) or \"turns\""
 

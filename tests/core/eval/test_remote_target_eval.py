@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from dflash_core.bench_eval import EvalInputError, EvalOptions, Evaluation, run_eval
-from tests.core.bench_eval.conftest import chat_target, save_dflash, write_jsonl
+from dflash_core.eval import EvalInputError, EvalOptions, Evaluation, run_eval
+from tests.core.eval.conftest import chat_target, save_dflash, write_jsonl
 from tests.core.models.test_target_classes import made_remote
 
 

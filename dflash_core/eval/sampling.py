@@ -18,6 +18,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from dflash_core.models.proposal import probabilities  # the drafters' too
+
 
 def prompt_generator(seed: int, index: int, device) -> torch.Generator:
     """The generator of prompt ``index`` under ``seed`` (on the device its draws are made)."""
@@ -25,11 +27,6 @@ def prompt_generator(seed: int, index: int, device) -> torch.Generator:
     gen = torch.Generator(device=torch.device(device))
     gen.manual_seed(state)
     return gen
-
-
-def probabilities(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """softmax(logits / T) in float32, over the last axis."""
-    return torch.softmax(logits.float() / temperature, dim=-1)
 
 
 def draw(probs: torch.Tensor, gen: torch.Generator) -> int:

@@ -7,10 +7,10 @@ import torch
 from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3Config, Qwen3ForCausalLM
 
 from dflash_core.models.drafter import DFlashDrafter, build_drafter_config
-from dflash_core.models.evaluate import evaluate_tau, plain_greedy, speculative_generate, target_fn_for
+from dflash_core.eval.evaluate import evaluate_tau, plain_greedy, speculative_generate, target_fn_for
 from dflash_core.models.target import TargetModel
-from dflash_core.models.target_decoding import CachedDecoding, attention_only
-from tests.core.models.test_evaluate import one_thread  # noqa: F401 - autouse: one thread
+from dflash_core.eval.target_decoding import CachedDecoding, attention_only
+from tests.core.eval.test_evaluate import one_thread  # noqa: F401 - autouse: one thread
 
 VOCAB, LAYERS, MAX_NEW, BLOCK = 97, [0, 2], 24, 6
 COMMON = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=96, num_hidden_layers=4,

@@ -5,14 +5,14 @@ greedy output equals the target's own; sampling is seeded."""
 import pytest
 import torch
 
-from dflash_core.bench_eval import drafting, spec_decode
-from dflash_core.bench_eval.drafters import load_weights, read_drafter
-from dflash_core.bench_eval.sampling import prompt_generator
-from dflash_core.bench_eval.spec_decode import DecodeSettings, decode_rows
-from dflash_core.bench_eval.target_batch import CachedRows, FullBatch, head_is_lm_head
-from dflash_core.models.evaluate import evaluate_tau, plain_greedy, target_fn_for
+from dflash_core.eval import drafting, spec_decode
+from dflash_core.eval.drafters import load_weights, read_drafter
+from dflash_core.eval.sampling import prompt_generator
+from dflash_core.eval.spec_decode import DecodeSettings, decode_rows
+from dflash_core.eval.target_decoding import CachedRows, FullBatch, head_is_lm_head
+from dflash_core.eval.evaluate import evaluate_tau, plain_greedy, target_fn_for
 from dflash_core.models.target_load import load_target
-from tests.core.bench_eval.conftest import DEMO_LAYERS, chat_target, save_dflash, save_dspark
+from tests.core.eval.conftest import DEMO_LAYERS, chat_target, save_dflash, save_dspark
 
 NEW = 24
 PROMPTS = [list(b"The value of "), list(b"x"), list(b"Built-in functions and the return ")]

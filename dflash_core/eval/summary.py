@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dflash_core.bench_eval.results import ResultsFile
-from dflash_core.models.evaluate import pooled_tau
+from dflash_core.eval.results import ResultsFile
+from dflash_core.eval.acceptance import pooled_tau
 
 
 @dataclass

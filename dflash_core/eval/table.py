@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dflash_core.bench_eval.summary import Summary
+from dflash_core.eval.summary import Summary
 from dflash_core.observe.device_hours import table_cells
 
 

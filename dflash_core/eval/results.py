@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash_core import strict_json
-from dflash_core.bench_eval.errors import EvalInputError
+from dflash_core.eval.errors import EvalInputError
 
 FORMAT = 1
 PLAIN = "plain.jsonl"

@@ -5,12 +5,12 @@ import json
 
 import pytest
 
-from dflash_core.bench_eval import EvalInputError, EvalOptions, Evaluation, run_eval, spec_decode
-from dflash_core.bench_eval.results import open_results
-from dflash_core.models.evaluate import evaluate_tau, target_fn_for
+from dflash_core.eval import EvalInputError, EvalOptions, Evaluation, run_eval, spec_decode
+from dflash_core.eval.results import open_results
+from dflash_core.eval.evaluate import evaluate_tau, target_fn_for
 from dflash_core.models.target_load import load_target
-from tests.core.bench_eval.conftest import DEMO_LAYERS, chat_target, save_dflash, save_dspark
-from tests.core.bench_eval.conftest import write_jsonl
+from tests.core.eval.conftest import DEMO_LAYERS, chat_target, save_dflash, save_dspark
+from tests.core.eval.conftest import write_jsonl
 
 NEW = 20
 
