@@ -33,8 +33,24 @@ def resolve_target(cfg: Config, run_dir: Path, demo_progress,
     hf_config = _read_target_config(target_path)
     check_target_code(cfg, hf_config, target_path)
     layer_ids, mask_id = _check_target(cfg, hf_config)
+    last = last_layer_warning(layer_ids, model_shape(hf_config).layers)
+    if last and say is not None:
+        say(last)
     choose_attention(cfg, hf_config, say or (lambda message: None))
     return target_path, hf_config, layer_ids, mask_id
+
+
+def last_layer_warning(layer_ids: list[int], n_layers: int) -> str:
+    """The line for features that include the target's last layer ("" when they do not):
+    transformers hands that layer's output over after the final norm, while vLLM and SGLang
+    capture it before the norm, so a drafter trained on it is served other features."""
+    if n_layers - 1 not in layer_ids:
+        return ""
+    return (f"target.layer_ids {layer_ids} includes layer {n_layers - 1}, the target's last: "
+            "training reads its output after the final norm, but vLLM and SGLang capture it "
+            "before the norm, so the served drafter gets other features than it trained on; "
+            f"use layers below {n_layers - 1} (the default spreads them from 1 to "
+            f"{max(1, n_layers - 3)})")
 
 
 def check_target_code(cfg: Config, hf_config: dict, target_path: Path) -> None:

@@ -261,3 +261,21 @@ def test_preflight_resolves_the_attention_before_the_plan(tmp_path):
     said = []
     _, hf_config, layer_ids, _ = resolve_target(cfg, tmp_path, None, say=said.append)
     assert cfg.target.attn_implementation == "eager" and layer_ids == [1, 2] and len(said) == 1
+
+
+def test_features_that_include_the_last_layer_are_accepted_with_the_reason_said(tmp_path):
+    # transformers' last hidden state is after the final norm; vLLM and SGLang capture it before.
+    folder = tmp_path / "oss"
+    build("gpt_oss").save_pretrained(folder)
+    n = json.loads((folder / "config.json").read_text())["num_hidden_layers"]
+    cfg = config_from_dict({"layout": {"device": "cpu"}, "target": {
+        "path": str(folder), "layer_ids": [0, n - 1], "attn_implementation": "eager"}})
+    said = []
+    _, _, layer_ids, _ = resolve_target(cfg, tmp_path, None, say=said.append)
+    assert layer_ids == [0, n - 1]
+    (line,) = said
+    assert f"includes layer {n - 1}, the target's last" in line and "before the norm" in line
+    cfg.target.layer_ids = [0, n - 2]
+    said.clear()
+    resolve_target(cfg, tmp_path, None, say=said.append)
+    assert said == []
