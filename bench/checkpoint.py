@@ -26,7 +26,7 @@ import torch
 import common  # noqa: F401 - puts the repository on sys.path
 from common import hf_config
 
-from dflash_core.models.drafter import DFlashDrafter, build_drafter_config
+from dflash_core.models.dflash.drafter import DFlashDrafter, build_drafter_config
 from dflash_core.persist import checkpoint as ckpt
 from dflash_core.persist.async_writer import CheckpointWriter
 from dflash_core.persist.staging import enough_shared_memory

@@ -43,12 +43,13 @@ from common import (FIXTURES, H200_BF16_PEAK, decoder_flops_per_token, env_line,
                     use_transformers_norm)
 from dflash_core.config import ConfigError, config_from_dict
 from dflash_core.data import Batch
-from dflash_core.models import drafter_kinds, dspark_loss
+from dflash_core.models import registry as drafter_kinds
+from dflash_core.models.dspark import loss as dspark_loss
 from dflash_core.models import objective as obj
 from dflash_core.models.drafter_objective import DSPARK_LOSS_CHUNK, DSPARK_MARKOV_RANK
-from dflash_core.models.model_shape import model_shape
-from dflash_core.models.replica import ANCHOR_PAD, prepare_batch
-from dflash_core.models.trainer import make_replicas, reduce_and_step
+from dflash_core.models.target.shape import model_shape
+from dflash_core.models.training.replica import ANCHOR_PAD, prepare_batch
+from dflash_core.models.training.trainer import make_replicas, reduce_and_step
 from dflash_core.planning.memory import plan_memory
 
 # name -> the target's config.json (the releases' own; a tiny Qwen3 for the CPU smoke run)

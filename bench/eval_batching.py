@@ -21,9 +21,9 @@ import torch
 from common import env_line, gib, hf_config, random_causal_lm
 from dflash_core.bench_eval.spec_decode import DecodeSettings, decode_rows
 from dflash_core.bench_eval.target_batch import CachedRows, FullBatch, head_is_lm_head
-from dflash_core.models.drafter import DFlashDrafter, build_drafter_config
-from dflash_core.models.target import TargetModel
-from dflash_core.models.target_config import default_layer_ids
+from dflash_core.models.dflash.drafter import DFlashDrafter, build_drafter_config
+from dflash_core.models.target.model import TargetModel
+from dflash_core.models.target.config import default_layer_ids
 
 
 def sync() -> None:

@@ -23,9 +23,9 @@ from dflash_core.config import Config
 from dflash_core.data import ShardedDataset, collate, write_shards
 from dflash_core.models import objective as obj
 from dflash_core.models.evaluate import evaluation_attention, teacher_forced_eval
-from dflash_core.models.drafter_kinds import dspark_settings
-from dflash_core.models.replica import ANCHOR_PAD, DrafterReplica, prepare_batch
-from dflash_core.models.trainer import build_replicas, reduce_and_step
+from dflash_core.models.registry import dspark_settings
+from dflash_core.models.training.replica import ANCHOR_PAD, DrafterReplica, prepare_batch
+from dflash_core.models.training.trainer import build_replicas, reduce_and_step
 from dflash_core.check.samples import CheckSample
 
 # Memorised: the teacher-forced tau on the samples reaches this share of its ceiling.

@@ -32,7 +32,7 @@ from dflash_core.check.memorise import memorise
 from dflash_core.check.samples import pick_prompts, write_responses
 from dflash_core.config import Config
 from dflash_core.models.evaluate import evaluation_attention, target_fn_for
-from dflash_core.models.target_load import load_target
+from dflash_core.models.target.load import load_target
 from dflash_core.planning import data_checks, preflight, target_checks
 
 CHECK_FOLDER = "check"
@@ -170,7 +170,7 @@ def judge(prep: Prepared, mem, opts: CheckOptions, say: Callable[[str], None]) -
         target, mem.batch.input_ids, prep.layer_ids, mem.features, len(s0.input_ids),
         last_hidden=dsp)
     if dsp:
-        from dflash_core.models import dspark_probes
+        from dflash_core.models.dspark import probes as dspark_probes
 
         with evaluation_attention(drafter):
             probes.dspark = dspark_probes.probe(

@@ -177,7 +177,7 @@ class OptimConfig:
     """The optimizer and its schedule (warmup, then cosine)."""
     name: Literal["adamw", "muon"] = key("adamw", """"adamw" = AdamW on every drafter parameter;
         "muon" = torch.optim.Muon (torch 2.9+) on the 2-D weight matrices (the layers' projections
-        and fc) with AdamW on the norms (models/optimizers.py says why). The default stays
+        and fc) with AdamW on the norms (models/training/optimizers.py says why). The default stays
         "adamw": a Muon step takes 28% longer at the 27B shape (14% at 8B), and on the demo at
         equal wall time (400 Muon steps against 512 AdamW steps) Muon's exact tau was higher on
         every seed but inside the seed spread; after 80 steps it was beyond it

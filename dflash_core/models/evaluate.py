@@ -256,7 +256,7 @@ def teacher_forced_eval(features_fn: Callable[[torch.Tensor], torch.Tensor], dra
     what that decoding round accepted, so on the decoded text the two agree unless training and
     decoding differ), else every valid position (a mean over all positions, which runs above
     exact tau: decoding's rounds start where the last draft failed, the hard places)."""
-    from dflash_core.models import dspark_loss
+    from dflash_core.models.dspark import loss as dspark_loss
     from dflash_core.models import objective as obj
 
     dev = _drafter_device(drafter)

@@ -88,17 +88,17 @@ def expected_drafter_config(cfg: Config, target_path: Path, layer_ids: list[int]
         except (OSError, ValueError) as exc:
             raise ConfigError("drafter.init_from", f"cannot read {path}: {exc}",
                               hint="point drafter.init_from at a drafter checkpoint folder") from exc
-    from dflash_core.models.drafter import build_drafter_config
-    from dflash_core.models.target_config import load_target_config
+    from dflash_core.models.dflash.drafter import build_drafter_config
+    from dflash_core.models.target.config import load_target_config
 
     d = cfg.drafter
     target_config = load_target_config(Path(target_path), cfg.target.trust_remote_code)
-    from dflash_core.models.drafter_kinds import dspark_settings
+    from dflash_core.models.registry import dspark_settings
 
     settings = dspark_settings(cfg)
     if settings is not None:
-        from dflash_core.models.dspark import build_dspark_config
-        from dflash_core.models.dspark_format import serve_config_of
+        from dflash_core.models.dspark.drafter import build_dspark_config
+        from dflash_core.models.dspark.format import serve_config_of
 
         return serve_config_of(build_dspark_config(
             target_config, num_layers=d.num_layers, target_layer_ids=layer_ids,
@@ -217,7 +217,7 @@ def load_for_resume(run_dir: Path, expected: dict | None, publish: Callable[[Eve
 def check_objective(expected: dict, found: dict, folder: Path) -> None:
     """A checkpoint of the other objective (DSpark's architecture against DFlash's) is refused
     before its shape is compared: ConfigError naming drafter.objective and both."""
-    from dflash_core.models.drafter_kinds import objective_of
+    from dflash_core.models.registry import objective_of
 
     try:
         want, have = objective_of(expected), objective_of(found)
@@ -291,7 +291,7 @@ def check_resume_optimizer(loaded: ckpt.LoadedCheckpoint, cfg: Config) -> None:
     """A checkpoint resumes with the optimizer that wrote it: AdamW's two moments and Muon's
     momentum are not each other's state, and a silent fresh start would not be the exact resume
     asked for. Raises ConfigError naming both."""
-    from dflash_core.models.optimizers import state_name
+    from dflash_core.models.training.optimizers import state_name
 
     wrote = state_name(loaded.trainer_state)
     if wrote != cfg.optim.name:

@@ -15,8 +15,8 @@ import torch
 
 from dflash_core.config import CheckpointConfig, ConfigError
 from dflash_core.config.eval_sets import set_words
-from dflash_core.models import dspark_format
-from dflash_core.models.replica import DrafterReplica
+from dflash_core.models.dspark import format as dspark_format
+from dflash_core.models.training.replica import DrafterReplica
 from dflash_core.observe.events import Checkpoint, CheckpointProgress, Error, Log
 from dflash_core.persist import checkpoint as ckpt
 from dflash_core.persist import checkpoint_size, state_tree

@@ -18,7 +18,7 @@ from dflash_core.bench_eval.target_batch import head_is_lm_head
 from dflash_core.config import EvalConfig
 from dflash_core.models import acceptance
 from dflash_core.models.agreement import label_agreement
-from dflash_core.models.dspark_calibration import calibrate
+from dflash_core.models.dspark.calibration import calibrate
 from dflash_core.models.evaluate import (
     evaluate_tau,
     evaluation_attention,

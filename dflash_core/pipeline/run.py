@@ -15,10 +15,10 @@ import torch
 
 from dflash_core.config import Config
 from dflash_core.data import Prefetcher
-from dflash_core.models import dspark_format
-from dflash_core.models.target_load import LoadAborted
-from dflash_core.models.replica import DrafterReplica
-from dflash_core.models.trainer import RateMeter, StepBarrier, reduce_and_step
+from dflash_core.models.dspark import format as dspark_format
+from dflash_core.models.target.load import LoadAborted
+from dflash_core.models.training.replica import DrafterReplica
+from dflash_core.models.training.trainer import RateMeter, StepBarrier, reduce_and_step
 from dflash_core.multinode.node_link import NodeLink
 from dflash_core.observe.device_hours import RECORD_KEY
 from dflash_core.observe.errors import error_event

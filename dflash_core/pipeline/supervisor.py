@@ -22,9 +22,9 @@ from dflash_core.config import NodesConfig, TelemetryConfig, recipe_text
 from dflash_core.data import Prefetcher
 from dflash_core.models import drafter_objective
 from dflash_core.models.compile_guard import serialize_triton_autotuning
-from dflash_core.models.drafter_kinds import dspark_settings
-from dflash_core.models.replica import ANCHOR_PAD, prepare_batch
-from dflash_core.models.trainer import StepBarrier, build_replicas
+from dflash_core.models.registry import dspark_settings
+from dflash_core.models.training.replica import ANCHOR_PAD, prepare_batch
+from dflash_core.models.training.trainer import StepBarrier, build_replicas
 from dflash_core.observe.bus import EventBus
 from dflash_core.observe.errors import error_event
 from dflash_core.observe.events import Log, TrainingPlan, prefetch_queue

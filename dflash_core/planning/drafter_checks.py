@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dflash_core.config import Config, ConfigError
-from dflash_core.models import drafter_kinds
+from dflash_core.models import registry as drafter_kinds
 from dflash_core.persist.checksums import verify
 
 

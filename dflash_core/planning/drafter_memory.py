@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dflash_core.config import Config
 from dflash_core.models import drafter_objective
-from dflash_core.models.model_shape import (
+from dflash_core.models.target.shape import (
     ModelShape, drafter_matrix_param_count, drafter_param_count, drafter_shape, model_shape,
     num_features,
 )

@@ -15,8 +15,8 @@ from typing import Callable
 
 from dflash_core import demo
 from dflash_core.config import Config, ConfigError
-from dflash_core.models.model_shape import model_shape
-from dflash_core.models.target_config import (
+from dflash_core.models.target.shape import model_shape
+from dflash_core.models.target.config import (
     REMOTE_CODE_HINT, default_layer_ids, needs_remote_code, remote_code_refusal,
 )
 from dflash_core.planning.attention_choice import choose_attention

@@ -12,7 +12,7 @@ import math
 
 from dflash_core.config import Config
 from dflash_core.models import drafter_objective
-from dflash_core.models.model_shape import ModelShape, model_shape, num_features
+from dflash_core.models.target.shape import ModelShape, model_shape, num_features
 from dflash_core.planning.weight_bytes import FP32_BYTES, dtype_bytes, target_weight_parts
 
 

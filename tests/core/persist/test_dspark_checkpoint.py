@@ -15,9 +15,9 @@ from torch import nn
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dflash_core.config import ConfigError, config_from_dict
-from dflash_core.models import dspark_format
-from dflash_core.models.drafter_kinds import dspark_settings, new_drafter
-from dflash_core.models.dspark import DSparkDrafter, DSparkSettings
+from dflash_core.models.dspark import format as dspark_format
+from dflash_core.models.registry import dspark_settings, new_drafter
+from dflash_core.models.dspark.drafter import DSparkDrafter, DSparkSettings
 from dflash_core.persist import checkpoint as ckpt
 from dflash_core.persist.checkpoint_layout import SERVED, STATE_JSON
 from dflash_core.persist import checkpoint_size
@@ -221,8 +221,8 @@ def test_build_replicas_resumes_from_served_weights_without_the_frozen_copies(tm
     copies included: the replicas load the rest and borrow the target's."""
     from types import SimpleNamespace
 
-    from dflash_core.models.target import TargetModel
-    from dflash_core.models.trainer import build_replicas
+    from dflash_core.models.target.model import TargetModel
+    from dflash_core.models.training.trainer import build_replicas
 
     torch.manual_seed(0)
     tm = TargetModel(Qwen3ForCausalLM(Qwen3Config(**TARGET)))

@@ -9,16 +9,16 @@ import torch
 
 from dflash_core.config import ConfigError, config_from_dict
 from dflash_core.models import drafter_objective
-from dflash_core.models.drafter_kinds import dspark_settings, new_drafter
-from dflash_core.models.dspark import DSparkSettings
-from dflash_core.models.model_shape import drafter_matrix_param_count, drafter_param_count
+from dflash_core.models.registry import dspark_settings, new_drafter
+from dflash_core.models.dspark.drafter import DSparkSettings
+from dflash_core.models.target.shape import drafter_matrix_param_count, drafter_param_count
 from dflash_core.persist import checkpoint_size
 from dflash_core.planning import capacity_checks, drafter_checks
 from dflash_core.planning.drafter_memory import DSPARK_HEADS, DSPARK_LOSS_BYTES_PER_LOGIT
 from dflash_core.planning.memory import cuda_margin, plan_memory
 from dflash_core.units import GiB
 
-from ..models.test_model_shape import QWEN36_27B
+from ..models.target.test_model_shape import QWEN36_27B
 from .test_memory import GPU96, H, K, T, V, node
 
 
@@ -117,12 +117,12 @@ def test_counts_match_a_built_dspark_drafter(optim):
     assert (params, matrices) == checkpoint_size.drafter_counts(cfg, hf)
     assert matrices == drafter_matrix_param_count(cfg, hf)
     assert checkpoint_size.state_counts(state)[1] - matrices == 2 * 16 * 300 + 64 + 16
-    from dflash_core.models.optimizers import split_params
+    from dflash_core.models.training.optimizers import split_params
     if optim == "muon":
         muon, _ = split_params(d, list(d.parameters()))
         assert sum(p.numel() for p in muon) == matrices
     frozen = checkpoint_size.frozen_count(cfg, hf)
-    from dflash_core.models import dspark_format
+    from dflash_core.models.dspark import format as dspark_format
     assert frozen == dspark_format.frozen_numel(d.config) == 2 * 300 * 64
     size = checkpoint_size.checkpoint_bytes(params, matrices, 2, optim, frozen)
     assert size - checkpoint_size.checkpoint_bytes(params, matrices, 2, optim) == frozen * 2

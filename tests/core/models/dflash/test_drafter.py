@@ -9,7 +9,7 @@ from transformers import Qwen3Config
 
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
-from dflash_core.models.drafter import DFlashDrafter, RMSNorm, build_drafter_config
+from dflash_core.models.dflash.drafter import DFlashDrafter, RMSNorm, build_drafter_config
 from tests.reference_impl import find_reference
 
 

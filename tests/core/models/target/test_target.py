@@ -1,4 +1,4 @@
-"""dflash_core.models.target on tiny random-weight Qwen3 and Qwen3.5 (hybrid Gated DeltaNet) checkpoints,
+"""dflash_core.models.target.model on tiny random-weight Qwen3 and Qwen3.5 (hybrid Gated DeltaNet) checkpoints,
 saved to disk and loaded back through the real transformers path."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from transformers import (
     Qwen3Config, Qwen3ForCausalLM,
 )
 
-from dflash_core.models.target import ForwardInterrupted, TargetModel
-from dflash_core.models.target_load import load_target
+from dflash_core.models.target.model import ForwardInterrupted, TargetModel
+from dflash_core.models.target.load import load_target
 
 VOCAB, HIDDEN, LAYERS = 256, 64, 6
 COMMON = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=LAYERS,

@@ -9,19 +9,19 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from dflash_core.models.drafter import DFlashDrafter
-from dflash_core.models.drafter_kinds import (
+from dflash_core.models.dflash.drafter import DFlashDrafter
+from dflash_core.models.registry import (
     ObjectiveMismatch,
     drafter_from_config,
     load_drafter,
     new_drafter,
     objective_of,
 )
-from dflash_core.models.dspark import DSparkDrafter, DSparkSettings
-from dflash_core.models.dspark_format import NotDSpark, config_from_serve_dict
+from dflash_core.models.dspark.drafter import DSparkDrafter, DSparkSettings
+from dflash_core.models.dspark.format import NotDSpark, config_from_serve_dict
 
-from .test_drafter import EXPECTED_KEYS as DFLASH_KEYS
-from .test_drafter import reference_dflash, tiny_target_config  # noqa: F401 - a fixture
+from ..dflash.test_drafter import EXPECTED_KEYS as DFLASH_KEYS
+from ..dflash.test_drafter import reference_dflash, tiny_target_config  # noqa: F401 - a fixture
 
 V, H, R, B = 300, 64, 16, 7
 SETTINGS = DSparkSettings(block_size=B, markov_rank=R, num_anchors=64)

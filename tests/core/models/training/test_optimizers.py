@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dflash_core.config import ConfigError, OptimConfig
-from dflash_core.models import optimizers
+from dflash_core.models.training import optimizers
 
 
 def _model():

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from dflash_core.models import dspark_loss as dl
-from dflash_core.models.dspark_heads import ConfidenceHead, MarkovHead
+from dflash_core.models.dspark import loss as dl
+from dflash_core.models.dspark.heads import ConfidenceHead, MarkovHead
 from dflash_core.models.objective import IGNORE
 
 V, H, R = 300, 16, 4

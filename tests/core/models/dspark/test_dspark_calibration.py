@@ -4,7 +4,7 @@
 import numpy as np
 import pytest
 
-from dflash_core.models.dspark_calibration import calibrate, ece
+from dflash_core.models.dspark.calibration import calibrate, ece
 
 
 def test_ece_by_hand():

@@ -23,8 +23,8 @@ from typing import Callable
 
 import torch
 
-from dflash_core.models.target import TargetModel
-from dflash_core.models.target_config import (
+from dflash_core.models.target.model import TargetModel
+from dflash_core.models.target.config import (
     CONFIG_NAME, PATH_HINT, TargetLoadError, load_target_config,
 )
 

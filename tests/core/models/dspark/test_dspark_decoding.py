@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import Qwen3Config
 
-from dflash_core.models.dspark import DSparkDrafter, DSparkSettings, build_dspark_config
+from dflash_core.models.dspark.drafter import DSparkDrafter, DSparkSettings, build_dspark_config
 from dflash_core.models.evaluate import (
     evaluate_tau,
     hf_target_fn,
@@ -15,7 +15,7 @@ from dflash_core.models.evaluate import (
     teacher_forced_eval,
 )
 
-from .test_evaluate import LAYERS, VOCAB, tiny_qwen3
+from ..test_evaluate import LAYERS, VOCAB, tiny_qwen3
 
 B = 5
 
@@ -227,8 +227,8 @@ def _bigram(d, step):
 
 
 def test_probes_name_each_dspark_fault():
-    from dflash_core.models.dspark import DSparkDrafter
-    from dflash_core.models.dspark_probes import probe
+    from dflash_core.models.dspark.drafter import DSparkDrafter
+    from dflash_core.models.dspark.probes import probe
 
     succ = toy_successor()
     ids, feats = _toy_sample()

@@ -1,4 +1,4 @@
-"""dflash_core.models.target_load: loading a saved target with progress, stopping a load, and
+"""dflash_core.models.target.load: loading a saved target with progress, stopping a load, and
 refusing a bad folder in one line; the checkpoints are those of test_target.py."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from dflash_core.models.target_config import TargetLoadError
-from dflash_core.models.target_load import LoadAborted, load_target
+from dflash_core.models.target.config import TargetLoadError
+from dflash_core.models.target.load import LoadAborted, load_target
 
 from .test_target import COMMON, VOCAB, checkpoints  # noqa: F401 - checkpoints is a fixture
 

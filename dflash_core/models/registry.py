@@ -6,10 +6,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dflash_core.models import drafter_objective, dspark
-from dflash_core.models.drafter import ARCHITECTURE as DFLASH_ARCHITECTURE
-from dflash_core.models.drafter import DFlashDrafter, build_drafter_config
-from dflash_core.models.dspark import DSparkDrafter, DSparkSettings, build_dspark_config
+from dflash_core.models import drafter_objective
+from dflash_core.models.dspark import drafter as dspark
+from dflash_core.models.dflash.drafter import ARCHITECTURE as DFLASH_ARCHITECTURE
+from dflash_core.models.dflash.drafter import DFlashDrafter, build_drafter_config
+from dflash_core.models.dspark.drafter import DSparkDrafter, DSparkSettings, build_dspark_config
 
 OBJECTIVES = drafter_objective.OBJECTIVES
 _CLASSES = {"dflash": DFlashDrafter, "dspark": DSparkDrafter}

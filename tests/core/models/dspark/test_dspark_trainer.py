@@ -7,13 +7,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dflash_core.models.drafter_kinds import ObjectiveMismatch, new_drafter
-from dflash_core.models.dspark import DSparkDrafter, DSparkSettings
-from dflash_core.models.replica import STATS, prepare_batch
-from dflash_core.models.trainer import build_replicas, make_replicas, reduce_and_step
+from dflash_core.models.registry import ObjectiveMismatch, new_drafter
+from dflash_core.models.dspark.drafter import DSparkDrafter, DSparkSettings
+from dflash_core.models.training.replica import STATS, prepare_batch
+from dflash_core.models.training.trainer import build_replicas, make_replicas, reduce_and_step
 
-from ..engine_fixtures import VOCAB, assets, make_config  # noqa: F401 - assets is a fixture
-from .test_trainer import drafter_setup, head_copies
+from ...engine_fixtures import VOCAB, assets, make_config  # noqa: F401 - assets is a fixture
+from ..training.test_trainer import drafter_setup, head_copies
 
 SETTINGS = DSparkSettings(block_size=4, markov_rank=8)
 

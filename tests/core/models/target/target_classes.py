@@ -89,7 +89,7 @@ def build(name: str, seed: int = 0) -> torch.nn.Module:
 
 # The releases' shapes (the keys that size them, as in their config.json), for counts at full size.
 def _fixture(name: str) -> dict:
-    return json.loads((Path(__file__).resolve().parents[2] / "fixtures" / name).read_text())
+    return json.loads((Path(__file__).resolve().parents[3] / "fixtures" / name).read_text())
 
 
 QWEN3_30B_A3B = _fixture("qwen3_30b_a3b_config.json")

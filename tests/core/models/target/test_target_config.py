@@ -1,8 +1,8 @@
-"""dflash_core.models.target_config: the default choice of feature layers."""
+"""dflash_core.models.target.config: the default choice of feature layers."""
 
 import pytest
 
-from dflash_core.models.target_config import default_layer_ids
+from dflash_core.models.target.config import default_layer_ids
 
 
 def test_default_layer_ids():

@@ -16,14 +16,14 @@ from typing import Callable
 import torch
 from torch import nn
 
-from dflash_core.models import dspark_loss
+from dflash_core.models.dspark import loss as dspark_loss
 from dflash_core.models import objective as obj
-from dflash_core.models.optimizers import build_optimizer
+from dflash_core.models.training.optimizers import build_optimizer
 from dflash_core.config import DrafterConfig, OptimConfig, default_gamma
 from dflash_core.levers import halve
-from dflash_core.models.drafter import DFlashDrafter
-from dflash_core.models.dspark import DSparkDrafter, DSparkSettings
-from dflash_core.models.handoff import FeatureCopier
+from dflash_core.models.dflash.drafter import DFlashDrafter
+from dflash_core.models.dspark.drafter import DSparkDrafter, DSparkSettings
+from dflash_core.models.training.handoff import FeatureCopier
 
 # On GPU the anchor count of a batch is rounded up to a multiple of this, so compiled
 # FlexAttention and its block mask see a handful of shapes instead of one per batch.

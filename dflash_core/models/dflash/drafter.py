@@ -24,7 +24,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 )
 
 from dflash_core.models.block_attention import block_attention, make_block_mask, resolve_impl
-from dflash_core.models.model_shape import drafter_intermediate, text_config
+from dflash_core.models.target.shape import drafter_intermediate, text_config
 
 ARCHITECTURE = "DFlashDraftModel"
 

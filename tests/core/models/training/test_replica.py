@@ -5,10 +5,10 @@ import copy
 
 import torch
 
-from dflash_core.models.replica import prepare_batch
-from dflash_core.models.trainer import make_replicas, reduce_and_step
+from dflash_core.models.training.replica import prepare_batch
+from dflash_core.models.training.trainer import make_replicas, reduce_and_step
 
-from ..engine_fixtures import assets  # noqa: F401 - a fixture
+from ...engine_fixtures import assets  # noqa: F401 - a fixture
 from .test_trainer import _setup, head_copies
 
 

@@ -22,7 +22,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from dflash_core.models.target_config import TargetLoadError, default_layer_ids
+from dflash_core.models.target.config import TargetLoadError, default_layer_ids
 
 
 class ForwardInterrupted(Exception):

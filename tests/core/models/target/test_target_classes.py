@@ -14,9 +14,9 @@ import torch
 from safetensors.torch import save_file
 from transformers import Qwen3_5MoeForConditionalGeneration
 
-from dflash_core.models.target import TargetModel
-from dflash_core.models.target_config import TargetLoadError
-from dflash_core.models.target_load import load_target
+from dflash_core.models.target.model import TargetModel
+from dflash_core.models.target.config import TargetLoadError
+from dflash_core.models.target.load import load_target
 
 from .target_classes import LAYERS, MOE, TINY, VOCAB, build
 

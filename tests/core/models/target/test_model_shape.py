@@ -11,7 +11,7 @@ import torch
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, Qwen3_5Config
 
 from dflash_core.config import config_from_dict
-from dflash_core.models.model_shape import (
+from dflash_core.models.target.shape import (
     drafter_intermediate, drafter_param_count, model_shape, param_count, param_ledger, text_config,
 )
 
@@ -19,7 +19,7 @@ from .target_classes import (
     DEEPSEEK_V3, GLM_4_5, GPT_OSS_20B, MOE, QWEN3_30B_A3B, TINY, VOCAB,
 )
 
-FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[3] / "fixtures"
 
 
 def load(name: str) -> dict:
@@ -188,7 +188,7 @@ def test_drafter_built_for_a_moe_target_is_the_one_planned(name):
     """The drafter build_drafter_config makes from the target's config object has as many
     parameters as the plan and the checkpoint size count from config.json (Qwen3.5-MoE once
     crashed here: its text config has no intermediate_size)."""
-    from dflash_core.models.drafter import DFlashDrafter, build_drafter_config
+    from dflash_core.models.dflash.drafter import DFlashDrafter, build_drafter_config
 
     config = TINY[name]()
     cfg = config_from_dict({"drafter": {"num_layers": 2}, "target": {"layer_ids": [0, 1, 3]}})

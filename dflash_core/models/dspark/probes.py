@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dflash_core.models import dspark_loss as dl
+from dflash_core.models.dspark import loss as dl
 from dflash_core.models.objective import IGNORE
 
 

@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from dflash_core.data import BatchStream, ShardedDataset
-from dflash_core.models.drafter import DFlashDrafter, build_drafter_config
-from dflash_core.models.target_config import default_layer_ids
-from dflash_core.models.target_load import load_target
-from dflash_core.models.replica import STATS
-from dflash_core.models.trainer import make_replicas, reduce_and_step
+from dflash_core.models.dflash.drafter import DFlashDrafter, build_drafter_config
+from dflash_core.models.target.config import default_layer_ids
+from dflash_core.models.target.load import load_target
+from dflash_core.models.training.replica import STATS
+from dflash_core.models.training.trainer import make_replicas, reduce_and_step
 
-from ..engine_fixtures import VOCAB, assets, make_config  # noqa: F401 - assets is a fixture
+from ...engine_fixtures import VOCAB, assets, make_config  # noqa: F401 - assets is a fixture
 
 
 def head_copies(tm):

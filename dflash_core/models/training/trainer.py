@@ -21,14 +21,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from dflash_core.models import dspark_format
+from dflash_core.models.dspark import format as dspark_format
 from dflash_core.models import objective as obj
-from dflash_core.models.optimizers import set_lr
+from dflash_core.models.training.optimizers import set_lr
 from dflash_core.config import DrafterConfig, OptimConfig
-from dflash_core.models.drafter import DFlashDrafter
-from dflash_core.models.drafter_kinds import drafter_from_config, load_drafter, new_drafter
-from dflash_core.models.dspark import DSparkSettings
-from dflash_core.models.replica import STATS, DrafterReplica, Micro
+from dflash_core.models.dflash.drafter import DFlashDrafter
+from dflash_core.models.registry import drafter_from_config, load_drafter, new_drafter
+from dflash_core.models.dspark.drafter import DSparkSettings
+from dflash_core.models.training.replica import STATS, DrafterReplica, Micro
 
 
 class NonFiniteLoss(ArithmeticError):

@@ -20,11 +20,11 @@ import safetensors.torch
 import torch
 from transformers import Qwen3Config
 
-from dflash_core.models.drafter import DFlashDrafter, build_drafter_config
-from dflash_core.models.dspark_heads import ConfidenceHead, MarkovHead, init_heads
-from dflash_core.models import dspark_format
-from dflash_core.models.dspark_format import ARCHITECTURE, MARKOV_HEAD_TYPE
-from dflash_core.models.dspark_loss import slot_logits
+from dflash_core.models.dflash.drafter import DFlashDrafter, build_drafter_config
+from dflash_core.models.dspark.heads import ConfidenceHead, MarkovHead, init_heads
+from dflash_core.models.dspark import format as dspark_format
+from dflash_core.models.dspark.format import ARCHITECTURE, MARKOV_HEAD_TYPE
+from dflash_core.models.dspark.loss import slot_logits
 
 # How decoding feeds the Markov head: the drafted token (the method); the anchor for every slot,
 # or no Markov bias at all (ablations: what the chained head adds, a probe of check).

@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from dflash_core.models.target import TargetModel
-from dflash_core.models.target_config import TargetLoadError
+from dflash_core.models.target.model import TargetModel
+from dflash_core.models.target.config import TargetLoadError
 
 from .test_target import FAMILIES, HIDDEN, LAYERS, VOCAB, _qwen3, checkpoints, loaded  # noqa: F401
 
