@@ -43,10 +43,12 @@ from common import (FIXTURES, H200_BF16_PEAK, decoder_flops_per_token, env_line,
                     use_transformers_norm)
 from dflash_core.config import ConfigError, config_from_dict
 from dflash_core.data import Batch
+from dflash_core.families.registry import settings as family_settings
 from dflash_core.models import registry as drafter_kinds
 from dflash_core.models.dspark import loss as dspark_loss
 from dflash_core.models import objective as obj
-from dflash_core.models.drafter_objective import DSPARK_LOSS_CHUNK, DSPARK_MARKOV_RANK
+from dflash_core.families.dspark import LOSS_CHUNK as DSPARK_LOSS_CHUNK
+from dflash_core.families.dspark import MARKOV_RANK as DSPARK_MARKOV_RANK
 from dflash_core.models.target.shape import model_shape
 from dflash_core.models.training.replica import ANCHOR_PAD, prepare_batch
 from dflash_core.models.training.trainer import make_replicas, reduce_and_step
@@ -135,7 +137,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         cfg = run_config(args, args.samples * args.seq_len)
     except ConfigError as exc:
         ap.error(f"{exc} ({exc.hint})" if exc.hint else str(exc))
-    settings = drafter_kinds.dspark_settings(cfg)
+    settings = family_settings(cfg)
     for shape in args.shapes:
         bad = settings.problems(model_shape(SHAPES[shape]).vocab) if settings else []
         if bad:
@@ -359,11 +361,11 @@ def main(argv=None) -> None:
         print(f"  {shape}: preflight plan for the drafter GPU {size(plan.total)}, its tensors "
               f"{size(plan.total - margin)}, of it loss chunk {size(planned_chunk)} "
               f"(micro_block_tokens {args.micro}, loss_chunk {args.loss_chunk})", flush=True)
-        settings = drafter_kinds.dspark_settings(cfg)
+        settings = family_settings(cfg)
         torch.manual_seed(0)
         drafter = drafter_kinds.new_drafter(
             args.objective, tc, num_layers=args.layers, target_layer_ids=LAYER_IDS,
-            block_size=B, mask_token_id=tc.vocab_size - 1, dspark_settings=settings)
+            block_size=B, mask_token_id=tc.vocab_size - 1, settings=settings)
         dc = drafter.config
         wdt = torch.bfloat16 if cuda else torch.float32  # the frozen head as the engine keeps it
         embed = torch.nn.Embedding(tc.vocab_size, tc.hidden_size, dtype=wdt, device=device)

@@ -58,7 +58,7 @@ def probe(drafter, input_ids: torch.Tensor, features: torch.Tensor, prompt_len: 
     its response."""
     dev = next(drafter.parameters()).device
     B = drafter.block_size
-    chain = bool(getattr(drafter, "anchor_predicts", False))  # DSpark: every slot predicts
+    chain = drafter.anchor_predicts  # DSpark: every slot predicts
     ids = input_ids[:1, :length].to(dev)
     ctx = features[:1, :length].to(dev)
     last = length - 2  # an anchor needs a label after it

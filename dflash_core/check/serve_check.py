@@ -142,7 +142,7 @@ def judge(prep: Prepared, mem, opts: CheckOptions, say: Callable[[str], None]) -
                           eos_token_id=None, device=target.device)
     say(f"  this engine: exact tau {ours.tau:.2f} of {ours.ceiling:.2f}")
     ref, ref_note, ref_mask = None, "not asked for (--no-reference)", None
-    dsp = bool(getattr(drafter, "anchor_predicts", False))
+    dsp = drafter.anchor_predicts  # DSpark: its chain drafting, judged by its own probes
     if opts.reference and dsp:
         ref_note = (f"not used: {dec.REFERENCE} decodes DFlash drafters, not DSpark's (the "
                     "DSpark probes judge its chain drafting)")
@@ -209,7 +209,7 @@ def _write_record(path: Path, result: CheckResult, mem, ours, ref) -> None:
                 "one_later": [_finite(v) for v in d.correct_at(1)]}
     record = {
         "passed": result.verdict.passed, "summary": result.verdict.summary,
-        "objective": getattr(mem.drafter, "objective", "dflash"),
+        "objective": mem.drafter.objective,
         "findings": [asdict(f) for f in result.verdict.findings],
         "memorise": {"steps": mem.steps, "tau_tf": mem.tau_tf, "ceiling": mem.tau_ceiling,
                      "loss": _finite(mem.loss), "reached": mem.reached},

@@ -50,11 +50,11 @@ def drafter_counts(cfg, hf_config: dict) -> tuple[int, int]:
 
 def frozen_count(cfg, hf_config: dict) -> int:
     """Entries of the frozen copies the config's checkpoints serve (0 for DFlash)."""
-    from dflash_core.models import drafter_objective
+    from dflash_core.families.registry import frozen_numel
     from dflash_core.models.target.shape import model_shape
 
     s = model_shape(hf_config)
-    return drafter_objective.frozen_numel(cfg, s.hidden, s.vocab)
+    return frozen_numel(cfg, s.hidden, s.vocab)
 
 
 def state_counts(state: dict, adamw_only: tuple[str, ...] = ()) -> tuple[int, int]:

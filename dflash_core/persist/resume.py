@@ -88,33 +88,17 @@ def expected_drafter_config(cfg: Config, target_path: Path, layer_ids: list[int]
         except (OSError, ValueError) as exc:
             raise ConfigError("drafter.init_from", f"cannot read {path}: {exc}",
                               hint="point drafter.init_from at a drafter checkpoint folder") from exc
-    from dflash_core.models.dflash.drafter import build_drafter_config
+    from dflash_core.families.registry import family_of
+    from dflash_core.models.registry import expected_config
     from dflash_core.models.target.config import load_target_config
 
     d = cfg.drafter
     target_config = load_target_config(Path(target_path), cfg.target.trust_remote_code)
-    from dflash_core.models.registry import dspark_settings
-
-    settings = dspark_settings(cfg)
-    if settings is not None:
-        from dflash_core.models.dspark.drafter import build_dspark_config
-        from dflash_core.models.dspark.format import serve_config_of
-
-        return serve_config_of(build_dspark_config(
-            target_config, num_layers=d.num_layers, target_layer_ids=layer_ids,
-            mask_token_id=mask_id, settings=settings, hidden_size=d.hidden_size,
-            intermediate_size=d.intermediate_size, num_attention_heads=d.num_attention_heads,
-            num_key_value_heads=d.num_key_value_heads))
-    dcfg = build_drafter_config(
-        target_config,
-        num_layers=d.num_layers,
-        target_layer_ids=layer_ids, block_size=d.block_size, mask_token_id=mask_id,
+    return expected_config(
+        d.objective, target_config, num_layers=d.num_layers, target_layer_ids=layer_ids,
+        block_size=d.block_size, mask_token_id=mask_id, settings=family_of(cfg).settings(d),
         hidden_size=d.hidden_size, intermediate_size=d.intermediate_size,
         num_attention_heads=d.num_attention_heads, num_key_value_heads=d.num_key_value_heads)
-    out = dcfg.to_dict()
-    out["dflash_config"] = dict(dcfg.dflash_config)
-    out["num_target_layers"] = dcfg.num_target_layers
-    return out
 
 
 def _lost(found: list[int], step: int | None) -> str:
@@ -217,7 +201,7 @@ def load_for_resume(run_dir: Path, expected: dict | None, publish: Callable[[Eve
 def check_objective(expected: dict, found: dict, folder: Path) -> None:
     """A checkpoint of the other objective (DSpark's architecture against DFlash's) is refused
     before its shape is compared: ConfigError naming drafter.objective and both."""
-    from dflash_core.models.registry import objective_of
+    from dflash_core.families.registry import objective_of
 
     try:
         want, have = objective_of(expected), objective_of(found)

@@ -15,7 +15,6 @@ import torch
 
 from dflash_core.config import Config
 from dflash_core.data import Prefetcher
-from dflash_core.models.dspark import format as dspark_format
 from dflash_core.models.target.load import LoadAborted
 from dflash_core.models.training.replica import DrafterReplica
 from dflash_core.models.training.trainer import RateMeter, StepBarrier, reduce_and_step
@@ -266,8 +265,7 @@ class Run:
         epoch, done = self.position.resume_position()
         # DSpark's served folder carries the target's embedding and lm_head (frozen: served
         # only, never in the training state)
-        served = (dspark_format.frozen_tensors(rep.drafter)
-                  if getattr(rep.drafter, "objective", "dflash") == "dspark" else None)
+        served = rep.drafter.frozen_tensors()
         return dict(
             served_extra=served,
             drafter_state={k: v.detach() for k, v in rep.drafter.state_dict().items()},

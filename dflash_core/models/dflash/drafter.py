@@ -25,8 +25,9 @@ from transformers.models.qwen3.modeling_qwen3 import (
 
 from dflash_core.models.block_attention import block_attention, make_block_mask, resolve_impl
 from dflash_core.models.target.shape import drafter_intermediate, text_config
+from dflash_core.families.dflash import ARCHITECTURE, DFLASH
+from dflash_core.models.dflash.loss import DFlashStepLoss
 
-ARCHITECTURE = "DFlashDraftModel"
 
 
 class RMSNorm(nn.Module):
@@ -145,9 +146,14 @@ class DFlashDrafter(nn.Module):
     """The trainable part of DFlash. ``embed_tokens`` / ``lm_head`` are attached from the target
     with ``attach_target_head`` and are never trained or saved."""
 
-    objective = "dflash"
+    # The family it answers for (families/): its name, what it predicts at the anchor, ...
+    family = DFLASH
+    objective = DFLASH.name
     # Slot 0 (the anchor) is input only: B inputs give B-1 drafts (DSpark's slot 0 predicts).
-    anchor_predicts = False
+    anchor_predicts = DFLASH.anchor_predicts
+    # The target's tensors its served folder carries (frozen copies: served, never trained).
+    frozen_keys: tuple[str, ...] = ()
+    step_loss_class = DFlashStepLoss
 
     def __init__(self, config: Qwen3Config):
         super().__init__()
@@ -172,10 +178,52 @@ class DFlashDrafter(nn.Module):
             if isinstance(m, nn.Linear):
                 nn.init.normal_(m.weight, std=std)
 
+    # -- what its family answers ------------------------------------------------------------------
     @property
     def label_width(self) -> int:
         """Width of the block labels (objective.block_labels) the loader prepares for it."""
-        return self.block_size
+        return self.family.label_width(self)
+
+    @property
+    def drafts_per_round(self) -> int:
+        return self.family.drafts_per_round(self.block_size)
+
+    @property
+    def feature_vectors(self) -> int:
+        """H-vectors per token it takes from the target (its layers', then the family's)."""
+        return self.family.feature_vectors(len(self.target_layer_ids))
+
+    def step_loss(self, dcfg, settings=None):
+        """Its family's loss of one micro-group (``settings``: the family's, from the config)."""
+        return self.step_loss_class(self, dcfg, settings)
+
+    @property
+    def step_stats(self) -> tuple[str, ...]:
+        """The loss terms a step sums for it beside the shared statistics (replica.STATS)."""
+        return self.step_loss_class.stats
+
+    def frozen_tensors(self) -> dict[str, torch.Tensor] | None:
+        """The target's tensors its served folder carries (None: none)."""
+        return None
+
+    def frozen_numel(self) -> int:
+        return 0
+
+    @classmethod
+    def new_config(cls, target_config, *, num_layers: int, target_layer_ids: list[int],
+                   block_size: int, mask_token_id: int, settings=None, **widths) -> Qwen3Config:
+        """The config of a fresh drafter shaped like the target (``settings``: its family's)."""
+        return build_drafter_config(target_config, num_layers=num_layers,
+                                    target_layer_ids=target_layer_ids, block_size=block_size,
+                                    mask_token_id=mask_token_id, **widths)
+
+    @classmethod
+    def serve_config_of(cls, config: Qwen3Config) -> dict:
+        """The config.json a drafter of ``config`` writes (interchange_config's)."""
+        out = config.to_dict()
+        out["dflash_config"] = dict(config.dflash_config)
+        out["num_target_layers"] = config.num_target_layers
+        return out
 
     # -- borrowed target parts ------------------------------------------------------------------
     def attach_target_head(self, embed_tokens: nn.Embedding, lm_head: nn.Linear) -> None:

@@ -23,59 +23,14 @@ from transformers import Qwen3Config
 from dflash_core.models.dflash.drafter import DFlashDrafter, build_drafter_config
 from dflash_core.models.dspark.heads import ConfidenceHead, MarkovHead, init_heads
 from dflash_core.models.dspark import format as dspark_format
-from dflash_core.models.dspark.format import ARCHITECTURE, MARKOV_HEAD_TYPE
+from dflash_core.families.dspark import ARCHITECTURE, DSPARK, DSparkSettings
+from dflash_core.models.dspark.format import MARKOV_HEAD_TYPE
+from dflash_core.models.dspark.step_loss import DSparkStepLoss
 from dflash_core.models.dspark.loss import slot_logits
 
 # How decoding feeds the Markov head: the drafted token (the method); the anchor for every slot,
 # or no Markov bias at all (ablations: what the chained head adds, a probe of check).
 MARKOV_PREV = ("drafted", "anchor", "none")
-
-
-@dataclass(frozen=True)
-class DSparkSettings:
-    """What selects and shapes DSpark: the defaults are the reference's released configs (B = 7,
-    rank 256, gamma 4, loss 0.1 CE + 0.9 TV + 1.0 confidence)."""
-
-    block_size: int = 7  # B: inputs per block = drafts per round
-    markov_rank: int = 256  # r
-    gamma: float = 4.0  # slot weights exp(-j / gamma), j = 0..B-1
-    ce_weight: float = 0.1
-    tv_weight: float = 0.9
-    conf_weight: float = 1.0  # 0: no confidence head (neither trained nor saved)
-    num_anchors: int = 512  # recorded in the served config (the reference's loader requires it)
-
-    @property
-    def confidence_head(self) -> bool:
-        return self.conf_weight > 0
-
-    def problems(self, vocab_size: int | None = None) -> list[str]:
-        """One line per setting that cannot work, naming it and the fix; empty when all fit."""
-        out = []
-        if self.block_size < 1:
-            out.append(f"drafter.block_size {self.block_size} does not fit DSpark: a block needs "
-                       "at least one slot (the reference uses 7)")
-        if self.markov_rank < 1:
-            out.append(f"drafter.markov_rank {self.markov_rank} does not fit: the Markov head "
-                       "needs a rank of at least 1 (the reference uses 256)")
-        elif vocab_size is not None and self.markov_rank > vocab_size:
-            out.append(f"drafter.markov_rank {self.markov_rank} does not fit: it exceeds the "
-                       f"target's vocabulary ({vocab_size}); a low-rank head needs r < V "
-                       "(the reference uses 256)")
-        if not self.gamma > 0:
-            out.append(f"drafter.gamma {self.gamma} does not fit DSpark: the slot weights "
-                       "exp(-j/gamma) need gamma > 0 (the reference uses 4)")
-        weights = (self.ce_weight, self.tv_weight, self.conf_weight)
-        if min(weights) < 0 or self.ce_weight + self.tv_weight <= 0:
-            out.append(f"DSpark loss weights {weights} (CE, TV, confidence) do not fit: none may "
-                       "be negative and CE + TV must be positive (the reference uses 0.1, 0.9, "
-                       "1.0)")
-        return out
-
-    def check(self, vocab_size: int | None = None) -> "DSparkSettings":
-        bad = self.problems(vocab_size)
-        if bad:
-            raise ValueError(bad[0])
-        return self
 
 
 def build_dspark_config(target_config, *, num_layers: int, target_layer_ids: list[int],
@@ -114,8 +69,11 @@ class DSparkDrafter(DFlashDrafter):
     """DFlash's backbone plus the Markov and confidence heads; ``embed_tokens`` / ``lm_head`` are
     borrowed from the target as DFlash's are (and written into the served folder)."""
 
-    objective = "dspark"
-    anchor_predicts = True
+    family = DSPARK
+    objective = DSPARK.name
+    anchor_predicts = DSPARK.anchor_predicts
+    frozen_keys = dspark_format.FROZEN_KEYS
+    step_loss_class = DSparkStepLoss
     # Muon's advice: lookup tables, maps onto the vocabulary and vectors stay on AdamW.
     adamw_only = ("markov_head", "confidence_head")
 
@@ -129,11 +87,27 @@ class DSparkDrafter(DFlashDrafter):
         init_heads(self.markov_head, self.confidence_head,
                    getattr(config, "initializer_range", 0.02))
 
-    @property
-    def label_width(self) -> int:
-        # DFlash-layout labels one slot wider: slot k (1..B) is the token at anchor+k, i.e. the
-        # label of DSpark's slot k-1 (dspark_loss.dspark_targets).
-        return self.block_size + 1
+    # Its labels (label_width) are DFlash-layout labels one slot wider: slot k (1..B) is the
+    # token at anchor+k, i.e. the label of DSpark's slot k-1 (loss.dspark_targets).
+
+    def frozen_tensors(self) -> dict[str, torch.Tensor]:
+        return dspark_format.frozen_tensors(self)
+
+    def frozen_numel(self) -> int:
+        return dspark_format.frozen_numel(self.config)
+
+    @classmethod
+    def new_config(cls, target_config, *, num_layers: int, target_layer_ids: list[int],
+                   block_size: int, mask_token_id: int, settings: DSparkSettings | None = None,
+                   **widths) -> Qwen3Config:
+        """DSpark takes its block size from ``settings`` (default DSparkSettings())."""
+        return build_dspark_config(target_config, num_layers=num_layers,
+                                   target_layer_ids=target_layer_ids, mask_token_id=mask_token_id,
+                                   settings=settings or DSparkSettings(), **widths)
+
+    @classmethod
+    def serve_config_of(cls, config: Qwen3Config) -> dict:
+        return dspark_format.serve_config_of(config)
 
     # -- heads ---------------------------------------------------------------------------------
     def markov_logits(self, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:

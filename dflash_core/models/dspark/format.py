@@ -29,8 +29,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config
 
-# The served format's names (what vLLM and SGLang look for).
-ARCHITECTURE = "Qwen3DSparkModel"
+from dflash_core.families.dspark import ARCHITECTURE
+
+# The served format's names (what vLLM and SGLang look for; ARCHITECTURE is the family's).
 MARKOV_HEAD_TYPE = "vanilla"  # the only type this engine trains (the reference's default)
 
 FROZEN_KEYS = ("embed_tokens.weight", "lm_head.weight")

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dflash_core.config import Config
-from dflash_core.models import drafter_objective
+from dflash_core.families.registry import head_params
 
 HYBRID_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")  # Gated DeltaNet +
 # gated full attention layers
@@ -409,7 +409,7 @@ def drafter_param_count(cfg: Config, hf_config: dict) -> int:
     s = drafter_shape(cfg, t)
     layers = cfg.drafter.num_layers * layer_params(s, "attention")
     return (layers + num_features(cfg) * t.hidden * s.hidden + 2 * s.hidden
-            + drafter_objective.dspark_head_params(cfg, s.hidden, t.vocab))
+            + head_params(cfg, s.hidden, t.vocab))
 
 
 def drafter_matrix_param_count(cfg: Config, hf_config: dict) -> int:
@@ -419,7 +419,7 @@ def drafter_matrix_param_count(cfg: Config, hf_config: dict) -> int:
     t = model_shape(hf_config)
     s = drafter_shape(cfg, t)
     norms = cfg.drafter.num_layers * (2 * s.hidden + 2 * s.head_dim) + 2 * s.hidden
-    heads = drafter_objective.dspark_head_params(cfg, s.hidden, t.vocab)
+    heads = head_params(cfg, s.hidden, t.vocab)
     return drafter_param_count(cfg, hf_config) - norms - heads
 
 

@@ -16,13 +16,11 @@ from typing import Callable
 import torch
 from torch import nn
 
-from dflash_core.models.dspark import loss as dspark_loss
 from dflash_core.models import objective as obj
 from dflash_core.models.training.optimizers import build_optimizer
-from dflash_core.config import DrafterConfig, OptimConfig, default_gamma
+from dflash_core.config import DrafterConfig, OptimConfig
 from dflash_core.levers import halve
 from dflash_core.models.dflash.drafter import DFlashDrafter
-from dflash_core.models.dspark.drafter import DSparkDrafter, DSparkSettings
 from dflash_core.models.training.handoff import FeatureCopier
 
 # On GPU the anchor count of a batch is rounded up to a multiple of this, so compiled
@@ -46,7 +44,7 @@ class Micro:
     tokens: int = 0
     samples: int = 0
     padded: int = 0
-    terms: torch.Tensor | float = 0.0  # DSpark: [3] weighted sums of its CE, TV and BCE terms
+    terms: torch.Tensor | float = 0.0  # weighted sums of the family's loss terms (step_stats)
 
     def add(self, other: "Micro") -> None:
         for f in self.__dataclass_fields__:
@@ -56,8 +54,8 @@ class Micro:
 # The step's statistics ride behind the gradient in each replica's flat buffer, so one reduction
 # (within the node, then across nodes) sums both.
 STATS = ("weight", "loss", "tau", "blocks", "tokens", "samples", "padded")
-# A DSpark replica's buffer carries its three loss terms behind those (trainer.StepResult.extra).
-DSPARK_STATS = dspark_loss.TERMS
+# A family's loss terms (drafter.step_stats; DSpark's CE, TV and BCE) ride behind those
+# (trainer.StepResult.extra).
 
 
 def prepare_batch(batch, num_anchors: int, block_size: int, seed: int, pad_to: int = 1):
@@ -75,19 +73,20 @@ class DrafterReplica:
     """A drafter copy on one device with its optimizer. Its gradients are views into one flat
     float32 buffer (followed by the step's statistics), so reducing a step is one collective.
 
-    A DSparkDrafter trains with DSpark's loss (``dspark``: its settings; default the reference's
-    with the drafter's own block size and rank). Its features then carry one more H-vector per
-    token, last: the target's post-norm last hidden state ([n, S, (k+1)*H]).
+    The drafter's family makes the loss of each micro-group (drafter.step_loss; ``settings``:
+    the family's from the config, None for its defaults): DSpark's features, for one, carry one
+    more H-vector per token, last (drafter.feature_vectors).
 
     ``dcfg`` and ``optim``: the config's drafter and optim sections (a replica reads no other)."""
 
     def __init__(self, drafter: DFlashDrafter, device: torch.device, dcfg: DrafterConfig,
                  optim: OptimConfig, embed: nn.Embedding, lm_head: nn.Linear,
-                 dspark: DSparkSettings | None = None):
+                 settings=None):
         self.device = torch.device(device)
         self.dcfg, self.optim = dcfg, optim
-        self.dspark = _dspark_settings(drafter, dspark, dcfg)
-        self.stats = STATS + DSPARK_STATS if self.dspark is not None else STATS
+        self.loss = drafter.step_loss(dcfg, settings)
+        self.settings = self.loss.settings
+        self.stats = STATS + self.loss.stats
         self.drafter = drafter.to(self.device, dtype=torch.float32)
         self.drafter.attach_target_head(embed.to(self.device), lm_head.to(self.device))
         self.drafter.train()
@@ -101,10 +100,6 @@ class DrafterReplica:
             p.grad = self.flat[offset: offset + p.numel()].view_as(p)
             offset += p.numel()
         self.optimizer = build_optimizer(self.drafter, params, optim, self.device)
-        self.gamma = dcfg.gamma or default_gamma(self.drafter.block_size)
-        self.dpace_alpha = dcfg.dpace_alpha if dcfg.loss == "dpace" else None
-        if self.dspark is not None:
-            self.gamma, self.dpace_alpha = self.dspark.gamma, None
         self.autocast = (self.device.type == "cuda" and dcfg.dtype == "bfloat16")
         self.copier = FeatureCopier(self.device)
         self.micro = Micro()
@@ -138,10 +133,9 @@ class DrafterReplica:
         if batch.labels is None or batch.labels.shape[-1] != d.label_width:
             batch = prepare_batch(batch, self.dcfg.num_anchors, d.label_width, seed,
                                   pad_to=ANCHOR_PAD if self.device.type == "cuda" else 1)
-        dsp = self.dspark
-        if dsp is not None:
-            _check_dspark_features(d, features)
-            terms = torch.zeros(len(DSPARK_STATS), device=self.device)
+        loss = self.loss
+        loss.check_features(d, features)
+        terms = torch.zeros(len(loss.stats), device=self.device) if loss.stats else None
         n, A = batch.anchors.shape
         group = obj.sequences_per_group(self.micro_block_tokens, A * B)
         self.last_rows, self.last_block_tokens = n, A * B
@@ -164,30 +158,16 @@ class DrafterReplica:
             if i + 1 < len(starts):
                 nxt = self.copier.start(features[starts[i + 1]: starts[i + 1] + group], ready)
             a = anchors[rows]
-            labels_host = batch.labels[rows]
-            if dsp is not None:
-                H = d.config.hidden_size
-                feats, last = feats[..., :-H], feats[..., -H:]
-                labels_host, prev = dspark_loss.dspark_targets(
-                    labels_host, dspark_loss.anchor_tokens(batch.input_ids[rows],
-                                                           batch.anchors[rows]))
-                picked = dspark_loss.label_rows(labels_host, self.gamma)
-            else:
-                picked = obj.label_rows(labels_host, self.gamma, self.dpace_alpha)
-            labels = labels_host.to(self.device, non_blocking=True)
+            feats, t = loss.targets(d, feats, batch.labels[rows], batch.input_ids[rows],
+                                    batch.anchors[rows])
+            labels = t.labels.to(self.device, non_blocking=True)
             ids, pos = d.block_inputs(ids_all[rows], a)
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
                 hidden = d(feats, d.embed_tokens(ids).float(), pos, a)
-            if dsp is not None:
-                lo = dspark_loss.dspark_loss(
-                    hidden, last, pos, labels, prev.to(self.device, non_blocking=True), d,
-                    gamma=self.gamma, chunk=self.dcfg.loss_chunk, rows=picked,
-                    loss_weights=(dsp.ce_weight, dsp.tv_weight, dsp.conf_weight))
+            lo = loss(d, hidden, pos, labels, t)
+            if terms is not None:
                 terms += lo.terms
-            else:
-                lo = obj.chunked_loss(hidden, labels, d.lm_head.weight, self.gamma,
-                                      self.dcfg.loss_chunk, rows=picked)
-            if len(picked.rows):  # the weights of labelled slots are > 0 under either loss
+            if len(t.picked.rows):  # the weights of labelled slots are > 0 under either loss
                 (lo.loss * lo.weight_sum).backward()
             loss_sum += lo.loss.detach() * lo.weight_sum
             tau_sum += lo.tau_sum
@@ -195,7 +175,7 @@ class DrafterReplica:
             out.blocks += lo.blocks
             del feats, hidden, lo
         out.loss_sum, out.tau_sum = loss_sum, tau_sum
-        if dsp is not None:
+        if terms is not None:
             out.terms = terms
         self.micro.add(out)
         return out
@@ -234,27 +214,4 @@ class DrafterReplica:
                 tail[i] += float(v)
         if extra and torch.is_tensor(m.terms):
             tail[len(STATS):] += m.terms.to(self.device, torch.float32)
-
-
-def _dspark_settings(drafter, dspark: DSparkSettings | None, dcfg: DrafterConfig):
-    """The DSpark settings a replica trains with, None for a DFlash drafter."""
-    if not isinstance(drafter, DSparkDrafter):
-        if dspark is not None:
-            raise ValueError("DSpark settings given for a DFlash drafter")
-        return None
-    if dcfg.loss == "dpace":
-        raise ValueError("drafter.loss dpace does not apply to drafter.objective dspark: its "
-                         "slot weights are exp(-j/gamma) on each block's surviving prefix; set "
-                         "drafter.loss: dflash")
-    return (dspark or DSparkSettings(block_size=drafter.block_size,
-                                     markov_rank=drafter.markov_rank)).check()
-
-
-def _check_dspark_features(drafter, features: torch.Tensor) -> None:
-    """DSpark's features end with the target's post-norm last hidden state: (k+1)*H wide."""
-    H, k = drafter.config.hidden_size, len(drafter.target_layer_ids)
-    if features.shape[-1] != (k + 1) * H:
-        raise ValueError(f"DSpark needs the target's post-norm last hidden state after its {k} "
-                         f"layer features ({(k + 1) * H} values per token), got "
-                         f"{features.shape[-1]}: the target stage must append it")
 

@@ -21,13 +21,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from dflash_core.models.dspark import format as dspark_format
 from dflash_core.models import objective as obj
 from dflash_core.models.training.optimizers import set_lr
 from dflash_core.config import DrafterConfig, OptimConfig
 from dflash_core.models.dflash.drafter import DFlashDrafter
 from dflash_core.models.registry import drafter_from_config, load_drafter, new_drafter
-from dflash_core.models.dspark.drafter import DSparkSettings
 from dflash_core.models.training.replica import STATS, DrafterReplica, Micro
 
 
@@ -134,7 +132,7 @@ def reduce_and_step(replicas: list[DrafterReplica], step: int, total_steps: int,
             r.micro = Micro()
             r.sample_ids = []
     tokens, padded = int(stats["tokens"]), int(stats["padded"])
-    # DSpark: its three terms' weighted means ("loss_ce", "loss_tv", "loss_conf")
+    # The family's loss terms' weighted means (DSpark's "loss_ce", "loss_tv", "loss_conf")
     extra = {f"loss_{k}": stats[k] / max(stats["weight"], 1e-12)
              for k in lead.stats[len(STATS):]}
     return StepResult(
@@ -178,21 +176,22 @@ class StepBarrier:
 
 def build_replicas(dcfg: DrafterConfig, optim: OptimConfig, target,
                    devices: list[torch.device], *, seed: int, layer_ids: list[int], mask_id: int,
-                   resume=None, dspark: DSparkSettings | None = None) -> list[DrafterReplica]:
+                   resume=None, objective: str | None = None,
+                   settings=None) -> list[DrafterReplica]:
     """The drafter (from a checkpoint to resume, ``drafter.init_from``, or fresh from the target's
     shape) and one replica of it per drafter device, each with the target's frozen embedding and
     head. ``dcfg``, ``optim``: the config's drafter and optim sections; ``seed``: run.seed (a
     fresh drafter's init). ``target``: a loaded TargetModel; ``resume``: a checkpoint's
-    ResumeState or None; ``dspark``: DSpark's settings when the objective is DSpark (None:
-    DFlash). A checkpoint or folder of the other objective raises
-    drafter_kinds.ObjectiveMismatch."""
-    objective = "dspark" if dspark is not None else "dflash"
+    ResumeState or None; ``objective``: the family to train (default dcfg.objective);
+    ``settings``: its settings from the config (families.registry.settings; None: the family's
+    defaults). A checkpoint or folder of another objective raises registry.ObjectiveMismatch."""
+    objective = objective or dcfg.objective
     if resume is not None:
         drafter = drafter_from_config(resume.drafter_config, objective)
         # A checkpoint without master weights reads model.safetensors, which for DSpark also
         # holds the frozen copies of the target's embedding and lm_head (borrowed, not state).
         drafter.load_state_dict({k: v for k, v in resume.drafter_state.items()
-                                 if k not in dspark_format.FROZEN_KEYS})
+                                 if k not in drafter.frozen_keys})
     elif dcfg.init_from:
         drafter = load_drafter(dcfg.init_from, objective)
     else:
@@ -200,7 +199,7 @@ def build_replicas(dcfg: DrafterConfig, optim: OptimConfig, target,
         torch.manual_seed(seed)
         drafter = new_drafter(
             objective, target.model.config, num_layers=d.num_layers, target_layer_ids=layer_ids,
-            block_size=d.block_size, mask_token_id=mask_id, dspark_settings=dspark,
+            block_size=d.block_size, mask_token_id=mask_id, settings=settings,
             hidden_size=d.hidden_size, intermediate_size=d.intermediate_size,
             num_attention_heads=d.num_attention_heads, num_key_value_heads=d.num_key_value_heads)
     embed = nn.Embedding.from_pretrained(target.embed_tokens.weight.detach().clone(), freeze=True)
@@ -208,7 +207,7 @@ def build_replicas(dcfg: DrafterConfig, optim: OptimConfig, target,
     head.weight = nn.Parameter(target.lm_head.weight.detach().clone(), requires_grad=False)
     if devices[0].type == "cpu":
         embed, head = embed.float(), head.float()
-    reps = make_replicas(drafter, devices, dcfg, optim, embed, head, dspark)
+    reps = make_replicas(drafter, devices, dcfg, optim, embed, head, settings)
     if resume is not None:
         for r in reps:
             r.optimizer.load_state_dict(resume.optimizer_state)
@@ -217,13 +216,13 @@ def build_replicas(dcfg: DrafterConfig, optim: OptimConfig, target,
 
 def make_replicas(drafter: DFlashDrafter, devices: list[torch.device], dcfg: DrafterConfig,
                   optim: OptimConfig, embed: nn.Embedding, lm_head: nn.Linear,
-                  dspark: DSparkSettings | None = None) -> list[DrafterReplica]:
+                  settings=None) -> list[DrafterReplica]:
     reps = []
     for i, dev in enumerate(devices):
         d = drafter if i == 0 else copy.deepcopy(drafter)
         # Each replica gets its own copy of the frozen head on its own device.
         e, h = (embed, lm_head) if i == 0 else (copy.deepcopy(embed), copy.deepcopy(lm_head))
-        reps.append(DrafterReplica(d, dev, dcfg, optim, e, h, dspark))
+        reps.append(DrafterReplica(d, dev, dcfg, optim, e, h, settings))
     return reps
 
 

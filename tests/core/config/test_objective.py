@@ -4,7 +4,7 @@
 import pytest
 
 from dflash_core.config import ConfigError, apply_overrides, config_from_dict, recipe_text
-from dflash_core.models.registry import dspark_settings
+from dflash_core.families.registry import settings as dspark_settings
 from dflash_core.models.dspark.drafter import DSparkSettings
 
 

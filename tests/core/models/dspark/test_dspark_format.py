@@ -32,7 +32,7 @@ def make(seed=0, confidence=True):
                                                           conf_weight=0.0)
     torch.manual_seed(seed)
     d = new_drafter("dspark", tiny_target_config(), num_layers=2, target_layer_ids=[1, 3, 5],
-                    block_size=0, mask_token_id=299, dspark_settings=settings).eval()
+                    block_size=0, mask_token_id=299, settings=settings).eval()
     d.attach_target_head(torch.nn.Embedding(V, H), torch.nn.Linear(H, V, bias=False))
     with torch.no_grad():  # bf16-exact weights: the bf16 file then holds exactly these values
         for p in list(d.parameters()) + [d.embed_tokens.weight, d.lm_head.weight]:
@@ -180,4 +180,4 @@ def test_configs_this_engine_cannot_serve_are_named(change, message):
 def test_settings_that_do_not_fit_name_the_key(settings, key):
     with pytest.raises(ValueError, match=key):
         new_drafter("dspark", tiny_target_config(), num_layers=1, target_layer_ids=[1],
-                    block_size=0, mask_token_id=299, dspark_settings=settings)
+                    block_size=0, mask_token_id=299, settings=settings)

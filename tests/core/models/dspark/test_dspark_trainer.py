@@ -35,7 +35,7 @@ def _setup(tmp_path, assets, n_batches=2, **over):
     torch.manual_seed(0)
     init = new_drafter("dspark", tm.model.config, num_layers=1,
                        target_layer_ids=dflash.target_layer_ids, block_size=0,
-                       mask_token_id=VOCAB - 1, dspark_settings=SETTINGS)
+                       mask_token_id=VOCAB - 1, settings=SETTINGS)
     return cfg, tm, batches, feats, init
 
 
@@ -138,13 +138,15 @@ def test_resume_of_the_other_objective_is_refused_and_the_same_is_rebuilt(tmp_pa
     kw = dict(layer_ids=init.target_layer_ids, mask_id=VOCAB - 1, resume=resume)
     with pytest.raises(ObjectiveMismatch, match="holds a DSpark drafter"):
         build_replicas(cfg.drafter, cfg.optim, tm, [cpu], seed=0, **kw)
-    (back,) = build_replicas(cfg.drafter, cfg.optim, tm, [cpu], seed=0, dspark=SETTINGS, **kw)
+    (back,) = build_replicas(cfg.drafter, cfg.optim, tm, [cpu], seed=0, objective="dspark",
+                             settings=SETTINGS, **kw)
     assert isinstance(back.drafter, DSparkDrafter)
     for k, v in init.state_dict().items():
         assert torch.equal(back.drafter.state_dict()[k], v)
     # a fresh DSpark drafter from the settings
     (fresh,) = build_replicas(cfg.drafter, cfg.optim, tm, [cpu], seed=0,
-                              layer_ids=init.target_layer_ids, mask_id=VOCAB - 1, dspark=SETTINGS)
+                              layer_ids=init.target_layer_ids, mask_id=VOCAB - 1, objective="dspark",
+                              settings=SETTINGS)
     assert isinstance(fresh.drafter, DSparkDrafter) and fresh.drafter.block_size == 4
 
 
