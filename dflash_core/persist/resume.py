@@ -50,7 +50,7 @@ SHAPE_KEYS: list[tuple[str, str]] = [
     ("head_dim", "drafter.hidden_size"),
     ("vocab_size", "target.path"),
     ("num_target_layers", "target.path"),
-    # DSpark's config.json has its entries at the top level (dspark_format.py)
+    # DSpark's config.json has its entries at the top level (dspark/format.py)
     ("block_size", "drafter.block_size"),
     ("target_layer_ids", "target.layer_ids"),
     ("mask_token_id", "drafter.mask_token_id"),
@@ -201,7 +201,7 @@ def load_for_resume(run_dir: Path, expected: dict | None, publish: Callable[[Eve
 def check_objective(expected: dict, found: dict, folder: Path) -> None:
     """A checkpoint of the other objective (DSpark's architecture against DFlash's) is refused
     before its shape is compared: ConfigError naming drafter.objective and both."""
-    from dflash_core.families.registry import objective_of
+    from dflash_core.families.registry import FAMILIES, objective_of
 
     try:
         want, have = objective_of(expected), objective_of(found)
@@ -210,9 +210,8 @@ def check_objective(expected: dict, found: dict, folder: Path) -> None:
                           hint="resume a checkpoint this engine wrote, or start a new run "
                                "(new run.name or --new-run)") from exc
     if want != have:
-        kind = {"dflash": "DFlash", "dspark": "DSpark"}
         raise ConfigError("drafter.objective",
-                          f"the checkpoint {folder} holds a {kind[have]} drafter, but "
+                          f"the checkpoint {folder} holds {FAMILIES[have].title}, but "
                           f"drafter.objective is {want}",
                           hint=f"set drafter.objective: {have} to resume it, or start a new "
                                "run (new run.name or --new-run) to train a new drafter")

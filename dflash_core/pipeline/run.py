@@ -17,7 +17,8 @@ from dflash_core.config import Config
 from dflash_core.data import Prefetcher
 from dflash_core.models.target.load import LoadAborted
 from dflash_core.models.training.replica import DrafterReplica
-from dflash_core.models.training.trainer import RateMeter, StepBarrier, reduce_and_step
+from dflash_core.models.training.trainer import RateMeter, reduce_and_step
+from dflash_core.pipeline.step_barrier import StepBarrier
 from dflash_core.multinode.node_link import NodeLink
 from dflash_core.observe.device_hours import RECORD_KEY
 from dflash_core.observe.errors import error_event

@@ -23,7 +23,8 @@ from dflash_core.data import Prefetcher
 from dflash_core.families.registry import family_of
 from dflash_core.models.compile_guard import serialize_triton_autotuning
 from dflash_core.models.training.replica import ANCHOR_PAD, prepare_batch
-from dflash_core.models.training.trainer import StepBarrier, build_replicas
+from dflash_core.models.training.trainer import build_replicas
+from dflash_core.pipeline.step_barrier import StepBarrier
 from dflash_core.observe.bus import EventBus
 from dflash_core.observe.errors import error_event
 from dflash_core.observe.events import Log, TrainingPlan, prefetch_queue

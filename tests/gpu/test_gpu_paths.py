@@ -78,7 +78,8 @@ def test_two_drafter_threads_compile_and_train_at_once_on_one_gpu(tmp_path: Path
     # compile seen by another's compiled call), not between devices: two replicas on one GPU,
     # each driven by its own thread through their first compiled steps, reproduce it on a
     # one-GPU machine.
-    from dflash_core.models.training.trainer import StepBarrier, make_replicas, reduce_and_step
+    from dflash_core.models.training.trainer import make_replicas, reduce_and_step
+    from dflash_core.pipeline.step_barrier import StepBarrier
     from tests.core.models.training.test_trainer import head_copies
 
     cfg, gpu, tm, batches, feats, init = drafter_on_gpu(tmp_path, 6)

@@ -121,7 +121,7 @@ def build_drafter_config(target_config, *, num_layers: int, target_layer_ids: li
     cfg = Qwen3Config(
         vocab_size=tc.vocab_size,
         hidden_size=H,
-        intermediate_size=intermediate_size or drafter_intermediate(tc),  # MoE: model_shape.py
+        intermediate_size=intermediate_size or drafter_intermediate(tc),  # MoE: target/shape.py
         num_hidden_layers=num_layers,
         num_attention_heads=heads,
         num_key_value_heads=num_key_value_heads or tc.num_key_value_heads,

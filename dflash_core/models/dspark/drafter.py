@@ -39,7 +39,7 @@ def build_dspark_config(target_config, *, num_layers: int, target_layer_ids: lis
                         num_key_value_heads: int = 0) -> Qwen3Config:
     """The drafter's Qwen3 config (shaped like the target unless overridden) with DSpark's
     entries as top-level attributes; ``dflash_config`` is kept for the shared backbone code and
-    dropped from the served file (dspark_format.py)."""
+    dropped from the served file (dspark/format.py)."""
     cfg = build_drafter_config(
         target_config, num_layers=num_layers, target_layer_ids=target_layer_ids,
         block_size=settings.block_size, mask_token_id=mask_token_id, hidden_size=hidden_size,

@@ -8,7 +8,7 @@
   estimates the chance that draft j is accepted given that every draft before it was.
 
 The module and parameter names are those of the served checkpoint (``markov_head.markov_w1``,
-``markov_head.markov_w2``, ``confidence_head.proj``): dspark_format.py writes the state dict as is.
+``markov_head.markov_w2``, ``confidence_head.proj``): dspark/format.py writes the state dict as is.
 """
 
 from __future__ import annotations

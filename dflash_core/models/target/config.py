@@ -4,7 +4,7 @@ The checks made before any weight is read: the model type must have a causal-LM 
 transformers, and code shipped in the folder (config.json ``auto_map``) runs only with
 ``trust_remote_code``, passed explicitly so transformers never asks on the terminal. Also the
 default choice of feature layers and the error a bad target raises. Apart from loading
-(target_load.py) and the model (target.py): preflight, a resume and the evaluation runner ask
+(target/load.py) and the model (target/model.py): preflight, a resume and the evaluation runner ask
 these questions without loading anything.
 """
 

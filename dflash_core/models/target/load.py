@@ -8,7 +8,7 @@ from memory. Measured on an H200 host with a cold 16 GB 8B-shaped checkpoint: 18
 against 17 s for ``from_pretrained`` alone; the read took 10 s of it, the rest
 (``from_pretrained`` from the page cache) about 3 s.
 
-The config checks made before any weight is read are in target_config.py; the loaded model and its
+The config checks made before any weight is read are in target/config.py; the loaded model and its
 features in target.py.
 """
 

@@ -9,7 +9,7 @@ The decoder stack and its final norm are found through the model's own accessor
 (``get_decoder()``), so a mixture of experts, a DeepSeek-style model or the language model inside a
 multimodal wrapper (Gemma 3's ``...ForConditionalGeneration``) are read the same way.
 
-Loading it from a folder is target_load.py; the checks of its config.json, target_config.py.
+Loading it from a folder is target/load.py; the checks of its config.json, target/config.py.
 """
 
 from __future__ import annotations
