@@ -168,14 +168,11 @@ def judge(prep: Prepared, mem, opts: CheckOptions, say: Callable[[str], None]) -
     probes = probe(drafter, mem.batch.input_ids, mem.context, len(s0.prompt), len(s0.input_ids))
     probes.features, probes.last_hidden = feature_gap(
         target, mem.batch.input_ids, prep.layer_ids, mem.features, len(s0.input_ids),
-        last_hidden=dsp)
-    if dsp:
-        from dflash_core.models.dspark import probes as dspark_probes
-
-        with evaluation_attention(drafter):
-            probes.dspark = dspark_probes.probe(
-                drafter, mem.context[:1], mem.batch.input_ids[0, : len(s0.input_ids)],
-                [a for a in probes.anchors if a < len(s0.input_ids) - 1])
+        last_hidden=drafter.family.last_hidden)
+    with evaluation_attention(drafter):  # the family's own probes (DSpark's; DFlash has none)
+        probes.dspark = drafter.family_probes(
+            mem.context[:1], mem.batch.input_ids[0, : len(s0.input_ids)],
+            [a for a in probes.anchors if a < len(s0.input_ids) - 1])
     verdict = diagnose(ours, ref, memorised=mem.reached, tau_tf=mem.tau_tf,
                        ceiling_tf=mem.tau_ceiling, probes=probes, steps=mem.steps,
                        trained_mask_id=drafter.mask_token_id, reference_mask_id=ref_mask,

@@ -209,6 +209,12 @@ class DFlashDrafter(nn.Module):
     def frozen_numel(self) -> int:
         return 0
 
+    def family_probes(self, features: torch.Tensor, input_ids: torch.Tensor,
+                      anchors: list[int]):
+        """The family's own probes of a trained drafter on one sample (check's diagnosis;
+        None: DFlash's faults are the shared probes')."""
+        return None
+
     @classmethod
     def new_config(cls, target_config, *, num_layers: int, target_layer_ids: list[int],
                    block_size: int, mask_token_id: int, settings=None, **widths) -> Qwen3Config:

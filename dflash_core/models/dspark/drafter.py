@@ -23,6 +23,7 @@ from transformers import Qwen3Config
 from dflash_core.models.dflash.drafter import DFlashDrafter, build_drafter_config
 from dflash_core.models.dspark.heads import ConfidenceHead, MarkovHead, init_heads
 from dflash_core.models.dspark import format as dspark_format
+from dflash_core.models.dspark import probes as dspark_probes
 from dflash_core.families.dspark import ARCHITECTURE, DSPARK, DSparkSettings
 from dflash_core.models.dspark.format import MARKOV_HEAD_TYPE
 from dflash_core.models.dspark.step_loss import DSparkStepLoss
@@ -95,6 +96,11 @@ class DSparkDrafter(DFlashDrafter):
 
     def frozen_numel(self) -> int:
         return dspark_format.frozen_numel(self.config)
+
+    def family_probes(self, features: torch.Tensor, input_ids: torch.Tensor,
+                      anchors: list[int]):
+        """probes.py's probes of its chain drafting, Markov head and confidence head."""
+        return dspark_probes.probe(self, features, input_ids, anchors)
 
     @classmethod
     def new_config(cls, target_config, *, num_layers: int, target_layer_ids: list[int],
