@@ -173,7 +173,7 @@ class DrafterReplica:
             tau_sum += lo.tau_sum
             out.weight_sum += lo.weight_sum
             out.blocks += lo.blocks
-            del feats, hidden, lo
+            del feats, hidden, lo, t
         out.loss_sum, out.tau_sum = loss_sum, tau_sum
         if terms is not None:
             out.terms = terms
