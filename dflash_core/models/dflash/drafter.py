@@ -144,7 +144,15 @@ def build_drafter_config(target_config, *, num_layers: int, target_layer_ids: li
 
 class DFlashDrafter(nn.Module):
     """The trainable part of DFlash. ``embed_tokens`` / ``lm_head`` are attached from the target
-    with ``attach_target_head`` and are never trained or saved."""
+    with ``attach_target_head`` and are never trained or saved.
+
+    Every family's drafter answers, for the trainer, the pipeline and check (none of which
+    names a family): ``family`` (families/), ``objective``, ``anchor_predicts``,
+    ``label_width``, ``drafts_per_round``, ``feature_vectors``, ``frozen_keys`` /
+    ``frozen_tensors()`` / ``frozen_numel()``, ``step_loss(dcfg, settings)`` and
+    ``step_stats``, ``family_probes(...)``, and the classmethods ``new_config`` and
+    ``serve_config_of``. A family's step loss has ``stats``, ``settings``,
+    ``check_features``, ``targets`` and is called on a micro-group's forward (loss.py)."""
 
     # The family it answers for (families/): its name, what it predicts at the anchor, ...
     family = DFLASH
