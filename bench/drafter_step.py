@@ -206,7 +206,7 @@ def features(rep, n, S, k, H):
     """Random target features: k layer features, and for DSpark the post-norm last hidden state
     after them; bf16 on a GPU, float32 on the CPU (as the engine sends them)."""
     dt = torch.bfloat16 if rep.device.type == "cuda" else torch.float32
-    width = (k + (rep.dspark is not None)) * H
+    width = rep.drafter.feature_vectors * H
     return torch.randn(n, S, width, device=rep.device, dtype=dt)
 
 
@@ -266,7 +266,7 @@ def loss_passes(rep, batch, feats):
     f = feats[:g]
     H = d.config.hidden_size
     labels_host = batch.labels[:g]
-    if rep.dspark is not None:
+    if rep.settings is not None:
         f, last = f[..., :-H], f[..., -H:]
     with torch.no_grad(), torch.autocast(dev.type, dtype=torch.bfloat16, enabled=rep.autocast):
         hidden = d(f, d.embed_tokens(ids).float(), pos, a)
@@ -280,23 +280,24 @@ def loss_passes(rep, batch, feats):
             hidden.grad = None
         return run
 
-    if rep.dspark is None:
-        picked = obj.label_rows(labels_host, rep.gamma, rep.dpace_alpha)
+    if rep.settings is None:
+        picked = obj.label_rows(labels_host, rep.loss.gamma, rep.loss.dpace_alpha)
         labels = labels_host.to(dev)
         return g, {"DFlash chunked CE": (pass_of(lambda: obj.chunked_loss(
-            hidden, labels, d.lm_head.weight, rep.gamma, chunk, rows=picked)), len(picked.rows))}
-    dsp = rep.dspark
+            hidden, labels, d.lm_head.weight, rep.loss.gamma, chunk, rows=picked)),
+            len(picked.rows))}
+    dsp = rep.settings
     labels_host, prev = dspark_loss.dspark_targets(
         labels_host, dspark_loss.anchor_tokens(batch.input_ids[:g], batch.anchors[:g]))
-    picked = dspark_loss.label_rows(labels_host, rep.gamma)
+    picked = dspark_loss.label_rows(labels_host, rep.loss.gamma)
     labels, prev = labels_host.to(dev), prev.to(dev)
     n_rows = len(picked.rows)
     return g, {
         "DSpark CE+TV+conf": (pass_of(lambda: dspark_loss.dspark_loss(
-            hidden, last, pos, labels, prev, d, gamma=rep.gamma, chunk=chunk, rows=picked,
+            hidden, last, pos, labels, prev, d, gamma=rep.loss.gamma, chunk=chunk, rows=picked,
             loss_weights=(dsp.ce_weight, dsp.tv_weight, dsp.conf_weight))), n_rows),
         "DFlash chunked CE, same rows": (pass_of(lambda: obj.chunked_loss(
-            hidden, labels, d.lm_head.weight, rep.gamma, chunk, rows=picked)), n_rows),
+            hidden, labels, d.lm_head.weight, rep.loss.gamma, chunk, rows=picked)), n_rows),
     }
 
 

@@ -26,7 +26,8 @@ class DFlashStepLoss:
     def check_features(self, drafter, features: torch.Tensor) -> None:
         """DFlash takes the k layer features as they come."""
 
-    def targets(self, drafter, feats, labels, input_ids, anchors) -> tuple[torch.Tensor, obj.GroupTargets]:
+    def targets(self, drafter, feats, labels, input_ids,
+                anchors) -> tuple[torch.Tensor, obj.GroupTargets]:
         """The drafter's input features and the group's labelled slots (host labels)."""
         return feats, obj.GroupTargets(labels, obj.label_rows(labels, self.gamma,
                                                               self.dpace_alpha))

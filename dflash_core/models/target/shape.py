@@ -415,7 +415,8 @@ def drafter_param_count(cfg: Config, hf_config: dict) -> int:
 def drafter_matrix_param_count(cfg: Config, hf_config: dict) -> int:
     """The drafter's parameters in 2-D weight matrices (what optim.name muon gives Muon): all of
     drafter_param_count but its norm weights (no biases: drafter_shape has none) and DSpark's
-    heads (a lookup table, a map onto the vocabulary and one row: AdamW's, training/optimizers.py)."""
+    heads (a lookup table, a map onto the vocabulary and one row: AdamW's,
+    training/optimizers.py)."""
     t = model_shape(hf_config)
     s = drafter_shape(cfg, t)
     norms = cfg.drafter.num_layers * (2 * s.hidden + 2 * s.head_dim) + 2 * s.hidden
