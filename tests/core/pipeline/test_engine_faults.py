@@ -15,8 +15,8 @@ import torch
 from dflash_core.persist import checkpoint as ckpt
 from dflash_core.persist.checkpoint_folders import latest_checkpoint
 from dflash_core.data import batching as data_mod
-from dflash_core.models.target.model import model as target_mod
-from dflash_core.models.target.model import load as target_load
+from dflash_core.models.target import model as target_mod
+from dflash_core.models.target import load as target_load
 from dflash_core.pipeline import target_stage
 from dflash_core.observe.events import (
     WORKER_STOPPED, Checkpoint, Error, LoadProgress, Log, QueueDepth, RunEnded, StateChanged,
