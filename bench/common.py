@@ -45,7 +45,7 @@ def random_causal_lm(cfg, device="cuda", dtype=torch.bfloat16):
 def use_transformers_norm() -> None:
     """The drafter with transformers' eager Qwen3RMSNorm instead of its fused one (--hf-norm: the
     before/after of that change on the same code)."""
-    import dflash_core.models.drafter as drafter_mod
+    import dflash_core.models.dflash.drafter as drafter_mod
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
     drafter_mod.RMSNorm = Qwen3RMSNorm
 

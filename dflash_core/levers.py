@@ -4,7 +4,7 @@ Each lever is a config key, what it sizes, what lowering it costs, and (for thos
 lower itself) its floor. Three places speak of them: the hint of an out-of-memory error
 (observe/errors.py: the keys of the role that ran out), the memory plan (planning/memory.py:
 which key shrinks which part of a GPU's peak, and the sizes that would fit), and the trainer
-after an out-of-memory step (models/replica.py: a smaller micro-group). They all lower a size by
+after an out-of-memory step (models/training/replica.py: a smaller micro-group). They all lower a size by
 the one rule of ``halve``.
 
 It sits beside config.py, below every layer that names a lever (observe, models, planning), and

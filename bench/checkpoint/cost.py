@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common.p
 import common  # noqa: F401 - puts the repository on sys.path
 from common import hf_config
 
-from dflash_core.models.drafter import DFlashDrafter, build_drafter_config
+from dflash_core.models.dflash.drafter import DFlashDrafter, build_drafter_config
 from dflash_core.checkpoint import save_load as ckpt
 from dflash_core.checkpoint.async_writer import CheckpointWriter
 from dflash_core.checkpoint.staging import enough_shared_memory

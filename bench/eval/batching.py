@@ -24,9 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common.p
 from common import env_line, gib, hf_config, random_causal_lm
 from dflash_core.eval.spec_decode import DecodeSettings, decode_rows
 from dflash_core.eval.target_decoding import CachedRows, FullBatch, head_is_lm_head
-from dflash_core.models.drafter import DFlashDrafter, build_drafter_config
-from dflash_core.models.target import TargetModel
-from dflash_core.models.target_config import default_layer_ids
+from dflash_core.models.dflash.drafter import DFlashDrafter, build_drafter_config
+from dflash_core.models.target.model import TargetModel
+from dflash_core.models.target.config import default_layer_ids
 
 
 def sync() -> None:

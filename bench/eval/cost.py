@@ -22,8 +22,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common.py
 from common import cuda_time, env_line, gib, hf_config, random_causal_lm
 from dflash_core.eval.evaluate import target_fn_for
-from dflash_core.models.target import TargetModel
-from dflash_core.models.target_config import default_layer_ids
+from dflash_core.models.target.model import TargetModel
+from dflash_core.models.target.config import default_layer_ids
 from dflash_core.eval.target_decoding import CachedDecoding, FullDecoding, attention_only
 
 SHAPES = {"8B": "qwen3_8b_config.json", "27B": "qwen3_6_27b_config.json"}

@@ -41,8 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common.p
 from common import FIXTURES, env_line, gib  # noqa: F401 - common puts the repository on sys.path
 
 from dflash_core.config import config_from_dict
-from dflash_core.models.target import TargetModel
-from dflash_core.models.target_config import default_layer_ids
+from dflash_core.models.target.model import TargetModel
+from dflash_core.models.target.config import default_layer_ids
 
 # name -> config.json of the shape (the releases' own keys; tiny ones for a CPU smoke run)
 SHAPES = {

@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common.py
 from common import cuda_time, env_line, hf_config, random_causal_lm
-from dflash_core.models.target import TargetModel
+from dflash_core.models.target.model import TargetModel
 
 
 def main():

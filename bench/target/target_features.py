@@ -17,8 +17,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common.py
 from common import H200_BF16_PEAK, cuda_time, decoder_flops_per_token, env_line, gib, hf_config, random_causal_lm
 from dflash_core.data import plan_epoch
-from dflash_core.models.target import TargetModel
-from dflash_core.models.target_config import default_layer_ids
+from dflash_core.models.target.model import TargetModel
+from dflash_core.models.target.config import default_layer_ids
 
 
 def attn_flops(cfg, layers, n, L):

@@ -45,12 +45,15 @@ from common import (FIXTURES, H200_BF16_PEAK, decoder_flops_per_token, env_line,
                     use_transformers_norm)
 from dflash_core.config import ConfigError, config_from_dict
 from dflash_core.data import Batch
-from dflash_core.models import drafter_kinds, dspark_loss
+from dflash_core.families.registry import settings as family_settings
+from dflash_core.models import registry as drafter_kinds
+from dflash_core.models.dspark import loss as dspark_loss
 from dflash_core.models import objective as obj
-from dflash_core.models.drafter_objective import DSPARK_LOSS_CHUNK, DSPARK_MARKOV_RANK
-from dflash_core.models.model_shape import model_shape
-from dflash_core.models.replica import ANCHOR_PAD, prepare_batch
-from dflash_core.models.trainer import make_replicas, reduce_and_step
+from dflash_core.families.dspark import LOSS_CHUNK as DSPARK_LOSS_CHUNK
+from dflash_core.families.dspark import MARKOV_RANK as DSPARK_MARKOV_RANK
+from dflash_core.models.target.shape import model_shape
+from dflash_core.models.training.replica import ANCHOR_PAD, prepare_batch
+from dflash_core.models.training.trainer import make_replicas, reduce_and_step
 from dflash_core.planning.memory import plan_memory
 
 # name -> the target's config.json (the releases' own; a tiny Qwen3 for the CPU smoke run)
@@ -136,7 +139,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         cfg = run_config(args, args.samples * args.seq_len)
     except ConfigError as exc:
         ap.error(f"{exc} ({exc.hint})" if exc.hint else str(exc))
-    settings = drafter_kinds.dspark_settings(cfg)
+    settings = family_settings(cfg)
     for shape in args.shapes:
         bad = settings.problems(model_shape(SHAPES[shape]).vocab) if settings else []
         if bad:
@@ -205,7 +208,7 @@ def features(rep, n, S, k, H):
     """Random target features: k layer features, and for DSpark the post-norm last hidden state
     after them; bf16 on a GPU, float32 on the CPU (as the engine sends them)."""
     dt = torch.bfloat16 if rep.device.type == "cuda" else torch.float32
-    width = (k + (rep.dspark is not None)) * H
+    width = rep.drafter.feature_vectors * H
     return torch.randn(n, S, width, device=rep.device, dtype=dt)
 
 
@@ -265,7 +268,7 @@ def loss_passes(rep, batch, feats):
     f = feats[:g]
     H = d.config.hidden_size
     labels_host = batch.labels[:g]
-    if rep.dspark is not None:
+    if rep.settings is not None:
         f, last = f[..., :-H], f[..., -H:]
     with torch.no_grad(), torch.autocast(dev.type, dtype=torch.bfloat16, enabled=rep.autocast):
         hidden = d(f, d.embed_tokens(ids).float(), pos, a)
@@ -279,23 +282,24 @@ def loss_passes(rep, batch, feats):
             hidden.grad = None
         return run
 
-    if rep.dspark is None:
-        picked = obj.label_rows(labels_host, rep.gamma, rep.dpace_alpha)
+    if rep.settings is None:
+        picked = obj.label_rows(labels_host, rep.loss.gamma, rep.loss.dpace_alpha)
         labels = labels_host.to(dev)
         return g, {"DFlash chunked CE": (pass_of(lambda: obj.chunked_loss(
-            hidden, labels, d.lm_head.weight, rep.gamma, chunk, rows=picked)), len(picked.rows))}
-    dsp = rep.dspark
+            hidden, labels, d.lm_head.weight, rep.loss.gamma, chunk, rows=picked)),
+            len(picked.rows))}
+    dsp = rep.settings
     labels_host, prev = dspark_loss.dspark_targets(
         labels_host, dspark_loss.anchor_tokens(batch.input_ids[:g], batch.anchors[:g]))
-    picked = dspark_loss.label_rows(labels_host, rep.gamma)
+    picked = dspark_loss.label_rows(labels_host, rep.loss.gamma)
     labels, prev = labels_host.to(dev), prev.to(dev)
     n_rows = len(picked.rows)
     return g, {
         "DSpark CE+TV+conf": (pass_of(lambda: dspark_loss.dspark_loss(
-            hidden, last, pos, labels, prev, d, gamma=rep.gamma, chunk=chunk, rows=picked,
+            hidden, last, pos, labels, prev, d, gamma=rep.loss.gamma, chunk=chunk, rows=picked,
             loss_weights=(dsp.ce_weight, dsp.tv_weight, dsp.conf_weight))), n_rows),
         "DFlash chunked CE, same rows": (pass_of(lambda: obj.chunked_loss(
-            hidden, labels, d.lm_head.weight, rep.gamma, chunk, rows=picked)), n_rows),
+            hidden, labels, d.lm_head.weight, rep.loss.gamma, chunk, rows=picked)), n_rows),
     }
 
 
@@ -360,11 +364,11 @@ def main(argv=None) -> None:
         print(f"  {shape}: preflight plan for the drafter GPU {size(plan.total)}, its tensors "
               f"{size(plan.total - margin)}, of it loss chunk {size(planned_chunk)} "
               f"(micro_block_tokens {args.micro}, loss_chunk {args.loss_chunk})", flush=True)
-        settings = drafter_kinds.dspark_settings(cfg)
+        settings = family_settings(cfg)
         torch.manual_seed(0)
         drafter = drafter_kinds.new_drafter(
             args.objective, tc, num_layers=args.layers, target_layer_ids=LAYER_IDS,
-            block_size=B, mask_token_id=tc.vocab_size - 1, dspark_settings=settings)
+            block_size=B, mask_token_id=tc.vocab_size - 1, settings=settings)
         dc = drafter.config
         wdt = torch.bfloat16 if cuda else torch.float32  # the frozen head as the engine keeps it
         embed = torch.nn.Embedding(tc.vocab_size, tc.hidden_size, dtype=wdt, device=device)

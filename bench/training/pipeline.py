@@ -36,7 +36,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common.py
 from common import env_line, gib, hf_config, random_causal_lm, use_transformers_norm, FIXTURES, ROOT
-import dflash_core.models.target as target_mod
+import dflash_core.models.target.model as target_mod
 import dflash_core.pipeline.target_stage as target_stage
 from dflash_core.planning.allocator import configure_allocator
 from dflash_core.observe.bus import EventBus
@@ -156,7 +156,7 @@ def plan_without_target_layers() -> None:
 def idle_accumulate(self, batch, features, seed, stop=None, beat=None, ready=None):
     """DrafterReplica.accumulate for --drafter-work none: wait until the batch's features exist,
     count the batch, train nothing. The optimizer steps on zero gradients (loss 0)."""
-    from dflash_core.models.replica import Micro
+    from dflash_core.models.training.replica import Micro
     if ready is not None:
         ready.synchronize()
     out = Micro(tokens=int(batch.num_tokens), samples=len(batch), padded=int(batch.padded_tokens))
@@ -252,7 +252,7 @@ def main():
     elif args.standalone:
         target_mod.TargetModel.features = kept_features(args.standalone)
     if args.drafter_work == "none":
-        import dflash_core.models.replica as replica_mod
+        import dflash_core.models.training.replica as replica_mod
         replica_mod.DrafterReplica.accumulate = idle_accumulate
     vocab = tcfg.get("text_config", tcfg)["vocab_size"]  # multimodal configs nest it
     t = time.perf_counter()

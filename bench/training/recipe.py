@@ -27,7 +27,7 @@ left out of the sweep, said once.
 
 A run's exact tau is the EvalResult it writes at the end (events.jsonl). For the
 ``--reference-seeds`` runs the final checkpoint is decoded again through the public reference
-implementation (``dflash==0.1.0``'s DFlashDraftModel, installed as tests/core/models/
+implementation (``dflash==0.1.0``'s DFlashDraftModel, installed as tests/core/models/dflash/
 test_drafter.py installs it) on the same held-out prompts: the same weights must give the same
 tau there (DFlash runs only: the reference is DFlash's). ``--cpu-decode`` decodes every run's
 final checkpoint again on the CPU with the engine's own drafter of the run's objective (the figure
@@ -56,9 +56,9 @@ from dflash_core import demo  # noqa: E402
 from dflash_core.config import ConfigError, apply_overrides, save_config  # noqa: E402
 from dflash_core.data import ShardedDataset  # noqa: E402
 from dflash_core.data.batching import split_eval  # noqa: E402
-from dflash_core.models.drafter_kinds import OBJECTIVES, drafter_from_config  # noqa: E402
+from dflash_core.models.registry import OBJECTIVES, drafter_from_config  # noqa: E402
 from dflash_core.eval.evaluate import evaluate_tau, target_fn_for  # noqa: E402
-from dflash_core.models.target_load import HF_BUILD_LOCK, load_target  # noqa: E402
+from dflash_core.models.target.load import HF_BUILD_LOCK, load_target  # noqa: E402
 from dflash_core.checkpoint import save_load as ckpt  # noqa: E402
 from dflash_core.pipeline.evaluation import eval_prompts  # noqa: E402
 

@@ -15,7 +15,7 @@ The probes ask the trained drafter questions whose healthy answers are known exa
 Decoding itself adds the acceptance per block slot, each proposal's correctness on its own, and
 its correctness one position later or earlier (shifted labels). A DSpark drafter's own faults
 (slot 0 not predicting, the Markov head fed the wrong token) come from
-``models/dspark_probes.py``; its proposals here are the chain's, judged with the chain's inputs.
+``models/dspark/probes.py``; its proposals here are the chain's, judged with the chain's inputs.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def probe(drafter, input_ids: torch.Tensor, features: torch.Tensor, prompt_len: 
     its response."""
     dev = next(drafter.parameters()).device
     B = drafter.block_size
-    chain = bool(getattr(drafter, "anchor_predicts", False))  # DSpark: every slot predicts
+    chain = drafter.anchor_predicts  # DSpark: every slot predicts
     ids = input_ids[:1, :length].to(dev)
     ctx = features[:1, :length].to(dev)
     last = length - 2  # an anchor needs a label after it
@@ -101,7 +101,7 @@ def probe(drafter, input_ids: torch.Tensor, features: torch.Tensor, prompt_len: 
 
 def _markov_preds(drafter, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
     """A DSpark block's argmax per slot with ``prev`` [B] as the Markov inputs."""
-    from dflash_core.models.dspark_loss import teacher_forced_preds
+    from dflash_core.models.dspark.loss import teacher_forced_preds
 
     return teacher_forced_preds(drafter, hidden, prev.reshape(1, 1, -1)).reshape(-1)
 
@@ -250,7 +250,7 @@ def diagnose(ours: DecodeResult, ref: DecodeResult | None, *, memorised: bool, t
         found.append(Finding(
             f"target.layer_ids {sorted(off)}: {why}",
             "the feature of layer i must be HF's hidden_states[i + 1], the last layer's after "
-            "the final norm (TargetModel.features in models/target.py)", ev))
+            "the final norm (TargetModel.features in models/target/model.py)", ev))
     if ref is not None and not ok_ref and ok_ours and not off:
         if False:
             pass

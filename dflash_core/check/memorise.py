@@ -23,9 +23,9 @@ from dflash_core.config import Config
 from dflash_core.data import ShardedDataset, collate, write_shards
 from dflash_core.models import objective as obj
 from dflash_core.eval.evaluate import evaluation_attention, teacher_forced_eval
-from dflash_core.models.drafter_kinds import dspark_settings
-from dflash_core.models.replica import ANCHOR_PAD, DrafterReplica, prepare_batch
-from dflash_core.models.trainer import build_replicas, reduce_and_step
+from dflash_core.families.registry import family_of
+from dflash_core.models.training.replica import ANCHOR_PAD, DrafterReplica, prepare_batch
+from dflash_core.models.training.trainer import build_replicas, reduce_and_step
 from dflash_core.check.samples import CheckSample
 
 # Memorised: the teacher-forced tau on the samples reaches this share of its ceiling.
@@ -91,12 +91,12 @@ def memorise(cfg: Config, target, samples: list[CheckSample], drafter_devices, *
     t0 = time.monotonic()
     ccfg = check_config(cfg, max(len(s.response) for s in samples))
     batch = collate_samples(samples, folder / "data", ccfg.data.max_length)
-    settings = dspark_settings(ccfg)
+    family = family_of(ccfg)
     features = target.features(batch.input_ids, batch.attention_mask, layer_ids,
-                               with_last_hidden=settings is not None)
+                               with_last_hidden=family.last_hidden)
     replicas = build_replicas(ccfg.drafter, ccfg.optim, target, list(drafter_devices),
                               seed=ccfg.run.seed, layer_ids=layer_ids, mask_id=mask_id,
-                              dspark=settings)
+                              settings=family.settings(ccfg.drafter))
     B = replicas[0].drafter.label_width
     pad = ANCHOR_PAD if replicas[0].device.type == "cuda" else 1
     ceiling = tau_ceiling(prepare_batch(batch, ccfg.drafter.num_anchors, B, ccfg.run.seed).labels)

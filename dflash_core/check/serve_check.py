@@ -32,7 +32,7 @@ from dflash_core.check.memorise import memorise
 from dflash_core.check.samples import pick_prompts, write_responses
 from dflash_core.config import Config
 from dflash_core.eval.evaluate import evaluation_attention, target_fn_for
-from dflash_core.models.target_load import load_target
+from dflash_core.models.target.load import load_target
 from dflash_core.planning import data_checks, preflight, target_checks
 
 CHECK_FOLDER = "check"
@@ -142,7 +142,7 @@ def judge(prep: Prepared, mem, opts: CheckOptions, say: Callable[[str], None]) -
                           eos_token_id=None, device=target.device)
     say(f"  this engine: exact tau {ours.tau:.2f} of {ours.ceiling:.2f}")
     ref, ref_note, ref_mask = None, "not asked for (--no-reference)", None
-    dsp = bool(getattr(drafter, "anchor_predicts", False))
+    dsp = drafter.anchor_predicts  # DSpark: its chain drafting, judged by its own probes
     if opts.reference and dsp:
         ref_note = (f"not used: {dec.REFERENCE} decodes DFlash drafters, not DSpark's (the "
                     "DSpark probes judge its chain drafting)")
@@ -168,14 +168,11 @@ def judge(prep: Prepared, mem, opts: CheckOptions, say: Callable[[str], None]) -
     probes = probe(drafter, mem.batch.input_ids, mem.context, len(s0.prompt), len(s0.input_ids))
     probes.features, probes.last_hidden = feature_gap(
         target, mem.batch.input_ids, prep.layer_ids, mem.features, len(s0.input_ids),
-        last_hidden=dsp)
-    if dsp:
-        from dflash_core.models import dspark_probes
-
-        with evaluation_attention(drafter):
-            probes.dspark = dspark_probes.probe(
-                drafter, mem.context[:1], mem.batch.input_ids[0, : len(s0.input_ids)],
-                [a for a in probes.anchors if a < len(s0.input_ids) - 1])
+        last_hidden=drafter.family.last_hidden)
+    with evaluation_attention(drafter):  # the family's own probes (DSpark's; DFlash has none)
+        probes.dspark = drafter.family_probes(
+            mem.context[:1], mem.batch.input_ids[0, : len(s0.input_ids)],
+            [a for a in probes.anchors if a < len(s0.input_ids) - 1])
     verdict = diagnose(ours, ref, memorised=mem.reached, tau_tf=mem.tau_tf,
                        ceiling_tf=mem.tau_ceiling, probes=probes, steps=mem.steps,
                        trained_mask_id=drafter.mask_token_id, reference_mask_id=ref_mask,
@@ -209,7 +206,7 @@ def _write_record(path: Path, result: CheckResult, mem, ours, ref) -> None:
                 "one_later": [_finite(v) for v in d.correct_at(1)]}
     record = {
         "passed": result.verdict.passed, "summary": result.verdict.summary,
-        "objective": getattr(mem.drafter, "objective", "dflash"),
+        "objective": mem.drafter.objective,
         "findings": [asdict(f) for f in result.verdict.findings],
         "memorise": {"steps": mem.steps, "tau_tf": mem.tau_tf, "ceiling": mem.tau_ceiling,
                      "loss": _finite(mem.loss), "reached": mem.reached},

@@ -16,8 +16,7 @@ import torch
 
 from dflash_core.config import CheckpointConfig, ConfigError
 from dflash_core.config.eval_sets import set_words
-from dflash_core.models import dspark_format
-from dflash_core.models.replica import DrafterReplica
+from dflash_core.models.training.replica import DrafterReplica
 from dflash_core.observe.events import Checkpoint, CheckpointProgress, Error, Log
 from dflash_core.checkpoint import save_load as ckpt
 from dflash_core.checkpoint import size as checkpoint_size, state_tree
@@ -42,8 +41,7 @@ def checkpoint_bytes(drafter, served_dtype: torch.dtype, optimizer: str) -> int:
     DSpark also the served copies of the target's embedding and lm_head."""
     params, matrices = checkpoint_size.state_counts(drafter.state_dict(),
                                                     getattr(drafter, "adamw_only", ()))
-    frozen = (dspark_format.frozen_numel(drafter.config)
-              if getattr(drafter, "objective", "dflash") == "dspark" else 0)
+    frozen = getattr(drafter, "frozen_numel", lambda: 0)()  # the family's served copies
     return checkpoint_size.checkpoint_bytes(params, matrices, served_dtype.itemsize, optimizer,
                                             frozen)
 

@@ -50,7 +50,7 @@ SHAPE_KEYS: list[tuple[str, str]] = [
     ("head_dim", "drafter.hidden_size"),
     ("vocab_size", "target.path"),
     ("num_target_layers", "target.path"),
-    # DSpark's config.json has its entries at the top level (dspark_format.py)
+    # DSpark's config.json has its entries at the top level (dspark/format.py)
     ("block_size", "drafter.block_size"),
     ("target_layer_ids", "target.layer_ids"),
     ("mask_token_id", "drafter.mask_token_id"),
@@ -88,33 +88,17 @@ def expected_drafter_config(cfg: Config, target_path: Path, layer_ids: list[int]
         except (OSError, ValueError) as exc:
             raise ConfigError("drafter.init_from", f"cannot read {path}: {exc}",
                               hint="point drafter.init_from at a drafter checkpoint folder") from exc
-    from dflash_core.models.drafter import build_drafter_config
-    from dflash_core.models.target_config import load_target_config
+    from dflash_core.families.registry import family_of
+    from dflash_core.models.registry import expected_config
+    from dflash_core.models.target.config import load_target_config
 
     d = cfg.drafter
     target_config = load_target_config(Path(target_path), cfg.target.trust_remote_code)
-    from dflash_core.models.drafter_kinds import dspark_settings
-
-    settings = dspark_settings(cfg)
-    if settings is not None:
-        from dflash_core.models.dspark import build_dspark_config
-        from dflash_core.models.dspark_format import serve_config_of
-
-        return serve_config_of(build_dspark_config(
-            target_config, num_layers=d.num_layers, target_layer_ids=layer_ids,
-            mask_token_id=mask_id, settings=settings, hidden_size=d.hidden_size,
-            intermediate_size=d.intermediate_size, num_attention_heads=d.num_attention_heads,
-            num_key_value_heads=d.num_key_value_heads))
-    dcfg = build_drafter_config(
-        target_config,
-        num_layers=d.num_layers,
-        target_layer_ids=layer_ids, block_size=d.block_size, mask_token_id=mask_id,
+    return expected_config(
+        d.objective, target_config, num_layers=d.num_layers, target_layer_ids=layer_ids,
+        block_size=d.block_size, mask_token_id=mask_id, settings=family_of(cfg).settings(d),
         hidden_size=d.hidden_size, intermediate_size=d.intermediate_size,
         num_attention_heads=d.num_attention_heads, num_key_value_heads=d.num_key_value_heads)
-    out = dcfg.to_dict()
-    out["dflash_config"] = dict(dcfg.dflash_config)
-    out["num_target_layers"] = dcfg.num_target_layers
-    return out
 
 
 def _lost(found: list[int], step: int | None) -> str:
@@ -217,7 +201,7 @@ def load_for_resume(run_dir: Path, expected: dict | None, publish: Callable[[Eve
 def check_objective(expected: dict, found: dict, folder: Path) -> None:
     """A checkpoint of the other objective (DSpark's architecture against DFlash's) is refused
     before its shape is compared: ConfigError naming drafter.objective and both."""
-    from dflash_core.models.drafter_kinds import objective_of
+    from dflash_core.families.registry import FAMILIES, objective_of
 
     try:
         want, have = objective_of(expected), objective_of(found)
@@ -226,9 +210,8 @@ def check_objective(expected: dict, found: dict, folder: Path) -> None:
                           hint="resume a checkpoint this engine wrote, or start a new run "
                                "(new run.name or --new-run)") from exc
     if want != have:
-        kind = {"dflash": "DFlash", "dspark": "DSpark"}
         raise ConfigError("drafter.objective",
-                          f"the checkpoint {folder} holds a {kind[have]} drafter, but "
+                          f"the checkpoint {folder} holds {FAMILIES[have].title}, but "
                           f"drafter.objective is {want}",
                           hint=f"set drafter.objective: {have} to resume it, or start a new "
                                "run (new run.name or --new-run) to train a new drafter")
@@ -291,7 +274,7 @@ def check_resume_optimizer(loaded: ckpt.LoadedCheckpoint, cfg: Config) -> None:
     """A checkpoint resumes with the optimizer that wrote it: AdamW's two moments and Muon's
     momentum are not each other's state, and a silent fresh start would not be the exact resume
     asked for. Raises ConfigError naming both."""
-    from dflash_core.models.optimizers import state_name
+    from dflash_core.models.training.optimizers import state_name
 
     wrote = state_name(loaded.trainer_state)
     if wrote != cfg.optim.name:

@@ -43,18 +43,18 @@ def checkpoint_bytes(params: int, matrix_params: int, served_bytes: int,
 def drafter_counts(cfg, hf_config: dict) -> tuple[int, int]:
     """(parameters, of which in 2-D matrices given to Muon) of the drafter the config builds on
     this target."""
-    from dflash_core.models.model_shape import drafter_matrix_param_count, drafter_param_count
+    from dflash_core.models.target.shape import drafter_matrix_param_count, drafter_param_count
 
     return drafter_param_count(cfg, hf_config), drafter_matrix_param_count(cfg, hf_config)
 
 
 def frozen_count(cfg, hf_config: dict) -> int:
     """Entries of the frozen copies the config's checkpoints serve (0 for DFlash)."""
-    from dflash_core.models import drafter_objective
-    from dflash_core.models.model_shape import model_shape
+    from dflash_core.families.registry import frozen_numel
+    from dflash_core.models.target.shape import model_shape
 
     s = model_shape(hf_config)
-    return drafter_objective.frozen_numel(cfg, s.hidden, s.vocab)
+    return frozen_numel(cfg, s.hidden, s.vocab)
 
 
 def state_counts(state: dict, adamw_only: tuple[str, ...] = ()) -> tuple[int, int]:

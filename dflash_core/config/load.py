@@ -17,6 +17,7 @@ from typing import Any, Literal
 import yaml
 
 from dflash_core.config.errors import ConfigError
+from dflash_core.families.registry import FAMILIES, FAMILY_DEFAULT_KEYS
 from dflash_core.config.eval_sets import check_prompt_sets
 from dflash_core.config.schema import RANGES, Config, check_range, key_value
 
@@ -139,16 +140,8 @@ def _check(cfg: Config) -> None:
     if any(i < 0 for i in cfg.target.layer_ids):
         raise ConfigError("target.layer_ids", f"ids must be >= 0, got {cfg.target.layer_ids}",
                           hint="list layer indices of the target (0 = the first layer)")
-    if cfg.drafter.objective == "dspark" and cfg.drafter.loss == "dpace":
-        raise ConfigError("drafter.loss", "dpace does not combine with drafter.objective dspark: "
-                          "D-PACE's slot weights presuppose DFlash's unlabelled slot 0 and plain "
-                          "cross-entropy; DSpark weighs slots exp(-j/gamma)",
-                          hint="set drafter.loss: dflash, or drafter.objective: dflash")
-    if cfg.drafter.objective == "dspark" and cfg.drafter.ce_weight + cfg.drafter.tv_weight <= 0:
-        raise ConfigError("drafter.tv_weight", "drafter.ce_weight + drafter.tv_weight must be "
-                          "above 0: DSpark's loss would train the confidence head alone",
-                          hint="set drafter.tv_weight: 0.9 and drafter.ce_weight: 0.1 (the "
-                               "reference's)")
+    for p in FAMILIES[cfg.drafter.objective].refusals(cfg.drafter):  # e.g. dpace with dspark
+        raise ConfigError(p.key, p.message, hint=p.hint)
     if "/" in cfg.run.name or not cfg.run.name or cfg.run.name in (".", ".."):
         raise ConfigError("run.name", f"must be a plain folder name, got {cfg.run.name!r}",
                           hint="set run.name to a name without '/', e.g. my-run")
@@ -179,7 +172,7 @@ def apply_overrides(cfg: Config, overrides: list[tuple[str, str]]) -> Config:
         data[section][name] = value
     given = getattr(cfg, "given", None)
     if given is not None:  # keys the objective chose, not the config nor --set: chosen again
-        for name, _ in OBJECTIVE_DEFAULTS:
+        for name in FAMILY_DEFAULT_KEYS:
             key = f"drafter.{name}"
             if key not in given and all(k != key for k, _ in overrides):
                 del data["drafter"][name]
@@ -192,19 +185,15 @@ def apply_overrides(cfg: Config, overrides: list[tuple[str, str]]) -> Config:
         raise
 
 
-# Keys whose default depends on drafter.objective: (key, DSpark's default). A config that sets
-# the objective without them gets the objective's value (DFlash's is the field's default).
-OBJECTIVE_DEFAULTS = (("block_size", 7), ("loss_chunk", 1024))
-
-
 def config_from_dict(data: dict | None) -> Config:
     data = data or {}
     cfg = _build(Config, data, "")
     drafter = data.get("drafter") if isinstance(data.get("drafter"), dict) else {}
-    if cfg.drafter.objective == "dspark":
-        for name, value in OBJECTIVE_DEFAULTS:
-            if name not in drafter:
-                setattr(cfg.drafter, name, value)
+    # Keys whose default is the family's (DSpark's block_size and loss_chunk) when the config
+    # sets the objective without them; the others' is the field's own.
+    for name, value in FAMILIES[cfg.drafter.objective].defaults.items():
+        if name not in drafter:
+            setattr(cfg.drafter, name, value)
     # What the config itself said, for apply_overrides: an objective given later by --set
     # gets its own defaults for the keys the config left to it.
     cfg.given = frozenset(f"drafter.{name}" for name in drafter)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dflash_core.config.schema import default_gamma
+from dflash_core.families.registry import FAMILIES
 
 
 def recipe_text(config: dict) -> str:
@@ -14,12 +15,10 @@ def recipe_text(config: dict) -> str:
         return ""
     parts = []
     loss = drafter.get("loss")
-    if drafter.get("objective") == "dspark":
-        weights = [drafter.get(k, "?") for k in ("ce_weight", "tv_weight", "conf_weight")]
-        parts.append(f"objective dspark (B {drafter.get('block_size', '?')}, Markov rank "
-                     f"{drafter.get('markov_rank', '?')}, loss {weights[0]} CE + {weights[1]} TV "
-                     f"+ {weights[2]} confidence, gamma {drafter.get('gamma') or 4:g})")
-        loss = None  # its loss is that one; drafter.loss (dflash / dpace) does not apply
+    family = FAMILIES.get(drafter.get("objective", "dflash"))
+    if family is not None and family.recipe(drafter):
+        parts.append(family.recipe(drafter))
+        loss = None  # the family's own loss; drafter.loss (dflash / dpace) does not apply
     if loss == "dpace":
         parts.append(f"loss dpace (alpha {drafter.get('dpace_alpha', '?')}; its loss figures "
                      "are D-PACE-weighted, not comparable with the dflash loss)")

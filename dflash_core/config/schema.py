@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Iterator, Literal, NamedTuple
 
 from dflash_core.config.errors import ConfigError
+from dflash_core.families import dspark  # DSpark's defaults, written once there
 
 # A numeric key's valid range: (low, high, low included, high included); None = unbounded.
 Range = tuple[float | None, float | None, bool, bool]
@@ -103,14 +104,14 @@ class DrafterConfig:
                                   "exp(-CE).", ge=0, le=1)
     loss_chunk: int = key(4096, """Block tokens per chunk of the chunked loss (its logits exist
         for one chunk at a time); dspark: 1024 when a config does not set it.""", gt=0)
-    markov_rank: int = key(256, """dspark: r, the rank of the Markov head (W1 [V, r], W2 r -> V),
+    markov_rank: int = key(dspark.MARKOV_RANK, """dspark: r, the rank of the Markov head (W1 [V, r], W2 r -> V),
         below the target's vocabulary.""", gt=0)
-    ce_weight: float = key(0.1, "dspark: the weight of the cross-entropy on the data's tokens.",
+    ce_weight: float = key(dspark.LOSS_WEIGHTS[0], "dspark: the weight of the cross-entropy on the data's tokens.",
                            ge=0)
-    tv_weight: float = key(0.9, """dspark: the weight of the total variation (L1) between the
+    tv_weight: float = key(dspark.LOSS_WEIGHTS[1], """dspark: the weight of the total variation (L1) between the
         drafter's and the target's distributions; ce_weight + tv_weight must be above 0.""",
                            ge=0)
-    conf_weight: float = key(1.0, """dspark: the weight of the confidence head's loss; 0 = no
+    conf_weight: float = key(dspark.LOSS_WEIGHTS[2], """dspark: the weight of the confidence head's loss; 0 = no
         confidence head (neither trained nor saved, no calibration).""", ge=0)
     micro_block_tokens: int = key(65536, """Block tokens (sequences x anchors x block) per drafter
         forward; a batch with more is split into sequence groups with gradients accumulated,
@@ -177,7 +178,7 @@ class OptimConfig:
     """The optimizer and its schedule (warmup, then cosine)."""
     name: Literal["adamw", "muon"] = key("adamw", """"adamw" = AdamW on every drafter parameter;
         "muon" = torch.optim.Muon (torch 2.9+) on the 2-D weight matrices (the layers' projections
-        and fc) with AdamW on the norms (models/optimizers.py says why). The default stays
+        and fc) with AdamW on the norms (models/training/optimizers.py says why). The default stays
         "adamw": a Muon step takes 28% longer at the 27B shape (14% at 8B), and on the demo at
         equal wall time (400 Muon steps against 512 AdamW steps) Muon's exact tau was higher on
         every seed but inside the seed spread; after 80 steps it was beyond it

@@ -26,7 +26,7 @@ def load_lm(target_folder: Path, trust_remote_code: bool = False):
     the folder's own code only with ``trust_remote_code``)."""
     from transformers import AutoModelForCausalLM
 
-    from dflash_core.models.target_load import HF_BUILD_LOCK
+    from dflash_core.models.target.load import HF_BUILD_LOCK
 
     with quiet_hf(), HF_BUILD_LOCK:
         model = AutoModelForCausalLM.from_pretrained(target_folder, dtype=torch.float32,

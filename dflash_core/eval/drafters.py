@@ -29,11 +29,11 @@ from pathlib import Path
 import torch
 
 from dflash_core.eval.errors import EvalInputError
-from dflash_core.models.drafter import ARCHITECTURE as DFLASH_ARCHITECTURE
-from dflash_core.models.drafter import DFlashDrafter
-from dflash_core.models.dspark import ARCHITECTURE as DSPARK_ARCHITECTURE
-from dflash_core.models.dspark import DSparkDrafter
-from dflash_core.models.model_shape import text_config
+from dflash_core.models.dflash.drafter import ARCHITECTURE as DFLASH_ARCHITECTURE
+from dflash_core.models.dflash.drafter import DFlashDrafter
+from dflash_core.models.dspark.drafter import ARCHITECTURE as DSPARK_ARCHITECTURE
+from dflash_core.models.dspark.drafter import DSparkDrafter
+from dflash_core.models.target.shape import text_config
 from dflash_core.observe.device_hours import Figure
 from dflash_core.persist.hours_ledger import read_checkpoint_figure
 
@@ -158,7 +158,7 @@ def read_drafter(given: str) -> DrafterSpec:
         raise EvalInputError(f"{where}: config.json is not JSON ({exc})") from exc
     arch = d.get("architectures") or []
     if arch == [DSPARK_ARCHITECTURE]:
-        from dflash_core.models.dspark_format import NotDSpark
+        from dflash_core.models.dspark.format import NotDSpark
 
         try:
             cfg, objective = DSparkDrafter.config_from_dict(d), "dspark"

@@ -42,8 +42,8 @@ def prepare_sets(cfg: EvalConfig, target_path: Path, target_name: str,
     config names it (target.path), for messages."""
     if not cfg.prompt_sets:
         return []
-    from dflash_core.models.model_shape import text_config
-    from dflash_core.models.target_config import TargetLoadError, load_target_config
+    from dflash_core.models.target.shape import text_config
+    from dflash_core.models.target.config import TargetLoadError, load_target_config
 
     try:
         tokenizer = load_chat_tokenizer(tokenizer_spec(Path(target_path), None),
@@ -101,7 +101,7 @@ def evaluate_set(s: RunSet, step: int, target, drafter, layer_ids: list[int], *,
     from dflash_core.eval.drafting import drafts_per_round
     from dflash_core.eval.spec_decode import DecodeSettings, decode_rows
     from dflash_core.eval.target_decoding import rows_backend
-    from dflash_core.models.dspark_calibration import calibrate
+    from dflash_core.models.dspark.calibration import calibrate
 
     t0 = time.monotonic()
     prompts = [list(p) for p in s.prompt_ids]

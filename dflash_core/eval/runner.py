@@ -239,7 +239,7 @@ class Evaluation:
         return sets
 
     def _target_config(self):
-        from dflash_core.models.target_config import TargetLoadError, load_target_config
+        from dflash_core.models.target.config import TargetLoadError, load_target_config
 
         try:  # a refusal of its own code in the flag's words, not the run's key's
             return load_target_config(
@@ -251,7 +251,7 @@ class Evaluation:
             raise EvalInputError(str(exc), hint=exc.hint) from exc
 
     def _check_lengths(self) -> None:
-        from dflash_core.models.model_shape import text_config
+        from dflash_core.models.target.shape import text_config
 
         limit = getattr(text_config(self.target_config), "max_position_embeddings", None)
         for p in self.sets:
@@ -285,8 +285,8 @@ class Evaluation:
     # -- the run ------------------------------------------------------------------------------
     def load(self) -> None:
         from dflash_core.eval.evaluate import EVAL_ATTENTION
-        from dflash_core.models.target_config import TargetLoadError
-        from dflash_core.models.target_load import load_target
+        from dflash_core.models.target.config import TargetLoadError
+        from dflash_core.models.target.load import load_target
 
         t0 = time.monotonic()
         self.say(f"loading the target {self.folder} on {self.device} ({self.dtype})")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -149,6 +150,15 @@ def dpace_weights(ce: torch.Tensor, rows: torch.Tensor, slots: int, block_size: 
         reach = dense.view(-1, block_size).cumprod(-1) * valid.view(-1, block_size)
         w = reach.flip(-1).cumsum(-1).flip(-1)
         return w.reshape(-1)[rows]
+
+
+class GroupTargets(NamedTuple):
+    """One micro-group's targets as a family's step loss makes them before the forward: its
+    (host) labels, the labelled slots it trains on, and what else its loss needs."""
+
+    labels: torch.Tensor
+    picked: LabelRows
+    extra: tuple = ()
 
 
 @dataclass

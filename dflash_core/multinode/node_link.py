@@ -36,11 +36,11 @@ from dflash_core.observe.events import Error, Log, NodeStatus
 from dflash_core.multinode.node_failure import NodeFailure
 from dflash_core.multinode.node_join import JOIN_NOTICE_S
 from dflash_core.multinode.nodes import NodeGroup
-from dflash_core.models.trainer import RateMeter
+from dflash_core.models.training.trainer import RateMeter
 
 if TYPE_CHECKING:  # the run's parts, named for the reader only: the link never builds them
     from dflash_core.data import Prefetcher
-    from dflash_core.models.replica import DrafterReplica
+    from dflash_core.models.training.replica import DrafterReplica
     from dflash_core.observe.watchdog import Heartbeats
     from dflash_core.checkpoint.save_load import LoadedCheckpoint
     from dflash_core.checkpoint.data_position import DataPosition

@@ -14,8 +14,8 @@ import torch
 from dflash_core.checkpoint.data_position import DataPosition
 from dflash_core.observe.events import WORKER_RUNNING, WORKER_WARMUP, DrafterMetrics, Log, WorkerStatus
 from dflash_core.pipeline.hs_queue import HiddenStateQueue
-from dflash_core.models.replica import DrafterReplica, StepInterrupted
-from dflash_core.models.trainer import StepBarrier
+from dflash_core.models.training.replica import DrafterReplica, StepInterrupted
+from dflash_core.pipeline.step_barrier import StepBarrier
 from dflash_core.observe.watchdog import Heartbeats
 from dflash_core.pipeline.workers import use_device
 

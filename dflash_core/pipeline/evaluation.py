@@ -19,7 +19,7 @@ from dflash_core.eval.evaluate import evaluate_tau, evaluation_attention, teache
 from dflash_core.eval.run_sets import RunSet, evaluate_set
 from dflash_core.eval.target_decoding import features_fn_for, head_is_lm_head, target_fn_for
 from dflash_core.models.agreement import label_agreement
-from dflash_core.models.dspark_calibration import calibrate
+from dflash_core.models.dspark.calibration import calibrate
 from dflash_core.observe.events import EvalResult, Log
 
 

@@ -15,10 +15,10 @@ import torch
 
 from dflash_core.config import Config
 from dflash_core.data import Prefetcher
-from dflash_core.models import dspark_format
-from dflash_core.models.target_load import LoadAborted
-from dflash_core.models.replica import DrafterReplica
-from dflash_core.models.trainer import RateMeter, StepBarrier, reduce_and_step
+from dflash_core.models.target.load import LoadAborted
+from dflash_core.models.training.replica import DrafterReplica
+from dflash_core.models.training.trainer import RateMeter, reduce_and_step
+from dflash_core.pipeline.step_barrier import StepBarrier
 from dflash_core.multinode.node_link import NodeLink
 from dflash_core.observe.device_hours import RECORD_KEY
 from dflash_core.observe.errors import error_event
@@ -264,8 +264,7 @@ class Run:
         epoch, done = self.position.resume_position()
         # DSpark's served folder carries the target's embedding and lm_head (frozen: served
         # only, never in the training state)
-        served = (dspark_format.frozen_tensors(rep.drafter)
-                  if getattr(rep.drafter, "objective", "dflash") == "dspark" else None)
+        served = rep.drafter.frozen_tensors()
         return dict(
             served_extra=served,
             drafter_state={k: v.detach() for k, v in rep.drafter.state_dict().items()},

@@ -20,11 +20,11 @@ import torch
 
 from dflash_core.config import NodesConfig, TelemetryConfig, recipe_text
 from dflash_core.data import Prefetcher
-from dflash_core.models import drafter_objective
+from dflash_core.families.registry import family_of
 from dflash_core.models.compile_guard import serialize_triton_autotuning
-from dflash_core.models.drafter_kinds import dspark_settings
-from dflash_core.models.replica import ANCHOR_PAD, prepare_batch
-from dflash_core.models.trainer import StepBarrier, build_replicas
+from dflash_core.models.training.replica import ANCHOR_PAD, prepare_batch
+from dflash_core.models.training.trainer import build_replicas
+from dflash_core.pipeline.step_barrier import StepBarrier
 from dflash_core.observe.bus import EventBus
 from dflash_core.observe.errors import error_event
 from dflash_core.observe.events import Log, TrainingPlan, prefetch_queue
@@ -124,7 +124,7 @@ class Supervisor:
         # drafter's step would otherwise wait on); rounded as the drafter GPUs want them.
         for_drafter = functools.partial(
             prepare_batch, num_anchors=cfg.drafter.num_anchors,
-            block_size=drafter_objective.label_width(cfg), seed=cfg.run.seed,
+            block_size=family_of(cfg).label_width(cfg.drafter), seed=cfg.run.seed,
             pad_to=ANCHOR_PAD if run.drafter_devices[0].type == "cuda" else 1)
         # Several nodes: node k's targets take global shards k*T .. k*T+T-1 of N*T.
         node, nodes = (self.nodes.rank, self.nodes.world) if self.nodes is not None else (0, 1)
@@ -144,7 +144,7 @@ class Supervisor:
                 attn_implementation=cfg.target.attn_implementation, layer_ids=prep.layer_ids,
                 prefetcher=run.prefetchers[rank], hs_queue=run.hs_queue,
                 publish=publish, stop=run.stop, heartbeats=run.heartbeats,
-                last_hidden=drafter_objective.is_dspark(cfg),
+                last_hidden=family_of(cfg).last_hidden,
                 trust_remote_code=cfg.target.trust_remote_code)
             run.targets.append(stage)
             self.run.start_worker(stage.name, "target", label, stage.run)
@@ -178,7 +178,8 @@ class Supervisor:
         run.replicas = build_replicas(cfg.drafter, cfg.optim, run.targets[0].model,
                                       run.drafter_devices, seed=cfg.run.seed,
                                       layer_ids=prep.layer_ids, mask_id=prep.mask_id,
-                                      resume=run.resume, dspark=dspark_settings(cfg))
+                                      resume=run.resume,
+                                      settings=family_of(cfg).settings(cfg.drafter))
         if run.resume is not None:
             run.step = run.resume.step
         # The run's two components, each with its own section of the config.

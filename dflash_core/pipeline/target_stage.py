@@ -21,10 +21,10 @@ from dflash_core.observe.events import (
     WORKER_DONE, WORKER_LOADING, WORKER_RUNNING, WORKER_STOPPED, WORKER_WARMUP, LoadProgress, Log,
     TargetMetrics, WorkerStatus,
 )
-from dflash_core.models.handoff import ready_event
+from dflash_core.models.training.handoff import ready_event
 from dflash_core.pipeline.hs_queue import Handoff, HiddenStateQueue
-from dflash_core.models.target import ForwardInterrupted, TargetModel
-from dflash_core.models.target_load import load_target
+from dflash_core.models.target.model import ForwardInterrupted, TargetModel
+from dflash_core.models.target.load import load_target
 from dflash_core.observe.watchdog import Heartbeats
 from dflash_core.pipeline.workers import POLL_S, Stopped, UpstreamFailed, use_device
 

@@ -14,8 +14,8 @@ from typing import Callable
 import torch
 
 from dflash_core.config import Config, ConfigError
-from dflash_core.models.model_shape import model_shape
-from dflash_core.models.target_config import causal_lm_class
+from dflash_core.models.target.shape import model_shape
+from dflash_core.models.target.config import causal_lm_class
 
 
 # What transformers knows by these names; others (a Hub kernel such as

@@ -1,7 +1,7 @@
 """Preflight's checks of the drafter's settings against the target, before any weight loads.
 
 Head counts the drafter cannot be built with, a drafter.init_from that is not an intact
-checkpoint, and drafter.objective dspark's settings against the target's vocabulary. Apart from
+checkpoint, and the drafter family's settings against the target's vocabulary. Apart from
 target_checks.py, which reads the target folder and calls these with its config.json: they
 judge drafter.* keys, each refusal a ConfigError naming the key.
 """
@@ -11,28 +11,17 @@ from __future__ import annotations
 from pathlib import Path
 
 from dflash_core.config import Config, ConfigError
-from dflash_core.models import drafter_kinds
+from dflash_core.families.registry import family_of
 from dflash_core.checkpoint.checksums import verify
 
 
-def check_dspark(cfg: Config, vocab: int) -> None:
-    """drafter.objective dspark: its settings against the target's vocabulary (Markov rank,
-    block size, gamma, loss weights), and D-PACE refused (its weights presuppose DFlash's
-    unlabelled slot 0 and plain CE). One ConfigError naming the key."""
-    settings = drafter_kinds.dspark_settings(cfg)
-    if settings is None:
-        return
-    if cfg.drafter.loss == "dpace":
-        raise ConfigError("drafter.loss", "dpace does not combine with drafter.objective dspark: "
-                          "D-PACE's slot weights presuppose DFlash's unlabelled slot 0 and plain "
-                          "cross-entropy; DSpark weighs slots exp(-j/gamma)",
-                          hint="set drafter.loss: dflash, or drafter.objective: dflash")
-    bad = settings.problems(vocab)
-    if bad:
-        word, _, rest = bad[0].partition(" ")
-        key, said = (word, rest) if word.startswith("drafter.") else ("drafter.ce_weight", bad[0])
-        raise ConfigError(key, said, hint=f"change {key} in config.yaml (docs/algorithm.md, "
-                          "DSpark)")
+def check_family(cfg: Config, vocab: int) -> None:
+    """drafter.objective's own settings against the target's vocabulary (DSpark's Markov rank,
+    block size, gamma, loss weights), then what never combines with the family (DSpark: D-PACE).
+    One ConfigError naming the key."""
+    family = family_of(cfg)
+    for p in family.problems(cfg.drafter, vocab) + family.refusals(cfg.drafter):
+        raise ConfigError(p.key, p.message, hint=p.hint)
 
 
 def check_drafter_heads(cfg: Config, hf_config: dict) -> None:

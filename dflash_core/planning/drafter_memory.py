@@ -10,8 +10,8 @@ come from. memory.py adds them to the target's per device.
 from __future__ import annotations
 
 from dflash_core.config import Config
-from dflash_core.models import drafter_objective
-from dflash_core.models.model_shape import (
+from dflash_core.families.registry import family_of, feature_vectors, head_params
+from dflash_core.models.target.shape import (
     ModelShape, drafter_matrix_param_count, drafter_param_count, drafter_shape, model_shape,
     num_features,
 )
@@ -44,14 +44,6 @@ DRAFTER_SAVED_H, DRAFTER_SAVED_Q, DRAFTER_SAVED_KV, DRAFTER_SAVED_I = 9, 7, 11, 
 # k_proj / v_proj (2 x H) and the context k / v path (11 x kv_heads*head_dim).
 CONTEXT_ONCE_KH, CONTEXT_ONCE_H, CONTEXT_LAYER_H, CONTEXT_LAYER_KV = 3, 5, 2, 11
 UNIT_BYTES = 2
-# Chunked cross-entropy, per logit of one chunk (each chunk is recomputed in backward, so one is
-# live): bf16 logits 2 + float32 upcast 4 + bf16 grad 2; the log-softmax and float32 grad are not
-# all live with them.
-LOSS_BYTES_PER_LOGIT = 8
-# drafter.objective dspark: its chunked loss (dspark_loss.py) peaks at 3.3-4.4 float32 arrays of
-# chunk x V (the drafter's and the target's distributions, their logits and the backward's
-# rebuilt ones; measured on an H200 at the 8B and 27B shapes, docs/algorithm.md "DSpark").
-DSPARK_LOSS_BYTES_PER_LOGIT = 18
 # Checked on an H200 with drafter.py at Qwen3.6-27B width, 2 layers: one forward + backward of
 # 1 and 2 sequences (8192 block tokens each) peaked at 18.9 and 25.2 GiB over params, features and
 # frozen head; these terms (saved activations + context + loss chunk + grads + autocast copies)
@@ -63,7 +55,7 @@ def optimizer_component(cfg: Config, hf_config: dict) -> dict[str, int]:
     """{name: bytes} of the drafter's fp32 weights, gradients and optimizer state; DSpark's
     heads in a row of their own (AdamW's under either optimizer)."""
     t = model_shape(hf_config)
-    heads = drafter_objective.dspark_head_params(cfg, drafter_shape(cfg, t).hidden, t.vocab)
+    heads = head_params(cfg, drafter_shape(cfg, t).hidden, t.vocab)
     n_params = drafter_param_count(cfg, hf_config) - heads
     out = {DSPARK_HEADS: heads * ADAM_BYTES_PER_PARAM} if heads else {}
     if cfg.optim.name == "muon":
@@ -102,7 +94,7 @@ def drafter_components(cfg: Config, s: ModelShape, hf_config: dict,
     block_tokens = per_pass * blocks * d.block_size
     context_tokens = per_pass * data.max_length
     k = num_features(cfg)
-    sent = drafter_objective.feature_vectors(cfg, k)  # what the target sends per token
+    sent = feature_vectors(cfg, k)  # what the target sends per token
     q, kv = ds.heads * ds.head_dim, ds.kv_heads * ds.head_dim
     saved = (DRAFTER_SAVED_H * ds.hidden + DRAFTER_SAVED_Q * q + DRAFTER_SAVED_KV * kv
              + DRAFTER_SAVED_I * ds.intermediate)
@@ -110,8 +102,7 @@ def drafter_components(cfg: Config, s: ModelShape, hf_config: dict,
                + d.num_layers * (CONTEXT_LAYER_H * ds.hidden + CONTEXT_LAYER_KV * kv))
     # trainer.py copies one group's features while the group before it computes: two live.
     features = 2 * context_tokens * sent * s.hidden * tb
-    per_logit = (DSPARK_LOSS_BYTES_PER_LOGIT if drafter_objective.is_dspark(cfg)
-                 else LOSS_BYTES_PER_LOGIT)
+    per_logit = family_of(cfg).loss_bytes_per_logit  # one live chunk's, per logit
     return {
         **optimizer_component(cfg, hf_config),
         "autocast copies": n_params * AUTOCAST_COPY_BYTES if autocast else 0,

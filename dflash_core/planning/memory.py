@@ -44,7 +44,7 @@ from dflash_core.levers import (
     FIT_LEVERS, HS_QUEUE, LOSS_CHUNK, MICRO_BLOCK_TOKENS, NUM_ANCHORS, NUM_LAYERS, TOKEN_BUDGET,
     Lever,
 )
-from dflash_core.models.model_shape import model_shape
+from dflash_core.models.target.shape import model_shape
 from dflash_core.planning.drafter_memory import (
     DSPARK_HEADS, OPTIMIZER_COMPONENTS, drafter_components, drafter_pass,
 )

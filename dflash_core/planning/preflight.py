@@ -25,8 +25,8 @@ import torch
 from dflash_core.eval.run_sets import prepare_sets
 from dflash_core.config import Config, ConfigError
 from dflash_core.data import BatchStream, ShardedDataset, split_eval
-from dflash_core.models.optimizers import muon_class
-from dflash_core.models.trainer import epoch_steps_for, total_steps_for
+from dflash_core.models.training.optimizers import muon_class
+from dflash_core.models.training.trainer import epoch_steps_for, total_steps_for
 from dflash_core.observe.events import Event, Log
 from dflash_core.observe.sinks.wandb_sink import validate_wandb_settings
 from dflash_core.persist.build_cache import Progress

@@ -15,12 +15,12 @@ from typing import Callable
 
 from dflash_core import demo
 from dflash_core.config import Config, ConfigError
-from dflash_core.models.model_shape import model_shape
-from dflash_core.models.target_config import (
+from dflash_core.models.target.shape import model_shape
+from dflash_core.models.target.config import (
     REMOTE_CODE_HINT, default_layer_ids, needs_remote_code, remote_code_refusal,
 )
 from dflash_core.planning.attention_choice import choose_attention
-from dflash_core.planning.drafter_checks import check_drafter_heads, check_dspark
+from dflash_core.planning.drafter_checks import check_drafter_heads, check_family
 
 
 def resolve_target(cfg: Config, run_dir: Path, demo_progress,
@@ -87,7 +87,7 @@ def _check_target(cfg: Config, hf_config: dict) -> tuple[list[int], int]:
                           ) from exc
     n_layers, vocab = shape.layers, shape.vocab
     check_drafter_heads(cfg, hf_config)
-    check_dspark(cfg, vocab)
+    check_family(cfg, vocab)
     layer_ids = cfg.target.layer_ids or default_layer_ids(n_layers, cfg.target.num_features)
     if len(set(layer_ids)) != len(layer_ids):
         raise ConfigError("target.layer_ids", f"{layer_ids} repeats a layer: the target has only "

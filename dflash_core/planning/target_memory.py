@@ -11,8 +11,8 @@ from __future__ import annotations
 import math
 
 from dflash_core.config import Config
-from dflash_core.models import drafter_objective
-from dflash_core.models.model_shape import ModelShape, model_shape, num_features
+from dflash_core.families.registry import family_of, feature_vectors
+from dflash_core.models.target.shape import ModelShape, model_shape, num_features
 from dflash_core.planning.weight_bytes import FP32_BYTES, dtype_bytes, target_weight_parts
 
 
@@ -41,7 +41,7 @@ MOE_ROUTER_BYTES = 2 * FP32_BYTES  # + the dtype's logits
 # --------------------------------------------------------------------------------------------
 
 def _last_layer(cfg: Config, s: ModelShape) -> int:
-    if drafter_objective.is_dspark(cfg):
+    if family_of(cfg).last_hidden:
         return s.layers - 1  # the post-norm last hidden state: every layer runs
     # Default ids (target.default_layer_ids) spread from 1 to N-3; a single one is N // 2.
     if cfg.target.layer_ids:
@@ -127,7 +127,7 @@ def target_components(cfg: Config, s: ModelShape, hf_config: dict, on_cuda: bool
     t, b = cfg.data.token_budget, dtype_bytes(target_dtype(cfg, on_cuda))
     last = _last_layer(cfg, s) + 1
     run_types = set(s.layer_types[:last]) | {s.mlp_type(i) for i in range(last)}
-    features = t * drafter_objective.feature_vectors(cfg, num_features(cfg)) * s.hidden * b
+    features = t * feature_vectors(cfg, num_features(cfg)) * s.hidden * b
     return {
         **target_weight_parts(hf_config, target_dtype(cfg, on_cuda), quantized),
         "residual stream": RESIDUAL_LIVE * t * s.hidden * b,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from dflash_core.models.model_shape import Ledger, param_ledger, text_config
+from dflash_core.models.target.shape import Ledger, param_ledger, text_config
 
 FP32_BYTES = 4  # softmax / norms / losses upcast to float32; FP8 scales
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}

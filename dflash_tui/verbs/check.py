@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from dflash_core.check.serve_check import CheckOptions, run_check
     from dflash_core.data import DataError
-    from dflash_core.models.target_config import TargetLoadError
+    from dflash_core.models.target.config import TargetLoadError
 
     t0 = time.monotonic()
 

@@ -11,7 +11,7 @@ from textual.app import ComposeResult
 from textual.widgets import Sparkline, Static
 
 from dflash_core.eval import acceptance
-from dflash_core.models.dspark_calibration import Calibration
+from dflash_core.models.dspark.calibration import Calibration
 
 from .. import fmt
 from ..state.dashboard import DashboardState

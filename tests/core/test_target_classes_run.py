@@ -1,5 +1,5 @@
 """Targets beyond dense ones trained end to end through the engine on the CPU, one tiny
-random-weight model of each class (models/target_classes.py): the mixtures of experts, gpt-oss
+random-weight model of each class (models/target/target_classes.py): the mixtures of experts, gpt-oss
 (whose sdpa preflight turns into eager), the Gemma 3 multimodal wrapper and an FP8 checkpoint.
 Random weights: the runs must finish with finite losses and the plan and the log must say what
 the target is, not learn anything."""
@@ -16,8 +16,8 @@ from dflash_core.observe.events import Log, MemoryPlan, StepMetrics
 from .engine_fixtures import (  # noqa: F401 - shutdown_started_engines: autouse fixture
     make_config, make_data, run_config, shutdown_started_engines,
 )
-from .models.target_classes import MOE, TINY, build
-from .models.test_target_classes import remote_code_target  # noqa: F401 - a fixture
+from .models.target.target_classes import MOE, TINY, build
+from .models.target.test_target_classes import remote_code_target  # noqa: F401 - a fixture
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +56,7 @@ def test_each_target_class_trains_through_the_engine(tmp_path, data, name):
 def test_an_fp8_checkpoint_trains_on_the_cpu_and_the_log_says_it_is_dequantized(tmp_path, data):
     from dflash_core.planning.weight_bytes import target_weight_bytes
 
-    from .models.test_target_classes import fp8_checkpoint
+    from .models.target.test_target_classes import fp8_checkpoint
 
     folder = tmp_path / "fp8"
     folder.mkdir()

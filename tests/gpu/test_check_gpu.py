@@ -38,7 +38,7 @@ def test_check_finds_a_leak_in_the_gpu_block_mask(tmp_path, demo_data, monkeypat
         return make(torch.where(anchors >= 0, anchors + 1, anchors), ctx_len, block_size)
 
     # drafter.py holds its own name for the mask builder.
-    from dflash_core.models import drafter
+    from dflash_core.models.dflash import drafter
     monkeypatch.setattr(drafter, "make_block_mask", sees_its_anchor)
     result = run_check(_cfg(tmp_path, "gpu-leak"), CheckOptions(samples=1, reference=False),
                        lambda m: None)

@@ -11,11 +11,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dflash_core.models import dspark_format
-from dflash_core.models.dspark import DSparkDrafter
-from dflash_core.models.dspark_calibration import Calibration
+from dflash_core.models.dspark import format as dspark_format
+from dflash_core.models.dspark.drafter import DSparkDrafter
+from dflash_core.models.dspark.calibration import Calibration
 from dflash_core.eval.evaluate import evaluation_attention
-from dflash_core.models.replica import DrafterReplica
+from dflash_core.models.training.replica import DrafterReplica
 from dflash_core.observe.events import EvalResult, StepMetrics
 from dflash_core.checkpoint import save_load as ckpt
 from tests.core.engine_fixtures import make_config, make_data, make_target
@@ -76,7 +76,7 @@ def test_dspark_trains_on_one_gpu_and_its_checkpoint_is_the_served_folder(tmp_pa
     for name, value in back.state_dict().items():
         assert torch.equal(value.cpu(), masters[name].bfloat16().float()), name
     head = dspark_format.load_head(folder)
-    from dflash_core.models.target_load import load_target
+    from dflash_core.models.target.load import load_target
 
     target = load_target(cfg.target.path, device="cuda", dtype="bfloat16")
     assert torch.equal(head["lm_head.weight"].cuda(), target.lm_head.weight)

@@ -16,7 +16,7 @@ from tests.gpu.watch import Watched, watch_flex
 def drafter_on_gpu(tmp_path: Path, n_batches: int):
     """A tiny target's config on cuda:0, with n_batches of its batches, their bf16 features and
     an initial drafter: (cfg, gpu, target model, batches, features, drafter)."""
-    from tests.core.models.test_trainer import drafter_setup
+    from tests.core.models.training.test_trainer import drafter_setup
 
     target = make_target(tmp_path / "target", head_dim=16)
     data = make_data(tmp_path / "data")
@@ -78,8 +78,9 @@ def test_two_drafter_threads_compile_and_train_at_once_on_one_gpu(tmp_path: Path
     # compile seen by another's compiled call), not between devices: two replicas on one GPU,
     # each driven by its own thread through their first compiled steps, reproduce it on a
     # one-GPU machine.
-    from dflash_core.models.trainer import StepBarrier, make_replicas, reduce_and_step
-    from tests.core.models.test_trainer import head_copies
+    from dflash_core.models.training.trainer import make_replicas, reduce_and_step
+    from dflash_core.pipeline.step_barrier import StepBarrier
+    from tests.core.models.training.test_trainer import head_copies
 
     cfg, gpu, tm, batches, feats, init = drafter_on_gpu(tmp_path, 6)
     pair = make_replicas(init, [gpu, gpu], cfg.drafter, cfg.optim, *head_copies(tm))
@@ -118,10 +119,10 @@ def test_a_drafter_step_synchronises_with_the_gpu_once(tmp_path: Path):
     # waiting for the GPU, then read the step's numbers in one synchronisation.
     import warnings
 
-    from dflash_core.models.handoff import ready_event
-    from dflash_core.models.replica import ANCHOR_PAD, prepare_batch
-    from dflash_core.models.trainer import make_replicas, reduce_and_step
-    from tests.core.models.test_trainer import head_copies
+    from dflash_core.models.training.handoff import ready_event
+    from dflash_core.models.training.replica import ANCHOR_PAD, prepare_batch
+    from dflash_core.models.training.trainer import make_replicas, reduce_and_step
+    from tests.core.models.training.test_trainer import head_copies
 
     cfg, gpu, tm, batches, feats, init = drafter_on_gpu(tmp_path, 3)
     # As the loader hands them over: anchors and labels made, pinned.

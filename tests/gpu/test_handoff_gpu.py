@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 
-from dflash_core.models.handoff import FeatureCopier, ready_event
+from dflash_core.models.training.handoff import FeatureCopier, ready_event
 
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 
@@ -30,9 +30,9 @@ def test_copy_does_not_queue_behind_the_targets_next_forward():
 def test_two_gpu_replicas_reduce_with_nccl_like_one_drafter(tmp_path):
     from torch.cuda import nccl
 
-    from dflash_core.models.trainer import make_replicas, reduce_and_step
+    from dflash_core.models.training.trainer import make_replicas, reduce_and_step
     from tests.core.engine_fixtures import make_config, make_data, make_target
-    from tests.core.models.test_trainer import drafter_setup, head_copies
+    from tests.core.models.training.test_trainer import drafter_setup, head_copies
 
     target = make_target(tmp_path / "target", head_dim=16)
     data = make_data(tmp_path / "data")

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from dflash_core.eval.evaluate import plain_greedy, speculative_generate, target_fn_for
-from dflash_core.models.target import TargetModel
+from dflash_core.models.target.model import TargetModel
 from tests.core.eval.test_target_decoding import (
     BLOCK, LAYERS, MAX_NEW, PROMPTS, Recording, _qwen3, _qwen35,
 )

@@ -18,7 +18,7 @@ from dflash_core.observe.events import (
 )
 from dflash_core.eval.acceptance import calibration_line, evaluated_on, summary_line
 from dflash_core.observe.device_hours import event_line
-from dflash_core.models.dspark_calibration import Calibration
+from dflash_core.models.dspark.calibration import Calibration
 from dflash_core.units import GiB, size_text
 
 

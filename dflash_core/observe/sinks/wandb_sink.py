@@ -20,7 +20,7 @@ from dflash_core.config import ConfigError, WandbConfig
 from dflash_core.eval.acceptance import (
     ACCEPTED, AGREEMENT, MEASURES, MISSING, accepted_at, calibration_wandb, set_wandb,
 )
-from dflash_core.models.dspark_calibration import Calibration
+from dflash_core.models.dspark.calibration import Calibration
 from dflash_core.observe.device_hours import wandb_data
 from dflash_core.observe.errors import error_from_exception
 from dflash_core.observe.events import (

@@ -1,4 +1,4 @@
-from tests.core.models.test_drafter import reference_dflash  # noqa: F401  (the shared fixture)
+from tests.core.models.dflash.test_drafter import reference_dflash  # noqa: F401  (the shared fixture)
 
 import pytest
 

@@ -10,7 +10,7 @@ from dflash_core.check import diagnose as diag
 from dflash_core.check.serve_check import CheckOptions, judge, prepare, release, run_check, train
 from dflash_core.demo import demo_config
 from dflash_core.models import block_attention, objective
-from dflash_core.models.drafter import DFlashDrafter
+from dflash_core.models.dflash.drafter import DFlashDrafter
 
 # One sample, a short response: memorised in well under 100 steps on the demo.
 FAST = CheckOptions(samples=1, response_tokens=32, max_steps=200)

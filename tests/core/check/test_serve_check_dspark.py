@@ -11,14 +11,14 @@ import torch
 from dflash_core.check import diagnose as diag
 from dflash_core.check.serve_check import CheckOptions, judge, prepare, release, train
 from dflash_core.demo import demo_config
-from dflash_core.models import dspark_loss
-from dflash_core.models.dspark import DSparkDrafter
+from dflash_core.models.dspark import loss as dspark_loss
+from dflash_core.models.dspark.drafter import DSparkDrafter
 
 FAST = CheckOptions(samples=1, response_tokens=32, max_steps=300)
 B = 4
 
 # Memorising the DSpark drafter is a training of ~40 s on the CPU: make test-slow. The fast
-# path of its probes is tests/core/models/test_dspark_decoding.py; of check, the DFlash tests.
+# path of its probes is tests/core/models/dspark/test_dspark_decoding.py; of check, the DFlash tests.
 pytestmark = pytest.mark.slow
 
 
@@ -100,7 +100,7 @@ def test_dspark_findings_come_first_and_fail_the_verdict():
     """The verdict rules on synthetic evidence: a DSpark fault fails a check whose decoding
     looks healthy, and is named first."""
     from dflash_core.check.decode import DecodeResult, SampleDecode
-    from dflash_core.models.dspark_probes import DSparkProbes
+    from dflash_core.models.dspark.probes import DSparkProbes
 
     ours = DecodeResult("this engine", 4, [SampleDecode([1, 2, 3, 4, 5], [1, 2, 3, 4, 5], [4],
                                                         [(2, [1, 2, 3, 4])], 2)], drafts=4)

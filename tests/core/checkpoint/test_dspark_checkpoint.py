@@ -15,15 +15,16 @@ from torch import nn
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dflash_core.config import ConfigError, config_from_dict
-from dflash_core.models import dspark_format
-from dflash_core.models.drafter_kinds import dspark_settings, new_drafter
-from dflash_core.models.dspark import DSparkDrafter, DSparkSettings
+from dflash_core.models.dspark import format as dspark_format
+from dflash_core.families.registry import settings as dspark_settings
+from dflash_core.models.registry import new_drafter
+from dflash_core.models.dspark.drafter import DSparkDrafter, DSparkSettings
 from dflash_core.checkpoint import save_load as ckpt
 from dflash_core.checkpoint.layout import SERVED, STATE_JSON
-from dflash_core.checkpoint import size as checkpoint_size
 from dflash_core.checkpoint.async_writer import CheckpointWriter
 from dflash_core.checkpoint.staging import Staging
 from dflash_core.checkpoint.resume import expected_drafter_config, load_for_resume
+from dflash_core.checkpoint import size as checkpoint_size
 
 VOCAB, HIDDEN, LAYERS = 96, 32, 4
 TARGET = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64,
@@ -51,7 +52,7 @@ def _drafter(cfg, seed=0) -> DSparkDrafter:
     torch.manual_seed(seed)
     target = Qwen3Config(**TARGET)
     d = new_drafter("dspark", target, num_layers=1, target_layer_ids=[1, 2], block_size=0,
-                    mask_token_id=VOCAB - 1, dspark_settings=dspark_settings(cfg))
+                    mask_token_id=VOCAB - 1, settings=dspark_settings(cfg))
     embed = nn.Embedding(VOCAB, HIDDEN)
     head = nn.Linear(HIDDEN, VOCAB, bias=False)
     d.attach_target_head(embed, head)
@@ -221,8 +222,8 @@ def test_build_replicas_resumes_from_served_weights_without_the_frozen_copies(tm
     copies included: the replicas load the rest and borrow the target's."""
     from types import SimpleNamespace
 
-    from dflash_core.models.target import TargetModel
-    from dflash_core.models.trainer import build_replicas
+    from dflash_core.models.target.model import TargetModel
+    from dflash_core.models.training.trainer import build_replicas
 
     torch.manual_seed(0)
     tm = TargetModel(Qwen3ForCausalLM(Qwen3Config(**TARGET)))
@@ -233,8 +234,8 @@ def test_build_replicas_resumes_from_served_weights_without_the_frozen_copies(tm
                              optimizer_state=torch.optim.AdamW(d.parameters()).state_dict())
     (rep,) = build_replicas(cfg.drafter, cfg.optim, tm, [torch.device("cpu")], seed=0,
                             layer_ids=[1, 2], mask_id=VOCAB - 1, resume=resume,
-                            dspark=dspark_settings(cfg))
+                            settings=dspark_settings(cfg))
     for k, v in d.state_dict().items():
         assert torch.equal(rep.drafter.state_dict()[k], v)
     assert torch.equal(rep.drafter.lm_head.weight, tm.lm_head.weight)
-    assert isinstance(rep.dspark, DSparkSettings)
+    assert isinstance(rep.settings, DSparkSettings)

@@ -4,8 +4,8 @@
 import pytest
 
 from dflash_core.config import ConfigError, apply_overrides, config_from_dict, recipe_text
-from dflash_core.models.drafter_kinds import dspark_settings
-from dflash_core.models.dspark import DSparkSettings
+from dflash_core.families.registry import settings as dspark_settings
+from dflash_core.models.dspark.drafter import DSparkSettings
 
 
 def test_dflash_stays_the_default_and_dspark_takes_its_reference_sizes():

@@ -14,10 +14,10 @@ from dflash_core.demo import target_cache
 from dflash_core.config import ConfigError, config_from_dict
 from dflash_core.data import BatchStream, ShardedDataset, split_eval
 from dflash_core.data.byte_vocab import decode, encode
-from dflash_core.models.drafter import DFlashDrafter, build_drafter_config
+from dflash_core.models.dflash.drafter import DFlashDrafter, build_drafter_config
 from dflash_core.eval.evaluate import evaluate_tau, hf_target_fn, plain_greedy, target_fn_for
-from dflash_core.models.target_load import load_target
-from dflash_core.models.trainer import make_replicas, reduce_and_step
+from dflash_core.models.target.load import load_target
+from dflash_core.models.training.trainer import make_replicas, reduce_and_step
 
 
 @pytest.fixture(scope="module", autouse=True)

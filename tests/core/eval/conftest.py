@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from dflash_core.data.byte_vocab import MASK_ID
-from dflash_core.models.drafter import DFlashDrafter, build_drafter_config
-from dflash_core.models.dspark import DSparkDrafter, DSparkSettings, build_dspark_config
+from dflash_core.models.dflash.drafter import DFlashDrafter, build_drafter_config
+from dflash_core.models.dspark.drafter import DSparkDrafter, DSparkSettings, build_dspark_config
 
 DEMO_LAYERS = [1, 2, 3]
 # The template's own thinking switch, as Qwen3's: off writes an empty reasoning block.

@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from dflash_core.models.drafter import DFlashDrafter, build_drafter_config
+from dflash_core.models.dflash.drafter import DFlashDrafter, build_drafter_config
 from dflash_core.eval.evaluate import (
     evaluate_tau,
     hf_target_fn,

@@ -8,7 +8,7 @@ import pytest
 
 from dflash_core.eval import EvalInputError, EvalOptions, Evaluation, run_eval
 from tests.core.eval.conftest import chat_target, save_dflash, write_jsonl
-from tests.core.models.test_target_classes import made_remote
+from tests.core.models.target.test_target_classes import made_remote
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import pytest
 from dflash_core.eval import EvalInputError, EvalOptions, Evaluation, run_eval, spec_decode
 from dflash_core.eval.results import open_results
 from dflash_core.eval.evaluate import evaluate_tau, target_fn_for
-from dflash_core.models.target_load import load_target
+from dflash_core.models.target.load import load_target
 from tests.core.eval.conftest import DEMO_LAYERS, chat_target, save_dflash, save_dspark
 from tests.core.eval.conftest import write_jsonl
 
@@ -149,7 +149,7 @@ def test_sampled_runs_with_one_seed_are_equal(demo_eval, tmp_path):
 ])
 def test_bad_input_is_refused_before_the_target_loads(demo_eval, tmp_path, monkeypatch, case,
                                                       says):
-    import dflash_core.models.target_load as target_module
+    import dflash_core.models.target.load as target_module
 
     monkeypatch.setattr(target_module, "load_target",
                         lambda *a, **k: pytest.fail("the target was loaded"))

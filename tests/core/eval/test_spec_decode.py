@@ -11,7 +11,7 @@ from dflash_core.eval.sampling import prompt_generator
 from dflash_core.eval.spec_decode import DecodeSettings, decode_rows
 from dflash_core.eval.target_decoding import CachedRows, FullBatch, head_is_lm_head
 from dflash_core.eval.evaluate import evaluate_tau, plain_greedy, target_fn_for
-from dflash_core.models.target_load import load_target
+from dflash_core.models.target.load import load_target
 from tests.core.eval.conftest import DEMO_LAYERS, chat_target, save_dflash, save_dspark
 
 NEW = 24

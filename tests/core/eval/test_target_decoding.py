@@ -6,9 +6,9 @@ import pytest
 import torch
 from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3Config, Qwen3ForCausalLM
 
-from dflash_core.models.drafter import DFlashDrafter, build_drafter_config
+from dflash_core.models.dflash.drafter import DFlashDrafter, build_drafter_config
 from dflash_core.eval.evaluate import evaluate_tau, plain_greedy, speculative_generate, target_fn_for
-from dflash_core.models.target import TargetModel
+from dflash_core.models.target.model import TargetModel
 from dflash_core.eval.target_decoding import CachedDecoding, attention_only
 from tests.core.eval.test_evaluate import one_thread  # noqa: F401 - autouse: one thread
 

@@ -12,7 +12,7 @@ from dflash_core.models.agreement import (
     sample_positions,
 )
 from dflash_core.eval.evaluate import hf_target_fn, plain_greedy
-from dflash_core.models.target import TargetModel
+from dflash_core.models.target.model import TargetModel
 
 from tests.core.eval.test_evaluate import VOCAB, one_thread, tiny_qwen3  # noqa: F401 - one_thread: a fixture
 

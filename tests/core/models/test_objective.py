@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from dflash_core.models import objective as obj
-from dflash_core.models.drafter import DFlashDrafter, build_drafter_config
-from tests.core.models.test_drafter import tiny_target_config
+from dflash_core.models.dflash.drafter import DFlashDrafter, build_drafter_config
+from tests.core.models.dflash.test_drafter import tiny_target_config
 
 
 def test_anchors_are_valid_distinct_and_reseeded_per_epoch():

@@ -15,8 +15,8 @@ from dflash_core.data import ShardedDataset
 from dflash_core.pipeline.engine import Engine
 from dflash_core.observe.events import Log, Stall, StepMetrics
 from dflash_core.pipeline.headless import run_headless
-from dflash_core.models.target import TargetModel
-from dflash_core.models.replica import DrafterReplica
+from dflash_core.models.target.model import TargetModel
+from dflash_core.models.training.replica import DrafterReplica
 from dflash_core.observe.watchdog import Heartbeats, Watchdog, where
 
 from ..engine_fixtures import Recorder, assets, make_config, run_config  # noqa: F401 - fixture

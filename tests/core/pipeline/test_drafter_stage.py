@@ -6,7 +6,7 @@ import torch
 
 from dflash_core.checkpoint import save_load as ckpt
 from dflash_core.checkpoint.folders import latest_checkpoint
-from dflash_core.models.drafter import DFlashDrafter
+from dflash_core.models.dflash.drafter import DFlashDrafter
 from dflash_core.observe.events import Error, Log, StepMetrics
 
 from ..engine_fixtures import assets, make_config, run_config  # noqa: F401 - fixture

@@ -16,7 +16,7 @@ from dflash_core.observe.events import (
     Checkpoint, DrafterMetrics, Error, LoadProgress, Log, RunEnded, StepMetrics, WorkerStatus,
 )
 from dflash_core.observe.event_log import read_events
-from dflash_core.models.replica import DrafterReplica
+from dflash_core.models.training.replica import DrafterReplica
 
 from ..engine_fixtures import (  # noqa: F401 - assets is a fixture
     Recorder, assets, make_config, run_to_end, wait_no_engine_threads, write_config,

@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dflash_core.models import dspark_format
-from dflash_core.models.dspark import DSparkDrafter
-from dflash_core.models.dspark_calibration import Calibration
-from dflash_core.models.replica import DrafterReplica
+from dflash_core.models.dspark import format as dspark_format
+from dflash_core.models.dspark.drafter import DSparkDrafter
+from dflash_core.models.dspark.calibration import Calibration
+from dflash_core.models.training.replica import DrafterReplica
 from dflash_core.observe.events import Checkpoint, Error, EvalResult, RunEnded, StepMetrics
 from dflash_core.pipeline.engine import Engine
 from dflash_core.checkpoint import save_load as ckpt

@@ -15,8 +15,8 @@ import torch
 from dflash_core.checkpoint import save_load as ckpt
 from dflash_core.checkpoint.folders import latest_checkpoint
 from dflash_core.data import batching as data_mod
-from dflash_core.models import target as target_mod
-from dflash_core.models import target_load
+from dflash_core.models.target import model as target_mod
+from dflash_core.models.target import load as target_load
 from dflash_core.pipeline import target_stage
 from dflash_core.observe.events import (
     WORKER_STOPPED, Checkpoint, Error, LoadProgress, Log, QueueDepth, RunEnded, StateChanged,
@@ -26,7 +26,7 @@ from dflash_core.observe.sinks.jsonl import JsonlSink
 from dflash_core.observe.sinks.textlog import TextLogSink
 from dflash_core.observe.sinks.wandb_sink import WandbSink
 from dflash_core.observe.telemetry import TelemetrySampler
-from dflash_core.models.replica import DrafterReplica
+from dflash_core.models.training.replica import DrafterReplica
 
 from ..engine_fixtures import (  # noqa: F401 - assets, shutdown_started_engines: fixtures
     FAIL_WITHIN_S, Recorder, assets, ended, long_config, make_config, restart_and_train,

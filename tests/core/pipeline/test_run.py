@@ -106,7 +106,7 @@ def test_the_evaluation_decodes_uncompiled_and_training_keeps_its_attention(tmp_
     # Compiled FlexAttention at the evaluation's shapes (one block after a growing context)
     # compiled again at every evaluation and once found no kernel on an H200
     # (NoValidChoicesError); the evaluation uses the uncompiled attention, training its own.
-    from dflash_core.models.drafter import DFlashDrafter
+    from dflash_core.models.dflash.drafter import DFlashDrafter
 
     real = evaluation.evaluate_tau
     seen_in_eval, seen_in_training = [], set()

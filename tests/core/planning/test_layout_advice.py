@@ -4,7 +4,7 @@ import time
 
 from dflash_core.observe.events import Log, StepMetrics, TargetMetrics
 from dflash_core.planning.layout_advice import LayoutAdvisor
-from dflash_core.models.replica import DrafterReplica
+from dflash_core.models.training.replica import DrafterReplica
 
 from ..engine_fixtures import assets, make_config, run_config  # noqa: F401 - assets is a fixture
 

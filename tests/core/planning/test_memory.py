@@ -13,7 +13,7 @@ from dflash_core.planning.memory_report import format_plan
 from dflash_core.planning.weight_bytes import target_weight_bytes
 from dflash_core.units import GiB
 
-from ..models.test_model_shape import QWEN3_8B, QWEN36_27B
+from ..models.target.test_model_shape import QWEN3_8B, QWEN36_27B
 
 
 # --------------------------------------------------------------------------------------------

@@ -8,17 +8,20 @@ import pytest
 import torch
 
 from dflash_core.config import ConfigError, config_from_dict
-from dflash_core.models import drafter_objective
-from dflash_core.models.drafter_kinds import dspark_settings, new_drafter
-from dflash_core.models.dspark import DSparkSettings
-from dflash_core.models.model_shape import drafter_matrix_param_count, drafter_param_count
+from dflash_core.families import dspark as dspark_family
+from dflash_core.families import registry as drafter_objective
+from dflash_core.families.registry import settings as dspark_settings
+from dflash_core.models.registry import new_drafter
+from dflash_core.models.dspark.drafter import DSparkSettings
+from dflash_core.models.target.shape import drafter_matrix_param_count, drafter_param_count
 from dflash_core.checkpoint import size as checkpoint_size
 from dflash_core.planning import capacity_checks, drafter_checks
-from dflash_core.planning.drafter_memory import DSPARK_HEADS, DSPARK_LOSS_BYTES_PER_LOGIT
+from dflash_core.families.dspark import LOSS_BYTES_PER_LOGIT as DSPARK_LOSS_BYTES_PER_LOGIT
+from dflash_core.planning.drafter_memory import DSPARK_HEADS
 from dflash_core.planning.memory import cuda_margin, plan_memory
 from dflash_core.units import GiB
 
-from ..models.test_model_shape import QWEN36_27B
+from ..models.target.test_model_shape import QWEN36_27B
 from .test_memory import GPU96, H, K, T, V, node
 
 
@@ -33,22 +36,22 @@ def dspark(cfg, **keys):
 def test_defaults_are_the_reference_settings():
     s = DSparkSettings()
     assert (s.block_size, s.markov_rank, s.gamma) == (
-        drafter_objective.DSPARK_BLOCK_SIZE, drafter_objective.DSPARK_MARKOV_RANK,
-        drafter_objective.DSPARK_GAMMA)
-    assert (s.ce_weight, s.tv_weight, s.conf_weight) == drafter_objective.DSPARK_LOSS_WEIGHTS
+        dspark_family.BLOCK_SIZE, dspark_family.MARKOV_RANK,
+        dspark_family.GAMMA)
+    assert (s.ce_weight, s.tv_weight, s.conf_weight) == dspark_family.LOSS_WEIGHTS
 
 
 def test_a_config_without_the_key_is_dflash():
     cfg = config_from_dict({})
     assert drafter_objective.objective(cfg) == "dflash" and dspark_settings(cfg) is None
     assert drafter_objective.feature_vectors(cfg, 5) == 5
-    assert drafter_objective.dspark_head_params(cfg, H, V) == 0
+    assert drafter_objective.head_params(cfg, H, V) == 0
     cfg = dspark(config_from_dict({"drafter": {"block_size": 7, "gamma": 0}}), markov_rank=64,
                  conf_weight=0.0)
     s = dspark_settings(cfg)
     assert (s.block_size, s.markov_rank, s.gamma, s.conf_weight) == (7, 64, 4.0, 0.0)
     assert not s.confidence_head
-    assert drafter_objective.dspark_head_params(cfg, H, V) == 2 * 64 * V  # no confidence head
+    assert drafter_objective.head_params(cfg, H, V) == 2 * 64 * V  # no confidence head
     cfg.drafter.objective = "eagle"
     with pytest.raises(ValueError, match="drafter.objective 'eagle'"):
         dspark_settings(cfg)
@@ -110,19 +113,19 @@ def test_counts_match_a_built_dspark_drafter(optim):
                                    "target": {"layer_ids": [1, 3]},
                                    "optim": {"name": optim}}), markov_rank=16)
     d = new_drafter("dspark", Qwen3Config(**hf), num_layers=2, target_layer_ids=[1, 3],
-                    block_size=0, mask_token_id=299, dspark_settings=dspark_settings(cfg))
+                    block_size=0, mask_token_id=299, settings=dspark_settings(cfg))
     state = d.state_dict()
     assert sum(p.numel() for p in d.parameters()) == drafter_param_count(cfg, hf)
     params, matrices = checkpoint_size.state_counts(state, d.adamw_only)
     assert (params, matrices) == checkpoint_size.drafter_counts(cfg, hf)
     assert matrices == drafter_matrix_param_count(cfg, hf)
     assert checkpoint_size.state_counts(state)[1] - matrices == 2 * 16 * 300 + 64 + 16
-    from dflash_core.models.optimizers import split_params
+    from dflash_core.models.training.optimizers import split_params
     if optim == "muon":
         muon, _ = split_params(d, list(d.parameters()))
         assert sum(p.numel() for p in muon) == matrices
     frozen = checkpoint_size.frozen_count(cfg, hf)
-    from dflash_core.models import dspark_format
+    from dflash_core.models.dspark import format as dspark_format
     assert frozen == dspark_format.frozen_numel(d.config) == 2 * 300 * 64
     size = checkpoint_size.checkpoint_bytes(params, matrices, 2, optim, frozen)
     assert size - checkpoint_size.checkpoint_bytes(params, matrices, 2, optim) == frozen * 2
@@ -149,7 +152,7 @@ def test_checkpoint_disk_counts_the_frozen_copies(tmp_path):
 def test_dspark_settings_that_cannot_work_are_one_line(keys, key, words):
     cfg = dspark(node(block_size=7), **keys)
     with pytest.raises(ConfigError) as exc:
-        drafter_checks.check_dspark(cfg, V)
+        drafter_checks.check_family(cfg, V)
     assert exc.value.key == key and words in str(exc.value)
     assert "\n" not in str(exc.value) and key in exc.value.hint
 
@@ -158,6 +161,6 @@ def test_dspark_refuses_dpace():
     cfg = dspark(node(block_size=7))
     cfg.drafter.loss = "dpace"
     with pytest.raises(ConfigError, match="dpace does not combine") as exc:
-        drafter_checks.check_dspark(cfg, V)
+        drafter_checks.check_family(cfg, V)
     assert exc.value.key == "drafter.loss"
-    drafter_checks.check_dspark(node(), V)  # DFlash: nothing to check here
+    drafter_checks.check_family(node(), V)  # DFlash: nothing to check here

@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 
 from dflash_core.config import ConfigError, config_from_dict
-from dflash_core.models.model_shape import param_count
+from dflash_core.models.target.shape import param_count
 from dflash_core.planning.memory import plan_memory
 from dflash_core.planning.weight_bytes import MXFP4_BYTES, target_weight_bytes, target_weight_parts
 from dflash_core.planning.attention_choice import choose_attention
@@ -22,8 +22,8 @@ from dflash_core.planning.quantized_check import quantized_weights
 from dflash_core.planning.target_checks import check_target_code, resolve_target
 from dflash_core.units import GiB
 
-from ..models.target_classes import GPT_OSS_20B, MOE, QWEN3_30B_A3B, TINY, build
-from ..models.test_target_classes import fp8_checkpoint, mxfp4_checkpoint
+from ..models.target.target_classes import GPT_OSS_20B, MOE, QWEN3_30B_A3B, TINY, build
+from ..models.target.test_target_classes import fp8_checkpoint, mxfp4_checkpoint
 
 ROUTED = re.compile(r"\.mlp\.(experts\.|gate\.weight|router\.)")  # not shared_experts
 
@@ -238,8 +238,8 @@ def test_remote_code_is_refused_at_preflight_naming_the_key(tmp_path):
 def test_the_memory_plan_reads_a_remote_code_config_by_its_keys():
     """Kimi-K2 is DeepSeek-V3's architecture under a model type of its own: read by its keys,
     it is counted as transformers counts the same keys as deepseek_v3."""
-    from ..models.target_classes import DEEPSEEK_V3
-    from ..models.test_model_shape import hf_param_count
+    from ..models.target.target_classes import DEEPSEEK_V3
+    from ..models.target.test_model_shape import hf_param_count
 
     kimi = dict(DEEPSEEK_V3, **REMOTE, n_routed_experts=384, num_attention_heads=64,
                 num_key_value_heads=64, first_k_dense_replace=1, vocab_size=163840)

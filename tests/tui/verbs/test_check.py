@@ -39,7 +39,7 @@ def test_check_demo_passes(tmp_path, dflash_cache, capsys):
 def test_check_demo_finds_a_raw_last_layer(tmp_path, dflash_cache, capsys, monkeypatch):
     """The fault the check first found: the last layer's raw output trained on, while
     transformers (the reference, serving) gives it after the final norm: exit 1, named."""
-    from dflash_core.models.target import TargetModel
+    from dflash_core.models.target.model import TargetModel
 
     monkeypatch.setattr(TargetModel, "_as_hidden_states", lambda self, outputs: None)
     code, out = _check_demo(tmp_path, capsys)

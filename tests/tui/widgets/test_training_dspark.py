@@ -10,7 +10,7 @@ import pytest
 import tui_scenarios as sc
 
 from dflash_core.eval import acceptance
-from dflash_core.models.dspark_calibration import calibrate
+from dflash_core.models.dspark.calibration import calibrate
 from dflash_core.observe import events as ev
 from dflash_tui.app import DFlashApp
 from dflash_tui.sources.replay import ReplayController

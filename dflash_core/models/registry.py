@@ -1,0 +1,82 @@
+"""The drafter class of each family (families/registry.py holds the families themselves):
+a new drafter, or one rebuilt from a checkpoint's config.json or a model folder, refusing a
+drafter of another family than the run's."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from dflash_core.families.registry import FAMILIES, OBJECTIVES, family, objective_of
+from dflash_core.models.dflash.drafter import DFlashDrafter
+from dflash_core.models.dspark.drafter import DSparkDrafter
+
+# One registration per family: its drafter class answers for it (DFlashDrafter's interface).
+DRAFTERS: dict[str, type[DFlashDrafter]] = {c.family.name: c for c in (DFlashDrafter, DSparkDrafter)}
+assert tuple(DRAFTERS) == OBJECTIVES, "every family registers one drafter class"
+
+__all__ = ["DRAFTERS", "OBJECTIVES", "ObjectiveMismatch", "drafter_class", "drafter_from_config",
+           "expected_config", "load_drafter", "new_drafter", "new_config", "objective_of"]
+
+
+class ObjectiveMismatch(ValueError):
+    """A checkpoint or model folder of the other objective than the run's."""
+
+    error_kind = "config"
+
+    def __init__(self, where: str, found: str, wanted: str):
+        super().__init__(f"{where} holds {FAMILIES[found].title}, but drafter.objective is "
+                         f"{wanted}: set drafter.objective: {found} to continue it, or start a "
+                         "new run (another run name or output folder)")
+        self.found, self.wanted = found, wanted
+
+
+def drafter_class(objective: str) -> type[DFlashDrafter]:
+    return DRAFTERS[family(objective).name]
+
+
+def new_config(objective: str, target_config, *, num_layers: int, target_layer_ids: list[int],
+               block_size: int, mask_token_id: int, settings=None, **widths):
+    """The config of a fresh drafter of ``objective`` shaped like the target. ``settings``: the
+    family's (DSpark takes its block size from them); ``block_size`` is DFlash's. ``widths``:
+    hidden_size, intermediate_size, num_attention_heads, num_key_value_heads."""
+    return drafter_class(objective).new_config(
+        target_config, num_layers=num_layers, target_layer_ids=target_layer_ids,
+        block_size=block_size, mask_token_id=mask_token_id, settings=settings, **widths)
+
+
+def new_drafter(objective: str, target_config, *, num_layers: int, target_layer_ids: list[int],
+                block_size: int, mask_token_id: int, settings=None, **widths) -> DFlashDrafter:
+    """A freshly initialised drafter shaped like the target (seed torch first); ``settings``:
+    the family's (None: its defaults)."""
+    cfg = new_config(objective, target_config, num_layers=num_layers,
+                     target_layer_ids=target_layer_ids, block_size=block_size,
+                     mask_token_id=mask_token_id, settings=settings, **widths)
+    return drafter_class(objective)(cfg)
+
+
+def expected_config(objective: str, target_config, **kw) -> dict:
+    """The config.json a fresh drafter of ``objective`` writes (new_config's keywords)."""
+    return drafter_class(objective).serve_config_of(new_config(objective, target_config, **kw))
+
+
+def _check_found(config: dict, objective: str, where: str) -> type[DFlashDrafter]:
+    cls = drafter_class(objective)
+    found = objective_of(config)
+    if found != objective:
+        raise ObjectiveMismatch(where, found, objective)
+    return cls
+
+
+def drafter_from_config(config: dict, objective: str, where: str = "the checkpoint"):
+    """An uninitialised drafter of a checkpoint's config.json (load its weights next); raises
+    ObjectiveMismatch when the config is the other kind's."""
+    cls = _check_found(config, objective, where)
+    return cls(cls.config_from_dict(config))
+
+
+def load_drafter(folder: str | Path, objective: str):
+    """A drafter from a model folder (``drafter.init_from``) of the run's objective."""
+    folder = Path(folder)
+    cls = _check_found(json.loads((folder / "config.json").read_text()), objective, str(folder))
+    return cls.load(folder)
