@@ -231,8 +231,9 @@ def load_weights(spec: DrafterSpec, target_model, device) -> torch.nn.Module:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    cls = DSparkDrafter if spec.objective == "dspark" else DFlashDrafter
-    drafter = cls(spec.config)
+    from dflash_core.models.registry import drafter_class
+
+    drafter = drafter_class(spec.objective)(spec.config)
     try:
         state = load_file(str(spec.path / "model.safetensors"), device="cpu")
     except (SafetensorError, OSError) as exc:

@@ -31,6 +31,7 @@ from dflash_core.eval.sampling import prompt_generator
 from dflash_core.eval.spec_decode import DecodeSettings, decode_rows
 from dflash_core.eval.summary import Summary, first_difference, summarise
 from dflash_core.eval.target_decoding import head_is_lm_head, rows_backend
+from dflash_core.families.registry import family
 
 RESULTS = "results.json"
 # A greedy mismatch where the target's top two logits lie within this share of the top one is a
@@ -406,7 +407,7 @@ class Evaluation:
 
     def report(self) -> EvalReport:
         rep = EvalReport(self.out, self.settings, [s.label for s in self.specs],
-                         {s.label: s.block_size - 1 + int(s.objective == "dspark")
+                         {s.label: family(s.objective).drafts_per_round(s.block_size)
                           for s in self.specs}, hours={s.label: s.hours for s in self.specs})
         for p in self.sets:
             indices = list(range(len(p.prompts)))
