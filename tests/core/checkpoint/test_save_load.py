@@ -311,7 +311,7 @@ def test_every_file_is_checksummed_and_a_flipped_bit_is_named(tmp_path):
     ("missing:config.json", "is incomplete: config.json is missing"),
     (f"missing:{SHARD}", f"is incomplete: {SHARD} is missing"),
     ("missing:checksums.json",
-     "is incomplete: checksums.json is missing (a format-3 checkpoint writes it last)"),
+     "is incomplete: checksums.json is missing (a checkpoint of format 3 or later writes it last)"),
     ("truncated:model.safetensors", "is damaged: model.safetensors is truncated: "),
     ("garbled:checksums.json", "is damaged: checksums.json cannot be read (JSONDecodeError"),
     ("longer:config.json", "is damaged: config.json is "),
