@@ -107,7 +107,8 @@ FAULTS = {
     "missing shard": (lambda f: (f / SHARD).unlink(), f"is incomplete: {SHARD} is missing"),
     "missing checksums.json": (
         lambda f: (f / CHECKSUMS).unlink(),
-        "is incomplete: checksums.json is missing (a checkpoint of format 3 or later writes it last)"),
+        "is incomplete: checksums.json is missing (a checkpoint of format 3 or later writes it "
+        "last)"),
 }
 
 
