@@ -133,7 +133,7 @@ def main() -> None:
     opt.load_state_dict(loaded.optimizer_state)
     if device.type == "cuda":
         torch.cuda.synchronize()
-    size = sum(p.stat().st_size for p in out.path.iterdir())
+    size = sum(p.stat().st_size for p in out.path.rglob("*") if p.is_file())  # subfolder too
     print(f"resume: read {size / GiB:.2f} GiB in {read:.1f} s ({size / GiB / read:.2f} GiB/s), "
           f"on the device {time.monotonic() - t:.1f} s", flush=True)
     clear(run_dir)

@@ -18,7 +18,8 @@ from typing import Any, Callable
 from dflash_core import strict_json
 from dflash_core.checkpoint import safetensors_io
 from dflash_core.checkpoint.layout import (
-    CHECKSUMS, FILES, FORMAT_VERSION, LEGACY_STATE, STATE_JSON, CheckpointError,
+    CHECKSUMS, FORMAT_VERSION, LEGACY_STATE, SERVED_FILES, STATE_JSON, STATE_PATH,
+    CheckpointError, shard_path, state_json,
 )
 
 READ_CHUNK = 16 << 20  # bytes per read when a file's checksum is verified
@@ -40,9 +41,10 @@ def write_json(path: Path, obj: Any, indent: int) -> tuple[int, int]:
 
 
 def write_checksums(tmp: Path, sums: dict[str, dict]) -> None:
-    """checksums.json, the folder's last file: every other file there must have its entry (a
-    writer that reported none, or a file nobody reported, fails the save)."""
-    there = {p.name for p in tmp.iterdir()} - {CHECKSUMS}
+    """checksums.json, the folder's last file: every other file there, its subfolder's included,
+    must have its entry by relative path (a writer that reported none, or a file nobody
+    reported, fails the save)."""
+    there = {p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file()} - {CHECKSUMS}
     if there != set(sums):
         raise CheckpointError(
             f"checkpoint {tmp}: files and checksums disagree (written {sorted(there)}, "
@@ -154,7 +156,8 @@ def _read_checksums(folder: Path) -> dict[str, dict]:
 def verify(folder: str | os.PathLike, *, read: bool = True,
            progress: Callable[[int, int, int, int], None] | None = None) -> Verified:
     """Check a checkpoint folder against its checksums.json: every file there, of its recorded
-    size and (``read``) CRC-32; the files training_state.json names all present. ``read`` False
+    size and (``read``) CRC-32; the files training_state.json names all present (it is looked for
+    in the subfolder, then at the top level: ``state_json``). ``read`` False
     checks sizes and headers only (no file is read whole). Folders written before checksums
     (formats 1 and 2) get the checks they allow (files present, safetensors sizes as their
     headers say) and a note that they cannot be verified. ``progress(bytes_read, bytes_total,
@@ -167,8 +170,8 @@ def verify(folder: str | os.PathLike, *, read: bool = True,
         problems.append(f"{name} {what}")
         flagged.add(name)
 
-    if not (folder / STATE_JSON).exists() and (folder / LEGACY_STATE).is_file():
-        for name in FILES[:2]:
+    if not state_json(folder).exists() and (folder / LEGACY_STATE).is_file():
+        for name in SERVED_FILES:
             if not (folder / name).is_file():
                 wrong(name, "is missing")
         _check_sizes(folder, ["model.safetensors"], flagged, wrong)
@@ -180,10 +183,15 @@ def verify(folder: str | os.PathLike, *, read: bool = True,
             sums = _read_checksums(folder)
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             wrong(CHECKSUMS, f"cannot be read ({type(exc).__name__}: {exc})")
-    if not (folder / STATE_JSON).is_file():
-        wrong(STATE_JSON, "is missing")
+    sj = state_json(folder)
+    state_rel = sj.relative_to(folder).as_posix()
+    if not sj.is_file() and sums is not None and STATE_PATH not in sums:
+        state_rel = next((n for n in sums if n.endswith(STATE_JSON)), state_rel)  # format 3's
+    if not sj.is_file():
+        wrong(state_rel, "is missing")
     if sums is not None:
-        order = [n for n in FILES if n in sums] + sorted(n for n in sums if n not in FILES)
+        known = (*SERVED_FILES, state_rel)
+        order = [n for n in known if n in sums] + sorted(n for n in sums if n not in known)
         present = [n for n in order if (folder / n).is_file()]
         for name in order:
             if name not in present:
@@ -208,16 +216,16 @@ def verify(folder: str | os.PathLike, *, read: bool = True,
                                 f"{sums[name]['crc32']}): it changed after it was written")
     fmt = 3 if sums is not None else 2
     state = None
-    if (folder / STATE_JSON).is_file() and STATE_JSON not in flagged:
+    if sj.is_file() and state_rel not in flagged:
         try:
-            state = json.loads((folder / STATE_JSON).read_text(encoding="utf-8"))
+            state = json.loads(sj.read_text(encoding="utf-8"))
             fmt = max(fmt, int(state.get("format", 2)))
         except (OSError, ValueError, TypeError, AttributeError) as exc:
-            wrong(STATE_JSON, f"cannot be read ({type(exc).__name__}: {exc})")
+            wrong(state_rel, f"cannot be read ({type(exc).__name__}: {exc})")
     if fmt >= 3 and sums is None and CHECKSUMS not in flagged:
-        wrong(CHECKSUMS, "is missing (a format-3 checkpoint writes it last)")
+        wrong(CHECKSUMS, "is missing (a checkpoint of format 3 or later writes it last)")
     shards = state.get("shards", []) if isinstance(state, dict) else []
-    shards = shards if isinstance(shards, list) else []
+    shards = [shard_path(state_rel, n) for n in shards] if isinstance(shards, list) else []
     for name in ("config.json", "model.safetensors", *shards):
         if name not in flagged and not (folder / name).is_file():
             wrong(name, "is missing")

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from dflash_core import strict_json
-from dflash_core.checkpoint.layout import CHECKPOINTS, FILES, LEGACY_STATE, STATE_JSON
+from dflash_core.checkpoint.layout import CHECKPOINTS, LEGACY_STATE, SERVED_FILES, state_json
 from dflash_core.pids import pid_alive
 
 _STEP_RE = re.compile(r"^step-(\d+)$")
@@ -25,11 +25,12 @@ _DAMAGED_RE = re.compile(r"^damaged-step-(\d+)(-.+)?$")
 
 
 def _is_complete(folder: Path) -> bool:
-    """All fixed files there (format 2, or format 1's training_state.pt). The folder was renamed
+    """All fixed files there: the served ones and training_state.json (in its subfolder, or at
+    the top level in formats 2 and 3), or format 1's training_state.pt. The folder was renamed
     into place only once every file was written; load_checkpoint checks the shards."""
-    if not all((folder / name).is_file() for name in FILES[:2]):
+    if not all((folder / name).is_file() for name in SERVED_FILES):
         return False
-    return (folder / STATE_JSON).is_file() or (folder / LEGACY_STATE).is_file()
+    return state_json(folder).is_file() or (folder / LEGACY_STATE).is_file()
 
 
 def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:

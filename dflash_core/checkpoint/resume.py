@@ -168,7 +168,8 @@ def load_for_resume(run_dir: Path, expected: dict | None, publish: Callable[[Eve
                 f"resume: {exc}; moved it to {moved} (kept, not deleted) and trying the next "
                 "older checkpoint")))
             continue
-        size = sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
+        # Its subfolder (the training state) counted too.
+        size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
         took = time.monotonic() - t0
         checked = "verified" if not loaded.note else "read"
         publish(Log(level="info", source="engine", message=(

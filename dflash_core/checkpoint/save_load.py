@@ -30,8 +30,8 @@ from dflash_core.checkpoint.folders import clean_hidden, prune, remove_folder, s
 # from folders.py.
 from dflash_core.checkpoint.folders import latest_checkpoint  # noqa: F401
 from dflash_core.checkpoint.layout import (
-    CHECKPOINTS, CHECKSUMS, FORMAT_VERSION, LEGACY_STATE, MASTER, SERVED, STATE_JSON,
-    CheckpointError,
+    CHECKPOINTS, CHECKSUMS, FORMAT_VERSION, LEGACY_STATE, MASTER, SERVED, STATE_DIR, STATE_PATH,
+    CheckpointError, state_json,
 )
 from dflash_core.checkpoint.checksums import (
     check_safetensors, file_sum, verify, write_checksums, write_json,
@@ -123,8 +123,9 @@ def _io_error(exc: BaseException, root: Path) -> CheckpointError | None:
 
 @dataclass
 class FilePlan:
-    """One safetensors file of a checkpoint: (name in the file, name of the source tensor, dtype
-    to store or None to keep it) in file order."""
+    """One safetensors file of a checkpoint: its path relative to the step folder (a shard's is
+    in STATE_DIR) and its (name in the file, name of the source tensor, dtype to store or None
+    to keep it) in file order."""
 
     name: str
     entries: list[tuple[str, str, torch.dtype | None]]
@@ -158,7 +159,8 @@ def plan_files(tensors: dict[str, torch.Tensor], drafter_keys: list[str],
         w = min(range(writers), key=lambda i: load[i])
         shards[w].append(name)
         load[w] += nbytes(tensors[name])
-    plans = [[FilePlan(shard_name(w, writers), [(n, n, None) for n in sorted(shards[w])])]
+    plans = [[FilePlan(f"{STATE_DIR}/{shard_name(w, writers)}",
+                       [(n, n, None) for n in sorted(shards[w])])]
              for w in range(writers)]
     plans[0].insert(0, FilePlan("model.safetensors", model))
     return plans
@@ -217,7 +219,9 @@ def make_job(step: int, *, drafter_state: dict[str, torch.Tensor], drafter_confi
         if t.dtype not in safetensors_io.DTYPES:
             raise TypeError(f"{name}: dtype {t.dtype} cannot be stored in safetensors here")
     plans = plan_files(tensors, list(drafter_state), served_dtype, writers, list(served_extra))
-    state["shards"] = [f.name for files in plans for f in files if f.name != "model.safetensors"]
+    # Named relative to training_state.json's own folder (STATE_DIR).
+    state["shards"] = [Path(f.name).name for files in plans for f in files
+                       if f.name != "model.safetensors"]
     return SaveJob(int(step), drafter_config, state, tensors, plans,
                    static=frozenset(f"{SERVED}/{k}" for k in served_extra))
 
@@ -239,8 +243,9 @@ def _fail(exc: BaseException, root: Path, tmp: Path | None):
 
 
 def begin_save(run_dir: str | os.PathLike, job: SaveJob) -> Path:
-    """Make the hidden folder of ``job`` with its small files (config.json, training_state.json,
-    their checksums kept in ``job.sums``); returns it. Raises CheckpointError when the disk
+    """Make the hidden folder of ``job`` with its small files (config.json, and
+    training_state.json in its subfolder STATE_DIR, where the shards go too; their checksums kept
+    in ``job.sums`` by relative path); returns it. Raises CheckpointError when the disk
     refuses (nothing left behind)."""
     root = Path(run_dir) / CHECKPOINTS
     tmp = tmp_folder(run_dir, job.step)
@@ -249,8 +254,9 @@ def begin_save(run_dir: str | os.PathLike, job: SaveJob) -> Path:
         clean_hidden(root)
         remove_folder(tmp)
         tmp.mkdir()
-        for name, obj in (("config.json", job.drafter_config), (STATE_JSON, job.state)):
-            job.sums[name] = file_sum(*write_json(tmp / name, obj, 1 if name == STATE_JSON
+        (tmp / STATE_DIR).mkdir()
+        for name, obj in (("config.json", job.drafter_config), (STATE_PATH, job.state)):
+            job.sums[name] = file_sum(*write_json(tmp / name, obj, 1 if name == STATE_PATH
                                                   else 2))
     except BaseException as exc:
         _fail(exc, root, tmp)
@@ -351,12 +357,13 @@ def save_checkpoint(
 # --------------------------------------------------------------------------------------------
 
 def checkpoint_files(path: str | os.PathLike) -> list[Path]:
-    """The files of a checkpoint folder of format 2 or 3 (for sizes and progress)."""
+    """The files of a checkpoint folder of format 2 to 4 (for sizes and progress)."""
     path = Path(path)
-    state = json.loads((path / STATE_JSON).read_text(encoding="utf-8"))
+    sj = state_json(path)
+    state = json.loads(sj.read_text(encoding="utf-8"))
     extra = (CHECKSUMS,) if (path / CHECKSUMS).is_file() else ()
-    return [path / n for n in ("config.json", "model.safetensors", STATE_JSON, *state["shards"],
-                               *extra)]
+    return [path / "config.json", path / "model.safetensors", sj,
+            *(sj.parent / n for n in state["shards"]), *(path / n for n in extra)]
 
 
 def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu",
@@ -395,16 +402,17 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
             name = f"{LEGACY_STATE} (its entries)"
             state = {k: state[k] for k in ("step", "optimizer", "scheduler", "trainer")}
         else:
-            name = STATE_JSON
-            with open(path / name, encoding="utf-8") as f:
+            sj = state_json(path)
+            name = sj.relative_to(path).as_posix()
+            with open(sj, encoding="utf-8") as f:
                 skeleton = json.load(f)
-            shards = [path / n for n in skeleton["shards"]]
+            shards = [sj.parent / n for n in skeleton["shards"]]
             sizes = [p.stat().st_size for p in shards]
             total = sum(sizes)
             tensors: dict[str, torch.Tensor] = {}
             read = 0
             for i, (shard, size) in enumerate(zip(shards, sizes)):
-                name = shard.name
+                name = shard.relative_to(path).as_posix()
                 check_safetensors(shard)
                 in_shard = 0
                 with safe_open(str(shard), framework="pt", device=device) as f:
@@ -416,7 +424,7 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
                 read += size  # so the last report is total of total
                 if progress is not None:
                     progress(read, total, i + 1, len(shards))
-            name = f"{STATE_JSON} (its entries)"
+            name = f"{sj.relative_to(path).as_posix()} (its entries)"
             prefix = f"{MASTER}/"
             drafter_state = {k[len(prefix):]: v for k, v in tensors.items()
                              if k.startswith(prefix)}

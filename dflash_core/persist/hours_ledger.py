@@ -18,7 +18,7 @@ from pathlib import Path
 
 from dflash_core import strict_json
 from dflash_core.observe.device_hours import RECORD_KEY, Figure
-from dflash_core.checkpoint.layout import STATE_JSON
+from dflash_core.checkpoint.layout import state_json
 
 LEDGER = "device_hours.json"
 _lock = threading.Lock()  # the periodic figure (the engine's thread) and an evaluation's
@@ -47,10 +47,11 @@ def write_held(run_dir: str | os.PathLike, gpu: float, host: float, step: int) -
 
 
 def read_checkpoint_figure(folder: str | Path) -> Figure | None:
-    """The figure a checkpoint folder recorded (its training_state.json), without reading its
-    tensors; None for a folder of another kind, or one written before the figure was."""
+    """The figure a checkpoint folder recorded (its training_state.json, wherever the folder's
+    format keeps it), without reading its tensors; None for a folder of another kind, or one
+    written before the figure was."""
     try:
-        state = json.loads((Path(folder) / STATE_JSON).read_text(encoding="utf-8"))
+        state = json.loads(state_json(folder).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
     trainer = state.get("trainer") if isinstance(state, dict) else None

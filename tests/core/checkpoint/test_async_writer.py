@@ -12,7 +12,7 @@ import torch
 
 from dflash_core.checkpoint import save_load as ckpt
 from dflash_core.checkpoint.folders import latest_checkpoint
-from dflash_core.checkpoint.layout import CHECKSUMS
+from dflash_core.checkpoint.layout import CHECKSUMS, STATE_DIR
 from dflash_core.checkpoint.checksums import Verified, verify
 from dflash_core.checkpoint import safetensors_io
 from dflash_core.checkpoint.async_writer import CheckpointWriter
@@ -78,12 +78,15 @@ def test_staged_state_is_the_step_although_training_went_on(tmp_path):
     assert not torch.equal(m, opt.state_dict()["state"][0]["exp_avg"])  # training did go on
     served = ckpt.st.load_file(str(out.path / "model.safetensors"))
     assert all(t.dtype == torch.bfloat16 for t in served.values())
-    assert len([p for p in out.path.iterdir() if p.name.startswith("training_state-")]) == 2
+    # each writer wrote its shard into the training state's subfolder
+    assert len([p for p in (out.path / STATE_DIR).iterdir()
+                if p.name.startswith("training_state-")]) == 2
     # checksums.json holds every file of both writers, as they are on disk
     sums = json.loads((out.path / CHECKSUMS).read_text())["files"]
-    assert set(sums) == {p.name for p in out.path.iterdir()} - {CHECKSUMS}
+    assert set(sums) == {p.relative_to(out.path).as_posix() for p in out.path.rglob("*")
+                         if p.is_file()} - {CHECKSUMS}
     assert all(sums[n]["bytes"] == (out.path / n).stat().st_size for n in sums)
-    assert verify(out.path) == Verified(3, [], "")
+    assert verify(out.path) == Verified(4, [], "")
 
 
 def test_a_full_disk_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
@@ -147,6 +150,6 @@ def test_a_killed_writer_process_leaves_the_previous_checkpoint(tmp_path):
         _save(w, lin, opt, 3)
         out = w.wait(120)
         assert out.path is not None and w.pids() != [pid]
-        assert verify(out.path) == Verified(3, [], "")  # a writer process's checksums
+        assert verify(out.path) == Verified(4, [], "")  # a writer process's checksums
     finally:
         w.close()

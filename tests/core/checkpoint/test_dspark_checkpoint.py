@@ -20,7 +20,7 @@ from dflash_core.families.registry import settings as dspark_settings
 from dflash_core.models.registry import new_drafter
 from dflash_core.models.dspark.drafter import DSparkDrafter, DSparkSettings
 from dflash_core.checkpoint import save_load as ckpt
-from dflash_core.checkpoint.layout import SERVED, STATE_JSON
+from dflash_core.checkpoint.layout import SERVED, STATE_PATH
 from dflash_core.checkpoint.async_writer import CheckpointWriter
 from dflash_core.checkpoint.staging import Staging
 from dflash_core.checkpoint.resume import expected_drafter_config, load_for_resume
@@ -88,8 +88,9 @@ def _check_served_folder(folder: Path, d: DSparkDrafter):
     config = json.loads((folder / "config.json").read_text())
     assert config["architectures"] == ["Qwen3DSparkModel"] and "dflash_config" not in config
     assert (config["block_size"], config["markov_rank"]) == (3, 8)
-    for shard in json.loads((folder / STATE_JSON).read_text())["shards"]:
-        names = set(load_file(str(folder / shard)))
+    state = folder / STATE_PATH
+    for shard in json.loads(state.read_text())["shards"]:
+        names = set(load_file(str(state.parent / shard)))
         assert not any(n.startswith(f"{SERVED}/") or n.endswith(k)
                        for n in names for k in dspark_format.FROZEN_KEYS), names
     loaded = ckpt.load_checkpoint(folder)
@@ -105,7 +106,7 @@ def _check_served_folder(folder: Path, d: DSparkDrafter):
     params, matrices = checkpoint_size.state_counts(d.state_dict(), d.adamw_only)
     est = checkpoint_size.checkpoint_bytes(params, matrices, 2, "adamw",
                                            dspark_format.frozen_numel(d.config))
-    data = sum(p.stat().st_size for p in folder.iterdir() if p.suffix == ".safetensors")
+    data = sum(p.stat().st_size for p in folder.rglob("*.safetensors"))
     assert est <= data < est + 64 * 1024
 
 

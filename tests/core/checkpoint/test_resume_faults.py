@@ -25,7 +25,7 @@ import pytest
 
 from dflash_core.observe.events import Error, Log, RunEnded, StepMetrics
 from dflash_core.checkpoint.folders import list_checkpoints
-from dflash_core.checkpoint.layout import CHECKSUMS
+from dflash_core.checkpoint.layout import CHECKSUMS, STATE_DIR, STATE_JSON, STATE_PATH
 from dflash_core.checkpoint.checksums import Verified, verify
 from dflash_core.checkpoint.data_identity import data_identity
 from dflash_core.pipeline.engine import Engine
@@ -34,8 +34,9 @@ from dflash_core.pipeline.exit_codes import exit_code
 from ..engine_fixtures import (  # noqa: F401 - assets is a fixture
     assets, make_config, make_data, run_to_end, shutdown_started_engines,
 )
+from .old_formats import to_format
 
-SHARD = "training_state-00001-of-00001.safetensors"
+SHARD = f"{STATE_DIR}/training_state-00001-of-00001.safetensors"
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +87,8 @@ def flip_bit(path):
 
 
 def snapshot(folder):
-    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+    return {p.relative_to(folder): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file()}
 
 
 FAULTS = {
@@ -99,14 +101,14 @@ FAULTS = {
         lambda f: (f / SHARD).write_bytes((f / SHARD).read_bytes()[:1000]),
         f"is damaged: {SHARD} is truncated: 1000 bytes of the "),
     "missing training_state.json": (
-        lambda f: (f / "training_state.json").unlink(),
-        "is incomplete: training_state.json is missing"),
+        lambda f: (f / STATE_PATH).unlink(), f"is incomplete: {STATE_PATH} is missing"),
     "missing config.json": (
         lambda f: (f / "config.json").unlink(), "is incomplete: config.json is missing"),
     "missing shard": (lambda f: (f / SHARD).unlink(), f"is incomplete: {SHARD} is missing"),
     "missing checksums.json": (
         lambda f: (f / CHECKSUMS).unlink(),
-        "is incomplete: checksums.json is missing (a format-3 checkpoint writes it last)"),
+        "is incomplete: checksums.json is missing (a checkpoint of format 3 or later writes it "
+        "last)"),
 }
 
 
@@ -128,7 +130,7 @@ def test_a_damaged_newest_checkpoint_is_set_aside_and_the_older_one_resumed(
         "checkpoint: steps 4 to 6 (3 steps) are trained again" in said[1], said
     assert [m.step for m in rec.of(StepMetrics)] == [4, 5, 6]
     assert snapshot(aside) == before  # kept as it was, not overwritten by the new step-6
-    assert verify(step6) == Verified(3, [], "")  # the new one
+    assert verify(step6) == Verified(4, [], "")  # the new one
     log = (run_dir / "train.log").read_text()
     assert expected in log and "steps 4 to 6 (3 steps) are trained again" in log
 
@@ -159,11 +161,10 @@ def test_a_checkpoint_written_before_checksums_and_data_identities_resumes_with_
         tmp_path, assets, done_run):
     run_dir, data = copy_run(done_run, tmp_path)
     step6 = run_dir / "checkpoints" / "step-6"
-    (step6 / CHECKSUMS).unlink()
-    state = json.loads((step6 / "training_state.json").read_text())
-    state["format"] = 2
+    to_format(step6, 2)  # the training state at the top level, no checksums.json
+    state = json.loads((step6 / STATE_JSON).read_text())
     del state["trainer"]["data"]
-    (step6 / "training_state.json").write_text(json.dumps(state))
+    (step6 / STATE_JSON).write_text(json.dumps(state))
     cfg, rec = resume(tmp_path, assets, data, run__max_steps=7)
     assert rec.of(RunEnded)[0].status == "finished" and not warnings(rec)
     notes = [m.message for m in rec.of(Log) if m.level == "info"]
@@ -174,6 +175,25 @@ def test_a_checkpoint_written_before_checksums_and_data_identities_resumes_with_
     assert [m.step for m in rec.of(StepMetrics)] == [7]
 
 
+def test_a_format_3_checkpoint_verifies_and_resumes(tmp_path, assets, done_run):
+    # Format 3 kept the training state at the top level: readers fall back to it.
+    run_dir, data = copy_run(done_run, tmp_path)
+    step6 = to_format(run_dir / "checkpoints" / "step-6", 3)
+    assert not (step6 / STATE_DIR).exists() and (step6 / STATE_JSON).is_file()
+    assert verify(step6) == Verified(3, [], "")
+    flip_bit(step6 / SHARD.split("/")[-1])
+    assert verify(step6).problems[0].startswith(
+        f"{SHARD.split('/')[-1]} does not match its checksum")
+    run_dir, data = copy_run(done_run, tmp_path / "again")  # intact, to resume
+    step6 = to_format(run_dir / "checkpoints" / "step-6", 3)
+    cfg, rec = resume(tmp_path / "again", assets, data, run__max_steps=7)
+    assert rec.of(RunEnded)[0].status == "finished" and not warnings(rec)
+    assert any(m.message.startswith(f"resume: verified {step6} (") for m in rec.of(Log))
+    assert [m.step for m in rec.of(StepMetrics)] == [7]
+    step7 = run_dir / "checkpoints" / "step-7"
+    assert verify(step7) == Verified(4, [], "") and (step7 / STATE_PATH).is_file()
+
+
 def test_a_resume_on_another_data_set_is_refused_naming_both_and_allowed_with_the_key(
         tmp_path, assets):
     data = make_data(tmp_path / "data")
@@ -182,7 +202,7 @@ def test_a_resume_on_another_data_set_is_refused_naming_both_and_allowed_with_th
     assert run_to_end(engine).of(RunEnded)[0].status == "finished"
     engine.shutdown()
     step3 = cfg.run_dir / "checkpoints" / "step-3"
-    trained_on = json.loads((step3 / "training_state.json").read_text())["trainer"]["data"]
+    trained_on = json.loads((step3 / STATE_PATH).read_text())["trainer"]["data"]
     shutil.rmtree(data)
     make_data(data, n=48, seed=7)  # another data set in the same folder
     now = data_identity(data, sorted(data.glob("*.arrow")), 48)
@@ -208,7 +228,7 @@ def test_a_resume_on_another_data_set_is_refused_naming_both_and_allowed_with_th
     assert now["id"] in said and trained_on["id"] in said and "epoch 0 with " in said
     assert [m.step for m in rec.of(StepMetrics)] == [4, 5]
     # the new checkpoint records the data it now trains on: the next resume takes it as is
-    wrote = json.loads((cfg.run_dir / "checkpoints" / "step-5" / "training_state.json")
+    wrote = json.loads((cfg.run_dir / "checkpoints" / "step-5" / STATE_PATH)
                        .read_text())["trainer"]["data"]
     assert wrote["id"] == now["id"]
 

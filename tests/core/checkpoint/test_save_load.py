@@ -20,8 +20,11 @@ from dflash_core.checkpoint.save_load import (
 from dflash_core.checkpoint.folders import (
     checkpoint_step, damaged_folders, latest_checkpoint, list_checkpoints, step_folders,
 )
-from dflash_core.checkpoint.layout import CHECKSUMS, FILES, CheckpointError
+from dflash_core.checkpoint.layout import (
+    CHECKSUMS, FILES, STATE_DIR, STATE_PATH, CheckpointError,
+)
 from dflash_core.checkpoint.checksums import Verified, verify
+from tests.core.checkpoint.old_formats import to_format
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -59,12 +62,15 @@ def test_round_trip_and_rng(tmp_path):
                            optimizer_state=opt.state_dict(), scheduler_state=sched.state_dict(),
                            trainer_state=trainer, keep=2)
     assert path == tmp_path / "checkpoints" / "step-42"
-    assert sorted(p.name for p in path.iterdir()) == sorted(
-        FILES + ("training_state-00001-of-00001.safetensors", CHECKSUMS))
+    # The top level is the served folder; the training state lies in its subfolder.
+    assert sorted(p.name for p in path.iterdir()) == [
+        CHECKSUMS, "config.json", "model.safetensors", STATE_DIR]
+    assert sorted(p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file()) == \
+        sorted(FILES + (SHARD, CHECKSUMS))
     # The weights are plain interchange format, readable without this package.
     assert set(safetensors.torch.load_file(str(path / "model.safetensors"))) == set(drafter)
     # No pickle: the training state is JSON and safetensors.
-    assert not any(p.suffix == ".pt" for p in path.iterdir())
+    assert not any(p.suffix == ".pt" for p in path.rglob("*"))
 
     _draws()  # move every generator on
     ck = load_checkpoint(path)
@@ -123,7 +129,7 @@ def test_latest_ignores_tmp_and_incomplete(tmp_path):
     assert latest_checkpoint(tmp_path) is None
     _save(tmp_path, 2)
     root = tmp_path / "checkpoints"
-    (root / ".tmp-step-9-12345").mkdir()
+    (root / ".tmp-step-9-12345" / STATE_DIR).mkdir(parents=True)
     for name in FILES:
         (root / ".tmp-step-9-12345" / name).write_bytes(b"x")
     (root / "step-8").mkdir()
@@ -260,7 +266,8 @@ def test_loading_reports_bytes_and_shards_and_a_resume_shows_them(tmp_path):
     load_checkpoint(folder, progress=lambda *a: calls.append(a))
     # every file is read once, to verify it: config, weights, training state and its shard
     read, total, files, of = calls[-1]
-    on_disk = sum(p.stat().st_size for p in folder.iterdir() if p.name != CHECKSUMS)
+    on_disk = sum(p.stat().st_size for p in folder.rglob("*")
+                  if p.is_file() and p.name != CHECKSUMS)
     assert read == total == on_disk > 64 * 64 * 4 and (files, of) == (4, 4)
     assert all(c[3] == 4 and 0 <= c[2] <= 4 for c in calls) and calls[0][2] == 0
     assert [c[0] for c in calls] == sorted(c[0] for c in calls)
@@ -276,7 +283,7 @@ def test_loading_reports_bytes_and_shards_and_a_resume_shows_them(tmp_path):
 # Verification: checksums.json (format 3), and what older formats allow
 # --------------------------------------------------------------------------------------------
 
-SHARD = "training_state-00001-of-00001.safetensors"
+SHARD = f"{STATE_DIR}/training_state-00001-of-00001.safetensors"
 
 
 def flip_bit(path, at=None):
@@ -290,12 +297,12 @@ def flip_bit(path, at=None):
 def test_every_file_is_checksummed_and_a_flipped_bit_is_named(tmp_path):
     folder = _save(tmp_path, 1, optimizer_state={"m": torch.ones(1000)})
     sums = json.loads((folder / CHECKSUMS).read_text())
-    assert sums["format"] == 3 and sums["algorithm"] == "crc32"
+    assert sums["format"] == 4 and sums["algorithm"] == "crc32"
     assert set(sums["files"]) == set(FILES) | {SHARD}
     for name, entry in sums["files"].items():
         raw = (folder / name).read_bytes()
         assert entry == {"bytes": len(raw), "crc32": f"{zlib.crc32(raw):08x}"}
-    assert verify(folder) == Verified(3, [], "")
+    assert verify(folder) == Verified(4, [], "")
     flip_bit(folder / SHARD)
     v = verify(folder)
     assert v.kind == "damaged" and len(v.problems) == 1
@@ -307,11 +314,11 @@ def test_every_file_is_checksummed_and_a_flipped_bit_is_named(tmp_path):
 
 
 @pytest.mark.parametrize("fault, expected", [
-    ("missing:training_state.json", "is incomplete: training_state.json is missing"),
+    (f"missing:{STATE_PATH}", f"is incomplete: {STATE_PATH} is missing"),
     ("missing:config.json", "is incomplete: config.json is missing"),
     (f"missing:{SHARD}", f"is incomplete: {SHARD} is missing"),
     ("missing:checksums.json",
-     "is incomplete: checksums.json is missing (a format-3 checkpoint writes it last)"),
+     "is incomplete: checksums.json is missing (a checkpoint of format 3 or later writes it last)"),
     ("truncated:model.safetensors", "is damaged: model.safetensors is truncated: "),
     ("garbled:checksums.json", "is damaged: checksums.json cannot be read (JSONDecodeError"),
     ("longer:config.json", "is damaged: config.json is "),
@@ -335,30 +342,30 @@ def test_an_incomplete_or_damaged_folder_names_what_is_wrong(tmp_path, fault, ex
 
 
 def test_a_folder_written_before_checksums_loads_with_a_note(tmp_path):
-    folder = _save(tmp_path, 4)
-    (folder / CHECKSUMS).unlink()
-    state = json.loads((folder / "training_state.json").read_text())
-    state["format"] = 2
-    (folder / "training_state.json").write_text(json.dumps(state))
+    folder = to_format(_save(tmp_path, 4), 2)
     loaded = load_checkpoint(folder)
     assert loaded.step == 4 and loaded.format == 2
     assert loaded.note == "written before checksums (format 2): it cannot be verified"
-    (folder / SHARD).write_bytes((folder / SHARD).read_bytes()[:-4])  # sizes are still checked
-    with pytest.raises(CheckpointError, match=f"damaged: {SHARD} is truncated: "):
+    shard = Path(SHARD).name  # at the top level in format 2
+    (folder / shard).write_bytes((folder / shard).read_bytes()[:-4])  # sizes are still checked
+    with pytest.raises(CheckpointError, match=f"damaged: {shard} is truncated: "):
         load_checkpoint(folder)
 
 
 def test_a_damaged_folder_of_the_step_being_written_is_set_aside_not_overwritten(tmp_path):
     root = tmp_path / "checkpoints"
     _save(tmp_path, 2, fill=1)
-    (root / "step-2" / "training_state.json").unlink()
-    before = {p.name: p.read_bytes() for p in (root / "step-2").iterdir()}
+    (root / "step-2" / STATE_PATH).unlink()
+
+    def files(folder):
+        return {p.relative_to(folder): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+    before = files(root / "step-2")
     notes = []
     _save(tmp_path, 2, fill=5, note=notes.append)
     (note,) = notes
-    assert f"checkpoint {root / 'step-2'} is damaged (training_state.json is missing)" in note
+    assert f"checkpoint {root / 'step-2'} is damaged ({STATE_PATH} is missing)" in note
     assert f"moved it to {root / 'damaged-step-2'} (kept, not deleted)" in note
-    assert {p.name: p.read_bytes() for p in (root / "damaged-step-2").iterdir()} == before
+    assert files(root / "damaged-step-2") == before
     assert load_checkpoint(root / "step-2").trainer_state["value"] == 5
     # an intact one of the same step is replaced as before, and a second damaged one is kept
     # beside the first

@@ -26,7 +26,7 @@ from dflash_core.checkpoint import save_load as ckpt
 from dflash_core.checkpoint.folders import (
     checkpoint_step, latest_checkpoint, list_checkpoints,
 )
-from dflash_core.checkpoint.layout import CheckpointError
+from dflash_core.checkpoint.layout import STATE_PATH, CheckpointError
 from dflash_core.pipeline.engine import Engine
 from dflash_core.observe.events import Error, Log, RunEnded, RunStarted, StepMetrics
 from dflash_core.observe.event_log import read_events
@@ -169,7 +169,7 @@ def test_every_checkpoint_damaged_fails_naming_them(tmp_path, assets, done_run):
     target, data = assets
     run_dir = copy_run(done_run, tmp_path)
     for step in (3, 6):
-        (run_dir / "checkpoints" / f"step-{step}" / "training_state.json").write_bytes(b"junk")
+        (run_dir / "checkpoints" / f"step-{step}" / STATE_PATH).write_bytes(b"junk")
     engine, rec = run(make_config(tmp_path, target, data, data__eval_prompts=0), resume=True)
     assert rec.of(RunEnded)[0].status == "failed"
     err = fatal(rec)

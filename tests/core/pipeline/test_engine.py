@@ -94,8 +94,10 @@ def test_run_finishes_with_its_records(tmp_path, assets):
                                 "prompt_set": ""}
     for step in (3, 6):
         folder = run_dir / "checkpoints" / f"step-{step}"
-        assert {p.name for p in folder.iterdir()} >= {"config.json", "model.safetensors",
-                                                     "training_state.json"}
+        # the top level is the served folder; the training state in its subfolder
+        assert {p.name for p in folder.iterdir()} == {"config.json", "model.safetensors",
+                                                     "checksums.json", "training_state"}
+        assert (folder / "training_state" / "training_state.json").is_file()
         assert ckpt.load_checkpoint(folder).step == step
     assert wait_no_engine_threads() == []
 

@@ -77,7 +77,7 @@ def test_trains_evaluates_checkpoints_and_resumes(tmp_path, assets, monkeypatch)
     loaded = ckpt.load_checkpoint(folder)
     assert not set(dspark_format.FROZEN_KEYS) & set(loaded.drafter_state)
     # what the run counted for a checkpoint is what the folder holds (the JSON aside)
-    size = sum(p.stat().st_size for p in folder.iterdir() if p.suffix == ".safetensors")
+    size = sum(p.stat().st_size for p in folder.rglob("*.safetensors"))
     (said,) = [c.bytes for c in rec.of(Checkpoint) if c.step == 4 and c.bytes]
     assert said <= size < said + 64 * 1024
 

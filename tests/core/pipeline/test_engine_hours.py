@@ -7,6 +7,7 @@ import json
 import pytest
 
 from dflash_core.observe.device_hours import RECORD_KEY, Figure
+from dflash_core.checkpoint.layout import STATE_PATH
 from dflash_core.persist.hours_ledger import read_checkpoint_figure
 from dflash_core.observe.event_log import read_events
 from dflash_core.observe.events import DeviceHours, EvalResult, RunEnded, StepMetrics
@@ -78,7 +79,7 @@ def test_a_resume_goes_on_from_the_checkpoints_figure(tmp_path, assets):
     # the run folder's record
     assert end2.lost_host == pytest.approx(end1.host_hours - saved.host, abs=1e-9)
     assert read_held(cfg.run_dir)[1] == pytest.approx(end2.host_hours + end2.lost_host)
-    final = json.loads((cfg.run_dir / "checkpoints" / "step-6" / "training_state.json")
+    final = json.loads((cfg.run_dir / "checkpoints" / "step-6" / STATE_PATH)
                        .read_text())["trainer"][RECORD_KEY]
     assert Figure.from_record(final).host > saved.host
     assert any("resume: device time so far" in getattr(e, "message", "") for e in rec2.events)

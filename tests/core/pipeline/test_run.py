@@ -201,5 +201,5 @@ def test_a_damaged_folder_in_the_way_of_a_checkpoint_is_set_aside_and_said_so(tm
     assert f"moved it to {root / 'damaged-step-4'} (kept, not deleted) before writing step 4 " \
         "again" in said.message
     assert (root / "damaged-step-4" / "config.json").read_text() == "{}"
-    assert verify(root / "step-4") == Verified(3, [], "")
+    assert verify(root / "step-4") == Verified(4, [], "")
     assert [c.step for c in rec.of(Checkpoint)] == [2, 4]
