@@ -43,7 +43,7 @@ class Probes:
     anchors: list[int] = field(default_factory=list)
     # DSpark: relative difference of the trained post-norm last hidden state and transformers'
     last_hidden: float | None = None
-    # DSpark: dspark_probes.DSparkProbes of the trained drafter (its own faults)
+    # DSpark: models/dspark/probes.DSparkProbes of the trained drafter (its own faults)
     dspark: object | None = None
 
 

@@ -9,7 +9,8 @@
    with the saved checkpoint in the public reference implementation when it is importable (a
    DFlash drafter only: the reference decodes no DSpark drafter; DSpark's chain drafting is
    judged by its own probes);
-6. diagnose: probes of the trained drafter (for DSpark also dspark_probes'), then the verdict.
+6. diagnose: probes of the trained drafter (for DSpark also models/dspark/probes.py's), then the
+   verdict.
 
 Everything it writes goes to ``<run folder>/check/`` (the samples as shards, the checkpoint in
 the interchange format, ``check.json``), which a later run in that folder ignores.

@@ -196,7 +196,7 @@ def make_job(step: int, *, drafter_state: dict[str, torch.Tensor], drafter_confi
              served_extra: dict[str, torch.Tensor] | None = None) -> SaveJob:
     """Take a checkpoint's state apart into JSON and named tensors (references, not copies).
     ``served_extra``: tensors written into model.safetensors only (cast to ``served_dtype``),
-    never into the training state: DSpark's frozen copies (dspark_format.frozen_tensors).
+    never into the training state: DSpark's frozen copies (models/dspark/format.frozen_tensors).
     Raises TypeError, before anything is written, on state a checkpoint cannot hold."""
     tensors: dict[str, torch.Tensor] = {}
     served_extra = served_extra or {}

@@ -201,7 +201,7 @@ def report_rows(ev) -> list[list[str]]:
 
 
 # -- DSpark: the confidence head's calibration and what a verifier using it would gain --------
-# (dspark_calibration.Calibration; measured on the exact-decoding rounds of the evaluation)
+# (models/dspark/calibration.Calibration; measured on the exact-decoding rounds of the evaluation)
 
 CONFIDENCE = Measure("expected", "confidence@k", "eval/confidence_at",
                      "per draft slot k (0 ..): mean confidence where the slot was reached / "

@@ -9,7 +9,7 @@ checkpoint), or a model folder (``config.json`` + ``model.safetensors``). The ki
   ``target_layer_ids`` under ``dflash_config``; the public reference's released folders keep
   ``block_size`` (and may keep the others) at the top level. Both are read; the drafter's layers
   must be full attention (a sliding-window drafter is another model).
-- ``Qwen3DSparkModel``: the served DSpark folder (dspark_format.py), its frozen embedding and
+- ``Qwen3DSparkModel``: the served DSpark folder (models/dspark/format.py), its frozen embedding and
   lm_head copies left unread (the target's own are borrowed).
 
 Every drafter is checked against the target before anything is decoded: its hidden size and

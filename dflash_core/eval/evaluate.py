@@ -4,11 +4,11 @@ measures (docs/algorithm.md), and the teacher-forced tau the run's evaluation co
 
 A round: the drafter proposes its drafts after the last accepted token from the target features
 of the accepted context (B-1 for DFlash; B for DSpark, whose anchor slot predicts, chained
-through its Markov head, with each round's confidences recorded for dspark_calibration.py); ONE
-target forward over context + block verifies them; the longest prefix equal to the target's own
-argmax is accepted and the target's next argmax (the "bonus" token) is appended. The output is
-exactly the target's greedy decoding, whatever the drafter proposes (lossless), and tau =
-mean(accepted + 1) per round.
+through its Markov head, with each round's confidences recorded for
+models/dspark/calibration.py); ONE target forward over context + block verifies them; the
+longest prefix equal to the target's own argmax is accepted and the target's next argmax (the
+"bonus" token) is appended. The output is exactly the target's greedy decoding, whatever the
+drafter proposes (lossless), and tau = mean(accepted + 1) per round.
 
 The target's state between rounds is a ``target_decoding.Decoding``: a full forward over the whole
 sequence per round (any ``TargetFn``), or the target's cache (``target_fn_for(..., cache=True)``),
@@ -86,7 +86,7 @@ class EvalSummary:
     # teacher-forced block scores exactly what that round accepted.
     anchors: list[list[int]] = field(default_factory=list)
     # A drafter with a confidence head: per round of all prompts, its drafts' confidences and how
-    # many of them were accepted (dspark_calibration.calibrate's input).
+    # many of them were accepted (models/dspark/calibration.calibrate's input).
     confidences: list[list[float]] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
 

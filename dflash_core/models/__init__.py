@@ -1,1 +1,2 @@
-"""The models and the objective: the frozen target, the drafter, block attention, the loss, the optimizer step, exact-tau evaluation."""
+"""The models: the frozen target (target/), a folder per drafter family (dflash/, dspark/) behind
+one registry (registry.py), their training (training/), block attention and the objective."""

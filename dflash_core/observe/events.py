@@ -127,8 +127,8 @@ class WorkerStatus(Event):
 
 @dataclass(frozen=True)
 class LoadProgress(Event):
-    """A load's progress: a target's weights (models/target_load.load_target reports these fields but
-    the worker and device), or a checkpoint a resume reads (worker "checkpoint")."""
+    """A load's progress: a target's weights (models/target/load.load_target reports these
+    fields but the worker and device), or a checkpoint a resume reads (worker "checkpoint")."""
 
     worker: str
     device: str
@@ -212,8 +212,8 @@ class EvalResult(Event):
     findings: list = field(default_factory=list)  # kinds raised: "mismatch", "data", "overfit"
     seconds: float = 0.0  # the evaluation's wall time
     # A drafter with a confidence head (DSpark): the head's calibration on the exact-decoding
-    # rounds, dspark_calibration.Calibration as a dict ({} = none); acceptance.calibration_*
-    # words it, dspark_calibration.Calibration.from_dict reads it back.
+    # rounds, models/dspark/calibration.Calibration as a dict ({} = none); acceptance.calibration_*
+    # words it, calibration.Calibration.from_dict reads it back.
     calibration: dict = field(default_factory=dict)
     # The prompts evaluated: "" = the held-out prompts of the data (every measure, the findings);
     # a name = that set of eval.prompt_sets (exact tau and its histogram only; the teacher-forced
