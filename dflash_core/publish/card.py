@@ -97,6 +97,7 @@ def render(f: Facts, out: Path, checkpoint: Path, how: str) -> str:
                                  if f.num_target_layers else "")
     drafts = (f"{f.drafts_per_round} (B: the anchor slot predicts too)" if f.objective == "dspark"
               else f"{f.drafts_per_round} (B - 1)")
+    key = "`dflash_config.{}`" if f.objective == "dflash" else "`{}`"
     lines = [front_matter(f),
              f"# {f.title} drafter for {target}", "",
              f"A {f.title} speculative-decoding drafter (`{f.architecture}`): a small model that "
@@ -108,10 +109,10 @@ def render(f: Facts, out: Path, checkpoint: Path, how: str) -> str:
              _row("target", f"`{target}`" if f.target else "not recorded",
                   src["target"] or "no run config.yaml beside the checkpoint"),
              _row("objective", f.title, "config.json `architectures`"),
-             _row("block size B", f.block_size, "config.json"),
+             _row("block size B", f.block_size, "config.json " + key.format("block_size")),
              _row("drafts per round", drafts, f"the {f.title} family"),
-             _row("target layer ids", layers, "config.json"),
-             _row("mask token id", f.mask_token_id, "config.json"),
+             _row("target layer ids", layers, "config.json " + key.format("target_layer_ids")),
+             _row("mask token id", f.mask_token_id, "config.json " + key.format("mask_token_id")),
              _row("drafter layers", f.drafter_layers, "config.json `num_hidden_layers`"),
              _row("steps trained", f.step if f.step is not None else "not recorded",
                   src["steps"]),
@@ -130,7 +131,7 @@ def render(f: Facts, out: Path, checkpoint: Path, how: str) -> str:
     lines += ["vLLM:", "", "```sh", serve.vllm, "```", "", "SGLang:", "", "```sh",
               serve.sglang, "```", "",
               "## Provenance", "",
-              f"Published by `dflash-tui publish` from `{checkpoint}` ({how}); `config.json` and "
+              f"Published by `dflash-tui publish` from `{checkpoint}`, {how}. `config.json` and "
               "`model.safetensors` are byte-identical copies of that checkpoint's files, checked "
               "against its `checksums.json` before and after the copy.", "",
               f"{MARK}: this folder is replaced only by `dflash-tui publish --overwrite` -->", ""]

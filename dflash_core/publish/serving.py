@@ -10,6 +10,7 @@ DSpark block of B inputs drafts B tokens (its anchor slot predicts too).
 from __future__ import annotations
 
 import json
+import shlex
 from typing import NamedTuple
 
 
@@ -24,7 +25,8 @@ def command_lines(objective: str, target: str, model: str, block_size: int,
     method = {"dflash": "dflash", "dspark": "dspark"}[objective]
     spec = json.dumps({"method": method, "model": model,
                        "num_speculative_tokens": drafts_per_round})
-    vllm = f"vllm serve {target} \\\n  --speculative-config '{spec}'"
+    target, model = shlex.quote(target), shlex.quote(model)
+    vllm = f"vllm serve {target} \\\n  --speculative-config {shlex.quote(spec)}"
     sglang = (f"python -m sglang.launch_server --model-path {target} \\\n"
               f"  --speculative-algorithm {objective.upper()} \\\n"
               f"  --speculative-draft-model-path {model}")
