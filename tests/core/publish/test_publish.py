@@ -40,7 +40,8 @@ def test_a_dflash_run_publishes_its_best_checkpoint(tmp_path):
     assert front["library_name"] and {"dflash", "speculative-decoding"} <= set(front["tags"])
     for fact in (f"`{TARGET}`", "| objective | DFlash |", f"| block size B | {DFLASH_B} |",
                  "| drafts per round | 3 (B - 1) |", "[1, 2] of the target's 4 layers",
-                 "| mask token id | 95 | config.json `dflash_config.mask_token_id` |", "| steps trained | 3 | training_state.json step",
+                 "| mask token id | 95 | config.json `dflash_config.mask_token_id` |",
+                 "| steps trained | 3 | training_state.json step",
                  "`/data/chat`, 64 samples in 2 shards, data id 8ffe6d6c0ecc",
                  "1.75 GPU-hours (target 0.5, drafter 1.25), 3.50 USD",
                  "| held-out prompts of the training data | 2.3000 | 8 |",
