@@ -22,6 +22,7 @@ VERBS: dict[str, str] = {  # verb -> module of this package
     "replay": "replay",
     "serve": "serve",
     "report": "report",
+    "publish": "publish",
 }
 DEFAULT_VERB = "run"  # `dflash-tui --config X` is `dflash-tui run --config X`
 

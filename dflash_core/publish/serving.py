@@ -1,0 +1,35 @@
+"""The serving command lines of a published drafter, per family. They follow vLLM's and SGLang's
+public documentation of speculative decoding; the options beyond the draft model and its token
+counts vary between versions of those stacks, whose documentation is the reference.
+
+The token counts come from the family (families/registry: drafts_per_round): a DFlash block of B
+inputs drafts B-1 tokens (vLLM's num_speculative_tokens), and SGLang counts the block, B; a
+DSpark block of B inputs drafts B tokens (its anchor slot predicts too).
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from typing import NamedTuple
+
+
+class Serving(NamedTuple):
+    vllm: str
+    sglang: str
+
+
+def command_lines(objective: str, target: str, model: str, block_size: int,
+                  drafts_per_round: int) -> Serving:
+    """vLLM's and SGLang's command lines serving ``target`` with the drafter at ``model``."""
+    method = {"dflash": "dflash", "dspark": "dspark"}[objective]
+    spec = json.dumps({"method": method, "model": model,
+                       "num_speculative_tokens": drafts_per_round})
+    target, model = shlex.quote(target), shlex.quote(model)
+    vllm = f"vllm serve {target} \\\n  --speculative-config {shlex.quote(spec)}"
+    sglang = (f"python -m sglang.launch_server --model-path {target} \\\n"
+              f"  --speculative-algorithm {objective.upper()} \\\n"
+              f"  --speculative-draft-model-path {model}")
+    if objective == "dflash":
+        sglang += f" \\\n  --speculative-num-draft-tokens {block_size}"
+    return Serving(vllm, sglang)

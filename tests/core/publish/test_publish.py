@@ -1,0 +1,142 @@
+"""dflash_core.publish: a run's checkpoint as a clean folder for a model hub (issue 46 item 2)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dflash_core.checkpoint.layout import SERVED_FILES
+from dflash_core.publish import PublishError, publish
+from dflash_core.publish.card import MARK
+
+from .run_fixture import DSPARK_B, DFLASH_B, TARGET, make_run
+
+
+def _card(out: Path) -> tuple[dict, str]:
+    text = (out / "README.md").read_text()
+    _, front, body = text.split("---\n", 2)
+    return yaml.safe_load(front), body
+
+
+def _same_bytes(a: Path, b: Path) -> None:
+    for name in SERVED_FILES:
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+
+
+def test_a_dflash_run_publishes_its_best_checkpoint(tmp_path):
+    run = make_run(tmp_path, "dflash", steps=(3, 6), best=3)
+    out = tmp_path / "hub" / "drafter"
+    lines = []
+    done = publish(run, out, note=lines.append)
+    assert done.checkpoint == run / "checkpoints" / "step-3" and not done.replaced
+    assert "checkpoints/best names step-3" in lines[0]
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", *SERVED_FILES]
+    _same_bytes(done.checkpoint, out)
+    front, body = _card(out)
+    assert front["base_model"] == TARGET and front["pipeline_tag"] == "text-generation"
+    assert front["library_name"] and {"dflash", "speculative-decoding"} <= set(front["tags"])
+    for fact in (f"`{TARGET}`", "| objective | DFlash |", f"| block size B | {DFLASH_B} |",
+                 "| drafts per round | 3 (B - 1) |", "[1, 2] of the target's 4 layers",
+                 "| mask token id | 95 | config.json `dflash_config.mask_token_id` |",
+                 "| steps trained | 3 | training_state.json step",
+                 "`/data/chat`, 64 samples in 2 shards, data id 8ffe6d6c0ecc",
+                 "1.75 GPU-hours (target 0.5, drafter 1.25), 3.50 USD",
+                 "| held-out prompts of the training data | 2.3000 | 8 |",
+                 "| gsm8k | 1.8000 | 5 |", "`checkpoints/best` names this checkpoint: exact "
+                 "tau 2.3000"):
+        assert fact in body, fact
+    assert "2.6000" not in body  # step 6's evaluation is another checkpoint's
+    spec = {"method": "dflash", "model": str(out), "num_speculative_tokens": DFLASH_B - 1}
+    assert f"--speculative-config '{json.dumps(spec)}'" in body
+    assert f"vllm serve {TARGET}" in body
+    assert "--speculative-algorithm DFLASH" in body
+    assert f"--speculative-draft-model-path {out}" in body
+    assert f"--speculative-num-draft-tokens {DFLASH_B}" in body
+    assert "public" in body and body.rstrip().splitlines()[-1].startswith(MARK)
+
+
+def test_a_dspark_step_folder_gets_dspark_s_serving_lines(tmp_path):
+    run = make_run(tmp_path, "dspark", steps=(3,), best=None)
+    step = run / "checkpoints" / "step-3"
+    out = tmp_path / "dspark-out"
+    done = publish(step, out)
+    _same_bytes(step, out)
+    front, body = _card(out)
+    assert {"dspark", "speculative-decoding"} <= set(front["tags"])
+    assert "| objective | DSpark |" in body and f"| block size B | {DSPARK_B} |" in body
+    assert f"{DSPARK_B} (B: the anchor slot predicts too)" in body
+    spec = {"method": "dspark", "model": str(out), "num_speculative_tokens": DSPARK_B}
+    assert f"--speculative-config '{json.dumps(spec)}'" in body
+    assert "--speculative-algorithm DSPARK" in body
+    assert "| gsm8k | 1.8000 | 5 |" in body and done.facts.step == 3
+
+
+def test_a_run_without_best_publishes_its_latest_checkpoint(tmp_path):
+    run = make_run(tmp_path, "dflash", steps=(3, 6), best=None)
+    done = publish(run, tmp_path / "out")
+    assert done.checkpoint.name == "step-6" and "latest complete checkpoint" in done.how
+    assert "| held-out prompts of the training data | 2.6000 | 8 |" in \
+        (tmp_path / "out" / "README.md").read_text()
+
+
+def test_a_flipped_bit_is_refused_naming_the_file(tmp_path):
+    run = make_run(tmp_path, "dflash", steps=(3,), best=3)
+    weights = run / "checkpoints" / "step-3" / "model.safetensors"
+    raw = bytearray(weights.read_bytes())
+    raw[-3] ^= 0x01
+    weights.write_bytes(bytes(raw))
+    out = tmp_path / "out"
+    with pytest.raises(PublishError, match=r"is damaged: model.safetensors does not match its "
+                                           r"checksum"):
+        publish(run, out)
+    assert not out.exists() and not list(tmp_path.glob(".out.publish-*"))
+
+
+def test_a_checkpoint_without_served_weights_is_refused(tmp_path):
+    run = make_run(tmp_path, "dflash", steps=(3,), best=3)
+    (run / "checkpoints" / "step-3" / "model.safetensors").unlink()
+    with pytest.raises(PublishError, match="holds no served weights"):
+        publish(run / "checkpoints" / "step-3", tmp_path / "out")
+
+
+def test_a_folder_publish_did_not_write_is_refused_and_untouched(tmp_path):
+    run = make_run(tmp_path, "dflash", steps=(3,), best=3)
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "README.md").write_text("my notes\n")
+    (foreign / "model.safetensors").write_bytes(b"mine")
+    for overwrite in (False, True):
+        with pytest.raises(PublishError, match="holds 2 entries publish did not write"):
+            publish(run, foreign, overwrite=overwrite)
+    assert (foreign / "README.md").read_text() == "my notes\n"
+    assert (foreign / "model.safetensors").read_bytes() == b"mine"
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    with pytest.raises(PublishError, match="is a file"):
+        publish(run, a_file, overwrite=True)
+    assert a_file.read_text() == "x"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    publish(run, empty)  # an empty folder is as good as a new one
+    assert (empty / "README.md").is_file()
+
+
+def test_its_own_folder_is_replaced_only_with_overwrite(tmp_path):
+    run = make_run(tmp_path, "dflash", steps=(3, 6), best=3)
+    out = tmp_path / "out"
+    publish(run / "checkpoints" / "step-3", out)
+    with pytest.raises(PublishError, match="holds an earlier publish") as exc:
+        publish(run / "checkpoints" / "step-6", out)
+    assert "--overwrite" in exc.value.hint
+    assert "| steps trained | 3 |" in (out / "README.md").read_text()
+    done = publish(run / "checkpoints" / "step-6", out, overwrite=True)
+    assert done.replaced and "| steps trained | 6 |" in (out / "README.md").read_text()
+    _same_bytes(run / "checkpoints" / "step-6", out)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+    (out / "notes.txt").write_text("added by hand")
+    with pytest.raises(PublishError, match="files publish does not write \\(notes.txt\\)"):
+        publish(run, out, overwrite=True)
+    assert (out / "notes.txt").is_file()
