@@ -59,7 +59,7 @@ def _drafter(objective: str):
     target = Qwen3Config(**TARGET)
     d = new_drafter(objective, target, num_layers=1, target_layer_ids=[1, 2], block_size=4,
                     mask_token_id=VOCAB - 1,
-                    dspark_settings=DSparkSettings(block_size=3, markov_rank=8))
+                    settings=DSparkSettings(block_size=3, markov_rank=8))
     if objective == "dspark":
         d.attach_target_head(nn.Embedding(VOCAB, HIDDEN), nn.Linear(HIDDEN, VOCAB, bias=False))
     opt = torch.optim.AdamW(d.parameters(), lr=1e-3)
