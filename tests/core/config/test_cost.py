@@ -12,11 +12,13 @@ def test_the_price_is_off_by_default_and_taken_when_given():
     assert (cfg.cost.gpu_hour_price, cfg.cost.currency) == (2.5, "EUR")
 
 
-@pytest.mark.parametrize("price", [-1, -0.01, float("nan")])
-def test_a_negative_price_is_refused_naming_the_key(price):
+@pytest.mark.parametrize("price, said", [(-1, "must be >= 0"), (-0.01, "must be >= 0"),
+                                         (float("nan"), "expected a finite number"),
+                                         (float("inf"), "expected a finite number")])
+def test_a_negative_or_not_finite_price_is_refused_naming_the_key(price, said):
     with pytest.raises(ConfigError) as got:
         config_from_dict({"cost": {"gpu_hour_price": price}})
-    assert str(got.value).startswith("cost.gpu_hour_price: must be >= 0, got ")
+    assert str(got.value).startswith(f"cost.gpu_hour_price: {said}, got ")
     assert "\n" not in str(got.value)
 
 
