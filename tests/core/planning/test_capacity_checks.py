@@ -105,7 +105,7 @@ def _tensor_bytes(folder, keep) -> int:
     from safetensors import safe_open
 
     total = 0
-    for f in sorted(folder.glob("*.safetensors")):
+    for f in sorted(folder.rglob("*.safetensors")):
         with safe_open(str(f), framework="pt") as sf:
             for key in sf.keys():
                 if keep(key):
