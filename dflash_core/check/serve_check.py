@@ -55,8 +55,8 @@ class CheckResult:
     folder: Path
     evidence: list[str] = field(default_factory=list)
     reference: str = ""  # "used", or why it was not
-    drafter_dtype: str = ""  # the dtype the drafter decoded in
     seconds: float = 0.0
+    drafter_dtype: str = ""  # the dtype the drafter decoded in
 
     @property
     def exit_code(self) -> int:
