@@ -205,6 +205,7 @@ def reference_target_fn(hf_model, layer_ids) -> TargetFn:
     return fn
 
 
-def load_reference(cls, folder: Path, embed, lm_head, device) -> ReferenceDrafter:
-    model = cls.from_pretrained(str(folder), dtype=torch.float32).to(device).eval()
+def load_reference(cls, folder: Path, embed, lm_head, device,
+                   dtype: str = "float32") -> ReferenceDrafter:
+    model = cls.from_pretrained(str(folder), dtype=getattr(torch, dtype)).to(device).eval()
     return ReferenceDrafter(model, embed, lm_head)

@@ -32,6 +32,7 @@ from dflash_core.check.diagnose import Verdict, diagnose, evidence_lines, featur
 from dflash_core.check.memorise import memorise
 from dflash_core.check.samples import pick_prompts, write_responses
 from dflash_core.config import Config
+from dflash_core.eval.drafter_dtype import check_dtype, parameter_dtype, served_copy
 from dflash_core.eval.evaluate import evaluation_attention, target_fn_for
 from dflash_core.models.target.load import load_target
 from dflash_core.planning import data_checks, preflight, target_checks
@@ -45,6 +46,8 @@ class CheckOptions:
     response_tokens: int = 64  # tokens the target writes for each
     max_steps: int = 300  # optimizer steps at most to memorise them
     reference: bool = True  # also decode with the reference implementation when importable
+    # the dtype the drafter decodes in (eval/drafter_dtype.py); None: the served one, drafter.dtype
+    drafter_dtype: str | None = None
 
 
 @dataclass
@@ -54,6 +57,7 @@ class CheckResult:
     evidence: list[str] = field(default_factory=list)
     reference: str = ""  # "used", or why it was not
     seconds: float = 0.0
+    drafter_dtype: str = ""  # the dtype the drafter decoded in
 
     @property
     def exit_code(self) -> int:
@@ -73,6 +77,7 @@ class Prepared:
     mask_id: int
     drafter_devices: list[torch.device]
     started: float
+    drafter_dtype: str = "float32"  # what decoding casts the memorised drafter to
 
 
 def run_check(cfg: Config, opts: CheckOptions | None = None,
@@ -93,6 +98,7 @@ def prepare(cfg: Config, opts: CheckOptions, say: Callable[[str], None]) -> Prep
     run_dir = cfg.run_dir
     say("preflight: devices, target, data")
     tdev, ddev = preflight.resolve_devices(cfg)
+    drafter_dtype = check_dtype(opts.drafter_dtype or cfg.drafter.dtype, ddev[0])
     run_dir.mkdir(parents=True, exist_ok=True)
     progress = preflight.demo_log_progress(lambda e: say(e.message), lambda: None)
     target_path, _, layer_ids, mask_id = target_checks.resolve_target(cfg, run_dir, progress)
@@ -116,7 +122,8 @@ def prepare(cfg: Config, opts: CheckOptions, say: Callable[[str], None]) -> Prep
                               device=target.device)
     folder = run_dir / CHECK_FOLDER
     folder.mkdir(parents=True, exist_ok=True)
-    return Prepared(cfg, folder, target, target_fn, samples, layer_ids, mask_id, ddev, t0)
+    return Prepared(cfg, folder, target, target_fn, samples, layer_ids, mask_id, ddev, t0,
+                    drafter_dtype)
 
 
 def train(prep: Prepared, opts: CheckOptions, say: Callable[[str], None]):
@@ -137,10 +144,15 @@ def judge(prep: Prepared, mem, opts: CheckOptions, say: Callable[[str], None]) -
     ckpt = prep.folder / "drafter"
     drafter.save(ckpt)
 
-    say("decode: exact speculative decoding of the prompts, the target verifying")
-    with evaluation_attention(drafter):  # as the run's evaluation decodes
-        ours = dec.decode("this engine", prep.target_fn, drafter, samples, prep.layer_ids,
+    dtype = prep.drafter_dtype  # as it is served (--drafter-dtype float32: the trained weights)
+    say(f"decode: exact speculative decoding of the prompts, the target verifying, the drafter "
+        f"in {dtype}")
+    served = (drafter if parameter_dtype(drafter) == getattr(torch, dtype)
+              else served_copy(drafter, dtype))
+    with evaluation_attention(served):  # as the run's evaluation decodes
+        ours = dec.decode("this engine", prep.target_fn, served, samples, prep.layer_ids,
                           eos_token_id=None, device=target.device)
+    del served
     say(f"  this engine: exact tau {ours.tau:.2f} of {ours.ceiling:.2f}")
     ref, ref_note, ref_mask = None, "not asked for (--no-reference)", None
     dsp = drafter.anchor_predicts  # DSpark: its chain drafting, judged by its own probes
@@ -156,7 +168,7 @@ def judge(prep: Prepared, mem, opts: CheckOptions, say: Callable[[str], None]) -
             say(f"  reference implementation {ref_note}")
         else:
             model = dec.load_reference(cls, ckpt, drafter.embed_tokens, drafter.lm_head,
-                                       next(drafter.parameters()).device)
+                                       next(drafter.parameters()).device, dtype)
             ref_mask = model.mask_token_id
             ref = dec.decode(f"reference {dec.REFERENCE}", dec.reference_target_fn(
                 target.model, model.target_layer_ids), model, samples, model.target_layer_ids,
@@ -180,7 +192,7 @@ def judge(prep: Prepared, mem, opts: CheckOptions, say: Callable[[str], None]) -
                        target_layers=target.num_layers)
     evidence = evidence_lines(ours, ref, mem.tau_tf, mem.tau_ceiling, probes)
     result = CheckResult(verdict, prep.folder, evidence, ref_note,
-                         time.monotonic() - prep.started)
+                         time.monotonic() - prep.started, dtype)
     _write_record(prep.folder / "check.json", result, mem, ours, ref)
     return result
 
@@ -207,7 +219,7 @@ def _write_record(path: Path, result: CheckResult, mem, ours, ref) -> None:
                 "one_later": [_finite(v) for v in d.correct_at(1)]}
     record = {
         "passed": result.verdict.passed, "summary": result.verdict.summary,
-        "objective": mem.drafter.objective,
+        "objective": mem.drafter.objective, "drafter_dtype": result.drafter_dtype,
         "findings": [asdict(f) for f in result.verdict.findings],
         "memorise": {"steps": mem.steps, "tau_tf": mem.tau_tf, "ceiling": mem.tau_ceiling,
                      "loss": _finite(mem.loss), "reached": mem.reached},

@@ -291,6 +291,14 @@ class EvalConfig:
         [{name: gsm8k, path: sets/gsm8k.jsonl, thinking: off}].""")
     best_set: str = key("", """What checkpoints/best follows: "" = the exact tau on the held-out
         prompts; a name of eval.prompt_sets = that set's exact tau.""")
+    drafter_dtype: Literal["served", "float32", "bfloat16", "float16"] = key("served", """The
+        dtype the drafter decodes in at the run's evaluations (held-out prompts and prompt sets):
+        "served" = drafter.dtype, the dtype of checkpoints' model.safetensors and so the one vLLM
+        and SGLang run it in; the evaluation decodes a copy of the first replica's weights cast
+        to it (made once per evaluation, freed after; its bytes on the drafter's device while it
+        runs). "float32" = the training weights themselves (this engine's evaluation before
+        2026-12). The teacher-forced measures use the same copy. The target stays in
+        target.dtype.""")
     set_batch: int = key(8, """Prompts of a prompt set decoded together (one target forward
         per round for all of them, as `dflash-tui eval --batch`); with eval.cache the target
         runs them one after another, their drafts still in one drafter forward. On one H200 at

@@ -31,6 +31,12 @@ The gaps, each with its own meaning and message:
   data, e.g. cut inside a turn). Only when the agreement was not measured does a gap past
   ``eval.data_gap_warn`` raise the data finding, worded as a suspicion with the way to measure it.
 - (d) - (c) > ``eval.overfit_gap``: over-fitting (too few samples for the epochs); information.
+
+And exact decoding's rounds counted as the serving stacks count them (``serving_counts``), beside
+tau, which is vLLM's "mean acceptance length" and SGLang's ``spec_accept_length`` (both with the
+bonus token): accepted drafts per round without the bonus (tau - 1), the acceptance rate per draft
+position (vLLM's per-position acceptance rate) and the share of proposed drafts accepted (vLLM's
+draft acceptance rate, SGLang's ``spec_accept_rate``).
 """
 
 from __future__ import annotations
@@ -65,6 +71,21 @@ AGREEMENT = Measure("agreement", "labels = target", "eval/agreement",
 ACCEPTED = Measure("accepted", "accepted@k", "eval/accepted_at",
                    "share of exact-decoding rounds that accepted block position k (1 ..)")
 MISSING = -1.0  # the value of a measure not taken (an EvalResult of an older run, no data)
+# Serving's counts (``serving_counts``), named as vLLM and SGLang name them; the key is the
+# EvalResult's and results.json's field.
+WITHOUT_BONUS = Measure(
+    "accept_length_without_bonus", "accept length w/o bonus", "eval/accept_length_without_bonus",
+    "accepted drafts per round, the bonus token left out: tau - 1 (vLLM: num_accepted_tokens / "
+    "num_drafts; SGLang: spec_num_correct_drafts / spec_verify_ct)")
+PER_POSITION = Measure(
+    "acceptance_rate_per_position", "per-position acceptance rate",
+    "eval/acceptance_rate_per_position",
+    "per draft position k = 1 ..: rounds whose draft k was accepted / rounds that proposed a "
+    "draft k (vLLM's per-position acceptance rate, num_accepted_tokens_per_pos / num_drafts)")
+DRAFT_RATE = Measure(
+    "draft_acceptance_rate", "draft acceptance rate", "eval/draft_acceptance_rate",
+    "accepted drafts / proposed drafts (vLLM's draft acceptance rate, SGLang's spec_accept_rate)")
+SERVING = (WITHOUT_BONUS, PER_POSITION, DRAFT_RATE)
 
 
 @dataclass(frozen=True)
@@ -88,6 +109,94 @@ def accepted_at(histogram: Sequence[int]) -> list[float]:
     if not rounds:
         return []
     return [sum(histogram[k:]) / rounds for k in range(1, len(histogram))]
+
+
+@dataclass(frozen=True)
+class ServingCounts:
+    """Exact decoding's rounds in the serving stacks' terms (SERVING names each)."""
+
+    rounds: int  # verification rounds (vLLM's num_drafts, SGLang's spec_verify_ct)
+    accepted: int  # drafts accepted, all rounds (vLLM's num_accepted_tokens)
+    proposed: int  # drafts proposed, all rounds (vLLM's num_draft_tokens)
+    tau: float  # with the bonus: vLLM's mean acceptance length, SGLang's spec_accept_length
+    accept_length_without_bonus: float  # tau - 1
+    acceptance_rate_per_position: list[float]  # [k - 1]: position k's rate
+    draft_acceptance_rate: float
+
+    def fields(self) -> dict:
+        """The EvalResult's and results.json's fields (SERVING's keys)."""
+        return {m.key: getattr(self, m.key) for m in SERVING}
+
+
+def serving_counts(hist: Sequence[int], proposed: Sequence[int] | None = None) -> ServingCounts:
+    """Serving's counts from the histogram of drafts accepted per round (``hist[k]``: rounds
+    that accepted k) and of drafts proposed per round (``proposed[j]``: rounds that proposed j;
+    None: every round proposed len(hist) - 1, as a server always drafts its
+    num_speculative_tokens). A round that accepted draft k had proposed it, so position k's rate
+    is the rounds that accepted k or more over those that proposed k or more; positions no round
+    proposed are left out."""
+    rounds = sum(hist)
+    if proposed is None or not any(proposed):
+        proposed = [0] * max(0, len(hist) - 1) + [rounds]
+    accepted = sum(k * n for k, n in enumerate(hist))
+    drafted = sum(j * n for j, n in enumerate(proposed))
+    rates = []
+    for k in range(1, len(proposed)):
+        reached = sum(proposed[k:])
+        if not reached:
+            break
+        rates.append(sum(hist[k:]) / reached)
+    return ServingCounts(rounds, accepted, drafted, pooled_tau(hist),
+                         accepted / rounds if rounds else 0.0, rates,
+                         accepted / drafted if drafted else 0.0)
+
+
+def histogram(counts: Sequence[int], size: int = 0) -> list[int]:
+    """``h[k]``: how many of ``counts`` equal k (at least ``size`` long)."""
+    h = [0] * max(size, 1 + max(counts, default=-1))
+    for c in counts:
+        h[c] += 1
+    return h
+
+
+def serving_fields(hist: Sequence[int], proposed: Sequence[int]) -> dict:
+    """An EvalResult's serving fields: the proposals' histogram and SERVING's counts."""
+    return {"proposed": list(proposed), **serving_counts(hist, proposed).fields()}
+
+
+def serving_of(ev) -> ServingCounts | None:
+    """An EvalResult's serving counts; None for one recorded before it kept the drafts proposed
+    per round (its lines and keys stay as they were)."""
+    proposed = getattr(ev, "proposed", None)
+    return serving_counts(ev.acceptance, proposed) if proposed else None
+
+
+def serving_line(sc: ServingCounts) -> str:
+    """'accept length w/o bonus 1.70 | per-position acceptance rate 0.81 0.63 | draft
+    acceptance rate 0.45'."""
+    rates = " ".join(f"{r:.2f}" for r in sc.acceptance_rate_per_position) or "-"
+    return (f"{WITHOUT_BONUS.label} {sc.accept_length_without_bonus:.2f} | {PER_POSITION.label} "
+            f"{rates} | {DRAFT_RATE.label} {sc.draft_acceptance_rate:.2f}")
+
+
+def serving_wandb(sc: ServingCounts, prefix: str = "eval/") -> dict[str, float]:
+    """W&B values: eval/accept_length_without_bonus, eval/draft_acceptance_rate,
+    eval/acceptance_rate_per_position/<k> (k = 1 ..); a set's under eval/<set>/."""
+    def key(m: Measure) -> str:
+        return m.wandb.replace("eval/", prefix, 1)
+    out = {key(WITHOUT_BONUS): sc.accept_length_without_bonus,
+           key(DRAFT_RATE): sc.draft_acceptance_rate}
+    out.update({f"{key(PER_POSITION)}/{k}": r
+                for k, r in enumerate(sc.acceptance_rate_per_position, start=1)})
+    return out
+
+
+def serving_rows(sc: ServingCounts) -> list[list[str]]:
+    """[label, value, meaning] rows for the run report's acceptance table."""
+    return [[WITHOUT_BONUS.label, f"{sc.accept_length_without_bonus:.2f}", WITHOUT_BONUS.meaning],
+            [PER_POSITION.label, " ".join(f"{r:.2f}" for r in sc.acceptance_rate_per_position)
+             or "-", PER_POSITION.meaning],
+            [DRAFT_RATE.label, f"{sc.draft_acceptance_rate:.2f}", DRAFT_RATE.meaning]]
 
 
 def _have(x: float | None) -> bool:
@@ -178,6 +287,9 @@ def set_wandb(ev) -> dict:
     data = {key("eval/prompts"): ev.prompts, key(MEASURES[0].wandb): ev.tau}
     data.update({f"{key(ACCEPTED.wandb)}_{k}": r
                  for k, r in enumerate(accepted_at(ev.acceptance), start=1)})
+    sc = serving_of(ev)
+    if sc is not None:
+        data.update(serving_wandb(sc, f"eval/{ev.prompt_set}/"))
     return data
 
 
@@ -195,6 +307,8 @@ def report_rows(ev) -> list[list[str]]:
                  AGREEMENT.meaning])
     rates = accepted_at(ev.acceptance)
     rows.append([ACCEPTED.label, " ".join(f"{r:.0%}" for r in rates) or "-", ACCEPTED.meaning])
+    sc = serving_of(ev)
+    rows += serving_rows(sc) if sc is not None else []
     rows.append(["findings", ", ".join(getattr(ev, "findings", [])) or "none",
                  "mismatch, data, overfit: see the log's eval lines"])
     return rows

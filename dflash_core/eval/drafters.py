@@ -225,9 +225,10 @@ def check_against(spec: DrafterSpec, target: TargetShape) -> None:
                              f"target's vocabulary of {target.vocab_size}")
 
 
-def load_weights(spec: DrafterSpec, target_model, device) -> torch.nn.Module:
-    """The drafter with its weights (float32, as the engine's evaluation runs it) on ``device``,
-    the target's embedding and lm_head attached, in eval mode."""
+def load_weights(spec: DrafterSpec, target_model, device,
+                 dtype: str = "float32") -> torch.nn.Module:
+    """The drafter with its weights in ``dtype`` (drafter_dtype.py: the runner passes the served
+    one) on ``device``, the target's embedding and lm_head attached, in eval mode."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -258,7 +259,9 @@ def load_weights(spec: DrafterSpec, target_model, device) -> torch.nn.Module:
                              f"config.json ({'; '.join(what)})",
                              hint="the folder's weights and config.json belong to different "
                                   "drafters")
-    drafter = drafter.to(device).eval()
+    from dflash_core.eval.drafter_dtype import cast_parameters
+
+    drafter = cast_parameters(drafter, dtype).to(device).eval()
     drafter.attach_target_head(target_model.embed_tokens, target_model.lm_head)
     return drafter
 

@@ -24,7 +24,7 @@ from typing import Callable, Collection, Protocol, Sequence
 import numpy as np
 import torch
 
-from dflash_core.eval.acceptance import pooled_tau
+from dflash_core.eval.acceptance import histogram, pooled_tau
 from dflash_core.eval.drafting import drafts_per_round
 from dflash_core.eval.spec_decode import DecodeSettings, block_size_of, decode_rows, stop_set
 from dflash_core.eval.target_decoding import (  # the one-prompt TargetFns, importable from here
@@ -61,6 +61,7 @@ class GenResult:
     # Per round, the confidence of each draft (a drafter with a confidence head only).
     confidences: list[list[float]] = field(default_factory=list)
     drafts: list[list[int]] = field(default_factory=list)  # the drafted tokens, per round
+    proposed: list[int] = field(default_factory=list)  # drafts proposed, per round
 
     @property
     def rounds(self) -> int:
@@ -89,6 +90,7 @@ class EvalSummary:
     # many of them were accepted (models/dspark/calibration.calibrate's input).
     confidences: list[list[float]] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
+    proposed: list[int] = field(default_factory=list)  # histogram: rounds that proposed j drafts
 
 
 def _as_ids(prompt_ids: Sequence[int] | torch.Tensor) -> list[int]:
@@ -145,7 +147,7 @@ def speculative_generate(target_fn: TargetFn, drafter: Drafter | None,
         _check_layers(drafter, layer_ids)
     settings = DecodeSettings(max_new_tokens, 0.0, stop_set(eos_token_id), B)
     (row,) = decode_rows(fn_rows(target_fn, device), drafter, [ids], settings)
-    return GenResult(row.tokens, row.acceptance, row.confidences, row.drafts)
+    return GenResult(row.tokens, row.acceptance, row.confidences, row.drafts, row.proposed)
 
 
 @torch.no_grad()
@@ -170,12 +172,13 @@ def evaluate_tau(target_fn: TargetFn, drafter: Drafter | None,
     """Exact tau over held-out prompts: mean of (accepted + 1) over all rounds of all prompts."""
     B = block_size or (drafter.block_size if drafter is not None else 1)
     hist = [0] * max(B, drafts_per_round(drafter, B) + 1)  # index: drafts accepted
-    outputs, anchors, confidences, accepted = [], [], [], []
+    outputs, anchors, confidences, accepted, proposed = [], [], [], [], []
     for prompt in prompts:
         r = speculative_generate(target_fn, drafter, prompt, max_new_tokens, layer_ids, B,
                                  eos_token_id=eos_token_id, device=device)
         for a in r.acceptance:
             hist[a] += 1
+        proposed += r.proposed
         if r.confidences:
             confidences.extend(r.confidences)
             accepted.extend(r.acceptance)
@@ -184,7 +187,7 @@ def evaluate_tau(target_fn: TargetFn, drafter: Drafter | None,
     return EvalSummary(tau=pooled_tau(hist), acceptance=hist,
                        prompts=len(prompts), tokens=sum(map(len, outputs)), rounds=sum(hist),
                        outputs=outputs, anchors=anchors, confidences=confidences,
-                       accepted=accepted)
+                       accepted=accepted, proposed=histogram(proposed, len(hist)))
 
 
 @torch.no_grad()

@@ -97,7 +97,7 @@ def evaluate_set(s: RunSet, step: int, target, drafter, layer_ids: list[int], *,
     attention), decoded as ``dflash-tui eval`` decodes them (spec_decode.decode_rows): ``batch``
     prompts together, the target's cache with ``cache``, stopping at the target's end of turn.
     ``exact_head``: target_decoding.head_is_lm_head's answer for this target."""
-    from dflash_core.eval.acceptance import pooled_tau
+    from dflash_core.eval.acceptance import histogram, pooled_tau, serving_fields
     from dflash_core.eval.drafting import drafts_per_round
     from dflash_core.eval.spec_decode import DecodeSettings, decode_rows
     from dflash_core.eval.target_decoding import rows_backend
@@ -119,6 +119,8 @@ def evaluate_set(s: RunSet, step: int, target, drafter, layer_ids: list[int], *,
             confidences += r.confidences
             accepted += r.acceptance
     cal = calibrate(confidences, accepted) if confidences else None
+    proposed = histogram([p for r in rows for p in r.proposed], len(hist))
     return EvalResult(step=step, tau=pooled_tau(hist), acceptance=hist, prompts=len(prompts),
+                      **serving_fields(hist, proposed),
                       seconds=time.monotonic() - t0,
                       calibration=cal.as_dict() if cal is not None else {}, prompt_set=s.name)

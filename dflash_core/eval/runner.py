@@ -21,6 +21,7 @@ import torch
 
 import dflash_core.eval.drafters as dk
 import dflash_core.eval.results as rs
+from dflash_core.eval.drafter_dtype import check_dtype, served_dtype_of
 from dflash_core.eval.errors import EvalInputError
 from dflash_core.eval.prompt_sets import PromptSet, load_prompt_set, parse_spec
 from dflash_core.eval.rendering import (
@@ -57,6 +58,7 @@ class EvalOptions:
     out: str = "eval-results"
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on the CPU
+    drafter_dtype: str | None = None  # None: each drafter's served dtype (drafter_dtype.py)
     # Prices every run checkpoint's GPU-hours (comparing drafters at one price, today's);
     # 0: each at the price its run recorded, else its run folder's cost.gpu_hour_price.
     gpu_hour_price: float = 0.0
@@ -205,6 +207,8 @@ class Evaluation:
         for s in self.specs:
             dk.check_against(s, self.shape)
         dk.unique_labels(self.specs)
+        self.drafter_dtypes = {s.label: check_dtype(opts.drafter_dtype or served_dtype_of(s.path),
+                                                    self.device) for s in self.specs}
         self.tokenizer = load_chat_tokenizer(tokenizer_spec(self.folder, opts.tokenizer),
                                              opts.chat_template, opts.trust_remote_code)
         kwargs = template_kwargs(self.tokenizer, opts.thinking,
@@ -278,7 +282,8 @@ class Evaluation:
         about = {"target": str(self.folder), "prompts": str(p.path)}
         if d.spec is not None:
             settings["drafter"] = {"objective": d.spec.objective,
-                                   "fingerprint": d.spec.fingerprint}
+                                   "fingerprint": d.spec.fingerprint,
+                                   "dtype": self.drafter_dtypes[d.label]}
             about["drafter"] = str(d.spec.path)
         name = rs.PLAIN if d.spec is None else dk.file_name(d.label)
         return self.out / p.name / name, settings, about
@@ -300,13 +305,15 @@ class Evaluation:
         except TargetLoadError as exc:
             raise EvalInputError(str(exc), hint=exc.hint) from exc
         for d in self.decoders[1:]:
-            d.drafter = dk.load_weights(d.spec, self.target, self.device)
+            d.drafter = dk.load_weights(d.spec, self.target, self.device,
+                                        self.drafter_dtypes[d.label])
             d.drafter.attn_impl = EVAL_ATTENTION  # uncompiled, as the engine's evaluation
         probe = list(self.rendered[self.sets[0].name].ids[0])[:64]
         # the cache path reads the model's own logits; only the batched one needs the check
         self.exact_head = True if self.opts.cache else head_is_lm_head(self.target, probe, [0])
         self.say(f"loaded in {time.monotonic() - t0:.1f} s; {len(self.specs)} drafter(s): "
-                 + ", ".join(f"{s.label} ({s.objective}, block {s.block_size})"
+                 + ", ".join(f"{s.label} ({s.objective}, block {s.block_size}, "
+                             f"{self.drafter_dtypes[s.label]})"
                              for s in self.specs))
 
     def _backend(self, d: _Decoder):
@@ -429,6 +436,7 @@ def report_json(rep: EvalReport, ev: Evaluation) -> dict:
         "target": str(ev.folder),
         "drafters": {s.label: {"path": str(s.path), "objective": s.objective,
                                "block_size": s.block_size,
+                               "dtype": ev.drafter_dtypes[s.label],  # decoded in
                                "run": str(s.run_folder) if s.run_folder else None,
                                # what it cost to train (None: not known)
                                "device_hours": s.hours.record() if s.hours else None,

@@ -7,7 +7,10 @@ decoding, and the lossless check.
   it usually runs above tau when the prompts' taus differ (a prompt with a high tau needs few
   rounds, so it weighs little in the pooled figure).
 - **accepted@k**: of the rounds that proposed at least k drafts, the share that accepted at least
-  k (k = 1 is the first draft's acceptance rate).
+  k (k = 1 is the first draft's acceptance rate): vLLM's per-position acceptance rate, every
+  position of it in ``acceptance_rate_per_position``; beside it serving's other counts
+  (acceptance.serving_counts): accepted drafts per round without the bonus token (tau - 1) and
+  the share of proposed drafts accepted.
 - **tokens/s**: new tokens over decoding time, the prefill left out (the time to the first token
   is the target's alone), summed over the batches: each batch's time is shared by its prompts.
 - **speedup**: tokens/s over plain decoding's on the same prompts, batches and target code.
@@ -19,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dflash_core.eval.results import ResultsFile
-from dflash_core.eval.acceptance import pooled_tau
+from dflash_core.eval.acceptance import histogram, pooled_tau, serving_counts
 
 
 @dataclass
@@ -36,6 +39,11 @@ class Summary:
     tokens_per_s: float
     speedup: float | None = None
     mismatches: list[dict] = field(default_factory=list)  # lossless check: prompt, position
+    proposed: list[int] = field(default_factory=list)  # histogram: rounds that proposed j drafts
+    # serving's counts, named as vLLM and SGLang name them (acceptance.SERVING)
+    accept_length_without_bonus: float = 0.0
+    acceptance_rate_per_position: list[float] = field(default_factory=list)
+    draft_acceptance_rate: float = 0.0
 
     def as_dict(self) -> dict:
         d = dict(self.__dict__)
@@ -47,26 +55,15 @@ def summarise(res: ResultsFile, indices: list[int] | None = None) -> Summary:
     """The summary of ``res`` over the prompts ``indices`` (None: all done)."""
     rows = [res.prompts[i] for i in (indices if indices is not None else sorted(res.prompts))
             if i in res.prompts]
-    hist: list[int] = []
-    reach: list[int] = []  # reach[k]: rounds that proposed at least k drafts
-    per_prompt = []
-    for r in rows:
-        for a, p in zip(r["acceptance"], r["proposed"]):
-            while len(hist) <= max(a, p):
-                hist.append(0)
-                reach.append(0)
-            hist[a] += 1
-            for k in range(1, p + 1):
-                reach[k] += 1
-        if r["acceptance"]:
-            per_prompt.append(sum(a + 1 for a in r["acceptance"]) / len(r["acceptance"]))
+    counts = [v for r in rows for v in r["acceptance"] + r["proposed"]]
+    size = 1 + max(counts) if counts else 0
+    hist = histogram([a for r in rows for a in r["acceptance"]], size)
+    proposed = histogram([p for r in rows for p in r["proposed"]], size)
+    per_prompt = [sum(a + 1 for a in r["acceptance"]) / len(r["acceptance"])
+                  for r in rows if r["acceptance"]]
     rounds = sum(hist)
-    at = {}
-    for k in range(1, len(reach)):
-        if reach[k]:
-            got = sum(1 for r in rows for a, p in zip(r["acceptance"], r["proposed"])
-                      if p >= k and a >= k)
-            at[k] = got / reach[k]
+    serving = serving_counts(hist, proposed)
+    at = dict(enumerate(serving.acceptance_rate_per_position, start=1))
     wanted = {int(r["index"]) for r in rows}
     batches = [b for b in res.batches if wanted & set(b.prompts)]
     # a batch's time is its prompts' together: a share of it for each prompt asked about
@@ -82,6 +79,7 @@ def summarise(res: ResultsFile, indices: list[int] | None = None) -> Summary:
         tau=pooled_tau(hist),
         tau_per_prompt=sum(per_prompt) / len(per_prompt) if per_prompt else 0.0,
         acceptance=hist, accepted_at=at, seconds=seconds, prefill_seconds=prefill,
+        proposed=proposed, **serving.fields(),
         tokens_per_s=decoded / seconds if seconds > 0 else 0.0,
         mismatches=[{"index": int(r["index"]), "id": r["id"], **r["lossless"]}
                     for r in rows if r.get("lossless")])

@@ -48,6 +48,13 @@ def set_table(name: str, prompts: int, plain: Summary, drafters: dict[str, Summa
         rows.append([f"accepted@{k}", "-"] + [
             _pct(drafters[x].accepted_at.get(k)) if k <= per_round[x] else "-"
             for x in labels])
+    # serving's counts, in vLLM's and SGLang's words (accepted@k: vLLM's per-position rate)
+    rows += [
+        ["accept length w/o bonus", "-"] + [f"{drafters[x].accept_length_without_bonus:.2f}"
+                                            for x in labels],
+        ["draft acceptance rate", "-"] + [_pct(drafters[x].draft_acceptance_rate)
+                                          for x in labels],
+    ]
     rows += [
         ["rounds", str(plain.rounds)] + [str(drafters[x].rounds) for x in labels],
         ["new tokens", str(plain.tokens)] + [str(drafters[x].tokens) for x in labels],

@@ -219,6 +219,15 @@ class EvalResult(Event):
     # a name = that set of eval.prompt_sets (exact tau and its histogram only; the teacher-forced
     # measures and the agreement -1). Older events.jsonl files, without it, are held-out ones.
     prompt_set: str = ""
+    # Serving's counts (eval/acceptance.py, SERVING): proposed[j] = rounds that proposed j drafts;
+    # accepted drafts per round without the bonus (tau - 1); per draft position k = 1 .., the
+    # rounds that accepted draft k over those that proposed it; accepted / proposed drafts. An
+    # older events.jsonl has none ([] / -1: its lines and keys stay as they were).
+    proposed: list = field(default_factory=list)
+    accept_length_without_bonus: float = -1.0
+    acceptance_rate_per_position: list = field(default_factory=list)
+    draft_acceptance_rate: float = -1.0
+    drafter_dtype: str = ""  # the dtype the drafter decoded in (eval.drafter_dtype); "": older
     kind: ClassVar[str] = "EvalResult"
 
 

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 import numpy as np
+import torch
 
 from dflash_core.config import EvalConfig
 from dflash_core.eval import acceptance
+from dflash_core.eval.drafter_dtype import SERVED, parameter_dtype, served_copy
 from dflash_core.eval.evaluate import evaluate_tau, evaluation_attention, teacher_forced_eval
 from dflash_core.eval.run_sets import RunSet, evaluate_set
 from dflash_core.eval.target_decoding import features_fn_for, head_is_lm_head, target_fn_for
@@ -27,12 +30,14 @@ class Evaluator:
     """Made at warm-up. ``dataset`` / ``eval_indices``: the run's data and its held-out split;
     ``max_length``: data.max_length (held-out samples are cut as training cuts them);
     ``loss_chunk``: drafter.loss_chunk; ``seed``: run.seed (the agreement's sample); ``sets``:
-    eval.prompt_sets as preflight rendered them (run_sets.RunSet)."""
+    eval.prompt_sets as preflight rendered them (run_sets.RunSet); ``served_dtype``:
+    drafter.dtype, what eval.drafter_dtype "served" decodes in (drafter_dtype.py)."""
 
     def __init__(self, cfg: EvalConfig, publish: Callable[[Any], None], *, dataset,
                  eval_indices, layer_ids: list[int], max_length: int, loss_chunk: int, seed: int,
-                 sets: Sequence[RunSet] = ()):
+                 sets: Sequence[RunSet] = (), served_dtype: str = "bfloat16"):
         self.cfg, self.publish, self.sets = cfg, publish, list(sets)
+        self.dtype = served_dtype if cfg.drafter_dtype == SERVED else cfg.drafter_dtype
         self.dataset, self.eval_indices, self.layer_ids = dataset, eval_indices, layer_ids
         self.max_length, self.loss_chunk, self.seed = max_length, loss_chunk, seed
         # teacher-forced tau of the recent steps: an evaluation's training tau (d) is their mean
@@ -55,6 +60,9 @@ class Evaluator:
         to evaluate, or this step was)."""
         if self.evaluated_step == step:  # the last periodic evaluation was this step
             return None
+        # the drafter as it is served (eval.drafter_dtype): a cast copy, freed on return
+        if parameter_dtype(drafter) != getattr(torch, self.dtype):
+            drafter = served_copy(drafter, self.dtype)
         taus = {}
         if len(self.eval_indices):
             taus[""] = self._heldout(step, drafter, target)
@@ -65,7 +73,7 @@ class Evaluator:
                     res = evaluate_set(s, step, target, drafter, self.layer_ids,
                                        batch=self.cfg.set_batch, cache=self.cfg.cache,
                                        exact_head=exact_head)
-                    self.publish(res)
+                    self.publish(replace(res, drafter_dtype=self.dtype))
                     taus[s.name] = res.tau
         if taus:
             self.evaluated_step = step
@@ -109,6 +117,7 @@ class Evaluator:
         cal = calibrate(res.confidences, res.accepted) if res.confidences else None
         self.publish(EvalResult(
             step=step, tau=res.tau, acceptance=list(res.acceptance), prompts=len(prompts),
+            **acceptance.serving_fields(res.acceptance, res.proposed), drafter_dtype=self.dtype,
             tau_tf_target=tf_target, tau_tf_target_all=tf_all, tau_tf_heldout=tf_heldout,
             tau_tf_train=train, agreement=share, agreement_positions=total,
             findings=[f.kind for f in found], seconds=time.monotonic() - t0,

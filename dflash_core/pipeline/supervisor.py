@@ -191,7 +191,8 @@ class Supervisor:
         run.evaluator = Evaluator(
             cfg.eval, publish, dataset=prep.dataset, eval_indices=prep.eval_indices,
             layer_ids=prep.layer_ids, max_length=cfg.data.max_length,
-            loss_chunk=cfg.drafter.loss_chunk, seed=cfg.run.seed, sets=prep.eval_sets)
+            loss_chunk=cfg.drafter.loss_chunk, seed=cfg.run.seed, sets=prep.eval_sets,
+            served_dtype=cfg.drafter.dtype)
         run.checkpointer.start(run.step)
         run.barrier = StepBarrier(len(run.replicas), run.stop)
         gpus = torch.cuda.device_count() if run.drafter_devices[0].type == "cuda" else 0

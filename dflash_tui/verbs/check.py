@@ -45,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"optimizer steps at most to memorise them (default {d.max_steps})")
     parser.add_argument("--no-reference", action="store_true",
                         help="do not decode with the reference implementation even if installed")
+    parser.add_argument("--drafter-dtype", default=None, metavar="DTYPE",
+                        help="the dtype the memorised drafter decodes in: bfloat16, float16 or "
+                             "float32 (default: drafter.dtype, the served one)")
     parser.add_argument("--set", type=setting, action="append", default=[], dest="overrides",
                         metavar="SECTION.KEY=VALUE",
                         help="override one config key, as for run (e.g. --set optim.name=muon)")
@@ -85,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from dflash_core.check.serve_check import CheckOptions, run_check
     from dflash_core.data import DataError
+    from dflash_core.eval.errors import EvalInputError
     from dflash_core.models.target.config import TargetLoadError
 
     t0 = time.monotonic()
@@ -95,8 +99,9 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         result = run_check(cfg, CheckOptions(args.samples, args.response_tokens, args.max_steps,
-                                             reference=not args.no_reference), say)
-    except (ConfigError, DataError, TargetLoadError) as exc:
+                                             reference=not args.no_reference,
+                                             drafter_dtype=args.drafter_dtype), say)
+    except (ConfigError, DataError, TargetLoadError, EvalInputError) as exc:
         kind = "config error" if isinstance(exc, ConfigError) else "error"
         print(f"{kind}: {exc}" + (f"\nhint: {exc.hint}" if getattr(exc, "hint", "") else ""),
               file=sys.stderr)

@@ -65,6 +65,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"),
                    default=d.dtype, help="the target's dtype (auto: bfloat16 on CUDA, float32 "
                                          "on the CPU)")
+    p.add_argument("--drafter-dtype", default=None, metavar="DTYPE",
+                   help="the drafters' dtype: bfloat16, float16 or float32 (default: each one's "
+                        "served dtype, its model.safetensors', as vLLM and SGLang run it)")
     p.add_argument("--gpu-hour-price", type=real_number(0.0), default=d.gpu_hour_price,
                    metavar="PRICE", help="price every run checkpoint's GPU-hours at PRICE, to "
                    "compare drafters at one price (default 0: the price each run recorded, "
@@ -89,7 +92,8 @@ def _options(args):
         tokenizer=args.tokenizer, chat_template=args.chat_template, thinking=args.thinking,
         temperature=args.temperature, seed=args.seed, max_new_tokens=args.max_new_tokens,
         batch=args.batch, cache=args.cache, limit=args.limit, out=args.out,
-        device=args.device, dtype=args.dtype, gpu_hour_price=args.gpu_hour_price,
+        device=args.device, dtype=args.dtype, drafter_dtype=args.drafter_dtype,
+        gpu_hour_price=args.gpu_hour_price,
         currency=args.currency, trust_remote_code=args.trust_remote_code)
 
 

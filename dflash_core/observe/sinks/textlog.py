@@ -16,7 +16,9 @@ from dflash_core.observe.events import (
     LoadProgress, Log, MemoryPlan, RunEnded, RunStarted, SinkStatus, Stall, StateChanged,
     StepMetrics, TargetMetrics, TrainingPlan, WorkerStatus,
 )
-from dflash_core.eval.acceptance import calibration_line, evaluated_on, summary_line
+from dflash_core.eval.acceptance import (
+    calibration_line, evaluated_on, serving_line, serving_of, summary_line,
+)
 from dflash_core.observe.device_hours import event_line
 from dflash_core.models.dspark.calibration import Calibration
 from dflash_core.units import GiB, size_text
@@ -95,8 +97,12 @@ def format_event(ev: Event) -> str | None:
         took = f" in {_duration(ev.seconds)}" if ev.seconds > 0 else ""  # what eval.every costs
         cal = Calibration.from_dict(getattr(ev, "calibration", None))
         cal_line = calibration_line(cal) if cal is not None else ""
+        sc = serving_of(ev)  # serving's counts (None: an older event, its line as it was)
+        serving = f"; {serving_line(sc)}" if sc is not None else ""
+        dtype = getattr(ev, "drafter_dtype", "")
         return (f"eval step {ev.step} on {evaluated_on(ev)}{took}: {summary_line(ev)}; "
-                f"accepted/round {hist}" + (f"; {cal_line}" if cal_line else ""))
+                f"accepted/round {hist}{serving}" + (f"; {cal_line}" if cal_line else "")
+                + (f"; drafter in {dtype}" if dtype else ""))
     if isinstance(ev, Checkpoint):
         size = (f", {ev.bytes / GiB:.1f} GiB at {ev.bytes / GiB / ev.seconds:.2f} GiB/s, training "
                 f"blocked {ev.blocked_s:.1f} s" if ev.bytes and ev.seconds > 0 else "")

@@ -18,7 +18,8 @@ from typing import Any, Callable
 
 from dflash_core.config import ConfigError, WandbConfig
 from dflash_core.eval.acceptance import (
-    ACCEPTED, AGREEMENT, MEASURES, MISSING, accepted_at, calibration_wandb, set_wandb,
+    ACCEPTED, AGREEMENT, MEASURES, MISSING, accepted_at, calibration_wandb, serving_of,
+    serving_wandb, set_wandb,
 )
 from dflash_core.models.dspark.calibration import Calibration
 from dflash_core.observe.device_hours import wandb_data
@@ -229,6 +230,9 @@ class WandbSink:
                     data[m.wandb] = getattr(ev, m.key)
             data.update({f"{ACCEPTED.wandb}_{k}": r
                          for k, r in enumerate(accepted_at(ev.acceptance), start=1)})
+            sc = serving_of(ev)  # serving's counts (an older event has none)
+            if sc is not None:
+                data.update(serving_wandb(sc))
             cal = Calibration.from_dict(getattr(ev, "calibration", None))
             if cal is not None:  # a confidence head's calibration (DSpark)
                 data.update(calibration_wandb(cal))

@@ -146,3 +146,21 @@ def test_verdict_rules_on_synthetic_evidence():
                       steps=10, trained_mask_id=7)
     assert not v.passed
     assert "(slot 1 accepted, later slots not: the mask token)" in v.findings[0].what
+
+
+def test_the_drafter_decodes_in_its_served_dtype(healthy, monkeypatch):
+    """Decoding casts the memorised drafter to drafter.dtype (the served one; the demo's is
+    float32) or --drafter-dtype; the trained weights stay as they were."""
+    prep, mem = healthy
+    assert prep.drafter_dtype == prep.cfg.drafter.dtype  # the default: the served dtype
+    seen = []
+    forward = DFlashDrafter.forward
+
+    def spy(self, *args, **kwargs):
+        seen.append(self.fc.weight.dtype)
+        return forward(self, *args, **kwargs)
+    monkeypatch.setattr(DFlashDrafter, "forward", spy)
+    result = judge(replace(prep, drafter_dtype="bfloat16"), mem,
+                   replace(FAST, reference=False), lambda m: None)
+    assert result.drafter_dtype == "bfloat16" and torch.bfloat16 in seen
+    assert all(p.dtype == torch.float32 for p in mem.drafter.parameters())

@@ -47,3 +47,13 @@ def test_check_demo_finds_a_raw_last_layer(tmp_path, dflash_cache, capsys, monke
     assert "check failed" in out
     assert "problem: target.layer_ids [3]: layer 3 is the target's last layer" in out
     assert "fix: the feature of layer i must be HF's hidden_states[i + 1]" in out
+
+
+def test_check_with_a_drafter_dtype_it_cannot_run_is_one_line(tmp_path, capsys):
+    """Refused after the devices are known, before the target loads or anything is written."""
+    code = main(["check", "--demo", "--device", "cpu", "--output-dir", str(tmp_path),
+                 "--drafter-dtype", "int8"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.splitlines()[0] == "error: --drafter-dtype 'int8': use bfloat16, float16, float32"
+    assert not (tmp_path / "demo").exists()
