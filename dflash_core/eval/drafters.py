@@ -261,14 +261,14 @@ _READ = ("config.json", "model.safetensors")  # what an evaluation reads of a ch
 
 
 def check_intact(spec: DrafterSpec) -> None:
-    """A run's checkpoint (it records checksums.json) checked against its checksums before it is
+    """A checkpoint that records checksums.json (a run's) checked against it before it is
     evaluated: the files an evaluation reads, read whole (a flipped bit is found); refused in one
-    line naming the file. A model folder without checksums (a published drafter) is not."""
+    line naming the file. A folder without checksums (a published drafter) is not."""
     from dflash_core.checkpoint.checksums import verify
-    from dflash_core.checkpoint.layout import CHECKSUMS, STATE_JSON
+    from dflash_core.checkpoint.layout import CHECKSUMS
 
     folder = spec.path
-    if not ((folder / CHECKSUMS).is_file() or (folder / STATE_JSON).is_file()):
+    if not (folder / CHECKSUMS).is_file():  # as drafter.init_from: what was recorded is checked
         return
     found = verify(folder, contents=_READ)
     bad = [p for p in found.problems if p.split(" ", 1)[0] in _READ + (CHECKSUMS,)]
