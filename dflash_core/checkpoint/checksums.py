@@ -154,14 +154,16 @@ def _read_checksums(folder: Path) -> dict[str, dict]:
 
 
 def verify(folder: str | os.PathLike, *, read: bool = True,
-           progress: Callable[[int, int, int, int], None] | None = None) -> Verified:
+           progress: Callable[[int, int, int, int], None] | None = None,
+           contents: tuple[str, ...] | None = None) -> Verified:
     """Check a checkpoint folder against its checksums.json: every file there, of its recorded
     size and (``read``) CRC-32; the files training_state.json names all present (it is looked for
     in the subfolder, then at the top level: ``state_json``). ``read`` False
     checks sizes and headers only (no file is read whole). Folders written before checksums
     (formats 1 and 2) get the checks they allow (files present, safetensors sizes as their
     headers say) and a note that they cannot be verified. ``progress(bytes_read, bytes_total,
-    files_read, files_total)`` as the files are read."""
+    files_read, files_total)`` as the files are read. ``contents``: only these files are read
+    (the others' sizes checked), for a reader that uses only them (eval: the weights)."""
     folder = Path(folder)
     problems: list[str] = []
     flagged: set[str] = set()
@@ -207,7 +209,8 @@ def verify(folder: str | os.PathLike, *, read: bool = True,
                 wrong(name, f"is truncated: {size} bytes of the {want} written" if size < want
                       else f"is {size} bytes, {want} were written")
         if read:
-            for name, got in _crc32_all(folder, [n for n in present if n not in flagged],
+            for name, got in _crc32_all(folder, [n for n in present if n not in flagged
+                                                 and (contents is None or n in contents)],
                                         sums, progress):
                 if isinstance(got, OSError):
                     wrong(name, f"cannot be read ({got})")

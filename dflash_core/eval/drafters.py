@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from dflash_core.eval.drafter_fields import HINT, check_fields
 from dflash_core.eval.errors import EvalInputError
 from dflash_core.models.dflash.drafter import ARCHITECTURE as DFLASH_ARCHITECTURE
 from dflash_core.models.dflash.drafter import DFlashDrafter
@@ -110,7 +111,11 @@ def _label(folder: Path, run: Path | None) -> str:
 
 def _dflash_config(d: dict, where: str):
     """This engine's DFlash config.json, or the public reference's (keys at the top level)."""
-    dc = dict(d.get("dflash_config") or {})
+    dc = d.get("dflash_config") or {}
+    if not isinstance(dc, dict):
+        raise EvalInputError(f"{where}: config.json's dflash_config is {dc!r}: an object "
+                             "expected", hint=HINT)
+    dc = dict(dc)
     for k in _DFLASH_KEYS:
         if k not in dc and k in d:
             dc[k] = d[k]
@@ -119,8 +124,12 @@ def _dflash_config(d: dict, where: str):
         raise EvalInputError(f"{where}: the DFlash config.json lacks {', '.join(missing)}",
                              hint="a DFlash drafter folder names its block size, mask token and "
                                   "target layers (dflash_config)")
+    check_fields({**d, **dc}, "dflash", where)
     kinds = d.get("layer_types") or []
-    other = sorted({k for k in kinds if k != "full_attention"})
+    if not isinstance(kinds, list):
+        raise EvalInputError(f"{where}: config.json's layer_types is {kinds!r}: a list of the "
+                             "layers' attention kinds expected", hint=HINT)
+    other = sorted({str(k) for k in kinds if k != "full_attention"})
     if other:
         raise EvalInputError(f"{where}: drafter layers of type {', '.join(other)}: this engine "
                              "decodes DFlash drafters with full-attention layers only")
@@ -128,7 +137,11 @@ def _dflash_config(d: dict, where: str):
     rest["dflash_config"] = {"block_size": int(dc["block_size"]),
                              "mask_token_id": int(dc["mask_token_id"]),
                              "target_layer_ids": [int(i) for i in dc["target_layer_ids"]]}
-    return DFlashDrafter.config_from_dict(rest)
+    try:
+        return DFlashDrafter.config_from_dict(rest)
+    except (ValueError, TypeError) as exc:  # a field transformers' config refuses
+        raise EvalInputError(f"{where}: config.json cannot be a drafter's config "
+                             f"({type(exc).__name__}: {exc})", hint=HINT) from exc
 
 
 def _fingerprint(folder: Path, config_text: str) -> str:
@@ -150,20 +163,34 @@ def _fingerprint(folder: Path, config_text: str) -> str:
 def read_drafter(given: str) -> DrafterSpec:
     """The drafter folder's kind and config (no weights read)."""
     folder, run = resolve_folder(given)
-    text = (folder / "config.json").read_text(encoding="utf-8")
     where = f"--drafter {given}"
+    try:
+        text = (folder / "config.json").read_bytes().decode("utf-8")
+    except OSError as exc:
+        raise EvalInputError(f"{where}: cannot read {folder / 'config.json'} "
+                             f"({exc.strerror or exc})") from exc
+    except UnicodeDecodeError as exc:
+        raise EvalInputError(f"{where}: {folder / 'config.json'} is not UTF-8 text (byte "
+                             f"{exc.start}): not a drafter's config.json", hint=HINT) from exc
     try:
         d = json.loads(text)
     except ValueError as exc:
-        raise EvalInputError(f"{where}: config.json is not JSON ({exc})") from exc
+        raise EvalInputError(f"{where}: config.json is not JSON ({exc})", hint=HINT) from exc
+    if not isinstance(d, dict):
+        raise EvalInputError(f"{where}: config.json holds a {type(d).__name__}, not a JSON "
+                             "object", hint=HINT)
     arch = d.get("architectures") or []
     if arch == [DSPARK_ARCHITECTURE]:
         from dflash_core.models.dspark.format import NotDSpark
 
+        check_fields(d, "dspark", where)
         try:
             cfg, objective = DSparkDrafter.config_from_dict(d), "dspark"
         except NotDSpark as exc:
             raise EvalInputError(f"{where}: {exc}") from exc
+        except (ValueError, TypeError) as exc:  # a field transformers' config refuses
+            raise EvalInputError(f"{where}: config.json cannot be a drafter's config "
+                                 f"({type(exc).__name__}: {exc})", hint=HINT) from exc
     elif arch == [DFLASH_ARCHITECTURE] or (not arch and "dflash_config" in d):
         cfg, objective = _dflash_config(d, where), "dflash"
     else:
@@ -211,6 +238,11 @@ def check_against(spec: DrafterSpec, target: TargetShape) -> None:
     depth = int(getattr(cfg, "num_target_layers", 0) or 0)
     if depth and depth != target.num_layers:
         diffs.append(f"{depth} target layers (this one has {target.num_layers})")
+    elif max(spec.target_layer_ids) >= target.num_layers and depth:
+        # the depth it names is the target's: its feature layers cannot lie past it
+        raise EvalInputError(f"--drafter {spec.given}: config.json's target_layer_ids "
+                             f"{spec.target_layer_ids} name layers past its num_target_layers "
+                             f"({depth}, the target's)", hint=HINT)
     elif max(spec.target_layer_ids) >= target.num_layers:
         diffs.append(f"feature layers {spec.target_layer_ids} (the target has "
                      f"{target.num_layers} layers)")
@@ -221,8 +253,30 @@ def check_against(spec: DrafterSpec, target: TargetShape) -> None:
                                   "of this target")
     mask = int(cfg.dflash_config["mask_token_id"])
     if not 0 <= mask < target.vocab_size:
-        raise EvalInputError(f"--drafter {spec.given}: mask token {mask} is outside the "
-                             f"target's vocabulary of {target.vocab_size}")
+        raise EvalInputError(f"--drafter {spec.given}: config.json's mask_token_id {mask} is "
+                             f"outside the vocabulary of {target.vocab_size}", hint=HINT)
+
+
+_READ = ("config.json", "model.safetensors")  # what an evaluation reads of a checkpoint
+
+
+def check_intact(spec: DrafterSpec) -> None:
+    """A checkpoint that records checksums.json (a run's) checked against it before it is
+    evaluated: the files an evaluation reads, read whole (a flipped bit is found); refused in one
+    line naming the file. A folder without checksums (a published drafter) is not."""
+    from dflash_core.checkpoint.checksums import verify
+    from dflash_core.checkpoint.layout import CHECKSUMS
+
+    folder = spec.path
+    if not (folder / CHECKSUMS).is_file():  # as drafter.init_from: what was recorded is checked
+        return
+    found = verify(folder, contents=_READ)
+    bad = [p for p in found.problems if p.split(" ", 1)[0] in _READ + (CHECKSUMS,)]
+    if bad:
+        raise EvalInputError(f"--drafter {spec.given}: checkpoint {folder} is damaged: "
+                             + "; ".join(bad),
+                             hint="evaluate another checkpoint of the run (another step, or the "
+                                  "run folder: its newest), or restore this one from a backup")
 
 
 def load_weights(spec: DrafterSpec, target_model, device,
@@ -279,3 +333,20 @@ def unique_labels(specs: list[DrafterSpec]) -> None:
 def file_name(label: str) -> str:
     """A results file's name for a drafter's label."""
     return "drafter-" + re.sub(r"[^A-Za-z0-9._-]+", "_", label) + ".jsonl"
+
+
+def distinct_files(specs: list[DrafterSpec]) -> None:
+    """Refuse two drafters whose labels give one results file (they differ only in characters a
+    file name does not keep, or in case, which a case-blind disk does not tell apart)."""
+    seen: dict[str, DrafterSpec] = {}
+    for s in specs:
+        key = file_name(s.label).casefold()
+        if key in seen:
+            a = seen[key]
+            raise EvalInputError(
+                f"--drafter {a.given} and --drafter {s.given} would share one results file "
+                f"({file_name(s.label)}): their labels {a.label!r} and {s.label!r} differ only "
+                "in characters a file name does not keep (or in case)",
+                hint=f"label one apart: pass it through a link of another name (ln -s "
+                     f"{s.path} OTHER-NAME; --drafter OTHER-NAME)")
+        seen[key] = s

@@ -71,6 +71,24 @@ def _first_turn(messages, where: str) -> tuple:
                          hint="each prompt needs a {\"role\": \"user\"} message")
 
 
+def _lone_surrogate(value) -> str | None:
+    """The first string in ``value`` (nested) that holds a lone surrogate (a "\\ud800" escape
+    with no partner: JSON allows it, but it is no character and no tokenizer or file takes it)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            return f"\\u{ord(value[exc.start]):04x}"
+        return None
+    items = (value.values() if isinstance(value, dict)
+             else value if isinstance(value, (list, tuple)) else ())
+    for v in items:
+        bad = _lone_surrogate(v)
+        if bad:
+            return bad
+    return None
+
+
 def _row_messages(row: dict, where: str) -> tuple:
     if "messages" in row:
         return _first_turn(row["messages"], where)
@@ -97,7 +115,7 @@ def load_prompt_set(name: str, path: str | Path, limit: int = 0) -> PromptSet:
         raise EvalInputError(f"prompt set {name}: cannot read {path} ({exc.strerror or exc})",
                              hint="--prompts NAME=FILE.jsonl with an existing file") from exc
     try:
-        text = raw.decode("utf-8")
+        text = raw.decode("utf-8-sig")  # a byte order mark before the first line is no text
     except UnicodeDecodeError as exc:
         raise EvalInputError(f"prompt set {name}: {path} is not UTF-8 text", hint=SHAPES) from exc
     prompts: list[Prompt] = []
@@ -113,6 +131,12 @@ def load_prompt_set(name: str, path: str | Path, limit: int = 0) -> PromptSet:
             raise EvalInputError(f"{where}: not a JSON object", hint=SHAPES)
         msgs = _row_messages(row, where)
         pid = row.get("id")
+        bad = _lone_surrogate([msgs, pid])
+        if bad:
+            raise EvalInputError(f"{where}: the text holds a lone surrogate ({bad}), half of a "
+                                 "UTF-16 pair: not a character, so no tokenizer reads it",
+                                 hint="write the character itself, or both halves of its "
+                                      "pair (e.g. \\ud83d\\ude00)")
         prompts.append(Prompt(len(prompts), str(pid) if pid is not None else f"line {lineno}",
                               msgs))
         if limit and len(prompts) >= limit:

@@ -18,6 +18,7 @@ process stopped while writing) is cut off when the file is opened again and deco
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from dataclasses import dataclass, field
@@ -60,13 +61,45 @@ class ResultsFile:
                   "prefill_seconds": round(batch.prefill_seconds, 6)}
         text = "".join(strict_json.dumps(x, separators=(",", ":")) + "\n"
                        for x in [*lines, record])
-        with open(self.path, "a", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
+        size = self.path.stat().st_size
+        try:
+            _append_text(self.path, text)
+        except OSError as exc:
+            try:  # the batch's part that reached the disk goes: no torn batch is left behind
+                with open(self.path, "r+b") as fh:
+                    fh.truncate(size)
+            except OSError:
+                pass  # cut off when the file is opened again, as after a crash
+            raise write_failed(self.path, exc, f"every whole batch before it is kept "
+                               f"({len(self.prompts)} prompts in this file), the one being "
+                               "written is not") from exc
         for x in lines:
             self.prompts[int(x["index"])] = x
         self.batches.append(batch)
+
+
+def _append_text(path: Path, text: str) -> None:
+    """``text`` appended in one write, on disk when this returns."""
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def write_failed(path: Path, exc: OSError, kept: str) -> EvalInputError:
+    """The one line of a write that failed: the disk full (or another OSError), what was kept,
+    and that the same command continues once it can write."""
+    why = exc.strerror or str(exc)
+    if exc.errno in FULL:
+        return EvalInputError(f"the disk is full: cannot write {path} ({why}); {kept}",
+                              hint="free space on that disk and run the same command again: it "
+                                   "continues where it stopped")
+    return EvalInputError(f"cannot write {path} ({why}); {kept}",
+                          hint="make the --out folder writable and run the same command again: "
+                               "it continues where it stopped")
 
 
 def _differences(old: dict, new: dict) -> list[str]:
@@ -103,12 +136,17 @@ def open_results(path: Path, settings: dict, about: dict | None = None) -> Resul
     settings."""
     settings = json.loads(json.dumps(settings))  # as it reads back (tuples as lists)
     if not path.is_file() or path.stat().st_size == 0:
-        path.parent.mkdir(parents=True, exist_ok=True)
         header = {"kind": "header", "format": FORMAT, "settings": settings,
                   "about": about or {}}
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(header) + "\n", encoding="utf-8")
-        os.replace(tmp, path)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(strict_json.dumps(header) + "\n", encoding="utf-8")
+            os.replace(tmp, path)
+        except OSError as exc:
+            raise write_failed(path, exc, "nothing of it was written") from exc
+        finally:
+            tmp.unlink(missing_ok=True)
         return ResultsFile(path, settings)
     check_header(path, settings)
     raw = path.read_bytes()
@@ -137,17 +175,66 @@ def open_results(path: Path, settings: dict, about: dict | None = None) -> Resul
             pending = []
             good = min(at, len(raw))
     if good < len(raw):
-        with open(path, "r+b") as fh:  # the torn batch goes; its prompts are decoded again
-            fh.truncate(good)
+        try:
+            with open(path, "r+b") as fh:  # the torn batch goes; its prompts are decoded again
+                fh.truncate(good)
+        except OSError as exc:
+            raise write_failed(path, exc, "its whole batches are kept") from exc
     return res
 
 
-def write_json(path: Path, obj) -> None:
-    """``obj`` as JSON at ``path``, replaced whole (never half-written)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+def write_json(path: Path, obj, kept: str = "") -> None:
+    """``obj`` as JSON at ``path``, replaced whole (never half-written); ``kept``: what a failed
+    write leaves, for its line."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         tmp.write_text(strict_json.dumps(obj, indent=2) + "\n", encoding="utf-8")
         os.replace(tmp, path)
+    except OSError as exc:
+        raise write_failed(path, exc, kept or "it was left as it was") from exc
     finally:
         tmp.unlink(missing_ok=True)
+
+
+# results.json says who wrote it: a file of that name the user wrote is never replaced
+WRITTEN_BY = "dflash-tui eval"
+
+
+def is_ours(path: Path) -> bool:
+    """Whether the results.json at ``path`` is one an evaluation wrote (marked ``written_by``;
+    one written before the mark, by its four sections)."""
+    try:
+        d = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(d, dict) and (d.get("written_by") == WRITTEN_BY
+                                    or set(d) == {"settings", "target", "drafters", "sets"})
+
+
+def check_out(out: Path, summary: str, files: list[Path]) -> None:
+    """Refuse (EvalInputError) an --out folder the results cannot go to, before anything is
+    written: below a file, a file itself, a ``summary`` (results.json) or set folder or results
+    file that is something else, or no right to write there."""
+    hint = "pass --out a new folder, or one an earlier dflash-tui eval wrote"
+    for p in [out, *out.parents][::-1]:
+        if p.exists() and not p.is_dir():
+            raise EvalInputError(f"--out {out}: {p} is a file, not a folder", hint=hint)
+    res = out / summary
+    if res.is_dir() or (res.exists() and not res.is_file()):
+        raise EvalInputError(f"--out {out}: {res} is not a file: the summary goes there",
+                             hint=hint)
+    if res.is_file() and not is_ours(res):
+        raise EvalInputError(f"--out {out} holds a {summary} that dflash-tui eval did not write: "
+                             "it would be replaced", hint="pass another --out, or move that "
+                                                          "file away")
+    for f in files:
+        if f.parent.exists() and not f.parent.is_dir():
+            raise EvalInputError(f"--out {out}: {f.parent} is a file, not a folder: a prompt "
+                                 "set's results go there", hint=hint)
+        if f.exists() and not f.is_file():
+            raise EvalInputError(f"--out {out}: {f} is not a file: results go there", hint=hint)
+    near = next(p for p in [out, *out.parents] if p.exists())
+    if not os.access(near, os.W_OK | os.X_OK):
+        raise EvalInputError(f"--out {out}: cannot write in {near} (permission denied)",
+                             hint="pass --out a folder you can write in")

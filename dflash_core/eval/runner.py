@@ -207,6 +207,9 @@ class Evaluation:
         for s in self.specs:
             dk.check_against(s, self.shape)
         dk.unique_labels(self.specs)
+        dk.distinct_files(self.specs)
+        for s in self.specs:  # a run's checkpoint against its checksums: a flipped bit is named
+            dk.check_intact(s)
         self.drafter_dtypes = {s.label: check_dtype(opts.drafter_dtype or served_dtype_of(s.path),
                                                     self.device) for s in self.specs}
         self.tokenizer = load_chat_tokenizer(tokenizer_spec(self.folder, opts.tokenizer),
@@ -222,6 +225,8 @@ class Evaluation:
         self.decoders = [plain] + [_Decoder(s.label, s.target_layer_ids, spec=s)
                                    for s in self.specs]
         # every file checked before any is started: a refusal leaves the folder as it was
+        rs.check_out(self.out, RESULTS, [self._where(d, p)[0] for d in self.decoders
+                                         for p in self.sets])
         for d in self.decoders:
             for p in self.sets:
                 rs.check_header(*self._where(d, p)[:2])
@@ -236,12 +241,16 @@ class Evaluation:
         sets, seen = [], set()
         for spec in self.opts.prompts:
             name, path = parse_spec(spec)
-            if name in seen:
-                raise EvalInputError(f"--prompts: two sets named {name}",
+            if name.casefold() in seen:  # one folder each, on a case-blind disk too
+                raise EvalInputError(f"--prompts: two sets named {name}" + (
+                    "" if name in {n for n, _ in sets} else " (told apart only by case)"),
                                      hint="give each set its own NAME=FILE")
-            seen.add(name)
-            sets.append(load_prompt_set(name, path, self.opts.limit))
-        return sets
+            if name.casefold() == RESULTS:
+                raise EvalInputError(f"--prompts {spec!r}: the set name {name} is the summary's "
+                                     "file name", hint="name the set otherwise (NAME=FILE)")
+            seen.add(name.casefold())
+            sets.append((name, path))
+        return [load_prompt_set(name, path, self.opts.limit) for name, path in sets]
 
     def _target_config(self):
         from dflash_core.models.target.config import TargetLoadError, load_target_config
@@ -426,12 +435,15 @@ class Evaluation:
                     sm.speedup = sm.tokens_per_s / plain.tokens_per_s
                 drafted[d.label] = sm
             rep.sets.append(SetReport(p.name, len(p.prompts), plain, drafted))
-        rs.write_json(self.out / RESULTS, report_json(rep, self))
+        rs.write_json(self.out / RESULTS, report_json(rep, self),
+                      kept="every prompt's results are kept in the sets' files; the same command "
+                           "writes the summary without decoding again")
         return rep
 
 
 def report_json(rep: EvalReport, ev: Evaluation) -> dict:
     return {
+        "written_by": rs.WRITTEN_BY,  # a results.json the user wrote is never replaced
         "settings": rep.settings,
         "target": str(ev.folder),
         "drafters": {s.label: {"path": str(s.path), "objective": s.objective,
