@@ -15,6 +15,7 @@ from typing import Callable
 
 from dflash_core import demo
 from dflash_core.config import Config, ConfigError
+from dflash_core.models.target.config_fields import HINT, ConfigFieldError, check_config_fields
 from dflash_core.models.target.shape import model_shape
 from dflash_core.models.target.config import (
     REMOTE_CODE_HINT, default_layer_ids, needs_remote_code, remote_code_refusal,
@@ -74,6 +75,10 @@ def _read_target_config(target_path: Path) -> dict:
     if not isinstance(hf_config, dict):
         raise ConfigError("target.path", f"{path} holds a {type(hf_config).__name__}, not a "
                           "model config (a JSON object)", hint="set target.path to a model folder")
+    try:
+        check_config_fields(hf_config, path)
+    except ConfigFieldError as exc:
+        raise ConfigError("target.path", str(exc), hint=HINT) from exc
     return hf_config
 
 

@@ -98,6 +98,30 @@ def test_a_checkpoints_folder_that_cannot_be_written_is_refused_in_preflight(tmp
     assert (cfg.run_dir / "checkpoints").read_text() == "a file where the checkpoints go"
 
 
+@pytest.mark.parametrize("argv", [["--headless", "--config"], ["check", "--config"]])
+def test_a_target_config_json_with_nonsense_is_one_line_and_exit_2(tmp_path, capsys, argv):
+    """A target's config.json is input: an FP8 block of [0, 128] (was a ZeroDivisionError in the
+    memory plan, "a bug in dflash") is named with its file and field, before anything loads."""
+    import json
+
+    from tests.core.engine_fixtures import make_config, make_data, write_config
+
+    target = tmp_path / "target"
+    target.mkdir()
+    hf_config = json.loads((Path(__file__).parents[1] / "fixtures" / "qwen3_8b_config.json")
+                           .read_text())
+    hf_config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [0, 128]}
+    (target / "config.json").write_text(json.dumps(hf_config))
+    cfg = make_config(tmp_path, target, make_data(tmp_path / "data"))
+    code = main([*argv, str(write_config(tmp_path / "c.yaml", cfg))])
+    out, err = capsys.readouterr()
+    assert code == 2, out + err
+    assert "Traceback" not in out + err and "bug in dflash" not in out + err
+    assert (f"{target / 'config.json'}: quantization_config.weight_block_size [0, 128]: "
+            in out + err), out + err
+    assert "download the model again" in out + err
+
+
 # ------------------------------------------------------------------------------------------------
 # The data verbs, round four: inputs a new user may give. Each: exit 2, one error line naming
 # the cause and a hint, no traceback, and nothing the user wrote changed.

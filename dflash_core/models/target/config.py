@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from dflash_core.models.target.config_fields import HINT, ConfigFieldError, check_config_fields
+
 CONFIG_NAME = "config.json"
 
 PATH_HINT = ("set target.path in config.yaml to a local folder holding config.json and "
@@ -85,6 +87,10 @@ def _read_config_json(folder: Path) -> dict:
                               ) from exc
     if not isinstance(data, dict):
         raise TargetLoadError(f"{folder / CONFIG_NAME} holds no JSON object")
+    try:
+        check_config_fields(data, folder / CONFIG_NAME)
+    except ConfigFieldError as exc:
+        raise TargetLoadError(str(exc), hint=HINT) from exc
     return data
 
 
