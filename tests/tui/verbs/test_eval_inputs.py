@@ -151,7 +151,7 @@ def _file(path: Path) -> Path:
 @pytest.mark.parametrize("name", list(CASES))
 def test_bad_input_is_one_line_exit_2_and_nothing_written(demo_eval, tmp_path, capsys, name,
                                                           monkeypatch):
-    import dflash_core.models.target_load as target_module
+    import dflash_core.models.target.load as target_module
 
     monkeypatch.setattr(target_module, "load_target",
                         lambda *a, **k: pytest.fail("the target was loaded"))
