@@ -19,6 +19,7 @@ One module a job:
 - results.py: results files per (set, decoder), continued when run again;
 - summary.py: tau, accepted@k, tokens/s, speedup, the lossless check;
 - table.py: the side-by-side table; runner.py: one evaluation from options to report;
+  report.py: what it found, set by set, and its results.json;
 - run_sets.py: a training run's own evaluation on named sets (eval.prompt_sets).
 """
 
@@ -26,7 +27,7 @@ import importlib
 
 # Loaded on first use, so that a reader of acceptance.py (the sinks, the console) does not load
 # the verb's runner with it.
-_EXPORTS = {"EvalInputError": "errors", "EvalOptions": "runner", "EvalReport": "runner",
+_EXPORTS = {"EvalInputError": "errors", "EvalOptions": "runner", "EvalReport": "report",
             "Evaluation": "runner", "run_eval": "runner", "set_table": "table"}
 
 __all__ = sorted(_EXPORTS)

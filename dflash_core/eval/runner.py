@@ -23,6 +23,7 @@ import dflash_core.eval.drafters as dk
 import dflash_core.eval.results as rs
 from dflash_core.eval.drafter_dtype import check_dtype, served_dtype_of
 from dflash_core.eval.errors import EvalInputError
+from dflash_core.eval.report import EvalReport, SetReport, report_json  # noqa: F401
 from dflash_core.eval.prompt_sets import PromptSet, load_prompt_set, parse_spec
 from dflash_core.eval.rendering import (
     generation_config, load_chat_tokenizer, longest_past, render_set, stop_ids, template_kwargs,
@@ -30,7 +31,7 @@ from dflash_core.eval.rendering import (
 )
 from dflash_core.eval.sampling import prompt_generator
 from dflash_core.eval.spec_decode import DecodeSettings, decode_rows
-from dflash_core.eval.summary import Summary, first_difference, summarise
+from dflash_core.eval.summary import first_difference, summarise
 from dflash_core.eval.target_decoding import head_is_lm_head, rows_backend
 from dflash_core.families.registry import family
 
@@ -64,38 +65,6 @@ class EvalOptions:
     gpu_hour_price: float = 0.0
     currency: str = ""  # with gpu_hour_price ("": the one the run recorded)
     trust_remote_code: bool = False  # a target or tokenizer of its folder's own code may run
-
-
-@dataclass
-class SetReport:
-    name: str
-    prompts: int
-    plain: Summary
-    drafters: dict[str, Summary]
-
-
-@dataclass
-class EvalReport:
-    folder: Path
-    settings: dict
-    labels: list[str]
-    per_round: dict[str, int]  # label -> drafts a round proposes
-    sets: list[SetReport] = field(default_factory=list)
-    # label -> the device time to it (a run's checkpoint); None: not known (a downloaded one)
-    hours: dict = field(default_factory=dict)
-
-    @property
-    def mismatches(self) -> list[tuple[str, str, dict]]:
-        """(set, drafter, mismatch) of every prompt whose greedy output left the target's where
-        the target's choice was clear: the lossless check's failures."""
-        return [(s.name, label, m) for s in self.sets for label, d in s.drafters.items()
-                for m in d.mismatches if not m.get("near_tie")]
-
-    @property
-    def near_ties(self) -> list[tuple[str, str, dict]]:
-        """(set, drafter, mismatch) of the prompts that parted at a near tie of the target."""
-        return [(s.name, label, m) for s in self.sets for label, d in s.drafters.items()
-                for m in d.mismatches if m.get("near_tie")]
 
 
 def resolve_device(spec: str) -> torch.device:
@@ -439,25 +408,6 @@ class Evaluation:
                       kept="every prompt's results are kept in the sets' files; the same command "
                            "writes the summary without decoding again")
         return rep
-
-
-def report_json(rep: EvalReport, ev: Evaluation) -> dict:
-    return {
-        "written_by": rs.WRITTEN_BY,  # a results.json the user wrote is never replaced
-        "settings": rep.settings,
-        "target": str(ev.folder),
-        "drafters": {s.label: {"path": str(s.path), "objective": s.objective,
-                               "block_size": s.block_size,
-                               "dtype": ev.drafter_dtypes[s.label],  # decoded in
-                               "run": str(s.run_folder) if s.run_folder else None,
-                               # what it cost to train (None: not known)
-                               "device_hours": s.hours.record() if s.hours else None,
-                               "cost": s.hours.money if s.hours else None}
-                     for s in ev.specs},
-        "sets": {s.name: {"prompts": s.prompts, "file": str(p.path), "plain": s.plain.as_dict(),
-                          "drafters": {k: v.as_dict() for k, v in s.drafters.items()}}
-                 for s, p in zip(rep.sets, ev.sets)},
-    }
 
 
 def run_eval(opts: EvalOptions, say: Callable[[str], None] = print) -> EvalReport:
