@@ -40,7 +40,8 @@ class Evaluator:
         self.dtype = served_dtype if cfg.drafter_dtype == SERVED else cfg.drafter_dtype
         self.dataset, self.eval_indices, self.layer_ids = dataset, eval_indices, layer_ids
         self.max_length, self.loss_chunk, self.seed = max_length, loss_chunk, seed
-        # teacher-forced tau of the recent steps: an evaluation's training tau (d) is their mean
+        # (teacher-forced tau, epoch) of the recent steps: an evaluation's training tau (d) is
+        # the taus' mean
         self.recent_tau_tf: deque = deque(maxlen=cfg.train_tau_steps)
         self.agreement: tuple[int, int] | None = None  # (agree, total), at the first evaluation
         self.evaluated_step = -1  # the end of a run evaluates again only when it is a new step
@@ -50,9 +51,22 @@ class Evaluator:
         """A periodic evaluation is due at this step."""
         return bool(self.cfg.every) and step % self.cfg.every == 0
 
-    def stepped(self, tau_tf: float) -> None:
-        """A training step's teacher-forced tau."""
-        self.recent_tau_tf.append(tau_tf)
+    def stepped(self, tau_tf: float, epoch: int = 0) -> None:
+        """A training step's teacher-forced tau and the epoch of its batch."""
+        self.recent_tau_tf.append((tau_tf, epoch))
+
+    def train_tau(self) -> tuple[float, float]:
+        """(d): (the mean of the recent steps' taus, published; the one eval.overfit_gap
+        compares with (c): the same, or MISSING while every one of those steps was in the first
+        epoch). A step's tau is taken before its update, so in the first epoch each sample is new
+        to the drafter: (d) is then a held-out measure itself, and a gap to (c) is the mix of
+        the few held-out samples (the demo's data: a third are runs of one byte, tau 4-8, the
+        rest word loops near 1.2), never memorisation."""
+        if not self.recent_tau_tf:
+            return acceptance.MISSING, acceptance.MISSING
+        train = float(np.mean([t for t, _ in self.recent_tau_tf]))
+        seen = any(e >= 1 for _, e in self.recent_tau_tf)
+        return train, (train if seen else acceptance.MISSING)
 
     def evaluate(self, step: int, drafter, target) -> float | None:
         """The held-out measures (``_heldout``), then exact tau on each prompt set. Returns the
@@ -105,13 +119,12 @@ class Evaluator:
             self.agreement = self._agreement(target)
         agree, total = self.agreement or (0, 0)
         share = agree / total if total else acceptance.MISSING
-        train = (float(np.mean(self.recent_tau_tf)) if self.recent_tau_tf
-                 else acceptance.MISSING)
+        train, train_rule = self.train_tau()
         miss = acceptance.MISSING
         tf_target = tf_target if n_target else miss
         tf_all = tf_all if n_all else miss
         tf_heldout = tf_heldout if n_heldout else miss
-        found = acceptance.findings(step, res.tau, tf_target, tf_heldout, train, share,
+        found = acceptance.findings(step, res.tau, tf_target, tf_heldout, train_rule, share,
                                     cfg, target_all=tf_all)
         # A confidence head (DSpark): its calibration on the rounds just decoded
         cal = calibrate(res.confidences, res.accepted) if res.confidences else None

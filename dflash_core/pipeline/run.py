@@ -215,7 +215,7 @@ class Run:
         self.last_step_t = now
         wait, blocked = self.hs_queue.take_waits()
         tps, sps = self.rate.add(res.tokens, res.samples)
-        self.evaluator.stepped(res.tau_tf)
+        self.evaluator.stepped(res.tau_tf, self.position.current_epoch())
         self.publish(StepMetrics(
             step=res.step, epoch=self.position.current_epoch(), loss=res.loss, lr=res.lr,
             grad_norm=res.grad_norm, tokens_per_s=tps, samples_per_s=sps, tau_tf=res.tau_tf,
