@@ -4,10 +4,6 @@
 - facts.py: what the run recorded about it (target, data, steps, exact tau, device-hours);
 - serving.py: the vLLM and SGLang command lines of a drafter family;
 - card.py: the model card (README.md) written from those facts;
-- folder.py: the output folder: written beside it and renamed into place, never over a
+- folder.py: ``publish`` itself and the output folder: written beside it and renamed into place, never over a
   folder publish did not write.
 """
-
-from dflash_core.publish.folder import PublishError, Published, publish
-
-__all__ = ["PublishError", "Published", "publish"]

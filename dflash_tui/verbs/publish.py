@@ -31,7 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dflash_core.publish import PublishError, publish
+    from dflash_core.publish.folder import PublishError, publish
 
     try:
         done = publish(args.source, args.out, overwrite=args.overwrite, note=print)

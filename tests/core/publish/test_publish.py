@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from dflash_core.checkpoint.layout import SERVED_FILES
-from dflash_core.publish import PublishError, publish
+from dflash_core.publish.folder import PublishError, publish
 from dflash_core.publish.card import MARK
 
 from .run_fixture import DSPARK_B, DFLASH_B, TARGET, make_run
