@@ -6,7 +6,7 @@
 - the write: the same 1 GiB written and fsynced in the writer's 64 MiB chunks, without a checksum
   and through ``safetensors_io.write_file`` (CRC-32 computed beside the writes);
 - the resume's verification of the file: read only, then each candidate algorithm (zlib CRC-32,
-  BLAKE2b, SHA-256) reading and hashing in one thread, then ``checksums._crc32_of`` (reads and
+  BLAKE2b, SHA-256) reading and hashing in one thread, then ``checksums.crc32_of`` (reads and
   CRC overlapped), each cold (the file's pages dropped with posix_fadvise first; a filesystem
   that ignores the advice reads from memory, and cold then equals warm) and warm;
 - the hash functions alone on 64 MiB in memory.
@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common.p
 import common  # noqa: F401 - puts the repository on sys.path
 
 from dflash_core.checkpoint import safetensors_io
-from dflash_core.checkpoint.checksums import _crc32_of
+from dflash_core.checkpoint.checksums import crc32_of
 
 MB = 1e6
 
@@ -115,13 +115,13 @@ def main() -> None:
                   f"warm {size / warm / MB:6.0f} MB/s")
         evict(path)
         t = time.perf_counter()
-        crc = _crc32_of(path)
+        crc = crc32_of(path)
         cold = time.perf_counter() - t
         t = time.perf_counter()
-        _crc32_of(path)
+        crc32_of(path)
         warm = time.perf_counter() - t
         assert crc == out.crc32, "the read's CRC is not the write's"
-        print(f"verify, checksums._crc32_of (read and CRC overlapped): cold "
+        print(f"verify, checksums.crc32_of (read and CRC overlapped): cold "
               f"{size / cold / MB:.0f} MB/s, warm {size / warm / MB:.0f} MB/s")
     path.unlink()
 

@@ -56,21 +56,14 @@ def write_checksums(tmp: Path, sums: dict[str, dict]) -> None:
 
 def check_safetensors(path: Path) -> None:
     """A safetensors file whose size is what its header says (a truncated one is damaged)."""
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise ValueError("shorter than its header")
-        n = int.from_bytes(head, "little")
-        if 8 + n > os.fstat(f.fileno()).st_size:  # a garbled length: do not try to read it
-            raise ValueError(f"truncated: its header length {n} runs past the file's end")
-        meta = json.loads(f.read(n))
+    n, meta = safetensors_io.read_header(path)
     end = max((v["data_offsets"][1] for k, v in meta.items() if k != "__metadata__"), default=0)
     size = path.stat().st_size
     if size != 8 + n + end:
         raise ValueError(f"truncated: {size} bytes, its header says {8 + n + end}")
 
 
-def _crc32_of(path: Path, progress: Callable[[int], None] | None = None) -> int:
+def crc32_of(path: Path, progress: Callable[[int], None] | None = None) -> int:
     """A file's CRC-32, read in large chunks into two buffers: one is read while the other's
     CRC is computed in a second thread, so a cold file is verified at the disk's read rate."""
     bufs = [bytearray(READ_CHUNK), bytearray(READ_CHUNK)]
@@ -116,7 +109,7 @@ def _crc32_all(folder: Path, names: list[str], sums: dict[str, dict],
 
     def one(name: str) -> str | OSError:
         try:
-            return f"{_crc32_of(folder / name, seen):08x}"
+            return f"{crc32_of(folder / name, seen):08x}"
         except OSError as exc:
             return exc
         finally:
@@ -144,7 +137,7 @@ class Verified:
             else "damaged"
 
 
-def _read_checksums(folder: Path) -> dict[str, dict]:
+def read_checksums(folder: Path) -> dict[str, dict]:
     record = json.loads((folder / CHECKSUMS).read_text(encoding="utf-8"))
     sums = record["files"]
     for name, entry in sums.items():
@@ -182,7 +175,7 @@ def verify(folder: str | os.PathLike, *, read: bool = True,
     sums: dict[str, dict] | None = None
     if (folder / CHECKSUMS).is_file():
         try:
-            sums = _read_checksums(folder)
+            sums = read_checksums(folder)
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             wrong(CHECKSUMS, f"cannot be read ({type(exc).__name__}: {exc})")
     sj = state_json(folder)

@@ -38,6 +38,19 @@ class Written(NamedTuple):
     crc32: int
 
 
+def read_header(path: str | os.PathLike) -> tuple[int, dict]:
+    """(header length, header) of a safetensors file, without reading its tensors. Raises
+    ValueError for a file shorter than its header or a header length past its end, OSError."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError("shorter than its header")
+        n = int.from_bytes(head, "little")
+        if 8 + n > os.fstat(f.fileno()).st_size:  # a garbled length: do not try to read it
+            raise ValueError(f"truncated: its header length {n} runs past the file's end")
+        return n, json.loads(f.read(n))
+
+
 def file_bytes(entries: list[tuple[str, torch.Tensor, torch.dtype | None]]) -> int:
     """The data bytes a file of these entries holds (the header aside)."""
     return sum(t.numel() * (dtype or t.dtype).itemsize for _, t, dtype in entries)

@@ -12,13 +12,12 @@ lm_head stay as they are, the target in its own dtype (target.dtype).
 from __future__ import annotations
 
 import copy
-import json
-import struct
 from collections import Counter
 from pathlib import Path
 
 import torch
 
+from dflash_core.checkpoint.safetensors_io import read_header
 from dflash_core.eval.errors import EvalInputError
 
 DTYPES = ("bfloat16", "float16", "float32")
@@ -31,10 +30,8 @@ def served_dtype_of(folder: Path, default: str = "bfloat16") -> str:
     tensors of its model.safetensors hold (read from the file's header, no weights read);
     ``default`` when the header names none of bfloat16, float16, float32 or cannot be read."""
     try:
-        with open(Path(folder) / "model.safetensors", "rb") as fh:
-            n = struct.unpack("<Q", fh.read(8))[0]
-            header = json.loads(fh.read(n))
-    except (OSError, ValueError, struct.error):
+        _, header = read_header(Path(folder) / "model.safetensors")
+    except (OSError, ValueError):
         return default
     kinds = Counter(_SAFETENSORS[v["dtype"]] for k, v in header.items()
                     if k != "__metadata__" and isinstance(v, dict)

@@ -5,20 +5,18 @@ wrote it (its card's mark) and ``overwrite`` is given, and never when it holds o
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from dflash_core.checkpoint.layout import CHECKSUMS, SERVED_FILES
+from dflash_core.checkpoint.checksums import crc32_of, read_checksums
+from dflash_core.checkpoint.layout import SERVED_FILES
 from dflash_core.publish import card, facts as facts_mod, source
 from dflash_core.publish.errors import PublishError
 
 FILES = (*SERVED_FILES, card.CARD)  # all a published folder holds
-_CHUNK = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -72,12 +70,7 @@ def check_out(out: Path, overwrite: bool) -> bool:
 
 
 def _crc32(path: Path) -> tuple[int, str]:
-    crc, size = 0, 0
-    with open(path, "rb") as f:
-        while block := f.read(_CHUNK):
-            crc = zlib.crc32(block, crc)
-            size += len(block)
-    return size, f"{crc & 0xFFFFFFFF:08x}"
+    return path.stat().st_size, f"{crc32_of(path):08x}"
 
 
 def _copy(src: Path, dst: Path, want: dict | None) -> None:
@@ -97,9 +90,9 @@ def _copy(src: Path, dst: Path, want: dict | None) -> None:
 
 def _sums(folder: Path) -> dict:
     try:
-        return json.loads((folder / CHECKSUMS).read_text(encoding="utf-8"))["files"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return {}
+        return read_checksums(folder)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}  # none (a folder written before checksums): the source's own CRC is compared
 
 
 def publish(path: str | os.PathLike, out: str | os.PathLike, *, overwrite: bool = False,
