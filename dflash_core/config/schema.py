@@ -234,7 +234,7 @@ class PromptSetConfig:
 @dataclass
 class EvalConfig:
     """The exact-tau evaluation and its alarms (what each tau is and what each gap means:
-    dflash_core/eval/acceptance.py)."""
+    dflash_core/acceptance.py)."""
     every: int = key(0, "Steps between evaluations; 0 = only at the end.", ge=0)
     max_new_tokens: int = key(64, "Tokens decoded per held-out prompt.", gt=0)
     prompt_tokens: int = key(64, "Prompt length cut from each held-out sample.", gt=0)

@@ -2,10 +2,11 @@
 target on named prompt sets, as papers report them; the run's own evaluation's decoding and
 measures; ``check``'s decoding. ONE speculative decoding loop (spec_decode.py) serves them all.
 
+The rules of acceptance (its measures, their gaps and words) are ``dflash_core/acceptance.py``,
+below every reader: the sinks and the screen read them without this package.
+
 One module a job:
 
-- acceptance.py: the measures of acceptance, their gaps and words (below every reader: it imports
-  nothing of the project);
 - target_decoding.py: the target's side (one prompt's state, full forwards or the cache; a
   batch: one full forward for all, or a state per prompt);
 - evaluate.py: one prompt's decoding and the held-out prompts' exact tau (the loop, a batch of
@@ -25,8 +26,8 @@ One module a job:
 
 import importlib
 
-# Loaded on first use, so that a reader of acceptance.py (the sinks, the console) does not load
-# the verb's runner with it.
+# Loaded on first use, so that a reader of one module here (the run's evaluation reads
+# evaluate.py) does not load the verb's runner with it.
 _EXPORTS = {"EvalInputError": "errors", "EvalOptions": "runner", "EvalReport": "report",
             "Evaluation": "runner", "run_eval": "runner", "set_table": "table"}
 

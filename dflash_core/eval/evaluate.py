@@ -24,7 +24,7 @@ from typing import Callable, Collection, Protocol, Sequence
 import numpy as np
 import torch
 
-from dflash_core.eval.acceptance import histogram, pooled_tau
+from dflash_core.acceptance import histogram, pooled_tau
 from dflash_core.eval.drafting import drafts_per_round
 from dflash_core.eval.spec_decode import DecodeSettings, block_size_of, decode_rows, stop_set
 from dflash_core.eval.target_decoding import (  # the one-prompt TargetFns, importable from here

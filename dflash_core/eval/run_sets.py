@@ -97,7 +97,7 @@ def evaluate_set(s: RunSet, step: int, target, drafter, layer_ids: list[int], *,
     attention), decoded as ``dflash-tui eval`` decodes them (spec_decode.decode_rows): ``batch``
     prompts together, the target's cache with ``cache``, stopping at the target's end of turn.
     ``exact_head``: target_decoding.head_is_lm_head's answer for this target."""
-    from dflash_core.eval.acceptance import histogram, pooled_tau, serving_fields
+    from dflash_core.acceptance import histogram, pooled_tau, serving_fields
     from dflash_core.eval.drafting import drafts_per_round
     from dflash_core.eval.spec_decode import DecodeSettings, decode_rows
     from dflash_core.eval.target_decoding import rows_backend

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dflash_core.eval.results import ResultsFile
-from dflash_core.eval.acceptance import histogram, pooled_tau, serving_counts
+from dflash_core.acceptance import histogram, pooled_tau, serving_counts
 
 
 @dataclass

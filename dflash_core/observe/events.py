@@ -195,7 +195,7 @@ class StepMetrics(Event):
 
 @dataclass(frozen=True)
 class EvalResult(Event):
-    """One evaluation's measures of acceptance (eval/acceptance.py says what each means). A
+    """One evaluation's measures of acceptance (acceptance.py says what each means). A
     measure not taken is -1 (so events.jsonl files written before it existed still replay)."""
 
     step: int
@@ -219,7 +219,7 @@ class EvalResult(Event):
     # a name = that set of eval.prompt_sets (exact tau and its histogram only; the teacher-forced
     # measures and the agreement -1). Older events.jsonl files, without it, are held-out ones.
     prompt_set: str = ""
-    # Serving's counts (eval/acceptance.py, SERVING): proposed[j] = rounds that proposed j drafts;
+    # Serving's counts (acceptance.py, SERVING): proposed[j] = rounds that proposed j drafts;
     # accepted drafts per round without the bonus (tau - 1); per draft position k = 1 .., the
     # rounds that accepted draft k over those that proposed it; accepted / proposed drafts. An
     # older events.jsonl has none ([] / -1: its lines and keys stay as they were).

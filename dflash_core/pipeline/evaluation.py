@@ -1,4 +1,4 @@
-"""The run's evaluation, owned in one place: the measures of acceptance (eval/acceptance.py) on
+"""The run's evaluation, owned in one place: the measures of acceptance (acceptance.py) on
 the held-out prompts with the first target and the first replica, the data/target agreement, the
 training tau of the recent steps, and the prompts themselves; then exact tau on each named prompt
 set of eval.prompt_sets (eval/run_sets.py). The run says when; this measures, publishes,
@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from dflash_core.config import EvalConfig
-from dflash_core.eval import acceptance
+from dflash_core import acceptance
 from dflash_core.eval.drafter_dtype import SERVED, parameter_dtype, served_copy
 from dflash_core.eval.evaluate import evaluate_tau, evaluation_attention, teacher_forced_eval
 from dflash_core.eval.run_sets import RunSet, evaluate_set

@@ -7,7 +7,7 @@ import datetime as _dt
 import json
 
 from dflash_core.config import recipe_text
-from dflash_core.eval import acceptance
+from dflash_core import acceptance
 from dflash_core.models.dspark.calibration import Calibration
 from dflash_core.observe import events as ev
 from dflash_core.observe.device_hours import Figure, figure_text

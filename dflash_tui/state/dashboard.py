@@ -20,7 +20,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Iterable
 
 from dflash_core.config import EvalConfig
-from dflash_core.eval import acceptance
+from dflash_core import acceptance
 from dflash_core.observe import events as ev
 from dflash_core.observe.errors import error_from_exception
 from dflash_core.observe.fold import EventFold

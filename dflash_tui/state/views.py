@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from dflash_core.eval import acceptance
+from dflash_core import acceptance
 from dflash_core.observe import events as ev
 
 from .. import fmt

@@ -10,7 +10,7 @@ from rich.text import Text
 from textual.app import ComposeResult
 from textual.widgets import Sparkline, Static
 
-from dflash_core.eval import acceptance
+from dflash_core import acceptance
 from dflash_core.models.dspark.calibration import Calibration
 
 from .. import fmt

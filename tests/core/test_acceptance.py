@@ -3,7 +3,7 @@
 import pytest
 
 from dflash_core.config import EvalConfig
-from dflash_core.eval.acceptance import (
+from dflash_core.acceptance import (
     MEASURES,
     REGENERATE_COMMAND,
     accepted_at,

@@ -16,7 +16,7 @@ from dflash_core.observe.events import (
     LoadProgress, Log, MemoryPlan, RunEnded, RunStarted, SinkStatus, Stall, StateChanged,
     StepMetrics, TargetMetrics, TrainingPlan, WorkerStatus,
 )
-from dflash_core.eval.acceptance import (
+from dflash_core.acceptance import (
     calibration_line, evaluated_on, serving_line, serving_of, summary_line,
 )
 from dflash_core.observe.device_hours import event_line

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from dflash_core.config import ConfigError, WandbConfig
-from dflash_core.eval.acceptance import (
+from dflash_core.acceptance import (
     ACCEPTED, AGREEMENT, MEASURES, MISSING, accepted_at, calibration_wandb, serving_of,
     serving_wandb, set_wandb,
 )

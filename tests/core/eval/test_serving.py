@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflash_core.eval import EvalInputError, EvalOptions, Evaluation
-from dflash_core.eval.acceptance import serving_counts, serving_fields
+from dflash_core.acceptance import serving_counts, serving_fields
 from dflash_core.eval.drafter_dtype import check_dtype, served_copy, served_dtype_of
 from dflash_core.eval.table import set_table
 from tests.core.eval.conftest import DEMO_LAYERS, DEMO_TEXTS, save_dflash, write_jsonl

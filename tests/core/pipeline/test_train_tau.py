@@ -2,7 +2,7 @@
 step's tau is taken before its update, so in the first epoch it is a held-out measure itself."""
 
 from dflash_core.config import EvalConfig
-from dflash_core.eval import acceptance
+from dflash_core import acceptance
 from dflash_core.pipeline.evaluation import Evaluator
 
 

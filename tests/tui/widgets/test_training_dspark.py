@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import tui_scenarios as sc
 
-from dflash_core.eval import acceptance
+from dflash_core import acceptance
 from dflash_core.models.dspark.calibration import calibrate
 from dflash_core.observe import events as ev
 from dflash_tui.app import DFlashApp

@@ -80,7 +80,7 @@ def test_bad_recordings_are_refused():
 
 
 def test_the_words_every_view_uses():
-    from dflash_core.eval import acceptance
+    from dflash_core import acceptance
 
     cal = calibrate([[0.99, 0.99, 0.99, 0.99], [0.3, 0.3, 0.3, 0.3]], [4, 0], budgets=[2, 4])
     line = acceptance.calibration_line(cal)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from dflash_core.eval.acceptance import calibration_line, calibration_wandb
+from dflash_core.acceptance import calibration_line, calibration_wandb
 from dflash_core.models.dspark.calibration import Calibration, calibrate
 from dflash_core.observe.events import EvalResult, StepMetrics, from_json
 from dflash_core.observe.sinks.textlog import format_event

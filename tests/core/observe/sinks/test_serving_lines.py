@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from dflash_core.config import WandbConfig
-from dflash_core.eval.acceptance import report_rows, serving_fields
+from dflash_core.acceptance import report_rows, serving_fields
 from dflash_core.observe.events import EvalResult, from_json
 from dflash_core.observe.sinks.textlog import format_event
 from dflash_core.observe.sinks.wandb_sink import WandbSink
