@@ -200,6 +200,8 @@ class Endpoint:
         chunks = []
         while left() and (chunk := resp.read1(1 << 16)):
             chunks.append(chunk)
+        if resp.length:  # read1 ends quietly on a socket closed before Content-Length bytes
+            raise http.client.IncompleteRead(b"".join(chunks), resp.length)
         resp.close()  # read1 leaves a fully read answer open; a kept-alive socket needs it shut
         return resp.status, b"".join(chunks), resp.getheader("Retry-After")
 

@@ -302,3 +302,29 @@ def test_answers_cut_at_max_tokens_are_counted_and_said(tmp_path, capsys):
     assert "raise --max-tokens" in err
     summary = json.loads((tmp_path / "out" / "dflash_regen.json").read_text())
     assert summary["counts"]["answers_cut"] == 3
+
+
+def test_an_answer_cut_before_its_content_length_is_a_connection_error():
+    """A server killed while it writes an answer: the headers came, the body did not. That is
+    the server going down (waited for, no retry spent), never an answer that is not JSON."""
+    import socket
+
+    lst = socket.socket()
+    lst.bind(("127.0.0.1", 0))
+    lst.listen(1)
+
+    def serve():
+        conn, _ = lst.accept()
+        conn.recv(65536)
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"choi")
+        conn.close()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    e = Endpoint(f"http://127.0.0.1:{lst.getsockname()[1]}", timeout_s=5.0)
+    with pytest.raises(RequestFailed) as info:
+        e.request("POST", "/v1/chat/completions", {"messages": []})
+    t.join(5)
+    lst.close()
+    assert info.value.kind == "connection" and "IncompleteRead" in info.value.detail
