@@ -24,12 +24,15 @@ The gaps, each with its own meaning and message:
 - (b) - (a) > ``eval.tau_gap_warn``: training and decoding disagree (a leak across blocks, a
   position or mask error): the only mismatch alarm. (a) and (b) score the same text with the same
   weights, so only what the drafter sees differs.
-- agreement < ``eval.agreement_warn``: the data is not the target's own text; regenerate the
-  responses with the target. The agreement measures that directly, so it settles it: when it was
-  measured and is above the threshold, a gap |(b, every position) - (c)| raises nothing (the
-  labels are the target's; such a gap came from evaluation prompts of another kind than the
-  data, e.g. cut inside a turn). Only when the agreement was not measured does a gap past
-  ``eval.data_gap_warn`` raise the data finding, worded as a suspicion with the way to measure it.
+- agreement < ``eval.agreement_warn``: the data is not the target's own text; the likely cause
+  and its fix follow where the responses came from (``data_cause``, from the prepared data's
+  provenance): written by another model (regenerate them with the target), regenerated as text
+  (the text round trip: a server that returns token ids), or with token ids (another cause).
+  The agreement measures that directly, so it settles it: when it was measured and is above the
+  threshold, a gap |(b, every position) - (c)| raises nothing (the labels are the target's; such
+  a gap came from evaluation prompts of another kind than the data, e.g. cut inside a turn).
+  Only when the agreement was not measured does a gap past ``eval.data_gap_warn`` raise the data
+  finding, worded as a suspicion with the way to measure it.
 - (d) - (c) > ``eval.overfit_gap``: over-fitting (too few samples for the epochs); information.
 
 And exact decoding's rounds counted as the serving stacks count them (``serving_counts``), beside
@@ -203,13 +206,85 @@ def _have(x: float | None) -> bool:
     return x is not None and x >= 0
 
 
+# What a text round trip changes of the target's tokens (data/round_trip.py has the measure)
+ROUND_TRIP_CHANGES = ("a leading space the server stripped, merges that differ where the answer "
+                      "meets the template's text, bytes the server decoded otherwise")
+# Below this agreement the round trip is not all of it: it changes a few tokens per answer
+# (measured: 0.77-0.80 on answers `transformers serve` stripped, 0.94 on the demo's), while
+# answers another model wrote agree at 0.14-0.20 (a BPE target; the byte-level demo 0.67).
+ROUND_TRIP_FLOOR = 0.5
+# SGLang's OpenAI API returns text only (docs/data.md): not named here
+TOKEN_ID_SERVERS = ("a server that returns the answers' token ids (vLLM >= 0.10 with "
+                    "return_token_ids; regenerate's probe says whether a server does)")
+INSPECT_COMMAND = "dflash-tui data inspect DATA --target TARGET"
+
+
+def data_cause(provenance: dict | None, agreement: float | None = None, *,
+               inspected: bool = False) -> tuple[str, str]:
+    """(the likely cause, what helps) of labels that are not the target's, from where the data's
+    responses came from: the prepared data's provenance (data/provenance.py; None: an older
+    prepare, or data made otherwise, for which the cause is the usual one). ``agreement``: the
+    share measured (None: not measured); ``inspected``: said by ``data inspect`` itself, which
+    then does not point at itself."""
+    p = provenance if isinstance(provenance, dict) else {}
+    rec = p.get("regeneration") if isinstance(p.get("regeneration"), dict) else {}
+
+    def count(d: dict, key: str) -> int:
+        v = d.get(key)
+        return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else 0
+
+    rows, regen = count(p, "rows"), count(p, "regenerated_rows")
+    if not regen:
+        return ("the responses were written by another model (or with another chat template)",
+                f"regenerate them with the target ({REGENERATE_COMMAND})")
+    models = p.get("models") if isinstance(p.get("models"), dict) else {}
+    by = f" by {', '.join(repr(str(m)) for m in models)}" if models else ""
+    if rows > regen:
+        return (f"only {regen} of the {rows} rows were regenerated{by}; the others' responses "
+                "were written by another model",
+                f"regenerate every row of the source with the target ({REGENERATE_COMMAND})")
+    temp = rec.get("temperature")
+    sampled = (f"; they were sampled at temperature {temp:g}, and sampled tokens are not all "
+               "the target's greedy ones (regenerate with --temperature 0)"
+               if isinstance(temp, (int, float)) and temp > 0 else "")
+    other = ("the server may run other weights under that name, or the data was prepared with "
+             "another chat template than the one the server applied")
+    measure = "" if inspected else f"; {INSPECT_COMMAND} shows the samples and measures it"
+    text, ids = count(p, "answers_as_text"), count(p, "answers_as_token_ids")
+    if text:
+        via = (f" through {', '.join(str(u) for u in rec['endpoints'])}"
+               if isinstance(rec.get("endpoints"), list) and rec["endpoints"] else "")
+        cause = (f"the responses were regenerated{by}{via} already, but {text} of {text + ids} "
+                 "answers came back as text only and prepare re-tokenized them: the text round "
+                 f"trip can change the target's tokens ({ROUND_TRIP_CHANGES})")
+        rt = rec.get("round_trip")
+        if isinstance(rt, dict) and count(rt, "positions"):
+            cause += (f"; regenerate's probe measured {rt.get('agree')} of {rt['positions']} "
+                      f"returned tokens the target's own on sample {rt.get('sample')}")
+            diff = rt.get("first_difference")
+            if isinstance(diff, list) and len(diff) == 3:
+                cause += (f" (at answer token {diff[0]} the text gives {diff[1]!r}, the target "
+                          f"writes {diff[2]!r})")
+        if agreement is not None and 0 <= agreement < ROUND_TRIP_FLOOR:
+            cause += (f"; but a round trip changes a few tokens per answer, not "
+                      f"{1 - agreement:.0%} of them: {other}")
+        return (cause + sampled,
+                f"regenerating through the same server changes nothing: use {TOKEN_ID_SERVERS}"
+                + ("" if inspected else f", or measure the round trip on the prepared data "
+                   f"({INSPECT_COMMAND})"))
+    return (f"the responses were regenerated{by} with the server's token ids, so no text round "
+            f"trip changed them: {other}{sampled}",
+            f"check the server's model and template (data prepare --chat-template){measure}")
+
+
 def findings(step: int, exact: float, target: float | None, heldout: float | None,
              train: float | None, agreement: float | None, eval_cfg,
-             target_all: float | None = None) -> list[Finding]:
+             target_all: float | None = None, provenance: dict | None = None) -> list[Finding]:
     """The findings of one evaluation (at most one of each kind); ``eval_cfg``: config.EvalConfig.
     ``target``: (b) at decoding's anchors; ``target_all``: (b) at every position (what (c)
     measures on the data; default ``target``). A measure not taken (None or negative) takes part
-    in no rule."""
+    in no rule. ``provenance``: where the data's responses came from (the prepared data's
+    manifest): the data finding names its likely cause (``data_cause``)."""
     target_all = target if target_all is None else target_all
     out: list[Finding] = []
     if _have(target) and target - exact > eval_cfg.tau_gap_warn:
@@ -227,17 +302,18 @@ def findings(step: int, exact: float, target: float | None, heldout: float | Non
     if _have(agreement) and agreement < eval_cfg.agreement_warn:
         why = [f"only {agreement:.0%} of the trained labels are the target's greedy next token "
                f"(eval.agreement_warn {eval_cfg.agreement_warn:.0%})"] + [gap_words] * gap
+        cause, fix = data_cause(provenance, agreement)
         out.append(Finding("data", "warning", (
-            f"step {step}: the data is not the target's own text: " + "; ".join(why) + ". The "
-            "responses were written by another model (or with another chat template): "
-            f"regenerate them with the target ({REGENERATE_COMMAND})")))
+            f"step {step}: the data is not the target's own text: " + "; ".join(why) + ". "
+            f"{cause[0].upper()}{cause[1:]}: {fix}")))
     elif gap and not _have(agreement):
         # The agreement, which would settle it, was not measured: a suspicion, and how to check.
+        cause, fix = data_cause(provenance)
         out.append(Finding("data", "warning", (
             f"step {step}: the data may not be the target's own text: {gap_words}. Measure "
             "the share of trained labels that are the target's greedy next token (eval."
-            "agreement_samples > 0, or dflash-tui data inspect DATA --target TARGET); if it "
-            f"is low, regenerate the responses with the target ({REGENERATE_COMMAND})")))
+            f"agreement_samples > 0, or {INSPECT_COMMAND}); if it is low, the likely cause: "
+            f"{cause}: {fix}")))
     if _have(train) and _have(heldout) and train - heldout > eval_cfg.overfit_gap:
         out.append(Finding("overfit", "info", (
             f"step {step}: over-fitting: teacher-forced tau in training {train:.2f} is "

@@ -15,7 +15,9 @@ from pathlib import Path
 import numpy as np
 
 from dflash_core.data.conversations import Conversation, read_rows
+from dflash_core.acceptance import data_cause
 from dflash_core.data.manifest import read_manifest
+from dflash_core.data.provenance import describe, of_manifest
 from dflash_core.data.shards import DataError, ShardedDataset
 
 
@@ -127,7 +129,9 @@ def inspect(path: str | Path, *, samples: int = 2, tokenizer=None, target=None,
     return report
 
 
-def format_report(r: dict) -> str:
+def format_report(r: dict, agreement_warn: float = 0.8) -> str:
+    """The report as text. ``agreement_warn``: below it the agreement is called low, with the
+    likely cause from the data's provenance (the run's eval.agreement_warn; its default)."""
     lines = [f"{r['path']}: {r['samples']} samples, {r['tokens']} tokens, "
              f"{r['trained_tokens']} trained ({r['trained_share']:.1%})"]
     m = r.get("manifest")
@@ -137,6 +141,7 @@ def format_report(r: dict) -> str:
                      f"(tokenizer {m['fingerprints']['tokenizer']}, template "
                      f"{m['fingerprints']['chat_template']}); rows {c.get('rows')}, dropped "
                      f"{c.get('dropped') or 'none'}")
+        lines.append(describe(of_manifest(m)))
     else:
         lines.append("no manifest (not made by data prepare)")
     lines.append(f"rows with nothing to train: {r['nothing_to_train']}")
@@ -149,9 +154,10 @@ def format_report(r: dict) -> str:
         share = "n/a" if a["share"] is None else f"{a['share']:.1%}"
         lines.append(f"agreement with the target's greedy next token: {share} of "
                      f"{a['positions']} trained positions in {a['samples']} samples (seed "
-                     f"{a.get('seed', 0)})"
-                     + ("  (low: were the responses written by this target?)"
-                        if a["share"] is not None and a["share"] < 0.5 else ""))
+                     f"{a.get('seed', 0)})")
+        if a["share"] is not None and a["share"] < agreement_warn:
+            cause, fix = data_cause(of_manifest(m), a["share"], inspected=True)
+            lines.append(f"  low (below {agreement_warn:.0%}): the likely cause: {cause}: {fix}")
     for s in r["shown"]:
         lines.append(f"--- sample {s['index']} ({s['tokens']} tokens, {s['trained']} trained)")
         lines.append(s["text"])

@@ -1,10 +1,10 @@
 """The manifest of a prepared data folder, and what says a folder is finished.
 
 ``prepare`` writes ``.dflash-prepare`` (a marker) before its first shard and ``dflash_data.json``
-(the manifest: source, counts, token statistics, tokenizer and template fingerprints) after its
-last, then removes the marker. So a folder holding the marker and no manifest is a prepare that
-did not finish: ``check_data_folder`` refuses it, and checks a finished one's fingerprints against
-the target's tokenizer.
+(the manifest: source, counts, token statistics, tokenizer and template fingerprints, where the
+responses came from: ``provenance.py``) after its last, then removes the marker. So a folder
+holding the marker and no manifest is a prepare that did not finish: ``check_data_folder`` refuses
+it, and checks a finished one's fingerprints against the target's tokenizer.
 """
 
 from __future__ import annotations

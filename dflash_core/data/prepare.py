@@ -31,6 +31,7 @@ from dflash_core.data.lock import OutputLock
 from dflash_core.data.manifest import MANIFEST, MARKER, VERSION, mark_finished, mark_started
 from dflash_core.data.output import OWNER, Staging, check_apart, check_out
 from dflash_core.data.progress import ProgressLine
+from dflash_core.data.provenance import Origins, for_manifest, regen_record_for
 from dflash_core.data.shards import DataError
 from dflash_core.data.writing import write_shards
 
@@ -62,6 +63,7 @@ class _Tally:
     lengths: list = field(default_factory=list)
     trained: list = field(default_factory=list)
     render: RenderStats = field(default_factory=RenderStats)
+    origins: Origins = field(default_factory=Origins)  # where the used rows' responses came from
 
     def drop(self, reason: str, rid: str, detail: str) -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + 1
@@ -75,11 +77,11 @@ class _Tally:
 _WORKER: dict = {}  # set in the parent before forking; the children inherit it
 
 
-def _render_chunk(rows: list) -> tuple[int, list, list, RenderStats]:
+def _render_chunk(rows: list) -> tuple[int, list, list, RenderStats, Origins]:
     renderer: ChatRenderer = _WORKER["renderer"]
     max_length: int = _WORKER["max_length"]
     max_chars: int = _WORKER["max_chars"]
-    samples, drops, stats = [], [], RenderStats()
+    samples, drops, stats, origins = [], [], RenderStats(), Origins()
     for r in rows:
         if isinstance(r, Malformed):
             drops.append((r.reason, r.id, r.detail))
@@ -113,10 +115,11 @@ def _render_chunk(rows: list) -> tuple[int, list, list, RenderStats]:
         # A used row: its counts (split, joined, server ids) and the turns of a split row
         # left out (a row is counted once: as used, or by one reason)
         stats.add(row_stats)
+        origins.count(r)
         for reason, _, _ in why:
             stats.split_samples_dropped[reason] = stats.split_samples_dropped.get(reason, 0) + 1
         samples += kept
-    return len(rows), samples, drops, stats
+    return len(rows), samples, drops, stats, origins
 
 
 def _die_with_parent() -> None:
@@ -271,8 +274,9 @@ def _prepare_into(stage: Path, opts: PrepareOptions, fmt: str, files: list[Path]
             results = map(_render_chunk, chunks)
 
         def samples() -> Iterator[dict]:
-            for n_rows, chunk_samples, drops, stats in results:
+            for n_rows, chunk_samples, drops, stats, origins in results:
                 tally.render.add(stats)
+                tally.origins.add(origins)
                 for reason, rid, detail in drops:
                     tally.drop(reason, rid, detail)
                 for ids, mask in chunk_samples:
@@ -322,6 +326,8 @@ def _prepare_into(stage: Path, opts: PrepareOptions, fmt: str, files: list[Path]
                    "server_ids_turns": tally.render.server_ids_turns,
                    "server_ids_differ": tally.render.server_ids_differ},
         "examples": tally.examples,
+        # where the responses came from (regenerated as text or token ids; provenance.py)
+        "provenance": for_manifest(tally.origins, regen_record_for(files, src_fp)),
         "tokens": _stats(tally.lengths, tally.trained),
         "shards": [p.name for p in shards],
         "seconds": round(time.monotonic() - t0, 2),

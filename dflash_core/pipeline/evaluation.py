@@ -31,12 +31,16 @@ class Evaluator:
     ``max_length``: data.max_length (held-out samples are cut as training cuts them);
     ``loss_chunk``: drafter.loss_chunk; ``seed``: run.seed (the agreement's sample); ``sets``:
     eval.prompt_sets as preflight rendered them (run_sets.RunSet); ``served_dtype``:
-    drafter.dtype, what eval.drafter_dtype "served" decodes in (drafter_dtype.py)."""
+    drafter.dtype, what eval.drafter_dtype "served" decodes in (drafter_dtype.py);
+    ``provenance``: where the data's responses came from (its manifest's, data/provenance.py),
+    which the data finding names."""
 
     def __init__(self, cfg: EvalConfig, publish: Callable[[Any], None], *, dataset,
                  eval_indices, layer_ids: list[int], max_length: int, loss_chunk: int, seed: int,
-                 sets: Sequence[RunSet] = (), served_dtype: str = "bfloat16"):
+                 sets: Sequence[RunSet] = (), served_dtype: str = "bfloat16",
+                 provenance: dict | None = None):
         self.cfg, self.publish, self.sets = cfg, publish, list(sets)
+        self.provenance = provenance
         self.dtype = served_dtype if cfg.drafter_dtype == SERVED else cfg.drafter_dtype
         self.dataset, self.eval_indices, self.layer_ids = dataset, eval_indices, layer_ids
         self.max_length, self.loss_chunk, self.seed = max_length, loss_chunk, seed
@@ -125,7 +129,7 @@ class Evaluator:
         tf_all = tf_all if n_all else miss
         tf_heldout = tf_heldout if n_heldout else miss
         found = acceptance.findings(step, res.tau, tf_target, tf_heldout, train_rule, share,
-                                    cfg, target_all=tf_all)
+                                    cfg, target_all=tf_all, provenance=self.provenance)
         # A confidence head (DSpark): its calibration on the rounds just decoded
         cal = calibrate(res.confidences, res.accepted) if res.confidences else None
         self.publish(EvalResult(

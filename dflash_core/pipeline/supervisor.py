@@ -192,7 +192,7 @@ class Supervisor:
             cfg.eval, publish, dataset=prep.dataset, eval_indices=prep.eval_indices,
             layer_ids=prep.layer_ids, max_length=cfg.data.max_length,
             loss_chunk=cfg.drafter.loss_chunk, seed=cfg.run.seed, sets=prep.eval_sets,
-            served_dtype=cfg.drafter.dtype)
+            served_dtype=cfg.drafter.dtype, provenance=prep.provenance)
         run.checkpointer.start(run.step)
         run.barrier = StepBarrier(len(run.replicas), run.stop)
         gpus = torch.cuda.device_count() if run.drafter_devices[0].type == "cuda" else 0

@@ -28,13 +28,13 @@ def resolve_data(cfg: Config, target_path: Path, demo_progress) -> Path:
     return Path(cfg.data.path).expanduser()
 
 
-def check_data_manifest(cfg: Config, data_path: Path, target_path: Path) -> None:
+def check_data_manifest(cfg: Config, data_path: Path, target_path: Path) -> dict | None:
     """Refuse a data folder whose prepare did not finish, or that was tokenized with another
     tokenizer or chat template than the target's (both fingerprints named). Data made otherwise
-    (no manifest) is not checked."""
+    (no manifest) is not checked. Returns the manifest (None without one)."""
     manifest = read_manifest(data_path) if data_path.is_dir() else None
     fps = _target_fingerprints(cfg, target_path, manifest) if manifest else None
-    check_data_folder(data_path, fps, f"the target {cfg.target.path}")
+    return check_data_folder(data_path, fps, f"the target {cfg.target.path}")
 
 
 def _target_fingerprints(cfg: Config, target_path: Path, manifest: dict) -> dict | None:

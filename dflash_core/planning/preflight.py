@@ -25,6 +25,7 @@ import torch
 from dflash_core.eval.run_sets import prepare_sets
 from dflash_core.config import Config, ConfigError
 from dflash_core.data import BatchStream, ShardedDataset, split_eval
+from dflash_core.data.provenance import of_manifest
 from dflash_core.models.training.optimizers import muon_class
 from dflash_core.models.training.trainer import epoch_steps_for, total_steps_for
 from dflash_core.observe.events import Event, Log
@@ -81,6 +82,9 @@ class Prepared:
     fitted: dict = field(default_factory=dict)  # sizes layout.auto_fit lowered {key: new value}
     epoch_steps: int = 0  # the steps optim.epochs make; total_steps is less when max_steps is
     eval_sets: list = field(default_factory=list)  # eval.prompt_sets rendered (run_sets.RunSet)
+    # where the data's responses came from (the manifest's; data/provenance.py): the data
+    # finding's words
+    provenance: dict | None = None
 
 
 def prepare(cfg: Config, run_dir: Path, tdev: list[torch.device], ddev: list[torch.device], *,
@@ -113,7 +117,7 @@ def prepare(cfg: Config, run_dir: Path, tdev: list[torch.device], ddev: list[tor
     fitted = check_memory(cfg, hf_config, tdev, ddev, publish, quantized=kept)
 
     data_path = resolve_data(cfg, target_path, demo_progress)
-    check_data_manifest(cfg, data_path, target_path)
+    provenance = of_manifest(check_data_manifest(cfg, data_path, target_path))
     dataset = ShardedDataset.open(data_path)
     n_eval = min(cfg.data.eval_prompts, max(0, len(dataset) - 1))
     _, eval_indices = split_eval(len(dataset), n_eval, cfg.run.seed)
@@ -131,7 +135,7 @@ def prepare(cfg: Config, run_dir: Path, tdev: list[torch.device], ddev: list[tor
         check_checkpoint_disk(cfg, hf_config, run_dir, total_steps, publish)
     return Prepared(target_path, layer_ids, mask_id, dataset, eval_indices, stream, total_steps,
                     fitted, epoch_steps_for(cfg.optim, stream.batches_per_epoch, world),
-                    eval_sets)
+                    eval_sets, provenance)
 
 
 def demo_log_progress(publish: Callable[[Event], None], stop_check: Callable[[], None]):

@@ -176,6 +176,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _prepare(args) -> int:
     from dflash_core.data.prepare import PrepareOptions, prepare
+    from dflash_core.data.provenance import describe
 
     m = prepare(PrepareOptions(args.source, args.out, tokenizer=args.tokenizer,
                                chat_template=args.chat_template, thinking=args.thinking,
@@ -200,6 +201,7 @@ def _prepare(args) -> int:
         print(f"  {c['joined_rows']} conversations tokenized piece by piece at the turn "
               "boundaries (the tokenizer merges an answer's first characters with the "
               "template's text before it; the ids are joined as the target saw and wrote them)")
+    print(f"  {describe(m['provenance'])}")
     return 0
 
 
@@ -283,5 +285,9 @@ def _inspect(args) -> int:
     target = _load_target(args.target, args.trust_remote_code) if args.target else None
     r = inspect(args.folder, samples=args.samples, tokenizer=tok, target=target,
                 agreement_samples=args.agreement_samples, seed=args.seed)
-    print(json.dumps(r, indent=2, default=str) if args.json else format_report(r))
+    from dflash_core.config import EvalConfig
+
+    # low as the run's data finding calls it (eval.agreement_warn's default)
+    print(json.dumps(r, indent=2, default=str) if args.json
+          else format_report(r, agreement_warn=EvalConfig().agreement_warn))
     return 0

@@ -118,6 +118,7 @@ class Endpoint:
         if api_key:
             self.headers["Authorization"] = f"Bearer {api_key}"
         self._local = threading.local()
+        self.owned_by: dict[str, str] = {}  # model: owned_by, from /v1/models (``models``)
         # down: since when (monotonic), the next try, and whether the wait ran out
         self.down_since: float | None = None
         self.next_try = 0.0
@@ -217,7 +218,11 @@ class Endpoint:
                             f"(data: {str(data)[:80]})",
                             hint="point --endpoint at an OpenAI-compatible server (vLLM, "
                                  "SGLang)")
-        return [str(m.get("id")) for m in data if isinstance(m, dict)]
+        listed = [m for m in data if isinstance(m, dict)]
+        # who the server says owns each model: vLLM "vllm", SGLang "sglang" (provenance)
+        self.owned_by = {str(m.get("id")): str(m["owned_by"]) for m in listed
+                         if isinstance(m.get("owned_by"), str) and m["owned_by"]}
+        return [str(m.get("id")) for m in listed]
 
     # -- down ------------------------------------------------------------------------------------
     def answers(self) -> bool:

@@ -16,13 +16,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash_core.data import round_trip
-from dflash_core.data.conversations import Conversation, Malformed, RowError, read_rows
+from dflash_core.data.conversations import (
+    Conversation, Malformed, RowError, read_rows, source_fingerprint,
+)
 from dflash_core.data.regen.endpoint import Endpoint, RequestFailed, refusal_fix
 from dflash_core.data.manifest import write_json_atomic
 from dflash_core.data.progress import ProgressLine
 from dflash_core.data.regen.errors import ServerFailing, ServerRefuses
 from dflash_core.data.regen.options import RegenOptions
-from dflash_core.data.regen.parts import MANIFEST, PARTS, merge, repair_parts
+from dflash_core.data.provenance import regen_record
+from dflash_core.data.regen.parts import MANIFEST, MERGED, PARTS, merge, repair_parts
 from dflash_core.data.regen.turn import Asker, Turn
 
 PROBE_TOKENS = 32  # the probe's answer: enough to see the server's ways, short to wait for
@@ -199,6 +202,7 @@ class Job:
         why = (f"it refuses return_token_ids: {rejected.kind}: {rejected.detail}; "
                "--no-token-ids skips asking" if rejected else
                "it ignores return_token_ids" if self.opts.token_ids else "--no-token-ids")
+        info["text_only_because"] = why
         line = (f"probe: {e.url} returns text only ({why}): prepare re-tokenizes each answer, "
                 "and a text round trip can change the tokens the target wrote "
                 f"({round_trip.RISKS})")
@@ -417,6 +421,25 @@ class Job:
             "finished": failed == 0,
         }
         if failed == 0:
-            merge(out, [r for r in rows if r.id not in c.left_out_ids])
+            text, ids = merge(out, [r for r in rows if r.id not in c.left_out_ids])
+            summary["provenance"] = self.provenance(probe, text, ids)
             write_json_atomic(out / MANIFEST, summary)
         return summary
+
+    def provenance(self, probe: dict, text: int, ids: int) -> dict:
+        """Where the merged answers came from (``provenance.regen_record``)."""
+        rt = probe.get("round_trip")
+        found = {"text_only_because": probe.get("text_only_because"),
+                 "round_trip": dict(rt, sample=probe.get("sample")) if rt else None}
+        if not probe:  # nothing was left to ask, so no probe: the last record's findings stand
+            try:
+                last = json.loads((self.out / MANIFEST).read_text(encoding="utf-8"))
+                found = {k: last["provenance"].get(k) for k in found}
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
+                pass
+        served_by = {e.url: e.owned_by[self.model] for e in self.endpoints
+                     if self.model in e.owned_by}
+        return regen_record(model=self.model, api=self.opts.api,
+                            endpoints=[e.url for e in self.endpoints], served_by=served_by,
+                            options=self.opts, text=text, ids=ids, **found,
+                            conversations_fingerprint=source_fingerprint([self.out / MERGED]))

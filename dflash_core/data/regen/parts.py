@@ -8,21 +8,22 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from dflash_core.data.conversations import Conversation
 from dflash_core.data.manifest import write_json_atomic
+from dflash_core.data.provenance import REGEN_MANIFEST, REGEN_MERGED, turns_of
 from dflash_core.data.shards import DataError
 
-MERGED = "conversations.jsonl"
-MANIFEST = "dflash_regen.json"
+MERGED = REGEN_MERGED
+MANIFEST = REGEN_MANIFEST
 STATE = "regen_state.json"
 PARTS = "parts"
 DAMAGED = "parts-damaged.txt"  # lines of the parts that could not be read, kept for a look
 
 
-def _part_line(raw: bytes) -> tuple[str | None, str]:
-    """(the sample id, "") of a usable line of a parts file, or (None, why it is damaged)."""
+def _part_line(raw: bytes) -> tuple[dict | None, str]:
+    """(the sample, "") of a usable line of a parts file, or (None, why it is damaged)."""
     try:
         row = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as exc:
@@ -32,21 +33,24 @@ def _part_line(raw: bytes) -> tuple[str | None, str]:
     if not (isinstance(row, dict) and isinstance(row.get("id"), (str, int))
             and isinstance(row.get("messages"), list)):
         return None, "not a sample (no id or no messages)"
-    return str(row["id"]), ""
+    return row, ""
 
 
-def read_part(data: bytes) -> tuple[list[tuple[str, bytes]], list[tuple[int, bytes, str]]]:
+def read_part(data: bytes, on_row: Callable[[str, dict], None] | None = None
+              ) -> tuple[list[tuple[str, bytes]], list[tuple[int, bytes, str]]]:
     """(id, line) of each usable line of a parts file's bytes, and (line number, line, why) of
-    each damaged one."""
+    each damaged one. ``on_row``: called with each usable line's id and sample."""
     good, bad = [], []
     for n, raw in enumerate(data.split(b"\n"), 1):
         if not raw.strip():
             continue
-        rid, why = _part_line(raw)
-        if rid is None:
+        row, why = _part_line(raw)
+        if row is None:
             bad.append((n, raw, why))
         else:
-            good.append((rid, raw))
+            good.append((str(row["id"]), raw))
+            if on_row is not None:
+                on_row(str(row["id"]), row)
     return good, bad
 
 
@@ -114,12 +118,18 @@ def check_state(out: Path, state: dict, generated: bool) -> str:
     return ""
 
 
-def merge(out: Path, rows: list[Conversation]) -> None:
+def merge(out: Path, rows: list[Conversation]) -> tuple[int, int]:
     """The parts, in source order, into conversations.jsonl (atomically). Reads only the lines
-    ``repair_parts`` would keep, so a line damaged since never stops the merge."""
+    ``repair_parts`` would keep, so a line damaged since never stops the merge. Returns the
+    merged answers that came as text and with token ids (``provenance.turns_of``)."""
     by_id: dict[str, bytes] = {}
+    turns: dict[str, tuple[int, int]] = {}
+
+    def count(rid: str, row: dict) -> None:
+        turns[rid] = turns_of(row)
+
     for f in sorted((out / PARTS).glob("*.jsonl")):
-        by_id.update(read_part(f.read_bytes())[0])
+        by_id.update(read_part(f.read_bytes(), count)[0])
     missing = [r.id for r in rows if r.id not in by_id]
     if missing:  # every sample was counted done: a part lost lines while this ran
         raise DataError(f"{len(missing)} finished samples are missing from {out / PARTS} "
@@ -132,3 +142,4 @@ def merge(out: Path, rows: list[Conversation]) -> None:
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, out / MERGED)
+    return (sum(turns[r.id][0] for r in rows), sum(turns[r.id][1] for r in rows))

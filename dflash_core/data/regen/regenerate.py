@@ -22,18 +22,20 @@ back, the line says what a text round trip may change, and with the target at ha
 (``target``) measures it on the probe's answer (``round_trip``).
 
 Work is spread over the endpoints, ``concurrency`` requests in flight on each. A failed request
-(timeout, HTTP 429 / 5xx, an unreadable answer) is retried with exponential backoff; a sample
-whose retries run out is counted by error and left for the next run. A run of identical refusals
-(4xx) stops the command with the fix instead of sending the rest. An endpoint that stops
-answering (connection refused) is waited for, with backoff, up to ``down_wait_s``, without
-spending retries: its samples go back to the queue, the progress line says it waits. Results are
-appended, one JSON line per finished sample, to a file per endpoint under ``parts/`` (flushed and
-fsynced), so a re-run of the same command skips the ids already there; a line damaged anywhere in
-a part is set aside (``DAMAGED``) and its sample asked again. When every sample is done, the parts
-are merged in source order into ``conversations.jsonl`` and ``dflash_regen.json`` is written
-last. A server that answers with another model's name stops the run: that data would not be the
-target's. The output folder is never an input nor a folder of other files, and has one writer at a
-time (``output``, ``lock``); its settings bind it once a sample was written there.
+(timeout, HTTP 429 / 5xx, an unreadable answer) is retried with exponential backoff; a sample whose
+retries run out is counted by error and left for the next run. A run of identical refusals (4xx)
+stops the command with the fix instead of sending the rest. An endpoint that stops answering
+(connection refused) is waited for, with backoff, up to ``down_wait_s``, without spending retries:
+its samples go back to the queue, the progress line says it waits. Results are appended, one JSON
+line per finished sample, to a file per endpoint under ``parts/`` (flushed and fsynced), so a
+re-run of the same command skips the ids already there; a line damaged anywhere in a part is set
+aside (``DAMAGED``) and its sample asked again. When every sample is done, the parts are merged in
+source order into ``conversations.jsonl`` and ``dflash_regen.json`` is written last, with where the
+answers came from (``provenance``: text or token ids over every merged row, the server, the round
+trip the probe measured), which prepare carries on. A server that answers with another model's name
+stops the run: that data would not be the target's. The output folder is never an input nor a
+folder of other files, and has one writer at a time (``output``, ``lock``); its settings bind it
+once a sample was written there.
 
 Here the command's checks and set-up; the options: options.py; one turn's request and
 answer: turn.py; the probe, the workers and the summary: job.py; the output folder's

@@ -97,12 +97,26 @@ def test_regenerate_prepare_inspect_against_transformers_serve(tmp_path, model, 
 
     # inspect: the regenerated answers are (all but the stripped first token) the target's;
     # the same figure every time
-    shares = []
+    reports = []
     for folder in ("data", "data", "orig"):
         assert main(["data", "inspect", str(tmp_path / folder), "--target", str(model),
                      "--json", "--agreement-samples", "4", "--samples", "0"]) == 0
-        shares.append(json.loads(capsys.readouterr().out)["agreement"])
-    regen, again, orig = shares
+        reports.append(json.loads(capsys.readouterr().out))
+    regen, again, orig = (r["agreement"] for r in reports)
     print("agreement: regenerated", regen["share"], "originals", orig["share"])
     assert regen == again
     assert 0.7 < regen["share"] < 1.0 and orig["share"] < regen["share"] - 0.3
+
+    # where the answers came from travels with the data (issue 48 item 9): the run's data
+    # finding names the text round trip and what helps, not "written by another model"
+    from dflash_core.acceptance import data_cause
+    from dflash_core.data.provenance import of_manifest
+    prov = of_manifest(reports[0]["manifest"])
+    assert prov["answers"] == "text" and prov["regenerated_rows"] == 12
+    rt = prov["regeneration"]["round_trip"]  # regenerate's probe, measured with --target
+    assert rt["first_difference"][0] == 0 and rt["agree"] < rt["positions"]
+    cause, fix = data_cause(prov, regen["share"])
+    print("the finding's cause:", cause)
+    assert "came back as text only" in cause and "return_token_ids" in fix
+    assert "another model" not in cause and "a few tokens per answer" not in cause
+    assert "written by another model" in data_cause(of_manifest(reports[2]["manifest"]))[0]

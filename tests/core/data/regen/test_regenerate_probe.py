@@ -253,6 +253,9 @@ def test_a_server_that_strips_leading_whitespace_is_measured_with_the_target(
     rt = shares[True]
     assert rt["agree"] < rt["positions"]
     assert rt["first_difference"] == [0, "t", " "]  # the first answer token: ' ' was stripped
+    # the measure travels with the folder's record, for prepare and the run's data finding
+    record = json.loads((tmp_path / "out-True" / "dflash_regen.json").read_text())["provenance"]
+    assert record["round_trip"] == dict(rt, sample="p0") and record["answers"] == "text"
     err = capsys.readouterr().err
     assert "first difference at answer token 0: the text gives 't', the target writes ' '" in err
     assert "a server that returns token ids (vLLM) keeps the target's own" in err
