@@ -54,7 +54,9 @@ class TargetConfig:
     dtype: Literal["bfloat16", "float16", "float32"] = key(
         "bfloat16", "Dtype of the target's weights and features on the GPU.")
     layer_ids: list[int] = key([], """Target layers whose OUTPUTS feed the drafter (0-based).
-        Empty = num_features layers spread from 1 to N-3.""")
+        Empty = num_features layers spread from 1 to N-3 (one alone: the middle layer), never
+        the last: transformers reads its output after the final norm, vLLM and SGLang before,
+        so naming it here is accepted with a warning at preflight.""")
     num_features: int = key(5, "k, the number of target layers fed to the drafter, used when "
                                "layer_ids is empty.", gt=0)
     attn_implementation: str = key("sdpa", """HF attention implementation for the target ("sdpa",
