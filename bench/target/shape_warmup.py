@@ -45,14 +45,17 @@ def main():
 
     def bucket(n: int, L: int) -> str:  # the l2norm kernels' size key, for value-head rows
         return f"bucket {-(-n * L * heads // 65536)}"
-    layers = [args.layers - 1]
+    # Every layer runs: the one below the last as the feature, then the last and the final norm
+    # for the post-norm hidden state (the last layer itself is no feature a default names).
+    layers = [max(0, args.layers - 2)]
     print(f"layers {getattr(cfg, 'layer_types', None)}, attention {cfg._attn_implementation}")
 
     def first_and_second(n: int, L: int) -> tuple[float, float]:
         """Seconds of the first and the second forward of an n x L batch."""
         x = torch.randint(0, cfg.vocab_size, (n, L), device="cuda")
-        return tuple(cuda_time(lambda: tm.features(x, None, layers), iters=1, warmup=0)
-                     for _ in range(2))
+        def forward():
+            return tm.features(x, None, layers, with_last_hidden=True)
+        return tuple(cuda_time(forward, iters=1, warmup=0) for _ in range(2))
     first_and_second(1, 2048)  # the process's first forward: every kernel
     first_total = second_total = 0.0
     for n in [int(v) for v in args.rows.split(",")]:

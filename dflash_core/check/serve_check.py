@@ -101,7 +101,9 @@ def prepare(cfg: Config, opts: CheckOptions, say: Callable[[str], None]) -> Prep
     drafter_dtype = check_dtype(opts.drafter_dtype or cfg.drafter.dtype, ddev[0])
     run_dir.mkdir(parents=True, exist_ok=True)
     progress = preflight.demo_log_progress(lambda e: say(e.message), lambda: None)
-    target_path, _, layer_ids, mask_id = target_checks.resolve_target(cfg, run_dir, progress)
+    # preflight's warnings too (the last layer as a feature, an attention replaced), as a run says
+    target_path, _, layer_ids, mask_id = target_checks.resolve_target(
+        cfg, run_dir, progress, say=lambda m: say(f"  warning: {m}"))
     from dflash_core.data import ShardedDataset
 
     data_path = data_checks.resolve_data(cfg, target_path, progress)

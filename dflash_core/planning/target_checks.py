@@ -47,11 +47,17 @@ def last_layer_warning(layer_ids: list[int], n_layers: int) -> str:
     capture it before the norm, so a drafter trained on it is served other features."""
     if n_layers - 1 not in layer_ids:
         return ""
+    if n_layers >= 4:
+        instead = (f"use layers below {n_layers - 1} (the default spreads them from 1 to "
+                   f"{n_layers - 3})")
+    elif n_layers > 1:
+        instead = f"use layers below {n_layers - 1}"
+    else:
+        instead = "a target of one layer has no other"
     return (f"target.layer_ids {layer_ids} includes layer {n_layers - 1}, the target's last: "
             "training reads its output after the final norm, but vLLM and SGLang capture it "
             "before the norm, so the served drafter gets other features than it trained on; "
-            f"use layers below {n_layers - 1} (the default spreads them from 1 to "
-            f"{max(1, n_layers - 3)})")
+            + instead)
 
 
 def check_target_code(cfg: Config, hf_config: dict, target_path: Path) -> None:
@@ -93,7 +99,7 @@ def _check_target(cfg: Config, hf_config: dict) -> tuple[list[int], int]:
     n_layers, vocab = shape.layers, shape.vocab
     check_drafter_heads(cfg, hf_config)
     check_family(cfg, vocab)
-    layer_ids = cfg.target.layer_ids or default_layer_ids(n_layers, cfg.target.num_features)
+    layer_ids = cfg.target.layer_ids or _default_layers(n_layers, cfg.target.num_features)
     if len(set(layer_ids)) != len(layer_ids):
         raise ConfigError("target.layer_ids", f"{layer_ids} repeats a layer: the target has only "
                           f"{n_layers} layers for {len(layer_ids)} features",
@@ -107,6 +113,20 @@ def _check_target(cfg: Config, hf_config: dict) -> tuple[list[int], int]:
         raise ConfigError("drafter.mask_token_id", f"{mask_id} >= vocab size {vocab}",
                           hint="use an id inside the target vocabulary")
     return layer_ids, mask_id
+
+
+def _default_layers(n_layers: int, k: int) -> list[int]:
+    """target.layer_ids left empty: the default, or the refusal of a target too shallow for it."""
+    try:
+        return default_layer_ids(n_layers, k)
+    except ValueError as exc:
+        if n_layers < 2:
+            hint = "set target.layer_ids: [0], its only layer (accepted with a warning)"
+        else:
+            hint = f"list target.layer_ids below its last layer (0..{n_layers - 2})" + (
+                ", or set target.num_features: 1 (the middle layer)" if k > 1 else "")
+        raise ConfigError("target.layer_ids", f"empty, and {exc} (target.num_features {k})",
+                          hint=hint) from exc
 
 
 def _resolve_target(cfg: Config, run_dir: Path, demo_progress) -> Path:

@@ -12,6 +12,7 @@ import math
 
 from dflash_core.config import Config
 from dflash_core.families.registry import family_of, feature_vectors
+from dflash_core.models.target.config import default_layer_ids
 from dflash_core.models.target.shape import ModelShape, model_shape, num_features
 from dflash_core.planning.weight_bytes import FP32_BYTES, dtype_bytes, target_weight_parts
 
@@ -43,10 +44,12 @@ MOE_ROUTER_BYTES = 2 * FP32_BYTES  # + the dtype's logits
 def _last_layer(cfg: Config, s: ModelShape) -> int:
     if family_of(cfg).last_hidden:
         return s.layers - 1  # the post-norm last hidden state: every layer runs
-    # Default ids (target.default_layer_ids) spread from 1 to N-3; a single one is N // 2.
     if cfg.target.layer_ids:
         return max(cfg.target.layer_ids)
-    return s.layers // 2 if cfg.target.num_features == 1 else max(0, s.layers - 3)
+    try:
+        return max(default_layer_ids(s.layers, cfg.target.num_features))
+    except ValueError:  # too shallow for the default: preflight refuses it (target_checks.py)
+        return s.layers - 1
 
 
 def target_dtype(cfg: Config, on_cuda: bool) -> str:

@@ -3,7 +3,7 @@
 import torch
 
 from dflash_core import demo
-from dflash_core.observe.events import EvalResult, GpuSample, RunStarted, StepMetrics
+from dflash_core.observe.events import EvalResult, GpuSample, Log, RunStarted, StepMetrics
 from tests.gpu.watch import Watched
 
 
@@ -18,4 +18,6 @@ def test_demo_trains_on_the_gpus(tmp_path, demo_data):
     assert len(run.of(StepMetrics)) == 60
     assert run.of(GpuSample), "no per-GPU telemetry"
     assert run.of(EvalResult)
+    # its features stay below the target's last layer: the preflight has nothing to say of it
+    assert not [e for e in run.of(Log) if "the target's last" in e.message]
     assert torch.cuda.device_count() >= 1

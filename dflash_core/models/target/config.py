@@ -31,14 +31,19 @@ class TargetLoadError(RuntimeError):
 
 
 def default_layer_ids(num_layers: int, k: int = 5) -> list[int]:
-    """k layer ids spread evenly from 1 to num_layers-3 (0-based), as the reference dflash does."""
+    """k layer ids spread evenly from 1 to num_layers-3 (0-based), as the reference dflash does;
+    one alone is the middle layer. Never the last layer: transformers hands its output over after
+    the final norm, vLLM and SGLang capture it before, so a drafter trained on it is served other
+    features (a config that names it is accepted with preflight's warning)."""
     if k < 1 or num_layers < 1:
         raise ValueError(f"need k >= 1 and num_layers >= 1, got k={k}, num_layers={num_layers}")
     if k == 1:
-        return [num_layers // 2]
+        if num_layers < 2:
+            raise ValueError("a target of 1 layer has no layer below its last to default to")
+        return [min(num_layers // 2, num_layers - 2)]  # of 2 layers, the first
     if num_layers < 4:
         raise ValueError(f"a target with {num_layers} layers is too shallow for the default spread "
-                         "from layer 1 to N-3; set target.layer_ids explicitly")
+                         "from layer 1 to N-3")
     span = num_layers - 4
     return [int(round(1 + i * span / (k - 1))) for i in range(k)]
 

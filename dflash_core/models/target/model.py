@@ -151,7 +151,8 @@ class TargetModel:
         """Outputs of ``layer_ids`` (default: ``default_layer_ids``), concatenated: [b, S, k*H].
 
         Layer i's output is HF's ``hidden_states[i+1]``; for the last layer that is after the
-        final norm, as the reference and the serving stacks read it. Right padding with ``attention_mask``
+        final norm, as the reference reads it (vLLM and SGLang capture it before the norm, hence
+        preflight's warning and no default naming it). Right padding with ``attention_mask``
         leaves the valid positions as they would be for each sequence alone. With ``stop``, raises
         ForwardInterrupted at the next layer once it is set.
 

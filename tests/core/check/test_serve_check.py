@@ -14,14 +14,13 @@ from dflash_core.models.dflash.drafter import DFlashDrafter
 
 # One sample, a short response: memorised in well under 100 steps on the demo.
 FAST = CheckOptions(samples=1, response_tokens=32, max_steps=200)
-# Layers of the tiny target the module's drafter trains on (the shipped demo's [1, 2, 3], which
-# end at its last layer, are checked on their own: test_shipped_demo_layers_pass_with_the_reference).
-SERVABLE_LAYERS = [0, 1, 2]
 
 
-def _cfg(tmp_path, name, layers=SERVABLE_LAYERS):
+def _cfg(tmp_path, name, layers=None):
+    """The shipped demo (its layers below the target's last), or other ``layers``."""
     cfg = demo_config(output_dir=str(tmp_path / "runs"), name=name, device="cpu")
-    cfg.target.layer_ids = list(layers)
+    if layers is not None:
+        cfg.target.layer_ids = list(layers)
     return cfg
 
 
@@ -118,14 +117,18 @@ def test_leak_in_the_training_attention(tmp_path, dflash_cache, monkeypatch):
 
 
 @pytest.mark.slow
-def test_shipped_demo_layers_pass_with_the_reference(tmp_path, dflash_cache, reference_dflash):
-    """The demo's own layer ids end at the target's last layer, which transformers (and so the
-    reference) returns after the final norm; the engine's feature is that too, so the check
-    passes here and in the reference (it failed before the engine normed the last layer)."""
-    cfg = demo_config(output_dir=str(tmp_path / "runs"), name="shipped", device="cpu")
-    result = run_check(cfg, FAST, lambda m: None)
+def test_the_last_layer_as_a_feature_passes_with_the_reference(tmp_path, dflash_cache,
+                                                               reference_dflash):
+    """Layer ids that end at the target's last layer (the demo's before issue 46): transformers,
+    and so the reference, returns it after the final norm; the engine's feature is that too, so
+    the check passes here and in the reference (it failed before the engine normed the last
+    layer), after the preflight's one warning that serving stacks read it before the norm."""
+    lines = []
+    result = run_check(_cfg(tmp_path, "last", [1, 2, 3]), FAST, lines.append)
     assert result.verdict.passed, result.evidence
     assert result.reference == "used"
+    (warned,) = [line for line in lines if "warning:" in line]
+    assert "includes layer 3, the target's last" in warned and "before the norm" in warned
 
 
 def test_verdict_rules_on_synthetic_evidence():

@@ -17,6 +17,7 @@ from dflash_core.data.byte_vocab import decode, encode
 from dflash_core.models.dflash.drafter import DFlashDrafter, build_drafter_config
 from dflash_core.eval.evaluate import evaluate_tau, hf_target_fn, plain_greedy, target_fn_for
 from dflash_core.models.target.load import load_target
+from dflash_core.planning.target_checks import resolve_target
 from dflash_core.models.training.trainer import make_replicas, reduce_and_step
 
 
@@ -50,7 +51,8 @@ def test_target_is_an_ordinary_hf_folder(demo_target):
     # The engine's loader takes it too (tied embeddings count as present, not missing).
     target = load_target(demo_target, dtype="float32")
     assert target.num_layers == demo.TINY_ARCH["num_hidden_layers"]
-    assert max(demo.DEMO_LAYER_IDS) < target.num_layers
+    # below the last layer, which serving reads before the final norm and training after it
+    assert max(demo.DEMO_LAYER_IDS) < target.num_layers - 1
 
 
 def test_target_writes_text_not_noise(demo_target):
@@ -174,6 +176,20 @@ def test_demo_config(demo_target, tmp_path):
     assert cfg.layout.device == "cpu" and cfg.target.dtype == "float32"
     assert cfg.drafter.mask_token_id == demo.read_meta(demo_target)["mask_token_id"]
     assert cfg.data.max_length >= demo.DATA_PROMPT_LEN + demo.DATA_RESPONSE_LEN
+
+
+def test_the_demo_preflight_says_nothing_about_the_last_layer(demo_target, tmp_path):
+    """The demo's features stay below its target's last layer, so its preflight (what a demo run
+    prints before loading) has no warning to give; the same target with the last layer among the
+    features gets the one line."""
+    cfg = demo.demo_config(output_dir=str(tmp_path / "runs"), name="d")
+    said = []
+    _, _, layer_ids, _ = resolve_target(cfg, cfg.run_dir, lambda what: None, say=said.append)
+    assert layer_ids == demo.DEMO_LAYER_IDS and said == []
+    cfg.target.layer_ids = [1, 2, 3]
+    resolve_target(cfg, cfg.run_dir, lambda what: None, say=said.append)
+    (line,) = said
+    assert "includes layer 3, the target's last" in line
 
 
 # --------------------------------------------------------------------------------------------

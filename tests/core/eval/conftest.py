@@ -12,6 +12,9 @@ from dflash_core.data.byte_vocab import MASK_ID
 from dflash_core.models.dflash.drafter import DFlashDrafter, build_drafter_config
 from dflash_core.models.dspark.drafter import DSparkDrafter, DSparkSettings, build_dspark_config
 
+# Layers of the demo target these drafters read: its last one included, so evaluation's reading
+# of it (after the final norm, as the reference's) stays covered; the demo itself trains on
+# demo.DEMO_LAYER_IDS, below the last.
 DEMO_LAYERS = [1, 2, 3]
 # The template's own thinking switch, as Qwen3's: off writes an empty reasoning block.
 THINK_TEMPLATE = (

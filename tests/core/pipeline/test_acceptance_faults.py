@@ -18,9 +18,20 @@ def first_findings(r):
     return r.evals[0].findings
 
 
+def shown(r, what: str):
+    """``r``, its measures printed (pytest -s): what the thresholds were set from."""
+    for e in r.evals:
+        print(f"\n{what} step {e.step}: (a) {e.tau:.2f} (b) {e.tau_tf_target:.2f} "
+              f"(b all) {e.tau_tf_target_all:.2f} (c) {e.tau_tf_heldout:.2f} "
+              f"(d) {e.tau_tf_train:.2f} agreement {e.agreement:.2f} "
+              f"findings {e.findings or '-'}; {r.steps} steps in {r.seconds:.0f} s")
+    return r
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_the_healthy_demo_raises_nothing(tmp_path, demo_data, seed):
-    r = run_demo(tmp_path, demo_data, seed=seed, steps=30, every=30, **SMALL)
+    r = shown(run_demo(tmp_path, demo_data, seed=seed, steps=30, every=30, **SMALL),
+              f"healthy s{seed}")
     assert r.kinds() == set(), [f.message for f in r.findings]
     e = r.evals[0]
     assert abs(e.tau_tf_target - e.tau) < 0.05  # the same blocks of the same text
@@ -28,7 +39,7 @@ def test_the_healthy_demo_raises_nothing(tmp_path, demo_data, seed):
 
 
 def test_a_leak_in_the_training_attention_is_the_mismatch_alarm(tmp_path, demo_data):
-    r = run_demo(tmp_path, demo_data, fault="leak", steps=60, every=60, **SMALL)
+    r = shown(run_demo(tmp_path, demo_data, fault="leak", steps=60, every=60, **SMALL), "leak")
     assert first_findings(r) == ["mismatch"]
     # the periodic evaluation of step 60 and the end-of-run one (the same step) say the same
     log = r.findings[0]
@@ -37,13 +48,15 @@ def test_a_leak_in_the_training_attention_is_the_mismatch_alarm(tmp_path, demo_d
 
 
 def test_responses_not_written_by_the_target_are_the_data_finding(tmp_path, demo_data):
-    r = run_demo(tmp_path, demo_data, fault="foreign", steps=30, every=30, **SMALL)
+    r = shown(run_demo(tmp_path, demo_data, fault="foreign", steps=30, every=30, **SMALL),
+              "foreign")
     assert first_findings(r) == ["data"]
     assert r.evals[0].agreement < 0.8
     assert "data regenerate" in r.findings[0].message
 
 
 def test_a_handful_of_samples_for_many_epochs_is_over_fitting(tmp_path, demo_data):
-    r = run_demo(tmp_path, demo_data, fault="overfit", steps=160, every=160, **SMALL)
+    r = shown(run_demo(tmp_path, demo_data, fault="overfit", steps=160, every=160, **SMALL),
+              "overfit")
     assert first_findings(r) == ["overfit"]
     assert r.findings[0].level == "info"

@@ -279,3 +279,39 @@ def test_features_that_include_the_last_layer_are_accepted_with_the_reason_said(
     said.clear()
     resolve_target(cfg, tmp_path, None, say=said.append)
     assert said == []
+
+
+def _shallow_target(folder, layers: int):
+    from transformers import Qwen3Config
+
+    Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                num_attention_heads=2, num_key_value_heads=1, head_dim=16).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("layers, features, want", [(2, 1, [0]), (3, 1, [1]), (6, 2, [1, 3])])
+def test_the_default_layers_stay_below_the_last_and_say_nothing(tmp_path, layers, features, want):
+    folder = _shallow_target(tmp_path / "t", layers)
+    cfg = config_from_dict({"layout": {"device": "cpu"}, "target": {
+        "path": str(folder), "num_features": features}})
+    said = []
+    _, _, layer_ids, _ = resolve_target(cfg, tmp_path, None, say=said.append)
+    assert layer_ids == want and said == []
+
+
+@pytest.mark.parametrize("layers, features, hint", [
+    (3, 5, "list target.layer_ids below its last layer (0..1), or set target.num_features: 1 "
+           "(the middle layer)"),
+    (1, 1, "set target.layer_ids: [0], its only layer (accepted with a warning)")])
+def test_a_target_too_shallow_for_the_default_is_one_config_line(tmp_path, layers, features,
+                                                                 hint):
+    """Before: a bare ValueError out of preflight for 3 layers, and the last layer chosen by
+    default (with the warning against it) for 1 or 2."""
+    folder = _shallow_target(tmp_path / "t", layers)
+    cfg = config_from_dict({"layout": {"device": "cpu"}, "target": {
+        "path": str(folder), "num_features": features}})
+    with pytest.raises(ConfigError) as got:
+        resolve_target(cfg, tmp_path, None, say=lambda line: None)
+    assert got.value.key == "target.layer_ids" and "\n" not in str(got.value)
+    assert str(got.value).startswith("target.layer_ids: empty, and a target ")
+    assert got.value.hint == hint

@@ -16,34 +16,37 @@ def test_check_with_a_missing_config_is_an_input_error(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
-def _check_demo(tmp_path, capsys) -> tuple[int, str]:
+def _check_demo(tmp_path, capsys, *extra: str) -> tuple[int, str]:
     from dflash_core.demo import torch_threads
 
     with torch_threads(1):  # a busy 2-core machine: see tests/core/check/conftest.py
         code = main(["check", "--demo", "--device", "cpu", "--output-dir", str(tmp_path),
                      "--samples", "1", "--response-tokens", "32", "--max-steps", "200",
-                     "--no-reference"])
+                     "--no-reference", *extra])
     return code, capsys.readouterr().out
 
 
 def test_check_demo_passes(tmp_path, dflash_cache, capsys):
-    """The shipped demo end to end through the CLI: its layer_ids [1, 2, 3] end at the target's
-    last layer, whose feature is HF's hidden_states[4] (after the final norm) as served."""
+    """The shipped demo end to end through the CLI: its layer_ids [0, 1, 2] stay below the
+    target's last layer, so its preflight warns of nothing."""
     code, out = _check_demo(tmp_path, capsys)
     assert code == 0, out
     for phase in ("preflight", "samples:", "memorise: done", "decode:", "diagnose:"):
         assert phase in out
+    assert "warning:" not in out
     assert (tmp_path / "demo" / "check" / "check.json").is_file()
 
 
 def test_check_demo_finds_a_raw_last_layer(tmp_path, dflash_cache, capsys, monkeypatch):
-    """The fault the check first found: the last layer's raw output trained on, while
-    transformers (the reference, serving) gives it after the final norm: exit 1, named."""
+    """The fault the check first found (on the demo's earlier layer_ids [1, 2, 3]): the last
+    layer's raw output trained on, while transformers (the reference) gives it after the final
+    norm: exit 1, named; the preflight first warns that the last layer is a feature at all."""
     from dflash_core.models.target.model import TargetModel
 
     monkeypatch.setattr(TargetModel, "_as_hidden_states", lambda self, outputs: None)
-    code, out = _check_demo(tmp_path, capsys)
+    code, out = _check_demo(tmp_path, capsys, "--set", "target.layer_ids=[1, 2, 3]")
     assert code == 1, out
+    assert "warning: target.layer_ids [1, 2, 3] includes layer 3, the target's last" in out
     assert "check failed" in out
     assert "problem: target.layer_ids [3]: layer 3 is the target's last layer" in out
     assert "fix: the feature of layer i must be HF's hidden_states[i + 1]" in out
