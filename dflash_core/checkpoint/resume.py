@@ -14,9 +14,11 @@
 - a checkpoint of the other objective than ``drafter.objective`` (a DSpark checkpoint resumed as
   DFlash, or the other way): refused, naming both;
 - a checkpoint of another drafter shape than the config's (layers, block size, widths, target
-  layers, mask id, target vocabulary; DSpark's Markov rank and confidence head): refused, naming
-  every differing key with both values (a block size other than the checkpoint's is one: the
-  weights would load, but the slots and their weights would mean other positions);
+  layers, mask id, target vocabulary; DSpark's Markov rank and confidence head; the rotary
+  settings, which are the target's): refused, naming every differing key with both values (a
+  block size other than the checkpoint's is one: the weights would load, but the slots and their
+  weights would mean other positions; a rotation other than the checkpoint's is another: its
+  positions would mean other ones);
 - a checkpoint written with another optimizer than ``optim.name``: refused, naming both.
 """
 
@@ -34,6 +36,7 @@ from dflash_core.checkpoint.folders import (
 from dflash_core.checkpoint.layout import CHECKPOINTS, CheckpointError
 from dflash_core.checkpoint.data_identity import describe
 from dflash_core.config import Config, ConfigError
+from dflash_core.models.rope_settings import RopeConflict, config_rope
 from dflash_core.observe.events import Event, LoadProgress, Log
 from dflash_core.units import GiB
 
@@ -69,12 +72,20 @@ def _get(d: dict, dotted: str):
 
 def shape_differences(expected: dict, found: dict) -> list[tuple[str, str, object, object]]:
     """(config key, drafter config entry, the config's value, the checkpoint's value) for each
-    entry of SHAPE_KEYS on which the two drafter configs differ."""
+    entry of SHAPE_KEYS on which the two drafter configs differ, then the rotary settings (read
+    from either spelling: a checkpoint of transformers 4 has rope_theta + rope_scaling only)."""
     diffs = []
     for entry, key in SHAPE_KEYS:
         want, have = _get(expected, entry), _get(found, entry)
         if want is not None and want != have:
             diffs.append((key, entry, want, have))
+    want = config_rope(expected)  # this code's, or drafter.init_from's (preflight read it)
+    try:
+        have = config_rope(found)
+    except RopeConflict as exc:
+        have = f"two spellings that differ ({exc})"
+    if want is not None and want != have:
+        diffs.append(("target.path", "rope_parameters", want, have))
     return diffs
 
 

@@ -138,8 +138,9 @@ class DataConfig:
     token_budget: int = key(65536, "Max tokens (padded) in one target batch; at least "
                                    "max_length.", gt=0)
     max_seqs_per_batch: int = key(64, "Max sequences in one batch.", gt=0)
-    max_length: int = key(3072, "Longer samples are truncated; a sample needs 2+ tokens to "
-                                "train on.", ge=2)
+    max_length: int = key(3072, "Longer samples are truncated to their first max_length "
+                                "tokens (data prepare --max-length cuts them so and counts the "
+                                "cuts); a sample needs 2+ tokens to train on.", ge=2)
     prefetch_batches: int = key(4, "Capacity of each target's prefetch queue.", gt=0)
     eval_prompts: int = key(8, "Held-out samples used for exact tau; 0 = no evaluation.", ge=0)
     balance_steps: bool = key(True, """Order each epoch's batches so that the batches of one

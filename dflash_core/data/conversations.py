@@ -50,7 +50,7 @@ REASONS = {
     "template_error": "the chat template failed to render the conversation",
     "prefix_mismatch": "the template writes the conversation before an assistant turn one way "
                        "with the generation prompt and another once the turn is written",
-    "too_long": "longer than --max-length tokens",
+    "too_long": "longer than --max-length tokens, with no answer in the first --max-length",
     "too_long_chars": "more characters than --max-length tokens can hold (not tokenized)",
     "render_error": "the tokenizer failed on the row's text",
     "duplicate_id": "the same id as an earlier row",

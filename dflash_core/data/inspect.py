@@ -1,7 +1,9 @@
 """``data inspect``: what a data folder holds, and (given the target) whether the target wrote it.
 
-Reports the manifest (when there is one), sample count, a token-length histogram, the share of
-trained tokens, the rows with nothing to train, a few samples decoded with the trained spans marked
+Reports the manifest (when there is one: what prepare cut, too), sample count, a token-length
+histogram, the lengths of the prompts and the answers (percentiles and buckets: an answer is a run
+of trained tokens, its prompt the untrained tokens since the answer before), the share of trained
+tokens, the rows with nothing to train, a few samples decoded with the trained spans marked
 ``[[...]]``, and, given a target, the agreement of trained labels with the target's greedy next
 token on a seeded sample of positions (the samples and positions depend on the seed alone: the
 same folder gives the same figure every time): responses the target wrote itself agree at high
@@ -16,6 +18,7 @@ import numpy as np
 
 from dflash_core.data.conversations import Conversation, read_rows
 from dflash_core.acceptance import data_cause
+from dflash_core.data.cutting import describe as describe_cut
 from dflash_core.data.manifest import read_manifest
 from dflash_core.data.provenance import describe, of_manifest
 from dflash_core.data.shards import DataError, ShardedDataset
@@ -40,6 +43,30 @@ def length_histogram(lengths: np.ndarray, bins: int = 8) -> list[tuple[int, int,
         edges = sorted(set(np.linspace(lo, hi + 1, bins + 1).astype(int).tolist()))
     counts, _ = np.histogram(lengths, bins=edges)
     return [(edges[i], edges[i + 1] - 1, int(c)) for i, c in enumerate(counts)]
+
+
+def turn_lengths(mask: np.ndarray) -> tuple[list[int], list[int]]:
+    """(prompts, answers) of one sample, in tokens: each run of trained tokens is an answer, the
+    untrained tokens before it since the answer before are its prompt (0: an answer from the
+    first token). Untrained tokens after the last answer are no answer's prompt."""
+    m = np.asarray(mask).astype(bool)
+    edges = np.diff(np.concatenate([[False], m, [False]]).astype(np.int8))
+    starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+    prompts = starts - np.concatenate([[0], ends[:-1]])
+    return prompts.tolist(), (ends - starts).tolist()
+
+
+PERCENTILES = (10, 50, 90, 99)
+
+
+def distribution(values) -> dict:
+    """Count, mean, percentiles, max and the buckets of ``values`` (token counts)."""
+    a = np.asarray(values, np.int64)
+    if a.size == 0:
+        return {"count": 0}
+    return {"count": int(a.size), "mean": round(float(a.mean()), 1),
+            **{f"p{q}": int(round(float(np.percentile(a, q)))) for q in PERCENTILES},
+            "max": int(a.max()), "histogram": length_histogram(a)}
 
 
 def mark_trained(tok, ids: np.ndarray, mask: np.ndarray) -> str:
@@ -98,8 +125,14 @@ def inspect(path: str | Path, *, samples: int = 2, tokenizer=None, target=None,
         raise DataError("holds no samples", file=path, hint="prepare the data again")
     lengths = ds.lengths
     trained = np.zeros(len(ds), np.int64)
+    prompts: list[int] = []
+    answers: list[int] = []
     for i in range(len(ds)):
-        trained[i] = int(ds.get(i)[1].sum())
+        mask = ds.get(i)[1]
+        trained[i] = int(mask.sum())
+        p, a = turn_lengths(mask)
+        prompts += p
+        answers += a
     rng = np.random.default_rng([seed, 27])
     show = sorted(rng.choice(len(ds), size=min(samples, len(ds)), replace=False).tolist())
     shown = []
@@ -113,7 +146,8 @@ def inspect(path: str | Path, *, samples: int = 2, tokenizer=None, target=None,
         "samples": len(ds), "tokens": int(lengths.sum()), "trained_tokens": int(trained.sum()),
         "trained_share": round(float(trained.sum() / max(1, lengths.sum())), 4),
         "nothing_to_train": int((trained == 0).sum()),
-        "histogram": length_histogram(lengths), "shown": shown,
+        "histogram": length_histogram(lengths), "lengths": distribution(lengths),
+        "prompts": distribution(prompts), "answers": distribution(answers), "shown": shown,
     }
     if target is not None:
         # A stream of its own: the samples measured depend on the seed alone, not on how many
@@ -142,6 +176,8 @@ def format_report(r: dict, agreement_warn: float = 0.8) -> str:
                      f"{m['fingerprints']['chat_template']}); rows {c.get('rows')}, dropped "
                      f"{c.get('dropped') or 'none'}")
         lines.append(describe(of_manifest(m)))
+        if describe_cut(c.get("cut") or {}):
+            lines.append(describe_cut(c["cut"]))
     else:
         lines.append("no manifest (not made by data prepare)")
     lines.append(f"rows with nothing to train: {r['nothing_to_train']}")
@@ -149,6 +185,7 @@ def format_report(r: dict, agreement_warn: float = 0.8) -> str:
     peak = max((c for _, _, c in r["histogram"]), default=1) or 1
     for lo, hi, c in r["histogram"]:
         lines.append(f"  {lo:>7}-{hi:<7} {c:>8}  {'#' * round(40 * c / peak)}")
+    lines += _length_table(r)
     if "agreement" in r:
         a = r["agreement"]
         share = "n/a" if a["share"] is None else f"{a['share']:.1%}"
@@ -162,3 +199,26 @@ def format_report(r: dict, agreement_warn: float = 0.8) -> str:
         lines.append(f"--- sample {s['index']} ({s['tokens']} tokens, {s['trained']} trained)")
         lines.append(s["text"])
     return "\n".join(lines)
+
+
+def _length_table(r: dict) -> list[str]:
+    """Percentiles of the samples', prompts' and answers' lengths, then their buckets."""
+    rows = [(name, r.get(key) or {"count": 0}) for name, key in
+            (("samples", "lengths"), ("prompts", "prompts"), ("answers", "answers"))]
+    head = "".join(f"{f'p{q}':>8}" for q in PERCENTILES)
+    lines = [f"lengths in tokens{'':<8}{head}{'max':>8}{'mean':>9}"]
+    for name, d in rows:
+        label = f"  {name} ({d['count']})"
+        if not d["count"]:
+            lines.append(f"{label:<25}  none")
+            continue
+        cells = "".join(f"{d[f'p{q}']:>8}" for q in PERCENTILES)
+        lines.append(f"{label:<25}{cells}{d['max']:>8}{d['mean']:>9}")
+    for name, d in rows[1:]:
+        if not d["count"]:
+            continue
+        lines.append(f"{name[:-1]} lengths:")
+        peak = max((c for _, _, c in d["histogram"]), default=1) or 1
+        for lo, hi, c in d["histogram"]:
+            lines.append(f"  {lo:>7}-{hi:<7} {c:>8}  {'#' * round(40 * c / peak)}")
+    return lines

@@ -3,7 +3,8 @@
 Rows are rendered in parallel (one process per core, forked so the tokenizer loads once) and come
 back in source order, so the same source and options write the same shards. A row that cannot be
 used is counted under its reason (``conversations.REASONS``) with a first example of each; none
-is dropped in silence. The output is written into a hidden folder beside ``--out`` (a marker
+is dropped in silence. A sample longer than ``max_length`` is cut to its first ``max_length``
+tokens, as a run cuts it, and counted with where the cut fell (``cutting.py``). The output is written into a hidden folder beside ``--out`` (a marker
 first, the manifest last) and swapped in at the end (``output.Staging``), under a lock that
 refuses a second writer (``lock.OutputLock``): a prepare that fails, or is interrupted, leaves
 ``--out`` as it was, and never writes into its own input or replaces a folder it did not write.
@@ -24,6 +25,7 @@ import numpy as np
 from dflash_core.data.chat_render import (
     ChatRenderer, RenderStats, fingerprints, load_tokenizer,
 )
+from dflash_core.data.cutting import CutCounts, cut_sample, first_answer
 from dflash_core.data.conversations import (
     Conversation, Malformed, RowError, read_rows, source_files, source_fingerprint, text_chars,
 )
@@ -46,7 +48,8 @@ class PrepareOptions:
     chat_template: str | Path | None = None
     trust_remote_code: bool = False  # a tokenizer of the folder's own code (auto_map) may run
     thinking: str = "keep"
-    max_length: int = 0  # 0 = no limit; longer samples are counted under too_long
+    # 0 = no limit; longer samples are cut to their first max_length tokens (cutting.py)
+    max_length: int = 0
     workers: int = 0  # 0 = one per core
     overwrite: bool = False
     samples_per_shard: int = 10_000
@@ -64,6 +67,7 @@ class _Tally:
     trained: list = field(default_factory=list)
     render: RenderStats = field(default_factory=RenderStats)
     origins: Origins = field(default_factory=Origins)  # where the used rows' responses came from
+    cuts: CutCounts = field(default_factory=CutCounts)
 
     def drop(self, reason: str, rid: str, detail: str) -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + 1
@@ -102,13 +106,17 @@ def _render_chunk(rows: list) -> tuple[int, list, list, RenderStats, Origins]:
             continue
         kept, why = [], []
         for s in out:
-            if max_length and len(s.input_ids) > max_length:
-                why.append(("too_long", r.id, f"{len(s.input_ids)} tokens > {max_length}"))
-            elif not any(s.loss_mask):
-                why.append(("no_assistant", r.id, "no trained token after rendering"))
+            ids, mask, cut = cut_sample(np.asarray(s.input_ids, np.int32),
+                                        np.asarray(s.loss_mask, np.int8), max_length)
+            if mask.any():
+                kept.append((ids, mask, cut))
+            elif cut is not None:
+                at = first_answer(np.asarray(s.loss_mask))
+                why.append(("too_long", r.id, f"{cut.length} tokens > {max_length}, and the "
+                            f"first {max_length} hold no answer (the first starts at token "
+                            f"{at})"))
             else:
-                kept.append((np.asarray(s.input_ids, np.int32),
-                             np.asarray(s.loss_mask, np.int8)))
+                why.append(("no_assistant", r.id, "no trained token after rendering"))
         if not kept:  # the row is left out once, under its first sample's reason
             drops.append(why[0])
             continue
@@ -279,9 +287,10 @@ def _prepare_into(stage: Path, opts: PrepareOptions, fmt: str, files: list[Path]
                 tally.origins.add(origins)
                 for reason, rid, detail in drops:
                     tally.drop(reason, rid, detail)
-                for ids, mask in chunk_samples:
+                for ids, mask, cut in chunk_samples:
                     tally.lengths.append(len(ids))
                     tally.trained.append(int(mask.sum()))
+                    tally.cuts.add(cut)
                     yield {"input_ids": ids, "loss_mask": mask}
                 tally.rows += n_rows
                 bar.update(done=tally.rows, dropped=sum(tally.dropped.values()))
@@ -324,7 +333,9 @@ def _prepare_into(stage: Path, opts: PrepareOptions, fmt: str, files: list[Path]
                    "tool_call_turns": tally.render.tool_call_turns,
                    "tool_turns": tally.render.tool_turns,
                    "server_ids_turns": tally.render.server_ids_turns,
-                   "server_ids_differ": tally.render.server_ids_differ},
+                   "server_ids_differ": tally.render.server_ids_differ,
+                   "cut": tally.cuts.summary(opts.max_length, int(sum(tally.lengths)),
+                                             int(sum(tally.trained)))},
         "examples": tally.examples,
         # where the responses came from (regenerated as text or token ids; provenance.py)
         "provenance": for_manifest(tally.origins, regen_record_for(files, src_fp)),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 from dflash_core.eval.errors import EvalInputError
+from dflash_core.models.rope_settings import RopeConflict, config_rope
 
 # What the drafter's shape is built from; transformers' defaults stand in for any left out.
 REQUIRED = ("hidden_size", "vocab_size", "num_hidden_layers", "num_attention_heads",
@@ -59,6 +60,12 @@ def check_fields(d: dict, objective: str, where: str) -> None:
     if not (isinstance(eps, (int, float)) and not isinstance(eps, bool) and eps > 0
             and math.isfinite(eps)):
         bad("rms_norm_eps", "must be a number above 0")
+    try:
+        config_rope(d)
+    except (RopeConflict, ValueError) as exc:
+        raise EvalInputError(f"{where}: config.json's rotary settings: {exc}",
+                             hint="make rope_parameters and rope_theta / rope_scaling say the "
+                                  "same (the drafter's training wrote both alike)") from exc
     if objective == "dspark":
         rank = d.get("markov_rank")
         if not (_whole(rank) and rank >= 1):

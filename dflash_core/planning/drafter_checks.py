@@ -8,11 +8,13 @@ judge drafter.* keys, each refusal a ConfigError naming the key.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from dflash_core.config import Config, ConfigError
 from dflash_core.families.registry import family_of
 from dflash_core.checkpoint.checksums import verify
+from dflash_core.models.rope_settings import RopeConflict, config_rope
 
 
 def check_family(cfg: Config, vocab: int) -> None:
@@ -54,3 +56,18 @@ def check_drafter_heads(cfg: Config, hf_config: dict) -> None:
             raise ConfigError("drafter.init_from", f"{d.init_from} is damaged: {'; '.join(bad)}",
                               hint="point drafter.init_from at an intact checkpoint (another "
                                    "step, or a backup)")
+    if d.init_from:
+        _check_init_rope(Path(d.init_from).expanduser() / "config.json")
+
+
+def _check_init_rope(path: Path) -> None:
+    """drafter.init_from's rotary settings, read as serving stacks read them: its two spellings
+    (rope_parameters, rope_theta + rope_scaling) must agree."""
+    try:
+        config_rope(json.loads(path.read_text(encoding="utf-8")))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return  # an unreadable config.json: the resume check names it (resume.py)
+    except (RopeConflict, ValueError) as exc:
+        raise ConfigError("drafter.init_from", f"{path}: rotary settings: {exc}",
+                          hint="make rope_parameters and rope_theta / rope_scaling in that "
+                               "config.json say the same") from exc

@@ -47,8 +47,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="output folder (new or empty)")
     _tokenizer_args(p, required=True)
     p.add_argument("--max-length", type=_length, default=0,
-                   help="samples longer than this many tokens are counted (too_long) and left "
-                        "out; 0 = no limit")
+                   help="samples longer than this many tokens are cut to their first "
+                        "--max-length tokens, as a run cuts them at data.max_length (counted, "
+                        "with where each cut fell); one with no answer before the cut is left "
+                        "out (too_long); 0 = no limit")
     p.add_argument("--workers", type=_workers, default=0, help="processes (0 = one per core)")
     p.add_argument("--samples-per-shard", type=_per_shard, default=10_000,
                    help="samples per shard file")
@@ -175,6 +177,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _prepare(args) -> int:
+    from dflash_core.data.cutting import describe as describe_cut
     from dflash_core.data.prepare import PrepareOptions, prepare
     from dflash_core.data.provenance import describe
 
@@ -187,6 +190,8 @@ def _prepare(args) -> int:
     c, t = m["counts"], m["tokens"]
     print(f"prepared {c['samples']} samples from {c['rows']} rows into {args.out} "
           f"({t['tokens']} tokens, {t['trained_share']:.1%} trained) in {m['seconds']} s")
+    if describe_cut(c.get("cut", {})):
+        print(f"  {describe_cut(c['cut'])}")
     for reason, n in c["dropped"].items():
         print(f"  left out {n} rows: {reason} (e.g. {m['examples'][reason]})")
     if c["split_rows"]:

@@ -24,6 +24,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 )
 
 from dflash_core.models.block_attention import block_attention, make_block_mask, resolve_impl
+from dflash_core.models.rope_settings import config_kwargs, config_rope, drafter_rope, served_keys
 from dflash_core.models.target.shape import drafter_intermediate, text_config
 from dflash_core.families.dflash import ARCHITECTURE, DFLASH
 from dflash_core.models.dflash.loss import DFlashStepLoss
@@ -112,13 +113,12 @@ def build_drafter_config(target_config, *, num_layers: int, target_layer_ids: li
                          block_size: int, mask_token_id: int, hidden_size: int = 0,
                          intermediate_size: int = 0, num_attention_heads: int = 0,
                          num_key_value_heads: int = 0) -> Qwen3Config:
-    """A Qwen3 config for the drafter, shaped like the target unless overridden."""
+    """A Qwen3 config for the drafter, shaped like the target unless overridden; its rotary
+    settings and position window are the target's (rope_settings.py)."""
     tc = text_config(target_config)
     H = hidden_size or tc.hidden_size
     heads = num_attention_heads or tc.num_attention_heads
     head_dim = getattr(tc, "head_dim", None) or H // heads
-    rope = getattr(tc, "rope_parameters", None) or {}
-    theta = rope.get("rope_theta", getattr(tc, "rope_theta", 1_000_000.0))
     cfg = Qwen3Config(
         vocab_size=tc.vocab_size,
         hidden_size=H,
@@ -129,7 +129,7 @@ def build_drafter_config(target_config, *, num_layers: int, target_layer_ids: li
         head_dim=head_dim,
         rms_norm_eps=tc.rms_norm_eps,
         max_position_embeddings=tc.max_position_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": float(theta)},
+        rope_parameters=drafter_rope(tc),
         attention_bias=False,
         tie_word_embeddings=False,
     )
@@ -234,10 +234,13 @@ class DFlashDrafter(nn.Module):
 
     @classmethod
     def serve_config_of(cls, config: Qwen3Config) -> dict:
-        """The config.json a drafter of ``config`` writes (interchange_config's)."""
+        """The config.json a drafter of ``config`` writes (interchange_config's): the rotary
+        settings in both spellings serving stacks read (rope_settings.served_keys)."""
         out = config.to_dict()
+        out["architectures"] = [ARCHITECTURE]
         out["dflash_config"] = dict(config.dflash_config)
         out["num_target_layers"] = config.num_target_layers
+        out.update(served_keys(config_rope(config)))
         return out
 
     # -- borrowed target parts ------------------------------------------------------------------
@@ -270,14 +273,25 @@ class DFlashDrafter(nn.Module):
             context_positions = torch.arange(S, device=context.device).expand(n, S)
         ctx = self.hidden_norm(self.fc(context.to(self.fc.weight.dtype)))
         x = block_embeds
-        rope_ctx = self.rotary_emb(ctx, context_positions)
-        rope_blk = self.rotary_emb(x, block_positions)
+        rope_ctx, rope_blk = self._rotations(ctx, x, context_positions, block_positions)
         impl = resolve_impl(self.attn_impl, x.device, self.config.head_dim)
         mask = (make_block_mask(anchors.to(x.device), S, self.block_size)
                 if impl == "flex" else None)  # one mask for all layers
         for layer in self.layers:
             x = layer(x, ctx, rope_blk, rope_ctx, anchors, self.block_size, impl, mask)
         return self.norm(x)
+
+    def _rotations(self, ctx, x, context_positions, block_positions):
+        """cos / sin of the context's and the block's positions from one call, in float32, then
+        each in its tensor's dtype: a scaling that depends on the longest position (dynamic NTK)
+        then rotates both alike, as the reference's one call over all positions does."""
+        S = context_positions.shape[1]
+        block_positions = block_positions.to(context_positions.device)
+        n = max(context_positions.shape[0], block_positions.shape[0])  # a row of 1 broadcasts
+        pos = torch.cat([context_positions.expand(n, -1), block_positions.expand(n, -1)], 1)
+        cos, sin = self.rotary_emb(ctx.new_empty(0, dtype=torch.float32), pos)
+        return ((cos[:, :S].to(ctx.dtype), sin[:, :S].to(ctx.dtype)),
+                (cos[:, S:].to(x.dtype), sin[:, S:].to(x.dtype)))
 
     def block_inputs(self, input_ids: torch.Tensor, anchors: torch.Tensor):
         """Block token ids [token at anchor, MASK, ...] and positions anchor..anchor+B-1."""
@@ -303,11 +317,7 @@ class DFlashDrafter(nn.Module):
 
     # -- interchange format -----------------------------------------------------------------------
     def interchange_config(self) -> dict:
-        d = self.config.to_dict()
-        d["architectures"] = [ARCHITECTURE]
-        d["num_target_layers"] = self.config.num_target_layers
-        d["dflash_config"] = dict(self.config.dflash_config)
-        return d
+        return self.serve_config_of(self.config)
 
     def interchange_state(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
@@ -320,7 +330,9 @@ class DFlashDrafter(nn.Module):
 
     @classmethod
     def config_from_dict(cls, d: dict) -> Qwen3Config:
-        d = dict(d)
+        """The drafter's config from its config.json; raises rope_settings.RopeConflict when
+        its two spellings of the rotary settings differ."""
+        d = config_kwargs(d)
         extra = {k: d.pop(k) for k in ("dflash_config", "num_target_layers") if k in d}
         cfg = Qwen3Config(**{k: v for k, v in d.items() if k not in ("model_type", "transformers_version")})
         cfg.dflash_config = extra["dflash_config"]

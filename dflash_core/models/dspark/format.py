@@ -8,7 +8,9 @@ A folder with ``config.json`` and ``model.safetensors``:
   ``target_layer_ids``, ``num_anchors``, ``tie_word_embeddings: false``, ``layer_types``,
   ``markov_rank``, ``markov_head_type: "vanilla"``, ``enable_confidence_head``,
   ``confidence_head_with_markov``, and ``dspark_bonus_anchor: false`` (anchor-as-first, which is
-  also what a server assumes when the key is absent; written so no loader has to guess).
+  also what a server assumes when the key is absent; written so no loader has to guess); the
+  target's rotary settings as ``rope_parameters`` and as ``rope_theta`` + ``rope_scaling``
+  (models/rope_settings.py).
 - model.safetensors: DFlash's keys (``layers.*``, ``norm``, ``fc``, ``hidden_norm``), the heads
   (``markov_head.markov_w1.weight`` [V, r], ``markov_head.markov_w2.weight`` [V, r],
   ``confidence_head.proj.weight`` [1, H+r], ``confidence_head.proj.bias`` [1]) and copies of the
@@ -30,6 +32,7 @@ from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config
 
 from dflash_core.families.dspark import ARCHITECTURE
+from dflash_core.models.rope_settings import config_kwargs, config_rope, served_keys
 
 # The served format's names (what vLLM and SGLang look for; ARCHITECTURE is the family's).
 MARKOV_HEAD_TYPE = "vanilla"  # the only type this engine trains (the reference's default)
@@ -69,6 +72,7 @@ def serve_config_of(cfg: Qwen3Config) -> dict:
         "confidence_head_with_markov": True,
         "dspark_bonus_anchor": False,
     })
+    d.update(served_keys(config_rope(cfg)))  # both spellings servers read (rope_settings.py)
     return d
 
 
@@ -94,7 +98,7 @@ def config_from_serve_dict(d: dict) -> Qwen3Config:
     if d.get("dspark_bonus_anchor"):
         raise NotDSpark("dspark_bonus_anchor true: a 1+N block with a separate bonus slot; this "
                         "engine trains anchor-as-first blocks only")
-    rest = {k: v for k, v in d.items() if k not in _DROPPED}
+    rest = {k: v for k, v in config_kwargs(d).items() if k not in _DROPPED}
     cfg = Qwen3Config(**rest)
     cfg.architectures = [ARCHITECTURE]
     cfg.dflash_config = {"target_layer_ids": [int(i) for i in d["target_layer_ids"]],

@@ -166,7 +166,9 @@ def test_a_split_row_is_counted_once_whatever_happens_to_its_turns(tmp_path):
     m = prepare(PrepareOptions(src, tmp_path / "out", tokenizer=str(tok_folder),
                                max_length=60, workers=1, progress=False))
     c = m["counts"]
-    # short: 2 samples; long: its first turn kept, its second too long; huge: both too long
-    assert c["samples"] == 3 and c["rows_used"] == 2
+    # short: 2 samples; long: both turns, its second cut inside the answer; huge: no answer in
+    # the first 60 tokens of either turn
+    assert c["samples"] == 4 and c["rows_used"] == 2
     assert c["dropped"] == {"too_long": 1}  # the row, once (not once per turn)
-    assert c["split_rows"] == 2 and c["split_samples_dropped"] == {"too_long": 1}
+    assert c["split_rows"] == 2 and c["split_samples_dropped"] == {}
+    assert c["cut"]["samples"] == c["cut"]["in_answer"] == 1

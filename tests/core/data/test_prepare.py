@@ -46,14 +46,18 @@ def test_prepare_counts_every_left_out_row_by_reason(tmp_path, bpe_folder):
     m = prepare(PrepareOptions(_source(tmp_path), tmp_path / "out", tokenizer=str(bpe_folder),
                                max_length=60, workers=1, progress=False))
     c = m["counts"]
-    assert c["rows"] == 6 and c["samples"] == 1
+    # the long conversation is kept, cut to its first 60 tokens (inside its last answer)
+    assert c["rows"] == 6 and c["samples"] == 2
     assert c["dropped"] == {"empty_assistant": 1, "missing_role": 1, "not_json": 1,
-                            "too_long": 1, "unknown_role": 1}
+                            "unknown_role": 1}
+    assert c["cut"]["samples"] == c["cut"]["in_answer"] == 1
     assert "robot" in m["examples"]["unknown_role"]
     ds = ShardedDataset.open(tmp_path / "out")
     ids, mask = ds.get(0)
-    assert len(ds) == 1 and ds.has_loss_mask and 0 < mask.sum() < len(ids)
-    assert m["tokens"]["tokens"] == len(ids) and m["tokens"]["trained_tokens"] == mask.sum()
+    assert len(ds) == 2 and ds.has_loss_mask and 0 < mask.sum() < len(ids)
+    assert len(ds.get(1)[0]) == 60
+    assert m["tokens"]["tokens"] == len(ids) + 60
+    assert m["tokens"]["trained_tokens"] == mask.sum() + ds.get(1)[1].sum()
     assert (tmp_path / "out" / MANIFEST).exists() and not (tmp_path / "out" / MARKER).exists()
 
 
