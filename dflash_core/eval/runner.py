@@ -33,6 +33,7 @@ from dflash_core.eval.sampling import prompt_generator
 from dflash_core.eval.spec_decode import DecodeSettings, decode_rows
 from dflash_core.eval.summary import first_difference, summarise
 from dflash_core.eval.target_decoding import head_is_lm_head, rows_backend
+from dflash_core.context_buckets import Buckets
 from dflash_core.families.registry import family
 
 RESULTS = "results.json"
@@ -237,6 +238,7 @@ class Evaluation:
         from dflash_core.models.target.shape import text_config
 
         limit = getattr(text_config(self.target_config), "max_position_embeddings", None)
+        self.buckets = Buckets.of(limit)  # acceptance by context length, by the target's window
         for p in self.sets:
             past = longest_past(p, self.rendered[p.name], self.opts.max_new_tokens, limit)
             if past:
@@ -396,10 +398,10 @@ class Evaluation:
                           for s in self.specs}, hours={s.label: s.hours for s in self.specs})
         for p in self.sets:
             indices = list(range(len(p.prompts)))
-            plain = summarise(self.decoders[0].files[p.name], indices)
+            plain = summarise(self.decoders[0].files[p.name], indices, self.buckets)
             drafted = {}
             for d in self.decoders[1:]:
-                sm = summarise(d.files[p.name], indices)
+                sm = summarise(d.files[p.name], indices, self.buckets)
                 if plain.tokens_per_s > 0 and sm.tokens_per_s > 0:
                     sm.speedup = sm.tokens_per_s / plain.tokens_per_s
                 drafted[d.label] = sm
