@@ -63,7 +63,7 @@ def prepare_sets(cfg: EvalConfig, target_path: Path, target_name: str,
     out = []
     for i, s in enumerate(cfg.prompt_sets):
         try:
-            pset = load_prompt_set(s.name, s.path, s.prompts)
+            pset = load_prompt_set(s.name, s.path, s.prompts, long=s.long)
         except EvalInputError as exc:
             missing = not Path(s.path).is_file()
             raise ConfigError(item_key(i, "path"), str(exc), hint=(

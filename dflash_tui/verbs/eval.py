@@ -39,9 +39,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", action="append", required=True, metavar="CKPT",
                    help="a checkpoint folder (RUN/checkpoints/step-N), a run folder (its newest "
                         "checkpoint) or a DFlash / DSpark model folder; again to compare")
-    p.add_argument("--prompts", action="append", required=True, metavar="NAME=FILE",
+    p.add_argument("--prompts", action="append", default=[], metavar="NAME=FILE",
                    help="a prompt set: JSONL with \"messages\", \"prompt\" or \"turns\" a line; "
                         "again for more sets")
+    p.add_argument("--long-prompts", action="append", default=[], metavar="NAME=FILE",
+                   help="a long-prompt set: a \"messages\" row whole, up to its last user "
+                        "message, and the first half of the answer after it as the start of "
+                        "the response (docs/eval.md, \"Tau by context length\"); again for more")
     p.add_argument("--thinking", choices=("on", "off"), default=None,
                    help="the chat template's enable_thinking switch (default: the template's "
                         "own default); refused for a template without it")
@@ -89,6 +93,7 @@ def _options(args):
 
     return EvalOptions(
         target=args.target, drafters=list(args.drafter), prompts=list(args.prompts),
+        long_prompts=list(args.long_prompts),
         tokenizer=args.tokenizer, chat_template=args.chat_template, thinking=args.thinking,
         temperature=args.temperature, seed=args.seed, max_new_tokens=args.max_new_tokens,
         batch=args.batch, cache=args.cache, limit=args.limit, out=args.out,
