@@ -6,7 +6,9 @@ GSM8K, MT-Bench, ...), rendered with the target's chat template (first turn, gen
 DFlash or DSpark, or published drafters in the public DFlash / DSpark folder formats) decodes
 each prompt, greedy or at a temperature (speculative sampling's acceptance rule, seeded), and the
 target alone decodes it too in the same run: per set, tau, accepted@k, rounds, tokens/s and the
-speedup over plain decoding, in one table. Greedy decoding is checked lossless: each drafter's
+speedup over plain decoding, in one table, and tau by context length (the rounds' positions in
+buckets of the target's window; --long-prompts reads a set long: whole conversations, an
+answer's first half joining the prompt). Greedy decoding is checked lossless: each drafter's
 tokens must equal the target's own, or the prompt and the first differing position are named.
 Results go to --out (results.json, and one JSONL file per set and decoder); run again, the same
 command continues where it stopped. Exit 0 done, 1 the lossless check failed, 2 bad input,
