@@ -293,9 +293,9 @@ class EvalConfig:
         the target's end of turn; one
         exact tau and accepted@k per set (no teacher-forced measures, no findings). Each item:
         name, path, thinking (template | on | off), prompts (16; 0 = all), max_new_tokens (0 =
-        eval.max_new_tokens), long (false), as eval.prompt_sets[].* below. A missing file, a file without
-        prompts, a name given twice and thinking on/off with a template that has no switch are
-        refused at preflight. Each set adds about its prompts x new tokens / tau target forwards
+        eval.max_new_tokens), long (false), as eval.prompt_sets[].* below. A missing file, a
+        file without prompts, a name given twice and thinking on/off with a template that has no
+        switch are refused at preflight. Each set adds about its prompts x new tokens / tau target forwards
         to an evaluation (docs/eval.md, "The run's evaluation on prompt sets"). Example:
         [{name: gsm8k, path: sets/gsm8k.jsonl, thinking: off}].""")
     best_set: str = key("", """What checkpoints/best follows: "" = the exact tau on the held-out
