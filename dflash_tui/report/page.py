@@ -230,7 +230,7 @@ def render_html(data: RunData, source: str = "") -> str:
     by_context = context_evals(data)  # those with rounds in more than one bucket
     if by_context:
         add('<h3 id="context">Tau by context length</h3>')
-        add(context_html(by_context, P.context_plot(plots, by_context)))
+        add(context_html(by_context, P.context_plot(plots, by_context, data.sets.names())))
     add('<h2 id="cost">Cost</h2>')
     add(hours_html(plots, data.hours, data.over))
     add('<h2 id="throughput">Samples per second</h2>')

@@ -346,9 +346,11 @@ def acceptance_plot(plots: Plots, e: ev.EvalResult) -> str:
     return plots.render(draw)
 
 
-def context_plot(plots: Plots, evals: list[tuple[str, ev.EvalResult]]) -> str:
+def context_plot(plots: Plots, evals: list[tuple[str, ev.EvalResult]],
+                 set_names: list[str] = ()) -> str:
     """Exact tau per bucket of context length (context_buckets.py), a line per evaluation
-    (``evals``: (name, its latest EvalResult)), each point's rounds beside it."""
+    (``evals``: (name, its latest EvalResult)), each point's rounds beside it; a set in the
+    colour the tau plot gives it (``set_names``: the sets in that plot's order)."""
     from dflash_core.context_buckets import with_rounds
 
     def draw():
@@ -356,9 +358,10 @@ def context_plot(plots: Plots, evals: list[tuple[str, ev.EvalResult]]) -> str:
         ax = fig.add_subplot()
         starts = {r["bucket"]: r["from"] for _, e in evals for r in with_rounds(e.context)}
         names = sorted(starts, key=starts.get)  # the buckets any has rounds in, in order
-        for k, (name, e) in enumerate(evals):
+        for name, e in evals:
             pts = [(names.index(r["bucket"]), r["tau"], r["rounds"])
                    for r in with_rounds(e.context)]
+            k = list(set_names).index(name) if name in set_names else 0
             color = EVAL_COLOR if not name else SET_COLORS[k % len(SET_COLORS)]
             ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=color, markersize=4,
                     linewidth=1.0, label=(f"set {name}" if name else "held-out prompts")

@@ -38,7 +38,7 @@ def test_the_plot_draws_a_line_per_evaluation_shown():
     shown = context_evals(data)
     assert [name for name, _ in shown] == ["", "long"]
     p = plots.Plots(keep=True)
-    plots.context_plot(p, shown)
+    plots.context_plot(p, shown, data.sets.names())
     ax = p.drawn[-1].axes[0]
     assert [t.get_text() for t in ax.get_xticklabels()] == ["0-1k", "1-4k", "4-16k"]
     lines = {line.get_label(): line for line in ax.get_lines()}
@@ -47,6 +47,8 @@ def test_the_plot_draws_a_line_per_evaluation_shown():
         [2.5, 1.0])
     assert list(long.get_xdata()) == [0, 1, 2] and list(long.get_ydata()) == pytest.approx(
         [4.0, 2.0, 1.0])
+    # each in its colour of the tau plot: the held-out red, the set its own
+    assert (held.get_color(), long.get_color()) == (plots.EVAL_COLOR, plots.SET_COLORS[0])
 
 
 def test_the_page_has_the_section_only_when_a_bucket_split_is_there(tmp_path):
