@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from dflash_core.check.samples import CheckSample
+from dflash_core.context_buckets import Buckets, ContextCounts
 from dflash_core.eval.drafting import drafts_per_round
 from dflash_core.eval.evaluate import TargetFn, anchors_of, speculative_generate
 
@@ -67,6 +68,9 @@ class DecodeResult:
     block_size: int
     samples: list[SampleDecode] = field(default_factory=list)
     drafts: int = 0  # tokens a round proposes: B-1, or B for DSpark (0: B-1)
+    # the context-length buckets its rounds are counted in (context_buckets.py; None: the
+    # defaults)
+    buckets: Buckets | None = None
 
     def __post_init__(self):
         self.drafts = self.drafts or self.block_size - 1
@@ -88,6 +92,14 @@ class DecodeResult:
     def tau(self) -> float:
         rounds = [acc + 1 for _, _, acc, _ in self._rounds()]
         return sum(rounds) / len(rounds) if rounds else 0.0
+
+    def by_context(self) -> list[dict]:
+        """Tau per bucket of context length over the rounds ``tau`` counts (a round's position is
+        one past its anchor)."""
+        counts = ContextCounts(self.buckets or Buckets.of(None))
+        for anchor, _, acc, _ in self._rounds():
+            counts.add([anchor + 1], [acc])
+        return counts.records()
 
     @property
     def ceiling(self) -> float:
@@ -128,10 +140,11 @@ class DecodeResult:
 
 
 def decode(name: str, target_fn: TargetFn, drafter, samples: list[CheckSample], layer_ids,
-           *, eos_token_id: int | None, device) -> DecodeResult:
-    """Exact decoding of each sample's prompt for as many tokens as its response."""
+           *, eos_token_id: int | None, device, buckets: Buckets | None = None) -> DecodeResult:
+    """Exact decoding of each sample's prompt for as many tokens as its response;
+    ``buckets``: the target's context-length buckets (context_buckets.py)."""
     out = DecodeResult(name, drafter.block_size,
-                       drafts=drafts_per_round(drafter, drafter.block_size))
+                       drafts=drafts_per_round(drafter, drafter.block_size), buckets=buckets)
     for s in samples:
         r = speculative_generate(target_fn, OneContext(drafter), s.prompt, len(s.response),
                                  layer_ids, eos_token_id=eos_token_id, device=device)

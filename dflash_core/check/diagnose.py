@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dflash_core.check.decode import DecodeResult
+from dflash_core.context_buckets import context_line
 
 PASS_SHARE = 0.9  # exact tau must reach this share of its ceiling (near-full blocks)
 REFERENCE_GAP = 0.05  # the reference's share may trail ours by at most this
@@ -152,6 +153,9 @@ def evidence_lines(ours: DecodeResult, ref: DecodeResult | None, tau_tf: float,
         lines.append(f"  accepted per drafted token 1..{d.drafts}: {_slots(d.accepted_at())}")
         lines.append(f"  right per slot (whatever came before): {_slots(d.correct_at())}")
         lines.append(f"  equal to the token one later:           {_slots(d.correct_at(1))}")
+        ctx = context_line(d.by_context())  # '' unless more than one bucket has rounds
+        if ctx:
+            lines.append(f"  {ctx}")
         if d.diverged:
             lines.append(f"  decoding left the trained text at response tokens {d.diverged} "
                          "(target numerics); rounds after that are not counted")

@@ -32,6 +32,7 @@ from dflash_core.check.diagnose import Verdict, diagnose, evidence_lines, featur
 from dflash_core.check.memorise import memorise
 from dflash_core.check.samples import pick_prompts, write_responses
 from dflash_core.config import Config
+from dflash_core.context_buckets import buckets_of
 from dflash_core.eval.drafter_dtype import check_dtype, parameter_dtype, served_copy
 from dflash_core.eval.evaluate import evaluation_attention, target_fn_for
 from dflash_core.models.target.load import load_target
@@ -147,13 +148,14 @@ def judge(prep: Prepared, mem, opts: CheckOptions, say: Callable[[str], None]) -
     drafter.save(ckpt)
 
     dtype = prep.drafter_dtype  # as it is served (--drafter-dtype float32: the trained weights)
+    buckets = buckets_of(target)  # acceptance by context length, by the target's window
     say(f"decode: exact speculative decoding of the prompts, the target verifying, the drafter "
         f"in {dtype}")
     served = (drafter if parameter_dtype(drafter) == getattr(torch, dtype)
               else served_copy(drafter, dtype))
     with evaluation_attention(served):  # as the run's evaluation decodes
         ours = dec.decode("this engine", prep.target_fn, served, samples, prep.layer_ids,
-                          eos_token_id=None, device=target.device)
+                          eos_token_id=None, device=target.device, buckets=buckets)
     del served
     say(f"  this engine: exact tau {ours.tau:.2f} of {ours.ceiling:.2f}")
     ref, ref_note, ref_mask = None, "not asked for (--no-reference)", None
@@ -174,7 +176,7 @@ def judge(prep: Prepared, mem, opts: CheckOptions, say: Callable[[str], None]) -
             ref_mask = model.mask_token_id
             ref = dec.decode(f"reference {dec.REFERENCE}", dec.reference_target_fn(
                 target.model, model.target_layer_ids), model, samples, model.target_layer_ids,
-                eos_token_id=None, device=target.device)
+                eos_token_id=None, device=target.device, buckets=buckets)
             ref_note = "used"
             say(f"  {ref.name}: exact tau {ref.tau:.2f} of {ref.ceiling:.2f}")
 
@@ -218,7 +220,8 @@ def _write_record(path: Path, result: CheckResult, mem, ours, ref) -> None:
         return {"name": d.name, "tau": d.tau, "ceiling": d.ceiling,
                 "accepted_at": [_finite(v) for v in d.accepted_at()],
                 "correct_at": [_finite(v) for v in d.correct_at()],
-                "one_later": [_finite(v) for v in d.correct_at(1)]}
+                "one_later": [_finite(v) for v in d.correct_at(1)],
+                "context": d.by_context()}
     record = {
         "passed": result.verdict.passed, "summary": result.verdict.summary,
         "objective": mem.drafter.objective, "drafter_dtype": result.drafter_dtype,

@@ -232,6 +232,14 @@ class PromptSetConfig:
         evaluation's cost grows with it.""", ge=0)
     max_new_tokens: int = key(0, """New tokens per prompt at most (a prompt also stops at the
         target's end of turn); 0 = eval.max_new_tokens.""", ge=0)
+    long: bool = key(False, """A long-prompt set, to measure tau deep into the context (the
+        rounds' tau by context length: docs/eval.md, "Tau by context length"): a "messages" row
+        is taken whole, every message up to its last user message (a long chat), and when an
+        assistant answer follows, the answer's first half (cut back to a space) starts the
+        response, so decoding goes on from inside it (the first part of a long answer as the
+        prompt); "prompt" and "turns" rows read as in any set (a document is a long "prompt").
+        A prompt that with its new tokens passes the target's positions is refused at
+        preflight. eval.best_set may name it, so checkpoints/best follows the long set.""")
 
 
 @dataclass
@@ -289,13 +297,14 @@ class EvalConfig:
         the target's end of turn; one
         exact tau and accepted@k per set (no teacher-forced measures, no findings). Each item:
         name, path, thinking (template | on | off), prompts (16; 0 = all), max_new_tokens (0 =
-        eval.max_new_tokens), as eval.prompt_sets[].* below. A missing file, a file without
-        prompts, a name given twice and thinking on/off with a template that has no switch are
-        refused at preflight. Each set adds about its prompts x new tokens / tau target forwards
+        eval.max_new_tokens), long (false), as eval.prompt_sets[].* below. A missing file, a
+        file without prompts, a name given twice and thinking on/off with a template that has no
+        switch are refused at preflight. Each set adds about its prompts x new tokens / tau target forwards
         to an evaluation (docs/eval.md, "The run's evaluation on prompt sets"). Example:
         [{name: gsm8k, path: sets/gsm8k.jsonl, thinking: off}].""")
     best_set: str = key("", """What checkpoints/best follows: "" = the exact tau on the held-out
-        prompts; a name of eval.prompt_sets = that set's exact tau.""")
+        prompts; a name of eval.prompt_sets = that set's exact tau (a long set's too: the best
+        is then the drafter that holds its tau deep in the context).""")
     drafter_dtype: Literal["served", "float32", "bfloat16", "float16"] = key("served", """The
         dtype the drafter decodes in at the run's evaluations (held-out prompts and prompt sets):
         "served" = drafter.dtype, the dtype of checkpoints' model.safetensors and so the one vLLM

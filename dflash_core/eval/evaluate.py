@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from dflash_core.acceptance import histogram, pooled_tau
+from dflash_core.context_buckets import round_positions
 from dflash_core.eval.drafting import drafts_per_round
 from dflash_core.eval.spec_decode import DecodeSettings, block_size_of, decode_rows, stop_set
 from dflash_core.eval.target_decoding import (  # the one-prompt TargetFns, importable from here
@@ -62,6 +63,7 @@ class GenResult:
     confidences: list[list[float]] = field(default_factory=list)
     drafts: list[list[int]] = field(default_factory=list)  # the drafted tokens, per round
     proposed: list[int] = field(default_factory=list)  # drafts proposed, per round
+    positions: list[int] = field(default_factory=list)  # each round's (spec_decode.RowOutput)
 
     @property
     def rounds(self) -> int:
@@ -91,6 +93,16 @@ class EvalSummary:
     confidences: list[list[float]] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
     proposed: list[int] = field(default_factory=list)  # histogram: rounds that proposed j drafts
+    # Per prompt, each round's position (the tokens before its drafts; its anchor is one before)
+    # and drafts accepted: acceptance by context length (context_buckets.py).
+    positions: list[list[int]] = field(default_factory=list)
+    rounds_accepted: list[list[int]] = field(default_factory=list)
+
+    def by_context(self, buckets) -> list[dict]:
+        """Rounds, accepted drafts and tau per bucket of ``buckets`` (context_buckets.Buckets)."""
+        from dflash_core.context_buckets import by_context
+
+        return by_context(buckets, zip(self.positions, self.rounds_accepted))
 
 
 def _as_ids(prompt_ids: Sequence[int] | torch.Tensor) -> list[int]:
@@ -115,12 +127,9 @@ def _drafter_device(drafter) -> torch.device:
 
 
 def anchors_of(prompt_len: int, acceptance: Sequence[int]) -> list[int]:
-    """The position of each round's last accepted token (its anchor) after a prompt."""
-    starts, at = [], prompt_len
-    for a in acceptance:
-        starts.append(at)
-        at += a + 1
-    return starts
+    """The position of each round's last accepted token (its anchor) after a prompt: the last
+    token before its drafts, one before the round's position (context_buckets.round_positions)."""
+    return [p - 1 for p in round_positions(prompt_len, acceptance)]
 
 
 @torch.no_grad()
@@ -147,7 +156,8 @@ def speculative_generate(target_fn: TargetFn, drafter: Drafter | None,
         _check_layers(drafter, layer_ids)
     settings = DecodeSettings(max_new_tokens, 0.0, stop_set(eos_token_id), B)
     (row,) = decode_rows(fn_rows(target_fn, device), drafter, [ids], settings)
-    return GenResult(row.tokens, row.acceptance, row.confidences, row.drafts, row.proposed)
+    return GenResult(row.tokens, row.acceptance, row.confidences, row.drafts, row.proposed,
+                     row.positions)
 
 
 @torch.no_grad()
@@ -173,6 +183,7 @@ def evaluate_tau(target_fn: TargetFn, drafter: Drafter | None,
     B = block_size or (drafter.block_size if drafter is not None else 1)
     hist = [0] * max(B, drafts_per_round(drafter, B) + 1)  # index: drafts accepted
     outputs, anchors, confidences, accepted, proposed = [], [], [], [], []
+    positions, rounds_accepted = [], []
     for prompt in prompts:
         r = speculative_generate(target_fn, drafter, prompt, max_new_tokens, layer_ids, B,
                                  eos_token_id=eos_token_id, device=device)
@@ -183,11 +194,14 @@ def evaluate_tau(target_fn: TargetFn, drafter: Drafter | None,
             confidences.extend(r.confidences)
             accepted.extend(r.acceptance)
         outputs.append(r.tokens)
-        anchors.append(anchors_of(len(_as_ids(prompt)), r.acceptance))
+        anchors.append([p - 1 for p in r.positions])
+        positions.append(list(r.positions))
+        rounds_accepted.append(list(r.acceptance))
     return EvalSummary(tau=pooled_tau(hist), acceptance=hist,
                        prompts=len(prompts), tokens=sum(map(len, outputs)), rounds=sum(hist),
                        outputs=outputs, anchors=anchors, confidences=confidences,
-                       accepted=accepted, proposed=histogram(proposed, len(hist)))
+                       accepted=accepted, proposed=histogram(proposed, len(hist)),
+                       positions=positions, rounds_accepted=rounds_accepted)
 
 
 @torch.no_grad()

@@ -10,6 +10,13 @@ One JSON object a line, blank lines skipped, in one of three shapes:
 
 An ``id`` field names the prompt in messages (else its line number). Rendering with the target's
 chat template is rendering.py's.
+
+A long set (``long``: eval.prompt_sets[].long, eval's --long-prompts) takes a "messages" row whole,
+to decode deep into a long context: every message up to and including the LAST user message (a
+long chat), and when an assistant answer follows it, the first half of that answer (cut back to
+a space) continues the generation prompt, so the target goes on writing it (the first part of a
+long answer as the prompt). "prompt" and "turns" rows read as in any set (a document is a long
+"prompt").
 """
 
 from __future__ import annotations
@@ -28,7 +35,10 @@ SHAPES = "a JSON object a line with \"messages\" (OpenAI chat), \"prompt\" (text
 class Prompt:
     index: int  # 0-based, among the file's prompts
     id: str  # the row's "id", else "line N"
-    messages: tuple  # of {"role", "content"} dicts: the first turn
+    messages: tuple  # of {"role", "content"} dicts: the first turn (a long set: up to the last)
+    # a long set: the first part of the answer after the last user message, which the rendered
+    # prompt ends with ("" when the row has none)
+    answer_start: str = ""
 
 
 @dataclass(frozen=True)
@@ -37,6 +47,7 @@ class PromptSet:
     path: Path
     sha256: str  # of the file's bytes: a results file is continued only on the same prompts
     prompts: tuple[Prompt, ...]
+    long: bool = False  # read as a long set (the module says how)
 
 
 def parse_spec(spec: str) -> tuple[str, Path]:
@@ -71,6 +82,30 @@ def _first_turn(messages, where: str) -> tuple:
                          hint="each prompt needs a {\"role\": \"user\"} message")
 
 
+# A long set's answer: this share of its characters starts the prompt, the rest is left to decode.
+ANSWER_SHARE = 0.5
+
+
+def answer_start(text: str) -> str:
+    """The first ANSWER_SHARE of an answer, cut back to its last whitespace there (a word cut in
+    two tokenizes otherwise than the target writes it); the cut whitespace stays off."""
+    half = text[: int(len(text) * ANSWER_SHARE)]
+    space = max(half.rfind(" "), half.rfind("\n"))
+    return half[:space] if space > 0 else half
+
+
+def _whole_conversation(messages, where: str) -> tuple[tuple, str]:
+    """A long set's row: (every message up to the last user message, the start of the answer
+    after it)."""
+    _first_turn(messages, where)  # the same checks: a list of role/content messages, a user
+    msgs = [{"role": m["role"], "content": m["content"]} for m in messages]
+    last = max(i for i, m in enumerate(msgs) if m["role"] == "user")
+    after = msgs[last + 1] if last + 1 < len(msgs) else None
+    start = (answer_start(after["content"]) if after is not None
+             and after["role"] == "assistant" else "")
+    return tuple(msgs[: last + 1]), start
+
+
 def _lone_surrogate(value) -> str | None:
     """The first string in ``value`` (nested) that holds a lone surrogate (a "\\ud800" escape
     with no partner: JSON allows it, but it is no character and no tokenizer or file takes it)."""
@@ -89,25 +124,29 @@ def _lone_surrogate(value) -> str | None:
     return None
 
 
-def _row_messages(row: dict, where: str) -> tuple:
+def _row_messages(row: dict, where: str, long: bool = False) -> tuple[tuple, str]:
+    """(the messages rendered, the answer's start the prompt ends with)."""
     if "messages" in row:
-        return _first_turn(row["messages"], where)
+        if long:
+            return _whole_conversation(row["messages"], where)
+        return _first_turn(row["messages"], where), ""
     if "prompt" in row:
         if not isinstance(row["prompt"], str) or not row["prompt"]:
             raise EvalInputError(f"{where}: \"prompt\" must be a non-empty string", hint=SHAPES)
-        return ({"role": "user", "content": row["prompt"]},)
+        return ({"role": "user", "content": row["prompt"]},), ""
     if "turns" in row:
         turns = row["turns"]
         if not (isinstance(turns, list) and turns and isinstance(turns[0], str)):
             raise EvalInputError(f"{where}: \"turns\" must be a list of strings", hint=SHAPES)
-        return ({"role": "user", "content": turns[0]},)
+        return ({"role": "user", "content": turns[0]},), ""
     raise EvalInputError(f"{where}: no \"messages\", \"prompt\" or \"turns\" (keys: "
                          f"{', '.join(sorted(row)) or 'none'})", hint=SHAPES)
 
 
-def load_prompt_set(name: str, path: str | Path, limit: int = 0) -> PromptSet:
-    """The set's prompts (the first ``limit`` when above 0). Raises EvalInputError naming the
-    file and line for a file that cannot be read, a line that is not a prompt, or no prompts."""
+def load_prompt_set(name: str, path: str | Path, limit: int = 0, long: bool = False) -> PromptSet:
+    """The set's prompts (the first ``limit`` when above 0; ``long``: read as a long set). Raises
+    EvalInputError naming the file and line for a file that cannot be read, a line that is not a
+    prompt, or no prompts."""
     path = Path(path)
     try:
         raw = path.read_bytes()
@@ -129,19 +168,19 @@ def load_prompt_set(name: str, path: str | Path, limit: int = 0) -> PromptSet:
             raise EvalInputError(f"{where}: not JSON ({exc})", hint=SHAPES) from exc
         if not isinstance(row, dict):
             raise EvalInputError(f"{where}: not a JSON object", hint=SHAPES)
-        msgs = _row_messages(row, where)
+        msgs, start = _row_messages(row, where, long)
         pid = row.get("id")
-        bad = _lone_surrogate([msgs, pid])
+        bad = _lone_surrogate([msgs, start, pid])
         if bad:
             raise EvalInputError(f"{where}: the text holds a lone surrogate ({bad}), half of a "
                                  "UTF-16 pair: not a character, so no tokenizer reads it",
                                  hint="write the character itself, or both halves of its "
                                       "pair (e.g. \\ud83d\\ude00)")
         prompts.append(Prompt(len(prompts), str(pid) if pid is not None else f"line {lineno}",
-                              msgs))
+                              msgs, start))
         if limit and len(prompts) >= limit:
             break
     if not prompts:
         raise EvalInputError(f"prompt set {name}: {path} holds no prompts",
                              hint=f"write {SHAPES}")
-    return PromptSet(name, path, hashlib.sha256(raw).hexdigest()[:16], tuple(prompts))
+    return PromptSet(name, path, hashlib.sha256(raw).hexdigest()[:16], tuple(prompts), long)

@@ -74,13 +74,15 @@ class RenderedSet:
 
 
 def render_set(tokenizer, pset: PromptSet, kwargs: dict) -> RenderedSet:
-    """Each prompt's first turn with the generation prompt, tokenized as a server does (the
-    template writes the special tokens itself)."""
+    """Each prompt's first turn (a long set's: up to the last user message, then the start of
+    its answer) with the generation prompt, tokenized as a server does (the template writes the
+    special tokens itself)."""
     out = []
     for p in pset.prompts:
         try:
             text = tokenizer.apply_chat_template(list(p.messages), tokenize=False,
                                                  add_generation_prompt=True, **kwargs)
+            text += p.answer_start  # the target goes on writing that answer
         except Exception as exc:  # jinja's raise_exception and its kin: the template refuses
             raise EvalInputError(f"prompt set {pset.name}, prompt {p.id}: the chat template "
                                  f"fails to render it ({type(exc).__name__}: {exc})",

@@ -23,6 +23,7 @@ from dflash_core.eval.rendering import (
 )
 from dflash_core.config import ConfigError, EvalConfig
 from dflash_core.config.eval_sets import item_key
+from dflash_core.context_buckets import Buckets, buckets_of, by_context
 from dflash_core.observe.events import EvalResult
 
 
@@ -62,7 +63,7 @@ def prepare_sets(cfg: EvalConfig, target_path: Path, target_name: str,
     out = []
     for i, s in enumerate(cfg.prompt_sets):
         try:
-            pset = load_prompt_set(s.name, s.path, s.prompts)
+            pset = load_prompt_set(s.name, s.path, s.prompts, long=s.long)
         except EvalInputError as exc:
             missing = not Path(s.path).is_file()
             raise ConfigError(item_key(i, "path"), str(exc), hint=(
@@ -92,11 +93,13 @@ def prepare_sets(cfg: EvalConfig, target_path: Path, target_name: str,
 
 
 def evaluate_set(s: RunSet, step: int, target, drafter, layer_ids: list[int], *,
-                 batch: int, cache: bool = False, exact_head: bool = True) -> EvalResult:
+                 batch: int, cache: bool = False, exact_head: bool = True,
+                 buckets: Buckets | None = None) -> EvalResult:
     """Exact greedy tau of ``drafter`` on the set's prompts (the caller holds the evaluation's
     attention), decoded as ``dflash-tui eval`` decodes them (spec_decode.decode_rows): ``batch``
     prompts together, the target's cache with ``cache``, stopping at the target's end of turn.
-    ``exact_head``: target_decoding.head_is_lm_head's answer for this target."""
+    ``exact_head``: target_decoding.head_is_lm_head's answer for this target; ``buckets``: the
+    context-length buckets acceptance is also counted in (None: the target's window's)."""
     from dflash_core.acceptance import histogram, pooled_tau, serving_fields
     from dflash_core.eval.drafting import drafts_per_round
     from dflash_core.eval.spec_decode import DecodeSettings, decode_rows
@@ -120,7 +123,9 @@ def evaluate_set(s: RunSet, step: int, target, drafter, layer_ids: list[int], *,
             accepted += r.acceptance
     cal = calibrate(confidences, accepted) if confidences else None
     proposed = histogram([p for r in rows for p in r.proposed], len(hist))
+    buckets = buckets or buckets_of(target)
     return EvalResult(step=step, tau=pooled_tau(hist), acceptance=hist, prompts=len(prompts),
                       **serving_fields(hist, proposed),
                       seconds=time.monotonic() - t0,
-                      calibration=cal.as_dict() if cal is not None else {}, prompt_set=s.name)
+                      calibration=cal.as_dict() if cal is not None else {}, prompt_set=s.name,
+                      context=by_context(buckets, ((r.positions, r.acceptance) for r in rows)))

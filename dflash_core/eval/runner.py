@@ -33,6 +33,7 @@ from dflash_core.eval.sampling import prompt_generator
 from dflash_core.eval.spec_decode import DecodeSettings, decode_rows
 from dflash_core.eval.summary import first_difference, summarise
 from dflash_core.eval.target_decoding import head_is_lm_head, rows_backend
+from dflash_core.context_buckets import Buckets
 from dflash_core.families.registry import family
 
 RESULTS = "results.json"
@@ -65,6 +66,8 @@ class EvalOptions:
     gpu_hour_price: float = 0.0
     currency: str = ""  # with gpu_hour_price ("": the one the run recorded)
     trust_remote_code: bool = False  # a target or tokenizer of its folder's own code may run
+    # NAME=FILE.jsonl of long-prompt sets (prompt_sets.py: whole conversations, an answer's start)
+    long_prompts: list[str] = field(default_factory=list)
 
 
 def resolve_device(spec: str) -> torch.device:
@@ -163,8 +166,9 @@ class Evaluation:
         if not opts.drafters:
             raise EvalInputError("no --drafter to evaluate", hint="pass --drafter CHECKPOINT "
                                  "(twice to compare two)")
-        if not opts.prompts:
-            raise EvalInputError("no --prompts set", hint="pass --prompts NAME=FILE.jsonl")
+        if not opts.prompts and not opts.long_prompts:
+            raise EvalInputError("no --prompts set", hint="pass --prompts NAME=FILE.jsonl (or "
+                                 "--long-prompts NAME=FILE.jsonl)")
         self.device = resolve_device(opts.device)
         self.dtype = _dtype(opts.dtype, self.device)
         self.sets = self._sets()
@@ -208,18 +212,20 @@ class Evaluation:
     # -- checks before any weight is read -------------------------------------------------
     def _sets(self) -> list[PromptSet]:
         sets, seen = [], set()
-        for spec in self.opts.prompts:
+        specs = ([(spec, False) for spec in self.opts.prompts]
+                 + [(spec, True) for spec in self.opts.long_prompts])
+        for spec, long in specs:
             name, path = parse_spec(spec)
             if name.casefold() in seen:  # one folder each, on a case-blind disk too
                 raise EvalInputError(f"--prompts: two sets named {name}" + (
-                    "" if name in {n for n, _ in sets} else " (told apart only by case)"),
+                    "" if name in {n for n, _, _ in sets} else " (told apart only by case)"),
                                      hint="give each set its own NAME=FILE")
             if name.casefold() == RESULTS:
                 raise EvalInputError(f"--prompts {spec!r}: the set name {name} is the summary's "
                                      "file name", hint="name the set otherwise (NAME=FILE)")
             seen.add(name.casefold())
-            sets.append((name, path))
-        return [load_prompt_set(name, path, self.opts.limit) for name, path in sets]
+            sets.append((name, path, long))
+        return [load_prompt_set(name, path, self.opts.limit, long) for name, path, long in sets]
 
     def _target_config(self):
         from dflash_core.models.target.config import TargetLoadError, load_target_config
@@ -237,6 +243,7 @@ class Evaluation:
         from dflash_core.models.target.shape import text_config
 
         limit = getattr(text_config(self.target_config), "max_position_embeddings", None)
+        self.buckets = Buckets.of(limit)  # acceptance by context length, by the target's window
         for p in self.sets:
             past = longest_past(p, self.rendered[p.name], self.opts.max_new_tokens, limit)
             if past:
@@ -257,6 +264,8 @@ class Evaluation:
     def _where(self, d: _Decoder, p: PromptSet) -> tuple[Path, dict, dict]:
         """(results file, settings compared, what is only said) of decoder ``d`` on set ``p``."""
         settings = dict(self.settings, set=p.name, prompts=p.sha256)
+        if p.long:  # read otherwise: other prompts (said only when long: older files continue)
+            settings["long"] = True
         about = {"target": str(self.folder), "prompts": str(p.path)}
         if d.spec is not None:
             settings["drafter"] = {"objective": d.spec.objective,
@@ -396,10 +405,10 @@ class Evaluation:
                           for s in self.specs}, hours={s.label: s.hours for s in self.specs})
         for p in self.sets:
             indices = list(range(len(p.prompts)))
-            plain = summarise(self.decoders[0].files[p.name], indices)
+            plain = summarise(self.decoders[0].files[p.name], indices, self.buckets)
             drafted = {}
             for d in self.decoders[1:]:
-                sm = summarise(d.files[p.name], indices)
+                sm = summarise(d.files[p.name], indices, self.buckets)
                 if plain.tokens_per_s > 0 and sm.tokens_per_s > 0:
                     sm.speedup = sm.tokens_per_s / plain.tokens_per_s
                 drafted[d.label] = sm

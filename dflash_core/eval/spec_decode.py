@@ -49,6 +49,9 @@ class RowOutput:
     # without drafts records none): the calibration's input.
     confidences: list[list[float]] = field(default_factory=list)
     drafts: list[list[int]] = field(default_factory=list)  # the drafted tokens, per round
+    # per round, its position: the tokens before its drafts, the prompt's and those generated so
+    # far (context_buckets.py counts acceptance by it)
+    positions: list[int] = field(default_factory=list)
 
 
 def stop_set(eos_token_id) -> frozenset[int]:
@@ -165,6 +168,7 @@ def decode_rows(backend, drafter, prompts: list[list[int]], settings: DecodeSett
                 accepted = greedy_accept(d, preds)
                 nxt = preds[accepted]
             new = until_stop(d[:accepted] + [nxt], stop)
+            out[i].positions.append(S[i] + 1)
             ids[i].extend(new)
             out[i].tokens.extend(new)
             out[i].acceptance.append(len(new) - 1)

@@ -14,6 +14,8 @@ decoding, and the lossless check.
 - **tokens/s**: new tokens over decoding time, the prefill left out (the time to the first token
   is the target's alone), summed over the batches: each batch's time is shared by its prompts.
 - **speedup**: tokens/s over plain decoding's on the same prompts, batches and target code.
+- **context**: tau per bucket of the rounds' positions (context_buckets.py: the prompt's tokens and
+  those generated before the round), from each prompt's length and acceptance per round.
 - **lossless**: greedy only; every prompt's speculative tokens equal to plain decoding's.
 """
 
@@ -23,6 +25,7 @@ from dataclasses import dataclass, field
 
 from dflash_core.eval.results import ResultsFile
 from dflash_core.acceptance import histogram, pooled_tau, serving_counts
+from dflash_core.context_buckets import Buckets, by_context, round_positions
 
 
 @dataclass
@@ -44,6 +47,8 @@ class Summary:
     accept_length_without_bonus: float = 0.0
     acceptance_rate_per_position: list[float] = field(default_factory=list)
     draft_acceptance_rate: float = 0.0
+    # tau per bucket of context length (context_buckets.py's record)
+    context: list[dict] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         d = dict(self.__dict__)
@@ -51,8 +56,10 @@ class Summary:
         return d
 
 
-def summarise(res: ResultsFile, indices: list[int] | None = None) -> Summary:
-    """The summary of ``res`` over the prompts ``indices`` (None: all done)."""
+def summarise(res: ResultsFile, indices: list[int] | None = None,
+              buckets: Buckets | None = None) -> Summary:
+    """The summary of ``res`` over the prompts ``indices`` (None: all done); ``buckets``: the
+    target's context-length buckets (None: the defaults)."""
     rows = [res.prompts[i] for i in (indices if indices is not None else sorted(res.prompts))
             if i in res.prompts]
     counts = [v for r in rows for v in r["acceptance"] + r["proposed"]]
@@ -80,6 +87,9 @@ def summarise(res: ResultsFile, indices: list[int] | None = None) -> Summary:
         tau_per_prompt=sum(per_prompt) / len(per_prompt) if per_prompt else 0.0,
         acceptance=hist, accepted_at=at, seconds=seconds, prefill_seconds=prefill,
         proposed=proposed, **serving.fields(),
+        context=by_context(buckets or Buckets.of(None),
+                           ((round_positions(int(r["prompt_tokens"]), r["acceptance"]),
+                             r["acceptance"]) for r in rows)),
         tokens_per_s=decoded / seconds if seconds > 0 else 0.0,
         mismatches=[{"index": int(r["index"]), "id": r["id"], **r["lossless"]}
                     for r in rows if r.get("lossless")])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dflash_core.context_buckets import shown
 from dflash_core.eval.summary import Summary
 from dflash_core.observe.device_hours import table_cells
 
@@ -33,6 +34,22 @@ def lossless_cell(s: Summary, greedy: bool) -> str:
             + (f", {ties} near ties" if ties else ""))
 
 
+def context_rows(drafters: dict[str, Summary]) -> list[list[str]]:
+    """'tau 1-4k' rows, a drafter's cell its tau there and its rounds ('2.31 (412)'): the
+    buckets of context length any drafter has rounds in, when one of them has rounds in more
+    than one (context_buckets.py); else none (the tau row says it)."""
+    if not any(shown(d.context) for d in drafters.values()):
+        return []
+    names = [r["bucket"] for r in next(iter(drafters.values())).context]
+    rows = []
+    for j, name in enumerate(names):
+        cells = [d.context[j] if j < len(d.context) else {} for d in drafters.values()]
+        if any(c.get("rounds") for c in cells):
+            rows.append([f"tau {name}", "-"] + [f"{c['tau']:.2f} ({c['rounds']})"
+                                                if c.get("rounds") else "-" for c in cells])
+    return rows
+
+
 def set_table(name: str, prompts: int, plain: Summary, drafters: dict[str, Summary],
               per_round: dict[str, int], greedy: bool, hours: dict | None = None) -> str:
     """``hours``: each drafter's device time (observe/device_hours.Figure, None when not
@@ -44,6 +61,7 @@ def set_table(name: str, prompts: int, plain: Summary, drafters: dict[str, Summa
         ["tau"] + [f"{plain.tau:.2f}"] + [f"{drafters[x].tau:.2f}" for x in labels],
         ["tau per prompt"] + ["-"] + [f"{drafters[x].tau_per_prompt:.2f}" for x in labels],
     ]
+    rows += context_rows(drafters)
     for k in ks:
         rows.append([f"accepted@{k}", "-"] + [
             _pct(drafters[x].accepted_at.get(k)) if k <= per_round[x] else "-"

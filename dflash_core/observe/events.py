@@ -228,6 +228,9 @@ class EvalResult(Event):
     acceptance_rate_per_position: list = field(default_factory=list)
     draft_acceptance_rate: float = -1.0
     drafter_dtype: str = ""  # the dtype the drafter decoded in (eval.drafter_dtype); "": older
+    # Acceptance by context length (context_buckets.py): per bucket of the rounds' positions,
+    # {"bucket", "from", "to", "rounds", "accepted", "tau"}; [] in an older events.jsonl.
+    context: list = field(default_factory=list)
     kind: ClassVar[str] = "EvalResult"
 
 

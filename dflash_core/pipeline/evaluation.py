@@ -17,6 +17,7 @@ import torch
 
 from dflash_core.config import EvalConfig
 from dflash_core import acceptance
+from dflash_core.context_buckets import buckets_of
 from dflash_core.eval.drafter_dtype import SERVED, parameter_dtype, served_copy
 from dflash_core.eval.evaluate import evaluate_tau, evaluation_attention, teacher_forced_eval
 from dflash_core.eval.run_sets import RunSet, evaluate_set
@@ -82,15 +83,16 @@ class Evaluator:
         if parameter_dtype(drafter) != getattr(torch, self.dtype):
             drafter = served_copy(drafter, self.dtype)
         taus = {}
+        buckets = buckets_of(target)  # acceptance by context length, by the target's window
         if len(self.eval_indices):
-            taus[""] = self._heldout(step, drafter, target)
+            taus[""] = self._heldout(step, drafter, target, buckets)
         if self.sets:
             exact_head = self._exact_head(target)
             with evaluation_attention(drafter):
                 for s in self.sets:  # after the held-out line: its findings come first
                     res = evaluate_set(s, step, target, drafter, self.layer_ids,
                                        batch=self.cfg.set_batch, cache=self.cfg.cache,
-                                       exact_head=exact_head)
+                                       exact_head=exact_head, buckets=buckets)
                     self.publish(replace(res, drafter_dtype=self.dtype))
                     taus[s.name] = res.tau
         if taus:
@@ -106,7 +108,7 @@ class Evaluator:
             self.exact_head = self.cfg.cache or head_is_lm_head(target, probe, [0])
         return self.exact_head
 
-    def _heldout(self, step: int, drafter, target) -> float:
+    def _heldout(self, step: int, drafter, target, buckets) -> float:
         """The measures of acceptance: exact tau on the held-out prompts, teacher-forced tau on
         the target's own decoding of them and on the held-out samples, the training tau of the
         recent steps, and at the first evaluation the data/target agreement; then each finding's
@@ -138,7 +140,8 @@ class Evaluator:
             tau_tf_target=tf_target, tau_tf_target_all=tf_all, tau_tf_heldout=tf_heldout,
             tau_tf_train=train, agreement=share, agreement_positions=total,
             findings=[f.kind for f in found], seconds=time.monotonic() - t0,
-            calibration=cal.as_dict() if cal is not None else {}))
+            calibration=cal.as_dict() if cal is not None else {},
+            context=res.by_context(buckets)))
         for f in found:
             self.publish(Log(level=f.level, source="eval", message=f.message))
         return res.tau

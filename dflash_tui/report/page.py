@@ -16,6 +16,7 @@ from dflash_core.units import GiB as GIB
 from . import plots as P
 from .cells import esc, table
 from .data import MAX_SERIES, RunData
+from .context import context_evals, context_html
 from .sets import sets_html, summary_text
 from .hours import hours_html
 
@@ -226,6 +227,10 @@ def render_html(data: RunData, source: str = "") -> str:
                       for ts, st, tau, n in reversed(evals)]) + "</details>")
     if data.sets:
         add(sets_html(data.sets))
+    by_context = context_evals(data)  # those with rounds in more than one bucket
+    if by_context:
+        add('<h3 id="context">Tau by context length</h3>')
+        add(context_html(by_context, P.context_plot(plots, by_context, data.sets.names())))
     add('<h2 id="cost">Cost</h2>')
     add(hours_html(plots, data.hours, data.over))
     add('<h2 id="throughput">Samples per second</h2>')

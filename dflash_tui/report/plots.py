@@ -344,3 +344,35 @@ def acceptance_plot(plots: Plots, e: ev.EvalResult) -> str:
         ax.grid(axis="x", visible=False)
         return fig
     return plots.render(draw)
+
+
+def context_plot(plots: Plots, evals: list[tuple[str, ev.EvalResult]],
+                 set_names: list[str] = ()) -> str:
+    """Exact tau per bucket of context length (context_buckets.py), a line per evaluation
+    (``evals``: (name, its latest EvalResult)), each point's rounds beside it; a set in the
+    colour the tau plot gives it (``set_names``: the sets in that plot's order)."""
+    from dflash_core.context_buckets import with_rounds
+
+    def draw():
+        fig = plots.figure(w=7.0, h=3.0)
+        ax = fig.add_subplot()
+        starts = {r["bucket"]: r["from"] for _, e in evals for r in with_rounds(e.context)}
+        names = sorted(starts, key=starts.get)  # the buckets any has rounds in, in order
+        for name, e in evals:
+            pts = [(names.index(r["bucket"]), r["tau"], r["rounds"])
+                   for r in with_rounds(e.context)]
+            k = list(set_names).index(name) if name in set_names else 0
+            color = EVAL_COLOR if not name else SET_COLORS[k % len(SET_COLORS)]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=color, markersize=4,
+                    linewidth=1.0, label=(f"set {name}" if name else "held-out prompts")
+                    + f", step {e.step}")
+            for x, y, n in pts:
+                ax.annotate(f"{n}", (x, y), textcoords="offset points", xytext=(4, 4),
+                            fontsize=7, color=color)
+        ax.set_xticks(range(len(names)), names)
+        ax.set_xlabel("tokens before the round (prompt + generated); rounds beside each point")
+        ax.set_ylabel("exact tau")
+        ax.set_title("tau by context length (latest evaluations)", loc="left")
+        fig.legend(loc="outside lower center", ncol=2, fontsize=8)
+        return fig
+    return plots.render(draw)

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Iterable
 
 from dflash_core.config import EvalConfig
 from dflash_core import acceptance
+from dflash_core.context_buckets import context_line
 from dflash_core.observe import events as ev
 from dflash_core.observe.errors import error_from_exception
 from dflash_core.observe.fold import EventFold
@@ -338,8 +339,9 @@ class DashboardState(EventFold, DashboardViews):
         else:
             self.eval = e
             self.eval_history.append((e.step, e.tau, self.step.tau_tf if self.step else None))
+        ctx = context_line(e.context)  # '' unless more than one bucket of context has rounds
         self.add_log("info", "eval", f"step {e.step} on {acceptance.evaluated_on(e)}: "
-                     f"{acceptance.summary_line(e)}")
+                     f"{acceptance.summary_line(e)}" + (f" | {ctx}" if ctx else ""))
         return {"training", "log"}
 
     def _on_DeviceHours(self, e: ev.DeviceHours) -> set[str]:

@@ -6,7 +6,9 @@ GSM8K, MT-Bench, ...), rendered with the target's chat template (first turn, gen
 DFlash or DSpark, or published drafters in the public DFlash / DSpark folder formats) decodes
 each prompt, greedy or at a temperature (speculative sampling's acceptance rule, seeded), and the
 target alone decodes it too in the same run: per set, tau, accepted@k, rounds, tokens/s and the
-speedup over plain decoding, in one table. Greedy decoding is checked lossless: each drafter's
+speedup over plain decoding, in one table, and tau by context length (the rounds' positions in
+buckets of the target's window; --long-prompts reads a set long: whole conversations, an
+answer's first half joining the prompt). Greedy decoding is checked lossless: each drafter's
 tokens must equal the target's own, or the prompt and the first differing position are named.
 Results go to --out (results.json, and one JSONL file per set and decoder); run again, the same
 command continues where it stopped. Exit 0 done, 1 the lossless check failed, 2 bad input,
@@ -39,9 +41,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", action="append", required=True, metavar="CKPT",
                    help="a checkpoint folder (RUN/checkpoints/step-N), a run folder (its newest "
                         "checkpoint) or a DFlash / DSpark model folder; again to compare")
-    p.add_argument("--prompts", action="append", required=True, metavar="NAME=FILE",
+    p.add_argument("--prompts", action="append", default=[], metavar="NAME=FILE",
                    help="a prompt set: JSONL with \"messages\", \"prompt\" or \"turns\" a line; "
                         "again for more sets")
+    p.add_argument("--long-prompts", action="append", default=[], metavar="NAME=FILE",
+                   help="a long-prompt set: a \"messages\" row whole, up to its last user "
+                        "message, and the first half of the answer after it as the start of "
+                        "the response (docs/eval.md, \"Tau by context length\"); again for more")
     p.add_argument("--thinking", choices=("on", "off"), default=None,
                    help="the chat template's enable_thinking switch (default: the template's "
                         "own default); refused for a template without it")
@@ -89,6 +95,7 @@ def _options(args):
 
     return EvalOptions(
         target=args.target, drafters=list(args.drafter), prompts=list(args.prompts),
+        long_prompts=list(args.long_prompts),
         tokenizer=args.tokenizer, chat_template=args.chat_template, thinking=args.thinking,
         temperature=args.temperature, seed=args.seed, max_new_tokens=args.max_new_tokens,
         batch=args.batch, cache=args.cache, limit=args.limit, out=args.out,

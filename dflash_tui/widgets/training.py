@@ -10,7 +10,7 @@ from rich.text import Text
 from textual.app import ComposeResult
 from textual.widgets import Sparkline, Static
 
-from dflash_core import acceptance
+from dflash_core import acceptance, context_buckets
 from dflash_core.models.dspark.calibration import Calibration
 
 from .. import fmt
@@ -113,8 +113,9 @@ def eval_lines(s: DashboardState, width: int) -> list[Text]:
     agreement, how often each block position was accepted, and the findings raised
     (acceptance.py: what each measure and gap means)."""
     sets = [set_line(s, width)] if s.set_evals else []
+    sets += context_lines(s)
     if not s.eval_history:  # prompt sets only (data.eval_prompts 0)
-        return sets
+        return [_cut(line, width) for line in sets]
     e = s.eval
     taus = [tau for _, tau, _ in s.eval_history]
     first = acceptance.MEASURES[0]
@@ -153,6 +154,27 @@ def eval_lines(s: DashboardState, width: int) -> list[Text]:
         if parts:
             lines.append(Text.assemble(*parts[:-1]))
     return [_cut(line, width) for line in lines]
+
+
+def context_lines(s: DashboardState) -> list[Text]:
+    """'tau by context 0-1k 2.91 (412)  1-4k 2.30 (80)': exact tau per bucket of the rounds'
+    context length (context_buckets.py), the rounds in brackets, for the latest held-out
+    evaluation and each set's latest ('... on long-docs ...'); only those with rounds in more
+    than one bucket (with one, the bucket's tau is the evaluation's own)."""
+    latest = ([("", s.eval)] if s.eval is not None else []) + list(s.set_evals.latest.items())
+    lines = []
+    for name, e in latest:
+        records = getattr(e, "context", None)
+        if not context_buckets.shown(records):
+            continue
+        parts = [Text(context_buckets.BY_CONTEXT.label + (f" on {name}" if name else ""),
+                      style="dim")]
+        for r in context_buckets.with_rounds(records):
+            parts += [Text(f"  {r['bucket']} ", style="dim"), Text(f"{r['tau']:.2f}",
+                                                                   style="bold"),
+                      Text(f" ({r['rounds']})", style="dim")]
+        lines.append(Text.assemble(*parts))
+    return lines
 
 
 def set_line(s: DashboardState, width: int) -> Text:

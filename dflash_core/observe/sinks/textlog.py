@@ -19,6 +19,7 @@ from dflash_core.observe.events import (
 from dflash_core.acceptance import (
     calibration_line, evaluated_on, serving_line, serving_of, summary_line,
 )
+from dflash_core.context_buckets import context_line
 from dflash_core.observe.device_hours import event_line
 from dflash_core.models.dspark.calibration import Calibration
 from dflash_core.units import GiB, size_text
@@ -100,8 +101,11 @@ def format_event(ev: Event) -> str | None:
         sc = serving_of(ev)  # serving's counts (None: an older event, its line as it was)
         serving = f"; {serving_line(sc)}" if sc is not None else ""
         dtype = getattr(ev, "drafter_dtype", "")
+        # tau per bucket of context length, when more than one bucket has rounds
+        ctx = context_line(getattr(ev, "context", None))
         return (f"eval step {ev.step} on {evaluated_on(ev)}{took}: {summary_line(ev)}; "
-                f"accepted/round {hist}{serving}" + (f"; {cal_line}" if cal_line else "")
+                f"accepted/round {hist}{serving}" + (f"; {ctx}" if ctx else "")
+                + (f"; {cal_line}" if cal_line else "")
                 + (f"; drafter in {dtype}" if dtype else ""))
     if isinstance(ev, Checkpoint):
         size = (f", {ev.bytes / GiB:.1f} GiB at {ev.bytes / GiB / ev.seconds:.2f} GiB/s, training "

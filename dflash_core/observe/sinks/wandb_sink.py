@@ -21,6 +21,7 @@ from dflash_core.acceptance import (
     ACCEPTED, AGREEMENT, MEASURES, MISSING, accepted_at, calibration_wandb, serving_of,
     serving_wandb, set_wandb,
 )
+from dflash_core.context_buckets import context_wandb
 from dflash_core.models.dspark.calibration import Calibration
 from dflash_core.observe.device_hours import wandb_data
 from dflash_core.observe.errors import error_from_exception
@@ -218,7 +219,9 @@ class WandbSink:
                    if getattr(ev, k, -1.0) >= 0},
             }, step=ev.step)
         elif isinstance(ev, EvalResult) and getattr(ev, "prompt_set", ""):
-            self._run.log(set_wandb(ev), step=ev.step)  # a set of eval.prompt_sets
+            self._run.log({**set_wandb(ev),  # a set of eval.prompt_sets, its keys under its name
+                           **context_wandb(getattr(ev, "context", None),
+                                           f"eval/{ev.prompt_set}/")}, step=ev.step)
         elif isinstance(ev, EvalResult):
             data = {"eval/prompts": ev.prompts}
             total = sum(ev.acceptance) or 1
@@ -236,6 +239,8 @@ class WandbSink:
             cal = Calibration.from_dict(getattr(ev, "calibration", None))
             if cal is not None:  # a confidence head's calibration (DSpark)
                 data.update(calibration_wandb(cal))
+            # tau and rounds per bucket of context length (the buckets with rounds)
+            data.update(context_wandb(getattr(ev, "context", None)))
             self._run.log(data, step=ev.step)
         elif isinstance(ev, RunEnded):
             run, self._run = self._run, None

@@ -5,6 +5,7 @@ greedy output equals the target's own; sampling is seeded."""
 import pytest
 import torch
 
+from dflash_core.context_buckets import Buckets, by_context, round_positions
 from dflash_core.eval import drafting, spec_decode
 from dflash_core.eval.drafters import load_weights, read_drafter
 from dflash_core.eval.sampling import prompt_generator
@@ -176,3 +177,20 @@ def test_sampling_is_seeded_per_prompt(demo, drafters, kind):
         FullBatch(demo, DEMO_LAYERS), None, PROMPTS, s,
         [prompt_generator(7, i, "cpu") for i in range(3)])]
     assert all(len(t) == NEW for t in plain) and plain != [r for r in run(9)]
+
+
+def test_each_round_records_its_position_and_the_buckets_count_them(demo, drafters):
+    # a short and a long prompt, so the rounds fall on both sides of one edge
+    prompts = [list(b"x"), list(b"Built-in functions and the return value of the ")]
+    rows = decode_rows(FullBatch(demo, DEMO_LAYERS), drafters["dflash"], prompts,
+                       DecodeSettings(10))
+    for p, r in zip(prompts, rows):
+        # the prompt and the tokens before the round: what the results files rebuild it from
+        assert r.positions == round_positions(len(p), r.acceptance)
+        assert r.positions[0] == len(p) + 1 and len(r.positions) == len(r.acceptance)
+    edge = 20
+    recs = by_context(Buckets((edge,), None), [(r.positions, r.acceptance) for r in rows])
+    assert [x["rounds"] for x in recs] == [len(rows[0].acceptance), len(rows[1].acceptance)]
+    for x, r in zip(recs, rows):
+        assert x["accepted"] == sum(r.acceptance)
+        assert x["tau"] == pytest.approx(len(r.tokens[1:]) / len(r.acceptance))
