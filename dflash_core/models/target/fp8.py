@@ -46,6 +46,7 @@ PROBE_ROWS = 16
 # Scales BlockFP8Linear multiplies by as they are (power-of-two ue8m0 scales are not among them:
 # those layers are left to transformers).
 SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+HEADER_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "U8": 1, "I8": 1}  # safetensors dtypes
 ENGINE_MATMUL = "the engine's FP8 linear (each weight dequantized as it is used)"
 TRANSFORMERS_MATMUL = "transformers' FP8 kernels"
 
@@ -256,7 +257,7 @@ def checkpoint_bytes(files: list[Path], dtype: torch.dtype) -> tuple[int, int]:
                 if kind.startswith("F8"):
                     stored, plain = stored + n, plain + n * b
                 elif key.endswith("_scale_inv") or key.endswith("activation_scale"):
-                    stored += n * 4
+                    stored += n * HEADER_BYTES.get(kind, 4)
                 else:
                     stored, plain = stored + n * b, plain + n * b
     return stored, plain
