@@ -87,6 +87,18 @@ def fp8_dequantize_reason(devices: list[torch.device], routed_experts: bool) -> 
     return None
 
 
+def dequantize_as_loaded(config) -> None:
+    """Tell transformers to dequantize an FP8 checkpoint's weights as it loads (a transformers
+    config, changed in place; other configs are left alone). Left to itself it decides by the
+    current CUDA device, not the model's, and keeps FP8 layers on a CPU model beside a GPU,
+    layers nothing could then run."""
+    quant = getattr(config, "quantization_config", None)
+    if isinstance(quant, dict) and quant.get("quant_method") == "fp8":
+        config.quantization_config = {**quant, "dequantize": True}
+    elif getattr(quant, "quant_method", None) == "fp8":
+        quant.dequantize = True
+
+
 def expected_matmul() -> str:
     """What will multiply kept FP8 weights, as said before loading."""
     if kernels_installed():

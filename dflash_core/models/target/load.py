@@ -181,7 +181,7 @@ def load_target(
                                                             model_shape(raw).experts > 0)
         if why_dequantized:
             note(_dequantized_note(files, dtype, why_dequantized), kept=False, planned=True)
-            _dequantize_as_loaded(config)
+            fp8_weights.dequantize_as_loaded(config)
     model = _build(folder, config, device, dtype, attn_implementation, trust_remote_code, stop)
     if fp8 is not None and not why_dequantized:
         matmul = _settle_fp8_matmul(model, fp8_matmul, dtype)
@@ -194,7 +194,7 @@ def load_target(
             note(_dequantized_note(files, dtype, f"transformers' FP8 kernels do not run here "
                                                  f"({matmul[0]}) and {matmul[1]} have no other "
                                                  "matmul"), kept=False, planned=False)
-            _dequantize_as_loaded(config)
+            fp8_weights.dequantize_as_loaded(config)
             model = _build(folder, config, device, dtype, attn_implementation,
                            trust_remote_code, stop)
 
@@ -241,17 +241,6 @@ def _build(folder: Path, config, device: torch.device, dtype: torch.dtype,
     if device.type != "cpu" and not direct:
         model.to(device)
     return model
-
-
-def _dequantize_as_loaded(config) -> None:
-    """Tell transformers to dequantize the checkpoint's FP8 weights as it loads, here and now:
-    left to itself it decides by the current CUDA device, not the target's, and keeps FP8 layers
-    on a CPU target beside a GPU that nothing could then run."""
-    quant = getattr(config, "quantization_config", None)
-    if isinstance(quant, dict):
-        config.quantization_config = {**quant, "dequantize": True}
-    elif quant is not None:
-        quant.dequantize = True
 
 
 def _settle_fp8_matmul(model, choice: str, dtype: torch.dtype) -> str | tuple[str, str]:

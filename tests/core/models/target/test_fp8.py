@@ -223,3 +223,24 @@ def test_fp8_experts_whose_kernels_do_not_run_are_loaded_again_dequantized(tmp_p
     with torch.inference_mode():
         hs = ref(input_ids=x, output_hidden_states=True).hidden_states
     assert (target.features(x, layer_ids=[1]) - hs[2]).abs().max().item() < 1e-5
+
+
+def test_a_cpu_target_beside_a_gpu_that_keeps_fp8_is_dequantized(twin, monkeypatch):
+    """transformers asks the current CUDA device, not the target's: beside an H200 it would keep
+    FP8 layers on a CPU target, which nothing runs there. The loader, and the CPU model data
+    inspect and the demo load, dequantize them."""
+    from dflash_core.demo import load_lm
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
+    folder, _ = twin
+    said = []
+    target = load_target(folder, say=said.append)
+    assert "(the target runs on the CPU)" in said[0] and not fp8.fp8_left(target.model)
+    model = load_lm(folder)
+    assert not fp8.fp8_left(model)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    x = ids(6)
+    with torch.inference_mode():
+        logits = model(input_ids=x).logits
+    assert torch.equal(logits, target.logits_and_features(x, [0])[0])
