@@ -80,7 +80,8 @@ def fp8_dequantize_reason(devices: list[torch.device], routed_experts: bool) -> 
         cap = device_capability(d)
         if cap < FP8_MIN_CAPABILITY:
             need = ".".join(map(str, FP8_MIN_CAPABILITY))
-            return f"cuda:{d.index or 0} has compute capability {cap[0]}.{cap[1]}, fp8 needs {need}+"
+            return (f"cuda:{d.index or 0} has compute capability {cap[0]}.{cap[1]}, "
+                    f"fp8 needs {need}+")
     if routed_experts and not kernels_installed():
         return ("its routed experts run only on transformers' FP8 kernels, which need the "
                 "kernels package (not installed)")

@@ -187,13 +187,13 @@ def load_target(
         matmul = _settle_fp8_matmul(model, fp8_matmul, dtype)
         if isinstance(matmul, str):
             note(_kept_note(files, device, dtype, matmul), kept=True, planned=False)
-        else:  # FP8 routed experts whose kernels do not run: load again, dequantized
+        else:  # FP8 routed experts nothing here runs: load again, dequantized
             del model
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-            note(_dequantized_note(files, dtype, f"transformers' FP8 kernels do not run here "
-                                                 f"({matmul[0]}) and {matmul[1]} have no other "
-                                                 "matmul"), kept=False, planned=False)
+            why, left = matmul
+            note(_dequantized_note(files, dtype, f"{why} and {left} have no other matmul"),
+                 kept=False, planned=False)
             fp8_weights.dequantize_as_loaded(config)
             model = _build(folder, config, device, dtype, attn_implementation,
                            trust_remote_code, stop)
@@ -245,21 +245,20 @@ def _build(folder: Path, config, device: torch.device, dtype: torch.dtype,
 
 def _settle_fp8_matmul(model, choice: str, dtype: torch.dtype) -> str | tuple[str, str]:
     """What multiplies the kept FP8 weights (a name for the note), after swapping transformers'
-    FP8 linear layers for BlockFP8Linear where its kernels do not run; or (why its kernels do
-    not run, the FP8 tensors nothing else runs) when some are left."""
+    FP8 linear layers for BlockFP8Linear where its kernels do not run (or "engine" asks); or
+    (why, the FP8 tensors nothing else runs) when some are left."""
     if choice == "transformers":
         return fp8_weights.TRANSFORMERS_MATMUL
-    fails = "asked for" if choice == "engine" else fp8_weights.transformers_matmul_fails(model,
-                                                                                      dtype)
-    if fails is None:
+    fails = None if choice == "engine" else fp8_weights.transformers_matmul_fails(model, dtype)
+    if choice == "auto" and fails is None:
         return fp8_weights.TRANSFORMERS_MATMUL
     fp8_weights.use_engine_matmul(model)
+    why = ("fp8_matmul engine was asked for" if fails is None
+           else f"transformers' FP8 kernels do not run here ({fails})")
     left = fp8_weights.fp8_left(model)
     if left:
-        return fails, f"{len(left)} FP8 tensors such as {left[0]}"
-    if choice == "engine":
-        return fp8_weights.ENGINE_MATMUL
-    return f"{fp8_weights.ENGINE_MATMUL}: {fp8_weights.TRANSFORMERS_MATMUL} do not run here ({fails})"
+        return why, f"{len(left)} FP8 tensors such as {left[0]}"
+    return fp8_weights.ENGINE_MATMUL if fails is None else f"{fp8_weights.ENGINE_MATMUL}: {why}"
 
 
 def _dequantized_note(files: list[Path], dtype: torch.dtype, why: str) -> str:

@@ -13,7 +13,8 @@ from torch import nn
 
 from dflash_core.models.target import fp8
 from dflash_core.models.target.fp8 import (
-    BlockFP8Linear, checkpoint_bytes, dequantize_blockwise, fp8_dequantize_reason, quantize_blockwise,
+    BlockFP8Linear, checkpoint_bytes, dequantize_blockwise, fp8_dequantize_reason,
+    quantize_blockwise,
 )
 from dflash_core.models.target.load import load_target
 
@@ -244,3 +245,12 @@ def test_a_cpu_target_beside_a_gpu_that_keeps_fp8_is_dequantized(twin, monkeypat
     with torch.inference_mode():
         logits = model(input_ids=x).logits
     assert torch.equal(logits, target.logits_and_features(x, [0])[0])
+
+
+def test_fp8_experts_with_the_engines_linear_asked_for_are_loaded_dequantized(tmp_path, h200):
+    fp8_checkpoint(tmp_path)
+    said = []
+    target = load_target(tmp_path, say=said.append, fp8_matmul="engine")
+    assert len(said) == 1 and "(fp8_matmul engine was asked for and 4 FP8 tensors such as " \
+        "model.layers.0.mlp.experts." in said[0]
+    assert not fp8.fp8_left(target.model) and not target.quantized.kept
