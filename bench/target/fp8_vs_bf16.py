@@ -35,6 +35,7 @@ import math
 import shutil
 import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -62,6 +63,7 @@ FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynami
 STD = 0.02  # random weights' spread: larger ones blow the residual stream up over 36 layers
 MARKER = "fp8_vs_bf16.json"  # in --dir: this script's folder, which it may empty
 GiB = 2**30
+WRITERS = 8  # shard files written at once
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -147,7 +149,9 @@ def draw(name: str, shape: tuple[int, ...], gen: torch.Generator, device: str) -
 
 
 def write_twins(hf_config: dict, root: Path, device: str) -> tuple[Path, Path, float]:
-    """(bf16 folder, FP8 folder, seconds): both written shard by shard from the same draws."""
+    """(bf16 folder, FP8 folder, seconds): both written shard by shard from the same draws. The
+    draws and copies to the host go one shard at a time; the files are written by a pool of
+    threads (the writer's CRC-32 and the writes release the GIL), a few shards in flight."""
     t0 = time.perf_counter()
     shapes = tensor_shapes(hf_config)
     bf16, fp8 = root / "bf16", root / "fp8"
@@ -155,19 +159,25 @@ def write_twins(hf_config: dict, root: Path, device: str) -> tuple[Path, Path, f
     for folder in (bf16, fp8):
         folder.mkdir(parents=True)
     gen = torch.Generator(device).manual_seed(0)
-    for file, names in shards(list(shapes)):
-        plain, quant = [], []
-        for name in names:
-            w = draw(name, shapes[name], gen, device)
-            plain.append((name, w.cpu(), None))
-            if quantized(name, shapes[name]):
-                q, scale = quantize_blockwise(w, BLOCK)
-                quant += [(name, q.cpu(), None), (name + "_scale_inv", scale.cpu(), None)]
-            else:
-                quant.append(plain[-1])
-        for folder, entries in ((bf16, plain), (fp8, quant)):
-            write_file(folder / file, entries)
-            maps[folder].update({name: file for name, _, _ in entries})
+    pending: list[Future] = []
+    with ThreadPoolExecutor(WRITERS, thread_name_prefix="write") as pool:
+        for file, names in shards(list(shapes)):
+            plain, quant = [], []
+            for name in names:
+                w = draw(name, shapes[name], gen, device)
+                plain.append((name, w.cpu(), None))
+                if quantized(name, shapes[name]):
+                    q, scale = quantize_blockwise(w, BLOCK)
+                    quant += [(name, q.cpu(), None), (name + "_scale_inv", scale.cpu(), None)]
+                else:
+                    quant.append(plain[-1])
+            for folder, entries in ((bf16, plain), (fp8, quant)):
+                pending.append(pool.submit(write_file, folder / file, entries))
+                maps[folder].update({name: file for name, _, _ in entries})
+            while len(pending) > 2 * WRITERS:  # bounded host memory: wait for the oldest
+                pending.pop(0).result()
+        for f in pending:
+            f.result()
     for folder in (bf16, fp8):
         config = dict(hf_config, **({"quantization_config": FP8_CONFIG} if folder is fp8 else {}))
         (folder / "config.json").write_text(json.dumps(config, indent=1))
@@ -293,7 +303,7 @@ def main(argv=None) -> dict:
     try:
         bf16_dir, fp8_dir, write_s = write_twins(hf, args.dir, args.device)
         say(f"wrote both checkpoints ({needed / GiB:.1f} GiB) to {args.dir} in {write_s:.0f} s")
-        layers = default_layer_ids(hf["num_hidden_layers"])
+        layers = sorted(set(default_layer_ids(hf["num_hidden_layers"])))  # few layers: repeats
         gen = torch.Generator().manual_seed(1)
         batches = [torch.randint(0, hf["vocab_size"], (args.batch, args.seq), generator=gen)
                    .to(args.device) for _ in range(args.batches)]
