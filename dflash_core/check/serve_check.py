@@ -116,7 +116,7 @@ def prepare(cfg: Config, opts: CheckOptions, say: Callable[[str], None]) -> Prep
     dtype = cfg.target.dtype if tdev[0].type == "cuda" else "float32"
     target = load_target(target_path, device=tdev[0], dtype=dtype,
                          attn_implementation=cfg.target.attn_implementation,
-                         trust_remote_code=cfg.target.trust_remote_code)
+                         trust_remote_code=cfg.target.trust_remote_code, say=say)
     target_fn = target_fn_for(target, layer_ids)
 
     say(f"samples: the target writes {opts.response_tokens} tokens after each of "

@@ -27,7 +27,8 @@ CHUNK = 64 << 20  # bytes per write call: progress granularity, and the GIL is f
 
 DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
           torch.float64: "F64", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
-          torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+          torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+          torch.float8_e4m3fn: "F8_E4M3"}  # FP8 block-wise targets' weights (benchmarks)
 
 
 class Written(NamedTuple):

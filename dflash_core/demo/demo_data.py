@@ -24,12 +24,17 @@ def load_lm(target_folder: Path, trust_remote_code: bool = False):
     """An HF causal LM from a model folder: float32 on the CPU, eval mode, no progress bars (the
     demo target for its server and data; any folder for ``data inspect``'s agreement; a model of
     the folder's own code only with ``trust_remote_code``)."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
+    from dflash_core.models.target.fp8 import dequantize_as_loaded
     from dflash_core.models.target.load import HF_BUILD_LOCK
 
+    config = AutoConfig.from_pretrained(target_folder, local_files_only=True,
+                                        trust_remote_code=trust_remote_code)
+    dequantize_as_loaded(config)  # on the CPU, also where a GPU that keeps FP8 is beside it
     with quiet_hf(), HF_BUILD_LOCK:
-        model = AutoModelForCausalLM.from_pretrained(target_folder, dtype=torch.float32,
+        model = AutoModelForCausalLM.from_pretrained(target_folder, config=config,
+                                                     dtype=torch.float32,
                                                      local_files_only=True, use_safetensors=True,
                                                      trust_remote_code=trust_remote_code)
     return model.eval()

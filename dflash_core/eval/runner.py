@@ -288,7 +288,8 @@ class Evaluation:
         try:
             with quiet_hf():  # our own line says what loads; no bar behind the progress lines
                 self.target = load_target(self.folder, device=self.device, dtype=self.dtype,
-                                          trust_remote_code=self.opts.trust_remote_code)
+                                          trust_remote_code=self.opts.trust_remote_code,
+                                          say=self.say)
         except TargetLoadError as exc:
             raise EvalInputError(str(exc), hint=exc.hint) from exc
         for d in self.decoders[1:]:

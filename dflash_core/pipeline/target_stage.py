@@ -72,11 +72,20 @@ class TargetStage:
                                  attn_implementation=self.attn_implementation,
                                  trust_remote_code=self.trust_remote_code,
                                  progress=self._progress, stop=self.stop)
+        self._say_quantized(self.model.quantized)
         self.loaded.set()
         self._status(WORKER_WARMUP, "first forward (kernel compilation)")
         self._forward_loop()
         self.hs_queue.producer_done()
         return WORKER_STOPPED if self.stop.is_set() else WORKER_DONE
+
+    def _say_quantized(self, note) -> None:
+        """What the load learnt of a quantized target's weights beyond preflight's line (which
+        matmul runs them, or that they were loaded again dequantized), once per run."""
+        if note is None or note.planned or self.rank != 0:
+            return
+        self.publish(Log(level="info" if note.kept else "warning", source=self.name,
+                         message=note.line))
 
     def _progress(self, **fields) -> None:
         """load_target's progress: the event's fields but this worker's name and device."""

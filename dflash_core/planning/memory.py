@@ -11,8 +11,9 @@ Engine facts this plan models (they are decisions of target.py / drafter.py / en
   ``target.dtype``, runs one ``data.token_budget``-token batch under inference_mode, stops after the
   last chosen layer and never computes lm_head logits; a mixture of experts holds every expert
   (its routed experts and router are their own row, "experts"), and a quantized checkpoint holds
-  the bytes it is stored in where transformers runs it as it is (FP8 block-wise on CUDA, MXFP4
-  with triton kernels), else the bytes of the dtype it is dequantized to;
+  the bytes it is stored in where it runs as it is (FP8 block-wise on CUDA 8.9+, one weight
+  dequantized at a time beside it; MXFP4 with triton kernels), else the bytes of the dtype it is
+  dequantized to;
 - a drafter GPU holds the drafter in fp32 with its optimizer (optim.name: AdamW's two moments
   per parameter, or Muon's one momentum per matrix entry) and the frozen borrowed embed_tokens /
   lm_head in the target dtype, receives a whole target batch of features, and runs forward +

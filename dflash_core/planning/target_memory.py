@@ -14,7 +14,9 @@ from dflash_core.config import Config
 from dflash_core.families.registry import family_of, feature_vectors
 from dflash_core.models.target.config import default_layer_ids
 from dflash_core.models.target.shape import ModelShape, model_shape, num_features
-from dflash_core.planning.weight_bytes import FP32_BYTES, dtype_bytes, target_weight_parts
+from dflash_core.planning.weight_bytes import (
+    FP32_BYTES, dtype_bytes, fp8_dequantized_weight_bytes, target_weight_parts,
+)
 
 
 # Target forward (inference_mode: nothing is saved for backward, only transients are live).
@@ -133,6 +135,9 @@ def target_components(cfg: Config, s: ModelShape, hf_config: dict, on_cuda: bool
     features = t * feature_vectors(cfg, num_features(cfg)) * s.hidden * b
     return {
         **target_weight_parts(hf_config, target_dtype(cfg, on_cuda), quantized),
+        # FP8 weights kept FP8: one of them dequantized while its layer runs
+        "FP8 weight dequantized": fp8_dequantized_weight_bytes(
+            hf_config, target_dtype(cfg, on_cuda)) if quantized else 0,
         "residual stream": RESIDUAL_LIVE * t * s.hidden * b,
         "layer transient": _target_layer_transient(
             s, t, b, run_types, cfg.target.attn_implementation, cfg.data.max_length),

@@ -80,6 +80,20 @@ def _fp8_bytes(led: Ledger, group: str, hf_config: dict) -> int:
     return total
 
 
+def fp8_dequantized_weight_bytes(hf_config: dict, dtype: Any) -> int:
+    """What a forward holds beside FP8 weights kept FP8: the engine's FP8 linear
+    (models/target/fp8.BlockFP8Linear) dequantizes one weight at a time, a float32 and a
+    ``dtype`` copy of it; the largest dense FP8 matrix counts (routed experts never run there).
+    transformers' kernels quantize the activations instead, a byte per input value, less than the
+    layer's own activations. 0 for a checkpoint that is not FP8."""
+    if quant_method(hf_config) != "fp8":
+        return 0
+    led = param_ledger(hf_config)
+    largest = max((rows * cols for group in FP8_GROUPS if group != "experts"
+                   for rows, cols, _ in led.matrices[group]), default=0)
+    return largest * (FP32_BYTES + dtype_bytes(dtype))
+
+
 def full_logits_bytes(tokens: int, vocab: int, dtype: Any = "bfloat16") -> int:
     """Full lm_head logits of a batch. HF's loss path (when labels are passed) also upcasts them
     with ``logits.float()``: call again with "float32" for that extra copy."""

@@ -8,6 +8,10 @@ from memory. Measured on an H200 host with a cold 16 GB 8B-shaped checkpoint: 18
 against 17 s for ``from_pretrained`` alone; the read took 10 s of it, the rest
 (``from_pretrained`` from the page cache) about 3 s.
 
+An FP8 block-wise checkpoint stays FP8 on a GPU that can hold it so, and is dequantized as it
+loads elsewhere, said in one line with the memory that costs (target/fp8.py); which matmul runs the
+kept weights is decided on the loaded model and said too.
+
 The config checks made before any weight is read are in target/config.py; the loaded model and its
 features in target.py.
 """
@@ -23,10 +27,13 @@ from typing import Callable
 
 import torch
 
+from dflash_core.models.target import fp8 as fp8_weights
 from dflash_core.models.target.model import TargetModel
 from dflash_core.models.target.config import (
     CONFIG_NAME, PATH_HINT, TargetLoadError, load_target_config,
 )
+from dflash_core.models.target.shape import model_shape
+from dflash_core.units import size_text
 
 WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
@@ -99,6 +106,8 @@ def load_target(
     progress: Callable[..., None] | None = None,
     stop: threading.Event | None = None,
     trust_remote_code: bool = False,
+    say: Callable[[str], None] | None = None,
+    fp8_matmul: str = "auto",
 ) -> "TargetModel":
     """Load a frozen causal LM from a local folder, reporting progress shard by shard.
 
@@ -109,9 +118,15 @@ def load_target(
     ``trust_remote_code``: run the folder's own model code (target.trust_remote_code); off, a
     model that needs it is refused before anything is read. Raises TargetLoadError for a bad
     folder or config, LoadAborted when ``stop`` is set.
+
+    An FP8 block-wise checkpoint: ``say(line)`` is told how its weights are held (dequantized, and
+    why, with the memory; or kept FP8 and what multiplies them), once, also kept on the result as
+    ``quantized`` (fp8.QuantizedNote). ``fp8_matmul`` (fp8.MATMULS): "auto" runs the kept weights on
+    transformers' kernels where they run, else on BlockFP8Linear; "engine" and "transformers"
+    choose one (benchmarks compare them).
     """
     t0 = time.monotonic()  # before the import: the first one takes seconds and is part of loading
-    from transformers import AutoModelForCausalLM
+    import transformers  # noqa: F401
 
     folder = Path(path).expanduser()
     if not folder.is_dir():
@@ -122,6 +137,10 @@ def load_target(
     config = load_target_config(folder, trust_remote_code)
     dtype = _as_dtype(dtype)
     device = torch.device(device)
+    if fp8_matmul not in fp8_weights.MATMULS:
+        raise ValueError(f"fp8_matmul {fp8_matmul!r}: choose one of {fp8_weights.MATMULS}")
+    raw = json.loads((folder / CONFIG_NAME).read_text(encoding="utf-8"))  # checked just above
+    fp8 = fp8_weights.fp8_quantization(raw)
 
     total = sum(f.stat().st_size for f in files)
 
@@ -146,6 +165,50 @@ def load_target(
                     last = time.monotonic()
         report(loaded, shard + 1)
     _check_stop(stop)
+
+    notes: list[fp8_weights.QuantizedNote] = []
+
+    def note(line: str, kept: bool, planned: bool) -> None:
+        # how the weights are held: said as soon as it is known (one line: a load again says
+        # only its own)
+        notes.append(fp8_weights.QuantizedNote(line, kept, planned))
+        if say is not None:
+            say(line)
+
+    why_dequantized = None
+    if fp8 is not None:
+        why_dequantized = fp8_weights.fp8_dequantize_reason([device],
+                                                            model_shape(raw).experts > 0)
+        if why_dequantized:
+            note(_dequantized_note(files, dtype, why_dequantized), kept=False, planned=True)
+            fp8_weights.dequantize_as_loaded(config)
+    model = _build(folder, config, device, dtype, attn_implementation, trust_remote_code, stop)
+    if fp8 is not None and not why_dequantized:
+        matmul = _settle_fp8_matmul(model, fp8_matmul, dtype)
+        if isinstance(matmul, str):
+            note(_kept_note(files, device, dtype, matmul), kept=True, planned=False)
+        else:  # FP8 routed experts nothing here runs: load again, dequantized
+            del model
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            why, left = matmul
+            note(_dequantized_note(files, dtype, f"{why} and {left} have no other matmul"),
+                 kept=False, planned=False)
+            fp8_weights.dequantize_as_loaded(config)
+            model = _build(folder, config, device, dtype, attn_implementation,
+                           trust_remote_code, stop)
+
+    target = TargetModel(model)
+    target.quantized = notes[-1] if notes else None
+    report(loaded, len(files), done=True, memory=target.memory_bytes())
+    return target
+
+
+def _build(folder: Path, config, device: torch.device, dtype: torch.dtype,
+           attn_implementation: str, trust_remote_code: bool,
+           stop: threading.Event | None):
+    """transformers' model from the folder (read once already), on ``device``."""
+    from transformers import AutoModelForCausalLM
 
     direct = device.type != "cpu" and _can_load_onto_device()
     try:
@@ -177,7 +240,38 @@ def load_target(
         raise LoadAborted("target loading stopped")
     if device.type != "cpu" and not direct:
         model.to(device)
+    return model
 
-    target = TargetModel(model)
-    report(loaded, len(files), done=True, memory=target.memory_bytes())
-    return target
+
+def _settle_fp8_matmul(model, choice: str, dtype: torch.dtype) -> str | tuple[str, str]:
+    """What multiplies the kept FP8 weights (a name for the note), after swapping transformers'
+    FP8 linear layers for BlockFP8Linear where its kernels do not run (or "engine" asks); or
+    (why, the FP8 tensors nothing else runs) when some are left."""
+    if choice == "transformers":
+        return fp8_weights.TRANSFORMERS_MATMUL
+    fails = None if choice == "engine" else fp8_weights.transformers_matmul_fails(model, dtype)
+    if choice == "auto" and fails is None:
+        return fp8_weights.TRANSFORMERS_MATMUL
+    fp8_weights.use_engine_matmul(model)
+    why = ("fp8_matmul engine was asked for" if fails is None
+           else f"transformers' FP8 kernels do not run here ({fails})")
+    left = fp8_weights.fp8_left(model)
+    if left:
+        return why, f"{len(left)} FP8 tensors such as {left[0]}"
+    return fp8_weights.ENGINE_MATMUL if fails is None else f"{fp8_weights.ENGINE_MATMUL}: {why}"
+
+
+def _dequantized_note(files: list[Path], dtype: torch.dtype, why: str) -> str:
+    stored, plain = fp8_weights.checkpoint_bytes(files, dtype)
+    return (f"target: FP8 block-wise weights dequantized to {_dtype_name(dtype)} as they load "
+            f"({why}): {size_text(plain)} instead of {size_text(stored)} kept FP8")
+
+
+def _kept_note(files: list[Path], device: torch.device, dtype: torch.dtype, matmul: str) -> str:
+    stored, plain = fp8_weights.checkpoint_bytes(files, dtype)
+    return (f"target: FP8 block-wise weights stay FP8 on {device}: {size_text(stored)} "
+            f"({size_text(plain)} in {_dtype_name(dtype)}), run by {matmul}")
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

@@ -88,6 +88,9 @@ class TargetModel:
         self.num_layers = len(self.layers)
         self.hidden_size = self.text_config.hidden_size
         self.vocab_size = self.text_config.vocab_size
+        # How a quantized checkpoint's weights are held (load.py's fp8.QuantizedNote); None for
+        # weights in a plain dtype
+        self.quantized = None
 
     @property
     def device(self) -> torch.device:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -139,19 +140,91 @@ def test_fp8_on_the_cpu_is_said_to_be_dequantized_and_planned_in_float32():
     assert row["weights"] + row["experts"] == target_weight_bytes(hf_config, "float32")
 
 
-@pytest.mark.parametrize("capability, kept", [((9, 0), True), ((8, 0), False)])
-def test_fp8_on_a_gpu_stays_quantized_from_compute_capability_8_9(monkeypatch, capability, kept):
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: capability)
-    hf_config = dict(QWEN3_30B_A3B, quantization_config=FP8)
-    cfg = config_from_dict({"layout": {"device": "cuda"}})
-    got, line = quantized_weights(cfg, hf_config, [torch.device("cuda:0")])
+QWEN3_8B = json.loads((Path(__file__).parents[2] / "fixtures" / "qwen3_8b_config.json")
+                      .read_text())
+
+
+def cuda_cfg():
+    return config_from_dict({"layout": {"device": "cuda"}})
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    """A CUDA GPU of a compute capability the test sets, with or without the kernels package
+    (transformers' FP8 kernels come through it)."""
+    from dflash_core.models.target import fp8
+
+    state = {"capability": (9, 0), "kernels": False}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: state["capability"])
+    monkeypatch.setattr(fp8, "kernels_installed", lambda: state["kernels"])
+    return state
+
+
+@pytest.mark.parametrize("capability, kept", [((9, 0), True), ((8, 9), True), ((8, 0), False)])
+def test_fp8_on_a_gpu_stays_quantized_from_compute_capability_8_9(gpu, capability, kept):
+    gpu["capability"] = capability
+    hf_config = dict(QWEN3_8B, quantization_config=FP8)
+    got, line = quantized_weights(cuda_cfg(), hf_config, [torch.device("cuda:0")])
     assert got is kept
     stored = target_weight_bytes(hf_config, "bfloat16", quantized=True)
+    plain = target_weight_bytes(hf_config, "bfloat16")
     if kept:
         assert line.startswith("target: FP8 block-wise weights") and "stay as stored" in line
-        assert f"{stored / GiB:.1f} GiB" in line
+        assert f"{stored / GiB:.1f} GiB ({plain / GiB:.1f} GiB in bfloat16)" in line
+        # no kernels package: the engine's FP8 linear runs them, and the line says so
+        assert "run by the engine's FP8 linear" in line and "need the kernels package" in line
     else:
-        assert "compute capability 8.0, fp8 needs 8.9+" in line and "bfloat16" in line
+        assert "compute capability 8.0, fp8 needs 8.9+" in line
+        assert f"dequantizes them to bfloat16 as it loads, {plain / GiB:.1f} GiB instead of " \
+               f"{stored / GiB:.1f} GiB" in line
+
+
+def test_fp8_with_the_kernels_package_names_transformers_kernels_first(gpu):
+    gpu["kernels"] = True
+    _, line = quantized_weights(cuda_cfg(), dict(QWEN3_8B, quantization_config=FP8),
+                                [torch.device("cuda:0")])
+    assert "run by transformers' FP8 kernels where they load, else the engine's FP8 linear" in line
+
+
+@pytest.mark.parametrize("kernels", [True, False])
+def test_fp8_routed_experts_stay_fp8_only_with_transformers_kernels(gpu, kernels):
+    """Routed experts in FP8 run on transformers' kernels alone (the engine's FP8 linear is for
+    linear layers): without the kernels package the whole target is dequantized, and said."""
+    gpu["kernels"] = kernels
+    hf_config = dict(QWEN3_30B_A3B, quantization_config=FP8)
+    got, line = quantized_weights(cuda_cfg(), hf_config, [torch.device("cuda:0")])
+    assert got is kernels
+    if not kernels:
+        assert "routed experts run only on transformers' FP8 kernels" in line
+        assert "the kernels package (not installed)" in line
+        row = plan_memory(cuda_cfg(), hf_config, quantized=got).rows[0].components
+        assert row["weights"] + row["experts"] == target_weight_bytes(hf_config, "bfloat16")
+        assert "FP8 weight dequantized" not in row
+
+
+def test_fp8_plan_of_the_8b_shape_against_its_hand_count():
+    """Qwen3-8B in FP8 block-wise: every attention and MLP matrix 1 byte per value and a float32
+    scale per 128 x 128 block; embeddings, lm_head (untied) and norms bf16. Counted here from the
+    shape by hand."""
+    H, I, layers, vocab, kv = 4096, 12288, 36, 151936, 8 * 128
+    matrices = [(H, H), (kv, H), (kv, H), (H, H), (I, H), (I, H), (H, I)]  # q k v o gate up down
+    values = layers * sum(r * c for r, c in matrices)
+    scales = layers * sum(math.ceil(r / 128) * math.ceil(c / 128) for r, c in matrices)
+    rest = 2 * vocab * H + layers * (2 * H + 2 * 128) + H  # embed, lm_head, norms (q/k norms)
+    hf_config = dict(QWEN3_8B, quantization_config=FP8)
+    assert target_weight_bytes(hf_config, "bfloat16", quantized=True) == \
+        values + 4 * scales + 2 * rest
+    assert target_weight_bytes(hf_config, "bfloat16") == 2 * values + 2 * rest
+    # 8.8 GiB against 15.3 GiB: the weights nearly halve
+    assert (values + 4 * scales + 2 * rest) / GiB == pytest.approx(8.79, abs=0.01)
+    # kept FP8, the plan holds one weight dequantized beside them: the largest (gate / up /
+    # down, 12288 x 4096) in float32 and in bf16
+    cfg = cuda_cfg()
+    kept = plan_memory(cfg, hf_config, quantized=True).rows[0].components
+    assert kept["FP8 weight dequantized"] == I * H * (4 + 2)
+    assert kept["weights"] == values + 4 * scales + 2 * rest
+    plain = plan_memory(cfg, hf_config, quantized=False).rows[0].components
+    assert "FP8 weight dequantized" not in plain and plain["weights"] == 2 * values + 2 * rest
 
 
 @pytest.mark.parametrize("installed, kept, says", [
