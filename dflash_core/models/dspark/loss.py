@@ -18,6 +18,8 @@ Memory: the rows x vocabulary probabilities never exist at once. ``loss_chunk`` 
 custom autograd function computes CE and TV and keeps only its inputs; backward rebuilds the
 chunk's logits and both distributions and applies the closed-form gradient
 ``dz = p_d * (g_tv * (s - <p_d, s>) + g_ce) - g_ce * onehot(label)``, s = sign(p_d - p_t).
+With ``fused`` (drafter.fused_loss) fused_row_terms computes the same sums by the kernels of
+models/fused_loss, the gradient made in the forward pass; row_terms is its reference.
 """
 
 from __future__ import annotations

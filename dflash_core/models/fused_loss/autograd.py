@@ -51,13 +51,14 @@ class _CERows(torch.autograd.Function):
         preds = torch.empty(N, dtype=torch.long, device=h.device)
         dh = torch.empty(N, weight.shape[1], dtype=dt, device=h.device) if want_grad else None
         z = torch.empty(min(chunk, N), V, dtype=dt, device=h.device)
-        for s in range(0, N, chunk):
-            e = min(s + chunk, N)
-            zc = z[: e - s]
-            torch.mm(h[s:e].to(dt), weight.t(), out=zc)
-            kernels.ce_rows(zc, labels[s:e], coef[s:e], ce[s:e], preds[s:e], want_grad)
-            if want_grad:  # zc now holds coef * (softmax - onehot)
-                torch.mm(zc, weight, out=dh[s:e])
+        with torch.autocast(h.device.type, enabled=False):  # the matmuls in the head's dtype
+            for s in range(0, N, chunk):
+                e = min(s + chunk, N)
+                zc = z[: e - s]
+                torch.mm(h[s:e].to(dt), weight.t(), out=zc)
+                kernels.ce_rows(zc, labels[s:e], coef[s:e], ce[s:e], preds[s:e], want_grad)
+                if want_grad:  # zc now holds coef * (softmax - onehot)
+                    torch.mm(zc, weight, out=dh[s:e])
         ctx.dh, ctx.h_dtype = dh, h.dtype
         ctx.mark_non_differentiable(ce, preds)
         return (coef * ce).sum(), ce, preds
@@ -87,22 +88,23 @@ class _SparkRows(torch.autograd.Function):
         dw2 = torch.zeros(w2.shape, dtype=torch.float32, device=dev) if need[2] else None
         c = min(chunk, N)
         zl, zm, zt = (torch.empty(c, V, dtype=dt, device=dev) for _ in range(3))
-        for s in range(0, N, chunk):
-            end = min(s + chunk, N)
-            m = end - s
-            eb = e[s:end].to(dt)
-            torch.mm(h[s:end].to(dt), weight.t(), out=zl[:m])
-            torch.mm(eb, w2d.t(), out=zm[:m])
-            torch.mm(t[s:end].to(dt), weight.t(), out=zt[:m])
-            kernels.spark_rows(zl[:m], zm[:m], zt[:m], labels[s:end], a[s:end], b[s:end],
-                               ce[s:end], l1[s:end], preds[s:end], want)
-            dz = zt[:m]  # the gradient of the chunk's logits, written over the target's
-            if need[0]:
-                torch.mm(dz, weight, out=dh[s:end])
-            if need[1]:
-                torch.mm(dz, w2d, out=de[s:end])
-            if need[2]:
-                dw2.add_(torch.mm(dz.t(), eb))  # rounded per chunk, summed in float32
+        with torch.autocast(dev.type, enabled=False):  # the matmuls in the head's dtype
+            for s in range(0, N, chunk):
+                end = min(s + chunk, N)
+                m = end - s
+                eb = e[s:end].to(dt)
+                torch.mm(h[s:end].to(dt), weight.t(), out=zl[:m])
+                torch.mm(eb, w2d.t(), out=zm[:m])
+                torch.mm(t[s:end].to(dt), weight.t(), out=zt[:m])
+                kernels.spark_rows(zl[:m], zm[:m], zt[:m], labels[s:end], a[s:end], b[s:end],
+                                   ce[s:end], l1[s:end], preds[s:end], want)
+                dz = zt[:m]  # the gradient of the chunk's logits, written over the target's
+                if need[0]:
+                    torch.mm(dz, weight, out=dh[s:end])
+                if need[1]:
+                    torch.mm(dz, w2d, out=de[s:end])
+                if need[2]:
+                    dw2.add_(torch.mm(dz.t(), eb))  # rounded per chunk, summed in float32
         ctx.grads = (dh, de, dw2)
         ctx.dtypes = (h.dtype, e.dtype, w2.dtype)
         ctx.mark_non_differentiable(ce, l1, preds)

@@ -2,8 +2,8 @@
 vocabulary in blocks, with an online softmax (running max and sum), and leaves a few scalars per
 row; with ``write_grad`` a last sweep overwrites the logits with the gradient of the weighted
 loss with respect to them. The logits themselves come from cuBLAS beside the kernel (autograd.py):
-a GEMM in the lm_head's dtype is near the card's peak, and the rows x vocabulary product is
-needed whole once per row either way.
+a GEMM in the lm_head's dtype runs near the card's peak, while a matmul inside the kernel would
+be made again for every sweep (DSpark's TV needs both normalisers before its second).
 
 Triton is imported by ``kernels()`` on first use, never when this module is imported: the engine
 asks for the kernels only on a CUDA drafter with Triton installed (select.py), and a CPU machine
@@ -17,6 +17,7 @@ largest logit, and DSpark's z = z_lm + z_markov summed in float32.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from types import SimpleNamespace
 
@@ -153,6 +154,12 @@ def kernels() -> SimpleNamespace:
     return SimpleNamespace(ce_rows=ce_rows, spark_rows=spark_rows)
 
 
+def on_device(t: torch.Tensor):
+    """Triton launches on the current CUDA device: make it the tensor's. (Triton's interpreter,
+    TRITON_INTERPRET=1, runs the kernels on CPU tensors: nothing to select there.)"""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
 def ce_rows(z: torch.Tensor, labels: torch.Tensor, coef: torch.Tensor | None, ce: torch.Tensor,
             preds: torch.Tensor, write_grad: bool) -> None:
     """Fill ce [m] (float32) and preds [m] (int64) from the logits z [m, V]; with
@@ -162,8 +169,9 @@ def ce_rows(z: torch.Tensor, labels: torch.Tensor, coef: torch.Tensor | None, ce
         return
     k = kernels()
     coef = ce if coef is None else coef  # read only with write_grad
-    k.ce_rows[(m,)](z, z.stride(0), labels, coef, ce, preds, V, BLOCK=block_for(V),
-                    WRITE_GRAD=write_grad, num_warps=NUM_WARPS)
+    with on_device(z):
+        k.ce_rows[(m,)](z, z.stride(0), labels, coef, ce, preds, V, BLOCK=block_for(V),
+                        WRITE_GRAD=write_grad, num_warps=NUM_WARPS)
 
 
 def spark_rows(zl: torch.Tensor, zm: torch.Tensor, zt: torch.Tensor, labels: torch.Tensor,
@@ -179,5 +187,6 @@ def spark_rows(zl: torch.Tensor, zm: torch.Tensor, zt: torch.Tensor, labels: tor
     k = kernels()
     a = ce if a is None else a
     b = ce if b is None else b
-    k.spark_rows[(m,)](zl, zm, zt, zl.stride(0), labels, a, b, ce, l1, preds, V,
-                       BLOCK=block_for(V), WRITE_GRAD=write_grad, num_warps=NUM_WARPS)
+    with on_device(zl):
+        k.spark_rows[(m,)](zl, zm, zt, zl.stride(0), labels, a, b, ce, l1, preds, V,
+                           BLOCK=block_for(V), WRITE_GRAD=write_grad, num_warps=NUM_WARPS)
