@@ -16,6 +16,9 @@ chunked loss), 8B- and 27B-shaped, 3072-token samples, 512 anchors; DFlash (bloc
     # recompute, and DFlash's chunked CE over the same rows: what the TV term costs)
     python bench/training/drafter_step.py --shapes 8B --objective dspark --time-loss
     python bench/training/drafter_step.py --shapes 8B --objective dflash --time-loss
+    # the fused loss (drafter.fused_loss; auto = fused on CUDA with Triton) against the torch one
+    python bench/training/drafter_step.py --shapes 8B --objective dspark --time-loss --fused-loss on
+    python bench/training/drafter_step.py --shapes 8B --objective dspark --time-loss --fused-loss off
     # a CPU smoke run of this script (tiny shape; no MFU nor peak memory there)
     python bench/training/drafter_step.py --device cpu --shapes tiny --objective dspark --seq-len 96 \\
         --anchors 8 --samples 2 --steps 1 --warmup 1
@@ -25,7 +28,7 @@ this figure always has). DSpark's count adds its loss's extra matmuls: the lm_he
 target's last hidden state at the block positions (forward only: it takes no gradient), the Markov
 head's W2 (x 3) and the confidence head, and every slot predicts (DFlash: B-1 of B). Recompute in
 backward (either loss's chunks, DSpark's target distribution) and the softmax / TV passes are
-not counted.
+not counted. The fused loss (--fused-loss) recomputes nothing: its FLOPs are the same matmuls.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from dflash_core.data import Batch
 from dflash_core.families.registry import settings as family_settings
 from dflash_core.models import registry as drafter_kinds
 from dflash_core.models.dspark import loss as dspark_loss
+from dflash_core.models.fused_loss import select as fused_loss
 from dflash_core.models import objective as obj
 from dflash_core.families.dspark import LOSS_CHUNK as DSPARK_LOSS_CHUNK
 from dflash_core.families.dspark import MARKOV_RANK as DSPARK_MARKOV_RANK
@@ -99,6 +103,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--batches", default="",
                     help="ROWSxLENGTH,...: time one step of each batch shape instead (16384 "
                          "tokens as 64x256 .. 5x3072), against rows x min(anchors, length)")
+    ap.add_argument("--fused-loss", choices=fused_loss.MODES, default="auto",
+                    help="drafter.fused_loss: the loss by the fused kernels (on), the torch loss "
+                         "(off), or fused where CUDA and Triton are (auto)")
     ap.add_argument("--time-loss", action="store_true",
                     help="time the loss alone instead (forward + backward of one micro-group; "
                          "dspark: also DFlash's chunked CE over the same rows)")
@@ -146,6 +153,9 @@ def parse_args(argv=None) -> argparse.Namespace:
             ap.error(f"{shape}: {bad[0]}")
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("no CUDA device here: --device cpu --shapes tiny for a smoke run")
+    refused = fused_loss.refusal(args.fused_loss, args.device)
+    if refused is not None:
+        ap.error(f"--fused-loss {args.fused_loss}: {refused.message} ({refused.hint})")
     return args
 
 
@@ -155,7 +165,8 @@ def run_config(args, token_budget: int):
     also in a CPU smoke run."""
     drafter = {"objective": args.objective, "num_layers": args.layers,
                "block_size": args.block_size, "num_anchors": args.anchors,
-               "micro_block_tokens": args.micro, "loss_chunk": args.loss_chunk, "loss": args.loss}
+               "micro_block_tokens": args.micro, "loss_chunk": args.loss_chunk, "loss": args.loss,
+               "fused_loss": args.fused_loss}
     if args.objective == "dspark":
         drafter["markov_rank"] = args.markov_rank
     return config_from_dict({
@@ -274,6 +285,7 @@ def loss_passes(rep, batch, feats):
         hidden = d(f, d.embed_tokens(ids).float(), pos, a)
     hidden = hidden.detach().requires_grad_()
     chunk = dcfg.loss_chunk
+    fused = fused_loss.fused(dcfg.fused_loss, dev.type)
 
     def pass_of(loss_fn):
         def run():
@@ -286,7 +298,7 @@ def loss_passes(rep, batch, feats):
         picked = obj.label_rows(labels_host, rep.loss.gamma, rep.loss.dpace_alpha)
         labels = labels_host.to(dev)
         return g, {"DFlash chunked CE": (pass_of(lambda: obj.chunked_loss(
-            hidden, labels, d.lm_head.weight, rep.loss.gamma, chunk, rows=picked)),
+            hidden, labels, d.lm_head.weight, rep.loss.gamma, chunk, rows=picked, fused=fused)),
             len(picked.rows))}
     dsp = rep.settings
     labels_host, prev = dspark_loss.dspark_targets(
@@ -297,9 +309,10 @@ def loss_passes(rep, batch, feats):
     return g, {
         "DSpark CE+TV+conf": (pass_of(lambda: dspark_loss.dspark_loss(
             hidden, last, pos, labels, prev, d, gamma=rep.loss.gamma, chunk=chunk, rows=picked,
-            loss_weights=(dsp.ce_weight, dsp.tv_weight, dsp.conf_weight))), n_rows),
+            loss_weights=(dsp.ce_weight, dsp.tv_weight, dsp.conf_weight), fused=fused)), n_rows),
         "DFlash chunked CE, same rows": (pass_of(lambda: obj.chunked_loss(
-            hidden, labels, d.lm_head.weight, rep.loss.gamma, chunk, rows=picked)), n_rows),
+            hidden, labels, d.lm_head.weight, rep.loss.gamma, chunk, rows=picked, fused=fused)),
+            n_rows),
     }
 
 
@@ -312,9 +325,10 @@ def time_loss(rep, batch, feats, args, shape: str, planned_chunk: int) -> None:
     g, passes = loss_passes(rep, batch, feats)
     groups = -(-len(batch) // g)
     anchors = g * batch.anchors.shape[1]
+    path = "fused" if fused_loss.fused(rep.dcfg.fused_loss, dev.type) else "torch"
     print(f"| {shape} loss (one micro-group) | rows | chunk | ms / pass | us / row | us / anchor "
-          f"| peak over live | plan's loss chunk | a step's loss ({groups} groups) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          f"| peak over live | plan's loss chunk | a step's loss ({groups} groups) | loss |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     per_pass = {}
     for name, (run, rows) in passes.items():
         for _ in range(args.warmup):
@@ -333,7 +347,7 @@ def time_loss(rep, batch, feats, args, shape: str, planned_chunk: int) -> None:
         per_pass[name] = dt
         print(f"| {name} | {rows} | {args.loss_chunk} | {dt * 1e3:.2f} | "
               f"{dt / max(rows, 1) * 1e6:.2f} | {dt / anchors * 1e6:.2f} | {peak} | "
-              f"{size(planned_chunk)} | {dt * groups:.3f} s |", flush=True)
+              f"{size(planned_chunk)} | {dt * groups:.3f} s | {path} |", flush=True)
     if len(per_pass) == 2:
         dsp, ce = per_pass.values()
         print(f"  {shape}: DSpark's loss costs {dsp / ce:.2f}x DFlash's chunked CE over the same "
@@ -415,6 +429,8 @@ def main(argv=None) -> None:
         n_params = sum(p.numel() for p in rep.params())
         what = (f"dspark (B {B}, Markov rank {args.markov_rank}), {args.optim}" if dspark
                 else f"dflash (B {B}), loss {args.loss}, {args.optim}")
+        what += (", fused loss" if fused_loss.fused(args.fused_loss, device.type)
+                 else ", torch loss")
         trainable = (f"{n_params / 1e9:.2f}B" if n_params >= 1e8 else f"{n_params / 1e6:.2f}M")
         mfu = f"{fl / dt / H200_BF16_PEAK:.2f}" if cuda else "- (CPU)"
         peak = size(torch.cuda.max_memory_allocated()) if cuda else "- (CPU)"

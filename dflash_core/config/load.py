@@ -56,6 +56,8 @@ def _coerce_value(value: Any, tp: Any, key: str) -> Any:
         return _build(tp, value, key)
     if origin is Literal:
         choices = typing.get_args(tp)
+        if isinstance(value, bool) and {"on", "off"} <= set(choices):
+            value = "on" if value else "off"  # YAML 1.1 reads an unquoted on / off as a bool
         if value not in choices:
             raise ConfigError(key, f"{value!r} is not allowed; choose one of {list(choices)}")
         return value

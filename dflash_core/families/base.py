@@ -61,6 +61,13 @@ class Family:
         """H-vectors per token the target sends the drafter for its k feature layers."""
         return k + int(self.last_hidden)
 
+    def fused_loss_bytes(self, d, chunk_rows: int, rows: int, hidden: int, vocab: int,
+                         head_bytes: int) -> int:
+        """What the fused loss (models/fused_loss) holds at its peak: one chunk's logits in the
+        lm_head's dtype (``head_bytes`` each; the kernel writes their gradient over them) and,
+        from forward to backward, the gradient of each of the micro-group's ``rows`` rows."""
+        return chunk_rows * vocab * head_bytes + rows * hidden * head_bytes
+
     def head_params(self, d, hidden: int, vocab: int) -> int:
         """Trainable parameters the family adds to the shared backbone."""
         return 0

@@ -93,6 +93,16 @@ class DSparkFamily(Family):
             tv_weight=float(getattr(d, "tv_weight", tv)),
             conf_weight=float(getattr(d, "conf_weight", conf)), num_anchors=int(d.num_anchors))
 
+    def fused_loss_bytes(self, d, chunk_rows: int, rows: int, hidden: int, vocab: int,
+                         head_bytes: int) -> int:
+        """Three logits buffers (the drafter's lm_head and Markov logits, the target's, whose
+        buffer takes the gradient), the rows' gradients of their states and Markov embeddings,
+        and the Markov head's W2: its copy in the lm_head's dtype, a chunk's gradient in it and
+        the float32 sum over chunks."""
+        r = int(getattr(d, "markov_rank", MARKOV_RANK))
+        return (3 * chunk_rows * vocab * head_bytes + rows * (hidden + r) * head_bytes
+                + vocab * r * (4 + 2 * head_bytes))
+
     def dpace_refusal(self, d) -> Problem | None:
         """drafter.loss dpace: its slot weights presuppose DFlash's unlabelled slot 0."""
         if getattr(d, "loss", "dflash") != "dpace":

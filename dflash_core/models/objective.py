@@ -178,19 +178,22 @@ class LossOut:
 
 def chunked_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head_weight: torch.Tensor,
                  gamma: float, chunk: int = 4096, rows: LabelRows | None = None,
-                 dpace_alpha: float | None = None) -> LossOut:
+                 dpace_alpha: float | None = None, fused: bool = False) -> LossOut:
     """hidden: [n, A*B, H] final drafter states; labels: [n, A, B] (on hidden's device). The (A*B)
     x V logits never exist at once: only slots with a label are projected, ``chunk`` rows at a
     time, and each chunk is recomputed in backward instead of kept; what stays is one float32
     cross-entropy per row, which both losses weight outside the recomputed part. ``rows``:
     label_rows() of the same labels, made on the host; without it they are found here (with
-    ``dpace_alpha``: the D-PACE loss), which waits for the GPU."""
+    ``dpace_alpha``: the D-PACE loss), which waits for the GPU. ``fused``: the same loss by
+    models/fused_loss (CUDA and Triton; drafter.fused_loss), this being its reference."""
     n, A, B = labels.shape
     flat_labels = labels.reshape(-1)
     if rows is None:
         rows = label_rows(labels, gamma, dpace_alpha)
     rows = rows.to(hidden.device)
     h = hidden.reshape(n * A * B, -1)
+    if fused:
+        return _fused_chunked_loss(h, labels, lm_head_weight, chunk, rows)
     preds = torch.full_like(flat_labels, IGNORE)
     parts = []
     for s in range(0, len(rows.rows), chunk):
@@ -212,6 +215,36 @@ def chunked_loss(hidden: torch.Tensor, labels: torch.Tensor, lm_head_weight: tor
         w, weight_sum = rows.weights, rows.weight_sum
         denom = max(weight_sum, 1e-12)
     loss_sum = (ce * w).sum()
+    return LossOut(loss=loss_sum / denom, weight_sum=weight_sum,
+                   tau_sum=tau_sum(preds.view(n, A, B), labels), blocks=rows.blocks)
+
+
+def _fused_chunked_loss(h: torch.Tensor, labels: torch.Tensor, lm_head_weight: torch.Tensor,
+                        chunk: int, rows: LabelRows) -> LossOut:
+    """chunked_loss by the fused kernels: the same rows, weights and sums. The gradient is made
+    in the forward pass from the rows' weights, so D-PACE's, which need every row's CE, are
+    found by a pass without gradient first."""
+    from dflash_core.models.fused_loss import autograd as fused_rows  # CUDA + Triton only
+
+    n, A, B = labels.shape
+    flat_labels = labels.reshape(-1)
+    hs = h.index_select(0, rows.rows)
+    lab = flat_labels.index_select(0, rows.rows)
+    if rows.dpace_alpha is not None:
+        ce, arg = fused_rows.ce_stats(hs, lm_head_weight, lab, chunk)
+        w = dpace_weights(ce, rows.rows, n * A * B, B, rows.dpace_alpha)
+        weight_sum = w.sum()
+        denom = weight_sum.clamp(min=1e-12)
+        if torch.is_grad_enabled() and hs.requires_grad:
+            loss_sum = fused_rows.ce_rows(hs, lm_head_weight, lab, w, chunk).loss
+        else:
+            loss_sum = (ce * w).sum()
+    else:
+        out = fused_rows.ce_rows(hs, lm_head_weight, lab, rows.weights, chunk)
+        arg, loss_sum, weight_sum = out.preds, out.loss, rows.weight_sum
+        denom = max(weight_sum, 1e-12)
+    preds = torch.full_like(flat_labels, IGNORE)
+    preds[rows.rows] = arg
     return LossOut(loss=loss_sum / denom, weight_sum=weight_sum,
                    tau_sum=tau_sum(preds.view(n, A, B), labels), blocks=rows.blocks)
 

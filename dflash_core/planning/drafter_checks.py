@@ -1,9 +1,10 @@
 """Preflight's checks of the drafter's settings against the target, before any weight loads.
 
 Head counts the drafter cannot be built with, a drafter.init_from that is not an intact
-checkpoint, and the drafter family's settings against the target's vocabulary. Apart from
-target_checks.py, which reads the target folder and calls these with its config.json: they
-judge drafter.* keys, each refusal a ConfigError naming the key.
+checkpoint, the drafter family's settings against the target's vocabulary, and a fused loss the
+drafter devices cannot run. Apart from target_checks.py, which reads the target folder and calls
+these with its config.json: they judge drafter.* keys, each refusal a ConfigError naming the
+key.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dflash_core.config import Config, ConfigError
 from dflash_core.families.registry import family_of
 from dflash_core.checkpoint.checksums import verify
 from dflash_core.models.rope_settings import RopeConflict, config_rope
+from dflash_core.models.fused_loss import select as fused_loss
 
 
 def check_family(cfg: Config, vocab: int) -> None:
@@ -24,6 +26,15 @@ def check_family(cfg: Config, vocab: int) -> None:
     family = family_of(cfg)
     for p in family.problems(cfg.drafter, vocab) + family.refusals(cfg.drafter):
         raise ConfigError(p.key, p.message, hint=p.hint)
+
+
+def check_fused_loss(cfg: Config, drafter_devices) -> None:
+    """drafter.fused_loss: on where the drafters cannot run it (not on CUDA, or no Triton),
+    refused in one line naming the key (select.py)."""
+    for dev in drafter_devices:
+        refused = fused_loss.refusal(cfg.drafter.fused_loss, dev.type)
+        if refused is not None:
+            raise refused
 
 
 def check_drafter_heads(cfg: Config, hf_config: dict) -> None:

@@ -3,8 +3,9 @@
 Apart from the target's (target_memory.py): the float32 weights with their gradients and
 optimizer state (AdamW, or Muon; DSpark's heads in a row of their own), autocast's bf16 copies,
 the borrowed embedding and lm_head, the activations autograd saves for one group of sequences,
-the context, the loss chunk and the features received; with the measurements their constants
-come from. memory.py adds them to the target's per device.
+the context, the loss chunk (the torch loss's float32 arrays, or what the fused loss holds:
+drafter.fused_loss) and the features received; with the measurements their constants come
+from. memory.py adds them to the target's per device.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dflash_core.models.target.shape import (
     ModelShape, drafter_matrix_param_count, drafter_param_count, drafter_shape, model_shape,
     num_features,
 )
+from dflash_core.models.fused_loss import select as fused_loss
 from dflash_core.models.objective import sequences_per_group
 from dflash_core.planning.target_memory import target_dtype
 from dflash_core.planning.weight_bytes import dtype_bytes
@@ -102,13 +104,20 @@ def drafter_components(cfg: Config, s: ModelShape, hf_config: dict,
                + d.num_layers * (CONTEXT_LAYER_H * ds.hidden + CONTEXT_LAYER_KV * kv))
     # trainer.py copies one group's features while the group before it computes: two live.
     features = 2 * context_tokens * sent * s.hidden * tb
-    per_logit = family_of(cfg).loss_bytes_per_logit  # one live chunk's, per logit
+    family = family_of(cfg)
+    if on_cuda and fused_loss.planned(d.fused_loss):
+        # The fused loss: its chunk's logits in the lm_head's (the target's) dtype and the
+        # rows' gradients held from forward to backward (at most a block token each).
+        loss = family.fused_loss_bytes(d, min(d.loss_chunk, block_tokens), block_tokens,
+                                       s.hidden, s.vocab, tb)
+    else:
+        loss = min(d.loss_chunk, block_tokens) * s.vocab * family.loss_bytes_per_logit
     return {
         **optimizer_component(cfg, hf_config),
         "autocast copies": n_params * AUTOCAST_COPY_BYTES if autocast else 0,
         "embed+lm_head": s.vocab * s.hidden * tb * (1 if s.tied else 2),
         "block activations": block_tokens * d.num_layers * saved * UNIT_BYTES,
         "context": context_tokens * context * UNIT_BYTES,
-        "loss chunk": min(d.loss_chunk, block_tokens) * s.vocab * per_logit,
+        "loss chunk": loss,
         "received features": features,
     }

@@ -32,6 +32,7 @@ from dflash_core.observe.events import Event, Log
 from dflash_core.observe.sinks.wandb_sink import validate_wandb_settings
 from dflash_core.persist.build_cache import Progress
 from dflash_core.planning.capacity_checks import check_checkpoint_disk, check_memory
+from dflash_core.planning.drafter_checks import check_fused_loss
 from dflash_core.planning.data_checks import (
     check_data_manifest, check_something_trains, resolve_data,
 )
@@ -99,6 +100,7 @@ def prepare(cfg: Config, run_dir: Path, tdev: list[torch.device], ddev: list[tor
                           hint="free disk space or point run.output_dir elsewhere")
     if cfg.optim.name == "muon":  # before tens of GB of weights load, not at the first step
         muon_class()
+    check_fused_loss(cfg, ddev)
     if cfg.wandb.enabled:
         validate_wandb_settings(cfg.wandb.settings)
 

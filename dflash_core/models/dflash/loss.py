@@ -8,6 +8,7 @@ import torch
 
 from dflash_core.config import DrafterConfig, default_gamma
 from dflash_core.models import objective as obj
+from dflash_core.models.fused_loss import select as fused_loss
 
 
 class DFlashStepLoss:
@@ -22,6 +23,7 @@ class DFlashStepLoss:
         self.gamma = dcfg.gamma or default_gamma(drafter.block_size)
         self.dpace_alpha = dcfg.dpace_alpha if dcfg.loss == "dpace" else None
         self.chunk = dcfg.loss_chunk
+        self.fused_mode = dcfg.fused_loss  # resolved per device: the drafter's is known later
 
     def check_features(self, drafter, features: torch.Tensor) -> None:
         """DFlash takes the k layer features as they come."""
@@ -34,4 +36,5 @@ class DFlashStepLoss:
 
     def __call__(self, drafter, hidden, pos, labels, t: obj.GroupTargets) -> obj.LossOut:
         return obj.chunked_loss(hidden, labels, drafter.lm_head.weight, self.gamma, self.chunk,
-                                rows=t.picked)
+                                rows=t.picked,
+                                fused=fused_loss.fused(self.fused_mode, hidden.device.type))

@@ -18,6 +18,8 @@ Memory: the rows x vocabulary probabilities never exist at once. ``loss_chunk`` 
 custom autograd function computes CE and TV and keeps only its inputs; backward rebuilds the
 chunk's logits and both distributions and applies the closed-form gradient
 ``dz = p_d * (g_tv * (s - <p_d, s>) + g_ce) - g_ce * onehot(label)``, s = sign(p_d - p_t).
+With ``fused`` (drafter.fused_loss) fused_row_terms computes the same sums by the kernels of
+models/fused_loss, the gradient made in the forward pass; row_terms is its reference.
 """
 
 from __future__ import annotations
@@ -131,6 +133,9 @@ class RowTerms:
 
     sums: torch.Tensor  # [3]: sum of w*CE, w*TV, w*BCE
     preds: torch.Tensor  # [N] argmax of each row's Markov-corrected logits
+    # The fused path's coefficient-weighted sum of the three, which alone carries the gradient
+    # (its sums carry none); None: the torch path's sums are differentiable.
+    loss: torch.Tensor | None = None
 
 
 def row_terms(h: torch.Tensor, t: torch.Tensor, prev: torch.Tensor, labels: torch.Tensor,
@@ -166,6 +171,30 @@ def row_terms(h: torch.Tensor, t: torch.Tensor, prev: torch.Tensor, labels: torc
     return RowTerms(torch.stack(sums).sum(0), torch.cat(preds))
 
 
+def fused_row_terms(h: torch.Tensor, t: torch.Tensor, prev: torch.Tensor, labels: torch.Tensor,
+                    weights: torch.Tensor, lm_head_weight: torch.Tensor, markov_head,
+                    confidence_head, chunk: int, coef: torch.Tensor) -> RowTerms:
+    """row_terms by the fused kernels (models/fused_loss, CUDA and Triton): the same sums and
+    argmax, and ``loss`` = coef . sums, whose CE and TV gradients the kernels make in the forward
+    pass from the rows' weights; the confidence head's BCE stays torch's (one logit per row)."""
+    from dflash_core.models.fused_loss import autograd as fused_rows  # CUDA + Triton only
+
+    e = markov_head.embed(prev)
+    w = weights.to(_acc(h.dtype))
+    out = fused_rows.spark_rows(h, e, lm_head_weight, markov_head.markov_w2.weight, t, labels,
+                                coef[0] * w, coef[1] * w, chunk)
+    ce_sum, tv_sum = (w * out.ce).sum(), (w * out.l1).sum()
+    if confidence_head is not None:
+        c_star = (1.0 - 0.5 * out.l1).clamp(0.0, 1.0)
+        logit = confidence_head(h, e)
+        bce = F.binary_cross_entropy_with_logits(logit, c_star.to(logit.dtype), reduction="none")
+        bce_sum = (w.to(bce.dtype) * bce).sum().to(ce_sum.dtype)
+    else:
+        bce_sum = ce_sum.new_zeros(())
+    sums = torch.stack([ce_sum, tv_sum, bce_sum.detach()])
+    return RowTerms(sums, out.preds, out.loss.to(sums.dtype) + coef[2] * bce_sum)
+
+
 @dataclass
 class DSparkLossOut:
     loss: torch.Tensor  # weighted mean of ce_w CE + tv_w TV + conf_w BCE (differentiable)
@@ -196,11 +225,13 @@ def tau_sum(preds: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 def dspark_loss(hidden: torch.Tensor, last_hidden: torch.Tensor, positions: torch.Tensor,
                 labels: torch.Tensor, prev: torch.Tensor, drafter, *, gamma: float,
                 loss_weights: tuple[float, float, float], chunk: int = 1024,
-                rows: LabelRows | None = None) -> DSparkLossOut:
+                rows: LabelRows | None = None, fused: bool = False) -> DSparkLossOut:
     """hidden: [n, A*B, H] drafter final states; last_hidden: [n, S, H] the target's post-norm
     last hidden states; positions: [n, A*B] each block slot's position (anchor + j: the target
     state there predicts the slot's label); labels, prev: [n, A, B] (dspark_targets), on
-    hidden's device; rows: label_rows() made on the host. Only labelled slots are gathered."""
+    hidden's device; rows: label_rows() made on the host. Only labelled slots are gathered: the
+    target's distribution is made at those block positions alone. ``fused``: the rows' terms
+    by models/fused_loss (CUDA and Triton; drafter.fused_loss), row_terms being its reference."""
     n, A, B = labels.shape
     if rows is None:
         rows = label_rows(labels, gamma)
@@ -210,11 +241,18 @@ def dspark_loss(hidden: torch.Tensor, last_hidden: torch.Tensor, positions: torc
     h = hidden.reshape(n * A * B, -1).index_select(0, r)
     flat_pos = (torch.arange(n, device=r.device)[:, None] * S + positions.clamp(0, S - 1))
     t = last_hidden.reshape(n * S, -1).index_select(0, flat_pos.reshape(-1).index_select(0, r))
-    out = row_terms(h, t, prev.reshape(-1).index_select(0, r),
-                    labels.reshape(-1).index_select(0, r), rows.weights,
-                    drafter.lm_head.weight, drafter.markov_head, drafter.confidence_head, chunk)
-    coef = torch.tensor(loss_weights, dtype=out.sums.dtype, device=out.sums.device)
-    loss = (coef * out.sums).sum() / max(rows.weight_sum, 1e-12)
+    args = (h, t, prev.reshape(-1).index_select(0, r), labels.reshape(-1).index_select(0, r),
+            rows.weights, drafter.lm_head.weight, drafter.markov_head, drafter.confidence_head,
+            chunk)
+    if fused:
+        out = fused_row_terms(*args, torch.tensor(loss_weights, dtype=_acc(h.dtype),
+                                                  device=h.device))
+        weighted = out.loss
+    else:
+        out = row_terms(*args)
+        coef = torch.tensor(loss_weights, dtype=out.sums.dtype, device=out.sums.device)
+        weighted = (coef * out.sums).sum()
+    loss = weighted / max(rows.weight_sum, 1e-12)
     preds = torch.full((n * A * B,), IGNORE, dtype=torch.long, device=hidden.device)
     preds[r] = out.preds
     return DSparkLossOut(loss, out.sums.detach(), rows.weight_sum,

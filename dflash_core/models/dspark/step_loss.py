@@ -11,6 +11,7 @@ from dflash_core.config import ConfigError, DrafterConfig
 from dflash_core.families.dspark import DSPARK, DSparkSettings
 from dflash_core.models import objective as obj
 from dflash_core.models.dspark import loss as dspark_loss
+from dflash_core.models.fused_loss import select as fused_loss
 
 
 class DSparkStepLoss:
@@ -25,6 +26,7 @@ class DSparkStepLoss:
                                                     markov_rank=drafter.markov_rank)).check()
         self.gamma = self.settings.gamma
         self.chunk = dcfg.loss_chunk
+        self.fused_mode = dcfg.fused_loss  # resolved per device: the drafter's is known later
 
     def check_features(self, drafter, features: torch.Tensor) -> None:
         """DSpark's features end with the target's post-norm last hidden state: (k+1)*H wide."""
@@ -48,4 +50,5 @@ class DSparkStepLoss:
         return dspark_loss.dspark_loss(
             hidden, last, pos, labels, prev.to(hidden.device, non_blocking=True), drafter,
             gamma=self.gamma, chunk=self.chunk, rows=t.picked,
-            loss_weights=(s.ce_weight, s.tv_weight, s.conf_weight))
+            loss_weights=(s.ce_weight, s.tv_weight, s.conf_weight),
+            fused=fused_loss.fused(self.fused_mode, hidden.device.type))

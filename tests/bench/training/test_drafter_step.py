@@ -41,6 +41,8 @@ def test_dspark_takes_the_configs_dspark_defaults_and_the_flags_override_them():
     (["--steps", "0"], "--steps must be >= 1"),
     (["--time-loss", "--batches", "2x64"], "give one of them"),
     (["--batches", "2x64,4y32"], "expected ROWSxLENGTH"),
+    (["--fused-loss", "on"], "--fused-loss on: on needs the drafters on CUDA GPUs"),
+    (["--fused-loss", "fast"], "invalid choice: 'fast'"),
 ])
 def test_bad_arguments_exit_2_naming_the_cause(argv, says, capsys):
     with pytest.raises(SystemExit) as exc_info:
@@ -84,7 +86,7 @@ def test_a_tiny_dspark_run_on_the_cpu_prints_the_step_time_and_the_plan(capsys):
     assert [s[0] for s in steps] == ["0", "1"]
     assert all(float(x) > 0 for s in steps for x in s[2:])  # DSpark's three terms, trained
     row = next(x for x in out.splitlines() if x.startswith("| tiny-shaped drafter, dspark (B 7, "
-                                                           "Markov rank 256), adamw"))
+                                                           "Markov rank 256), adamw, torch loss"))
     step = float(re.search(r"\| step ([0-9.]+) s, of it optimizer", row).group(1))
     assert step == pytest.approx(float(steps[1][1]), abs=0.006)  # the timed step, unrounded
     # 2 samples in the step; the row prints the step rounded to its 3 decimals at most, so the
@@ -111,6 +113,7 @@ def test_time_loss_sets_dsparks_loss_against_dflashs_ce_over_the_same_rows(capsy
                                          if x.startswith(f"| {name} |")).split("|")[1:-1]]
         rows[name] = int(cells[1]), float(cells[3])
         assert cells[2] == "1024" and float(cells[3]) > 0
+        assert cells[-1] == "torch"  # --fused-loss auto on the CPU: the torch loss
     dspark, dflash = rows.values()
     assert dspark[0] == dflash[0] > 0  # the same labelled slots
     ratio = float(re.search(r"DSpark's loss costs ([0-9.]+)x DFlash's chunked CE", out).group(1))
