@@ -83,6 +83,8 @@ LOSS_CHUNK = Lever("drafter.loss_chunk", "block tokens per chunk of the loss's l
 NUM_ANCHORS = Lever("drafter.num_anchors", "blocks trained per sequence (the most, with "
                     "drafter.anchors_per_1k_tokens)", "fewer blocks learned from each sequence")
 NUM_LAYERS = Lever("drafter.num_layers", "drafter layers", "a smaller drafter")
+MAX_LENGTH = Lever("data.max_length", "tokens of the longest sample",
+                   "longer samples cut shorter: their ends are not learned")
 
 # What to lower when a role runs out of memory while training, the first lever first.
 OOM_LEVERS: dict[str, tuple[Lever, ...]] = {

@@ -43,8 +43,8 @@ from typing import Any
 
 from dflash_core.config import Config, key_value, set_key_value
 from dflash_core.levers import (
-    FIT_LEVERS, HS_QUEUE, LOSS_CHUNK, MICRO_BLOCK_TOKENS, MIN_LOSS_CHUNK, NUM_ANCHORS, NUM_LAYERS,
-    TOKEN_BUDGET, Lever,
+    FIT_LEVERS, HS_QUEUE, LOSS_CHUNK, MAX_LENGTH, MICRO_BLOCK_TOKENS, MIN_LOSS_CHUNK, NUM_ANCHORS,
+    NUM_LAYERS, TOKEN_BUDGET, Lever,
 )
 from dflash_core.models.target.shape import model_shape
 from dflash_core.planning.drafter_memory import (
@@ -260,24 +260,30 @@ def device_key(device: str) -> tuple[str, int]:
 _LEVERS = {
     "residual stream": TOKEN_BUDGET, "layer transient": TOKEN_BUDGET,
     "attention mask": TOKEN_BUDGET, "features": TOKEN_BUDGET,
-    "received features": TOKEN_BUDGET, "hs queue": HS_QUEUE,
+    "hs queue": HS_QUEUE,
     "loss chunk": LOSS_CHUNK,
     **{name: NUM_LAYERS for name in OPTIMIZER_COMPONENTS.values()},
 }
 
 
-def _activation_lever(cfg: Config, name: str) -> Lever:
-    """The lever that bounds the drafter's block tokens (or context) per forward/backward."""
+def _activation_lever(cfg: Config, name: str) -> Lever | None:
+    """The lever that bounds a drafter term of one forward/backward: its sequences a pass, then
+    (blocks) its anchors a pass and its anchors, or (context) the sample's length."""
     p = drafter_pass(cfg)
+    if name == "received features":
+        return TOKEN_BUDGET if p.seqs > 1 else MAX_LENGTH
     if p.per_pass > 1:
         return TOKEN_BUDGET if p.per_pass == p.seqs else MICRO_BLOCK_TOKENS
-    if name == "block activations" and MICRO_BLOCK_TOKENS.lower(cfg) is not None:
+    if name != "block activations":
+        return MAX_LENGTH  # one sequence's context: only a shorter sample holds less
+    if MICRO_BLOCK_TOKENS.lower(cfg) is not None:
         return MICRO_BLOCK_TOKENS  # a sequence's anchors can still go in smaller passes
     return NUM_ANCHORS  # already the smallest pass
 
 
-# The drafter's terms that one sequence's pass sizes (the activation lever's).
-_ACTIVATIONS = ("block activations", "context", "context activations")
+# The drafter's terms that one pass sizes (the activation lever's).
+_ACTIVATIONS = ("block activations", "context", "context activations", "received features",
+                "layer forward", "layer backward")
 
 
 def _overflow(cfg: Config, devices: list[str], row: PlanRow) -> Overflow:
@@ -285,6 +291,8 @@ def _overflow(cfg: Config, devices: list[str], row: PlanRow) -> Overflow:
     levers: dict[str, int] = {}
     for name, nbytes in row.components.items():
         lever = _activation_lever(cfg, name) if name in _ACTIVATIONS else _LEVERS.get(name)
+        if lever is TOKEN_BUDGET and TOKEN_BUDGET.lower(cfg) is None:
+            lever = MAX_LENGTH  # a batch is one longest sample already: only a shorter one helps
         if lever:
             levers[lever.key] = levers.get(lever.key, 0) + nbytes
     ranked = sorted(levers, key=levers.get, reverse=True)[:3]

@@ -122,6 +122,10 @@ def test_preflight_accepts_what_the_plan_fits_and_refuses_what_it_does_not(monke
                              {"cuda:0": CAP, "cuda:1": CAP})
     assert 131072 <= longest < 1 << 20
     assert f"samples of up to {longest} tokens fit these GPUs" in info.value.hint
+    # one sample a batch: for both GPUs the lever is the sample's length
+    assert "(target) needs" in info.value.hint and "(drafter) needs" in info.value.hint
+    assert info.value.key == "data.max_length"
+    assert info.value.hint.count("lower data.max_length (now 1048576)") == 2
 
 
 def test_the_longest_sample_is_where_the_plan_stops_fitting():
