@@ -5,6 +5,9 @@ case, then a table; cases the plan refuses are reported, not run (--run-refused 
 
     # on one H200, the 96 GB card rehearsed (the default), one process, a few minutes:
     python bench/training/plan_vs_peak.py --gpu-memory-gib 95 | tee plan_vs_peak.jsonl
+    # the layers kept, then recomputed, whatever the plan would pick (calibrating each)
+    python bench/training/plan_vs_peak.py --recompute off --run-refused
+    python bench/training/plan_vs_peak.py --recompute on
     # the plan alone (no GPU): what preflight accepts, and how long a sample fits
     python bench/training/plan_vs_peak.py --plan-only
     # a CPU smoke run of this script (tiny shape; no peaks there)

@@ -14,6 +14,13 @@ what one pass of forward + backward holds on top, in the phase where it holds th
 The plan's row holds the terms of the phase that peaks; ``drafter_phases`` gives all three, each
 term named, so a measured peak per phase (bench/training/plan_vs_peak.py) checks each constant.
 memory.py adds the row to the target's per device.
+
+Calibrating: plan_vs_peak.py prints, per case, each phase's planned terms and its measured peak.
+A gap that grows with the sample's length is a context constant's (CONTEXT_*: the loss and
+forward phases read CONTEXT_LAYER_KV, the backward phase CONTEXT_BACKWARD_*); one that grows with
+block tokens a block constant's (DRAFTER_SAVED_*, RECOMPUTE_INPUT_H, BLOCK_*); one that is the same
+at every length the held terms' or the loss chunk's (the family's loss_bytes_per_logit); run it
+with --recompute on and off to tell the kept layers from the rebuilt one.
 """
 
 from __future__ import annotations
