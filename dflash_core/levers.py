@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
+from dflash_core.anchor_counts import ANCHOR_PAD, anchors_for
 from dflash_core.config import key_value
 
 if TYPE_CHECKING:
@@ -54,9 +55,13 @@ class Lever:
         return f"{self.key} ({self.sizes})"
 
 
-def _one_sequence(cfg: Config) -> int:
-    """Block tokens of one sequence's blocks: a micro-group holds at least one sequence."""
-    return min(cfg.drafter.num_anchors, cfg.data.max_length) * cfg.drafter.block_size
+def _smallest_pass(cfg: Config) -> int:
+    """Block tokens of the smallest drafter pass: one sequence's blocks at data.max_length, or
+    ANCHOR_PAD of them when it has more (the replica splits a sequence's anchors into passes;
+    fewer than ANCHOR_PAD would give compiled attention a new shape for nothing)."""
+    d = cfg.drafter
+    blocks = anchors_for(cfg.data.max_length, d.num_anchors, d.anchors_per_1k_tokens)
+    return min(blocks, ANCHOR_PAD) * d.block_size
 
 
 TOKEN_BUDGET = Lever("data.token_budget", "tokens per target batch",
@@ -71,13 +76,15 @@ PREFETCH = Lever("data.prefetch_batches", "batches each loader keeps ready",
                  "less read-ahead: a slow read shows as a starved target")
 MICRO_BLOCK_TOKENS = Lever("drafter.micro_block_tokens", "block tokens per drafter forward",
                            "more, smaller drafter passes per batch (the same gradients, slower)",
-                           floor=_one_sequence)
+                           floor=_smallest_pass)
 LOSS_CHUNK = Lever("drafter.loss_chunk", "block tokens per chunk of the loss's logits",
                    "more, smaller loss chunks (the same loss, slower)",
                    floor=lambda cfg: MIN_LOSS_CHUNK)
-NUM_ANCHORS = Lever("drafter.num_anchors", "blocks trained per sequence",
-                    "fewer blocks learned from each sequence")
+NUM_ANCHORS = Lever("drafter.num_anchors", "blocks trained per sequence (the most, with "
+                    "drafter.anchors_per_1k_tokens)", "fewer blocks learned from each sequence")
 NUM_LAYERS = Lever("drafter.num_layers", "drafter layers", "a smaller drafter")
+MAX_LENGTH = Lever("data.max_length", "tokens of the longest sample",
+                   "longer samples cut shorter: their ends are not learned")
 
 # What to lower when a role runs out of memory while training, the first lever first.
 OOM_LEVERS: dict[str, tuple[Lever, ...]] = {

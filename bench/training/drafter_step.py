@@ -58,6 +58,7 @@ from dflash_core.families.dspark import MARKOV_RANK as DSPARK_MARKOV_RANK
 from dflash_core.models.target.shape import model_shape
 from dflash_core.models.training.replica import ANCHOR_PAD, prepare_batch
 from dflash_core.models.training.trainer import make_replicas, reduce_and_step
+from dflash_core.planning.drafter_memory import drafter_phases
 from dflash_core.planning.memory import plan_memory
 
 # name -> the target's config.json (the releases' own; a tiny Qwen3 for the CPU smoke run)
@@ -372,9 +373,12 @@ def main(argv=None) -> None:
         hf = SHAPES[shape]
         tc = hf_config(hf)
         cfg = run_config(args, args.samples * S)
-        plan = {r.device: r for r in plan_memory(cfg, hf).rows}["cuda:0"]
+        planned = plan_memory(cfg, hf)
+        plan = {r.device: r for r in planned.rows}["cuda:0"]
         margin = plan.components.get("cuda context", 0) + plan.components.get("allocator reserve", 0)
-        planned_chunk = plan.components.get("loss chunk", 0)
+        # the loss's phase holds the chunk, whichever phase peaks (planning/drafter_memory.py)
+        planned_chunk = drafter_phases(cfg, model_shape(hf), hf, True,
+                                       planned.recompute)["loss"]["loss chunk"]
         print(f"  {shape}: preflight plan for the drafter GPU {size(plan.total)}, its tensors "
               f"{size(plan.total - margin)}, of it loss chunk {size(planned_chunk)} "
               f"(micro_block_tokens {args.micro}, loss_chunk {args.loss_chunk})", flush=True)

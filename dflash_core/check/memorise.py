@@ -74,6 +74,7 @@ def check_config(cfg: Config, longest_response: int) -> Config:
     """The run's config for the check: every valid position an anchor."""
     ccfg = copy.deepcopy(cfg)
     ccfg.drafter.num_anchors = max(cfg.drafter.num_anchors, longest_response)
+    ccfg.drafter.anchors_per_1k_tokens = 0.0  # a count: all of them, not a density
     return ccfg
 
 

@@ -92,7 +92,12 @@ class DrafterConfig:
                           ge=2)
     mask_token_id: int = key(-1, "Id of the MASK token; -1 = the last id of the target vocab.",
                              ge=-1)
-    num_anchors: int = key(512, "A, anchors drawn per sequence per epoch.", gt=0)
+    num_anchors: int = key(512, "A, anchors drawn per sequence per epoch (the most, with a "
+                                "density).", gt=0)
+    anchors_per_1k_tokens: float = key(0.0, """A density instead of a count: a sample with P
+        trainable positions gets ceil(this x P / 1000) anchors, 1 to num_anchors, so a 100k-token
+        answer is not supervised at 0.5% of its positions while a 2k one is at 25% (512 each).
+        0 = up to num_anchors each (docs/algorithm.md, "Anchors").""", ge=0)
     loss: Literal["dflash", "dpace"] = key("dflash", """The loss's slot weights
         (docs/algorithm.md, "The loss"): "dflash" = the paper's fixed decay exp(-(k-1)/gamma);
         "dpace" = D-PACE (arXiv 2605.18810), weights from the step's own cross-entropies, w_j =
@@ -125,8 +130,13 @@ class DrafterConfig:
     conf_weight: float = key(dspark.LOSS_WEIGHTS[2], """dspark: the weight of the confidence head's loss; 0 = no
         confidence head (neither trained nor saved, no calibration).""", ge=0)
     micro_block_tokens: int = key(65536, """Block tokens (sequences x anchors x block) per drafter
-        forward; a batch with more is split into sequence groups with gradients accumulated,
-        bounding activation memory.""", gt=0)
+        forward; a batch with more is split into sequence groups, a sequence with more into
+        passes of fewer anchors, gradients accumulated: bounds activation memory.""", gt=0)
+    recompute: Literal["auto", "on", "off"] = key("auto", """Recompute each drafter layer in
+        backward (torch.utils.checkpoint) instead of keeping its activations: what lets a long
+        sample fit, for about a third more drafter compute. auto = on when the memory plan says
+        the drafter GPU does not fit without it, or a step runs out of memory at its smallest
+        pass (docs/architecture.md, "Memory plan").""")
     hidden_size: int = key(0, "Width override; 0 = the target's (the usual choice).", ge=0)
     intermediate_size: int = key(0, "Width override; 0 = the target's.", ge=0)
     num_attention_heads: int = key(0, "Width override; 0 = the target's.", ge=0)

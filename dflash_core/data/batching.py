@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterable, Iterator
 import numpy as np
 import torch
 
+from dflash_core.anchor_counts import anchors_for
 from dflash_core.data.shards import MIN_LENGTH, DataError, ShardedDataset
 
 
@@ -43,7 +44,7 @@ def split_eval(dataset_len: int, n_eval: int, seed: int, *, lengths: np.ndarray 
 def plan_epoch(lengths: np.ndarray, *, token_budget: int, max_seqs: int, max_length: int,
                seed: int, epoch: int, shard: tuple[int, int] = (0, 1),
                indices: np.ndarray | None = None, window: int = 8192,
-               balance: int = 1, anchors: int = 0) -> list[list[int]]:
+               balance: int = 1, anchors: int = 0, per_1k: float = 0.0) -> list[list[int]]:
     """Length-bucketed batches of sample ids for one epoch.
 
     Samples (``indices``, default all) are shuffled, cut into windows of ``window`` samples, sorted
@@ -81,8 +82,8 @@ def plan_epoch(lengths: np.ndarray, *, token_budget: int, max_seqs: int, max_len
             i += k
     order = rng.permutation(len(batches))
     if balance > 1:
-        cost = [drafter_cost(len(b), int(lengths[b[0]]) if b else 0, max_length, anchors)
-                for b in batches]
+        cost = [drafter_cost(len(b), int(lengths[b[0]]) if b else 0, max_length, anchors,
+                             per_1k) for b in batches]
         order = balanced_order(order, np.asarray(cost), balance, _rng(seed, epoch, 0xBA1A))
     return [batches[j] for j in order][rank::world]
 
@@ -98,14 +99,16 @@ RUN_STEPS = 4
 CONTEXT_SCALE = 5800
 
 
-def drafter_cost(rows: int, longest: int, max_length: int, anchors: int) -> float:
+def drafter_cost(rows: int, longest: int, max_length: int, anchors: int,
+                 per_1k: float = 0.0) -> float:
     """A batch's drafter work, in block positions of a very short row: every row gets as many
-    blocks as the batch's most-anchored row (up to ``anchors`` each; 0 = no cap), so rows x
-    min(anchors, longest), each weighted by its context. Token-budget batches of short samples
+    blocks as the batch's most-anchored row (up to ``anchors`` each, 0 = no cap; with a density
+    ``per_1k``, anchor_counts.anchors_for of the longest), so rows x min(anchors, longest),
+    each weighted by its context. Token-budget batches of short samples
     hold many rows: at the same budget they cost the drafter up to ~4x what batches of long
     samples do."""
     longest = min(longest, max_length)
-    positions = rows * (min(anchors, longest) if anchors > 0 else longest)
+    positions = rows * anchors_for(longest, anchors if anchors > 0 else longest, per_1k)
     return positions * (1.0 + longest / CONTEXT_SCALE)
 
 
@@ -202,11 +205,12 @@ class BatchStream:
     def __init__(self, dataset: ShardedDataset, *, token_budget: int, max_seqs: int,
                  max_length: int, seed: int, epochs: int,
                  exclude: Iterable[int] | np.ndarray = (), window: int = 8192,
-                 balance: int = 1, anchors: int = 0):
+                 balance: int = 1, anchors: int = 0, per_1k: float = 0.0):
         self.dataset = dataset
         self.token_budget, self.max_seqs, self.max_length = token_budget, max_seqs, max_length
         self.seed, self.epochs, self.window = seed, epochs, window
-        self.balance, self.anchors = balance, anchors  # plan_epoch's: batches per step, cost cap
+        # plan_epoch's: batches per step, and the anchors that weigh a batch's cost
+        self.balance, self.anchors, self.per_1k = balance, anchors, per_1k
         excl = np.fromiter(exclude, dtype=np.int64) if not isinstance(exclude, np.ndarray) \
             else exclude.astype(np.int64)
         self.indices = np.setdiff1d(np.arange(len(dataset)), excl)
@@ -216,13 +220,14 @@ class BatchStream:
     @classmethod
     def from_config(cls, dataset: ShardedDataset, data_cfg: Any, *, seed: int, epochs: int,
                     exclude: Iterable[int] | np.ndarray = (), step_batches: int = 1,
-                    anchors: int = 0) -> "BatchStream":
+                    anchors: int = 0, per_1k: float = 0.0) -> "BatchStream":
         """From a ``DataConfig`` (token_budget, max_seqs_per_batch, max_length, balance_steps);
         ``step_batches``: batches one optimizer step takes over all drafters of all nodes."""
         return cls(dataset, token_budget=data_cfg.token_budget,
                    max_seqs=data_cfg.max_seqs_per_batch, max_length=data_cfg.max_length,
                    seed=seed, epochs=epochs, exclude=exclude,
-                   balance=step_batches if data_cfg.balance_steps else 1, anchors=anchors)
+                   balance=step_batches if data_cfg.balance_steps else 1, anchors=anchors,
+                   per_1k=per_1k)
 
     def use_balance(self, balance: int) -> None:
         """Plan with another ``balance`` (a resumed run keeps the order its checkpoint's data
@@ -240,7 +245,7 @@ class BatchStream:
                     self.dataset.lengths, token_budget=self.token_budget, max_seqs=self.max_seqs,
                     max_length=self.max_length, seed=self.seed, epoch=epoch,
                     indices=self.indices, window=self.window, balance=self.balance,
-                    anchors=self.anchors)
+                    anchors=self.anchors, per_1k=self.per_1k)
                 while len(self._plans) > 3:
                     self._plans.popitem(last=False)
             return self._plans[epoch]

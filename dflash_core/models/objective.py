@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from dflash_core.anchor_counts import anchors_for
+
 IGNORE = -100
 
 
@@ -28,19 +30,23 @@ def valid_anchor_positions(loss_mask: np.ndarray) -> np.ndarray:
     return np.flatnonzero(m[:-1] & m[1:])
 
 
-def sample_anchors(loss_mask: np.ndarray, num_anchors: int, rng: np.random.Generator) -> np.ndarray:
-    """Up to num_anchors distinct valid positions, uniformly without replacement, sorted."""
+def sample_anchors(loss_mask: np.ndarray, num_anchors: int, rng: np.random.Generator,
+                   per_1k: float = 0.0) -> np.ndarray:
+    """Distinct valid positions, uniformly without replacement, sorted: up to num_anchors, or
+    with a density ``per_1k`` > 0 as many as anchor_counts.anchors_for gives its valid
+    positions."""
     valid = valid_anchor_positions(loss_mask)
-    if len(valid) > num_anchors:
-        valid = rng.choice(valid, size=num_anchors, replace=False)
+    want = anchors_for(len(valid), num_anchors, per_1k)
+    if len(valid) > want:
+        valid = rng.choice(valid, size=want, replace=False)
     return np.sort(valid)
 
 
 def batch_anchors(loss_masks: list[np.ndarray], num_anchors: int, seed: int, epoch: int,
-                  indices: list[int], pad_to: int = 1) -> torch.Tensor:
+                  indices: list[int], pad_to: int = 1, per_1k: float = 0.0) -> torch.Tensor:
     """[n, A_max] anchors, -1 padded (A_max = most anchors any sequence got, >= 1, rounded up to
     a multiple of ``pad_to`` so compiled attention sees few distinct shapes)."""
-    per = [sample_anchors(m, num_anchors, anchor_rng(seed, epoch, int(i)))
+    per = [sample_anchors(m, num_anchors, anchor_rng(seed, epoch, int(i)), per_1k)
            for m, i in zip(loss_masks, indices)]
     width = max(1, max((len(a) for a in per), default=1))
     width = min(-(-width // pad_to) * pad_to, max(num_anchors, width))

@@ -86,8 +86,9 @@ class DrafterStage:
 
     def _accumulate_step(self) -> bool:
         """Accumulate up to grad_accum batches (fewer at the end of the data); False if stopped.
-        An out-of-memory error does not end the run while a smaller micro-group exists: the
-        step's gradients are discarded, micro_block_tokens halved (for the rest of the run), and
+        An out-of-memory error does not end the run while a smaller pass exists: the step's
+        gradients are discarded, the pass made smaller for the rest of the run (fewer sequences,
+        then fewer anchors, then recompute with drafter.recompute auto: replica.back_off), and
         every batch of the step trained again, so no sample is skipped or counted twice and the
         optimizer never steps on a partial gradient. The step's batches are kept until it is
         taken (with grad_accum 1, the one batch the drafter holds anyway)."""
@@ -116,24 +117,23 @@ class DrafterStage:
                     return False
                 except torch.OutOfMemoryError as exc:
                     oom = str(exc).splitlines()[0] if str(exc) else "out of memory"
-                    sizes = self.replica.back_off()
-                    if sizes is None:
+                    change = self.replica.back_off()
+                    if change is None:
                         raise
                 # Outside the except block: the traceback (and the step's activations it
                 # holds) is gone before the memory is given back.
                 if oom:
-                    self._recover(sizes, oom)
+                    self._recover(change, oom)
                     todo = list(items)
         for batch, _, _ in items:
             self.position.taken(self.rank, batch.epoch, batch.batch_index)
         return not self.stop.is_set()
 
-    def _recover(self, sizes: tuple[int, int], message: str) -> None:
+    def _recover(self, change: str, message: str) -> None:
         self.replica.discard_step()
         gc.collect()
         if self.replica.device.type == "cuda":
             torch.cuda.empty_cache()
-        old, new = sizes
         self.publish(Log(level="warning", source=self.name, message=(
-            f"{self.name}: out of memory at micro_block_tokens {old}, now {new}, step "
-            f"{self.step_of() + 1} retried ({message})")))
+            f"{self.name}: out of memory at {change}, step {self.step_of() + 1} retried "
+            f"({message})")))

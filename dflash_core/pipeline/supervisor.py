@@ -125,7 +125,8 @@ class Supervisor:
         for_drafter = functools.partial(
             prepare_batch, num_anchors=cfg.drafter.num_anchors,
             block_size=family_of(cfg).label_width(cfg.drafter), seed=cfg.run.seed,
-            pad_to=ANCHOR_PAD if run.drafter_devices[0].type == "cuda" else 1)
+            pad_to=ANCHOR_PAD if run.drafter_devices[0].type == "cuda" else 1,
+            per_1k=cfg.drafter.anchors_per_1k_tokens)
         # Several nodes: node k's targets take global shards k*T .. k*T+T-1 of N*T.
         node, nodes = (self.nodes.rank, self.nodes.world) if self.nodes is not None else (0, 1)
         for rank, dev in enumerate(run.target_devices):

@@ -23,6 +23,7 @@ from dflash_core.checkpoint.folders import list_checkpoints
 from dflash_core.planning.card_budget import card_budget, limit_bytes
 from dflash_core.planning.memory import fit_sizes, plan_memory
 from dflash_core.planning.memory_report import format_overflow, format_plan
+from dflash_core.planning.sample_length import longest_sample
 from dflash_core.units import size_text
 
 
@@ -54,13 +55,32 @@ def check_memory(cfg: Config, hf_config: dict, tdev, ddev, publish,
             + " to fit (layout.auto_fit)")))
         plan = plan_memory(cfg, hf_config, free or None, total or None, quantized)
     publish(MemoryPlan(rows=plan.to_event_rows(), fits=plan.fits))
+    # How long a sample these GPUs train (a GPU plan only: on the CPU it is host memory)
+    longest = (longest_sample(cfg, hf_config, free, total, quantized)
+               if any(d.startswith("cuda") for d in free) else None)
     if not plan.fits:
         hint = "; ".join(format_overflow(o) for o in plan.overflows)
         if sizes:
             hint += ("; these sizes fit: " + ", ".join(f"{k}: {v}" for k, v in sizes.items())
                      + " (or set layout.auto_fit: true to pick them)")
+        if longest is not None and longest < cfg.data.max_length:
+            hint += (f"; samples of up to {longest} tokens fit these GPUs (data.max_length "
+                     f"{cfg.data.max_length})")
         raise ConfigError(plan.key or "data.token_budget",
                           "the memory plan does not fit:\n" + format_plan(plan), hint=hint)
+    if plan.recompute and cfg.drafter.recompute == "auto":
+        # The replicas read the config: auto becomes on here, for this run only (a restart
+        # reads the file again and plans again).
+        cfg.drafter.recompute = "on"
+        publish(Log(level="info", source="preflight", message=(
+            "memory plan: drafter.recompute auto -> on: one sample does not fit the drafter "
+            f"GPU with every layer's activations kept ({size_text(plan.without_recompute)} "
+            f"planned), it does with them recomputed in backward "
+            f"({size_text(max(r.total for r in plan.rows if 'drafter' in r.role))})")))
+    if longest is not None:
+        publish(Log(level="info", source="preflight", message=(
+            f"memory plan: samples of up to {longest} tokens fit these GPUs (data.max_length "
+            f"{cfg.data.max_length}, with the sizes layout.auto_fit may lower)")))
     return sizes if cfg.layout.auto_fit else {}
 
 

@@ -30,6 +30,15 @@ def format_plan(plan: Plan) -> str:
                                  for _, r in groups]))
     out.append(line("fits", ["yes" if r.fits else f"NO +{_gib(r.total - r.free)}"
                              for _, r in groups]))
+    drafters = [("drafter" in r.role) for _, r in groups]
+    if any(drafters):
+        # where a drafter pass peaks, and whether its layers are kept for backward
+        out.append(line("drafter peak", [plan.drafter_peak if d else "-" for d in drafters]))
+        out.append(line("drafter layers", [("recomputed" if plan.recompute else "kept")
+                                           if d else "-" for d in drafters]))
+        if plan.without_recompute is not None:  # drafter.recompute auto turned it on
+            out.append(line("total if kept", [_gib(plan.without_recompute) if d else "-"
+                                            for d in drafters]))
     out.append(f"full target logits would add {_gib(plan.logits_extra)} GiB per target GPU"
                f" (+{_gib(plan.logits_upcast_extra)} GiB more if upcast to float32 for a loss);"
                " the engine never computes them")
@@ -49,6 +58,9 @@ def format_overflow(overflow: Overflow) -> str:
     if lowered:
         options.append("lower " + (", ".join(lowered[:-1]) + " or " if len(lowered) > 1 else "")
                        + lowered[-1])
+    if overflow.recompute:
+        options.append("recompute the drafter's layers in backward (drafter.recompute: on, "
+                       "or auto)")
     if overflow.separate_roles:
         options.append("put targets and drafters on different GPUs (layout.targets, "
                        "layout.drafters)")

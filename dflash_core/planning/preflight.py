@@ -126,7 +126,8 @@ def prepare(cfg: Config, run_dir: Path, tdev: list[torch.device], ddev: list[tor
     stream = BatchStream.from_config(dataset, cfg.data, seed=cfg.run.seed,
                                      epochs=cfg.optim.epochs, exclude=eval_indices,
                                      step_batches=len(ddev) * nodes * cfg.optim.grad_accum,
-                                     anchors=cfg.drafter.num_anchors)
+                                     anchors=cfg.drafter.num_anchors,
+                                     per_1k=cfg.drafter.anchors_per_1k_tokens)
     if stream.batches_per_epoch == 0:
         raise ConfigError("data.path", f"no trainable batch in {data_path}",
                           hint="the data needs samples of 2+ tokens")

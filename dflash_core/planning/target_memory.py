@@ -63,7 +63,7 @@ def target_dtype(cfg: Config, on_cuda: bool) -> str:
 # --------------------------------------------------------------------------------------------
 
 def _target_layer_transient(s: ModelShape, tokens: int, b: int, run_types: set[str],
-                            attn_impl: str, max_length: int) -> int:
+                            attn_impl: str, max_length: int, masked: bool = True) -> int:
     """Largest per-layer transient of an inference forward, in bytes."""
     peaks = [MLP_LIVE * tokens * s.intermediate * b] if "dense" in run_types else []
     if "moe" in run_types:
@@ -79,9 +79,11 @@ def _target_layer_transient(s: ModelShape, tokens: int, b: int, run_types: set[s
     elif "attention" in run_types:
         q = s.heads * s.head_dim
         # q_proj output (query+gate stay referenced to the end), normed and roped q (2), k/v
-        # expanded to all heads for SDPA with a padding mask (2), attention out, gated out, o_proj,
-        # and the float32 upcasts of q_norm and the RoPE split / concat temporaries (6).
-        per_token = q * (2 if s.gated_q else 1) + 2 * q + 2 * q + q + (q if s.gated_q else 0)
+        # expanded to all heads (2: eager always, SDPA with a padding mask; without one it runs
+        # grouped-query attention as it is), attention out, gated out, o_proj, and the float32
+        # upcasts of q_norm and the RoPE split / concat temporaries (6).
+        expanded = 2 * q if attn_impl == "eager" or (attn_impl == "sdpa" and masked) else 0
+        per_token = q * (2 if s.gated_q else 1) + 2 * q + expanded + q + (q if s.gated_q else 0)
         per_token += s.hidden + 6 * q
         attn = tokens * per_token * b
         attn += _eager_scores(s, tokens, b, attn_impl, max_length)
@@ -127,6 +129,18 @@ def _mla_transient(s: ModelShape, tokens: int, b: int, attn_impl: str, max_lengt
     return tokens * per_token * b + _eager_scores(s, tokens, b, attn_impl, max_length)
 
 
+def _padding_mask(cfg: Config) -> int:
+    """SDPA's padding mask: one bool per (query, key) pair of each row, n x S^2 <= T x S for rows
+    of S tokens. A batch of one row has no padding and transformers then runs SDPA causal
+    without a mask (masking_utils skips it), so only batches of 2+ rows count, whose rows are at
+    most T / 2 long: at 128k tokens a sample, 8 GiB for two rows of 64k, not 16 for one; none
+    with data.max_seqs_per_batch 1."""
+    if cfg.target.attn_implementation == "flash_attention_2" or cfg.data.max_seqs_per_batch < 2:
+        return 0
+    t = cfg.data.token_budget
+    return t * min(cfg.data.max_length, t // 2)
+
+
 def target_components(cfg: Config, s: ModelShape, hf_config: dict, on_cuda: bool,
                       queued: int, quantized: bool) -> dict[str, int]:
     t, b = cfg.data.token_budget, dtype_bytes(target_dtype(cfg, on_cuda))
@@ -140,10 +154,9 @@ def target_components(cfg: Config, s: ModelShape, hf_config: dict, on_cuda: bool
             hf_config, target_dtype(cfg, on_cuda)) if quantized else 0,
         "residual stream": RESIDUAL_LIVE * t * s.hidden * b,
         "layer transient": _target_layer_transient(
-            s, t, b, run_types, cfg.target.attn_implementation, cfg.data.max_length),
-        # SDPA padding mask: one bool per (query, key) pair within each sequence; sum S^2 <= T*S.
-        "attention mask": 0 if cfg.target.attn_implementation == "flash_attention_2"
-        else t * cfg.data.max_length,
+            s, t, b, run_types, cfg.target.attn_implementation, cfg.data.max_length,
+            masked=cfg.data.max_seqs_per_batch > 1),
+        "attention mask": _padding_mask(cfg),
         "features": features,
         "hs queue": queued * features,
     }

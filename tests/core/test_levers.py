@@ -37,7 +37,14 @@ def test_each_lever_lowers_by_its_rule_down_to_its_floor():
     assert LOSS_CHUNK.lower(cfg) == MIN_LOSS_CHUNK * 3 // 2
     cfg.drafter.num_anchors, cfg.drafter.block_size = 100, 8
     cfg.drafter.micro_block_tokens = 1000
-    assert MICRO_BLOCK_TOKENS.lower(cfg) == 800  # one sequence's 100 blocks of 8
+    # a sequence's anchors go in smaller passes, down to ANCHOR_PAD (64) blocks of 8
+    assert MICRO_BLOCK_TOKENS.lower(cfg) == 512
+    cfg.drafter.micro_block_tokens = 512
+    assert MICRO_BLOCK_TOKENS.lower(cfg) is None
+    cfg.drafter.num_anchors, cfg.drafter.micro_block_tokens = 40, 1000
+    assert MICRO_BLOCK_TOKENS.lower(cfg) == 500  # fewer blocks than that: one sequence's 40
+    cfg.drafter.micro_block_tokens = 320
+    assert MICRO_BLOCK_TOKENS.lower(cfg) is None
     assert MAX_SEQS.lower(cfg) is None  # named in a hint, never lowered by preflight
 
 

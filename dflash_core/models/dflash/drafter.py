@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import (
     Qwen3MLP,
@@ -75,11 +76,14 @@ class DrafterAttention(nn.Module):
         return x.view(n, T, n_heads, self.head_dim)
 
     def forward(self, x, ctx, rope_blk, rope_ctx, anchors, block_size, impl, block_mask=None):
+        """``ctx``: the context, or (its handle for k_proj, its handle for v_proj): one node each,
+        so their gradients meet in float32 (DFlashDrafter.forward, _SharedCast)."""
+        ctx_k, ctx_v = ctx if isinstance(ctx, tuple) else (ctx, ctx)
         q = self.q_norm(self._heads(self.q_proj(x), self.num_heads)).transpose(1, 2)
         k_blk = self.k_norm(self._heads(self.k_proj(x), self.num_kv_heads)).transpose(1, 2)
-        k_ctx = self.k_norm(self._heads(self.k_proj(ctx), self.num_kv_heads)).transpose(1, 2)
+        k_ctx = self.k_norm(self._heads(self.k_proj(ctx_k), self.num_kv_heads)).transpose(1, 2)
         v_blk = self._heads(self.v_proj(x), self.num_kv_heads).transpose(1, 2)
-        v_ctx = self._heads(self.v_proj(ctx), self.num_kv_heads).transpose(1, 2)
+        v_ctx = self._heads(self.v_proj(ctx_v), self.num_kv_heads).transpose(1, 2)
         q, k_blk = _rope(q, *rope_blk), _rope(k_blk, *rope_blk)
         k_ctx = _rope(k_ctx, *rope_ctx)
         dev = q.device.type
@@ -92,6 +96,22 @@ class DrafterAttention(nn.Module):
                               block_mask)
         n, _, T, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(n, T, -1))
+
+
+class _SharedCast(torch.autograd.Function):
+    """One projection's handle on the context cast once to the autocast dtype (``low``, shared
+    by every layer: k_proj and v_proj keep it, not a cast copy of their own). Backward returns
+    the projection's gradient in ``full``'s dtype, so the gradients add up in float32 as
+    autocast's own casts would have them: the same numbers, one copy of the context."""
+
+    @staticmethod
+    def forward(ctx, full: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+        ctx.dtype = full.dtype
+        return low.view_as(low)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad.to(ctx.dtype), None
 
 
 class DrafterLayer(nn.Module):
@@ -178,6 +198,8 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(H, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
         self.attn_impl = "auto"
+        # drafter.recompute: each layer recomputed in backward (set by the replica)
+        self.recompute = False
         self._head: tuple[nn.Embedding, nn.Linear] | None = None
         self._init_weights()
 
@@ -271,14 +293,29 @@ class DFlashDrafter(nn.Module):
         n, S, _ = context.shape
         if context_positions is None:
             context_positions = torch.arange(S, device=context.device).expand(n, S)
-        ctx = self.hidden_norm(self.fc(context.to(self.fc.weight.dtype)))
+        dev = context.device.type
+        autocast = torch.is_autocast_enabled(dev)
+        # Under autocast fc reads the features as they came (bf16): a float32 copy would be cast
+        # straight back, and at 128k tokens the two copies are GiBs. Without it, fc's dtype.
+        ctx = self.hidden_norm(self.fc(context if autocast else
+                                       context.to(self.fc.weight.dtype)))
         x = block_embeds
         rope_ctx, rope_blk = self._rotations(ctx, x, context_positions, block_positions)
         impl = resolve_impl(self.attn_impl, x.device, self.config.head_dim)
         mask = (make_block_mask(anchors.to(x.device), S, self.block_size)
                 if impl == "flex" else None)  # one mask for all layers
-        for layer in self.layers:
-            x = layer(x, ctx, rope_blk, rope_ctx, anchors, self.block_size, impl, mask)
+        if autocast:  # one low-precision copy of the context for every layer (_SharedCast)
+            low = ctx.detach().to(torch.get_autocast_dtype(dev))
+            ctxs = [(_SharedCast.apply(ctx, low), _SharedCast.apply(ctx, low))
+                    for _ in self.layers]
+        else:
+            ctxs = [ctx] * len(self.layers)
+        del ctx  # the float32 context is needed no further: only its gradient is
+        recompute = self.recompute and torch.is_grad_enabled()
+        for layer, c in zip(self.layers, ctxs):
+            args = (x, c, rope_blk, rope_ctx, anchors, self.block_size, impl, mask)
+            # Recomputed in backward: only the layer's inputs are kept until then.
+            x = checkpoint(layer, *args, use_reentrant=False) if recompute else layer(*args)
         return self.norm(x)
 
     def _rotations(self, ctx, x, context_positions, block_positions):

@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from dflash_core.anchor_counts import ANCHOR_PAD, pass_anchors
 from dflash_core.models import objective as obj
 from dflash_core.models.training.optimizers import build_optimizer
 from dflash_core.config import DrafterConfig, OptimConfig
@@ -23,9 +24,7 @@ from dflash_core.levers import halve
 from dflash_core.models.dflash.drafter import DFlashDrafter
 from dflash_core.models.training.handoff import FeatureCopier
 
-# On GPU the anchor count of a batch is rounded up to a multiple of this, so compiled
-# FlexAttention and its block mask see a handful of shapes instead of one per batch.
-ANCHOR_PAD = 64
+__all__ = ["ANCHOR_PAD", "DrafterReplica", "Micro", "STATS", "StepInterrupted", "prepare_batch"]
 
 
 class StepInterrupted(Exception):
@@ -58,13 +57,15 @@ STATS = ("weight", "loss", "tau", "blocks", "tokens", "samples", "padded")
 # (trainer.StepResult.extra).
 
 
-def prepare_batch(batch, num_anchors: int, block_size: int, seed: int, pad_to: int = 1):
+def prepare_batch(batch, num_anchors: int, block_size: int, seed: int, pad_to: int = 1,
+                  per_1k: float = 0.0):
     """The batch with its drafter anchors and block labels, made on the host (the loader thread
     calls this, so the drafter's step finds them ready). Anchors depend only on (seed, epoch,
-    sample): the same whichever thread or drafter makes them."""
+    sample): the same whichever thread or drafter makes them. ``per_1k``:
+    drafter.anchors_per_1k_tokens (0: up to ``num_anchors`` each)."""
     masks = [batch.loss_mask[r, : int(batch.lengths[r])].numpy() for r in range(len(batch))]
     anchors = obj.batch_anchors(masks, num_anchors, seed, batch.epoch,
-                                [int(i) for i in batch.indices], pad_to=pad_to)
+                                [int(i) for i in batch.indices], pad_to=pad_to, per_1k=per_1k)
     labels = obj.block_labels(batch.input_ids, batch.loss_mask, anchors, block_size)
     return replace(batch, anchors=anchors, labels=labels)
 
@@ -101,6 +102,10 @@ class DrafterReplica:
             offset += p.numel()
         self.optimizer = build_optimizer(self.drafter, params, optim, self.device)
         self.autocast = (self.device.type == "cuda" and dcfg.dtype == "bfloat16")
+        # drafter.recompute: "auto" reaches here off unless preflight's plan turned it on;
+        # back_off() may turn it on after running out of memory at the smallest pass.
+        self.drafter.recompute = dcfg.recompute == "on"
+        self.pad = ANCHOR_PAD if self.device.type == "cuda" else 1
         self.copier = FeatureCopier(self.device)
         self.micro = Micro()
         self.sample_ids: list[int] = []  # data indices accumulated since the last step
@@ -132,12 +137,14 @@ class DrafterReplica:
         B = d.block_size
         if batch.labels is None or batch.labels.shape[-1] != d.label_width:
             batch = prepare_batch(batch, self.dcfg.num_anchors, d.label_width, seed,
-                                  pad_to=ANCHOR_PAD if self.device.type == "cuda" else 1)
+                                  pad_to=self.pad, per_1k=self.dcfg.anchors_per_1k_tokens)
         loss = self.loss
         loss.check_features(d, features)
         terms = torch.zeros(len(loss.stats), device=self.device) if loss.stats else None
         n, A = batch.anchors.shape
         group = obj.sequences_per_group(self.micro_block_tokens, A * B)
+        # A sequence with more blocks than a pass holds goes in several passes of fewer anchors.
+        cols = pass_anchors(self.micro_block_tokens, A, B, self.pad)
         self.last_rows, self.last_block_tokens = n, A * B
         ids_all = batch.input_ids.to(self.device, non_blocking=True)
         anchors = batch.anchors.to(self.device, non_blocking=True)
@@ -157,23 +164,30 @@ class DrafterReplica:
             feats = nxt.take()
             if i + 1 < len(starts):
                 nxt = self.copier.start(features[starts[i + 1]: starts[i + 1] + group], ready)
-            a = anchors[rows]
-            feats, t = loss.targets(d, feats, batch.labels[rows], batch.input_ids[rows],
-                                    batch.anchors[rows])
-            labels = t.labels.to(self.device, non_blocking=True)
-            ids, pos = d.block_inputs(ids_all[rows], a)
-            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-                hidden = d(feats, d.embed_tokens(ids).float(), pos, a)
-            lo = loss(d, hidden, pos, labels, t)
-            if terms is not None:
-                terms += lo.terms
-            if len(t.picked.rows):  # the weights of labelled slots are > 0 under either loss
-                (lo.loss * lo.weight_sum).backward()
-            loss_sum += lo.loss.detach() * lo.weight_sum
-            tau_sum += lo.tau_sum
-            out.weight_sum += lo.weight_sum
-            out.blocks += lo.blocks
-            del feats, hidden, lo, t
+            for c in range(0, A, cols):
+                part = slice(c, c + cols)
+                host_anchors = batch.anchors[rows, part]
+                if c and not bool((host_anchors >= 0).any()):
+                    continue  # padding anchors only: nothing to learn in this pass
+                a = anchors[rows, part]
+                inputs, t = loss.targets(d, feats, batch.labels[rows, part],
+                                         batch.input_ids[rows], host_anchors)
+                labels = t.labels.to(self.device, non_blocking=True)
+                ids, pos = d.block_inputs(ids_all[rows], a)
+                with torch.autocast(self.device.type, dtype=torch.bfloat16,
+                                    enabled=self.autocast):
+                    hidden = d(inputs, d.embed_tokens(ids).float(), pos, a)
+                lo = loss(d, hidden, pos, labels, t)
+                if terms is not None:
+                    terms += lo.terms
+                if len(t.picked.rows):  # the weights of labelled slots are > 0 under either loss
+                    (lo.loss * lo.weight_sum).backward()
+                loss_sum += lo.loss.detach() * lo.weight_sum
+                tau_sum += lo.tau_sum
+                out.weight_sum += lo.weight_sum
+                out.blocks += lo.blocks
+                del inputs, hidden, lo, t
+            del feats
         out.loss_sum, out.tau_sum = loss_sum, tau_sum
         if terms is not None:
             out.terms = terms
@@ -187,18 +201,31 @@ class DrafterReplica:
         self.micro = Micro()
         self.sample_ids = []
 
-    def back_off(self) -> tuple[int, int] | None:
-        """After an out-of-memory error: halve the micro-group (the sequences of the last batch
-        whose blocks live at once) by lowering micro_block_tokens. Returns (old, new), or None
-        when a group is already one sequence (no smaller size exists)."""
+    def back_off(self) -> str | None:
+        """After an out-of-memory error: halve the pass (the sequences of the last batch whose
+        blocks live at once, then a sequence's anchors per pass) by lowering
+        micro_block_tokens; at the smallest pass, with drafter.recompute auto, recompute the
+        layers in backward. Returns what changed, in words, or None when nothing smaller
+        exists."""
         per_seq = self.last_block_tokens
-        group = min(self.micro_block_tokens // per_seq, self.last_rows) if per_seq else 0
-        smaller = halve(group, 1)  # the levers' one rule, counted in sequences
-        if smaller is None:
-            return None
         old = self.micro_block_tokens
-        self.micro_block_tokens = smaller * per_seq
-        return old, self.micro_block_tokens
+        group = min(old // per_seq, self.last_rows) if per_seq else 0
+        B = self.drafter.block_size
+        if group > 1:
+            self.micro_block_tokens = halve(group, 1) * per_seq  # the levers' one rule
+            return f"micro_block_tokens {old}, now {self.micro_block_tokens}"
+        cols = pass_anchors(old, per_seq // B, B, self.pad) if per_seq else 0
+        fewer = halve(cols, self.pad)
+        if fewer is not None and fewer < cols:
+            self.micro_block_tokens = fewer * B
+            n = pass_anchors(fewer * B, per_seq // B, B, self.pad)
+            return (f"micro_block_tokens {old}, now {self.micro_block_tokens} "
+                    f"({n} anchor{'s' if n > 1 else ''} a pass)")
+        if self.dcfg.recompute == "auto" and not self.drafter.recompute:
+            self.drafter.recompute = True
+            return (f"micro_block_tokens {old} (its smallest pass), now with the drafter's "
+                    "layers recomputed in backward (drafter.recompute auto)")
+        return None
 
     def write_stats(self) -> None:
         """The accumulated statistics into the tail of the flat buffer, behind the gradient."""

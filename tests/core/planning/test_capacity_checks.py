@@ -12,6 +12,7 @@ from dflash_core.pipeline.engine import Engine
 from dflash_core.observe.events import Log, MemoryPlan
 from dflash_core.planning.capacity_checks import check_memory
 from dflash_core.planning.memory import plan_memory
+from dflash_core.planning.sample_length import longest_sample
 from dflash_core.units import GiB
 
 from ..engine_fixtures import (  # noqa: F401 - assets, shutdown_started_engines: fixtures
@@ -42,7 +43,7 @@ def test_a_plan_that_does_not_fit_is_refused_naming_the_key_it_picks(monkeypatch
     assert err is not None and err.error_kind == "config"
     assert err.key == "drafter.micro_block_tokens"
     assert "the memory plan does not fit:" in str(err) and "plan does NOT fit" in str(err)
-    assert err.hint.startswith("cuda:7 (drafter) needs 252.8 GiB but has 96.0 GiB free: "
+    assert err.hint.startswith("cuda:7 (drafter) needs 243.5 GiB but has 96.0 GiB free: "
                                "lower drafter.micro_block_tokens (now 65536)")
     # one sequence per drafter pass fits: nothing is refused
     published, err = check_node_on_96gib_cards(monkeypatch, node(micro_block_tokens=8192))
@@ -90,10 +91,16 @@ def test_auto_fit_lowers_the_sizes_and_says_so(monkeypatch):
     assert check_memory(cfg, QWEN36_27B, tdev, ddev, events.append) == {
         "drafter.micro_block_tokens": 8192}
     assert cfg.drafter.micro_block_tokens == 8192
-    (log,) = [e for e in events if isinstance(e, Log)]
-    assert "drafter.micro_block_tokens 32768 -> 8192" in log.message and log.level == "warning"
+    (log,) = [e for e in events if isinstance(e, Log) and e.level == "warning"]
+    assert "drafter.micro_block_tokens 32768 -> 8192" in log.message
     (plan,) = [e for e in events if isinstance(e, MemoryPlan)]
     assert plan.fits
+    # and how long a sample these GPUs train (a whole sequence a pass: nothing recomputed)
+    (said,) = [e.message for e in events if isinstance(e, Log) and "samples of up to" in e.message]
+    longest = longest_sample(cfg, QWEN36_27B, {f"cuda:{i}": 95 * GiB for i in range(8)},
+                             {f"cuda:{i}": 95 * GiB for i in range(8)})
+    assert f"samples of up to {longest} tokens fit these GPUs (data.max_length 3072" in said
+    assert longest > 3072 and cfg.drafter.recompute == "auto"
 
 
 # --------------------------------------------------------------------------------------------

@@ -79,22 +79,27 @@ def target_row_by_hand() -> dict[str, int]:
 
 
 def drafter_row_by_hand(seqs_per_pass: int, layers: int = 8) -> dict[str, int]:
+    """The drafter's row at its peak, the loss: every layer's activations saved and one chunk of
+    the loss's logits (a layer's backward over 3072-token contexts holds far less)."""
     params = layers * 340_797_952 + 25600 * 5120 + 2 * 5120  # layers, fc, hidden_norm + norm
     block_tokens = seqs_per_pass * 512 * 16  # anchors x block size per sequence
-    # saved per block token per layer, 2-byte units: 9 H + 7 q + 11 kv + 4 I = 169,984
+    context_tokens = seqs_per_pass * 3072
+    # saved per block token per layer, 2-byte units: 9 H + 7 q + 11 kv + 4 I = 169,984; once:
+    # the final states (2 H) and RoPE's cos / sin (4 x head_dim 256)
     saved = 9 * H + 7 * 24 * 256 + 11 * 4 * 256 + 4 * I
-    # per context token: 3 x k*H + 5 H once, 2 H + 11 kv per layer
-    context = 3 * K * H + 5 * H + layers * (2 * H + 11 * 4 * 256)
+    # per context token once: hidden_norm's float32 input and the shared bf16 copy (3 H), RoPE;
+    # per layer: k_norm's float32 input and the attention's keys and values (4 kv)
     tensors = {
         "drafter fp32+adam": params * 16,  # 42.6 GiB for 8 layers
         "autocast copies": params * 2,  # 5.3 GiB
         "embed+lm_head": 2 * V * H * 2,  # 4.7 GiB, frozen bf16, untied
-        "block activations": block_tokens * layers * saved * 2,  # 20.8 GiB per sequence
-        "context": seqs_per_pass * 3072 * context * 2,  # 1.6 GiB per sequence
-        "loss chunk": 4096 * V * 8,  # 7.6 GiB
         # two micro-groups' features (one computing, the next arriving): 3072 x 25600 x 2 =
         # 0.15 GiB per sequence, twice
-        "received features": 2 * seqs_per_pass * 3072 * K * H * 2,
+        "received features": 2 * context_tokens * K * H * 2,
+        "context": context_tokens * (3 * H + 4 * 256) * 2,  # 0.09 GiB per sequence
+        "block activations": block_tokens * (layers * saved + 2 * H + 4 * 256) * 2,  # 20.9
+        "context activations": context_tokens * layers * 4 * 4 * 256 * 2,  # 0.19 per sequence
+        "loss chunk": 4096 * V * 8,  # 7.6 GiB
     }
     return tensors | cuda_margin(sum(tensors.values()))
 
@@ -144,39 +149,67 @@ def test_drafter_of_config_yaml_does_not_fit_and_names_the_key():
     row = plan.row("cuda:7")
     assert row.role == "drafter"
     assert row.components == drafter_row_by_hand(seqs_per_pass=8)
-    # tensors 42.58 + 5.32 + 4.74 + 166.0 + 12.56 + 7.58 + 2.34 = 241.12, + 2 + 4% = 252.8 GiB
-    assert row.components["block activations"] / GiB == pytest.approx(166.0, abs=0.01)
-    assert row.total / GiB == pytest.approx(252.77, abs=0.01)
+    # tensors 42.58 + 5.32 + 4.74 + 2.34 + 0.75 + 167.4 + 1.5 + 7.58 = 232.2, + 2 + 4% = 243.5
+    assert row.components["block activations"] / GiB == pytest.approx(167.38, abs=0.01)
+    assert row.total / GiB == pytest.approx(243.47, abs=0.01)
     assert not row.fits and not plan.fits
+    # fewer sequences a pass would fit, so drafter.recompute auto stays off
+    assert not plan.recompute and plan.drafter_peak == "loss"
     (overflow,) = plan.overflows
     assert overflow.devices == ["cuda:7"] and overflow.row is row
     assert overflow.lower[0] == ("drafter.micro_block_tokens", 65536)
     assert plan.key == "drafter.micro_block_tokens"
     text = format_plan(plan)
     assert "plan does NOT fit" in text
-    assert ("cuda:7 (drafter) needs 252.8 GiB but has 139.0 GiB free: "
+    assert ("cuda:7 (drafter) needs 243.5 GiB but has 139.0 GiB free: "
             "lower drafter.micro_block_tokens (now 65536)") in text
 
 
 def test_drafter_with_smaller_micro_batches_fits():
-    # two sequences per pass on an H200: tensors 42.58 + 5.32 + 4.74 + 41.5 + 3.14 + 7.58 + 0.59
-    # = 105.44, + 2 + 4% = 111.66
+    # two sequences per pass on an H200: tensors 42.58 + 5.32 + 4.74 + 0.59 + 0.19 + 41.84 +
+    # 0.38 + 7.58 = 103.2, + 2 + 4% = 109.3
     plan = plan_memory(node(micro_block_tokens=16384), QWEN36_27B, H200, H200)
     row = plan.row("cuda:7")
     assert row.components == drafter_row_by_hand(seqs_per_pass=2)
-    assert row.total / GiB == pytest.approx(111.66, abs=0.01)
+    assert row.total / GiB == pytest.approx(109.34, abs=0.01)
     assert plan.fits and plan.overflows == [] and plan.key is None
     assert format_plan(plan).rstrip().endswith("plan fits")
-    # one sequence per pass fits a 96 GiB card: tensors 42.58 + 5.32 + 4.74 + 20.75 + 1.57 + 7.58
-    # + 0.29 = 82.83, + 2 + 4% = 88.14 GiB; on an 80 GiB card the anchors per sequence are the
-    # lever left
+    # one sequence per pass fits a 96 GiB card: tensors 42.58 + 5.32 + 4.74 + 0.29 + 0.09 +
+    # 20.92 + 0.19 + 7.58 = 81.71, + 2 + 4% = 86.98 GiB
     small = plan_memory(node(micro_block_tokens=8192), QWEN36_27B, GPU96, GPU96)
     assert small.row("cuda:7").components == drafter_row_by_hand(seqs_per_pass=1)
-    assert small.row("cuda:7").total / GiB == pytest.approx(88.14, abs=0.01)
-    assert small.fits
+    assert small.row("cuda:7").total / GiB == pytest.approx(86.98, abs=0.01)
+    assert small.fits and not small.recompute
+
+
+def test_a_sequence_too_big_for_the_card_recomputes_its_layers_or_names_the_levers():
     gpu80 = {f"cuda:{i}": 80 * GiB for i in range(8)}
-    tight = plan_memory(node(micro_block_tokens=8192), QWEN36_27B, gpu80, gpu80)
-    assert "drafter.num_anchors (now 512)" in format_plan(tight)
+    # one whole sequence needs 87.0 GiB kept, 79.5 with the smallest loss chunk (256): a smaller
+    # chunk would do, so auto does not recompute and the plan names the chunk
+    chunked = plan_memory(node(micro_block_tokens=8192), QWEN36_27B, gpu80, gpu80)
+    assert not chunked.recompute and not chunked.fits
+    assert "drafter.loss_chunk (now 4096)" in format_plan(chunked)
+    # on a 76 GiB drafter card not even that fits: auto recomputes the layers, and it fits
+    gpu76 = {f"cuda:{i}": (96 if i < 7 else 76) * GiB for i in range(8)}
+    auto = plan_memory(node(micro_block_tokens=8192), QWEN36_27B, gpu76, gpu76)
+    assert auto.recompute and auto.fits
+    assert auto.without_recompute == pytest.approx(86.98 * GiB, rel=1e-4)
+    table = format_plan(auto)
+    assert any(line.split()[:2] == ["drafter", "layers"] and line.split()[-1] == "recomputed"
+               for line in table.splitlines())
+    assert any(line.split()[:3] == ["total", "if", "kept"] and line.split()[-1] == "87.0"
+               for line in table.splitlines())
+    # off: its anchors can still go in smaller passes, and recomputing would help: both named
+    off = node(micro_block_tokens=8192, recompute="off")
+    tight = plan_memory(off, QWEN36_27B, gpu80, gpu80)
+    assert not tight.fits and not tight.recompute
+    text = format_plan(tight)
+    assert "drafter.micro_block_tokens (now 8192)" in text
+    assert "drafter.recompute: on, or auto" in text
+    # at the smallest pass (64 anchors of 16) the anchors per sequence are the lever left
+    smallest = plan_memory(node(micro_block_tokens=1024, recompute="off"), QWEN36_27B,
+                           {"cuda:7": 60 * GiB}, {"cuda:7": 60 * GiB})
+    assert "drafter.num_anchors (now 512)" in format_plan(smallest)
 
 
 # --------------------------------------------------------------------------------------------
@@ -224,11 +257,11 @@ def test_cpu_layout_has_one_row_without_cuda_overhead():
 
 def test_fit_sizes_lowers_the_drafter_micro_group_to_what_fits():
     assert fit_sizes(node(micro_block_tokens=8192), QWEN36_27B, GPU96, GPU96) == {}
-    # 65536 (8 sequences, 253 GiB) -> 32768 -> 16384 (111.7 GiB) -> 8192 (88.1 GiB <= 96)
+    # 65536 (8 sequences, 243.5 GiB) -> 32768 -> 16384 (109.3 GiB) -> 8192 (87.0 GiB <= 96)
     sizes = fit_sizes(node(micro_block_tokens=65536), QWEN36_27B, GPU96, GPU96)
     assert sizes == {"drafter.micro_block_tokens": 8192}
-    # an 86 GiB card needs the loss chunk lower too (88.1 - 86 = 2.1 GiB; half the chunk saves
-    # 3.8 GiB + its reserve)
+    # an 86 GiB card needs the loss chunk lower too (87.0 - 86 = 1.0 GiB; half the chunk saves
+    # 3.8 GiB + its reserve), not the layers recomputed: a whole sequence fits without
     gpu86 = {f"cuda:{i}": 86 * GiB for i in range(8)}
     sizes = fit_sizes(node(micro_block_tokens=65536), QWEN36_27B, gpu86, gpu86)
     assert sizes == {"drafter.micro_block_tokens": 8192, "drafter.loss_chunk": 2048}
@@ -238,9 +271,9 @@ def test_fit_sizes_lowers_the_drafter_micro_group_to_what_fits():
 
 
 def test_fit_sizes_lowers_the_target_queue_then_the_budget():
-    gpu64 = {f"cuda:{i}": 64 * GiB for i in range(8)}  # targets need 77.6 GiB
-    sizes = fit_sizes(node(micro_block_tokens=8192), QWEN36_27B, gpu64, gpu64)
-    assert sizes is None  # the drafters' 88.1 GiB cannot fit 64 GiB with these levers
+    gpu52 = {f"cuda:{i}": 52 * GiB for i in range(8)}  # targets need 77.6 GiB
+    sizes = fit_sizes(node(micro_block_tokens=8192), QWEN36_27B, gpu52, gpu52)
+    assert sizes is None  # the drafter's 52.6 GiB of weights alone do not fit 52 GiB
     gpu = {f"cuda:{i}": (64 if i < 7 else 96) * GiB for i in range(8)}
     sizes = fit_sizes(node(micro_block_tokens=8192), QWEN36_27B, gpu, gpu)
     # hs_queue 8 -> 1 (one queued batch per target), then the budget: at 32768 the targets need

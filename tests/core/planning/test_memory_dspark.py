@@ -61,8 +61,12 @@ def test_the_27b_node_plan_of_dspark_by_hand():
     """Against DFlash's plan of the same config: the target's features and queued batches carry
     K+1 vectors instead of K, the drafter receives K+1, holds the heads' fp32 masters, gradients
     and AdamW moments in a row of their own, and a DSpark loss chunk."""
-    flash = plan_memory(node(block_size=7), QWEN36_27B, GPU96, GPU96)
-    spark = plan_memory(dspark(node(block_size=7, loss_chunk=1024)), QWEN36_27B, GPU96, GPU96)
+    # one sequence a pass (3584 block tokens): the loss peaks (with 18 sequences of 3072 a pass,
+    # the backward over their context holds more than DSpark's small chunk)
+    flash = plan_memory(node(block_size=7, micro_block_tokens=4096), QWEN36_27B, GPU96, GPU96)
+    spark = plan_memory(dspark(node(block_size=7, loss_chunk=1024, micro_block_tokens=4096)),
+                        QWEN36_27B, GPU96, GPU96)
+    assert spark.drafter_peak == "loss"
     ft, st = flash.row("cuda:0").components, spark.row("cuda:0").components
     assert st["features"] == T * (K + 1) * H * 2 == ft["features"] * (K + 1) // K
     assert st["hs queue"] == 2 * st["features"]

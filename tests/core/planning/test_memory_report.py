@@ -13,6 +13,7 @@ def test_format_plan_table():
     assert lines[1].split() == ["role", "target", "drafter"]
     assert "weights" in lines[2] and "50.1" in lines[2] and lines[2].rstrip().endswith("-")
     assert len({len(line) for line in lines[:-2]}) == 1  # fixed width
-    assert any(line.split() == ["total", "77.6", "111.7"] for line in lines)
-    assert any(line.split() == ["headroom", "61.4", "27.3"] for line in lines)  # 139 GiB free
+    assert any(line.split() == ["total", "77.6", "109.3"] for line in lines)
+    assert any(line.split() == ["headroom", "61.4", "29.7"] for line in lines)  # 139 GiB free
+    assert any(line.split() == ["drafter", "layers", "-", "kept"] for line in lines)
     assert any("full target logits would add 30.3 GiB" in line for line in lines)
