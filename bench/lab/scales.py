@@ -37,7 +37,7 @@ class Scale:
     head_dim: int = 64
     intermediate_size: int = 2048
     max_position_embeddings: int = 2048
-    train_steps: int = 2400
+    train_steps: int = 2000  # 131M tokens, ~2.5 passes over the ~50M training tokens
     train_batch: int = 64  # windows per step
     train_seq: int = 1024  # tokens per window
     train_lr: float = 1.5e-3
@@ -65,7 +65,7 @@ class Scale:
     max_seqs_per_batch: int = 64
     drafter_lr: float = 1e-3
     probe_steps: int = 60  # steps of the timing run per objective (median of its second half)
-    train_seconds: float = 150.0  # training time of every run (equal GPU time): steps from the probe
+    train_seconds: float = 100.0  # each run trains this long (equal GPU time): steps from its probe
     seeds: tuple[int, ...] = (0, 1)
     dtype: str = "bfloat16"  # the target's in the runs (drafter: its served bf16)
     eval_new_tokens: int = 128

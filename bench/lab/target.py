@@ -150,8 +150,8 @@ def train_lm(model, stream: np.ndarray, scale: Scale, seed: int, device: str,
 
 def _check_cap(scale: Scale, s_per_step: float, log) -> None:
     projected = scale.train_steps * s_per_step
-    log(f"target: {s_per_step:.3f} s/step measured, {scale.train_steps} steps ~{projected / 60:.1f} "
-        f"min (cap {scale.train_minutes_cap} min)")
+    log(f"target: {s_per_step:.3f} s/step measured, {scale.train_steps} steps "
+        f"~{projected / 60:.1f} min (cap {scale.train_minutes_cap} min)")
     if projected > scale.train_minutes_cap * 60:
         fit = int(scale.train_minutes_cap * 60 / s_per_step)
         raise LabError(f"the target's {scale.train_steps} steps would train for ~"

@@ -1,4 +1,4 @@
-"""bench/lab/tokenizer.py and prefixes.py: the BPE learned on the corpus, and prompts cut from it."""
+"""bench/lab/tokenizer.py and prefixes.py: the BPE learned on the corpus, prompts cut from it."""
 
 import numpy as np
 
@@ -29,7 +29,8 @@ def test_the_tokenizer_is_learned_deterministically_with_eos_first_and_mask_last
 
 def test_the_chat_template_puts_the_turns_back_to_back_and_ends_an_answer_with_eos(fake_site):
     tok = fast_tokenizer(train_tokenizer(_docs(), 400, 1_000_000))
-    msgs = [{"role": "user", "content": "def f(x):"}, {"role": "assistant", "content": "\n    return x"}]
+    msgs = [{"role": "user", "content": "def f(x):"},
+            {"role": "assistant", "content": "\n    return x"}]
     assert tok.apply_chat_template(msgs, tokenize=False) == "def f(x):\n    return x" + EOS
     prompt = tok.apply_chat_template(msgs[:1], tokenize=False, add_generation_prompt=True)
     assert prompt == "def f(x):"  # the rendered prompt is the file prefix itself
