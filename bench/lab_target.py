@@ -2,11 +2,14 @@
 its own data, and DFlash against DSpark trained and evaluated on it, in parts that continue each
 other. Every part is cached under --dir and reused by the next call.
 
-    python bench/lab_target.py --scale tiny --dir runs/lab-tiny --stage all    # CPU, minutes
-    python bench/lab_target.py --scale lab --dir runs/lab --stage target       # GPU, ~8 min
-    python bench/lab_target.py --scale lab --dir runs/lab --stage data         # GPU, ~3 min
-    python bench/lab_target.py --scale lab --dir runs/lab --stage train --stop-after 9
-    python bench/lab_target.py --scale lab --dir runs/lab --stage eval         # GPU, ~4 min
+    python bench/lab_target.py --scale tiny --dir runs/lab-tiny --stage all    # CPU, ~6 CPU-min
+    python bench/lab_target.py --scale lab --dir runs/lab --stage target       # GPU, est. 6-9 min
+    python bench/lab_target.py --scale lab --dir runs/lab --stage data         # GPU, est. 2-3 min
+    python bench/lab_target.py --scale lab --dir runs/lab --stage train --stop-after 9  # x2
+    python bench/lab_target.py --scale lab --dir runs/lab --stage eval         # GPU, est. 2 min
+
+(train: ~11 GPU-min in all, so two calls of 9; bench/BENCHMARKS.md, "The lab chain", gives the
+calls that fit a GPU machine's limits.)
 
 Stages (each needs the ones before it, built by an earlier call or by --stage all):
 

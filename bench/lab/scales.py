@@ -37,7 +37,7 @@ class Scale:
     head_dim: int = 64
     intermediate_size: int = 2048
     max_position_embeddings: int = 2048
-    train_steps: int = 2000  # 131M tokens, ~2.5 passes over the ~50M training tokens
+    train_steps: int = 2000  # 131M tokens: ~3.5 passes over the 38M training tokens
     train_batch: int = 64  # windows per step
     train_seq: int = 1024  # tokens per window
     train_lr: float = 1.5e-3
@@ -102,7 +102,8 @@ DATA_FIELDS = ("conversations", "prompt_min_tokens", "prompt_max_tokens", "answe
                "gen_batch", "set_buckets", "set_prompts")
 
 # Present in this project's environment and on the GPU machines' image alike (torch, transformers
-# and what they pull in), largest first: about 170 MB of text here, ~50M tokens.
+# and what they pull in), largest first: 157M characters here, 37.9M training tokens at the
+# vocabulary of 16384 (bench/BENCHMARKS.md, "The lab chain").
 LAB_PACKAGES = ("transformers", "torch", "sympy", "numpy", "matplotlib", "networkx", "pygments",
                 "huggingface_hub", "setuptools", "rich", "_pytest", "fsspec", "packaging",
                 "jinja2", "click", "requests", "tqdm")
