@@ -1,0 +1,203 @@
+"""Stage ``train``: DFlash (block 16) against DSpark (block 7) on the lab target and its data, at
+equal GPU time, over several seeds; each run a ``dflash-tui run --headless`` of its own config.
+
+Equal time: each objective's step is first timed by a probe run (``Scale.probe_steps`` steps,
+seed 0, no evaluation; seconds per step = the median gap between the steps of its second half,
+as bench/training/recipe.py times them), kept in ``<dir>/train/timing.json``. Every run then gets
+``train_seconds / seconds per step`` steps, so both objectives train for the same time; the
+table reports each run's measured training seconds beside it.
+
+Folders: ``<dir>/train/configs/NAME.yaml``, ``<dir>/train/runs/NAME/`` (NAME =
+``OBJECTIVE-bB-nSTEPS-sSEED``). A run that ended ``finished`` is kept; one that stopped with a
+checkpoint is resumed (``--resume``); one that stopped before its first checkpoint is started
+again. A run folder whose config is not this command's is refused (another scale or budget:
+another --dir).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.lab.data_stage import max_length, prepared_path
+from bench.lab.errors import LabError
+from bench.lab.proc import dflash_tui, last_line
+from bench.lab.scales import Scale
+from bench.training.recipe import _phase_seconds, _step_seconds
+
+BLOCKS = {"dflash": 16, "dspark": 7}  # issue 50: DFlash's released B, DSpark's
+TIMING = "timing.json"
+
+
+@dataclass(frozen=True)
+class PlannedRun:
+    objective: str
+    block: int
+    seed: int
+    steps: int
+    probe: bool = False
+
+    @property
+    def name(self) -> str:
+        head = "probe-" if self.probe else ""
+        return f"{head}{self.objective}-b{self.block}-n{self.steps}-s{self.seed}"
+
+
+def run_config_dict(root: Path, scale: Scale, run: PlannedRun, device: str) -> dict:
+    """The run's config (config_from_dict checks it): the lab target and data, the scale's
+    drafter, ``run.max_steps`` the planned steps."""
+    cpu = device == "cpu"
+    target = {"path": str(root / "target"), "dtype": scale.dtype, "attn_implementation": "sdpa"}
+    if scale.layer_ids:
+        target["layer_ids"] = list(scale.layer_ids)
+    return {
+        "run": {"name": run.name, "output_dir": str(root / "train" / "runs"), "seed": run.seed,
+                "max_steps": run.steps, "log_every_s": 10.0},
+        "target": target,
+        "drafter": {"objective": run.objective, "block_size": run.block,
+                    "num_layers": scale.drafter_layers, "num_anchors": scale.num_anchors,
+                    "mask_token_id": -1, "dtype": "float32" if cpu else "bfloat16"},
+        "data": {"path": str(prepared_path(root)), "token_budget": scale.token_budget,
+                 "max_seqs_per_batch": scale.max_seqs_per_batch, "max_length": max_length(scale),
+                 "eval_prompts": 0 if run.probe else scale.run_eval_prompts},
+        "layout": {"device": "cpu" if cpu else "cuda", "targets": [0], "drafters": [0],
+                   "hs_queue": 4},
+        # epochs high: run.max_steps is what ends a run
+        "optim": {"lr": scale.drafter_lr, "warmup_frac": 0.04, "min_lr_frac": 0.1,
+                  "epochs": 1000},
+        "checkpoint": {"every": 0 if run.probe else max(1, run.steps // 4), "keep": 2},
+        "eval": {"every": 0, "max_new_tokens": scale.run_eval_new_tokens,
+                 "prompt_tokens": min(256, scale.prompt_max_tokens)},
+        "telemetry": {"interval_s": 1.0},
+    }
+
+
+def write_config(root: Path, scale: Scale, run: PlannedRun, device: str) -> Path:
+    """The run's YAML; refuses a run folder made under another config."""
+    import yaml
+
+    from dflash_core.config import config_from_dict
+
+    cfg = config_from_dict(run_config_dict(root, scale, run, device))
+    text = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+    path = root / "train" / "configs" / f"{run.name}.yaml"
+    run_dir = root / "train" / "runs" / run.name
+    if path.is_file() and path.read_text(encoding="utf-8") != text and run_dir.exists():
+        raise LabError(f"{run_dir} was trained under another config than this command's "
+                       f"({path} differs)",
+                       hint=f"pass another --dir, or remove {run_dir} and {path}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def read_events(run_dir: Path) -> list[dict]:
+    path = run_dir / "events.jsonl"
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:  # a line torn by a kill
+            continue
+    return out
+
+
+def run_status(run_dir: Path) -> str:
+    """finished | resumable (a checkpoint to go on from) | fresh (nothing to keep)."""
+    from dflash_core.checkpoint.folders import latest_checkpoint
+
+    if not run_dir.exists():
+        return "fresh"
+    ended = [e for e in read_events(run_dir) if e.get("event") == "RunEnded"]
+    if ended and ended[-1].get("status") == "finished":
+        return "finished"
+    return "resumable" if latest_checkpoint(run_dir) is not None else "fresh"
+
+
+def train_one(root: Path, scale: Scale, run: PlannedRun, device: str, log=print) -> dict:
+    cfg = write_config(root, scale, run, device)
+    run_dir = root / "train" / "runs" / run.name
+    status = run_status(run_dir)
+    if status != "finished":
+        if status == "fresh" and run_dir.exists():
+            shutil.rmtree(run_dir)  # this stage's own run, stopped before any checkpoint
+        args = ["run", "--config", str(cfg), "--headless"]
+        if status == "resumable":
+            args.append("--resume")
+        log(f"train: {run.name} ({run.steps} steps{', resumed' if status == 'resumable' else ''})")
+        log_file = run_dir.parent / f"{run.name}.log"
+        rc = dflash_tui(args, log_file)
+        if rc != 0 or run_status(run_dir) != "finished":
+            raise LabError(f"run {run.name} ended with exit {rc}: {last_line(log_file)}",
+                           hint=f"see {log_file}; the same command continues from its last "
+                                "checkpoint")
+    return run_row(run_dir, run)
+
+
+def run_row(run_dir: Path, run: PlannedRun) -> dict:
+    """What a finished run measured: its in-engine exact tau, its steps and seconds."""
+    events = read_events(run_dir)
+    evals = [e for e in events if e.get("event") == "EvalResult" and not e.get("prompt_set")]
+    metrics = [e for e in events if e.get("event") == "StepMetrics"]
+    ended = [e for e in events if e.get("event") == "RunEnded"]
+    return {"name": run.name, "objective": run.objective, "block_size": run.block,
+            "seed": run.seed, "steps": metrics[-1]["step"] if metrics else 0,
+            "planned_steps": run.steps, "step_s": _step_seconds(metrics),
+            **_phase_seconds(events, metrics),
+            "run_s": ended[-1].get("seconds") if ended else None,
+            "tau_heldout": evals[-1]["tau"] if evals else None,
+            "train_loss": metrics[-1]["loss"] if metrics else None,
+            "tau_tf": metrics[-1]["tau_tf"] if metrics else None,
+            "run_dir": str(run_dir)}
+
+
+def timing(root: Path, scale: Scale, device: str, log=print) -> dict:
+    """Seconds per step and start-up seconds of each objective, from its probe (cached)."""
+    path = root / "train" / TIMING
+    got = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    for objective, block in BLOCKS.items():
+        if objective in got:
+            continue
+        probe = PlannedRun(objective, block, 0, scale.probe_steps, probe=True)
+        row = train_one(root, scale, probe, device, log)
+        if not row["step_s"]:
+            raise LabError(f"the probe {probe.name} gave no step time",
+                           hint="raise probe_steps (scales.py)")
+        got[objective] = {"probe_steps": scale.probe_steps, "s_per_step": row["step_s"],
+                          "overhead_s": round((row["run_s"] or 0) - (row["train_s"] or 0), 1)}
+        path.write_text(json.dumps(got, indent=2), encoding="utf-8")
+        log(f"timing: {objective} {row['step_s']} s/step")
+    return got
+
+
+def plan(scale: Scale, times: dict) -> list[PlannedRun]:
+    """Every run, seed-major (a sweep cut short still holds both objectives of its first seeds),
+    each objective's steps filling ``train_seconds``."""
+    steps = {o: max(1, round(scale.train_seconds / times[o]["s_per_step"])) for o in BLOCKS}
+    return [PlannedRun(o, BLOCKS[o], seed, steps[o]) for seed in scale.seeds for o in BLOCKS]
+
+
+def ensure_train(root: Path, scale: Scale, device: str, stop_after_s: float = 0.0,
+                 log=print) -> bool:
+    """Every planned run finished (True), or stopped before one that would pass
+    ``stop_after_s`` seconds of this call (False: the same command continues)."""
+    t0 = time.monotonic()
+    times = timing(root, scale, device, log)
+    rows = []
+    for run in plan(scale, times):
+        run_dir = root / "train" / "runs" / run.name
+        if run_status(run_dir) != "finished" and stop_after_s > 0:
+            t = times[run.objective]
+            need = run.steps * t["s_per_step"] + t["overhead_s"]
+            if time.monotonic() - t0 + need > stop_after_s:
+                log(f"train: stopping before {run.name} (~{need:.0f} s) to end within "
+                    f"{stop_after_s / 60:.1f} min; run the same command again to continue")
+                return False
+        rows.append(train_one(root, scale, run, device, log))
+        (root / "train" / "runs.json").write_text(json.dumps(rows, indent=1), encoding="utf-8")
+    return True

@@ -1,0 +1,52 @@
+"""The whole lab chain at a micro version of the tiny scale, on the CPU: every stage through the
+command line, the stages refusing to run out of order, the train stage stopped and continued,
+and the recipe's figures read back. Marked slow (about three minutes on two cores); the fast
+tests beside it cover each stage's parts."""
+
+import json
+
+import pytest
+
+from bench.lab_target import EXIT_PARTIAL, main
+
+pytestmark = pytest.mark.slow
+
+MICRO = ["--scale", "tiny", "--set", "train_steps=60", "--set", "conversations=48",
+         "--set", "probe_steps=6", "--set", "train_seconds=3", "--set", "set_prompts=4",
+         "--set", "eval_new_tokens=16"]
+
+
+def test_the_chain_runs_in_parts_that_continue_each_other(tmp_path, capsys):
+    args = MICRO + ["--dir", str(tmp_path)]
+    assert main(args + ["--stage", "target"]) == 0
+    assert main(args + ["--stage", "train"]) == 2  # before its data
+    assert "run --stage data first" in capsys.readouterr().err
+    assert main(args + ["--stage", "data"]) == 0
+    prepared = json.loads((tmp_path / "data" / "lab_data.json").read_text())["prepared"]
+    assert prepared["counts"]["samples"] > 0
+    # stopped before its first run (the probes are timed first), then continued
+    assert main(args + ["--stage", "train", "--stop-after", "0.01"]) == EXIT_PARTIAL
+    assert set(json.loads((tmp_path / "train" / "timing.json").read_text())) == {"dflash",
+                                                                                 "dspark"}
+    assert main(args + ["--stage", "train"]) == 0
+    assert main(args + ["--stage", "eval"]) == 0
+    summary = json.loads((tmp_path / "recipe.json").read_text())
+    assert set(summary["sets"]) == {"code", "docstrings"}
+    for s in summary["sets"].values():
+        runs = s["runs"]
+        assert sorted((r["objective"], r["seed"]) for r in runs) == [
+            ("dflash", 0), ("dflash", 1), ("dspark", 0), ("dspark", 1)]
+        for r in runs:
+            assert r["mismatches"] == 0 and r["tau"] >= 1.0 and r["speedup"] > 0
+            assert len(r["tau_by_context"]) == len(summary["edges"]) - 1
+    assert "| dflash (16) | 0,1 |" in (tmp_path / "recipe.md").read_text()
+    # everything is cached: the whole chain again builds nothing new
+    stamp = (tmp_path / "target" / "lab_target.json").stat().st_mtime_ns
+    runs = sorted(p.name for p in (tmp_path / "train" / "runs").iterdir())
+    assert main(args + ["--stage", "all"]) == 0
+    assert (tmp_path / "target" / "lab_target.json").stat().st_mtime_ns == stamp
+    assert sorted(p.name for p in (tmp_path / "train" / "runs").iterdir()) == runs
+    # another recipe in the same folder is refused, naming the fix
+    assert main(MICRO + ["--dir", str(tmp_path), "--set", "train_steps=61",
+                         "--stage", "target"]) == 2
+    assert "another --dir" in capsys.readouterr().err

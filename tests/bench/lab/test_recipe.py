@@ -1,0 +1,75 @@
+"""bench/lab/recipe.py and evaluation.py: the runs at equal time, their configs, and the figures
+read from dflash-tui eval's results (tau by context length)."""
+
+import pytest
+
+from bench.lab.errors import LabError
+from bench.lab.evaluation import context_edges, rounds_by_context, table, tau_by_context
+from bench.lab.recipe import BLOCKS, PlannedRun, plan, run_config_dict, write_config
+from bench.lab.scales import scale_named
+
+TINY = scale_named("tiny")
+
+
+def test_each_objective_gets_the_steps_that_fill_the_same_training_time():
+    times = {"dflash": {"s_per_step": 0.5}, "dspark": {"s_per_step": 0.4}}
+    runs = plan(TINY.replace(train_seconds=100.0, seeds=(0, 1)), times)
+    assert [(r.objective, r.block, r.seed, r.steps) for r in runs] == [
+        ("dflash", 16, 0, 200), ("dspark", 7, 0, 250), ("dflash", 16, 1, 200),
+        ("dspark", 7, 1, 250)]
+    assert {r.steps * times[r.objective]["s_per_step"] for r in runs} == {100.0}
+    assert runs[1].name == "dspark-b7-n250-s0"
+    assert PlannedRun("dflash", 16, 0, 12, probe=True).name == "probe-dflash-b16-n12-s0"
+
+
+def test_the_run_configs_are_valid_and_differ_only_in_the_objective_and_its_block(tmp_path):
+    from dflash_core.config import config_from_dict
+
+    cfgs = {o: config_from_dict(run_config_dict(tmp_path, TINY, PlannedRun(o, b, 1, 30), "cpu"))
+            for o, b in BLOCKS.items()}
+    assert cfgs["dflash"].drafter.block_size == 16 and cfgs["dspark"].drafter.block_size == 7
+    assert cfgs["dspark"].drafter.objective == "dspark"
+    for cfg in cfgs.values():
+        assert cfg.run.max_steps == 30 and cfg.run.seed == 1
+        assert cfg.target.path == str(tmp_path / "target")
+        assert cfg.data.path == str(tmp_path / "data" / "prepared")
+        assert cfg.layout.device == "cpu" and cfg.target.layer_ids == [1, 2, 3]
+
+
+def test_a_run_folder_of_another_config_is_refused_not_reused(tmp_path):
+    run = PlannedRun("dflash", 16, 0, 30)
+    path = write_config(tmp_path, TINY, run, "cpu")
+    assert write_config(tmp_path, TINY, run, "cpu") == path  # the same config: fine
+    (tmp_path / "train" / "runs" / run.name).mkdir(parents=True)
+    with pytest.raises(LabError, match="another config"):
+        write_config(tmp_path, TINY.replace(drafter_lr=1e-4), run, "cpu")
+
+
+def test_every_round_counts_at_the_context_length_where_it_began():
+    # prompt of 10 tokens: the prefill gives token 11; rounds accept 3, 0, 5 drafts
+    assert rounds_by_context(10, [3, 0, 5]) == [(11, 4), (15, 1), (16, 6)]
+    edges = (0, 12, 16, 100)
+    lines = [{"prompt_tokens": 10, "acceptance": [3, 0, 5]},
+             {"prompt_tokens": 30, "acceptance": [1, 1]}]
+    # [0,12): the round at 11 gave 4; [12,16): the round at 15 gave 1; [16,100): 6, 2, 2
+    assert tau_by_context(lines, edges) == [4.0, 1.0, 10 / 3]
+    assert tau_by_context([], edges) == [None, None, None]
+    assert context_edges(TINY) == (16, 64, 160, TINY.max_position_embeddings + 1)
+
+
+def test_the_table_shows_each_objective_over_its_seeds_and_tau_by_context_length():
+    run = lambda objective, block, seed, tau, ctx: {  # noqa: E731
+        "objective": objective, "block_size": block, "seed": seed, "steps": 40, "train_s": 20.0,
+        "tau": tau, "accepted_per_round": tau - 1, "accepted_at_1": 0.5, "speedup": 1.5,
+        "mismatches": 0, "tau_by_context": ctx}
+    summary = {"edges": [16, 64, 513], "sets": {"code": {
+        "prompts": 4, "plain_tokens_per_s": 100.0, "prompt_tokens": [20, 30, 70, 90],
+        "runs": [run("dflash", 16, 0, 3.0, [3.0, None]), run("dflash", 16, 1, 4.0, [5.0, 2.0]),
+                 run("dspark", 7, 0, 2.5, [2.5, 2.0])]}}}
+    record = {"parameters": 1.2e6, "heldout_loss": 4.5, "final_train_loss": 4.2,
+              "tokens_trained": 1000, "train_seconds": 9.0, "device": "cpu"}
+    text = table(summary, record, TINY)
+    assert "| dflash (16) | 0,1 | 40,40 | 20.0 ± 0.0 | 3.50 ± 0.71 | 2.50 ± 0.71 |" in text
+    assert "| dspark (7) | 0 | 40 | 20.0 | 2.50 | 1.50 | 50.0% | 1.50x | exact |" in text
+    assert "| objective | 16-63 | 64-512 |" in text
+    assert "| dflash | 4.00 ± 1.41 | 2.00 |" in text  # a bucket without rounds is left out
