@@ -82,7 +82,8 @@ def test_the_dflash_step_loss_on_the_cpu_is_the_torch_loss(monkeypatch):
     ids, mask, anchors, hidden = batch(4)
     labels = obj.block_labels(ids, mask, anchors, 4)
     for loss in ("dflash", "dpace"):
-        step = DFlashStepLoss(drafter, dcfg(block_size=4, loss=loss, loss_chunk=5))
+        step = DFlashStepLoss(drafter, dcfg(block_size=4, loss=loss, loss_chunk=5,
+                                            fused_loss="auto"))
         assert step.fused_mode == "auto"
         _, t = step.targets(drafter, None, labels, ids, anchors)
         h = hidden.clone().requires_grad_()
@@ -143,7 +144,8 @@ def test_an_engine_run_with_on_stops_at_preflight_in_one_line(tmp_path, assets):
 
 
 def test_unquoted_yaml_on_and_off_are_the_modes(tmp_path):
-    assert config_from_dict({}).drafter.fused_loss == "auto"
+    # off until the GPU agreement test and timings are recorded
+    assert config_from_dict({}).drafter.fused_loss == "off"
     for text, mode in (("on", "on"), ("off", "off"), ("auto", "auto"), ("'on'", "on")):
         path = tmp_path / "config.yaml"
         path.write_text(f"drafter:\n  fused_loss: {text}\n")
