@@ -6,6 +6,7 @@ evaluates through the engine, and the log says how its weights are held."""
 
 from __future__ import annotations
 
+import gc
 import math
 
 import pytest
@@ -33,6 +34,7 @@ def twin(tmp_path_factory):
 def loaded(folder, **kw):
     """(target, bytes its weights took on cuda:0, the lines it said)."""
     said: list[str] = []
+    gc.collect()  # the last test's target freed now, not while this one loads (its bytes < 0)
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated(0)
     target = load_target(folder, device="cuda:0", dtype=torch.bfloat16, say=said.append, **kw)

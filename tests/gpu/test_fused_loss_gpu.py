@@ -130,10 +130,11 @@ class Head:
 
     def __init__(self, W, V, R, confidence, seed):
         torch.manual_seed(seed)
-        self.lm_head = torch.nn.Linear(H, V, bias=False)
+        width = W.shape[1]  # the drafter's hidden size: H here, the 8B shape's 4096 below
+        self.lm_head = torch.nn.Linear(width, V, bias=False)
         self.lm_head.weight = torch.nn.Parameter(W, requires_grad=False)
         self.markov_head = MarkovHead(V, R).to(DEV)
-        self.confidence_head = ConfidenceHead(H + R).to(DEV) if confidence else None
+        self.confidence_head = ConfidenceHead(width + R).to(DEV) if confidence else None
         with torch.no_grad():
             self.markov_head.markov_w1.weight.normal_(0, 1.0)
             self.markov_head.markov_w2.weight.normal_(0, 0.3)
@@ -282,8 +283,11 @@ def test_at_the_8b_shape_the_fused_loss_holds_what_the_plan_says_and_is_faster(o
 # ------------------------------------------------------------------------------------------------
 
 def engine_steps(tmp_path: Path, objective: str, mode: str) -> list[StepMetrics]:
-    target = make_target(tmp_path / "target", head_dim=16)  # head_dim 16: compiled flex
-    data = make_data(tmp_path / "data")
+    # one target and one data folder for both modes (data folders are never overwritten)
+    target, data = tmp_path / "target", tmp_path / "data"
+    if not data.exists():
+        make_target(target, head_dim=16)  # head_dim 16: compiled flex
+        make_data(data)
     keys = {"drafter__markov_rank": 16} if objective == "dspark" else {}
     cfg = make_config(tmp_path / mode, target, data, layout__device="cuda",
                       target__dtype="bfloat16", drafter__objective=objective,

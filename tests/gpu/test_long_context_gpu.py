@@ -94,4 +94,6 @@ def test_anchor_passes_on_the_gpu_step_as_one_pass():
     assert c_one == [256] and c_split == [ANCHOR_PAD] * 4
     assert abs(split.loss - one.loss) <= 1e-3 * abs(one.loss)
     assert split.tau_tf == one.tau_tf
-    assert torch.allclose(g_split, g_one, rtol=2e-2, atol=1e-5)
+    # bf16 sums in another order: the gradient as a whole, not each (near-zero) element
+    diff = float((g_split.double() - g_one.double()).norm() / g_one.double().norm())
+    assert diff < 1e-2, diff
