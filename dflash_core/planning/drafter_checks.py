@@ -37,6 +37,16 @@ def check_fused_loss(cfg: Config, drafter_devices) -> None:
             raise refused
 
 
+def fused_loss_line(cfg: Config) -> str:
+    """The loss a CUDA drafter runs, in one line for the log: fused or torch, and why."""
+    mode = cfg.drafter.fused_loss
+    if fused_loss.fused(mode, "cuda"):
+        return (f"drafter loss: fused (Triton kernels beside the lm_head's matmuls; "
+                f"drafter.fused_loss {mode})")
+    why = "off" if mode == "off" else "auto, Triton is not installed"
+    return f"drafter loss: torch (chunked, logits recomputed in backward; drafter.fused_loss {why})"
+
+
 def check_drafter_heads(cfg: Config, hf_config: dict) -> None:
     """Head counts the drafter cannot be built with (its attention groups query heads by key /
     value head), refused with the keys that set them."""

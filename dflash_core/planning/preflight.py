@@ -32,7 +32,7 @@ from dflash_core.observe.events import Event, Log
 from dflash_core.observe.sinks.wandb_sink import validate_wandb_settings
 from dflash_core.persist.build_cache import Progress
 from dflash_core.planning.capacity_checks import check_checkpoint_disk, check_memory
-from dflash_core.planning.drafter_checks import check_fused_loss
+from dflash_core.planning.drafter_checks import check_fused_loss, fused_loss_line
 from dflash_core.planning.data_checks import (
     check_data_manifest, check_something_trains, resolve_data,
 )
@@ -106,6 +106,9 @@ def prepare(cfg: Config, run_dir: Path, tdev: list[torch.device], ddev: list[tor
 
     def warn(message: str) -> None:
         publish(Log(level="warning", source="preflight", message=message))
+
+    if any(d.type == "cuda" for d in ddev):  # which loss the drafters run, said once
+        publish(Log(level="info", source="preflight", message=fused_loss_line(cfg)))
 
     target_path, hf_config, layer_ids, mask_id = resolve_target(cfg, run_dir, demo_progress,
                                                                 say=warn)

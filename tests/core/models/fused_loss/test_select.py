@@ -144,8 +144,7 @@ def test_an_engine_run_with_on_stops_at_preflight_in_one_line(tmp_path, assets):
 
 
 def test_unquoted_yaml_on_and_off_are_the_modes(tmp_path):
-    # off until the GPU agreement test and timings are recorded
-    assert config_from_dict({}).drafter.fused_loss == "off"
+    assert config_from_dict({}).drafter.fused_loss == "auto"
     for text, mode in (("on", "on"), ("off", "off"), ("auto", "auto"), ("'on'", "on")):
         path = tmp_path / "config.yaml"
         path.write_text(f"drafter:\n  fused_loss: {text}\n")
@@ -153,3 +152,17 @@ def test_unquoted_yaml_on_and_off_are_the_modes(tmp_path):
     with pytest.raises(ConfigError) as e:
         config_from_dict({"drafter": {"fused_loss": "fast"}})
     assert e.value.key == "drafter.fused_loss" and "'auto', 'on', 'off'" in str(e.value)
+
+
+def test_the_log_says_which_loss_a_cuda_drafter_runs(monkeypatch):
+    from dflash_core.planning.drafter_checks import fused_loss_line
+
+    def line(mode, triton):
+        monkeypatch.setattr(select, "triton_installed", lambda: triton)
+        return fused_loss_line(config_from_dict({"drafter": {"fused_loss": mode}}))
+
+    assert line("auto", True).startswith("drafter loss: fused") and "auto" in line("auto", True)
+    assert line("on", True).startswith("drafter loss: fused")
+    assert line("off", True) == ("drafter loss: torch (chunked, logits recomputed in backward; "
+                                 "drafter.fused_loss off)")
+    assert line("auto", False).endswith("drafter.fused_loss auto, Triton is not installed)")
