@@ -66,6 +66,12 @@ BLOCK_FINAL_H, BLOCK_BACKWARD_H = 2, 4
 # drafter.recompute: per block token per layer, the layer's input kept for the recompute (the
 # float32 residual stream); the layer rebuilt in backward then holds DRAFTER_SAVED_* once.
 RECOMPUTE_INPUT_H = 2
+# drafter.recompute, backward, per context token: measured, not derived. On an H200 at the 27B
+# shape (8 layers, one sample of 131,072 tokens; bench/training/plan_vs_peak.py, BENCHMARKS.md
+# "Long context") the recomputed backward peaked 5.1 GiB (DFlash) and 7.2 GiB (DSpark) above the
+# terms above: 4.1 and 5.7 x H per context token in 2-byte units. 6 covers both (the plan 3% and
+# 0.4% over the peaks); which tensors they are is not yet known.
+RECOMPUTE_BACKWARD_CONTEXT_H = 6
 # Per token (context and blocks), once: RoPE's cos and sin in float32 (head_dim each).
 ROPE_HEAD_DIM = 4
 # Per context token, once (drafter.py): hidden_norm's float32 input and the one bf16 copy of the
@@ -189,7 +195,8 @@ def phase_components(cfg: Config, s: ModelShape, recompute: bool,
         rebuilt = Q * layer * u  # the one layer recomputed in backward
         block = {"forward": kept, "loss": kept, "backward": kept + rebuilt}
         ctx_layer = C * CONTEXT_LAYER_KV * kv * u
-        context = {"forward": 0, "loss": 0, "backward": ctx_layer}
+        context = {"forward": 0, "loss": 0,
+                   "backward": ctx_layer + C * RECOMPUTE_BACKWARD_CONTEXT_H * H * u}
     else:
         saved = Q * (L * layer + once) * u
         block = dict.fromkeys(PHASES, saved)
