@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common.py
 from common import FIXTURES, env_line, hf_config  # noqa: E402 - common puts the repo on sys.path
+from moe_target import measure  # noqa: E402 - warm-up, timed forwards, the peak, or OOM
 
 from dflash_core.config import config_from_dict  # noqa: E402
 from dflash_core.models.target.config import default_layer_ids  # noqa: E402
@@ -111,21 +112,9 @@ def main(argv=None) -> None:
     for L in args.lengths:
         plan = plan_for(shape, L, args.device)
         ids = torch.randint(0, target.vocab_size, (1, L), generator=gen).to(args.device)
-        try:
-            target.features(ids, None, layers)  # warm-up: kernels chosen and autotuned
-            if cuda:
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-            t = time.perf_counter()
-            for _ in range(args.iters):
-                target.features(ids, None, layers)
-            if cuda:
-                torch.cuda.synchronize()
-            dt = (time.perf_counter() - t) / args.iters
-            peak = torch.cuda.max_memory_allocated() if cuda else None
-            rate = f"{L / dt:,.0f}"
-        except torch.OutOfMemoryError:
-            dt, peak, rate = None, None, "OOM"
+        m = measure(lambda: target.features(ids, None, layers), args, L)
+        peak, dt = m.peak, None if m.tokens_per_s is None else L / m.tokens_per_s
+        rate = "OOM" if dt is None else f"{m.tokens_per_s:,.0f}"
         planned = sum(plan.values())
         under = "-" if cap is None or peak is None else ("yes" if peak <= cap else "no")
         ratio = "-" if peak is None else f"{planned / peak:.2f}"
