@@ -119,9 +119,8 @@ class DrafterConfig:
         (they agree to float32 noise). auto = fused where the drafters run on CUDA and Triton is
         installed (it ships with torch's CUDA wheels), torch elsewhere; on = fused, refused at
         preflight where it cannot run; off = torch. Its loss chunk holds one logits buffer in
-        the lm_head's dtype (dspark: three) instead of the torch path's float32 arrays. On one
-        H200 at the 8B shape: DSpark's step 1.080 -> 0.677 s, DFlash's 1.496 -> 1.235 s, the
-        demo's tau unchanged (bench/BENCHMARKS.md).""")
+        the lm_head's dtype (dspark: three) instead of the torch path's float32 arrays. Measured
+        in bench/BENCHMARKS.md ("The fused loss"): an 8B DSpark step 1.08 -> 0.68 s.""")
     markov_rank: int = key(dspark.MARKOV_RANK, """dspark: r, the rank of the Markov head (W1 [V, r], W2 r -> V),
         below the target's vocabulary.""", gt=0)
     ce_weight: float = key(dspark.LOSS_WEIGHTS[0], "dspark: the weight of the cross-entropy on the data's tokens.",
