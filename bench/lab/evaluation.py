@@ -120,7 +120,10 @@ def table(summary: dict, record: dict, scale: Scale) -> str:
     lines = [f"Lab chain, scale {scale.name}: target {record['parameters'] / 1e6:.1f}M "
              f"parameters, held-out loss {record['heldout_loss']} nats/token "
              f"(train {record['final_train_loss']}), {record['tokens_trained']:,} tokens "
-             f"trained in {record['train_seconds']} s on {record['device']}.", ""]
+             f"trained in {record['train_seconds']} s on {record['device']}.", "",
+             f"Each objective's steps fill {scale.train_seconds:g} s of its step time measured "
+             f"alone; runs trained {scale.parallel_runs} at a time on the one device, so "
+             "'train s' (wall clock) counts the sharing.", ""]
     for set_name, s in summary["sets"].items():
         pt = s["prompt_tokens"]
         lines += [f"Set {set_name}: {s['prompts']} prompts of {pt[0]}-{pt[-1]} tokens "

@@ -182,22 +182,48 @@ def plan(scale: Scale, times: dict) -> list[PlannedRun]:
     return [PlannedRun(o, BLOCKS[o], seed, steps[o]) for seed in scale.seeds for o in BLOCKS]
 
 
+def groups(runs: list[PlannedRun], size: int) -> list[list[PlannedRun]]:
+    """The runs in order, ``size`` at a time (the runs trained side by side)."""
+    size = max(1, size)
+    return [runs[k:k + size] for k in range(0, len(runs), size)]
+
+
 def ensure_train(root: Path, scale: Scale, device: str, stop_after_s: float = 0.0,
                  log=print) -> bool:
-    """Every planned run finished (True), or stopped before one that would pass
-    ``stop_after_s`` seconds of this call (False: the same command continues)."""
+    """Every planned run finished (True), or stopped before a group of runs that would pass
+    ``stop_after_s`` seconds of this call (False: the same command continues).
+
+    Runs go ``scale.parallel_runs`` at a time. A group's time is guessed as its runs' alone
+    times summed (as if the GPU gave no room) until a group has run; then as the longest alone
+    time times the slowdown that group showed."""
     t0 = time.monotonic()
     times = timing(root, scale, device, log)
     rows = []
-    for run in plan(scale, times):
-        run_dir = root / "train" / "runs" / run.name
-        if run_status(run_dir) != "finished" and stop_after_s > 0:
-            t = times[run.objective]
-            need = run.steps * t["s_per_step"] + t["overhead_s"]
+    slowdown = None  # a shared group's wall time / its longest run's alone time
+    for group in groups(plan(scale, times), scale.parallel_runs):
+        todo = [r for r in group if run_status(root / "train" / "runs" / r.name) != "finished"]
+        alone = [r.steps * times[r.objective]["s_per_step"] + times[r.objective]["overhead_s"]
+                 for r in todo]
+        if todo and stop_after_s > 0:
+            need = max(alone) * slowdown if slowdown else sum(alone)
             if time.monotonic() - t0 + need > stop_after_s:
-                log(f"train: stopping before {run.name} (~{need:.0f} s) to end within "
-                    f"{stop_after_s / 60:.1f} min; run the same command again to continue")
+                log(f"train: stopping before {', '.join(r.name for r in todo)} (~{need:.0f} s) "
+                    f"to end within {stop_after_s / 60:.1f} min; run the same command again to "
+                    "continue")
                 return False
-        rows.append(train_one(root, scale, run, device, log))
+        started = time.monotonic()
+        if len(todo) > 1:
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(len(todo)) as pool:
+                # each run is its own process; result() raises the first failure
+                for f in [pool.submit(train_one, root, scale, r, device, log) for r in todo]:
+                    f.result()
+            slowdown = (time.monotonic() - started) / max(alone)
+            log(f"train: {len(todo)} runs side by side took {slowdown:.2f}x the longest "
+                "one's time alone")
+        elif todo:
+            train_one(root, scale, todo[0], device, log)
+        rows += [run_row(root / "train" / "runs" / r.name, r) for r in group]
         (root / "train" / "runs.json").write_text(json.dumps(rows, indent=1), encoding="utf-8")
     return True

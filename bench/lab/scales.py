@@ -67,6 +67,10 @@ class Scale:
     probe_steps: int = 60  # steps of the timing run per objective (median of its second half)
     train_seconds: float = 100.0  # each run trains this long (equal GPU time): steps from its probe
     seeds: tuple[int, ...] = (0, 1)
+    # Runs trained at once on the one GPU (a seed's two objectives side by side): a small drafter
+    # leaves most of an H200 idle. Steps still come from the probes, timed alone, so each
+    # objective gets the same GPU time as if trained alone; only the wall clock shrinks.
+    parallel_runs: int = 2
     dtype: str = "bfloat16"  # the target's in the runs (drafter: its served bf16)
     eval_new_tokens: int = 128
     eval_batch: int = 16
@@ -121,7 +125,8 @@ SCALES = {
         conversations=192, prompt_min_tokens=24, prompt_max_tokens=192, answer_tokens=32,
         gen_batch=64, set_buckets=(16, 64, 160, 400), set_prompts=8, drafter_layers=1,
         layer_ids=(1, 2, 3), num_anchors=16, token_budget=2048, max_seqs_per_batch=16,
-        drafter_lr=6e-3, probe_steps=12, train_seconds=20.0, seeds=(0, 1), dtype="float32",
+        drafter_lr=6e-3, probe_steps=12, train_seconds=20.0, seeds=(0, 1), parallel_runs=1,
+        dtype="float32",
         eval_new_tokens=32, eval_batch=8, run_eval_prompts=0, train_minutes_cap=0.0,
         device="cpu"),
 }

@@ -73,3 +73,15 @@ def test_the_table_shows_each_objective_over_its_seeds_and_tau_by_context_length
     assert "| dspark (7) | 0 | 40 | 20.0 | 2.50 | 1.50 | 50.0% | 1.50x | exact |" in text
     assert "| objective | 16-63 | 64-512 |" in text
     assert "| dflash | 4.00 ± 1.41 | 2.00 |" in text  # a bucket without rounds is left out
+
+
+def test_runs_go_side_by_side_in_groups_of_the_scales_size():
+    from bench.lab.recipe import groups
+
+    times = {"dflash": {"s_per_step": 0.5}, "dspark": {"s_per_step": 0.4}}
+    runs = plan(TINY.replace(seeds=(0, 1, 2)), times)
+    got = groups(runs, 2)
+    # a seed's two objectives share the device; the order (seed-major) is kept
+    assert [[r.name for r in g] for g in got] == [[r.name for r in runs[k:k + 2]]
+                                                  for k in (0, 2, 4)]
+    assert groups(runs, 1) == [[r] for r in runs] and groups(runs, 0) == [[r] for r in runs]
