@@ -79,8 +79,26 @@ def compiled_flex() -> SerialCompiled:
         if _flex is None:
             from torch.nn.attention.flex_attention import flex_attention
 
+            raise_recompile_limit()
             _flex = SerialCompiled(flex_attention, dynamic=True)
         return _flex
+
+
+# Each head count, head dim, dtype and grad mode is a graph of its own (sequence lengths and
+# anchor counts are not: dynamic). Past dynamo's recompile limit (8) the call runs eagerly, which
+# materialises the whole score matrix: several times the memory the plan counts, with no error.
+# One process can pass 8 (the screen restarting runs of other drafters; the GPU tests did, and
+# the recompute test then measured eager attention's peak).
+FLEX_RECOMPILE_LIMIT = 64
+
+
+def raise_recompile_limit() -> None:
+    import torch._dynamo
+
+    cfg = torch._dynamo.config
+    cfg.recompile_limit = max(cfg.recompile_limit, FLEX_RECOMPILE_LIMIT)
+    cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit,
+                                          4 * FLEX_RECOMPILE_LIMIT)
 
 
 # FlexAttention's sparsity tile (rows and columns); its kernels skip empty tiles and apply the

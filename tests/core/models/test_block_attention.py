@@ -106,3 +106,46 @@ def test_auto_picks_flex_on_gpu_only_for_head_dims_it_can_compile():
         resolve_impl("flex", cuda, 8)
     with pytest.raises(ValueError, match="unknown"):
         resolve_impl("dense", cpu, 8)
+
+
+@pytest.mark.slow
+def test_compiled_flex_stays_compiled_past_dynamos_default_recompile_limit():
+    """Nine drafter shapes in one process (dynamo's default limit is 8): every one compiles; none
+    falls back to eager FlexAttention, which would hold the whole score matrix."""
+    import warnings
+
+    from torch._dynamo.utils import counters
+
+    from dflash_core.models.block_attention import compiled_flex
+
+    torch._dynamo.reset()
+    counters.clear()
+    f = compiled_flex()
+    S, A, B = 256, 4, 8  # (inductor's CPU FlexAttention fails to build some smaller shapes)
+    anchors = torch.tensor([[20, 70, 130, 200]])
+    mask = make_block_mask(anchors, S, B)
+    with warnings.catch_warnings():
+        # the eager fallback warns "flex_attention called without torch.compile()"
+        warnings.simplefilter("error", UserWarning)
+        for heads in (2, 4, 8):
+            for dim in (16, 32, 64):
+                q = torch.randn(1, heads, A * B, dim)
+                k = torch.randn(1, heads, S + A * B, dim)
+                f(q, k, torch.randn_like(k), block_mask=mask, scale=0.25)
+    assert counters["stats"]["unique_graphs"] == 9
+
+
+def test_the_compiled_flex_raises_dynamos_recompile_limit():
+    from dflash_core.models.block_attention import FLEX_RECOMPILE_LIMIT, raise_recompile_limit
+
+    cfg = torch._dynamo.config
+    was = cfg.recompile_limit
+    try:
+        cfg.recompile_limit = 8
+        raise_recompile_limit()
+        assert cfg.recompile_limit == FLEX_RECOMPILE_LIMIT
+        cfg.recompile_limit = 500  # a user's higher setting is kept
+        raise_recompile_limit()
+        assert cfg.recompile_limit == 500
+    finally:
+        cfg.recompile_limit = was
