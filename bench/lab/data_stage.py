@@ -8,8 +8,10 @@
     sets/code.jsonl, sets/docstrings.jsonl   the evaluation's prompt sets (held-out files)
     lab_data.json         what was made, written last: the mark of a finished stage
 
-A folder this stage began and did not finish (it holds ``.lab-partial``) is removed and made
-again; one it did not write is never touched.
+A folder this stage began and did not finish (it holds ``.lab-partial``) is made again, keeping
+its conversations when their generation (the stage's longest part) had ended under this
+command's settings (``conversations.json``, written after them, holds their counts and key);
+a folder it did not write is never touched.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from bench.lab.prompt_sets import code_prompts, docstring_prompts, write_set
 from bench.lab.scales import DATA_FIELDS, Scale
 
 META_NAME = "lab_data.json"
+GENERATED = "conversations.json"
 PARTIAL = ".lab-partial"
 SETS = ("code", "docstrings")
 
@@ -54,8 +57,17 @@ def max_length(scale: Scale) -> int:
     return scale.prompt_max_tokens + scale.answer_tokens + 16
 
 
+def _load_tokenizer(target: Path):
+    from transformers import AutoTokenizer
+
+    from dflash_core.demo.torch_env import quiet_hf
+
+    with quiet_hf():
+        return AutoTokenizer.from_pretrained(target, local_files_only=True)
+
+
 def _load_model(target: Path, device: str):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from dflash_core.demo.torch_env import quiet_hf
 
@@ -63,8 +75,19 @@ def _load_model(target: Path, device: str):
     with quiet_hf():
         model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype, local_files_only=True,
                                                      use_safetensors=True)
-        tok = AutoTokenizer.from_pretrained(target, local_files_only=True)
-    return model.to(device).eval(), tok
+    return model.to(device).eval()
+
+
+def kept_conversations(folder: Path, key: str) -> dict | None:
+    """The counts of an unfinished stage's conversations when their generation ended under
+    ``key`` (GENERATED is written after conversations.jsonl is whole), else None."""
+    try:
+        got = json.loads((folder / GENERATED).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if got.pop("key", None) != key or not (folder / "conversations.jsonl").is_file():
+        return None
+    return got
 
 
 def prepare(conversations: Path, target: Path, out: Path, length: int, log=print) -> dict:
@@ -93,25 +116,35 @@ def ensure_data(root: Path, scale: Scale, corpus: Corpus, target: Path, target_k
         log(f"data: cached at {folder} ({record['conversations']['conversations']} "
             f"conversations)")
         return record
+    convs = None
     if folder.exists():
         if not (folder / PARTIAL).is_file():
             raise LabError(f"{folder} exists and was not written by this stage",
                            hint="pass another --dir")
-        shutil.rmtree(folder)  # this stage's own unfinished output
+        convs = kept_conversations(folder, key)
+        if convs is None:
+            shutil.rmtree(folder)  # this stage's own unfinished output
+        else:
+            log(f"data: keeping the {convs['conversations']} conversations generated before")
+            shutil.rmtree(folder / "sets", ignore_errors=True)
+            shutil.rmtree(prepared_path(root), ignore_errors=True)
     (folder / "sets").mkdir(parents=True)
     (folder / PARTIAL).write_text("", encoding="utf-8")
     t0 = time.monotonic()
-    model, tok = _load_model(target, device)
+    tok = _load_tokenizer(target)
     tk = tok.backend_tokenizer
-    chat = tokenize_documents(tk, corpus.split("chat"))
-    pairs = draw_prompts(tk, chat, scale, seed)
-    if not pairs:
-        raise LabError("no file of the chat split is long enough for a prompt",
-                       hint="select more packages, or lower prompt_min_tokens (scales.py)")
-    write_regenerate_source(pairs, folder / "prompts.jsonl")
-    convs = generate_conversations(model, tok, pairs, scale, device,
-                                   folder / "conversations.jsonl", log)
-    del model
+    if convs is None:
+        model = _load_model(target, device)
+        chat = tokenize_documents(tk, corpus.split("chat"))
+        pairs = draw_prompts(tk, chat, scale, seed)
+        if not pairs:
+            raise LabError("no file of the chat split is long enough for a prompt",
+                           hint="select more packages, or lower prompt_min_tokens (scales.py)")
+        write_regenerate_source(pairs, folder / "prompts.jsonl")
+        convs = generate_conversations(model, tok, pairs, scale, device,
+                                       folder / "conversations.jsonl", log)
+        del model
+        (folder / GENERATED).write_text(json.dumps({"key": key, **convs}), encoding="utf-8")
     held = tokenize_documents(tk, corpus.split("heldout"))
     sets = {"code": code_prompts(tk, held, scale.set_buckets, scale.set_prompts, seed),
             "docstrings": docstring_prompts(tk, held, scale.set_buckets, scale.set_prompts,

@@ -24,6 +24,21 @@ def test_the_chain_runs_in_parts_that_continue_each_other(tmp_path, capsys):
     assert main(args + ["--stage", "data"]) == 0
     prepared = json.loads((tmp_path / "data" / "lab_data.json").read_text())["prepared"]
     assert prepared["counts"]["samples"] > 0
+    # a data stage cut after its generation (as a call's time limit cuts it) keeps the
+    # conversations and makes the rest again
+    data = tmp_path / "data"
+    convs = (data / "conversations.jsonl").read_bytes()
+    stamp = (data / "conversations.jsonl").stat().st_mtime_ns
+    (data / "lab_data.json").unlink()
+    (data / ".lab-partial").write_text("")
+    (data / "sets" / "code.jsonl").unlink()
+    capsys.readouterr()
+    assert main(args + ["--stage", "data"]) == 0
+    assert "keeping the" in capsys.readouterr().out
+    assert (data / "conversations.jsonl").stat().st_mtime_ns == stamp
+    assert (data / "conversations.jsonl").read_bytes() == convs
+    assert (data / "sets" / "code.jsonl").is_file() and (data / "lab_data.json").is_file()
+    assert json.loads((data / "lab_data.json").read_text())["prepared"] == prepared
     # stopped before its first run (the probes are timed first), then continued
     assert main(args + ["--stage", "train", "--stop-after", "0.01"]) == EXIT_PARTIAL
     assert set(json.loads((tmp_path / "train" / "timing.json").read_text())) == {"dflash",
