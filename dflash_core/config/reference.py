@@ -89,7 +89,8 @@ def keys_markdown() -> str:
            "what is allowed ([bad-input.md](bad-input.md#config-values)). `--set "
            "SECTION.KEY=VALUE` sets one for a command's runs; `--max-steps N` is "
            "`--set run.max_steps=N`.", "",
-           "Generated from `dflash_core/config/schema.py` (where each key is defined) by "
+           "Generated from `dflash_core/config/schema.py` and `eval_schema.py` (where each key is "
+           "defined) by "
            "`python -m dflash_core.config.reference docs/config.md`; "
            "`tests/core/config/test_reference.py` fails when this file is behind.", ""]
     section = None
