@@ -193,9 +193,10 @@ def ensure_train(root: Path, scale: Scale, device: str, stop_after_s: float = 0.
     """Every planned run finished (True), or stopped before a group of runs that would pass
     ``stop_after_s`` seconds of this call (False: the same command continues).
 
-    Runs go ``scale.parallel_runs`` at a time. A group's time is guessed as its runs' alone
-    times summed (as if the GPU gave no room) until a group has run; then as the longest alone
-    time times the slowdown that group showed."""
+    Runs go ``scale.parallel_runs`` at a time. A group's time is the longest run's alone time
+    times a slowdown: until a group has run, a guess of half the group's size (the GPU half
+    idle under one run; a guess too low costs little: a run cut by the call's limit resumes from
+    its checkpoint), then the slowdown the last group showed."""
     t0 = time.monotonic()
     times = timing(root, scale, device, log)
     rows = []
@@ -205,7 +206,7 @@ def ensure_train(root: Path, scale: Scale, device: str, stop_after_s: float = 0.
         alone = [r.steps * times[r.objective]["s_per_step"] + times[r.objective]["overhead_s"]
                  for r in todo]
         if todo and stop_after_s > 0:
-            need = max(alone) * slowdown if slowdown else sum(alone)
+            need = max(alone) * (slowdown or max(1.0, len(todo) / 2))
             if time.monotonic() - t0 + need > stop_after_s:
                 log(f"train: stopping before {', '.join(r.name for r in todo)} (~{need:.0f} s) "
                     f"to end within {stop_after_s / 60:.1f} min; run the same command again to "

@@ -71,10 +71,10 @@ class Scale:
     probe_steps: int = 60  # steps of the timing run per objective (median of its second half)
     train_seconds: float = 100.0  # each run trains this long (equal GPU time): steps from its probe
     seeds: tuple[int, ...] = (0, 1)
-    # Runs trained at once on the one GPU (a seed's two objectives side by side): a small drafter
-    # leaves most of an H200 idle. Steps still come from the probes, timed alone, so each
-    # objective gets the same GPU time as if trained alone; only the wall clock shrinks.
-    parallel_runs: int = 2
+    # Runs trained at once on the one GPU (seed-major: all four of two seeds together): a small
+    # drafter leaves much of an H200 idle. Steps still come from the probes, timed alone, so
+    # each objective gets the same GPU time as if trained alone; only the wall clock shrinks.
+    parallel_runs: int = 4
     dtype: str = "bfloat16"  # the target's in the runs (drafter: its served bf16)
     eval_new_tokens: int = 128
     eval_batch: int = 16
