@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow
 
 MICRO = ["--scale", "tiny", "--set", "train_steps=60", "--set", "conversations=48",
          "--set", "probe_steps=6", "--set", "train_seconds=3", "--set", "set_prompts=4",
-         "--set", "eval_new_tokens=16"]
+         "--set", "eval_new_tokens=16", "--set", "parallel_runs=2"]  # runs side by side
 
 
 def test_the_chain_runs_in_parts_that_continue_each_other(tmp_path, capsys):
