@@ -96,9 +96,11 @@ def raise_recompile_limit() -> None:
     import torch._dynamo
 
     cfg = torch._dynamo.config
-    cfg.recompile_limit = max(cfg.recompile_limit, FLEX_RECOMPILE_LIMIT)
-    cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit,
-                                          4 * FLEX_RECOMPILE_LIMIT)
+    # the names since torch 2.7; a torch without one keeps its own limit
+    for name, limit in (("recompile_limit", FLEX_RECOMPILE_LIMIT),
+                        ("accumulated_recompile_limit", 4 * FLEX_RECOMPILE_LIMIT)):
+        if hasattr(cfg, name):
+            setattr(cfg, name, max(getattr(cfg, name), limit))
 
 
 # FlexAttention's sparsity tile (rows and columns); its kernels skip empty tiles and apply the
