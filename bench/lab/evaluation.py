@@ -1,6 +1,7 @@
 """Stage ``eval``: ``dflash-tui eval`` of every finished run on both prompt sets, plain decoding of
 the target in the same process, into ``<dir>/eval`` (the verb continues an interrupted
-evaluation itself); then the recipe's table, ``<dir>/recipe.md`` and ``recipe.json``:
+evaluation itself); then the recipe's table, ``<dir>/recipe.md`` and ``recipe.json`` (runs of a
+scale's run_sets: ``eval-vTAG/``, ``recipe-vTAG.md``):
 
 - per set and objective, over the seeds (mean ± sample sd): tau, accepted drafts per round
   (tau - 1), accepted@1, the speedup over plain decoding, the lossless check, the training
@@ -18,7 +19,9 @@ from pathlib import Path
 from bench.lab.data_stage import set_paths
 from bench.lab.errors import LabError
 from bench.lab.proc import dflash_tui, last_line
-from bench.lab.recipe import BLOCKS, TIMING, plan, run_row, run_status
+from bench.lab.recipe import (
+    BLOCKS, TIMING, blocks, plan, run_row, run_status, variant_tag,
+)
 from bench.lab.scales import Scale
 
 def context_edges(scale: Scale) -> tuple[int, ...]:
@@ -55,10 +58,15 @@ def read_prompt_lines(path: Path) -> list[dict]:
                         if t.strip()) if x.get("kind") == "prompt"]
 
 
+def eval_dir(root: Path, scale: Scale) -> Path:
+    """``eval/`` for the default runs, ``eval-vTAG/`` for those of a scale's run_sets."""
+    return root / f"eval{variant_tag(scale)}"
+
+
 def run_eval(root: Path, scale: Scale, device: str, runs: list[Path], log=print) -> int:
     args = ["eval", "--target", str(root / "target"), "--max-new-tokens",
             str(scale.eval_new_tokens), "--batch", str(scale.eval_batch), "--out",
-            str(root / "eval"), "--device", device]
+            str(eval_dir(root, scale)), "--device", device]
     for run in runs:
         args += ["--drafter", str(run)]
     for name, path in set_paths(root).items():
@@ -85,7 +93,8 @@ def summarise(root: Path, scale: Scale, rows: list[dict]) -> dict:
     """The recipe's figures from results.json and the per-prompt results files."""
     from dflash_core.eval.drafters import file_name
 
-    res = json.loads((root / "eval" / "results.json").read_text(encoding="utf-8"))
+    out_dir = eval_dir(root, scale)
+    res = json.loads((out_dir / "results.json").read_text(encoding="utf-8"))
     by_run = {Path(info["run"]).name: label for label, info in res["drafters"].items()
               if info.get("run")}
     edges = context_edges(scale)
@@ -97,7 +106,7 @@ def summarise(root: Path, scale: Scale, rows: list[dict]) -> dict:
             if label is None or label not in s["drafters"]:
                 continue
             d = s["drafters"][label]
-            lines = read_prompt_lines(root / "eval" / set_name / file_name(label))
+            lines = read_prompt_lines(out_dir / set_name / file_name(label))
             per_run.append({
                 **{k: row[k] for k in ("name", "objective", "block_size", "seed", "steps",
                                        "train_s")},
@@ -106,7 +115,7 @@ def summarise(root: Path, scale: Scale, rows: list[dict]) -> dict:
                 "accepted_at_1": d["accepted_at"].get("1"), "speedup": d.get("speedup"),
                 "tokens_per_s": d["tokens_per_s"], "mismatches": len(d.get("mismatches") or []),
                 "tau_by_context": tau_by_context(lines, edges)})
-        plain_lines = read_prompt_lines(root / "eval" / set_name / "plain.jsonl")
+        plain_lines = read_prompt_lines(out_dir / set_name / "plain.jsonl")
         out["sets"][set_name] = {
             "prompts": s["prompts"], "plain_tokens_per_s": s["plain"]["tokens_per_s"],
             "prompt_tokens": sorted(int(x["prompt_tokens"]) for x in plain_lines),
@@ -124,6 +133,8 @@ def table(summary: dict, record: dict, scale: Scale) -> str:
              f"Each objective's steps fill {scale.train_seconds:g} s of its step time measured "
              f"alone; runs trained {scale.parallel_runs} at a time on the one device, so "
              "'train s' (wall clock) counts the sharing.", ""]
+    if scale.run_sets:
+        lines += [f"The runs' configs changed by run_sets: {', '.join(scale.run_sets)}.", ""]
     for set_name, s in summary["sets"].items():
         pt = s["prompt_tokens"]
         lines += [f"Set {set_name}: {s['prompts']} prompts of {pt[0]}-{pt[-1]} tokens "
@@ -159,7 +170,7 @@ def table(summary: dict, record: dict, scale: Scale) -> str:
 def ensure_eval(root: Path, scale: Scale, device: str, record: dict, log=print) -> dict:
     path = root / "train" / TIMING
     times = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
-    if set(times) != set(BLOCKS):
+    if not {o + variant_tag(scale) for o in blocks(scale)} <= set(times):
         raise LabError("the train stage has not timed both objectives yet",
                        hint="run --stage train first")
     runs = plan(scale, times)
@@ -173,8 +184,9 @@ def ensure_eval(root: Path, scale: Scale, device: str, record: dict, log=print) 
     summary["eval_exit"] = rc
     summary["timing"] = times
     summary["runs"] = rows
-    (root / "recipe.json").write_text(json.dumps(summary, indent=1), encoding="utf-8")
+    name = f"recipe{variant_tag(scale)}"
+    (root / f"{name}.json").write_text(json.dumps(summary, indent=1), encoding="utf-8")
     text = table(summary, record, scale)
-    (root / "recipe.md").write_text(text, encoding="utf-8")
+    (root / f"{name}.md").write_text(text, encoding="utf-8")
     log(text)
     return summary

@@ -16,6 +16,7 @@ another --dir).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import time
@@ -33,17 +34,66 @@ TIMING = "timing.json"
 
 
 @dataclass(frozen=True)
+class RunSet:
+    objective: str | None  # None: every run
+    section: str
+    key: str
+    value: object
+
+
+def run_sets(scale: Scale) -> list[RunSet]:
+    """``scale.run_sets`` read; LabError names an item that is not [OBJECTIVE:]SECTION.KEY=VALUE
+    (the key itself is checked with the rest of the run's config)."""
+    import yaml
+
+    out = []
+    for item in scale.run_sets:
+        head, eq, text = item.partition("=")
+        objective, colon, path = head.rpartition(":")
+        section, dot, key = path.strip().partition(".")
+        if (not eq or not dot or not section or not key or "." in key
+                or (colon and objective not in BLOCKS)):
+            raise LabError(f"run_sets item {item!r} is not [OBJECTIVE:]SECTION.KEY=VALUE",
+                           hint=f"e.g. --set run_sets=dspark:drafter.markov_rank=64 (OBJECTIVE "
+                                f"one of {', '.join(BLOCKS)})")
+        out.append(RunSet(objective or None, section, key, yaml.safe_load(text)))
+    return out
+
+
+def variant_tag(scale: Scale) -> str:
+    """'' for the default runs, else '-v' and a short hash of the scale's run_sets."""
+    if not scale.run_sets:
+        return ""
+    return "-v" + hashlib.sha256(json.dumps(list(scale.run_sets)).encode()).hexdigest()[:6]
+
+
+def blocks(scale: Scale) -> dict[str, int]:
+    """The block size of each objective the scale trains: BLOCKS, or a run_sets
+    drafter.block_size. Run_sets that all name one objective train that one only (the other's
+    runs are the default ones: the same command without them)."""
+    named = {rs.objective for rs in run_sets(scale)}
+    out = dict(BLOCKS) if None in named or not named else {o: BLOCKS[o] for o in BLOCKS
+                                                           if o in named}
+    for rs in run_sets(scale):
+        if (rs.section, rs.key) == ("drafter", "block_size"):
+            for objective in ([rs.objective] if rs.objective else list(out)):
+                out[objective] = int(rs.value)
+    return out
+
+
+@dataclass(frozen=True)
 class PlannedRun:
     objective: str
     block: int
     seed: int
     steps: int
     probe: bool = False
+    tag: str = ""  # variant_tag of the scale it was planned under
 
     @property
     def name(self) -> str:
         head = "probe-" if self.probe else ""
-        return f"{head}{self.objective}-b{self.block}-n{self.steps}-s{self.seed}"
+        return f"{head}{self.objective}-b{self.block}-n{self.steps}-s{self.seed}{self.tag}"
 
 
 def run_config_dict(root: Path, scale: Scale, run: PlannedRun, device: str) -> dict:
@@ -53,7 +103,7 @@ def run_config_dict(root: Path, scale: Scale, run: PlannedRun, device: str) -> d
     target = {"path": str(root / "target"), "dtype": scale.dtype, "attn_implementation": "sdpa"}
     if scale.layer_ids:
         target["layer_ids"] = list(scale.layer_ids)
-    return {
+    cfg = {
         "run": {"name": run.name, "output_dir": str(root / "train" / "runs"), "seed": run.seed,
                 "max_steps": run.steps, "log_every_s": 10.0},
         "target": target,
@@ -73,6 +123,10 @@ def run_config_dict(root: Path, scale: Scale, run: PlannedRun, device: str) -> d
                  "prompt_tokens": min(256, scale.prompt_max_tokens)},
         "telemetry": {"interval_s": 1.0},
     }
+    for rs in run_sets(scale):
+        if rs.objective in (None, run.objective):
+            cfg.setdefault(rs.section, {})[rs.key] = rs.value
+    return cfg
 
 
 def write_config(root: Path, scale: Scale, run: PlannedRun, device: str) -> Path:
@@ -160,15 +214,16 @@ def timing(root: Path, scale: Scale, device: str, log=print) -> dict:
     """Seconds per step and start-up seconds of each objective, from its probe (cached)."""
     path = root / "train" / TIMING
     got = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
-    for objective, block in BLOCKS.items():
-        if objective in got:
+    tag = variant_tag(scale)
+    for objective, block in blocks(scale).items():
+        if objective + tag in got:
             continue
-        probe = PlannedRun(objective, block, 0, scale.probe_steps, probe=True)
+        probe = PlannedRun(objective, block, 0, scale.probe_steps, probe=True, tag=tag)
         row = train_one(root, scale, probe, device, log)
         if not row["step_s"]:
             raise LabError(f"the probe {probe.name} gave no step time",
                            hint="raise probe_steps (scales.py)")
-        got[objective] = {"probe_steps": scale.probe_steps, "s_per_step": row["step_s"],
+        got[objective + tag] = {"probe_steps": scale.probe_steps, "s_per_step": row["step_s"],
                           "overhead_s": round((row["run_s"] or 0) - (row["train_s"] or 0), 1)}
         path.write_text(json.dumps(got, indent=2), encoding="utf-8")
         log(f"timing: {objective} {row['step_s']} s/step")
@@ -178,8 +233,9 @@ def timing(root: Path, scale: Scale, device: str, log=print) -> dict:
 def plan(scale: Scale, times: dict) -> list[PlannedRun]:
     """Every run, seed-major (a sweep cut short still holds both objectives of its first seeds),
     each objective's steps filling ``train_seconds``."""
-    steps = {o: max(1, round(scale.train_seconds / times[o]["s_per_step"])) for o in BLOCKS}
-    return [PlannedRun(o, BLOCKS[o], seed, steps[o]) for seed in scale.seeds for o in BLOCKS]
+    tag, size = variant_tag(scale), blocks(scale)
+    steps = {o: max(1, round(scale.train_seconds / times[o + tag]["s_per_step"])) for o in size}
+    return [PlannedRun(o, size[o], seed, steps[o], tag=tag) for seed in scale.seeds for o in size]
 
 
 def groups(runs: list[PlannedRun], size: int) -> list[list[PlannedRun]]:
@@ -203,8 +259,8 @@ def ensure_train(root: Path, scale: Scale, device: str, stop_after_s: float = 0.
     slowdown = None  # a shared group's wall time / its longest run's alone time
     for group in groups(plan(scale, times), scale.parallel_runs):
         todo = [r for r in group if run_status(root / "train" / "runs" / r.name) != "finished"]
-        alone = [r.steps * times[r.objective]["s_per_step"] + times[r.objective]["overhead_s"]
-                 for r in todo]
+        alone = [r.steps * times[r.objective + r.tag]["s_per_step"]
+                 + times[r.objective + r.tag]["overhead_s"] for r in todo]
         if todo and stop_after_s > 0:
             need = max(alone) * (slowdown or max(1.0, len(todo) / 2))
             if time.monotonic() - t0 + need > stop_after_s:

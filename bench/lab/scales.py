@@ -75,6 +75,13 @@ class Scale:
     # drafter leaves much of an H200 idle. Steps still come from the probes, timed alone, so
     # each objective gets the same GPU time as if trained alone; only the wall clock shrinks.
     parallel_runs: int = 4
+    # Changes to the runs' configs, "[OBJECTIVE:]SECTION.KEY=VALUE" (YAML values), e.g.
+    # "dspark:drafter.markov_rank=64" or "drafter.num_anchors=256": one setting at a time against
+    # the defaults (issue 50's item 4). Runs and probes made under them carry a tag of them in
+    # their names, and their evaluation and table go to eval-vTAG/ and recipe-vTAG.md, so they
+    # sit beside the default runs in the same --dir (the target and data are shared). Items that
+    # all name one objective train that objective only.
+    run_sets: tuple[str, ...] = ()
     dtype: str = "bfloat16"  # the target's in the runs (drafter: its served bf16)
     eval_new_tokens: int = 128
     eval_batch: int = 16

@@ -61,6 +61,18 @@ def test_the_chain_runs_in_parts_that_continue_each_other(tmp_path, capsys):
     assert main(args + ["--stage", "all"]) == 0
     assert (tmp_path / "target" / "lab_target.json").stat().st_mtime_ns == stamp
     assert sorted(p.name for p in (tmp_path / "train" / "runs").iterdir()) == runs
+    # a setting of DSpark's, one at a time: its runs, evaluation and table beside the default's
+    recipe = (tmp_path / "recipe.md").read_text()
+    variant = args + ["--set", "run_sets=dspark:drafter.markov_rank=4"]
+    assert main(variant + ["--stage", "train"]) == 0
+    assert main(variant + ["--stage", "eval"]) == 0
+    tagged = sorted(p.name for p in (tmp_path / "train" / "runs").iterdir()
+                    if p.is_dir() and p.name not in runs)
+    assert [n.split("-b")[0] for n in tagged] == ["dspark", "dspark", "probe-dspark"]
+    (table,) = tmp_path.glob("recipe-v*.md")
+    assert "| dspark (7) | 0,1 |" in table.read_text() and "dflash (16)" not in table.read_text()
+    assert "run_sets: dspark:drafter.markov_rank=4" in table.read_text()
+    assert (tmp_path / "recipe.md").read_text() == recipe
     # another recipe in the same folder is refused, naming the fix
     assert main(MICRO + ["--dir", str(tmp_path), "--set", "train_steps=61",
                          "--stage", "target"]) == 2

@@ -85,3 +85,50 @@ def test_runs_go_side_by_side_in_groups_of_the_scales_size():
     assert [[r.name for r in g] for g in got] == [[r.name for r in runs[k:k + 2]]
                                                   for k in (0, 2, 4)]
     assert groups(runs, 1) == [[r] for r in runs] and groups(runs, 0) == [[r] for r in runs]
+
+
+def test_run_sets_change_the_named_objectives_runs_beside_the_default_ones(tmp_path):
+    from dflash_core.config import config_from_dict
+
+    from bench.lab.recipe import blocks, run_sets, variant_tag
+
+    times = {"dflash": {"s_per_step": 0.5}, "dspark": {"s_per_step": 0.4}}
+    scale = TINY.replace(run_sets=("dspark:drafter.markov_rank=8", "drafter.num_anchors=24",
+                                   "dspark:drafter.block_size=5"))
+    tag = variant_tag(scale)
+    assert tag.startswith("-v") and variant_tag(TINY) == ""
+    assert variant_tag(scale.replace(run_sets=scale.run_sets[:2])) != tag
+    assert blocks(scale) == {"dflash": 16, "dspark": 5}
+    # settings of one objective only: its runs only (the other's are the default runs)
+    only = TINY.replace(run_sets=("dspark:drafter.markov_rank=8",))
+    assert blocks(only) == {"dspark": 7}
+    assert [r.objective for r in plan(only, {"dspark" + variant_tag(only): times["dspark"]})] == [
+        "dspark", "dspark"]
+    assert [rs.value for rs in run_sets(scale)] == [8, 24, 5]  # YAML values
+    # the variant's steps come from its own probes, keyed by objective and tag
+    runs = plan(scale, {o + tag: t for o, t in times.items()})
+    assert [r.name for r in runs[:2]] == [f"dflash-b16-n40-s0{tag}", f"dspark-b5-n50-s0{tag}"]
+    cfgs = {r.objective: config_from_dict(run_config_dict(tmp_path, scale, r, "cpu"))
+            for r in runs[:2]}
+    assert cfgs["dspark"].drafter.markov_rank == 8 and cfgs["dspark"].drafter.block_size == 5
+    assert cfgs["dflash"].drafter.markov_rank != 8 and cfgs["dflash"].drafter.block_size == 16
+    assert {c.drafter.num_anchors for c in cfgs.values()} == {24}
+    assert cfgs["dspark"].run.name.endswith(tag)
+
+
+@pytest.mark.parametrize("item", ["drafter.markov_rank", "markov_rank=8", "eagle:drafter.x=1",
+                                  "drafter.a.b=1"])
+def test_a_run_set_of_another_shape_is_refused_with_an_example(item):
+    from bench.lab.recipe import run_sets
+
+    with pytest.raises(LabError, match="OBJECTIVE:.SECTION.KEY=VALUE") as exc:
+        run_sets(TINY.replace(run_sets=(item,)))
+    assert "markov_rank=64" in exc.value.line()
+
+
+def test_a_run_set_of_an_unknown_key_is_refused_by_the_configs_check(tmp_path):
+    from dflash_core.config import ConfigError, config_from_dict
+
+    scale = TINY.replace(run_sets=("drafter.no_such_key=1",))
+    with pytest.raises(ConfigError, match="no_such_key"):
+        config_from_dict(run_config_dict(tmp_path, scale, PlannedRun("dflash", 16, 0, 3), "cpu"))
