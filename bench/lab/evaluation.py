@@ -20,7 +20,7 @@ from bench.lab.data_stage import set_paths
 from bench.lab.errors import LabError
 from bench.lab.proc import dflash_tui, last_line
 from bench.lab.recipe import (
-    BLOCKS, TIMING, blocks, plan, run_row, run_status, variant_tag,
+    BLOCKS, TIMING, blocks, plan, run_row, run_status, variant_changes, variant_tag,
 )
 from bench.lab.scales import Scale
 
@@ -133,8 +133,11 @@ def table(summary: dict, record: dict, scale: Scale) -> str:
              f"Each objective's steps fill {scale.train_seconds:g} s of its step time measured "
              f"alone; runs trained {scale.parallel_runs} at a time on the one device, so "
              "'train s' (wall clock) counts the sharing.", ""]
-    if scale.run_sets:
-        lines += [f"The runs' configs changed by run_sets: {', '.join(scale.run_sets)}.", ""]
+    changes = variant_changes(scale)
+    if changes:
+        lines += ["Changed from the scale's runs: " + "; ".join(
+            f"{k} {','.join(map(str, v)) if isinstance(v, tuple) else v}"
+            for k, v in changes.items()) + ".", ""]
     for set_name, s in summary["sets"].items():
         pt = s["prompt_tokens"]
         lines += [f"Set {set_name}: {s['prompts']} prompts of {pt[0]}-{pt[-1]} tokens "

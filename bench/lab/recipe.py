@@ -26,7 +26,7 @@ from pathlib import Path
 from bench.lab.data_stage import max_length, prepared_path
 from bench.lab.errors import LabError
 from bench.lab.proc import dflash_tui, last_line
-from bench.lab.scales import Scale
+from bench.lab.scales import SCALES, Scale
 from bench.training.recipe import _phase_seconds, _step_seconds
 
 BLOCKS = {"dflash": 16, "dspark": 7}  # issue 50: DFlash's released B, DSpark's
@@ -60,11 +60,25 @@ def run_sets(scale: Scale) -> list[RunSet]:
     return out
 
 
+# The fields of the runs' recipe: one changed from its scale's value (--set) makes a variant.
+RECIPE_FIELDS = ("drafter_layers", "layer_ids", "num_anchors", "token_budget",
+                 "max_seqs_per_batch", "drafter_lr", "probe_steps", "train_seconds", "run_sets")
+
+
+def variant_changes(scale: Scale) -> dict:
+    """The recipe fields that differ from the scale's own values."""
+    base = SCALES.get(scale.name)
+    return {f: getattr(scale, f) for f in RECIPE_FIELDS
+            if base is None or getattr(scale, f) != getattr(base, f)}
+
+
 def variant_tag(scale: Scale) -> str:
-    """'' for the default runs, else '-v' and a short hash of the scale's run_sets."""
-    if not scale.run_sets:
+    """'' for the scale's own runs, else '-v' and a short hash of what was changed."""
+    changes = variant_changes(scale)
+    if not changes:
         return ""
-    return "-v" + hashlib.sha256(json.dumps(list(scale.run_sets)).encode()).hexdigest()[:6]
+    return "-v" + hashlib.sha256(json.dumps(changes, sort_keys=True, default=list).encode()
+                                 ).hexdigest()[:6]
 
 
 def blocks(scale: Scale) -> dict[str, int]:

@@ -79,8 +79,9 @@ class Scale:
     # "dspark:drafter.markov_rank=64" or "drafter.num_anchors=256": one setting at a time against
     # the defaults (issue 50's item 4). Runs and probes made under them carry a tag of them in
     # their names, and their evaluation and table go to eval-vTAG/ and recipe-vTAG.md, so they
-    # sit beside the default runs in the same --dir (the target and data are shared). Items that
-    # all name one objective train that objective only.
+    # sit beside the default runs in the same --dir (the target and data are shared); so do runs
+    # of any other recipe field changed by --set (recipe.RECIPE_FIELDS, e.g. train_seconds).
+    # Items that all name one objective train that objective only.
     run_sets: tuple[str, ...] = ()
     dtype: str = "bfloat16"  # the target's in the runs (drafter: its served bf16)
     eval_new_tokens: int = 128

@@ -12,13 +12,17 @@ TINY = scale_named("tiny")
 
 
 def test_each_objective_gets_the_steps_that_fill_the_same_training_time():
-    times = {"dflash": {"s_per_step": 0.5}, "dspark": {"s_per_step": 0.4}}
-    runs = plan(TINY.replace(train_seconds=100.0, seeds=(0, 1)), times)
+    from bench.lab.recipe import variant_tag
+
+    scale = TINY.replace(train_seconds=100.0, seeds=(0, 1))
+    tag = variant_tag(scale)  # train_seconds is the tiny scale's 20 otherwise
+    times = {"dflash" + tag: {"s_per_step": 0.5}, "dspark" + tag: {"s_per_step": 0.4}}
+    runs = plan(scale, times)
     assert [(r.objective, r.block, r.seed, r.steps) for r in runs] == [
         ("dflash", 16, 0, 200), ("dspark", 7, 0, 250), ("dflash", 16, 1, 200),
         ("dspark", 7, 1, 250)]
-    assert {r.steps * times[r.objective]["s_per_step"] for r in runs} == {100.0}
-    assert runs[1].name == "dspark-b7-n250-s0"
+    assert {r.steps * times[r.objective + tag]["s_per_step"] for r in runs} == {100.0}
+    assert runs[1].name == f"dspark-b7-n250-s0{tag}"
     assert PlannedRun("dflash", 16, 0, 12, probe=True).name == "probe-dflash-b16-n12-s0"
 
 
@@ -97,6 +101,9 @@ def test_run_sets_change_the_named_objectives_runs_beside_the_default_ones(tmp_p
                                    "dspark:drafter.block_size=5"))
     tag = variant_tag(scale)
     assert tag.startswith("-v") and variant_tag(TINY) == ""
+    # any recipe field changed makes a variant too (not the target's or the data's fields)
+    assert variant_tag(TINY.replace(train_seconds=40.0)) not in ("", tag)
+    assert variant_tag(TINY.replace(train_steps=10, conversations=5)) == ""
     assert variant_tag(scale.replace(run_sets=scale.run_sets[:2])) != tag
     assert blocks(scale) == {"dflash": 16, "dspark": 5}
     # settings of one objective only: its runs only (the other's are the default runs)
