@@ -237,10 +237,11 @@ def timing(root: Path, scale: Scale, device: str, log=print) -> dict:
         if not row["step_s"]:
             raise LabError(f"the probe {probe.name} gave no step time",
                            hint="raise probe_steps (scales.py)")
-        got[objective + tag] = {"probe_steps": scale.probe_steps, "s_per_step": row["step_s"],
-                          "overhead_s": round((row["run_s"] or 0) - (row["train_s"] or 0), 1)}
+        got[objective + tag] = {
+            "probe_steps": scale.probe_steps, "s_per_step": row["step_s"],
+            "overhead_s": round((row["run_s"] or 0) - (row["train_s"] or 0), 1)}
         path.write_text(json.dumps(got, indent=2), encoding="utf-8")
-        log(f"timing: {objective} {row['step_s']} s/step")
+        log(f"timing: {objective}{tag} {row['step_s']} s/step")
     return got
 
 
