@@ -85,10 +85,11 @@ def blocks(scale: Scale) -> dict[str, int]:
     """The block size of each objective the scale trains: BLOCKS, or a run_sets
     drafter.block_size. Run_sets that all name one objective train that one only (the other's
     runs are the default ones: the same command without them)."""
-    named = {rs.objective for rs in run_sets(scale)}
+    sets = run_sets(scale)
+    named = {rs.objective for rs in sets}
     out = dict(BLOCKS) if None in named or not named else {o: BLOCKS[o] for o in BLOCKS
                                                            if o in named}
-    for rs in run_sets(scale):
+    for rs in sets:
         if (rs.section, rs.key) == ("drafter", "block_size"):
             for objective in ([rs.objective] if rs.objective else list(out)):
                 out[objective] = int(rs.value)
@@ -271,7 +272,7 @@ def ensure_train(root: Path, scale: Scale, device: str, stop_after_s: float = 0.
     t0 = time.monotonic()
     times = timing(root, scale, device, log)
     rows = []
-    slowdown = None  # a shared group's wall time / its longest run's alone time
+    slowdown = None  # the last group's wall time / its longest run's alone time
     for group in groups(plan(scale, times), scale.parallel_runs):
         todo = [r for r in group if run_status(root / "train" / "runs" / r.name) != "finished"]
         alone = [r.steps * times[r.objective + r.tag]["s_per_step"]
@@ -283,19 +284,18 @@ def ensure_train(root: Path, scale: Scale, device: str, stop_after_s: float = 0.
                     f"to end within {stop_after_s / 60:.1f} min; run the same command again to "
                     "continue")
                 return False
-        started = time.monotonic()
-        if len(todo) > 1:
+        if todo:
             from concurrent.futures import ThreadPoolExecutor
 
+            started = time.monotonic()
             with ThreadPoolExecutor(len(todo)) as pool:
                 # each run is its own process; result() raises the first failure
                 for f in [pool.submit(train_one, root, scale, r, device, log) for r in todo]:
                     f.result()
             slowdown = (time.monotonic() - started) / max(alone)
-            log(f"train: {len(todo)} runs side by side took {slowdown:.2f}x the longest "
-                "one's time alone")
-        elif todo:
-            train_one(root, scale, todo[0], device, log)
+            if len(todo) > 1:
+                log(f"train: {len(todo)} runs side by side took {slowdown:.2f}x the longest "
+                    "one's time alone")
         rows += [run_row(root / "train" / "runs" / r.name, r) for r in group]
         (root / "train" / "runs.json").write_text(json.dumps(rows, indent=1), encoding="utf-8")
     return True

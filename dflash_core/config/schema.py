@@ -1,7 +1,8 @@
 """The run configuration's keys: one dataclass per section of config.yaml (the eval section's in
 eval_schema.py), each key a field made by ``key`` (keys.py), which holds its default, what it does
-and its valid range in one place; the ranges' check is here too (``check_range``: loading calls it for every key, load.py). ``--set``'s help
-and docs/config.md list the keys from here (reference.py)."""
+and its valid range in one place; the ranges' check is here too (``check_range``: loading calls
+it for every key, load.py). ``--set``'s help and docs/config.md list the keys from here
+(reference.py)."""
 
 from __future__ import annotations
 
