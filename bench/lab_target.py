@@ -3,13 +3,13 @@ its own data, and DFlash against DSpark trained and evaluated on it, in parts th
 other. Every part is cached under --dir and reused by the next call.
 
     python bench/lab_target.py --scale tiny --dir runs/lab-tiny --stage all    # CPU, ~6 CPU-min
-    python bench/lab_target.py --scale lab --dir runs/lab --stage target       # H200: 5.3 min
-    python bench/lab_target.py --scale lab --dir runs/lab --stage data         # H200: ~3-4 min
-    python bench/lab_target.py --scale lab --dir runs/lab --stage train --stop-after 9  # est. 8
-    python bench/lab_target.py --scale lab --dir runs/lab --stage eval         # est. 2 min
+    python bench/lab_target.py --scale lab --dir runs/lab --stage target       # H200: 5.8 min
+    python bench/lab_target.py --scale lab --dir runs/lab --stage data         # H200: 4.1 min
+    python bench/lab_target.py --scale lab --dir runs/lab --stage train        # H200: 8.9 min
+    python bench/lab_target.py --scale lab --dir runs/lab --stage eval         # H200: 4.5 min
 
-(bench/BENCHMARKS.md, "The lab chain", has the measured stages and the calls that fit a GPU
-machine's limits: every part must run on one machine while it stays warm.)
+(bench/BENCHMARKS.md, "The lab chain", has the measured stages and the recipe's results;
+--stop-after splits the train stage for a machine lent in slices of minutes.)
 
 Stages (each needs the ones before it, built by an earlier call or by --stage all):
 
