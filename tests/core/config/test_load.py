@@ -150,9 +150,9 @@ def test_bad_device_lists(layout, fragment):
 
 
 def test_the_recipe_in_words_names_the_loss_and_optimizer_with_their_rates():
-    from dflash_core.config import Config, recipe_text
+    from dflash_core.config import recipe_text
 
-    cfg = Config()
+    cfg = config_from_dict({"drafter": {"objective": "dflash"}})
     assert recipe_text(cfg.to_dict()) == "loss dflash (gamma 7); optimizer adamw (lr 0.0006)"
     cfg.drafter.loss, cfg.optim.name, cfg.optim.muon_lr = "dpace", "muon", 0.02
     said = recipe_text(cfg.to_dict())

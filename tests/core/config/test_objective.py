@@ -8,13 +8,14 @@ from dflash_core.families.registry import settings as dspark_settings
 from dflash_core.models.dspark.drafter import DSparkSettings
 
 
-def test_dflash_stays_the_default_and_dspark_takes_its_reference_sizes():
-    cfg = config_from_dict({})
-    assert cfg.drafter.objective == "dflash" and dspark_settings(cfg) is None
-    assert (cfg.drafter.block_size, cfg.drafter.loss_chunk) == (16, 4096)
-    spark = config_from_dict({"drafter": {"objective": "dspark"}})
+def test_dspark_is_the_default_with_its_reference_sizes_and_dflash_keeps_its_own():
+    spark = config_from_dict({})
+    assert spark.drafter.objective == "dspark"
     assert (spark.drafter.block_size, spark.drafter.loss_chunk) == (7, 1024)
     assert dspark_settings(spark) == DSparkSettings()  # the reference's released config
+    flash = config_from_dict({"drafter": {"objective": "dflash"}})
+    assert dspark_settings(flash) is None
+    assert (flash.drafter.block_size, flash.drafter.loss_chunk) == (16, 4096)
     kept = config_from_dict({"drafter": {"objective": "dspark", "block_size": 16,
                                          "loss_chunk": 512}})
     assert (kept.drafter.block_size, kept.drafter.loss_chunk) == (16, 512)
@@ -49,4 +50,5 @@ def test_recipe_says_the_objective():
     assert text.startswith("objective dspark (B 7, Markov rank 256, loss 0.1 CE + 0.9 TV + "
                            "1.0 confidence, gamma 4)")
     assert "loss dflash" not in text
-    assert "objective" not in recipe_text(config_from_dict({}).to_dict())
+    flash = config_from_dict({"drafter": {"objective": "dflash"}})
+    assert "objective" not in recipe_text(flash.to_dict())
