@@ -62,12 +62,13 @@ class DrafterConfig:
         distribution + conf_weight confidence BCE; the target then also sends its post-norm
         last hidden state. "dflash" = DFlash (the same backbone; the anchor slot is input only:
         B inputs give B-1 drafts; cross-entropy on the data's tokens). With dspark, a config
-        that leaves block_size or loss_chunk unset gets 7 and 1024 (the reference's B; its loss
-        holds ~2.2x DFlash's memory per row); with dflash, their own defaults (16, 4096). DSpark is the default because it won where the
-        target is real: on a code target trained for it at equal GPU time its tau was 50%
-        higher on both sets and every context length (2.99 +- 0.07 against 1.99 +- 0.08 on
-        code, 2 seeds; bench/BENCHMARKS.md "Lab scale on one H200"); on the demo's byte-level
-        toy the two tie. DFlash is the choice for a server without DSpark's method.""")
+        that leaves block_size or loss_chunk unset gets 7 and 1024 (the reference's B; its
+        loss holds ~2.2x DFlash's memory per row); with dflash, their own defaults (16, 4096).
+        DSpark is the default because it won where the target is real: on a code target
+        trained for it, at equal GPU time, its tau was 50% higher on both sets and at every
+        context length (2.99 +- 0.07 against 1.99 +- 0.08 on code, 2 seeds; bench/BENCHMARKS.md
+        "Lab scale on one H200"); on the demo's byte-level toy the two tie. DFlash is the
+        choice for a server without DSpark's method.""")
     num_layers: int = key(5, "L, the drafter's decoder layers (paper: 5 for 4B/8B targets).",
                           gt=0)
     block_size: int = key(16, """B, the tokens of a block: an anchor and the positions it

@@ -44,7 +44,9 @@ def make_config(tmp: Path, target: Path, data: Path, **over):
     d = {
         "run": {"name": "t", "output_dir": str(tmp / "runs"), "max_steps": 6, "seed": 1},
         "target": {"path": str(target), "dtype": "float32", "num_features": 2},
-        "drafter": {"num_layers": 1, "block_size": 4, "num_anchors": 8, "loss_chunk": 64},
+        # DFlash: the engine tests' paths; DSpark's tests say drafter__objective="dspark"
+        "drafter": {"objective": "dflash", "num_layers": 1, "block_size": 4, "num_anchors": 8,
+                    "loss_chunk": 64},
         "data": {"path": str(data), "token_budget": 256, "max_seqs_per_batch": 4,
                  "max_length": 64, "prefetch_batches": 2, "eval_prompts": 2},
         "layout": {"device": "cpu", "targets": [0], "drafters": [0], "hs_queue": 2},

@@ -65,8 +65,8 @@ def test_anchor_passes_on_the_gpu_step_as_one_pass():
     tc = Qwen3Config(vocab_size=1000, hidden_size=128, intermediate_size=256,
                      num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
                      head_dim=32)
-    cfg = config_from_dict({"drafter": {"num_layers": 2, "block_size": 8, "num_anchors": 256,
-                                        "loss_chunk": 512}})
+    cfg = config_from_dict({"drafter": {"objective": "dflash", "num_layers": 2, "block_size": 8,
+                                        "num_anchors": 256, "loss_chunk": 512}})
     torch.manual_seed(0)
     init = DFlashDrafter(build_drafter_config(tc, num_layers=2, target_layer_ids=[1, 3, 5],
                                               block_size=8, mask_token_id=999))
