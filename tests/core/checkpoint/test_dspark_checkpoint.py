@@ -187,7 +187,7 @@ def test_resume_reads_its_own_and_refuses_the_other_objective(tmp_path, target_f
 
 
 def test_resume_of_a_dflash_checkpoint_as_dspark_is_refused(tmp_path, target_folder):
-    flash = config_from_dict({"drafter": {"num_layers": 1, "block_size": 3},
+    flash = config_from_dict({"drafter": {"objective": "dflash", "num_layers": 1, "block_size": 3},
                               "target": {"layer_ids": [1, 2]}})
     expected = expected_drafter_config(flash, target_folder, [1, 2], VOCAB - 1)
     ckpt.save_checkpoint(tmp_path, 2, drafter_state={"fc.weight": torch.zeros(2, 2)},

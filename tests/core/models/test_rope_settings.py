@@ -49,7 +49,7 @@ def yarn_target(folder):
 
 def trained_drafter(folder):
     """The drafter a run builds against the target (trainer.build_replicas, a fresh one)."""
-    cfg = config_from_dict({"drafter": {"num_layers": 1, "block_size": 4},
+    cfg = config_from_dict({"drafter": {"objective": "dflash", "num_layers": 1, "block_size": 4},
                             "target": {"layer_ids": [1, 2]}})
     config = load_target_config(folder)
     target = TargetModel(Qwen3ForCausalLM.from_pretrained(folder, config=config))

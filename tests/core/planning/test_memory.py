@@ -30,15 +30,16 @@ def test_target_weight_bytes():
 # The real node: Qwen3.6-27B, targets on cuda:0..6, drafter on cuda:7, 96 GiB-class GPUs
 # --------------------------------------------------------------------------------------------
 
-# The keys of config.yaml that matter here (drafter: 8 layers, micro_block_tokens 65536). The
-# torch loss's plan, worked out by hand below, wherever the tests run (auto would plan the fused
-# loss's on a machine with Triton; test_memory_fused.py plans that one).
+# The keys of config.yaml that matter here, as DFlash (drafter: 8 layers, micro_block_tokens
+# 65536; test_memory_dspark.py plans DSpark's). The torch loss's plan, worked out by hand below,
+# wherever the tests run (auto would plan the fused loss's on a machine with Triton;
+# test_memory_fused.py plans that one).
 NODE = {"layout": {"device": "cuda", "targets": [0, 1, 2, 3, 4, 5, 6], "drafters": [7],
                    "hs_queue": 8},
         "data": {"token_budget": 65536, "max_length": 3072},
         "target": {"num_features": 5},
-        "drafter": {"num_layers": 8, "num_anchors": 512, "block_size": 16, "loss_chunk": 4096,
-                    "micro_block_tokens": 65536, "fused_loss": "off"}}
+        "drafter": {"objective": "dflash", "num_layers": 8, "num_anchors": 512, "block_size": 16,
+                    "loss_chunk": 4096, "micro_block_tokens": 65536, "fused_loss": "off"}}
 GPU96 = {f"cuda:{i}": 96 * GiB for i in range(8)}
 H200 = {f"cuda:{i}": 139 * GiB for i in range(8)}  # what torch reports free on an H200
 

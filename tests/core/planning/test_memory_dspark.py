@@ -41,8 +41,9 @@ def test_defaults_are_the_reference_settings():
     assert (s.ce_weight, s.tv_weight, s.conf_weight) == dspark_family.LOSS_WEIGHTS
 
 
-def test_a_config_without_the_key_is_dflash():
-    cfg = config_from_dict({})
+def test_a_config_without_the_key_is_dspark_and_dflash_has_no_heads():
+    assert drafter_objective.objective(config_from_dict({})) == "dspark"
+    cfg = config_from_dict({"drafter": {"objective": "dflash"}})
     assert drafter_objective.objective(cfg) == "dflash" and dspark_settings(cfg) is None
     assert drafter_objective.feature_vectors(cfg, 5) == 5
     assert drafter_objective.head_params(cfg, H, V) == 0

@@ -27,10 +27,11 @@ CAP = 95 * GiB  # a 96 GB card's usable share
 
 
 def seed_drafter(length: int, **drafter) -> object:
-    """The seed's drafter (27B shape, 8 layers, 512 anchors x 16, one sequence a pass, loss
-    chunk 4096) on one target GPU and one drafter GPU, one sample of ``length`` tokens a batch."""
-    d = {"num_layers": 8, "num_anchors": 512, "block_size": 16, "micro_block_tokens": 8192,
-         "loss_chunk": 4096} | drafter
+    """The seed's DFlash drafter (27B shape, 8 layers, 512 anchors x 16, one sequence a pass,
+    loss chunk 4096) on one target GPU and one drafter GPU, one sample of ``length`` tokens a
+    batch."""
+    d = {"objective": "dflash", "num_layers": 8, "num_anchors": 512, "block_size": 16,
+         "micro_block_tokens": 8192, "loss_chunk": 4096} | drafter
     return config_from_dict({
         "drafter": d, "data": {"token_budget": length, "max_length": length,
                                "max_seqs_per_batch": 1},

@@ -26,11 +26,13 @@ from dflash_core.units import GiB
 from ..models.target.target_classes import GPT_OSS_20B, MOE, QWEN3_30B_A3B, TINY, build
 from ..models.target.test_target_classes import fp8_checkpoint, mxfp4_checkpoint
 
+# These targets' vocabularies are tiny: DSpark's rank-256 Markov head needs more ids than that.
+DFLASH = {"objective": "dflash"}
 ROUTED = re.compile(r"\.mlp\.(experts\.|gate\.weight|router\.)")  # not shared_experts
 
 
 def cpu_cfg(**target):
-    return config_from_dict({"layout": {"device": "cpu"}, "target": target,
+    return config_from_dict({"layout": {"device": "cpu"}, "drafter": DFLASH, "target": target,
                              "data": {"token_budget": 256, "max_length": 64}})
 
 
@@ -329,8 +331,8 @@ def test_preflight_resolves_the_attention_before_the_plan(tmp_path):
     target stage read it after)."""
     folder = tmp_path / "oss"
     build("gpt_oss").save_pretrained(folder)
-    cfg = config_from_dict({"layout": {"device": "cpu"}, "target": {"path": str(folder),
-                                                                    "layer_ids": [1, 2]}})
+    cfg = config_from_dict({"layout": {"device": "cpu"}, "drafter": DFLASH,
+                            "target": {"path": str(folder), "layer_ids": [1, 2]}})
     said = []
     _, hf_config, layer_ids, _ = resolve_target(cfg, tmp_path, None, say=said.append)
     assert cfg.target.attn_implementation == "eager" and layer_ids == [1, 2] and len(said) == 1
@@ -341,7 +343,7 @@ def test_features_that_include_the_last_layer_are_accepted_with_the_reason_said(
     folder = tmp_path / "oss"
     build("gpt_oss").save_pretrained(folder)
     n = json.loads((folder / "config.json").read_text())["num_hidden_layers"]
-    cfg = config_from_dict({"layout": {"device": "cpu"}, "target": {
+    cfg = config_from_dict({"layout": {"device": "cpu"}, "drafter": DFLASH, "target": {
         "path": str(folder), "layer_ids": [0, n - 1], "attn_implementation": "eager"}})
     said = []
     _, _, layer_ids, _ = resolve_target(cfg, tmp_path, None, say=said.append)
@@ -365,7 +367,7 @@ def _shallow_target(folder, layers: int):
 @pytest.mark.parametrize("layers, features, want", [(2, 1, [0]), (3, 1, [1]), (6, 2, [1, 3])])
 def test_the_default_layers_stay_below_the_last_and_say_nothing(tmp_path, layers, features, want):
     folder = _shallow_target(tmp_path / "t", layers)
-    cfg = config_from_dict({"layout": {"device": "cpu"}, "target": {
+    cfg = config_from_dict({"layout": {"device": "cpu"}, "drafter": DFLASH, "target": {
         "path": str(folder), "num_features": features}})
     said = []
     _, _, layer_ids, _ = resolve_target(cfg, tmp_path, None, say=said.append)
@@ -381,7 +383,7 @@ def test_a_target_too_shallow_for_the_default_is_one_config_line(tmp_path, layer
     """Before: a bare ValueError out of preflight for 3 layers, and the last layer chosen by
     default (with the warning against it) for 1 or 2."""
     folder = _shallow_target(tmp_path / "t", layers)
-    cfg = config_from_dict({"layout": {"device": "cpu"}, "target": {
+    cfg = config_from_dict({"layout": {"device": "cpu"}, "drafter": DFLASH, "target": {
         "path": str(folder), "num_features": features}})
     with pytest.raises(ConfigError) as got:
         resolve_target(cfg, tmp_path, None, say=lambda line: None)

@@ -34,7 +34,7 @@ class Drafter:
 
 
 def dcfg(**keys):
-    return config_from_dict({"drafter": keys}).drafter
+    return config_from_dict({"drafter": {"objective": "dflash", **keys}}).drafter
 
 
 def batch(B: int):

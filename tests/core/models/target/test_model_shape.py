@@ -112,7 +112,7 @@ def test_param_count_scaled_down_variants_match_transformers():
 
 
 def test_drafter_param_count_matches_a_qwen3_stack():
-    cfg = config_from_dict({})  # L=5, k=5, target width
+    cfg = config_from_dict({"drafter": {"objective": "dflash"}})  # L=5, k=5, target width
     text = QWEN36_27B["text_config"]
     # the drafter's layers are Qwen3 decoder layers of the target's width (no gated q)
     stack = {"model_type": "qwen3", "hidden_size": 5120, "intermediate_size": 17408,
@@ -191,7 +191,8 @@ def test_drafter_built_for_a_moe_target_is_the_one_planned(name):
     from dflash_core.models.dflash.drafter import DFlashDrafter, build_drafter_config
 
     config = TINY[name]()
-    cfg = config_from_dict({"drafter": {"num_layers": 2}, "target": {"layer_ids": [0, 1, 3]}})
+    cfg = config_from_dict({"drafter": {"objective": "dflash", "num_layers": 2},
+                            "target": {"layer_ids": [0, 1, 3]}})
     dcfg = build_drafter_config(config, num_layers=2, target_layer_ids=[0, 1, 3], block_size=4,
                                 mask_token_id=VOCAB - 1)
     assert dcfg.intermediate_size == drafter_intermediate(text_config(config)) > 0
