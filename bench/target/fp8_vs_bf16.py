@@ -212,7 +212,8 @@ def planned(hf_config: dict, args, layers: list[int], kept: bool) -> dict[str, f
     margin), GiB."""
     from dflash_core.planning.target_memory import target_tensors
 
-    cfg = config_from_dict({
+    cfg = config_from_dict({  # DFlash's target: its selected layers only (DSpark runs them all)
+        "drafter": {"objective": "dflash"},
         "layout": {"device": args.device, "targets": [0], "drafters": [0]},
         "target": {"layer_ids": layers},
         "data": {"token_budget": args.batch * args.seq, "max_length": args.seq,

@@ -71,7 +71,8 @@ def plan_for(shape: dict, length: int, device: str) -> dict[str, int]:
     """The plan's target tensors for a batch of one sample of ``length`` tokens."""
     from dflash_core.planning.target_memory import target_tensors
 
-    cfg = config_from_dict({
+    cfg = config_from_dict({  # DFlash's target: its selected layers only (DSpark runs them all)
+        "drafter": {"objective": "dflash"},
         "layout": {"device": device, "targets": [0], "drafters": [0]},
         "data": {"token_budget": length, "max_length": length, "max_seqs_per_batch": 1}})
     return target_tensors(cfg, shape, on_cuda=device == "cuda")

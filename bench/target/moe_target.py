@@ -95,6 +95,7 @@ def run_config(shape: dict, args, attn: str):
     from dflash_core.planning.attention_choice import choose_attention
 
     cfg = config_from_dict({
+        "drafter": {"objective": "dflash"},  # the figures' objective (the target's plan differs)
         "layout": {"device": args.device, "targets": [0], "drafters": [0]},
         "target": {"attn_implementation": "sdpa" if attn == "auto" else attn},
         "data": {"token_budget": args.batch * args.tokens, "max_length": args.tokens,

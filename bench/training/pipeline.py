@@ -258,8 +258,8 @@ def main():
     t = time.perf_counter()
     make_data(tmp / "data", vocab, args.samples, max_length)
     print(f"data made in {time.perf_counter() - t:.0f} s")
-    drafter = {"num_layers": 5, "block_size": 16, "num_anchors": args.anchors,
-               "micro_block_tokens": 32768, "loss_chunk": 8192}
+    drafter = {"objective": "dflash", "num_layers": 5, "block_size": 16,
+               "num_anchors": args.anchors, "micro_block_tokens": 32768, "loss_chunk": 8192}
     data = {"token_budget": args.budget, "max_seqs_per_batch": 64, "max_length": max_length}
     if args.shipped:
         shipped = yaml.safe_load((ROOT / "config.yaml").read_text())
