@@ -37,8 +37,8 @@ class Scale:
     head_dim: int = 64
     intermediate_size: int = 2048
     max_position_embeddings: int = 2048
-    # 79M tokens, ~2.2 passes over the 36M training tokens: 299 s on one H200 (0.25 s/step,
-    # 263k tokens/s; bench/BENCHMARKS.md), so the target and the data fit one call of 10 min
+    # 79M tokens, ~2.2 passes over the 36M training tokens: 299-318 s on one H200 (0.25-0.27
+    # s/step; bench/BENCHMARKS.md), so the target and the data take under 10 minutes
     train_steps: int = 1200
     train_batch: int = 64  # windows per step
     train_seq: int = 1024  # tokens per window
@@ -54,8 +54,8 @@ class Scale:
     prompt_min_tokens: int = 64  # a user turn: a file's first lines, this long or longer ...
     prompt_max_tokens: int = 1024  # ... and no longer
     answer_tokens: int = 256  # the target's greedy continuation, at most
-    # prompts generated together: 256 took 215 s for the 8192 on one H200, a batch's 256 steps
-    # bound by launches more than by the GPU's work (KV cache at 512: ~8 GB)
+    # prompts generated together: the 8192 took 215 s at 256 and 169 s at 512 on one H200, a
+    # batch's 256 steps bound by launches more than by the GPU's work (KV cache at 512: ~8 GB)
     gen_batch: int = 512
     # The eval sets' prompts are spread evenly over these context lengths (tokens), so tau can be
     # read by context length; a bucket the held-out files cannot fill is left short.

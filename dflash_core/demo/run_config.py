@@ -41,8 +41,9 @@ def demo_config(output_dir: str = "runs", name: str = "demo", device: str = "cpu
                    "attn_implementation": "sdpa"},
         # DFlash, not the default DSpark: the two tie here (bench/BENCHMARKS.md, "DSpark
         # against DFlash on the demo"), and the demo's figures across the benchmarks are DFlash's.
-        "drafter": {"objective": "dflash", "num_layers": 2, "block_size": 8, "mask_token_id": MASK_ID, "num_anchors": 32,
-                    "loss_chunk": 4096, "dtype": "float32"},
+        "drafter": {"objective": "dflash", "num_layers": 2, "block_size": 8,
+                    "mask_token_id": MASK_ID, "num_anchors": 32, "loss_chunk": 4096,
+                    "dtype": "float32"},
         "data": {"path": "builtin:demo", "token_budget": 2048, "max_seqs_per_batch": 16,
                  "max_length": DATA_PROMPT_LEN + DATA_RESPONSE_LEN, "prefetch_batches": 4,
                  "eval_prompts": 8},
