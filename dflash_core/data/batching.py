@@ -266,12 +266,17 @@ class BatchStream:
                      worker: tuple[int, int] = (0, 1)) -> Iterator[Batch]:
         """This worker's batches from ``start_epoch`` on, skipping batch indices in ``done``
         (those of ``start_epoch`` already trained) for the start epoch only."""
-        rank, world = worker
-        done = done or set()
+        for epoch, bi in self.positions(start_epoch, done, [worker[0]], worker[1]):
+            yield collate(self.dataset, self.plan(epoch)[bi], max_length=self.max_length,
+                          epoch=epoch, batch_index=bi)
+
+    def positions(self, start_epoch: int = 0, done: set[int] | None = None,
+                  ranks: Iterable[int] = (0,), world: int = 1) -> Iterator[tuple[int, int]]:
+        """(epoch, batch index) of every batch that workers ``ranks`` of ``world`` take
+        (iter_batches of each), merged in plan order: the order a node's drafters should
+        train them in."""
+        done, ranks = done or set(), set(ranks)
         for epoch in range(start_epoch, self.epochs):
-            plan = self.plan(epoch)
-            for bi in range(rank, len(plan), world):
-                if epoch == start_epoch and bi in done:
-                    continue
-                yield collate(self.dataset, plan[bi], max_length=self.max_length, epoch=epoch,
-                              batch_index=bi)
+            for bi in range(len(self.plan(epoch))):
+                if bi % world in ranks and not (epoch == start_epoch and bi in done):
+                    yield epoch, bi

@@ -4,11 +4,11 @@ the other."""
 
 from __future__ import annotations
 
+import heapq
 import itertools
-import queue
 import threading
 import time
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Iterable, NamedTuple
 
 import torch
 
@@ -34,41 +34,60 @@ def plan_position(item) -> tuple[int, int]:
 
 
 class HiddenStateQueue:
-    """Items leave in plan order among those present (earliest epoch and batch index first), not
-    in order of arrival: targets drift a batch or two apart, and the batches that meet in one
-    optimizer step should be the neighbours the plan put together (data.balance_steps)."""
+    """Items leave in plan order, not in order of arrival: targets drift a batch or two apart,
+    and the batches that meet in one optimizer step should be the neighbours the plan put
+    together (data.balance_steps). Given ``order`` (the plan positions this node's targets
+    produce, in plan order: BatchStream.positions), an item leaves only when every item before it
+    has; without it, the earliest of those present leaves first."""
 
     def __init__(self, capacity: int, producers: int, publish: Callable[[Any], None],
-                 stop: threading.Event, beat: Callable[[str], None] | None = None):
+                 stop: threading.Event, beat: Callable[[str], None] | None = None,
+                 order: Iterable[tuple[int, int]] | None = None):
         """``beat(phase)``: called in the waiting thread for each slice of waiting (a worker
         that waits on the other side is alive, not stalled)."""
-        self._q: queue.PriorityQueue = queue.PriorityQueue(maxsize=capacity)
+        self._heap: list = []
+        self._cv = threading.Condition()
         self._arrivals = itertools.count()  # ties (items without a batch) leave in arrival order
         self.capacity = capacity
         self._producers = producers
         self._depth = DepthReporter(HS_QUEUE, publish)
         self._stop = stop
-        self._lock = threading.Lock()
         self._done = 0
         self._blocked = 0.0  # producers' time waiting for room, since the last take_waits()
         self._waited = 0.0  # consumers' time waiting for an item, likewise
         self._beat = beat or (lambda phase: None)
+        self._order = iter(order) if order is not None else None
+        self._due = next(self._order, None) if self._order is not None else None
+
+    def _is_due(self, position: tuple[int, int]) -> bool:
+        """Whether an item at ``position`` may leave now (called holding the lock). An item
+        the order does not hold back (it is past the order's end, or comes before the position
+        awaited) leaves at once, and so does everything once every producer is done: the order
+        only ever delays, it never keeps an item."""
+        return (self._due is None or position <= self._due
+                or self._done >= self._producers)
 
     def put(self, item) -> float:
         """Blocks while the queue is full; raises Stopped when the stop flag is set meanwhile.
+        The item the order awaits always gets in (the queue then holds one over capacity):
+        otherwise later items could fill it and wait forever for the one they follow.
         Returns the seconds spent waiting for room."""
         t = time.monotonic()
+        position = plan_position(item)
         while True:
-            if self._stop.is_set():
-                raise Stopped()
-            try:
-                self._q.put((plan_position(item), next(self._arrivals), item), timeout=POLL_S)
-                break
-            except queue.Full:
-                self._report()  # said again while it waits: the queues panel's history goes on
-                self._beat("waiting for room in the hs queue")
+            with self._cv:
+                if self._stop.is_set():
+                    raise Stopped()
+                if len(self._heap) < self.capacity or (
+                        self._due is not None and position == self._due):
+                    heapq.heappush(self._heap, (position, next(self._arrivals), item))
+                    self._cv.notify_all()
+                    break
+                self._cv.wait(POLL_S)
+            self._report()  # said again while it waits: the queues panel's history goes on
+            self._beat("waiting for room in the hs queue")
         blocked = time.monotonic() - t
-        with self._lock:
+        with self._cv:
             self._blocked += blocked
         self._report()
         return blocked
@@ -76,41 +95,51 @@ class HiddenStateQueue:
     def get(self, timeout: float = POLL_S):
         """The next item, or None when none came within ``timeout``."""
         t = time.monotonic()
-        try:
-            item = self._q.get(timeout=timeout)[-1]
-        except queue.Empty:
-            item = None
-            self._beat("waiting for features")
-        with self._lock:
+        item = None
+        with self._cv:
+            while True:
+                if self._heap and self._is_due(self._heap[0][0]):
+                    position, _, item = heapq.heappop(self._heap)
+                    if position == self._due:
+                        self._due = next(self._order, None)
+                    self._cv.notify_all()  # room for a producer
+                    break
+                left = t + timeout - time.monotonic()
+                if left <= 0:
+                    break
+                self._cv.wait(left)
             self._waited += time.monotonic() - t
+        if item is None:
+            self._beat("waiting for features")
         self._report()  # also on a timeout: the depth last coalesced away reaches the screen
         return item
 
     def producer_done(self) -> None:
-        with self._lock:
+        with self._cv:
             self._done += 1
+            self._cv.notify_all()  # nothing held back for an order that can no longer come
 
     def exhausted(self) -> bool:
         """Every producer has finished and nothing is left to take."""
-        return self._done >= self._producers and self._q.empty()
+        with self._cv:
+            return self._done >= self._producers and not self._heap
 
     def take_waits(self) -> tuple[float, float]:
         """(consumer wait, producer blocked) seconds since the last call."""
-        with self._lock:
+        with self._cv:
             out = (self._waited, self._blocked)
             self._waited = self._blocked = 0.0
         return out
 
     def depth(self) -> int:
-        return self._q.qsize()
+        with self._cv:
+            return len(self._heap)
 
     def clear(self) -> None:
         """Drop what is queued (teardown: the tensors go with it)."""
-        while True:
-            try:
-                self._q.get_nowait()
-            except queue.Empty:
-                return
+        with self._cv:
+            self._heap.clear()
+            self._cv.notify_all()
 
     def _report(self) -> None:
-        self._depth(self._q.qsize(), self.capacity)
+        self._depth(self.depth(), self.capacity)

@@ -109,8 +109,6 @@ class Supervisor:
                     f"cuda:{index} limited to {limit / GiB:.1f} GiB (layout.gpu_memory_gib)")))
         self._start_telemetry(limits)
         world = len(run.target_devices)
-        run.hs_queue = HiddenStateQueue(cfg.layout.hs_queue, world, publish, run.stop,
-                                        beat=run.heartbeats.beat)
         if run.resume:  # its data position names batches of the order it was written with
             wrote = int(run.resume.trainer_state.get("balance", 1))
             if wrote != prep.stream.balance:
@@ -129,6 +127,12 @@ class Supervisor:
             per_1k=cfg.drafter.anchors_per_1k_tokens)
         # Several nodes: node k's targets take global shards k*T .. k*T+T-1 of N*T.
         node, nodes = (self.nodes.rank, self.nodes.world) if self.nodes is not None else (0, 1)
+        # The drafters take this node's batches in plan order, whichever target ran ahead.
+        run.hs_queue = HiddenStateQueue(
+            cfg.layout.hs_queue, world, publish, run.stop, beat=run.heartbeats.beat,
+            order=prep.stream.positions(run.position.start_epoch, run.position.start_done,
+                                        range(node * world, node * world + world),
+                                        nodes * world))
         for rank, dev in enumerate(run.target_devices):
             batches = prep.stream.iter_batches(run.position.start_epoch, run.position.start_done,
                                                worker=(node * world + rank, nodes * world))

@@ -178,6 +178,17 @@ def test_resume_yields_exactly_the_remaining_batches(dataset):
     assert resumed == expected
 
 
+def test_positions_are_a_nodes_batches_merged_in_plan_order(dataset):
+    """The hs queue's order: what targets 2 and 3 of 6 take (node 1 of 3, two targets each),
+    resumed mid-epoch, is exactly the union of their iter_batches, sorted by plan position."""
+    stream = make_stream(dataset)
+    done = set(range(0, len(stream.plan(1)), 5))
+    taken = [(b.epoch, b.batch_index) for r in (2, 3)
+             for b in stream.iter_batches(1, done=done, worker=(r, 6))]
+    assert list(stream.positions(1, done, range(2, 4), 6)) == sorted(taken)
+    assert len(taken) > 10
+
+
 def test_a_stream_planned_for_another_layout_takes_the_checkpoints_order(dataset):
     """A resumed run's "done" batch indices refer to the order its checkpoint was written with:
     use_balance restores that order whatever the new layout would balance for."""
