@@ -38,7 +38,12 @@ class HiddenStateQueue:
     and the batches that meet in one optimizer step should be the neighbours the plan put
     together (data.balance_steps). Given ``order`` (the plan positions this node's targets
     produce, in plan order: BatchStream.positions), an item leaves only when every item before it
-    has; without it, the earliest of those present leaves first."""
+    has; without it, the earliest of those present leaves first.
+
+    Each producer (a target, whose GPU holds the features it queued) has at most its share,
+    ceil(capacity / producers), in the queue: a target running ahead of one the order waits
+    for cannot fill the queue with its own batches, and its memory stays what the plan gave it
+    (planning/memory.py)."""
 
     def __init__(self, capacity: int, producers: int, publish: Callable[[Any], None],
                  stop: threading.Event, beat: Callable[[str], None] | None = None,
@@ -46,6 +51,8 @@ class HiddenStateQueue:
         """``beat(phase)``: called in the waiting thread for each slice of waiting (a worker
         that waits on the other side is alive, not stalled)."""
         self._heap: list = []
+        self._share = -(-capacity // max(1, producers))
+        self._held: dict[Any, int] = {}  # items in the queue by producer
         self._cv = threading.Condition()
         self._arrivals = itertools.count()  # ties (items without a batch) leave in arrival order
         self.capacity = capacity
@@ -67,10 +74,12 @@ class HiddenStateQueue:
         return (self._due is None or position <= self._due
                 or self._done >= self._producers)
 
-    def put(self, item) -> float:
-        """Blocks while the queue is full; raises Stopped when the stop flag is set meanwhile.
-        The item the order awaits always gets in (the queue then holds one over capacity):
-        otherwise later items could fill it and wait forever for the one they follow.
+    def put(self, item, producer: Any = None) -> float:
+        """Blocks while the queue is full or ``producer`` (None: not counted) holds its share;
+        raises Stopped when the stop flag is set meanwhile. The item the order awaits always gets
+        in (the queue may then hold one over capacity): otherwise later items could fill it and
+        wait forever for the one they follow. (Its producer never holds its share then: a
+        producer makes its batches in plan order, so any it had queued would come before it.)
         Returns the seconds spent waiting for room."""
         t = time.monotonic()
         position = plan_position(item)
@@ -78,9 +87,12 @@ class HiddenStateQueue:
             with self._cv:
                 if self._stop.is_set():
                     raise Stopped()
-                if len(self._heap) < self.capacity or (
-                        self._due is not None and position == self._due):
-                    heapq.heappush(self._heap, (position, next(self._arrivals), item))
+                awaited = self._due is not None and position == self._due
+                if awaited or (len(self._heap) < self.capacity
+                               and self._held.get(producer, 0) < self._share):
+                    heapq.heappush(self._heap, (position, next(self._arrivals), producer, item))
+                    if producer is not None:
+                        self._held[producer] = self._held.get(producer, 0) + 1
                     self._cv.notify_all()
                     break
                 self._cv.wait(POLL_S)
@@ -99,7 +111,9 @@ class HiddenStateQueue:
         with self._cv:
             while True:
                 if self._heap and self._is_due(self._heap[0][0]):
-                    position, _, item = heapq.heappop(self._heap)
+                    position, _, producer, item = heapq.heappop(self._heap)
+                    if producer is not None:
+                        self._held[producer] -= 1
                     if position == self._due:
                         self._due = next(self._order, None)
                     self._cv.notify_all()  # room for a producer
@@ -139,6 +153,7 @@ class HiddenStateQueue:
         """Drop what is queued (teardown: the tensors go with it)."""
         with self._cv:
             self._heap.clear()
+            self._held.clear()
             self._cv.notify_all()
 
     def _report(self) -> None:

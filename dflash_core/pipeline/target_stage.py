@@ -174,7 +174,8 @@ class TargetStage:
                 raise Stopped() from None
             if batches == 0:
                 self._status(WORKER_RUNNING)
-            blocked += self.hs_queue.put(Handoff(batch, feats, ready_event(feats)))
+            blocked += self.hs_queue.put(Handoff(batch, feats, ready_event(feats)),
+                                         producer=self.rank)
             batches += 1
             tokens += batch.num_tokens
             now = time.monotonic()

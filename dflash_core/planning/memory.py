@@ -167,9 +167,9 @@ def plan_memory(cfg: Config, target_hf_config: dict, free_bytes: dict[str, int] 
                 total_bytes: dict[str, int] | None = None, quantized: bool | None = None) -> Plan:
     """Estimate each device's peak bytes for this config and target.
 
-    Queued feature batches stay on the target that made them (engine.py): each target keeps its
-    share, ceil(layout.hs_queue / targets) batches, until a drafter takes them (targets of similar
-    speed; one target alone could hold up to layout.hs_queue). ``quantized``: a quantized
+    Queued feature batches stay on the target that made them (engine.py): each target keeps at
+    most its share, ceil(layout.hs_queue / targets) batches, until a drafter takes them (the hs
+    queue holds each target to it: pipeline/hs_queue.py). ``quantized``: a quantized
     checkpoint's weights stay as stored (preflight knows whether transformers can run them on
     these devices); None = on CUDA yes, on the CPU no (transformers dequantizes there).
     """

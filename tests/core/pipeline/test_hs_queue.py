@@ -108,3 +108,22 @@ def test_two_drifting_producers_reach_the_consumers_in_plan_order():
         t.join(timeout=10)
     pairs = [sorted(p) for p in zip(rounds[0], rounds[1])]
     assert pairs == [[2 * k, 2 * k + 1] for k in range(n // 2)]
+
+
+def test_a_target_running_ahead_holds_no_more_than_its_share():
+    """Target 0 runs ahead while the order waits for target 1's batch 1: target 0 may queue its
+    share, ceil(4 / 2) = 2 batches (what the memory plan gives its GPU), and then waits."""
+    stop = threading.Event()
+    q = ordered(4, [(0, i) for i in range(8)], stop=stop)
+    q.put(handoff(0, 0), producer=0)
+    q.put(handoff(0, 2), producer=0)
+    blocked = threading.Thread(target=lambda: q.put(handoff(0, 4), producer=0))
+    blocked.start()
+    blocked.join(timeout=0.3)
+    assert blocked.is_alive() and q.depth() == 2
+    assert q.get().batch.batch_index == 0  # a batch of target 0's leaves: room for its next
+    blocked.join(timeout=2)
+    assert not blocked.is_alive() and q.depth() == 2
+    q.put(handoff(0, 1), producer=1)
+    assert [q.get().batch.batch_index for _ in range(2)] == [1, 2]
+    assert q.get(timeout=0.05) is None  # 4 waits for 3
