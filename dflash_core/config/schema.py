@@ -168,8 +168,9 @@ class LayoutConfig:
     device: Literal["auto", "cuda", "cpu"] = key("auto", "auto = cuda when available.")
     targets: list[int] = key([0], "Target GPU indices (CPU: worker ids); non-empty, distinct.")
     drafters: list[int] = key([0], "Drafter GPU indices; non-empty, distinct.")
-    hs_queue: int = key(8, "Capacity of the hidden-state queue from targets to drafters "
-                           "(batches).", gt=0)
+    hs_queue: int = key(8, """Capacity of the hidden-state queue from targets to drafters
+        (batches). Each target queues at most ceil(hs_queue / targets) of them, and they stay on
+        its GPU until a drafter takes them.""", gt=0)
     gpu_memory_gib: float = key(0.0, """Plan for and enforce (per-process memory fraction) a card
         of this many GiB on every GPU; 0 = the card's own size. Rehearses the real node's cards on
         bigger ones (e.g. 95 on an H200 for a 96 GB RTX PRO 6000, which offers about 95.6
