@@ -34,11 +34,11 @@ def plan_position(item) -> tuple[int, int]:
 
 
 class HiddenStateQueue:
-    """Items leave in plan order, not in order of arrival: targets drift a batch or two apart,
-    and the batches that meet in one optimizer step should be the neighbours the plan put
-    together (data.balance_steps). Given ``order`` (the plan positions this node's targets
-    produce, in plan order: BatchStream.positions), an item leaves only when every item before it
-    has; without it, the earliest of those present leaves first.
+    """Items leave in plan order, not in order of arrival: targets drift apart, and the
+    batches that meet in one optimizer step should be the neighbours the plan put together
+    (data.balance_steps). Given ``order`` (the plan positions this node's targets produce, in plan
+    order: BatchStream.positions), an item leaves only when every item before it has; without
+    it, the earliest of those present leaves first.
 
     Each producer (a target, whose GPU holds the features it queued) has at most its share,
     ceil(capacity / producers), in the queue: a target running ahead of one the order waits
