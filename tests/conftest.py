@@ -1,36 +1,83 @@
 """Shared fixtures. The demo target and its data are built once per test session (and kept in the
-pytest cache between sessions; CI starts empty and pays the ~2 minute build once)."""
+pytest cache between sessions). A fresh cache (CI's) builds them in a child process while the
+tests that need neither run: the ~2 minute build (one thread) takes the second core instead of
+holding up the first test that needs it."""
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+DEMO_FIXTURES = {"demo_target", "demo_data"}
+_CACHE = pytest.StashKey[Path]()
+_BUILDER = pytest.StashKey[subprocess.Popen]()
+# The child process: build (or find cached) the demo target, then its data set.
+_BUILD = ("import sys\n"
+          "from dflash_core.demo import ensure_demo_data, ensure_tiny_target\n"
+          "ensure_demo_data(ensure_tiny_target(sys.argv[1]), sys.argv[1])\n")
+
+
+def cache_root(config) -> Path:
+    """Where ``builtin:`` assets are cached during tests: $DFLASH_CACHE when set, else a folder in
+    the pytest cache (a session temp folder with -p no:cacheprovider)."""
+    if _CACHE not in config.stash:
+        env = os.environ.get("DFLASH_CACHE")
+        cache = getattr(config, "cache", None)
+        if env:
+            root = Path(env)
+        elif cache is not None:
+            root = Path(cache.mkdir("dflash"))
+        else:
+            root = config._tmp_path_factory.mktemp("dflash-cache")
+        config.stash[_CACHE] = root
+    return config.stash[_CACHE]
+
+
+@pytest.hookimpl(trylast=True)  # after -m / -k have deselected
+def pytest_collection_modifyitems(config, items):
+    """The modules that use the demo's assets run last (each module kept whole, its fixtures set
+    up once), and a child process starts building the assets now."""
+    needs = {getattr(item, "module", None) for item in items
+             if DEMO_FIXTURES & set(getattr(item, "fixturenames", ()))}
+    needs.discard(None)
+    if not needs:
+        return
+    items.sort(key=lambda item: getattr(item, "module", None) in needs)  # stable
+    root = cache_root(config)
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / "build.log", "wb") as log:
+        config.stash[_BUILDER] = subprocess.Popen(
+            [sys.executable, "-c", _BUILD, str(root)], stdout=log, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, env={**os.environ, "DFLASH_CACHE": str(root)})
+
+
+def pytest_sessionfinish(session):
+    builder = session.config.stash.get(_BUILDER, None)
+    if builder is not None and builder.poll() is None:  # no demo test ran (-x, an interrupt)
+        builder.kill()
+        builder.wait()
+
 
 @pytest.fixture(scope="session", autouse=True)
-def dflash_cache(request, tmp_path_factory) -> Path:
-    """Where ``builtin:`` assets are cached during tests: $DFLASH_CACHE when set, else a folder in
-    the pytest cache (a session temp folder with -p no:cacheprovider). Exported as DFLASH_CACHE so
-    an engine started by a test finds the same assets instead of building them in the home folder.
-    """
-    env = os.environ.get("DFLASH_CACHE")
-    cache = getattr(request.config, "cache", None)
-    if env:
-        root = Path(env)
-    elif cache is not None:
-        root = Path(cache.mkdir("dflash"))
-    else:
-        root = tmp_path_factory.mktemp("dflash-cache")
+def dflash_cache(request) -> Path:
+    """The asset cache (cache_root), exported as DFLASH_CACHE so an engine started by a test
+    finds the same assets instead of building them in the home folder."""
+    root = cache_root(request.config)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("DFLASH_CACHE", str(root))
         yield root
 
 
 @pytest.fixture(scope="session")
-def demo_target(dflash_cache) -> Path:
+def demo_target(request, dflash_cache) -> Path:
     """The built-in demo target (a trained tiny byte-level Qwen3), as an HF folder."""
     from dflash_core.demo import ensure_tiny_target
 
+    builder = request.config.stash.get(_BUILDER, None)
+    if builder is not None:
+        builder.wait()  # had it failed, the build below runs again here and raises its error
     return ensure_tiny_target(dflash_cache)
 
 
