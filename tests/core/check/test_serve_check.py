@@ -12,6 +12,9 @@ from dflash_core.demo import demo_config
 from dflash_core.models import block_attention, objective
 from dflash_core.models.dflash.drafter import DFlashDrafter
 
+# The demo's assets, built by the session's fixture (a fresh cache builds them beside other tests).
+pytestmark = pytest.mark.usefixtures("demo_target")
+
 # One sample, a short response: memorised in well under 100 steps on the demo.
 FAST = CheckOptions(samples=1, response_tokens=32, max_steps=200)
 

@@ -19,7 +19,7 @@ B = 4
 
 # Memorising the DSpark drafter is a training of ~40 s on the CPU: make test-slow. The fast
 # path of its probes is tests/core/models/dspark/test_dspark_decoding.py; of check, the DFlash tests.
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("demo_target")]  # demo assets
 
 
 def _cfg(tmp_path, name):

@@ -11,6 +11,9 @@ from dflash_core.config import ConfigError, config_from_dict
 from dflash_core.eval.evaluate import evaluation_attention
 from tests.core.eval.conftest import DEMO_LAYERS, THINK_TEMPLATE, chat_target, write_jsonl
 
+# The demo's assets, built by the session's fixture (a fresh cache builds them beside other tests).
+pytestmark = pytest.mark.usefixtures("demo_target")
+
 NEW = 20
 
 

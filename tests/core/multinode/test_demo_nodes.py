@@ -19,6 +19,9 @@ from dflash_core.observe.event_log import read_events
 
 from .test_nodes import free_port, node_env, procs  # noqa: F401 (a fixture)
 
+# The demo's assets, built by the session's fixture (a fresh cache builds them beside other tests).
+pytestmark = pytest.mark.usefixtures("demo_target")
+
 EXIT_WITHIN_S = 30.0
 
 

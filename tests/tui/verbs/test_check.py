@@ -4,6 +4,9 @@ import pytest
 
 from dflash_tui.cli import main
 
+# The demo's assets, built by the session's fixture (a fresh cache builds them beside other tests).
+pytestmark = pytest.mark.usefixtures("demo_target")
+
 
 def test_check_without_a_config_is_an_input_error(capsys):
     assert main(["check"]) == 2
