@@ -63,8 +63,8 @@ class HiddenStateQueue:
         self._blocked = 0.0  # producers' time waiting for room, since the last take_waits()
         self._waited = 0.0  # consumers' time waiting for an item, likewise
         self._beat = beat or (lambda phase: None)
-        self._order = iter(order) if order is not None else None
-        self._due = next(self._order, None) if self._order is not None else None
+        self._order = iter(order if order is not None else ())
+        self._due = next(self._order, None)  # None: nothing awaited, the earliest present leaves
 
     def _is_due(self, position: tuple[int, int]) -> bool:
         """Whether an item at ``position`` may leave now (called holding the lock). An item
