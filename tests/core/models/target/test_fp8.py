@@ -2,9 +2,12 @@
 linear, the rule that keeps the weights FP8 (the GPU's compute capability asked through a stand-in)
 and the loader on both sides of it. A GPU that keeps FP8 is played on the CPU by answering
 transformers' CUDA questions as an H200 would: transformers then builds its FP8 layers, whose
-kernels cannot load here, as on a GPU machine without the kernels package."""
+kernels cannot load here, as on a GPU machine without the kernels package (or with one that
+cannot fetch them from the hub)."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -20,6 +23,10 @@ from dflash_core.models.target.load import load_target
 
 from .fp8_twin import LAYERS, write_fp8_twin
 from .test_target_classes import _fp8_blockwise, fp8_checkpoint
+
+# Why transformers' kernels failed depends on the machine (no kernels package: ImportError; one
+# that cannot reach the hub: ValueError): the note must name the exception and its message.
+KERNELS_FAIL = re.compile(r"transformers' FP8 kernels do not run here \(\w+: \S[^)]*\)")
 
 
 def param_bytes(model) -> int:
@@ -136,8 +143,8 @@ def test_on_the_cpu_the_loader_dequantizes_and_says_what_it_costs(twin):
 
 
 def test_kept_fp8_runs_on_the_engines_linear_where_transformers_kernels_do_not(twin, h200):
-    """On a GPU that keeps FP8 but cannot load transformers' kernels (no kernels package, as on a
-    node without network): the weights stay float8, every projection runs on BlockFP8Linear, the
+    """On a GPU that keeps FP8 but cannot load transformers' kernels (no kernels package, or one
+    that cannot fetch them, as on a node without network): the weights stay float8, every projection runs on BlockFP8Linear, the
     one line says so and why, and the features are the bf16 twin's to the bit."""
     folder, bf16 = twin
     said = []
@@ -153,7 +160,7 @@ def test_kept_fp8_runs_on_the_engines_linear_where_transformers_kernels_do_not(t
     assert len(said) == 1 and said[0].startswith(
         f"target: FP8 block-wise weights stay FP8 on cpu: {stored / 2**20:.1f} MiB "
         f"({plain / 2**20:.1f} MiB in bfloat16), run by the engine's FP8 linear")
-    assert "transformers' FP8 kernels do not run here (ImportError" in said[0]
+    assert KERNELS_FAIL.search(said[0]), said[0]
     assert target.quantized.kept and not target.quantized.planned
     twin_target = load_target(bf16, dtype=torch.bfloat16)
     x = ids(3)
@@ -216,8 +223,8 @@ def test_fp8_experts_whose_kernels_do_not_run_are_loaded_again_dequantized(tmp_p
     ref = fp8_checkpoint(tmp_path)
     said = []
     target = load_target(tmp_path, say=said.append)
-    assert len(said) == 1 and "dequantized to float32 as they load (transformers' FP8 kernels " \
-        "do not run here (ImportError" in said[0] and "experts" in said[0]
+    assert len(said) == 1 and "dequantized to float32 as they load (" in said[0]
+    assert KERNELS_FAIL.search(said[0]) and "experts" in said[0], said[0]
     assert not fp8.fp8_left(target.model)
     assert not target.quantized.kept and not target.quantized.planned  # preflight said kept
     x = torch.randint(0, 200, (2, 9), generator=torch.Generator().manual_seed(5))
