@@ -209,3 +209,16 @@ def test_a_results_file_of_something_else_is_refused(tmp_path):
     (tmp_path / "x.jsonl").write_text("hello\n")
     with pytest.raises(EvalInputError, match="not a results file"):
         open_results(tmp_path / "x.jsonl", {})
+
+
+def test_a_batch_is_held_as_it_reads_back(tmp_path):
+    """The times are written rounded: a table made as the batch ends and one made from the file
+    later must agree to the last digit (tokens/s sat on a rounding edge once: 407.8 vs 407.9)."""
+    from dflash_core.eval.results import Batch
+    path = tmp_path / "x.jsonl"
+    f = open_results(path, {"a": 1})
+    f.append([{"kind": "prompt", "index": 0, "tokens": [1, 2]}],
+             Batch(0, [0], seconds=0.123456789012, prefill_seconds=0.0000004999))
+    again = open_results(path, {"a": 1})
+    assert again.batches == f.batches
+    assert f.batches[0].seconds == 0.123457 and f.batches[0].prefill_seconds == 0.0
