@@ -38,6 +38,12 @@ class Batch:
     seconds: float
     prefill_seconds: float
 
+    @classmethod
+    def from_record(cls, x: dict) -> Batch:
+        """The batch its closing line in the file stands for."""
+        return cls(int(x["batch"]), list(x["prompts"]), float(x["seconds"]),
+                   float(x["prefill_seconds"]))
+
 
 @dataclass
 class ResultsFile:
@@ -77,8 +83,7 @@ class ResultsFile:
             self.prompts[int(x["index"])] = x
         # held as it reads back (times rounded as written), so a table made now and one made
         # again from the file are the same to the last digit
-        self.batches.append(Batch(batch.number, list(batch.prompts), record["seconds"],
-                                  record["prefill_seconds"]))
+        self.batches.append(Batch.from_record(record))
 
 
 def _append_text(path: Path, text: str) -> None:
@@ -173,8 +178,7 @@ def open_results(path: Path, settings: dict, about: dict | None = None) -> Resul
                 break
             for p in pending:
                 res.prompts[int(p["index"])] = p
-            res.batches.append(Batch(int(x["batch"]), list(x["prompts"]), float(x["seconds"]),
-                                     float(x["prefill_seconds"])))
+            res.batches.append(Batch.from_record(x))
             pending = []
             good = min(at, len(raw))
     if good < len(raw):
