@@ -136,6 +136,8 @@ def _check(cfg: Config) -> None:
         if any(i < 0 for i in ids):
             raise ConfigError(key, f"device indices must be >= 0, got {ids}",
                               hint=f"list GPU indices (0, 1, ...) in {key}")
+    from dflash_core.target_group.split import check_layout
+    check_layout(cfg)  # a copy of the target over several GPUs: its size against the list
     if len(cfg.optim.betas) != 2 or not all(0 <= b < 1 for b in cfg.optim.betas):
         raise ConfigError("optim.betas", f"expected two numbers in [0, 1), got {cfg.optim.betas}",
                           hint="set optim.betas to [0.9, 0.95] or similar in config.yaml")

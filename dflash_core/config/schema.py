@@ -50,6 +50,21 @@ class TargetConfig:
         model (config.json "auto_map", e.g. Kimi-K2). Off: such a target is refused at preflight,
         naming this key; a model transformers knows is always built from transformers' own code.
         Never asked on the terminal.""")
+    gpus_per_copy: int = key(1, """GPUs one copy of the target spans (a target group, for a
+        target larger than one card): layout.targets is cut into copies of this many consecutive
+        GPUs, each GPU a process of its own, the model split between them by transformers
+        (docs/targets.md, "Targets larger than one GPU"). 1 = every GPU of layout.targets holds a
+        whole copy, in the engine's own process.""", ge=1)
+    parallel: Literal["sharded", "shared"] = key("sharded", """How a copy of several GPUs is
+        split. "sharded" = fully-sharded (FSDP; a mixture-of-experts target's experts split
+        between the GPUs too): every GPU takes batches of its own, as a one-GPU target does; the
+        choice for mixture-of-experts targets. "shared" = tensor parallel (with expert parallel
+        on a MoE target): every GPU of the copy runs the same batch; for dense targets whose
+        layers do not fit one card.""")
+    expert_parallel: bool = key(True, """In a copy of several GPUs, split a mixture-of-experts
+        target's experts between them (expert parallel). false: under "sharded", FSDP shards
+        them with the rest; under "shared" it is refused (tensor parallel alone keeps every
+        expert on every GPU).""")
 
 
 @dataclass

@@ -59,6 +59,7 @@ class Run:
     config: Config | None = None
     sinks: RunSinks | None = None
     target_devices: list[torch.device] = field(default_factory=list)
+    groups: list = field(default_factory=list)  # target groups' rank processes (target_group/)
     drafter_devices: list[torch.device] = field(default_factory=list)
     prep: Prepared | None = None
     resume: ckpt.LoadedCheckpoint | None = None
@@ -90,6 +91,7 @@ class Run:
     peer_failed: bool = False
     resume_t0: float | None = None  # when --resume began reading, until the first step
     _data_id: dict | None = None
+    _said_no_eval: bool = False  # a target group's run: said once that it does not evaluate
     _ledger_failed: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -244,6 +246,14 @@ class Run:
         target = self.targets[0].model if self.targets else None
         if (not self.writes_records or not self.replicas or target is None
                 or self.evaluator is None):
+            return
+        if not getattr(target, "runs_here", True):  # a target group: its layers are elsewhere
+            if not self._said_no_eval:
+                self._said_no_eval = True
+                self.publish(Log(level="warning", source="engine", message=(
+                    "no evaluation in the run: the target runs in a target group's processes, "
+                    "and the run's decoding needs it whole in this one; evaluate the "
+                    "checkpoints with `dflash-tui eval` on a machine where the target fits")))
             return
         self.publish_hours("eval")  # the report's tau against GPU-hours takes this figure
         tau = self.evaluator.evaluate(self.step, self.replicas[0].drafter, target)

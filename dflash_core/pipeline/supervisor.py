@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import json
 import time
 from typing import Callable
 
@@ -44,6 +45,9 @@ from dflash_core.pipeline.workers import POLL_S, Stopped
 from dflash_core.planning.allocator import apply_card_limit
 from dflash_core.planning.layout_advice import LayoutAdvisor
 from dflash_core.planning.preflight import device_label
+from dflash_core.models.target.shape import model_shape
+from dflash_core.target_group.group import GroupStage, TargetGroup
+from dflash_core.target_group.split import SHARDED, copies, split_of
 from dflash_core.units import GiB
 
 # Workers check the stop flag between layers (targets) and micro-groups (drafters), so they end
@@ -108,7 +112,9 @@ class Supervisor:
                 publish(Log(level="info", source="engine", message=(
                     f"cuda:{index} limited to {limit / GiB:.1f} GiB (layout.gpu_memory_gib)")))
         self._start_telemetry(limits)
-        world = len(run.target_devices)
+        groups = self._target_groups()
+        # the batch streams: one per target GPU, or per rank / per copy of a target group
+        world = sum(g.split.producers for g in groups) if groups else len(run.target_devices)
         if run.resume:  # its data position names batches of the order it was written with
             wrote = int(run.resume.trainer_state.get("balance", 1))
             if wrote != prep.stream.balance:
@@ -133,7 +139,9 @@ class Supervisor:
             order=prep.stream.positions(run.position.start_epoch, run.position.start_done,
                                         range(node * world, node * world + world),
                                         nodes * world))
-        for rank, dev in enumerate(run.target_devices):
+        stream_devices = ([g.devices[r] for g in groups for r in range(g.split.producers)]
+                          if groups else run.target_devices)
+        for rank, dev in enumerate(stream_devices):
             batches = prep.stream.iter_batches(run.position.start_epoch, run.position.start_done,
                                                worker=(node * world + rank, nodes * world))
             run.prefetchers.append(Prefetcher(
@@ -142,7 +150,10 @@ class Supervisor:
                 on_depth=DepthReporter(prefetch_queue(rank), publish), beat=run.heartbeats.beat))
         if any(d.type == "cuda" for d in run.target_devices):
             serialize_triton_autotuning()  # targets' (and the evaluation's) FLA kernels
-        for rank, dev in enumerate(run.target_devices):
+        for rank, stage in enumerate(self._group_stages(groups)):
+            run.targets.append(stage)
+            self.run.start_worker(stage.name, "target", stage.label, stage.run)
+        for rank, dev in enumerate([] if groups else run.target_devices):
             label = device_label(dev, rank)
             stage = TargetStage(
                 rank, dev, label, target_path=prep.target_path, dtype=cfg.target.dtype,
@@ -159,6 +170,44 @@ class Supervisor:
                     raise Stopped()
                 run.heartbeats.beat("waiting for the targets to load")
                 run.hours_tick()
+
+    def _target_groups(self) -> list:
+        """With target.gpus_per_copy > 1: the copies of the target, their ranks started (from
+        this thread, which outlives them; target_group/group.py)."""
+        run = self.run
+        cfg, prep = run.config, run.prep
+        split = split_of(cfg.target)
+        if split.k == 1:
+            return []
+        raw = json.loads((prep.target_path / "config.json").read_text(encoding="utf-8"))
+        moe = model_shape(raw).experts > 0
+        run.groups = [
+            TargetGroup(i, devices, split, target_path=prep.target_path, dtype=cfg.target.dtype,
+                        attn_implementation=cfg.target.attn_implementation,
+                        layer_ids=prep.layer_ids, last_hidden=family_of(cfg).last_hidden,
+                        trust_remote_code=cfg.target.trust_remote_code,
+                        distributed=split.distributed(moe), run_dir=cfg.run_dir,
+                        publish=self.bus.publish)
+            for i, devices in enumerate(copies(run.target_devices, split.k))]
+        for group in run.groups:
+            group.start()
+        return run.groups
+
+    def _group_stages(self, groups: list) -> list:
+        """The groups' batch streams as target workers: a rank each (sharded), a copy each
+        (shared), numbered as the prefetchers are."""
+        run = self.run
+        stages = []
+        for group in groups:
+            owned = ([[r] for r in range(group.split.k)] if group.split.mode == SHARDED
+                     else [list(range(group.split.k))])
+            for ranks in owned:
+                n = len(stages)
+                stages.append(GroupStage(
+                    n, group, ranks, prefetcher=run.prefetchers[n],
+                    hs_queue=run.hs_queue, publish=self.bus.publish, stop=run.stop,
+                    heartbeats=run.heartbeats))
+        return stages
 
     def _start_telemetry(self, limits: dict[int, int]) -> None:
         run = self.run
@@ -252,11 +301,24 @@ class Supervisor:
                 f"threads still running after {GIVE_UP_S:.0f} s: {stuck}")))
         return stuck
 
+    def _end_groups(self) -> None:
+        """Every rank of every target group ends with the run's workers (a restart starts them
+        again: a rank's collectives and memory are the run's, and the new config may split the
+        target otherwise)."""
+        for group in self.run.groups:
+            forced = group.shutdown()
+            if forced:
+                self.bus.publish(Log(level="warning", source=f"group-{group.index}", message=(
+                    f"target group {group.index}: {', '.join(forced)} (did not stop within "
+                    "the grace time)")))
+        self.run.groups = []
+
     def _teardown(self) -> None:
         run, ck = self.run, self.run.checkpointer
         run.early = None
         run.stop.set()
         stuck = self._join_workers()
+        self._end_groups()
         failed = run.failure is not None
         status = "failed" if failed else ("finished" if run.finished and not run.abort_requested
                                           else "aborted")

@@ -88,6 +88,29 @@ class Prepared:
     provenance: dict | None = None
 
 
+def check_group(cfg: Config, hf_config: dict, publish: Callable[[Event], None]) -> None:
+    """A target copy over several GPUs (target.gpus_per_copy): what transformers cannot split,
+    refused before any weight is read; the split said once."""
+    from dflash_core.models.target.shape import model_shape
+    from dflash_core.planning.weight_bytes import quant_method
+    from dflash_core.target_group.split import (
+        check_split, check_transformers, copies, split_of,
+    )
+
+    split = split_of(cfg.target)
+    if split.k == 1:
+        return
+    shape = model_shape(hf_config)
+    moe = shape.experts > 0
+    check_split(split, shape, quantized=quant_method(hf_config) is not None)
+    check_transformers(split, moe, shape.model_type)
+    groups = copies(cfg.layout.targets, split.k)
+    publish(Log(level="info", source="preflight", message=(
+        f"target groups: {len(groups)} cop{'y' if len(groups) == 1 else 'ies'} of the target, "
+        f"each over {split.k} GPUs {groups}, {split.describe(moe)}; "
+        f"{len(groups) * split.producers} batch stream(s)")))
+
+
 def prepare(cfg: Config, run_dir: Path, tdev: list[torch.device], ddev: list[torch.device], *,
             publish: Callable[[Event], None], demo_progress: Callable[[str], Progress],
             nodes: int = 1, checkpoints: bool = True) -> Prepared:
@@ -118,6 +141,7 @@ def prepare(cfg: Config, run_dir: Path, tdev: list[torch.device], ddev: list[tor
     kept, said = quantized_weights(cfg, hf_config, tdev)
     if said:
         publish(Log(level="info" if kept else "warning", source="preflight", message=said))
+    check_group(cfg, hf_config, publish)
     # Before the data is planned: layout.auto_fit may lower data.token_budget.
     fitted = check_memory(cfg, hf_config, tdev, ddev, publish, quantized=kept)
 

@@ -108,6 +108,7 @@ def load_target(
     trust_remote_code: bool = False,
     say: Callable[[str], None] | None = None,
     fp8_matmul: str = "auto",
+    distributed: dict | None = None,
 ) -> "TargetModel":
     """Load a frozen causal LM from a local folder, reporting progress shard by shard.
 
@@ -124,6 +125,10 @@ def load_target(
     ``quantized`` (fp8.QuantizedNote). ``fp8_matmul`` (fp8.MATMULS): "auto" runs the kept weights on
     transformers' kernels where they run, else on BlockFP8Linear; "engine" and "transformers"
     choose one (benchmarks compare them).
+
+    ``distributed``: this process is one rank of a target group (target_group/rank.py), its
+    process group made; the fields of transformers' ``DistributedConfig`` that split the model
+    between the ranks (target_group/split.py). transformers then places this rank's share.
     """
     t0 = time.monotonic()  # before the import: the first one takes seconds and is part of loading
     import transformers  # noqa: F401
@@ -182,7 +187,8 @@ def load_target(
         if why_dequantized:
             note(_dequantized_note(files, dtype, why_dequantized), kept=False, planned=True)
             fp8_weights.dequantize_as_loaded(config)
-    model = _build(folder, config, device, dtype, attn_implementation, trust_remote_code, stop)
+    model = _build(folder, config, device, dtype, attn_implementation, trust_remote_code, stop,
+                   distributed)
     if fp8 is not None and not why_dequantized:
         matmul = _settle_fp8_matmul(model, fp8_matmul, dtype)
         if isinstance(matmul, str):
@@ -206,18 +212,22 @@ def load_target(
 
 def _build(folder: Path, config, device: torch.device, dtype: torch.dtype,
            attn_implementation: str, trust_remote_code: bool,
-           stop: threading.Event | None):
-    """transformers' model from the folder (read once already), on ``device``."""
+           stop: threading.Event | None, distributed: dict | None = None):
+    """transformers' model from the folder (read once already), on ``device``; with
+    ``distributed``, this rank's share of it (transformers places it)."""
     from transformers import AutoModelForCausalLM
 
-    direct = device.type != "cpu" and _can_load_onto_device()
+    direct = device.type != "cpu" and _can_load_onto_device() and not distributed
+    placement: dict = {"device_map": {"": device} if direct else None}
+    if distributed:
+        from transformers.distributed import DistributedConfig
+        placement = {"distributed_config": DistributedConfig(**distributed)}
     try:
         with HF_BUILD_LOCK:
             model, info = AutoModelForCausalLM.from_pretrained(
                 folder, config=config, dtype=dtype, attn_implementation=attn_implementation,
-                device_map={"": device} if direct else None, local_files_only=True,
-                use_safetensors=True, output_loading_info=True,
-                trust_remote_code=trust_remote_code)
+                local_files_only=True, use_safetensors=True, output_loading_info=True,
+                trust_remote_code=trust_remote_code, **placement)
     except (ValueError, ImportError) as exc:  # e.g. an attention implementation not installed
         raise TargetLoadError(
             f"transformers could not build the target from {folder}: {exc}",
@@ -238,7 +248,7 @@ def _build(folder: Path, config, device: torch.device, dtype: torch.dtype,
     if stop is not None and stop.is_set():
         del model
         raise LoadAborted("target loading stopped")
-    if device.type != "cpu" and not direct:
+    if device.type != "cpu" and not direct and not distributed:
         model.to(device)
     return model
 

@@ -25,6 +25,11 @@ from torch import nn
 from dflash_core.models.target.config import TargetLoadError, default_layer_ids
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t
+
+
 class ForwardInterrupted(Exception):
     """The stop event was set during a forward; the remaining layers were skipped."""
 
@@ -91,6 +96,9 @@ class TargetModel:
         # How a quantized checkpoint's weights are held (load.py's fp8.QuantizedNote); None for
         # weights in a plain dtype
         self.quantized = None
+        # FSDP2 (a target group's sharded mode) cannot run under inference mode ("Inference
+        # tensors do not track version counter"); its forwards use no_grad instead.
+        self.inference_mode_ok = True
 
     @property
     def device(self) -> torch.device:
@@ -104,7 +112,8 @@ class TargetModel:
         """Bytes allocated on the target's device (CUDA), else the bytes of its parameters."""
         if self.device.type == "cuda":
             return torch.cuda.memory_allocated(self.device)
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        # a rank of a target group holds its local share of each split (DTensor) parameter
+        return sum(_local(p).numel() * p.element_size() for p in self.model.parameters())
 
     def _layer_ids(self, layer_ids) -> list[int]:
         ids = list(layer_ids) if layer_ids is not None else default_layer_ids(self.num_layers)
@@ -190,7 +199,7 @@ class TargetModel:
         hidden_states[i+1])."""
         last = self.num_layers - 1
         if last in outputs:
-            with torch.inference_mode():
+            with self._no_autograd():
                 outputs[last] = self.final_norm(outputs[last])
 
     def logits_and_features(self, input_ids: torch.Tensor, layer_ids: list[int] | None = None,
@@ -233,6 +242,9 @@ class TargetModel:
         mask = attention_mask.to(self.device) if attention_mask is not None else None
         return {"input_ids": input_ids.to(self.device), "attention_mask": mask}
 
+    def _no_autograd(self):
+        return torch.inference_mode() if self.inference_mode_ok else torch.no_grad()
+
     @contextlib.contextmanager
     def _capture(self, ids: list[int], stop_after_last: bool,
                  stop: threading.Event | None = None,
@@ -242,7 +254,7 @@ class TargetModel:
         outputs: dict[int, torch.Tensor] = {}
         handles = self._hooks(ids, outputs, stop_after_last, stop, last_hidden)
         try:
-            with torch.inference_mode():
+            with self._no_autograd():
                 yield outputs
         finally:
             for h in handles:

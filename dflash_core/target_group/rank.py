@@ -1,0 +1,250 @@
+"""One rank of a target group: a process of its own, started by the engine (group.py) with
+``torch.multiprocessing`` (spawn). It joins its group's own process world (a FileStore in the
+run's folder: no port to find, none that two runs could both take), loads its share of the target
+through transformers' DistributedConfig, then turns the batches the engine sends into features
+and sends them back.
+
+Messages, engine -> rank (its request queue): ("batch", seq, input_ids, attention_mask),
+("end",) when its batch stream is over, ("ack", seq) once the engine holds its own copy of
+features ``seq``, ("stop",). Rank -> engine (its reply queue): ("progress", fields),
+("loaded", bytes, seconds), ("heads", config, embedding, lm_head) from rank 0,
+("features", seq, tensor), ("done",), ("error", kind, message, traceback, hint).
+
+Sharded mode: every rank its own batches, in lockstep, since FSDP gathers each layer from every
+rank: each tick the ranks agree (one all-reduce on a gloo group) whether any has a batch and how
+many row groups a forward takes; a rank with none left runs a one-row dummy forward per group
+while the others finish. Shared mode: every rank gets the same batch; rank 0 sends the features.
+
+A rank never outlives the engine: the kernel kills it when the engine dies (PR_SET_PDEATHSIG on
+Linux), and a watcher thread ends it if its parent changes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+
+POLL_S = 0.25
+DUMMY_TOKENS = 8  # the dummy forward's length: any shape keeps FSDP's gathers in step
+
+
+@dataclass
+class RankArgs:
+    """What a rank needs to start; pickled to the child."""
+
+    rank: int
+    world: int
+    gpu: int | None  # None on the CPU
+    store_path: str
+    init_timeout_s: float
+    target_path: str
+    dtype: str
+    attn_implementation: str
+    layer_ids: list
+    last_hidden: bool
+    trust_remote_code: bool
+    mode: str  # split.SHARDED | split.SHARED
+    distributed: dict  # DistributedConfig's fields
+    parent_pid: int
+    log_path: str
+    ring: int  # features sent and not yet acknowledged, at most
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    try:
+        import ctypes
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass  # not Linux: the watcher below is the guard
+    if os.getppid() != parent_pid:  # the parent died before the line above
+        os._exit(1)
+
+    def watch() -> None:
+        while True:
+            time.sleep(POLL_S)
+            if os.getppid() != parent_pid:
+                os._exit(1)
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def _to_log(path: str) -> None:
+    """transformers' progress bars and warnings go to the rank's log file, not the terminal the
+    dashboard draws on."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stdout = os.fdopen(1, "w", buffering=1)
+    sys.stderr = os.fdopen(2, "w", buffering=1)
+
+
+def main(args: RankArgs, requests, replies) -> None:
+    """The rank process's entry point."""
+    _die_with_parent(args.parent_pid)
+    _to_log(args.log_path)
+    try:
+        Rank(args, requests, replies).run()
+    except _Stopped:
+        pass
+    except BaseException as exc:  # noqa: BLE001: every failure goes to the engine, then exit 1
+        kind = getattr(exc, "error_kind", None) or ("oom" if "OutOfMemoryError" in
+                                                    type(exc).__name__ else "internal")
+        replies.put(("error", kind, f"{type(exc).__name__}: {exc}", traceback.format_exc(),
+                     getattr(exc, "hint", "")))
+        print(traceback.format_exc(), flush=True)
+        time.sleep(0.5)  # the queue's feeder thread sends the message before the exit
+        os._exit(1)
+
+
+class _Stopped(Exception):
+    pass
+
+
+class Rank:
+    def __init__(self, args: RankArgs, requests, replies):
+        self.args, self.requests, self.replies = args, requests, replies
+        self.held: dict[int, object] = {}  # features sent, kept until acknowledged
+        self.splits = 1
+
+    def run(self) -> None:
+        import torch
+        import torch.distributed as dist
+
+        a = self.args
+        os.environ.update(RANK=str(a.rank), WORLD_SIZE=str(a.world),
+                          # transformers binds its device by LOCAL_RANK: the GPU's own index, so
+                          # the engine and the rank number the GPUs alike (CUDA IPC needs it)
+                          LOCAL_RANK=str(a.gpu if a.gpu is not None else a.rank),
+                          LOCAL_WORLD_SIZE=str(a.world))
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // max(2, a.world * 2)))
+        device = torch.device("cuda", a.gpu) if a.gpu is not None else torch.device("cpu")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        timeout = datetime.timedelta(seconds=a.init_timeout_s)
+        store = dist.FileStore(a.store_path, a.world)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store,
+                                rank=a.rank, world_size=a.world, timeout=timeout,
+                                **({"device_id": device} if device.type == "cuda" else {}))
+        # Agreement between ticks is a few integers: on the CPU whatever the GPUs use.
+        self.control = dist.new_group(backend="gloo", timeout=timeout)
+        from dflash_core.models.target.load import load_target
+        t0 = time.monotonic()
+        self.model = load_target(
+            a.target_path, device=device, dtype=a.dtype,
+            attn_implementation=a.attn_implementation, trust_remote_code=a.trust_remote_code,
+            progress=lambda **f: self.replies.put(("progress", f)), distributed=a.distributed)
+        # FSDP2's parameters cannot be used under inference mode
+        self.model.inference_mode_ok = a.distributed.get("fsdp_size", 1) == 1
+        self._send_heads()
+        self.replies.put(("loaded", self.model.memory_bytes(), time.monotonic() - t0))
+        self.device = device
+        if a.mode == "sharded":
+            self._sharded_loop()
+        else:
+            self._shared_loop()
+        self.replies.put(("done",))
+        self._wait_stop()
+
+    def _send_heads(self) -> None:
+        """The embedding and lm_head, whole, for the drafter the engine builds (every rank takes
+        part in gathering a sharded one; rank 0 sends)."""
+        def whole(t):
+            full = getattr(t, "full_tensor", None)
+            return (full() if full is not None else t).detach().to("cpu").clone()
+        embed = whole(self.model.embed_tokens.weight)
+        head = whole(self.model.lm_head.weight)
+        if self.args.rank == 0:
+            self.replies.put(("heads", self.model.model.config.to_dict(), embed, head))
+
+    # -- requests ------------------------------------------------------------------------------
+    def _next(self):
+        """The next batch request, or None when this rank's stream is over; acks in between."""
+        while True:
+            try:
+                msg = self.requests.get(timeout=POLL_S)
+            except queue.Empty:
+                continue
+            if msg[0] == "ack":
+                self.held.pop(msg[1], None)
+            elif msg[0] == "stop":
+                raise _Stopped()
+            elif msg[0] == "end":
+                return None
+            else:
+                return msg
+
+    def _wait_stop(self) -> None:
+        while True:
+            msg = self.requests.get()
+            if msg[0] == "stop":
+                return
+            if msg[0] == "ack":
+                self.held.pop(msg[1], None)
+
+    def _drain_acks(self) -> None:
+        """Before the next forward: at most ``ring`` features held, the oldest acknowledged."""
+        while len(self.held) >= self.args.ring:
+            msg = self.requests.get()
+            if msg[0] == "ack":
+                self.held.pop(msg[1], None)
+            elif msg[0] == "stop":
+                raise _Stopped()
+            else:  # a batch sent ahead: keep it for _next
+                raise RuntimeError(f"rank {self.args.rank}: request {msg[0]} before its ack")
+
+    # -- forwards ------------------------------------------------------------------------------
+    def _forward(self, ids, mask):
+        return self.model.features(ids, mask, self.args.layer_ids,
+                                   with_last_hidden=self.args.last_hidden)
+
+    def _send(self, seq: int, feats) -> None:
+        import torch
+        if feats.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()  # the engine's copy reads finished data
+        self.held[seq] = feats
+        self.replies.put(("features", seq, feats))
+
+    def _sharded_loop(self) -> None:
+        import torch
+        import torch.distributed as dist
+
+        while True:
+            msg = self._next()
+            have = torch.tensor([1 if msg is not None else 0, self.splits])
+            dist.all_reduce(have, op=dist.ReduceOp.MAX, group=self.control)
+            if int(have[0]) == 0:
+                return  # every rank's stream is over
+            splits = int(have[1])
+            if msg is None:
+                dummy = torch.zeros(1, DUMMY_TOKENS, dtype=torch.long)
+                for _ in range(splits):
+                    self._forward(dummy, torch.ones_like(dummy))
+                continue
+            _, seq, ids, mask = msg
+            parts = [self._forward(i, m) if len(i) else None
+                     for i, m in zip(ids.tensor_split(splits), mask.tensor_split(splits))]
+            for i, p in enumerate(parts):  # a group with no rows still takes its turn
+                if p is None:
+                    dummy = torch.zeros(1, DUMMY_TOKENS, dtype=torch.long)
+                    self._forward(dummy, torch.ones_like(dummy))
+            self._drain_acks()
+            self._send(seq, torch.cat([p for p in parts if p is not None]))
+
+    def _shared_loop(self) -> None:
+        while True:
+            msg = self._next()
+            if msg is None:
+                return
+            _, seq, ids, mask = msg
+            feats = self._forward(ids, mask)
+            if self.args.rank == 0:
+                self._drain_acks()
+                self._send(seq, feats)

@@ -1,0 +1,150 @@
+"""How one copy of the target is split over the GPUs of a group, in transformers' terms, and the
+splits preflight refuses (each one line, naming the key to change).
+
+Two modes (target.parallel):
+- sharded: FSDP over the copy's GPUs, the experts of a mixture-of-experts target split between
+  them too (expert parallel). Every rank takes its own batches, so to the rest of the engine each
+  rank is one target worker.
+- shared: tensor parallel (with expert parallel on a MoE target): every rank runs the same batch
+  and rank 0 hands the features off, so the whole copy is one target worker.
+
+Under either the residual stream is whole on every rank, so the captured layer outputs are plain
+full-width tensors (measured within 1.3e-6 of one process, fp32).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from typing import TYPE_CHECKING
+
+from dflash_core.config.errors import ConfigError
+
+if TYPE_CHECKING:
+    from dflash_core.models.target.shape import ModelShape
+
+SHARDED, SHARED = "sharded", "shared"
+
+
+@dataclass(frozen=True)
+class GroupSplit:
+    """One copy's split: its size ``k``, the mode, and whether experts are split."""
+
+    k: int
+    mode: str
+    expert_parallel: bool
+
+    @property
+    def producers(self) -> int:
+        """Batch streams a copy takes: each rank its own (sharded), or one for all (shared)."""
+        return self.k if self.mode == SHARDED else 1
+
+    def distributed(self, moe: bool) -> dict:
+        """The ``DistributedConfig`` fields for this split."""
+        ep = {"ep_size": self.k} if moe and self.expert_parallel else {}
+        if self.mode == SHARDED:
+            return {"tp_size": 1, "fsdp_size": self.k, **ep}
+        return {"tp_size": self.k, **ep}
+
+    def describe(self, moe: bool) -> str:
+        d = self.distributed(moe)
+        parts = [f"{k.removesuffix('_size')} {v}" for k, v in d.items() if v > 1]
+        return f"{self.mode} ({', '.join(parts)})"
+
+
+def split_of(target_cfg) -> GroupSplit:
+    """The config's target section as a split (k = target.gpus_per_copy)."""
+    return GroupSplit(target_cfg.gpus_per_copy, target_cfg.parallel, target_cfg.expert_parallel)
+
+
+def copies(devices: list, k: int) -> list[list]:
+    """layout.targets cut into copies of ``k`` consecutive entries."""
+    return [devices[i:i + k] for i in range(0, len(devices), k)]
+
+
+def check_layout(cfg) -> None:
+    """The group's size against layout.targets (before anything is read)."""
+    k, targets = cfg.target.gpus_per_copy, cfg.layout.targets
+    if k == 1:
+        return
+    if k > len(targets):
+        raise ConfigError("target.gpus_per_copy", (
+            f"a copy of {k} GPUs is larger than the {len(targets)} GPU(s) layout.targets lists"),
+            hint=f"list {k} GPUs (or a multiple of {k}) in layout.targets, or lower "
+                 "target.gpus_per_copy")
+    if len(targets) % k:
+        raise ConfigError("target.gpus_per_copy", (
+            f"layout.targets lists {len(targets)} GPUs, not a whole number of copies of {k}"),
+            hint=f"list a multiple of {k} GPUs in layout.targets, or set target.gpus_per_copy "
+                 f"to a divisor of {len(targets)}")
+    overlap = sorted(set(targets) & set(cfg.layout.drafters))
+    if overlap and cfg.layout.device != "cpu":
+        # A group's GPUs hold a process each beside the engine's; a drafter there would be a
+        # third user of the card that no part of the split counts on.
+        raise ConfigError("layout.drafters", (
+            f"GPU(s) {overlap} are in a target group and also train a drafter"),
+            hint="give the drafters GPUs of their own when target.gpus_per_copy > 1")
+
+
+def check_split(split: GroupSplit, shape: ModelShape, *, quantized: bool) -> None:
+    """What transformers cannot split this way, or would split uselessly: one ConfigError each."""
+    if split.k == 1:
+        return
+    k, moe = split.k, shape.experts > 0
+    if quantized:
+        raise ConfigError("target.gpus_per_copy", (
+            "a quantized (FP8 / MXFP4) target in a group of several GPUs is not supported yet"),
+            hint="set target.gpus_per_copy: 1, or point target.path at a bf16 copy of the model")
+    if split.mode == SHARED and moe and not split.expert_parallel:
+        raise ConfigError("target.expert_parallel", (
+            f"tensor parallel alone leaves all {shape.experts} experts of this mixture-of-experts "
+            f"target on every one of the {k} GPUs"),
+            hint="set target.expert_parallel: true (experts split between the GPUs), or "
+                 "target.parallel: sharded")
+    if moe and split.expert_parallel and shape.experts % k:
+        raise ConfigError("target.gpus_per_copy", (
+            f"{shape.experts} experts do not split evenly over {k} GPUs"),
+            hint=f"set target.gpus_per_copy to a divisor of {shape.experts}")
+    if split.mode == SHARED:
+        for name, n in (("attention heads", shape.heads), ("key/value heads", shape.kv_heads),
+                        ("MLP width", shape.intermediate)):
+            if n and n % k:
+                raise ConfigError("target.gpus_per_copy", (
+                    f"tensor parallel over {k} GPUs: the target's {n} {name} do not divide by "
+                    f"{k}"), hint=f"set target.gpus_per_copy to a divisor of {n}, or "
+                                  "target.parallel: sharded")
+
+
+def check_transformers(split: GroupSplit, moe: bool, model_type: str) -> None:
+    """The installed transformers can make this split: DistributedConfig with the fields the
+    split uses, and the model class's plan for tensor / expert parallel."""
+    if split.k == 1:
+        return
+    import transformers
+    try:
+        from transformers.distributed import DistributedConfig
+    except ImportError:
+        DistributedConfig = None
+    fields = ({f.name for f in dataclasses.fields(DistributedConfig)}
+              if DistributedConfig is not None else set())
+    need = set(split.distributed(moe))
+    if not need <= fields:
+        raise ConfigError("target.gpus_per_copy", (
+            f"transformers {transformers.__version__} cannot split a target {split.describe(moe)}"
+            f" (its DistributedConfig lacks {sorted(need - fields)})"),
+            hint="pip install 'transformers>=5.21' (expert parallel as ep_size), or set "
+                 "target.gpus_per_copy: 1")
+    from transformers import AutoConfig
+    try:
+        cls = type(AutoConfig.for_model(model_type))
+    except (ValueError, KeyError):
+        return  # remote code: transformers says itself what it cannot split
+    if split.mode == SHARED and not getattr(cls, "base_model_tp_plan", None):
+        raise ConfigError("target.parallel", (
+            f"transformers has no tensor-parallel plan for {model_type}: every GPU would hold "
+            "the whole model"), hint="set target.parallel: sharded")
+    if moe and split.expert_parallel and not getattr(cls, "base_model_ep_plan", None):
+        raise ConfigError("target.expert_parallel", (
+            f"transformers has no expert-parallel plan for {model_type}"),
+            hint="set target.expert_parallel: false with target.parallel: sharded")
