@@ -90,6 +90,8 @@ def main(args: RankArgs, requests, replies) -> None:
     """The rank process's entry point."""
     _die_with_parent(args.parent_pid)
     _to_log(args.log_path)
+    import faulthandler
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung rank's stack, on request
     try:
         Rank(args, requests, replies).run()
     except _Stopped:
@@ -113,6 +115,7 @@ class Rank:
         self.args, self.requests, self.replies = args, requests, replies
         self.held: dict[int, object] = {}  # features sent, kept until acknowledged
         self.splits = 1
+        self.ended = False  # this rank's batch stream is over
 
     def run(self) -> None:
         import torch
@@ -143,6 +146,13 @@ class Rank:
             progress=lambda **f: self.replies.put(("progress", f)), distributed=a.distributed)
         # FSDP2's parameters cannot be used under inference mode
         self.model.inference_mode_ok = a.distributed.get("fsdp_size", 1) == 1
+        if not self.model.inference_mode_ok:
+            # FSDP settles its root at the first forward: through the whole model once (every
+            # rank), or a first forward of the decoder alone finds several roots (the final norm
+            # and lm_head are units of their own) and fails
+            dummy = torch.zeros(1, DUMMY_TOKENS, dtype=torch.long, device=device)
+            with torch.no_grad():
+                self.model.model(input_ids=dummy, use_cache=False)
         self._send_heads()
         self.replies.put(("loaded", self.model.memory_bytes(), time.monotonic() - t0))
         self.device = device
@@ -166,17 +176,21 @@ class Rank:
 
     # -- requests ------------------------------------------------------------------------------
     def _next(self):
-        """The next batch request, or None when this rank's stream is over; acks in between."""
+        """The next batch request, or None once this rank's stream is over (from then on at
+        once: the other ranks may still have batches); acks in between."""
         while True:
             try:
-                msg = self.requests.get(timeout=POLL_S)
+                msg = self.requests.get(timeout=0 if self.ended else POLL_S)
             except queue.Empty:
+                if self.ended:
+                    return None
                 continue
             if msg[0] == "ack":
                 self.held.pop(msg[1], None)
             elif msg[0] == "stop":
                 raise _Stopped()
             elif msg[0] == "end":
+                self.ended = True
                 return None
             else:
                 return msg
