@@ -137,12 +137,13 @@ class TargetGroup:
             f"{self.split.describe('ep_size' in self.distributed)}, pids "
             f"{[p.pid for p in self.procs]} (logs: {self.log_path(0).name} ...)")))
 
-    def dead_rank(self) -> GroupRankFailed | None:
-        """A rank that has ended while the group was not being closed."""
+    def dead_rank(self, besides: int | None = None) -> GroupRankFailed | None:
+        """A rank (other than ``besides``) that has ended while the group was not being
+        closed."""
         if self.closing:
             return None
         for rank, p in enumerate(self.procs):
-            if p.exitcode is not None:
+            if p.exitcode is not None and rank != besides:
                 return GroupRankFailed(
                     f"target group {self.index} rank {rank} ({self.gpu_label(rank)}, pid "
                     f"{p.pid}) {_exit_text(p.exitcode)}", kind="cuda" if self.devices[0].type
@@ -151,6 +152,14 @@ class TargetGroup:
 
     def rank_error(self, rank: int, msg: tuple) -> GroupRankFailed:
         _, kind, message, tb, hint = msg
+        # One rank's death makes the others fail inside their collectives (a reset connection,
+        # a timeout): the dead one is the cause, so it is the one named.
+        time.sleep(POLL_S)
+        dead = self.dead_rank(besides=rank)
+        if dead is not None:
+            dead.args = (f"{dead.args[0]}; rank {rank} then failed: {message}",)
+            dead.__cause__ = RankTraceback(tb)
+            return dead
         err = GroupRankFailed(f"target group {self.index} rank {rank} ({self.gpu_label(rank)}) "
                               f"failed: {message}", kind=kind, hint=hint)
         err.__cause__ = RankTraceback(tb)
