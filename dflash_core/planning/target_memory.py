@@ -147,8 +147,10 @@ def target_components(cfg: Config, s: ModelShape, hf_config: dict, on_cuda: bool
     last = _last_layer(cfg, s) + 1
     run_types = set(s.layer_types[:last]) | {s.mlp_type(i) for i in range(last)}
     features = t * feature_vectors(cfg, num_features(cfg)) * s.hidden * b
+    weights = target_weight_parts(hf_config, target_dtype(cfg, on_cuda), quantized)
     return {
-        **target_weight_parts(hf_config, target_dtype(cfg, on_cuda), quantized),
+        **(group_share(cfg, s, weights, features, on_cuda) if cfg.target.gpus_per_copy > 1
+           else weights),
         # FP8 weights kept FP8: one of them dequantized while its layer runs
         "FP8 weight dequantized": fp8_dequantized_weight_bytes(
             hf_config, target_dtype(cfg, on_cuda)) if quantized else 0,
@@ -160,6 +162,34 @@ def target_components(cfg: Config, s: ModelShape, hf_config: dict, on_cuda: bool
         "features": features,
         "hs queue": queued * features,
     }
+
+
+def group_share(cfg: Config, s: ModelShape, weights: dict[str, int], features: int,
+                on_cuda: bool) -> dict[str, int]:
+    """One rank's share of a target copy over target.gpus_per_copy GPUs (target_group/split.py),
+    in place of the whole copy's weights. Sharded (FSDP): every weight over k, plus one layer
+    gathered whole while it runs (its dense part; experts under expert parallel stay split).
+    Shared (tensor parallel): the weights over k (the plan's rule: embeddings, norms and routers
+    are small beside the split matrices), experts over k under expert parallel, else whole. Each
+    rank is a process of its own: its own CUDA context, and its hand-off ring of features sent
+    and not yet acknowledged."""
+    from dflash_core.planning.memory import CUDA_CONTEXT
+    from dflash_core.target_group.group import RING
+    from dflash_core.target_group.split import SHARDED
+
+    k, moe = cfg.target.gpus_per_copy, s.experts > 0
+    split_experts = moe and cfg.target.expert_parallel
+    dense, experts = weights["weights"], weights["experts"]
+    out = {"weights": math.ceil(dense / k),
+           "experts": math.ceil(experts / k) if split_experts or cfg.target.parallel == SHARDED
+           else experts}
+    if cfg.target.parallel == SHARDED:
+        out["gathered layer"] = math.ceil(dense / max(1, s.layers)) + (
+            0 if split_experts else math.ceil(experts / max(1, s.layers)))
+    out["hand-off ring"] = RING * features
+    if on_cuda:
+        out["rank's CUDA context"] = CUDA_CONTEXT
+    return out
 
 
 def target_tensors(cfg: Config, target_hf_config: dict, on_cuda: bool = True,

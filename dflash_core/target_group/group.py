@@ -278,7 +278,8 @@ class GroupStage(TargetStage):
         try:
             msg = self.group.replies[rank].get(timeout=POLL_S)
         except queue.Empty:
-            self.heartbeats.beat("waiting for target group rank")
+            # no beat: a rank that hangs (no progress, no exit) must show as this worker's stall,
+            # as a one-GPU target's hung forward does
             return None
         kind = msg[0]
         if kind == "error":
@@ -299,6 +300,7 @@ class GroupStage(TargetStage):
         """The batch's features from the group (``splits`` is the ranks' own business: they
         agree on it among themselves)."""
         self.seq += 1
+        self.heartbeats.beat(f"forward on ranks {self.ranks} of target group {self.group.index}")
         ids, mask = batch.input_ids.clone(), batch.attention_mask.clone()
         for r in self.ranks:
             self._send(r, ("batch", self.seq, ids, mask))

@@ -78,13 +78,6 @@ def check_layout(cfg) -> None:
             f"layout.targets lists {len(targets)} GPUs, not a whole number of copies of {k}"),
             hint=f"list a multiple of {k} GPUs in layout.targets, or set target.gpus_per_copy "
                  f"to a divisor of {len(targets)}")
-    overlap = sorted(set(targets) & set(cfg.layout.drafters))
-    if overlap and cfg.layout.device != "cpu":
-        # A group's GPUs hold a process each beside the engine's; a drafter there would be a
-        # third user of the card that no part of the split counts on.
-        raise ConfigError("layout.drafters", (
-            f"GPU(s) {overlap} are in a target group and also train a drafter"),
-            hint="give the drafters GPUs of their own when target.gpus_per_copy > 1")
 
 
 def check_split(split: GroupSplit, shape: ModelShape, *, quantized: bool) -> None:
