@@ -46,7 +46,8 @@ from dflash_core.planning.allocator import apply_card_limit
 from dflash_core.planning.layout_advice import LayoutAdvisor
 from dflash_core.planning.preflight import device_label
 from dflash_core.models.target.shape import model_shape
-from dflash_core.target_group.group import GroupStage, TargetGroup
+from dflash_core.pipeline.group_stage import GroupStage
+from dflash_core.target_group.group import TargetGroup
 from dflash_core.target_group.split import SHARDED, copies, split_of
 from dflash_core.units import GiB
 

@@ -52,21 +52,11 @@ from dflash_core.planning.drafter_memory import (
     DSPARK_HEADS, OPTIMIZER_COMPONENTS, drafter_phases, drafter_pass, peak_phase,
 )
 from dflash_core.planning.target_memory import target_components, target_dtype
+from dflash_core.planning.card_budget import ALLOCATOR_RESERVE, CUDA_CONTEXT  # noqa: F401
 from dflash_core.planning.weight_bytes import full_logits_bytes
-from dflash_core.units import GiB
 
 
-# What a GPU holds beyond the tensors, counted once per CUDA device (not on CPU), so that "fits"
-# means planned tensors + this margin <= the memory the process may use. Measured with
-# bench/training/pipeline.py on two H200s capped at 95 GiB (torch 2.11, expandable segments, the 27B
-# shape of config.yaml, 18 steps; bench/BENCHMARKS.md, "The shipped config on a 96 GB card"):
-# - NVML used minus torch reserved (CUDA context, cuBLAS / Triton modules, driver pools):
-#   1.3 GiB on the target GPU, 1.8 GiB on the drafter GPU;
-# - torch reserved minus torch's peak allocated (the allocator's own slack): 0.9 GiB (1.1%) on
-#   the target, 2.7 GiB (3.1%) on the drafter. Without expandable segments the target's slack
-#   was 12.9 GiB (16%), which is why the engine turns them on (allocator.py).
-CUDA_CONTEXT = 2 * GiB
-ALLOCATOR_RESERVE = 0.04  # of the planned tensors
+# The margins a GPU holds beyond the tensors: card_budget.py, with why.
 MARGIN_NAMES = ("cuda context", "allocator reserve")
 
 

@@ -173,7 +173,7 @@ def group_share(cfg: Config, s: ModelShape, weights: dict[str, int], features: i
     are small beside the split matrices), experts over k under expert parallel, else whole. Each
     rank is a process of its own: its own CUDA context, and its hand-off ring of features sent
     and not yet acknowledged."""
-    from dflash_core.planning.memory import CUDA_CONTEXT
+    from dflash_core.planning.card_budget import CUDA_CONTEXT
     from dflash_core.target_group.group import RING
     from dflash_core.target_group.split import SHARDED
 

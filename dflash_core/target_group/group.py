@@ -1,7 +1,7 @@
-"""The engine's side of a target group: its rank processes (TargetGroup) and one worker per
-batch stream (GroupStage), which the pipeline runs as it runs a one-GPU TargetStage: it takes
-batches from its prefetcher and puts features on the hs queue. Only the memory plan and the
-screen's rows know that a copy spans several processes.
+"""The engine's side of a target group: its rank processes (TargetGroup), started, watched
+and ended here, and what the engine keeps of the target they run (TargetHeads). The pipeline
+reads a group's batch streams through pipeline/group_stage.GroupStage, a target worker like any
+other; only the memory plan and the screen's rows know that a copy spans several processes.
 
 Features come back GPU to GPU on CUDA (CUDA IPC through torch.multiprocessing) and through
 shared memory on the CPU. The engine copies them into memory of its own on the same device and
@@ -17,7 +17,6 @@ the teardown ends every rank of every group (stop, then terminate, then kill).
 from __future__ import annotations
 
 import os
-import queue
 import signal
 import threading
 import time
@@ -27,12 +26,9 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from dflash_core.models.target.config import load_target_config
-from dflash_core.observe.events import LoadProgress, Log, WORKER_LOADING, WORKER_WARMUP
-from dflash_core.pipeline.target_stage import TargetStage
-from dflash_core.pipeline.workers import POLL_S, Stopped, use_device
-from dflash_core.target_group.rank import RankArgs, main as rank_main
-from dflash_core.target_group.split import SHARDED, GroupSplit
+from dflash_core.observe.events import Log
+from dflash_core.target_group.rank import POLL_S, RankArgs, main as rank_main
+from dflash_core.target_group.split import GroupSplit
 
 RING = 2  # features a rank keeps sent and unacknowledged (the engine acks after its copy)
 INIT_TIMEOUT_S = 120.0  # the group forms within this, or the rank that is missing is named
@@ -193,138 +189,3 @@ class TargetGroup:
         except OSError:
             pass
         return forced
-
-
-class GroupStage(TargetStage):
-    """One batch stream of a target group, to the pipeline a target worker like any other: in
-    sharded mode one per rank (``ranks`` = [r]), in shared mode one per copy (all its ranks get
-    each batch, rank 0 sends the features)."""
-
-    def __init__(self, rank: int, group: TargetGroup, ranks: list[int], *, prefetcher, hs_queue, publish, stop, heartbeats):
-        first = ranks[0]
-        super().__init__(rank, group.devices[first], group.label(first),
-                         target_path=group.target_path, dtype=group.dtype,
-                         attn_implementation=group.attn, layer_ids=group.layer_ids,
-                         prefetcher=prefetcher, hs_queue=hs_queue, publish=publish, stop=stop,
-                         heartbeats=heartbeats, last_hidden=group.last_hidden,
-                         trust_remote_code=group.trust_remote_code)
-        self.group, self.ranks = group, ranks
-        self.seq = 0
-
-    def row_name(self, rank: int) -> str:
-        """The screen's row of a rank: this stream's name, or a sub-row for the other ranks of
-        a shared copy."""
-        return self.name if rank == self.ranks[0] else f"{self.name}.r{rank}"
-
-    def run(self) -> str:
-        use_device(self.device)
-        if self.device.type == "cuda":
-            torch.cuda.set_stream(torch.cuda.Stream(self.device))
-        for r in self.ranks:
-            self._rank_status(r, WORKER_LOADING)
-        waiting = set(self.ranks)
-        while waiting:
-            for r in list(waiting):
-                msg = self._reply(r)
-                if msg is not None and msg[0] == "loaded":
-                    waiting.discard(r)
-        while not self.group.heads_ready.is_set():  # rank 0's stream receives them
-            self._check_group()
-            self.heartbeats.beat("waiting for rank 0's embedding and lm_head")
-            if 0 in self.ranks:
-                self._reply(0)
-            else:
-                self.group.heads_ready.wait(POLL_S)
-        self.model = self.group.heads
-        self.loaded.set()
-        for r in self.ranks:
-            self._rank_status(r, WORKER_WARMUP, "first forward")
-        self._forward_loop()
-        for r in self.ranks:
-            self._send(r, ("end",))
-        self.hs_queue.producer_done()
-        return "stopped" if self.stop.is_set() else "done"
-
-    def _rank_status(self, rank: int, status: str, detail: str = "") -> None:
-        from dflash_core.observe.events import WorkerStatus
-        self.publish(WorkerStatus(worker=self.row_name(rank), role="target",
-                                  device=self.group.label(rank), status=status, detail=detail))
-
-    def _check_group(self) -> None:
-        if self.stop.is_set():
-            raise Stopped()
-        dead = self.group.dead_rank()
-        if dead is not None:
-            time.sleep(POLL_S)  # its last words (a traceback) may still be in its queue
-            for r in self.ranks:
-                try:
-                    msg = self.group.replies[r].get_nowait()
-                except (queue.Empty, OSError, ValueError):
-                    continue
-                if msg[0] == "error":
-                    raise self.group.rank_error(r, msg)
-            raise dead
-
-    def _send(self, rank: int, msg: tuple) -> None:
-        try:
-            self.group.requests[rank].put(msg)
-        except (OSError, ValueError):  # the group is being closed
-            pass
-
-    def _reply(self, rank: int):
-        """One message from ``rank`` (None after a poll without one); progress, heads and
-        errors are handled here."""
-        self._check_group()
-        try:
-            msg = self.group.replies[rank].get(timeout=POLL_S)
-        except queue.Empty:
-            # no beat: a rank that hangs (no progress, no exit) must show as this worker's stall,
-            # as a one-GPU target's hung forward does
-            return None
-        kind = msg[0]
-        if kind == "error":
-            raise self.group.rank_error(rank, msg)
-        if kind == "progress":
-            self.heartbeats.beat("loading weights")
-            self.publish(LoadProgress(worker=self.row_name(rank),
-                                      device=self.group.label(rank), **msg[1]))
-            return None
-        if kind == "heads":
-            config = load_target_config(self.group.target_path, self.group.trust_remote_code)
-            self.group.heads = TargetHeads(config, msg[2], msg[3])
-            self.group.heads_ready.set()
-            return None
-        return msg
-
-    def _features_split(self, batch, splits: int) -> torch.Tensor:
-        """The batch's features from the group (``splits`` is the ranks' own business: they
-        agree on it among themselves)."""
-        self.seq += 1
-        self.heartbeats.beat(f"forward on ranks {self.ranks} of target group {self.group.index}")
-        ids, mask = batch.input_ids.clone(), batch.attention_mask.clone()
-        for r in self.ranks:
-            self._send(r, ("batch", self.seq, ids, mask))
-        source = self.ranks[0]
-        while True:
-            msg = self._reply(source)
-            if len(self.ranks) > 1:
-                for r in self.ranks[1:]:  # the others speak only to fail
-                    try:
-                        other = self.group.replies[r].get_nowait()
-                    except queue.Empty:
-                        continue
-                    if other[0] == "error":
-                        raise self.group.rank_error(r, other)
-            if msg is None:
-                continue
-            if msg[0] != "features" or msg[1] != self.seq:
-                raise GroupRankFailed(f"target group {self.group.index} rank {source}: "
-                                      f"expected features {self.seq}, got {msg[:2]}")
-            received = msg[2]
-            own = torch.empty_like(received)
-            own.copy_(received)
-            if own.is_cuda:
-                torch.cuda.current_stream(own.device).synchronize()
-            del received, msg
-            self._send(source, ("ack", self.seq))
-            return own

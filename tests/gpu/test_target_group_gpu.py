@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dflash_core.models.target.load import load_target
-from dflash_core.target_group.group import GroupStage  # noqa: F401 (the engine's side imports)
+from dflash_core.pipeline.group_stage import GroupStage  # noqa: F401 (the engine's side imports)
 
 from tests.core.models.target.target_classes import VOCAB, build
 from tests.core.target_group.group_harness import reply, start_group, wait_loaded

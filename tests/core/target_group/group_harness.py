@@ -25,7 +25,7 @@ def start_group(folder, mode: str, moe: bool, tmp, *, k: int = 2, layer_ids=(1, 
     return group
 
 
-def reply(group: TargetGroup, rank: int, kinds: tuple, timeout: float = 60.0):
+def reply(group: TargetGroup, rank: int, kinds: tuple, timeout: float = 120.0):
     """The next message of one of ``kinds`` from ``rank`` (others skipped); a rank's error or
     death fails the test with its words."""
     deadline = time.monotonic() + timeout

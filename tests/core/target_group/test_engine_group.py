@@ -12,7 +12,7 @@ import time
 import psutil
 import pytest
 
-from dflash_core.observe.events import Error, RunEnded, StepMetrics, WorkerStatus
+from dflash_core.observe.events import Error, StepMetrics, WorkerStatus
 from dflash_core.pipeline.engine import Engine
 
 from ..engine_fixtures import Recorder, assets, make_config, write_config  # noqa: F401
