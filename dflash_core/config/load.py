@@ -136,8 +136,7 @@ def _check(cfg: Config) -> None:
         if any(i < 0 for i in ids):
             raise ConfigError(key, f"device indices must be >= 0, got {ids}",
                               hint=f"list GPU indices (0, 1, ...) in {key}")
-    from dflash_core.target_group.split import check_layout
-    check_layout(cfg)  # a copy of the target over several GPUs: its size against the list
+    _check_group_layout(cfg)
     if len(cfg.optim.betas) != 2 or not all(0 <= b < 1 for b in cfg.optim.betas):
         raise ConfigError("optim.betas", f"expected two numbers in [0, 1), got {cfg.optim.betas}",
                           hint="set optim.betas to [0.9, 0.95] or similar in config.yaml")
@@ -149,6 +148,24 @@ def _check(cfg: Config) -> None:
     if "/" in cfg.run.name or not cfg.run.name or cfg.run.name in (".", ".."):
         raise ConfigError("run.name", f"must be a plain folder name, got {cfg.run.name!r}",
                           hint="set run.name to a name without '/', e.g. my-run")
+
+
+def _check_group_layout(cfg: Config) -> None:
+    """A copy of the target over several GPUs (target.gpus_per_copy): its size against
+    layout.targets (what transformers can split is preflight's: target_group/split.py)."""
+    k, targets = cfg.target.gpus_per_copy, cfg.layout.targets
+    if k == 1:
+        return
+    if k > len(targets):
+        raise ConfigError("target.gpus_per_copy", (
+            f"a copy of {k} GPUs is larger than the {len(targets)} GPU(s) layout.targets lists"),
+            hint=f"list {k} GPUs (or a multiple of {k}) in layout.targets, or lower "
+                 "target.gpus_per_copy")
+    if len(targets) % k:
+        raise ConfigError("target.gpus_per_copy", (
+            f"layout.targets lists {len(targets)} GPUs, not a whole number of copies of {k}"),
+            hint=f"list a multiple of {k} GPUs in layout.targets, or set target.gpus_per_copy "
+                 f"to a divisor of {len(targets)}")
 
 
 def apply_overrides(cfg: Config, overrides: list[tuple[str, str]]) -> Config:

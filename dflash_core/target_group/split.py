@@ -63,23 +63,6 @@ def copies(devices: list, k: int) -> list[list]:
     return [devices[i:i + k] for i in range(0, len(devices), k)]
 
 
-def check_layout(cfg) -> None:
-    """The group's size against layout.targets (before anything is read)."""
-    k, targets = cfg.target.gpus_per_copy, cfg.layout.targets
-    if k == 1:
-        return
-    if k > len(targets):
-        raise ConfigError("target.gpus_per_copy", (
-            f"a copy of {k} GPUs is larger than the {len(targets)} GPU(s) layout.targets lists"),
-            hint=f"list {k} GPUs (or a multiple of {k}) in layout.targets, or lower "
-                 "target.gpus_per_copy")
-    if len(targets) % k:
-        raise ConfigError("target.gpus_per_copy", (
-            f"layout.targets lists {len(targets)} GPUs, not a whole number of copies of {k}"),
-            hint=f"list a multiple of {k} GPUs in layout.targets, or set target.gpus_per_copy "
-                 f"to a divisor of {len(targets)}")
-
-
 def check_split(split: GroupSplit, shape: ModelShape, *, quantized: bool) -> None:
     """What transformers cannot split this way, or would split uselessly: one ConfigError each."""
     if split.k == 1:
