@@ -110,6 +110,27 @@ class _Stopped(Exception):
     pass
 
 
+class GroupFormError(RuntimeError):
+    error_kind = "cuda"
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.hint = ("a rank could not start (its log in the run folder says why: a GPU it "
+                     "cannot bind, memory); restart the run (r) once the cause is fixed")
+
+
+def form(store, rank: int, world: int, timeout_s: float) -> None:
+    """Wait until every rank of the group has joined ``store``, at most ``timeout_s``: a rank
+    that never comes is named by count, instead of a collective's timeout much later."""
+    store.add("joined", 1)
+    deadline = time.monotonic() + timeout_s
+    while (joined := store.add("joined", 0)) < world:
+        if time.monotonic() > deadline:
+            raise GroupFormError(f"rank {rank}: the group did not form within {timeout_s:.0f} s:"
+                                 f" {joined} of {world} ranks joined")
+        time.sleep(0.05)
+
+
 class Rank:
     def __init__(self, args: RankArgs, requests, replies):
         self.args, self.requests, self.replies = args, requests, replies
@@ -131,8 +152,15 @@ class Rank:
         device = torch.device("cuda", a.gpu) if a.gpu is not None else torch.device("cpu")
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        timeout = datetime.timedelta(seconds=a.init_timeout_s)
+        # The ranks' own connections (gloo's pairs, NCCL's bootstrap) on the loopback only:
+        # nothing of a group listens beyond 127.0.0.1.
+        for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            os.environ.setdefault(name, "lo")
+        # Collectives wait on each other for long (a rank's stream may wait on a full hs queue);
+        # the engine watches the processes themselves, and the rendezvous has its own limit.
+        timeout = datetime.timedelta(days=1)
         store = dist.FileStore(a.store_path, a.world)
+        form(store, a.rank, a.world, a.init_timeout_s)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store,
                                 rank=a.rank, world_size=a.world, timeout=timeout,
                                 **({"device_id": device} if device.type == "cuda" else {}))

@@ -1,0 +1,76 @@
+"""Target groups' faults (robustness round six): two groups at once, each its own world and
+nothing listening beyond the loopback; a group that does not form names how many ranks came; a
+rank that hangs is its worker's stall and an abort still ends the run and every rank."""
+
+import os
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+import torch
+
+from dflash_core.observe.events import RunEnded, Stall
+from dflash_core.pipeline.engine import Engine
+from dflash_core.target_group.rank import GroupFormError, form
+
+from ..engine_fixtures import Recorder, assets, make_config  # noqa: F401 - assets: a fixture
+from .group_harness import reply, start_group, wait_loaded
+
+GROUP = dict(layout__targets=[0, 1], target__gpus_per_copy=2)
+
+
+def test_two_groups_at_once_each_form_their_own_world_on_the_loopback(assets, tmp_path):
+    target, _ = assets
+    groups = [start_group(target, "sharded", False, tmp_path / f"run{i}") for i in range(2)]
+    try:
+        for g in groups:
+            wait_loaded(g)
+        listening = [c.laddr.ip for g in groups for p in g.procs
+                     for c in psutil.Process(p.pid).net_connections("inet")
+                     if c.status == psutil.CONN_LISTEN]
+        assert listening and set(listening) <= {"127.0.0.1", "::1"}, listening
+        ids = torch.randint(0, 100, (2, 16))
+        for i, g in enumerate(groups):
+            for r in range(2):
+                g.requests[r].put(("batch", 1, ids, torch.ones_like(ids)))
+        for g in groups:
+            for r in range(2):
+                assert reply(g, r, ("features",))[2].shape[:2] == (2, 16)
+    finally:
+        for g in groups:
+            g.shutdown()
+
+
+def test_a_group_that_does_not_form_names_how_many_ranks_came(tmp_path):
+    store = torch.distributed.FileStore(str(tmp_path / "store"), 2)
+    t0 = time.monotonic()
+    with pytest.raises(GroupFormError) as err:
+        form(store, 0, 2, timeout_s=0.5)
+    assert "rank 0: the group did not form within 0 s: 1 of 2 ranks joined" in str(err.value)
+    assert time.monotonic() - t0 < 5 and err.value.hint
+
+
+def test_a_hung_rank_is_a_stall_and_an_abort_still_ends_every_rank(assets, tmp_path):
+    target, data = assets
+    cfg = make_config(tmp_path, target, data, data__eval_prompts=0, run__max_steps=0,
+                      optim__epochs=200, checkpoint__every=0, telemetry__stall_floor_s=1.0,
+                      **GROUP)
+    engine = Engine(cfg)
+    rec = Recorder(engine.bus)
+    engine.start()
+    rec.wait_for(lambda e: getattr(e, "state", "") == "training", 120)
+    pids = [p.pid for g in engine._run.groups for p in g.procs]
+    assert len(pids) == 2
+    os.kill(pids[1], signal.SIGSTOP)  # no progress, no exit
+    stall = rec.wait_for(lambda e: isinstance(e, Stall) and not e.cleared, 60)
+    assert stall.worker.startswith("target-")
+    t0 = time.monotonic()
+    threading.Thread(target=engine.abort, daemon=True).start()
+    ended = rec.wait_for(lambda e: isinstance(e, RunEnded), 60)
+    took = time.monotonic() - t0
+    engine.shutdown()
+    assert ended.status == "aborted" and took < 20, took
+    for pid in pids:
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie"
