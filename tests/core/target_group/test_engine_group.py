@@ -122,3 +122,27 @@ def test_what_cannot_be_split_is_refused_in_one_line(assets, tmp_path):
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert res.returncode == 2 and "Traceback" not in res.stdout + res.stderr
     assert "larger than the 2 GPU(s) layout.targets lists" in res.stdout + res.stderr
+
+
+def test_a_group_run_resumed_without_the_group_trains_on_as_one_run(assets, tmp_path,
+                                                                    one_gpu_losses):
+    """The batch plan and the data position do not depend on how the target is split: a run of
+    a sharded group, aborted after step 3 and resumed on a one-GPU target, trains the steps an
+    uninterrupted one-GPU run trains."""
+    target, data = assets
+    cfg = make_config(tmp_path, target, data, data__eval_prompts=0, **GROUP)
+    first = Engine(cfg)
+    rec = Recorder(first.bus)
+    first.bus.tap(lambda ev: first.abort() if isinstance(ev, StepMetrics) and ev.step == 3
+                  else None)
+    first.start()
+    assert rec.wait_ended(120).status == "aborted"
+    first.shutdown()
+    again = Engine(make_config(tmp_path, target, data, data__eval_prompts=0), resume=True)
+    rec2 = Recorder(again.bus)
+    again.start()
+    assert rec2.wait_ended(120).status == "finished"
+    again.shutdown()
+    resumed = rec2.of(StepMetrics)
+    assert [m.step for m in resumed] == [4, 5, 6]
+    assert [m.loss for m in resumed] == pytest.approx(one_gpu_losses[3:], rel=1e-5)
