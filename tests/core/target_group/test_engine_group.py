@@ -39,7 +39,7 @@ def one_gpu_losses(assets, tmp_path_factory):
                               data__eval_prompts=0))[0]
 
 
-@pytest.mark.parametrize("mode", ["sharded", "shared"])
+@pytest.mark.parametrize("mode", ["sharded", pytest.param("shared", marks=pytest.mark.slow)])
 def test_a_group_trains_as_one_gpu_target_of_the_same_weights(assets, tmp_path, one_gpu_losses,
                                                                 mode):
     target, data = assets
@@ -91,6 +91,7 @@ def test_a_killed_rank_fails_the_run_naming_it_and_a_resume_trains_on(assets, tm
     assert f"step {saved[-1] + 1} " in out and "-> finished" in out
 
 
+@pytest.mark.slow
 def test_the_engine_killed_leaves_no_rank_behind(assets, tmp_path):
     target, data = assets
     cfg = make_config(tmp_path, target, data, data__eval_prompts=0, run__max_steps=0,
@@ -124,6 +125,7 @@ def test_what_cannot_be_split_is_refused_in_one_line(assets, tmp_path):
     assert "larger than the 2 GPU(s) layout.targets lists" in res.stdout + res.stderr
 
 
+@pytest.mark.slow
 def test_a_group_run_resumed_without_the_group_trains_on_as_one_run(assets, tmp_path,
                                                                     one_gpu_losses):
     """The batch plan and the data position do not depend on how the target is split: a run of

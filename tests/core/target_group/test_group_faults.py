@@ -21,6 +21,7 @@ from .group_harness import reply, start_group, wait_loaded
 GROUP = dict(layout__targets=[0, 1], target__gpus_per_copy=2)
 
 
+@pytest.mark.slow
 def test_two_groups_at_once_each_form_their_own_world_on_the_loopback(assets, tmp_path):
     target, _ = assets
     groups = [start_group(target, "sharded", False, tmp_path / f"run{i}") for i in range(2)]
@@ -52,6 +53,7 @@ def test_a_group_that_does_not_form_names_how_many_ranks_came(tmp_path):
     assert time.monotonic() - t0 < 5 and err.value.hint
 
 
+@pytest.mark.slow
 def test_a_hung_rank_is_a_stall_and_an_abort_still_ends_every_rank(assets, tmp_path):
     target, data = assets
     cfg = make_config(tmp_path, target, data, data__eval_prompts=0, run__max_steps=0,

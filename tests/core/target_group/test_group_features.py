@@ -38,12 +38,16 @@ def folders(tmp_path_factory):
     return out
 
 
-CASES = [("qwen3", "shared", False), ("qwen3", "sharded", True), ("qwen3_moe", "sharded", False),
-         ("deepseek_v3", "sharded", False), ("deepseek_v3", "shared", True)]
+# One case of each mode in the fast suite; the rest with the slow trainings (`make test-slow`).
+slow = pytest.mark.slow
+CASES = [pytest.param("qwen3", "shared", False, marks=slow, id="qwen3-shared"),
+         pytest.param("qwen3", "sharded", True, id="qwen3-sharded"),
+         pytest.param("qwen3_moe", "sharded", False, marks=slow, id="qwen3_moe-sharded"),
+         pytest.param("deepseek_v3", "sharded", False, marks=slow, id="deepseek_v3-sharded"),
+         pytest.param("deepseek_v3", "shared", True, id="deepseek_v3-shared")]
 
 
-@pytest.mark.parametrize("name, mode, last_hidden", CASES,
-                         ids=[f"{n}-{m}" for n, m, _ in CASES])
+@pytest.mark.parametrize("name, mode, last_hidden", CASES)
 def test_group_features_equal_one_process(folders, tmp_path, name, mode, last_hidden):
     folder = folders[name]
     layers = default_layer_ids(LAYERS, 2)
