@@ -222,7 +222,8 @@ class Run:
             step=res.step, epoch=self.position.current_epoch(), loss=res.loss, lr=res.lr,
             grad_norm=res.grad_norm, tokens_per_s=tps, samples_per_s=sps, tau_tf=res.tau_tf,
             drafter_wait_frac=min(1.0, wait / (span * len(self.replicas))),
-            target_blocked_frac=min(1.0, blocked / (span * len(self.target_devices))),
+            # per producer: a target GPU, or a target group's batch stream
+            target_blocked_frac=min(1.0, blocked / (span * max(1, len(self.targets)))),
             padding_frac=res.padding_frac, samples=res.samples, total_steps=self.total_steps,
             **res.extra))  # DSpark: loss_ce, loss_tv, loss_conf
         self.lifecycle.stepped()
