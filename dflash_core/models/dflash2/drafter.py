@@ -9,6 +9,7 @@ is never scored.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -130,6 +131,15 @@ class DFlash2Drafter(DFlashDrafter):
         return model.to(device)
 
     # -- drafting ------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def unary_path(self):
+        """Rounds draft each slot's unary argmax while inside (the evaluation's comparison)."""
+        before, self.path = self.path, "unary"
+        try:
+            yield self
+        finally:
+            self.path = before
+
     def unary_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 u = softcap(m * lm_head(h)): [..., H] -> [..., V]."""
         w = self.lm_head.weight
