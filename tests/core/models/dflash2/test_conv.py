@@ -68,7 +68,7 @@ def test_causal_over_block_positions_and_never_across_a_block():
             bumped = x.clone()
             bumped[0, row] += 10.0
             moved = (c(bumped, delta, 0, B) - base).abs().amax(-1)[0] > 1e-4
-            p, start = row % B, row - row % B
+            start = row - row % B
             # only the same block's rows p..p+T-1 (capped at the block's end) see the change
             want = torch.zeros(A * B, dtype=torch.bool)
             want[row: min(start + B, row + T)] = True
