@@ -57,7 +57,13 @@ def _rows(h, lm_w, gate_w, pred_cb, succ_cb, labels, prev, k, multiplier, softca
         cand[:, -1] = torch.where(hit, cand[:, -1], labels)
     gate = torch.nn.functional.linear(h.float(), gate_w.float())
     a = pred_cb[prev].float() * gate
-    s = u.gather(1, cand) + (succ_cb[cand].float() @ a[..., None]).squeeze(-1)  # [c, K]
+    if k * succ_cb.shape[1] > succ_cb.shape[0]:
+        # a vocabulary smaller than K x r (the demo's): one product over it is cheaper than
+        # gathering K codebook rows per slot; the same sums
+        pair = (a @ succ_cb.float().t()).gather(1, cand)
+    else:
+        pair = (succ_cb[cand].float() @ a[..., None]).squeeze(-1)
+    s = u.gather(1, cand) + pair  # [c, K]
     at = (cand == labels[:, None]).float().argmax(1)  # the label's place (0 when absent)
     sel = torch.logsumexp(s, -1) - s.gather(1, at[:, None]).squeeze(1)
     counted = torch.ones_like(hit) if inject else hit

@@ -3,6 +3,8 @@ draft's own top-K with the previous token teacher-forced, against a dense refere
 the formula, for both label choices; alpha 0 is DFlash's loss; chunking changes nothing; the
 step's tau is the selector's."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,7 +13,7 @@ from dflash_core.models import objective as obj
 from dflash_core.models.dflash2.loss import dflash2_loss, predecessors
 from dflash_core.models.objective import IGNORE
 
-from .tiny import B, H, K, V, dflash2, head
+from .tiny import B, H, K, SETTINGS, V, dflash2, head
 
 GAMMA = 4.0
 
@@ -39,8 +41,8 @@ def plant_hits(m, hidden, labels):
     return out
 
 
-def drafter_and_hidden(seed=0):
-    m = dflash2(seed=seed, std=0.3)
+def drafter_and_hidden(seed=0, settings=SETTINGS):
+    m = dflash2(seed=seed, std=0.3, settings=settings)
     m.attach_target_head(*head())
     return m
 
@@ -77,9 +79,16 @@ def reference(m, hidden, labels, prev, alpha, inject):
     return num / den
 
 
-@pytest.mark.parametrize("inject", [False, True])
-def test_equals_the_formula_and_its_gradient(inject):
-    m = drafter_and_hidden()
+# K x r above the vocabulary (the demo's shape) takes the pair term as one product over the
+# vocabulary, below it gathers K codebook rows per slot: both are checked
+WIDE = replace(SETTINGS, selector_rank=64)
+
+
+@pytest.mark.parametrize("inject, settings", [(False, SETTINGS), (True, SETTINGS),
+                                              (False, WIDE), (True, WIDE)])
+def test_equals_the_formula_and_its_gradient(inject, settings):
+    assert (settings.selector_top_k * settings.selector_rank > V) == (settings is WIDE)
+    m = drafter_and_hidden(settings=settings)
     ids, anchors, labels = batch()
     prev = predecessors(ids, anchors, B)
     hidden = torch.randn(2, 3 * B, H, requires_grad=True)
