@@ -61,10 +61,6 @@ class DFlash2Drafter(DFlashDrafter):
         self.selector_top_k = int(dc["selector_top_k"])
         self.output_multiplier = float(dc.get("output_multiplier", 1.0))
         self.softcap = float(dc.get("final_logit_softcapping") or 0.0)
-        self.embedding_scale = float(dc.get("input_embedding_scale", 1.0))
-        if self.embedding_scale != 1.0:
-            raise ValueError("dflash_config.input_embedding_scale other than 1: this engine "
-                             "feeds the target's embeddings unscaled")
         # Made after DFlash's initialisation, so the backbone draws what DFlash's does.
         self.candidate_selector = CandidateSelector(config.hidden_size, config.vocab_size,
                                                     int(dc["selector_rank"]))

@@ -68,6 +68,16 @@ def check_serve_dict(d: dict) -> dict:
     if dc.get("sample_from_anchor"):
         raise NotDFlash2("dflash_config.sample_from_anchor true: DFlash2's anchor is the bonus "
                          "token (vLLM refuses it too)")
+    scale = dc.get("input_embedding_scale", 1.0)
+    if scale != 1.0:
+        raise NotDFlash2(f"dflash_config.input_embedding_scale {scale}: this engine feeds the "
+                         "target's embeddings unscaled (1)")
+    kinds = d.get("layer_types") or []
+    other = sorted({str(k) for k in kinds if k != "full_attention"}) if isinstance(kinds, list) \
+        else [str(kinds)]
+    if other:
+        raise NotDFlash2(f"drafter layers of type {', '.join(other)}: this engine's DFlash2 "
+                         "layers attend to the whole context (full_attention)")
     draft_vocab = d.get("draft_vocab_size")
     if draft_vocab is not None and "vocab_size" in d:
         refused = full_vocabulary_refusal(draft_vocab, d["vocab_size"])

@@ -183,3 +183,21 @@ def test_an_independent_reader_gives_the_drafters_logits_and_drafts(saved, S):
         got = m.draft_batch(feats, [S], [last]).tokens[0].tolist()
     assert (got_u - want_u).abs().max().item() <= 1e-4 * want_u.abs().max().item()
     assert got == want_path
+
+
+@pytest.mark.parametrize("change, says", [
+    (lambda c: c["dflash_config"].pop("conv_group_size"), "lacks dflash_config.conv_group_size"),
+    (lambda c: c["dflash_config"].update(sample_from_anchor=True), "sample_from_anchor"),
+    (lambda c: c["dflash_config"].update(input_embedding_scale=2.0), "input_embedding_scale"),
+    (lambda c: c.update(layer_types=["sliding_attention"] * L), "sliding_attention"),
+    (lambda c: c.update(architectures=["DFlashDraftModel"]), "not a DFlash2 drafter"),
+])
+def test_what_this_engine_cannot_load_is_refused_in_one_line(saved, change, says):
+    from dflash_core.models.dflash2.format import NotDFlash2
+
+    _, folder = saved
+    cfg = json.loads((folder / "config.json").read_text())
+    change(cfg)
+    with pytest.raises(NotDFlash2) as exc:
+        DFlash2Drafter.config_from_dict(cfg)
+    assert says in str(exc.value) and "\n" not in str(exc.value)
