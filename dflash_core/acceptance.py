@@ -69,6 +69,10 @@ MEASURES = (
     Measure("tau_tf_train", "tf train", "eval/tau_tf_train",
             "(d) teacher-forced in training, mean over the recent steps"),
 )
+# DFlash2: (a) with each slot's unary argmax instead of its selector (EvalResult.tau_unary)
+UNARY = Measure("tau_unary", "tau unary argmax", "eval/tau_unary",
+                "(a) with each slot's unary argmax in place of DFlash2's selector walk: tau "
+                "exact minus it is what the selector gains")
 AGREEMENT = Measure("agreement", "labels = target", "eval/agreement",
                     "share of trained labels equal to the target's greedy next token")
 ACCEPTED = Measure("accepted", "accepted@k", "eval/accepted_at",
@@ -340,6 +344,9 @@ def summary_fields(ev) -> list[tuple[str, str]]:
     exact tau alone (the others are measured on held-out data only)."""
     measures = MEASURES[:1] if getattr(ev, "prompt_set", "") else MEASURES
     rows = [(m.label, _fmt(getattr(ev, m.key, None))) for m in measures]
+    unary = getattr(ev, UNARY.key, MISSING)
+    if _have(unary):
+        rows.insert(1, (UNARY.label, _fmt(unary)))
     share = getattr(ev, "agreement", MISSING)
     if _have(share):
         rows.append((AGREEMENT.label, f"{share:.0%}"))

@@ -164,6 +164,12 @@ def judge(prep: Prepared, mem, opts: CheckOptions, say: Callable[[str], None]) -
         ref_note = (f"not used: {dec.REFERENCE} decodes DFlash drafters, not DSpark's (the "
                     "DSpark probes judge its chain drafting)")
         say(f"  reference implementation {ref_note}")
+    elif opts.reference and drafter.objective != "dflash":
+        # DFlash2: the reference would read the folder as DFlash's, without its convolutions
+        # and selector (tests/core/models/dflash2/test_format.py reads it by the format)
+        ref_note = (f"not used: {dec.REFERENCE} decodes DFlash drafters, not "
+                    f"{drafter.family.title}'s convolutions and selector")
+        say(f"  reference implementation {ref_note}")
     elif opts.reference:
         cls, why = dec.reference_class()
         if cls is None:

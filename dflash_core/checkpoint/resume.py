@@ -59,6 +59,11 @@ SHAPE_KEYS: list[tuple[str, str]] = [
     ("mask_token_id", "drafter.mask_token_id"),
     ("markov_rank", "drafter.markov_rank"),
     ("enable_confidence_head", "drafter.conf_weight"),
+    # DFlash2's, in its dflash_config (dflash2/format.py)
+    ("dflash_config.conv_kernel_size", "drafter.conv_kernel_size"),
+    ("dflash_config.conv_group_size", "drafter.conv_group_size"),
+    ("dflash_config.selector_rank", "drafter.selector_rank"),
+    ("dflash_config.selector_top_k", "drafter.selector_top_k"),
 ]
 
 
@@ -95,10 +100,15 @@ def expected_drafter_config(cfg: Config, target_path: Path, layer_ids: list[int]
     if cfg.drafter.init_from:
         path = Path(cfg.drafter.init_from) / "config.json"
         try:
-            return json.loads(path.read_text(encoding="utf-8"))
+            found = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError) as exc:
             raise ConfigError("drafter.init_from", f"cannot read {path}: {exc}",
                               hint="point drafter.init_from at a drafter checkpoint folder") from exc
+        from dflash_core.families.registry import family_of
+        from dflash_core.models.registry import start_config
+
+        # A family that starts from another's folder (DFlash2 from DFlash) writes its own.
+        return start_config(found, cfg.drafter.objective, family_of(cfg).settings(cfg.drafter))
     from dflash_core.families.registry import family_of
     from dflash_core.models.registry import expected_config
     from dflash_core.models.target.config import load_target_config

@@ -14,7 +14,7 @@ from typing import Any, Iterator, Literal, NamedTuple
 from dflash_core.config.errors import ConfigError
 from dflash_core.config.eval_schema import EvalConfig, PromptSetConfig  # noqa: F401 (re-exported)
 from dflash_core.config.keys import Range, key  # noqa: F401 (re-exported)
-from dflash_core.families import dspark  # DSpark's defaults, written once there
+from dflash_core.families import dflash2, dspark  # the families' defaults, written once there
 
 @dataclass
 class RunConfig:
@@ -70,7 +70,7 @@ class TargetConfig:
 @dataclass
 class DrafterConfig:
     """The drafter being trained and its loss (docs/algorithm.md)."""
-    objective: Literal["dflash", "dspark"] = key("dspark", """The drafter and its training
+    objective: Literal["dflash", "dspark", "dflash2"] = key("dspark", """The drafter and its training
         objective: "dspark" = DSpark (arXiv 2607.05147, docs/algorithm.md "DSpark"): the anchor
         slot predicts too (B inputs give B drafts), a Markov head of rank markov_rank and a
         confidence head, trained with ce_weight CE + tv_weight TV against the target's own
@@ -83,11 +83,19 @@ class DrafterConfig:
         trained for it, at equal GPU time, its tau was 50% higher on both sets and at every
         context length (2.99 +- 0.07 against 1.99 +- 0.08 on code, 2 seeds; bench/BENCHMARKS.md
         "Lab scale on one H200"); on the demo's byte-level toy the two tie. DFlash is the
-        choice for a server without DSpark's method.""")
+        choice for a server without DSpark's method. "dflash2" = DFlash2 (docs/algorithm.md
+        "DFlash2"): DFlash's backbone with each attention and MLP sublayer wrapped in a grouped
+        dynamic causal convolution over block positions (conv_kernel_size, conv_group_size) and
+        a candidate selector choosing each draft among the top selector_top_k unary candidates
+        by a greedy walk (selector_rank); trained with DFlash's loss + selector_alpha x the
+        selector's K-way cross-entropy; B inputs give B-1 drafts, 8 when a config does not set
+        block_size; needs the target's full vocabulary; drafter.init_from may name a DFlash
+        checkpoint (the convolutions start at identity, the selector at no-op).""")
     num_layers: int = key(5, "L, the drafter's decoder layers (paper: 5 for 4B/8B targets).",
                           gt=0)
     block_size: int = key(16, """B, the tokens of a block: an anchor and the positions it
-        predicts (dflash: B-1 drafts; dspark: B drafts, 7 when a config does not set it).""",
+        predicts (dflash: B-1 drafts; dspark: B drafts, 7 when a config does not set it;
+        dflash2: B-1 drafts, 8 when a config does not set it).""",
                           ge=2)
     mask_token_id: int = key(-1, "Id of the MASK token; -1 = the last id of the target vocab.",
                              ge=-1)
@@ -129,6 +137,24 @@ class DrafterConfig:
                            ge=0)
     conf_weight: float = key(dspark.LOSS_WEIGHTS[2], """dspark: the weight of the confidence head's loss; 0 = no
         confidence head (neither trained nor saved, no calibration).""", ge=0)
+    conv_kernel_size: int = key(dflash2.CONV_KERNEL_SIZE, """dflash2: T, the taps of each
+        sublayer's convolution over block positions (slot p mixes slots p-T+1..p of its own
+        block).""", gt=0)
+    conv_group_size: int = key(dflash2.CONV_GROUP_SIZE, """dflash2: G, channels that share one
+        dynamic coefficient; must divide the drafter's width.""", gt=0)
+    selector_rank: int = key(dflash2.SELECTOR_RANK, """dflash2: r, the rank of the selector's
+        codebooks (predecessor and successor, each [V, r]) and of its context gate [r, H].""",
+        gt=0)
+    selector_top_k: int = key(dflash2.SELECTOR_TOP_K, """dflash2: K, the unary candidates the
+        selector chooses among per slot (at most the vocabulary).""", gt=0)
+    selector_alpha: float = key(dflash2.SELECTOR_ALPHA, """dflash2: the weight of the
+        selector's K-way cross-entropy beside DFlash's loss (normalised by the same slot
+        weights).""", ge=0)
+    selector_missing: Literal["drop", "inject"] = key(dflash2.SELECTOR_MISSING_DEFAULT,
+        """dflash2: a label outside the draft's top-K in the selector term: "drop" = the slot
+        gives no selector loss (SpecForge, NeMo Automodel); "inject" = the label replaces the
+        K-th candidate (speculators). The default is measured on the demo (bench/BENCHMARKS.md,
+        "DFlash2's selector labels").""")
     micro_block_tokens: int = key(65536, """Block tokens (sequences x anchors x block) per drafter
         forward; a batch with more is split into sequence groups, a sequence with more into
         passes of fewer anchors, gradients accumulated: bounds activation memory.""", gt=0)

@@ -1,5 +1,5 @@
-"""The drafters an evaluation compares: this engine's checkpoints (DFlash or DSpark) and
-published drafters in the public DFlash and DSpark folder formats.
+"""The drafters an evaluation compares: this engine's checkpoints (DFlash, DSpark or DFlash2) and
+published drafters in the public DFlash, DSpark and DFlash2 folder formats.
 
 A path may be a checkpoint folder (``<run>/checkpoints/step-N``), a run folder (its newest
 checkpoint), or a model folder (``config.json`` + ``model.safetensors``). The kind is read from
@@ -11,6 +11,8 @@ checkpoint), or a model folder (``config.json`` + ``model.safetensors``). The ki
   must be full attention (a sliding-window drafter is another model).
 - ``Qwen3DSparkModel``: the served DSpark folder (models/dspark/format.py), its frozen embedding and
   lm_head copies left unread (the target's own are borrowed).
+- ``DFlash2DraftModel``: the served DFlash2 folder (models/dflash2/format.py); decoded along its
+  selector's walk. Its vocabulary must be the target's (it always is checked below).
 
 Every drafter is checked against the target before anything is decoded: its hidden size and
 vocabulary must be the target's, the target depth it was trained for (``num_target_layers``) the
@@ -33,6 +35,8 @@ from dflash_core.eval.errors import EvalInputError
 from dflash_core.models.dflash.drafter import ARCHITECTURE as DFLASH_ARCHITECTURE
 from dflash_core.models.dflash.drafter import DFlashDrafter
 from dflash_core.models.dspark.drafter import ARCHITECTURE as DSPARK_ARCHITECTURE
+from dflash_core.models.dflash2.drafter import ARCHITECTURE as DFLASH2_ARCHITECTURE
+from dflash_core.models.dflash2.drafter import DFlash2Drafter
 from dflash_core.models.dspark.drafter import DSparkDrafter
 from dflash_core.models.target.shape import text_config
 from dflash_core.observe.device_hours import Figure
@@ -65,7 +69,7 @@ class DrafterSpec:
     path: Path  # the folder holding config.json and model.safetensors
     given: str  # the path as the user gave it
     label: str  # its column in the tables
-    objective: str  # "dflash" | "dspark"
+    objective: str  # "dflash" | "dspark" | "dflash2"
     config: object  # the drafter's Qwen3Config
     fingerprint: str  # what a results file is continued with
     run_folder: Path | None = None  # the run that wrote it, when it is a run's checkpoint
@@ -191,12 +195,25 @@ def read_drafter(given: str) -> DrafterSpec:
         except (ValueError, TypeError) as exc:  # a field transformers' config refuses
             raise EvalInputError(f"{where}: config.json cannot be a drafter's config "
                                  f"({type(exc).__name__}: {exc})", hint=HINT) from exc
+    elif arch == [DFLASH2_ARCHITECTURE]:
+        from dflash_core.models.dflash2.format import NotDFlash2
+
+        dc = d.get("dflash_config")
+        check_fields({**d, **(dc if isinstance(dc, dict) else {})}, "dflash2", where)
+        try:
+            cfg, objective = DFlash2Drafter.config_from_dict(d), "dflash2"
+        except NotDFlash2 as exc:
+            raise EvalInputError(f"{where}: {exc}") from exc
+        except (ValueError, TypeError) as exc:  # a field transformers' config refuses
+            raise EvalInputError(f"{where}: config.json cannot be a drafter's config "
+                                 f"({type(exc).__name__}: {exc})", hint=HINT) from exc
     elif arch == [DFLASH_ARCHITECTURE] or (not arch and "dflash_config" in d):
         cfg, objective = _dflash_config(d, where), "dflash"
     else:
-        raise EvalInputError(f"{where}: config.json has architectures {arch}: neither "
-                             f"{DFLASH_ARCHITECTURE} nor {DSPARK_ARCHITECTURE}",
-                             hint="pass a DFlash or DSpark drafter folder")
+        raise EvalInputError(f"{where}: config.json has architectures {arch}: none of "
+                             f"{DFLASH_ARCHITECTURE}, {DSPARK_ARCHITECTURE}, "
+                             f"{DFLASH2_ARCHITECTURE}",
+                             hint="pass a DFlash, DSpark or DFlash2 drafter folder")
     return DrafterSpec(folder, given, _label(folder, run), objective, cfg,
                        _fingerprint(folder, text), run,
                        run_hours(folder, run) if run is not None else None)

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from dflash_core.families.base import Family, Problem
 from dflash_core.families.dflash import DFLASH
+from dflash_core.families.dflash2 import DFLASH2
 from dflash_core.families.dspark import DSPARK
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (DFLASH, DSPARK)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (DFLASH, DSPARK, DFLASH2)}
 OBJECTIVES = tuple(FAMILIES)
 # Keys whose default some family chooses: a config that sets the objective without them gets
 # that family's value (the field's own default otherwise).

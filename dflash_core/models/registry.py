@@ -10,9 +10,11 @@ from pathlib import Path
 from dflash_core.families.registry import FAMILIES, OBJECTIVES, family, objective_of
 from dflash_core.models.dflash.drafter import DFlashDrafter
 from dflash_core.models.dspark.drafter import DSparkDrafter
+from dflash_core.models.dflash2.drafter import DFlash2Drafter
 
 # One registration per family: its drafter class answers for it (DFlashDrafter's interface).
-DRAFTERS: dict[str, type[DFlashDrafter]] = {c.family.name: c for c in (DFlashDrafter, DSparkDrafter)}
+DRAFTERS: dict[str, type[DFlashDrafter]] = {c.family.name: c for c in (DFlashDrafter, DSparkDrafter,
+                                                                   DFlash2Drafter)}
 assert tuple(DRAFTERS) == OBJECTIVES, "every family registers one drafter class"
 
 __all__ = ["DRAFTERS", "OBJECTIVES", "ObjectiveMismatch", "drafter_class", "drafter_from_config",
@@ -75,8 +77,31 @@ def drafter_from_config(config: dict, objective: str, where: str = "the checkpoi
     return cls(cls.config_from_dict(config))
 
 
-def load_drafter(folder: str | Path, objective: str):
-    """A drafter from a model folder (``drafter.init_from``) of the run's objective."""
+def _starts_from(config: dict, objective: str) -> bool:
+    """Whether ``objective``'s drafter starts from a folder of ``config``'s other family
+    (its class's ``starts_from``: DFlash2 from DFlash)."""
+    try:
+        found = objective_of(config)
+    except ValueError:
+        return False
+    return found != objective and found in getattr(drafter_class(objective), "starts_from", ())
+
+
+def load_drafter(folder: str | Path, objective: str, settings=None):
+    """A drafter from a model folder (``drafter.init_from``) of the run's objective, or of a
+    family it starts from (``settings``: the run family's, for that case)."""
     folder = Path(folder)
-    cls = _check_found(json.loads((folder / "config.json").read_text()), objective, str(folder))
+    config = json.loads((folder / "config.json").read_text())
+    if _starts_from(config, objective):
+        return drafter_class(objective).start_from(folder, settings)
+    cls = _check_found(config, objective, str(folder))
     return cls.load(folder)
+
+
+def start_config(config: dict, objective: str, settings=None) -> dict:
+    """The config.json a run of ``objective`` started from a folder of ``config`` writes
+    (the folder's own when it is of that objective)."""
+    if not _starts_from(config, objective):
+        return config
+    cls = drafter_class(objective)
+    return cls.serve_config_of(cls.start_config(config, settings))

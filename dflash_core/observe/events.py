@@ -189,6 +189,11 @@ class StepMetrics(Event):
     loss_ce: float = -1.0
     loss_tv: float = -1.0
     loss_conf: float = -1.0
+    # drafter.objective dflash2: the selector's K-way cross-entropy (its weighted mean; the
+    # loss is loss_ce + selector_alpha x this) and its hit rate, the weighted share of labels
+    # among the draft's K candidates (named loss_ as every family term is); -1 = not DFlash2
+    loss_sel: float = -1.0
+    loss_hit: float = -1.0
     kind: ClassVar[str] = "StepMetrics"
     sets_state: ClassVar[bool] = False
 
@@ -215,6 +220,9 @@ class EvalResult(Event):
     # rounds, models/dspark/calibration.Calibration as a dict ({} = none); acceptance.calibration_*
     # words it, calibration.Calibration.from_dict reads it back.
     calibration: dict = field(default_factory=dict)
+    # (a) again with each slot's unary argmax in place of the drafter's selector walk (DFlash2,
+    # held-out prompts): tau minus it is what the selector gains; -1 = not measured
+    tau_unary: float = -1.0
     # The prompts evaluated: "" = the held-out prompts of the data (every measure, the findings);
     # a name = that set of eval.prompt_sets (exact tau and its histogram only; the teacher-forced
     # measures and the agreement -1). Older events.jsonl files, without it, are held-out ones.

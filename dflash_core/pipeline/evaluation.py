@@ -141,10 +141,21 @@ class Evaluator:
             tau_tf_train=train, agreement=share, agreement_positions=total,
             findings=[f.kind for f in found], seconds=time.monotonic() - t0,
             calibration=cal.as_dict() if cal is not None else {},
+            tau_unary=self._unary_tau(drafter, target, prompts),
             context=res.by_context(buckets)))
         for f in found:
             self.publish(Log(level=f.level, source="eval", message=f.message))
         return res.tau
+
+    def _unary_tau(self, drafter, target, prompts) -> float:
+        """Exact tau of the prompts with the drafter's unary argmax in place of its own path
+        (a drafter with ``unary_path``: DFlash2's selector); MISSING for the others."""
+        path = getattr(drafter, "unary_path", None)
+        if path is None:
+            return acceptance.MISSING
+        with evaluation_attention(drafter), path():
+            return evaluate_tau(target_fn_for(target, self.layer_ids, cache=self.cfg.cache),
+                                drafter, prompts, self.cfg.max_new_tokens, self.layer_ids).tau
 
     def _measure(self, drafter, target, prompts, heldout) -> tuple:
         """(exact decoding, and (tau, positions) of the three teacher-forced measures) with the

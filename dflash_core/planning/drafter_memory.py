@@ -112,7 +112,9 @@ def optimizer_component(cfg: Config, hf_config: dict) -> dict[str, int]:
 
 
 OPTIMIZER_COMPONENTS = {"adamw": "drafter fp32+adam", "muon": "drafter fp32+muon"}
-DSPARK_HEADS = "dspark heads fp32+adam"  # Markov head 2 x r x V, confidence head H + r + 1
+# The family's own parameters (Family.head_params): DSpark's Markov head 2 x r x V and confidence
+# head H + r + 1; DFlash2's convolutions and selector (its codebooks 2 x V x r)
+DSPARK_HEADS = "family heads fp32+adam"
 
 
 @dataclass(frozen=True)

@@ -97,7 +97,7 @@ def render(f: Facts, out: Path, checkpoint: Path, how: str) -> str:
                                  if f.num_target_layers else "")
     drafts = (f"{f.drafts_per_round} (B: the anchor slot predicts too)" if f.objective == "dspark"
               else f"{f.drafts_per_round} (B - 1)")
-    key = "`dflash_config.{}`" if f.objective == "dflash" else "`{}`"
+    key = "`{}`" if f.objective == "dspark" else "`dflash_config.{}`"
     lines = [front_matter(f),
              f"# {f.title} drafter for {target}", "",
              f"A {f.title} speculative-decoding drafter (`{f.architecture}`): a small model that "
@@ -128,6 +128,12 @@ def render(f: Facts, out: Path, checkpoint: Path, how: str) -> str:
              f"(B = {f.block_size}), other options vary between versions of those stacks, whose "
              "documentation is the reference.", ""]
     serve = command_lines(f.objective, target, str(out), f.block_size, f.drafts_per_round)
+    if f.objective == "dflash2":  # what a server needs that config.json cannot tell it
+        lines += [f"DFlash2: `num_speculative_tokens` must be {f.drafts_per_round} (B - 1): vLLM "
+                  "does not read the block size from `config.json`, and another count silently "
+                  "changes the convolution's window. vLLM runs the candidate selector on its V2 "
+                  "GPU model runner only (its V1 runner refuses DFlash2 folders). The drafter "
+                  "needs the target's full vocabulary.", ""]
     lines += ["vLLM:", "", "```sh", serve.vllm, "```", "", "SGLang:", "", "```sh",
               serve.sglang, "```", "",
               "## Provenance", "",

@@ -29,8 +29,8 @@ class Tau:
 
 @dataclass
 class Facts:
-    objective: str  # "dflash" | "dspark"
-    title: str  # "DFlash" | "DSpark"
+    objective: str  # "dflash" | "dspark" | "dflash2"
+    title: str  # "DFlash" | "DSpark" | "DFlash2"
     architecture: str
     block_size: int
     drafts_per_round: int
@@ -135,8 +135,9 @@ def gather(src: Source) -> Facts:
     try:
         fam = family(objective_of(config))
     except ValueError as exc:
-        raise PublishError(f"{src.folder}: {exc}", "pass a DFlash or DSpark checkpoint") from exc
-    block = config.get("dflash_config") if fam.name == "dflash" else config
+        raise PublishError(f"{src.folder}: {exc}", "pass a DFlash, DSpark or DFlash2 checkpoint") from exc
+    # DFlash's and DFlash2's entries are in dflash_config, DSpark's at the top level
+    block = config.get("dflash_config") if "dflash_config" in config else config
     block = block if isinstance(block, dict) else {}
     b = block.get("block_size")
     if not isinstance(b, int):

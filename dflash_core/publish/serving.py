@@ -4,7 +4,9 @@ counts vary between versions of those stacks, whose documentation is the referen
 
 The token counts come from the family (families/registry: drafts_per_round): a DFlash block of B
 inputs drafts B-1 tokens (vLLM's num_speculative_tokens), and SGLang counts the block, B; a
-DSpark block of B inputs drafts B tokens (its anchor slot predicts too).
+DSpark block of B inputs drafts B tokens (its anchor slot predicts too). DFlash2 is served
+as DFlash is (the method "dflash"; the architecture DFlash2DraftModel selects its convolutions
+and selector), B-1 drafts.
 """
 
 from __future__ import annotations
@@ -22,14 +24,17 @@ class Serving(NamedTuple):
 def command_lines(objective: str, target: str, model: str, block_size: int,
                   drafts_per_round: int) -> Serving:
     """vLLM's and SGLang's command lines serving ``target`` with the drafter at ``model``."""
-    method = {"dflash": "dflash", "dspark": "dspark"}[objective]
+    # DFlash2 is served by vLLM's DFlash method (its architecture picks the selector; only the
+    # V2 GPU model runner has it) and needs num_speculative_tokens = B - 1: vLLM does not read
+    # the block size from config.json.
+    method = {"dflash": "dflash", "dspark": "dspark", "dflash2": "dflash"}[objective]
     spec = json.dumps({"method": method, "model": model,
                        "num_speculative_tokens": drafts_per_round})
     target, model = shlex.quote(target), shlex.quote(model)
     vllm = f"vllm serve {target} \\\n  --speculative-config {shlex.quote(spec)}"
     sglang = (f"python -m sglang.launch_server --model-path {target} \\\n"
-              f"  --speculative-algorithm {objective.upper()} \\\n"
+              f"  --speculative-algorithm {method.upper()} \\\n"
               f"  --speculative-draft-model-path {model}")
-    if objective == "dflash":
+    if method == "dflash":
         sglang += f" \\\n  --speculative-num-draft-tokens {block_size}"
     return Serving(vllm, sglang)

@@ -9,6 +9,7 @@ import json
 from dflash_core.config import recipe_text
 from dflash_core import acceptance
 from dflash_core.models.dspark.calibration import Calibration
+from dflash_core.observe.sinks.textlog import LOSS_TERMS
 from dflash_core.observe import events as ev
 from dflash_core.observe.device_hours import Figure, figure_text
 from dflash_core.units import GiB as GIB
@@ -40,11 +41,11 @@ def _duration(seconds: float) -> str:
 
 
 def _loss_terms(step) -> str:
-    """DSpark's loss terms of a step ("ce 2.1250, tv 0.7500, conf 0.5000"); "" for DFlash."""
+    """A family's loss terms of a step (DSpark's "ce 2.1250, tv 0.7500, conf 0.5000"; DFlash2's
+    ce, sel, hit); "" for DFlash."""
     if step is None:
         return ""
-    got = [(name, getattr(step, key, -1.0)) for name, key in (
-        ("ce", "loss_ce"), ("tv", "loss_tv"), ("conf", "loss_conf"))]
+    got = [(name, getattr(step, key, -1.0)) for name, key in LOSS_TERMS]
     return ", ".join(f"{name} {v:.4f}" for name, v in got if v >= 0)
 
 

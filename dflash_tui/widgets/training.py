@@ -12,6 +12,7 @@ from textual.widgets import Sparkline, Static
 
 from dflash_core import acceptance, context_buckets
 from dflash_core.models.dspark.calibration import Calibration
+from dflash_core.observe.sinks.textlog import LOSS_TERMS
 
 from .. import fmt
 from ..state.dashboard import DashboardState
@@ -76,9 +77,9 @@ class TrainingPanel(Panel):
 
 
 def loss_terms(st) -> list[tuple[str, float]]:
-    """(label, value) of a DSpark step's loss terms: ce, tv, conf; [] for DFlash."""
-    got = [(name, getattr(st, key, -1.0)) for name, key in (
-        ("ce", "loss_ce"), ("tv", "loss_tv"), ("conf", "loss_conf"))]
+    """(label, value) of a step's family loss terms (DSpark: ce, tv, conf; DFlash2: ce, sel,
+    hit); [] for DFlash."""
+    got = [(name, getattr(st, key, -1.0)) for name, key in LOSS_TERMS]
     return [(name, v) for name, v in got if v >= 0]
 
 

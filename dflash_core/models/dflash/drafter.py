@@ -183,6 +183,8 @@ class DFlashDrafter(nn.Module):
     # The target's tensors its served folder carries (frozen copies: served, never trained).
     frozen_keys: tuple[str, ...] = ()
     step_loss_class = DFlashStepLoss
+    # Its decoder layer (a family may wrap DFlash's: DFlash2's convolutions).
+    layer_class: type[nn.Module] = DrafterLayer
 
     def __init__(self, config: Qwen3Config):
         super().__init__()
@@ -192,7 +194,8 @@ class DFlashDrafter(nn.Module):
         self.block_size = int(dc["block_size"])
         self.mask_token_id = int(dc["mask_token_id"])
         H = config.hidden_size
-        self.layers = nn.ModuleList(DrafterLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(self.layer_class(config)
+                                    for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(H, eps=config.rms_norm_eps)
         self.fc = nn.Linear(len(self.target_layer_ids) * H, H, bias=False)
         self.hidden_norm = RMSNorm(H, eps=config.rms_norm_eps)

@@ -161,7 +161,7 @@ def build_replicas(dcfg: DrafterConfig, optim: OptimConfig, target,
         drafter.load_state_dict({k: v for k, v in resume.drafter_state.items()
                                  if k not in drafter.frozen_keys})
     elif dcfg.init_from:
-        drafter = load_drafter(dcfg.init_from, objective)
+        drafter = load_drafter(dcfg.init_from, objective, settings)
     else:
         d = dcfg
         torch.manual_seed(seed)

@@ -59,11 +59,15 @@ def _memory_table(ev: MemoryPlan) -> str:
     return header + "\n" + _indent("\n".join(lines), "  ")
 
 
-LOSS_TERMS = (("ce", "loss_ce"), ("tv", "loss_tv"), ("conf", "loss_conf"))  # DSpark's
+# The families' loss terms: DSpark's CE, TV and confidence; DFlash2's CE, selector CE and the
+# selector's hit rate (labels among its K candidates). A family's absent ones are -1.
+LOSS_TERMS = (("ce", "loss_ce"), ("tv", "loss_tv"), ("conf", "loss_conf"), ("sel", "loss_sel"),
+              ("hit", "loss_hit"))
 
 
 def loss_terms(ev: StepMetrics) -> str:
-    """' (ce 2.1 tv 0.84 conf 0.31)' for a DSpark step (its loss's three terms), else ''."""
+    """' (ce 2.1 tv 0.84 conf 0.31)' for a DSpark step (its loss's three terms), ' (ce 1.9 sel
+    0.62 hit 0.71)' for DFlash2's, else ''."""
     got = [(name, getattr(ev, key, -1.0)) for name, key in LOSS_TERMS]
     if all(v < 0 for _, v in got):
         return ""

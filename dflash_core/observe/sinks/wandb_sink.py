@@ -24,6 +24,7 @@ from dflash_core.acceptance import (
 from dflash_core.context_buckets import context_wandb
 from dflash_core.models.dspark.calibration import Calibration
 from dflash_core.observe.device_hours import wandb_data
+from dflash_core.observe.sinks.textlog import LOSS_TERMS
 from dflash_core.observe.errors import error_from_exception
 from dflash_core.observe.events import (
     DeviceHours, Error, EvalResult, Event, Log, RunEnded, SinkStatus, StepMetrics,
@@ -214,8 +215,8 @@ class WandbSink:
                 "perf/drafter_wait_frac": ev.drafter_wait_frac,
                 "perf/target_blocked_frac": ev.target_blocked_frac,
                 "perf/padding_frac": ev.padding_frac,
-                # DSpark's loss terms (absent, -1, for DFlash)
-                **{f"train/{k}": getattr(ev, k) for k in ("loss_ce", "loss_tv", "loss_conf")
+                # DSpark's and DFlash2's loss terms (absent, -1, for DFlash)
+                **{f"train/{k}": getattr(ev, k) for _, k in LOSS_TERMS
                    if getattr(ev, k, -1.0) >= 0},
             }, step=ev.step)
         elif isinstance(ev, EvalResult) and getattr(ev, "prompt_set", ""):

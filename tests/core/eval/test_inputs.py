@@ -132,7 +132,7 @@ def test_a_run_folder_means_its_newest_checkpoint_and_a_stranger_is_refused(tmp_
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
     (tmp_path / "other" / "model.safetensors").write_bytes(b"")
-    with pytest.raises(EvalInputError, match="neither DFlashDraftModel nor Qwen3DSparkModel"):
+    with pytest.raises(EvalInputError, match="none of DFlashDraftModel, Qwen3DSparkModel, DFlash2DraftModel"):
         read_drafter(str(tmp_path / "other"))
     with pytest.raises(EvalInputError, match="no such folder"):
         read_drafter(str(tmp_path / "none"))

@@ -140,3 +140,20 @@ def test_its_own_folder_is_replaced_only_with_overwrite(tmp_path):
     with pytest.raises(PublishError, match="files publish does not write \\(notes.txt\\)"):
         publish(run, out, overwrite=True)
     assert (out / "notes.txt").is_file()
+
+
+def test_a_dflash2_checkpoint_gets_b_minus_1_and_vllms_dflash_method(tmp_path):
+    run = make_run(tmp_path, "dflash2", steps=(3,), best=None)
+    step = run / "checkpoints" / "step-3"
+    out = tmp_path / "dflash2-out"
+    publish(step, out)
+    _same_bytes(step, out)
+    front, body = _card(out)
+    assert {"dflash2", "speculative-decoding"} <= set(front["tags"])
+    assert "| objective | DFlash2 |" in body and f"| block size B | {DFLASH_B} |" in body
+    assert "| drafts per round | 3 (B - 1) |" in body
+    assert "| mask token id | 95 | config.json `dflash_config.mask_token_id` |" in body
+    # vLLM serves it by its DFlash method; the count must be B - 1 (vLLM reads no block size)
+    spec = {"method": "dflash", "model": str(out), "num_speculative_tokens": DFLASH_B - 1}
+    assert f"--speculative-config '{json.dumps(spec)}'" in body
+    assert f"`num_speculative_tokens` must be {DFLASH_B - 1} (B - 1)" in body

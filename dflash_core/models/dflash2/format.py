@@ -1,0 +1,86 @@
+"""The DFlash2 folder as vLLM reads it (docs/checkpoint-format.md, DFlash2).
+
+- config.json: DFlash's (the drafter's Qwen3 config, ``num_target_layers``, the rotary settings
+  in both spellings) with ``architectures: ["DFlash2DraftModel"]``, ``is_causal: false`` (the
+  block is bidirectional) and in ``dflash_config``, beside DFlash's ``target_layer_ids``,
+  ``block_size`` and ``mask_token_id``, the four keys vLLM requires: ``conv_kernel_size``,
+  ``conv_group_size``, ``selector_rank`` and ``selector_top_k``. vLLM does not read
+  ``block_size``: a server must be given ``num_speculative_tokens = B - 1`` (the card says so).
+- model.safetensors: DFlash's keys and, per layer, ``layers.i.{attention,mlp}_conv.base_kernel``
+  [2, T, H] and ``...kernel_projection.weight`` [2TM, H]; ``candidate_selector.hidden_projection
+  .weight`` [r, H], ``candidate_selector.predecessor_codebook`` and ``..successor_codebook``
+  [V, r] without a ``.weight`` suffix. No embedding nor lm_head: both are the target's.
+
+The folder is the drafter's own state_dict: its module names are the served ones.
+"""
+
+from __future__ import annotations
+
+from dflash_core.families.dflash2 import ARCHITECTURE
+
+# The dflash_config keys vLLM requires of a DFlash2 folder (KeyError there without them).
+REQUIRED = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+# Read with these defaults when absent (vLLM's and the reference's).
+OPTIONAL = {"output_multiplier": 1.0, "final_logit_softcapping": 0.0,
+            "input_embedding_scale": 1.0}
+
+
+class NotDFlash2(ValueError):
+    """A config.json that is not a DFlash2 drafter this engine can load."""
+
+
+def full_vocabulary_refusal(vocab: int, target_vocab: int) -> str | None:
+    """The one line refusing a drafter whose vocabulary is not the target's (None: the same)."""
+    if int(vocab) == int(target_vocab):
+        return None
+    return (f"DFlash2 needs the target's full vocabulary: the drafter has {vocab} tokens, the "
+            f"target {target_vocab} (its candidates are the target lm_head's top-K and its "
+            "codebooks are indexed by target ids; a reduced draft vocabulary cannot serve)")
+
+
+def serve_config_of(config, dflash_serve_config_of) -> dict:
+    """config.json of a DFlash2 drafter config: DFlash's (``dflash_serve_config_of``) with
+    DFlash2's architecture, ``is_causal: false`` and its dflash_config keys."""
+    out = dflash_serve_config_of(config)
+    out["architectures"] = [ARCHITECTURE]
+    out["is_causal"] = False
+    dc = dict(config.dflash_config)
+    for k in REQUIRED:
+        dc[k] = int(dc[k])
+    out["dflash_config"] = dc
+    return out
+
+
+def check_serve_dict(d: dict) -> dict:
+    """The served config.json's dflash_config, checked: NotDFlash2 naming the key for anything
+    this engine cannot load."""
+    arch = d.get("architectures")
+    if arch != [ARCHITECTURE]:
+        raise NotDFlash2(f"config.json has architectures {arch}, not [{ARCHITECTURE!r}]: not a "
+                         "DFlash2 drafter")
+    dc = d.get("dflash_config")
+    if not isinstance(dc, dict):
+        raise NotDFlash2("DFlash2 config.json has no dflash_config block")
+    missing = [k for k in ("target_layer_ids", "mask_token_id") + REQUIRED if k not in dc]
+    if missing:
+        raise NotDFlash2(f"DFlash2 config.json lacks dflash_config.{', '.join(missing)}: not a "
+                         "complete DFlash2 drafter folder")
+    if dc.get("sample_from_anchor"):
+        raise NotDFlash2("dflash_config.sample_from_anchor true: DFlash2's anchor is the bonus "
+                         "token (vLLM refuses it too)")
+    scale = dc.get("input_embedding_scale", 1.0)
+    if scale != 1.0:
+        raise NotDFlash2(f"dflash_config.input_embedding_scale {scale}: this engine feeds the "
+                         "target's embeddings unscaled (1)")
+    kinds = d.get("layer_types") or []
+    other = sorted({str(k) for k in kinds if k != "full_attention"}) if isinstance(kinds, list) \
+        else [str(kinds)]
+    if other:
+        raise NotDFlash2(f"drafter layers of type {', '.join(other)}: this engine's DFlash2 "
+                         "layers attend to the whole context (full_attention)")
+    draft_vocab = d.get("draft_vocab_size")
+    if draft_vocab is not None and "vocab_size" in d:
+        refused = full_vocabulary_refusal(draft_vocab, d["vocab_size"])
+        if refused:
+            raise NotDFlash2(refused)
+    return dc

@@ -1,0 +1,48 @@
+"""The DFlash2 family as the config and the plans see it: its defaults, the keys that never
+combine with it, its parameters in the memory plan (the codebooks 2 x V x r: 127M at the 27B
+shape), the recipe line."""
+
+import pytest
+
+from dflash_core.config import ConfigError, apply_overrides, config_from_dict, recipe_text
+from dflash_core.families.dflash2 import DFLASH2, DFlash2Settings
+from dflash_core.families.registry import family_of, settings
+
+
+def test_defaults_are_the_public_trainers_and_an_objective_set_later_gets_them():
+    cfg = config_from_dict({"drafter": {"objective": "dflash2"}})
+    assert family_of(cfg) is DFLASH2 and cfg.drafter.block_size == 8
+    assert settings(cfg) == DFlash2Settings()
+    later = apply_overrides(config_from_dict({"drafter": {"objective": "dflash"}}),
+                            [("drafter.objective", "dflash2")])
+    assert later.drafter.block_size == 8
+    assert config_from_dict({"drafter": {"objective": "dflash2", "block_size": 16}}
+                            ).drafter.block_size == 16
+
+
+@pytest.mark.parametrize("over, key, says", [
+    ({"loss": "dpace"}, "drafter.loss", "dpace does not combine with drafter.objective dflash2"),
+    ({"fused_loss": "on"}, "drafter.fused_loss", "top-K over the whole vocabulary"),
+    ({"selector_missing": "keep"}, "drafter.selector_missing", "keep"),
+])
+def test_what_never_combines_is_refused_naming_the_key(over, key, says):
+    with pytest.raises(ConfigError) as exc:
+        config_from_dict({"drafter": {"objective": "dflash2", **over}})
+    assert exc.value.key == key and says in str(exc.value)
+
+
+def test_the_memory_plan_counts_the_codebooks_and_the_convolutions():
+    cfg = config_from_dict({"drafter": {"objective": "dflash2", "num_layers": 5}})
+    H, V = 5120, 248320
+    n = DFLASH2.head_params(cfg.drafter, H, V)
+    codebooks = 2 * V * 256
+    assert codebooks == pytest.approx(127e6, rel=0.01)
+    conv = 5 * 2 * (2 * 2 * H + 2 * 2 * (H // 16) * H)  # two convs a layer: [2,T,H] + [2TM,H]
+    assert n == codebooks + 256 * H + conv
+    assert DFLASH2.problems(cfg.drafter, vocab=10)[0].key == "drafter.selector_top_k"
+
+
+def test_recipe_says_the_objective():
+    text = recipe_text(config_from_dict({"drafter": {"objective": "dflash2"}}).to_dict())
+    assert text.startswith("objective dflash2 (B 8, conv 2 taps x groups of 16, selector rank "
+                           "256 top-16, loss DFlash + 1.0 x selector CE")
