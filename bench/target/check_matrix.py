@@ -28,16 +28,32 @@ from tests.core.models.target.target_classes import CLASSES, build  # noqa: E402
 
 
 REMOTE = "remote_code"  # Kimi-K2's kind of folder: the model exists only as its own *.py files
+# Quantized checkpoints as their releases are laid out (dequantized on the CPU)
+QUANTIZED = ("fp8", "mxfp4")
+EXTRA = (REMOTE, *QUANTIZED)
 
 
 def save_class(name: str, folder: Path) -> Path:
-    if name == REMOTE:
-        from tests.core.models.target.test_target_classes import made_remote
+    from tests.core.models.target import test_target_classes as made
 
+    if name == REMOTE:
         build("qwen3").save_pretrained(folder)
-        return made_remote(folder)
+        return made.made_remote(folder)
+    if name in QUANTIZED:
+        folder.mkdir(parents=True)
+        (made.fp8_checkpoint if name == "fp8" else made.mxfp4_checkpoint)(folder)
+        return folder
     build(name).save_pretrained(folder)
     return folder
+
+
+def layer_ids(folder: Path) -> list[int]:
+    """[1, 2] as the tests' 4-layer classes; the first layer of a shallower one."""
+    import json
+
+    config = json.loads((folder / "config.json").read_text())
+    layers = config.get("text_config", config)["num_hidden_layers"]
+    return [1, 2] if layers >= 4 else [0]
 
 
 def _sections(sets: list[str]) -> dict:
@@ -60,7 +76,7 @@ def check_one(name: str, tmp: Path, data: Path, args) -> dict:
     target = save_class(name, tmp / name)
     d = {
         "run": {"name": name, "output_dir": str(tmp / "runs"), "seed": 1},
-        "target": {"path": str(target), "dtype": "float32", "layer_ids": [1, 2],
+        "target": {"path": str(target), "dtype": "float32", "layer_ids": layer_ids(target),
                    "trust_remote_code": name == REMOTE},
         "drafter": {"objective": args.objective, "num_layers": args.layers,
                     "block_size": args.block},
@@ -87,7 +103,7 @@ def check_one(name: str, tmp: Path, data: Path, args) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--objective", default="dspark", choices=["dspark", "dflash"])
-    p.add_argument("--classes", default=",".join([*CLASSES, REMOTE]))
+    p.add_argument("--classes", default=",".join([*CLASSES, *EXTRA]))
     p.add_argument("--samples", type=int, default=2)
     p.add_argument("--response-tokens", type=int, default=64)
     p.add_argument("--max-steps", type=int, default=300)
@@ -101,9 +117,9 @@ def main() -> int:
     from tests.core.engine_fixtures import make_data
 
     names = [n for n in args.classes.split(",") if n]
-    unknown = [n for n in names if n not in CLASSES and n != REMOTE]
+    unknown = [n for n in names if n not in CLASSES and n not in EXTRA]
     if unknown:
-        p.error(f"unknown classes {unknown}: choose from {', '.join([*CLASSES, REMOTE])}")
+        p.error(f"unknown classes {unknown}: choose from {', '.join([*CLASSES, *EXTRA])}")
     failed = 0
     with tempfile.TemporaryDirectory() as t, torch_threads(1), quiet_hf():
         tmp = Path(t)

@@ -101,7 +101,7 @@ def memorise(cfg: Config, target, samples: list[CheckSample], drafter_devices, *
     terms = family.memorise(cfg.drafter)
     if terms.why:
         say(terms.why)
-    share = terms.share
+    share, aim = terms.share, max(terms.aim, terms.share)
     features = target.features(batch.input_ids, batch.attention_mask, layer_ids,
                                with_last_hidden=family.last_hidden)
     replicas = build_replicas(ccfg.drafter, ccfg.optim, target, list(drafter_devices),
@@ -114,6 +114,7 @@ def memorise(cfg: Config, target, samples: list[CheckSample], drafter_devices, *
     history: list[tuple[int, float, float]] = []
     last_say = time.monotonic()
     res = None
+    reached_at = 0  # the step that first reached the share: then on toward ``aim``
     for step in range(max_steps):
         b = prepare_batch(replace(batch, epoch=step), ccfg.drafter.num_anchors, B,
                           ccfg.run.seed, pad_to=pad)
@@ -124,11 +125,15 @@ def memorise(cfg: Config, target, samples: list[CheckSample], drafter_devices, *
         res = reduce_and_step(replicas, step, max_steps)
         history.append((res.step, res.loss, res.tau_tf))
         tau = res.tau_tf
-        if tau >= share * ceiling:
+        if tau >= share * ceiling or reached_at:
             # The step's tau is of the weights before its update; what is judged is after it
             # (under DSpark's distribution-matching loss an update can still flip an argmax).
             tau = settled_tau(replicas[0].drafter, samples, features)
-        done = tau >= share * ceiling
+        memorised = tau >= share * ceiling
+        reached_at = reached_at or (res.step if memorised else 0)
+        # Memorised; past it, toward ``aim`` for as many steps again at most (a margin for
+        # exact decoding, whose few rounds lose a whole block to one wrong slot).
+        done = memorised and (tau >= aim * ceiling or res.step >= 2 * reached_at)
         if done or time.monotonic() - last_say >= PROGRESS_EVERY_S:
             last_say = time.monotonic()
             say(f"step {res.step}/{max_steps}: loss {res.loss:.3f}, teacher-forced tau "

@@ -15,15 +15,20 @@ from dflash_core.families.registry import family
 
 from ..engine_fixtures import make_data
 from ..models.target.target_classes import build
+from ..models.target.test_target_classes import mxfp4_checkpoint
 
 # The check's defaults (2 samples x 64 tokens, 300 steps): exact decoding over fewer rounds is
 # too coarse a measure (one missed round of 8 is 11% of full blocks).
 OPTS = CheckOptions(reference=False)
 
 
-def _cfg(tmp_path, objective):
-    target = tmp_path / "qwen3"
-    build("qwen3").save_pretrained(target)
+def _cfg(tmp_path, objective, cls="qwen3"):
+    target = tmp_path / cls
+    if cls == "mxfp4":  # gpt-oss as OpenAI publishes it (dequantized on the CPU)
+        target.mkdir()
+        mxfp4_checkpoint(target)
+    else:
+        build(cls).save_pretrained(target)
     return config_from_dict({
         "run": {"name": objective, "output_dir": str(tmp_path / "runs"), "seed": 1},
         "target": {"path": str(target), "dtype": "float32", "layer_ids": [1, 2]},
@@ -34,10 +39,13 @@ def _cfg(tmp_path, objective):
     })
 
 
-@pytest.mark.parametrize("objective", ["dspark", "dflash"])
-def test_each_family_passes_the_check_on_an_untrained_target(tmp_path, objective):
+# DSpark on Qwen3: at the run's 0.1 CE + 0.9 TV it stopped at 6.56 of 8.56 (not memorised).
+# DFlash on MXFP4 gpt-oss: stopped at 97% teacher-forced, it decoded at 88% of full blocks;
+# trained on toward 99% (Memorise.aim), 95%.
+@pytest.mark.parametrize("objective,cls", [("dspark", "qwen3"), ("dflash", "mxfp4")])
+def test_each_family_passes_the_check_on_an_untrained_target(tmp_path, objective, cls):
     lines: list[str] = []
-    result = run_check(_cfg(tmp_path, objective), OPTS, lines.append)
+    result = run_check(_cfg(tmp_path, objective, cls), OPTS, lines.append)
     assert result.verdict.passed, "\n".join(lines + result.evidence)
     assert any(m.startswith("memorise: done after") for m in lines), lines
     said = [m for m in lines if "memorises with CE" in m]
