@@ -141,7 +141,7 @@ def test_a_read_only_checkpoint_is_kept_whole_under_its_name_and_said_once(tmp_p
     assert sorted(p.name for p in root.iterdir()) == ["step-1", "step-2"]
     assert [checkpoint_step(p) for p in list_checkpoints(tmp_path)] == [1, 2]  # whole
     (line,) = notes
-    assert line.startswith(f"checkpoint.keep 1: could not delete step-1 (")
+    assert line.startswith("checkpoint.keep 1: could not delete step-1 (")
     assert str(root / "step-1" / STATE_DIR) in line and "partly" not in line
     assert f"it stays in {root} under its name" in line and "step-2 is written" in line
     assert load_checkpoint(root / "step-2").trainer_state["value"] == 2.0

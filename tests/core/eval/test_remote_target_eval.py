@@ -53,6 +53,7 @@ def test_trusted_code_the_folder_lacks_is_refused_naming_the_flag(remote_chat, t
     with pytest.raises(EvalInputError) as exc:
         Evaluation(_opts(remote_chat, tmp_path / "out", trust_remote_code=True),
                    lambda m: None).load()
-    assert "lacks the Python files" in str(exc.value) and "modeling_tiny_remote.py" in str(exc.value)
+    said = str(exc.value)
+    assert "lacks the Python files" in said and "modeling_tiny_remote.py" in said
     assert "pass --target" in exc.value.hint and "config.yaml" not in exc.value.hint
     assert not (tmp_path / "out").exists()

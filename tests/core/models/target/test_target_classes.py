@@ -193,7 +193,7 @@ def test_trusted_code_the_folder_lacks_is_named_in_each_verbs_words(remote_code_
     with pytest.raises(TargetLoadError) as exc_info:
         load_target(remote_code_target, trust_remote_code=True)
     exc = exc_info.value
-    assert f"lacks the Python files its config.json's auto_map names" in str(exc)
+    assert "lacks the Python files its config.json's auto_map names" in str(exc)
     assert lacks in str(exc) and "huggingface.co" not in str(exc)
     assert exc.hint == exc.hint_in(CONFIG_WORDS)  # a run's and check's: its config key
     assert lacks in exc.hint and "set target.path in config.yaml to" in exc.hint
