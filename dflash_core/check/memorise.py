@@ -6,7 +6,9 @@ target's ``features``, ``trainer.build_replicas`` (one replica per drafter GPU o
 so the features are computed once. Every valid position is an anchor (the check must decode from
 any of them), redrawn each step as a new epoch. With drafter.objective dspark the drafter is
 DSpark's, its features carry the target's post-norm last hidden state and its labels are one slot
-wider (its anchor slot predicts: the ceiling is B+1).
+wider (its anchor slot predicts: the ceiling is B+1). How much is memorised enough, and with
+which of its settings, the family says (Family.memorise): DSpark memorises with cross-entropy
+leading (families/dspark.py, CHECK_WEIGHTS).
 """
 
 from __future__ import annotations
@@ -23,13 +25,12 @@ from dflash_core.config import Config
 from dflash_core.data import ShardedDataset, collate, write_shards
 from dflash_core.models import objective as obj
 from dflash_core.eval.evaluate import evaluation_attention, teacher_forced_eval
+from dflash_core.families.base import Memorise
 from dflash_core.families.registry import family_of
 from dflash_core.models.training.replica import ANCHOR_PAD, DrafterReplica, prepare_batch
 from dflash_core.models.training.trainer import build_replicas, reduce_and_step
 from dflash_core.check.samples import CheckSample
 
-# Memorised: the teacher-forced tau on the samples reaches this share of its ceiling.
-MEMORISED_SHARE = 0.97
 PROGRESS_EVERY_S = 5.0
 
 
@@ -44,8 +45,9 @@ class Memorised:
     tau_ceiling: float  # what a perfect drafter reaches on them (short blocks at the end)
     loss: float
     seconds: float
-    reached: bool  # tau_tf reached MEMORISED_SHARE of the ceiling within the step cap
+    reached: bool  # tau_tf reached the family's share of the ceiling within the step cap
     history: list[tuple[int, float, float]] = field(default_factory=list)  # (step, loss, tau)
+    terms: Memorise = Memorise()  # the family's memorise terms (families/base.Memorise)
 
     @property
     def drafter(self):
@@ -71,10 +73,13 @@ def tau_ceiling(labels: torch.Tensor) -> float:
 
 
 def check_config(cfg: Config, longest_response: int) -> Config:
-    """The run's config for the check: every valid position an anchor."""
+    """The run's config for the check: every valid position an anchor, and the drafter keys
+    its family memorises with (Family.memorise)."""
     ccfg = copy.deepcopy(cfg)
     ccfg.drafter.num_anchors = max(cfg.drafter.num_anchors, longest_response)
     ccfg.drafter.anchors_per_1k_tokens = 0.0  # a count: all of them, not a density
+    for key, value in family_of(cfg).memorise(cfg.drafter).keys.items():
+        setattr(ccfg.drafter, key, value)
     return ccfg
 
 
@@ -93,6 +98,10 @@ def memorise(cfg: Config, target, samples: list[CheckSample], drafter_devices, *
     ccfg = check_config(cfg, max(len(s.response) for s in samples))
     batch = collate_samples(samples, folder / "data", ccfg.data.max_length)
     family = family_of(ccfg)
+    terms = family.memorise(cfg.drafter)
+    if terms.why:
+        say(terms.why)
+    share, aim = terms.share, max(terms.aim, terms.share)
     features = target.features(batch.input_ids, batch.attention_mask, layer_ids,
                                with_last_hidden=family.last_hidden)
     replicas = build_replicas(ccfg.drafter, ccfg.optim, target, list(drafter_devices),
@@ -105,6 +114,7 @@ def memorise(cfg: Config, target, samples: list[CheckSample], drafter_devices, *
     history: list[tuple[int, float, float]] = []
     last_say = time.monotonic()
     res = None
+    reached_at = 0  # the step that first reached the share: then on toward ``aim``
     for step in range(max_steps):
         b = prepare_batch(replace(batch, epoch=step), ccfg.drafter.num_anchors, B,
                           ccfg.run.seed, pad_to=pad)
@@ -115,11 +125,15 @@ def memorise(cfg: Config, target, samples: list[CheckSample], drafter_devices, *
         res = reduce_and_step(replicas, step, max_steps)
         history.append((res.step, res.loss, res.tau_tf))
         tau = res.tau_tf
-        if tau >= MEMORISED_SHARE * ceiling:
+        if tau >= share * ceiling or reached_at:
             # The step's tau is of the weights before its update; what is judged is after it
             # (under DSpark's distribution-matching loss an update can still flip an argmax).
             tau = settled_tau(replicas[0].drafter, samples, features)
-        done = tau >= MEMORISED_SHARE * ceiling
+        memorised = tau >= share * ceiling
+        reached_at = reached_at or (res.step if memorised else 0)
+        # Memorised; past it, toward ``aim`` for as many steps again at most (a margin for
+        # exact decoding, whose few rounds lose a whole block to one wrong slot).
+        done = memorised and (tau >= aim * ceiling or res.step >= 2 * reached_at)
         if done or time.monotonic() - last_say >= PROGRESS_EVERY_S:
             last_say = time.monotonic()
             say(f"step {res.step}/{max_steps}: loss {res.loss:.3f}, teacher-forced tau "
@@ -130,8 +144,8 @@ def memorise(cfg: Config, target, samples: list[CheckSample], drafter_devices, *
         r.drafter.eval()
     return Memorised(replicas, batch, features, res.step if res else 0,
                      tau if res else 0.0, ceiling, res.loss if res else float("nan"),
-                     time.monotonic() - t0, bool(res and tau >= MEMORISED_SHARE * ceiling),
-                     history)
+                     time.monotonic() - t0, bool(res and tau >= share * ceiling),
+                     history, terms)
 
 
 def settled_tau(drafter, samples: list[CheckSample], features: torch.Tensor) -> float:

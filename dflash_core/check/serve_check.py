@@ -233,7 +233,8 @@ def _write_record(path: Path, result: CheckResult, mem, ours, ref) -> None:
         "objective": mem.drafter.objective, "drafter_dtype": result.drafter_dtype,
         "findings": [asdict(f) for f in result.verdict.findings],
         "memorise": {"steps": mem.steps, "tau_tf": mem.tau_tf, "ceiling": mem.tau_ceiling,
-                     "loss": _finite(mem.loss), "reached": mem.reached},
+                     "loss": _finite(mem.loss), "reached": mem.reached,
+                     "share": mem.terms.share, "keys": mem.terms.keys, "why": mem.terms.why},
         "ours": dec_record(ours), "reference": dec_record(ref), "reference_note": result.reference,
         "seconds": round(result.seconds, 1),
     }

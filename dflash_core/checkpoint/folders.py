@@ -167,10 +167,30 @@ def delete_folder(path: Path) -> str:
     return "" if not path.exists() else (errors[0] if errors else "still there")
 
 
+def _undeletable(folder: Path) -> str:
+    """Why ``folder`` cannot be deleted whole ("" when it can, as far as a probe tells): a file
+    made and removed in each of its folders fails where the folder is read-only (another user's
+    files, a read-only snapshot, an immutable folder). Asked before anything is removed, so that
+    such a checkpoint stays whole under its name instead of half deleted."""
+    for where in [folder, *(p for p in folder.rglob("*") if p.is_dir() and not p.is_symlink())]:
+        probe = where / f".prune-probe-{os.getpid()}"
+        try:
+            probe.open("xb").close()
+            probe.unlink()
+        except OSError as exc:
+            return f"{exc.strerror or exc}: {where}"
+    return ""
+
+
+# Folders prune could not delete, said once each in this process (every save tries again).
+_SAID: set[str] = set()
+
+
 def prune(root: Path, keep: int, protect: Path) -> list[str]:
     """Delete all but the newest ``keep`` step folders in ``root`` (0: keep all), never
     ``protect`` nor the one checkpoints/best names. Returns one line per folder that could not
-    be deleted (its space is not freed; the next save tries again)."""
+    be deleted, the first time it could not (it stays under its own name; the next save tries
+    again). A failure here never touches the run's own new checkpoint."""
     if keep <= 0:
         return []
     left: list[str] = []
@@ -181,15 +201,31 @@ def prune(root: Path, keep: int, protect: Path) -> list[str]:
             continue  # a resume from an earlier step must not delete what it just wrote
         if best is not None and old.name == best.get("path"):
             continue  # the best checkpoint so far stays, whatever its age
-        # Rename first: a crash mid-delete then leaves a hidden folder, never a partial step-*.
-        doomed = root / f".del-{old.name}-{os.getpid()}"
-        try:
-            os.rename(old, doomed)
-        except OSError as exc:
-            left.append(f"{old} ({exc.strerror or exc})")
-            continue
-        why = delete_folder(doomed)
-        if why:
-            left.append(f"{old.name}, now {doomed} ({why})")
+        why = _undeletable(old)
+        if not why:
+            # Rename first: a crash mid-delete then leaves a hidden folder, never a partial
+            # step-*.
+            doomed = root / f".del-{old.name}-{os.getpid()}"
+            try:
+                os.rename(old, doomed)
+            except OSError as exc:
+                why = f"{exc.strerror or exc}: {old}"
+            else:
+                why = delete_folder(doomed)
+                # What could not be deleted goes back under its name: visible, not hidden.
+                if why and not old.exists():
+                    try:
+                        os.rename(doomed, old)
+                        why = why.replace(str(doomed), str(old))
+                    except OSError:
+                        pass
+                if why and not _is_complete(old if old.exists() else doomed):
+                    why += "; partly deleted, so no longer a checkpoint: remove the rest"
+                if why and not old.exists():
+                    why += f"; left as {doomed}"
+        if why and str(old) not in _SAID:
+            _SAID.add(str(old))
+            left.append(f"{old.name} ({why})")
+        elif not why:
+            _SAID.discard(str(old))
     return left
-

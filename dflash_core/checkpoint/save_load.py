@@ -312,9 +312,10 @@ def finish_save(run_dir: str | os.PathLike, step: int, tmp: Path, keep: int,
     except OSError as exc:  # the new checkpoint is safe; pruning is retried by the next save
         left = [f"{root} ({exc.strerror or exc})"]
     if left and note is not None:
-        note(f"checkpoint.keep {keep}: could not delete {'; '.join(left)}: its space is not "
-             "freed; the next checkpoint tries again. Fix the folder's permissions or remove it "
-             "by hand")
+        note(f"checkpoint.keep {keep}: could not delete {'; '.join(left)}: it stays in "
+             f"{root} under its name and its space is not freed; the new checkpoint step-{step} "
+             "is written. Make it writable and the next checkpoint deletes it, or remove it by "
+             "hand")
     return final
 
 

@@ -26,9 +26,17 @@ def load_lm(target_folder: Path, trust_remote_code: bool = False):
     the folder's own code only with ``trust_remote_code``)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from dflash_core.models.target.config import check_code_files
     from dflash_core.models.target.fp8 import dequantize_as_loaded
     from dflash_core.models.target.load import HF_BUILD_LOCK
 
+    if trust_remote_code:  # its own code missing: our line, not transformers' Hub advice
+        try:
+            raw = json.loads((Path(target_folder) / "config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            raw = None  # transformers says what is wrong with it
+        if isinstance(raw, dict):
+            check_code_files(raw, Path(target_folder))
     config = AutoConfig.from_pretrained(target_folder, local_files_only=True,
                                         trust_remote_code=trust_remote_code)
     dequantize_as_loaded(config)  # on the CPU, also where a GPU that keeps FP8 is beside it

@@ -228,16 +228,15 @@ class Evaluation:
         return [load_prompt_set(name, path, self.opts.limit, long) for name, path, long in sets]
 
     def _target_config(self):
-        from dflash_core.models.target.config import TargetLoadError, load_target_config
+        from dflash_core.models.target.config import (
+            FLAG_WORDS, TargetLoadError, load_target_config,
+        )
 
-        try:  # a refusal of its own code in the flag's words, not the run's key's
-            return load_target_config(
-                self.folder, self.opts.trust_remote_code,
-                switch="--trust-remote-code is not given",
-                hint="pass --trust-remote-code if you trust the *.py files in that folder (they "
-                     "run in this process)")
+        try:  # its refusals and hints in the flags' words, not the run's config keys
+            return load_target_config(self.folder, self.opts.trust_remote_code,
+                                      words=FLAG_WORDS)
         except TargetLoadError as exc:
-            raise EvalInputError(str(exc), hint=exc.hint) from exc
+            raise EvalInputError(str(exc), hint=exc.hint_in(FLAG_WORDS)) from exc
 
     def _check_lengths(self) -> None:
         from dflash_core.models.target.shape import text_config
@@ -278,7 +277,7 @@ class Evaluation:
     # -- the run ------------------------------------------------------------------------------
     def load(self) -> None:
         from dflash_core.eval.evaluate import EVAL_ATTENTION
-        from dflash_core.models.target.config import TargetLoadError
+        from dflash_core.models.target.config import FLAG_WORDS, TargetLoadError
         from dflash_core.models.target.load import load_target
 
         t0 = time.monotonic()
@@ -291,7 +290,7 @@ class Evaluation:
                                           trust_remote_code=self.opts.trust_remote_code,
                                           say=self.say)
         except TargetLoadError as exc:
-            raise EvalInputError(str(exc), hint=exc.hint) from exc
+            raise EvalInputError(str(exc), hint=exc.hint_in(FLAG_WORDS)) from exc
         for d in self.decoders[1:]:
             d.drafter = dk.load_weights(d.spec, self.target, self.device,
                                         self.drafter_dtypes[d.label])

@@ -18,7 +18,8 @@ from dflash_core.config import Config, ConfigError
 from dflash_core.models.target.config_fields import HINT, ConfigFieldError, check_config_fields
 from dflash_core.models.target.shape import model_shape
 from dflash_core.models.target.config import (
-    REMOTE_CODE_HINT, default_layer_ids, needs_remote_code, remote_code_refusal,
+    REMOTE_CODE_HINT, TargetLoadError, check_code_files, default_layer_ids, needs_remote_code,
+    remote_code_refusal,
 )
 from dflash_core.planning.attention_choice import choose_attention
 from dflash_core.planning.drafter_checks import check_drafter_heads, check_family
@@ -67,6 +68,11 @@ def check_target_code(cfg: Config, hf_config: dict, target_path: Path) -> None:
     if needs_remote_code(hf_config) and not cfg.target.trust_remote_code:
         raise ConfigError("target.trust_remote_code", remote_code_refusal(hf_config, target_path),
                           hint=REMOTE_CODE_HINT)
+    if cfg.target.trust_remote_code:
+        try:  # its code missing from the folder: said here, before a worker starts to load it
+            check_code_files(hf_config, target_path)
+        except TargetLoadError as exc:
+            raise ConfigError("target.path", str(exc), hint=exc.hint) from exc
 
 
 def _read_target_config(target_path: Path) -> dict:

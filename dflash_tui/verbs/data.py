@@ -216,10 +216,13 @@ def _load_target(spec: str, trust_remote_code: bool = False):
 
     from dflash_core import demo
     from dflash_core.data.shards import DataError
+    from dflash_core.models.target.config import FLAG_WORDS, TargetLoadError
 
     folder = demo.ensure_tiny_target() if spec == "builtin:tiny" else spec
     try:
         return demo.load_lm(Path(folder).expanduser(), trust_remote_code)
+    except TargetLoadError as exc:  # in this verb's words: --target, not target.path
+        raise DataError(str(exc), file=folder, hint=exc.hint_in(FLAG_WORDS)) from exc
     except (OSError, ValueError, KeyError) as exc:
         raise DataError(f"cannot load the target model ({str(exc).splitlines()[0]})",
                         file=folder, hint="pass --target a model folder (config.json and "

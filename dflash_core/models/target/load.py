@@ -30,7 +30,7 @@ import torch
 from dflash_core.models.target import fp8 as fp8_weights
 from dflash_core.models.target.model import TargetModel
 from dflash_core.models.target.config import (
-    CONFIG_NAME, PATH_HINT, TargetLoadError, load_target_config,
+    CONFIG_NAME, TargetLoadError, load_target_config, path_hint,
 )
 from dflash_core.models.target.shape import model_shape
 from dflash_core.units import size_text
@@ -84,7 +84,7 @@ def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
         return dtype
     value = getattr(torch, str(dtype), None)
     if not isinstance(value, torch.dtype):
-        raise TargetLoadError(f"unknown dtype {dtype!r}", hint="set target.dtype to bfloat16, "
+        raise TargetLoadError(f"unknown dtype {dtype!r}", hint=lambda w: f"{w.dtype} bfloat16, "
                               "float16 or float32")
     return value
 
@@ -231,20 +231,20 @@ def _build(folder: Path, config, device: torch.device, dtype: torch.dtype,
     except (ValueError, ImportError) as exc:  # e.g. an attention implementation not installed
         raise TargetLoadError(
             f"transformers could not build the target from {folder}: {exc}",
-            hint="check target.path and target.attn_implementation in config.yaml") from exc
+            hint=lambda w: w.attention) from exc
     except Exception as exc:  # a truncated or garbled weights file (SafetensorError, ...)
         if type(exc).__name__ != "SafetensorError" and "safetensors" not in str(exc).lower():
             raise
         raise TargetLoadError(
             f"the target's weights in {folder} cannot be read: {type(exc).__name__}: {exc}",
-            hint="a *.safetensors file is truncated or damaged: download the model again, or "
-                 "set target.path to an intact copy") from exc
+            hint=lambda w: "a *.safetensors file is truncated or damaged: download the model "
+                           f"again, or {w.point} an intact copy") from exc
     # A weight missing from the checkpoint would be silently random: refuse it.
     if info.get("missing_keys"):
         raise TargetLoadError(
             f"target checkpoint {folder} lacks weights the model needs: "
-            f"{sorted(info['missing_keys'])[:8]}", hint="the folder's weights do not match its "
-            "config.json; " + PATH_HINT)
+            f"{sorted(info['missing_keys'])[:8]}", hint=lambda w: "the folder's weights do not "
+            "match its config.json; " + path_hint(w))
     if stop is not None and stop.is_set():
         del model
         raise LoadAborted("target loading stopped")

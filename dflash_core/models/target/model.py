@@ -66,8 +66,8 @@ def decoder_parts(model: nn.Module) -> tuple[nn.Module, nn.ModuleList, nn.Module
         f"{type(model).__name__}: its decoder (get_decoder() gives {found}) has no stack of "
         f"layers ({' / '.join('.' + n for n in _LAYER_NAMES)}) with a final norm "
         f"({' / '.join('.' + n for n in _NORM_NAMES)}) to read features from",
-        hint="point target.path at a decoder-only causal LM (docs/targets.md lists those that "
-             "are supported)")
+        hint=lambda w: f"{w.point} a decoder-only causal LM (docs/targets.md lists those that "
+                       "are supported)")
 
 
 class TargetModel:
@@ -88,8 +88,8 @@ class TargetModel:
                 f"{type(model).__name__} has no lm_head the engine can find "
                 "(get_output_embeddings() gives "
                 f"{type(self.lm_head).__name__ if self.lm_head is not None else 'None'})",
-                hint="point target.path at a causal LM with its output head "
-                     "(docs/targets.md lists those that are supported)")
+                hint=lambda w: f"{w.point} a causal LM with its output head "
+                               "(docs/targets.md lists those that are supported)")
         self.num_layers = len(self.layers)
         self.hidden_size = self.text_config.hidden_size
         self.vocab_size = self.text_config.vocab_size
@@ -185,8 +185,8 @@ class TargetModel:
             raise TargetLoadError(
                 f"{type(self.model).__name__}: its final norm ({type(self.final_norm).__name__})"
                 " did not run in the forward, so the post-norm last hidden state DSpark trains "
-                "against cannot be read", hint="use drafter.objective: dflash with this target, "
-                "or a target whose decoder ends with its final norm (docs/targets.md)")
+                "against cannot be read", hint=lambda w: f"{w.dflash}, or a target whose decoder "
+                "ends with its final norm (docs/targets.md)")
         self._as_hidden_states(outputs)
         parts = [outputs[i] for i in ids] + ([outputs[LAST_HIDDEN]] if with_last_hidden else [])
         # Concatenated outside inference mode: the result is an ordinary tensor, which autograd

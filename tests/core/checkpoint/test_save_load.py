@@ -25,6 +25,7 @@ from dflash_core.checkpoint.layout import (
 )
 from dflash_core.checkpoint.checksums import Verified, verify
 from tests.core.checkpoint.old_formats import to_format
+from tests.core.checkpoint.read_only import read_only  # noqa: F401  (a fixture)
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -99,15 +100,18 @@ def test_keep_pruning_and_replace(tmp_path):
     assert [p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith(".")] == []
 
 
-def test_a_pruned_folder_that_cannot_be_deleted_is_said_with_its_path(tmp_path, monkeypatch):
-    # It was renamed to a hidden .del-step-N-<pid> and left there, space not freed, nothing said.
+def test_a_pruned_folder_that_is_deleted_only_in_part_goes_back_under_its_name(
+        tmp_path, monkeypatch):
+    # It was renamed to a hidden .del-step-N-<pid> and left there, space not freed, nothing said
+    # (then said, but still hidden). A busy or immutable file stops the delete part way.
     import shutil
     real = shutil.rmtree
 
     def stuck(path, ignore_errors=False, onerror=None, **kw):
         if ".del-step-1-" in str(path):
+            os.unlink(os.path.join(path, "model.safetensors"))
             err = PermissionError(13, "Permission denied")
-            onerror(os.unlink, str(path) + "/model.safetensors", (type(err), err, None))
+            onerror(os.unlink, os.path.join(path, "config.json"), (type(err), err, None))
             return
         real(path, ignore_errors=ignore_errors, onerror=onerror, **kw)
 
@@ -115,14 +119,38 @@ def test_a_pruned_folder_that_cannot_be_deleted_is_said_with_its_path(tmp_path, 
     monkeypatch.setattr(shutil, "rmtree", stuck)
     notes: list[str] = []
     _save(tmp_path, 2, keep=1, note=notes.append)
+    root = tmp_path / "checkpoints"
     assert [checkpoint_step(p) for p in list_checkpoints(tmp_path)] == [2]
+    assert sorted(p.name for p in root.iterdir()) == ["step-1", "step-2"]  # nothing hidden
     (line,) = notes
-    assert line.startswith("checkpoint.keep 1: could not delete step-1, now ")
-    assert ".del-step-1-" in line and "Permission denied" in line and "not freed" in line
-    monkeypatch.setattr(shutil, "rmtree", real)
-    _save(tmp_path, 3, keep=1, note=notes.append)  # the next save cleans it and says nothing
+    assert line.startswith("checkpoint.keep 1: could not delete step-1 (Permission denied: "
+                           f"{root / 'step-1' / 'config.json'}; partly deleted")
+    assert "under its name" in line and "remove it by hand" in line
+    assert load_checkpoint(root / "step-2").trainer_state["value"] == 2.0
+
+
+def test_a_read_only_checkpoint_is_kept_whole_under_its_name_and_said_once(tmp_path, read_only):
+    """Issue 59: pruning renamed it to a hidden .del- folder, deleted what it could and left the
+    rest hidden. Now nothing of it is touched; the warning is said once; the next save tries
+    again and deletes it once it is writable."""
+    _save(tmp_path, 1, keep=1)
+    root = tmp_path / "checkpoints"
+    read_only(root / "step-1" / STATE_DIR)  # the rename would work, the delete would not
+    notes: list[str] = []
+    _save(tmp_path, 2, keep=1, note=notes.append)
+    assert sorted(p.name for p in root.iterdir()) == ["step-1", "step-2"]
+    assert [checkpoint_step(p) for p in list_checkpoints(tmp_path)] == [1, 2]  # whole
+    (line,) = notes
+    assert line.startswith("checkpoint.keep 1: could not delete step-1 (")
+    assert str(root / "step-1" / STATE_DIR) in line and "partly" not in line
+    assert f"it stays in {root} under its name" in line and "step-2 is written" in line
+    assert load_checkpoint(root / "step-2").trainer_state["value"] == 2.0
+    _save(tmp_path, 3, keep=1, note=notes.append)  # tried again, said once
     assert len(notes) == 1
-    assert [p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith(".")] == []
+    assert sorted(p.name for p in root.iterdir()) == ["step-1", "step-3"]
+    read_only.undo()
+    _save(tmp_path, 4, keep=1, note=notes.append)
+    assert sorted(p.name for p in root.iterdir()) == ["step-4"] and len(notes) == 1
 
 
 def test_latest_ignores_tmp_and_incomplete(tmp_path):

@@ -45,3 +45,15 @@ def test_trusted_it_decodes_losslessly(remote_chat, tmp_path):
     assert not rep.mismatches
     (s,) = rep.sets
     assert s.prompts == 2 and s.drafters["drafter"].rounds > 0
+
+
+def test_trusted_code_the_folder_lacks_is_refused_naming_the_flag(remote_chat, tmp_path):
+    """Issue 59: the hint was a run's ("set target.path in config.yaml"); eval's fix is --target."""
+    (remote_chat[0] / "modeling_tiny_remote.py").unlink()
+    with pytest.raises(EvalInputError) as exc:
+        Evaluation(_opts(remote_chat, tmp_path / "out", trust_remote_code=True),
+                   lambda m: None).load()
+    said = str(exc.value)
+    assert "lacks the Python files" in said and "modeling_tiny_remote.py" in said
+    assert "pass --target" in exc.value.hint and "config.yaml" not in exc.value.hint
+    assert not (tmp_path / "out").exists()

@@ -305,6 +305,15 @@ def test_remote_code_is_refused_at_preflight_naming_the_key(tmp_path):
     assert err.key == "target.trust_remote_code"
     assert "needs its own code" in err.message and "kimi_k2" in err.message
     assert "set target.trust_remote_code: true" in err.hint
+    # trusted, but the folder lacks the code its auto_map names (issue 59): target.path's fault,
+    # in config.yaml's words (eval says --target)
+    with pytest.raises(ConfigError) as exc_info:
+        check_target_code(cpu_cfg(trust_remote_code=True), REMOTE, tmp_path)
+    assert exc_info.value.key == "target.path"
+    assert "configuration_deepseek.py, modeling_deepseek.py" in exc_info.value.message
+    assert "set target.path in config.yaml to a complete copy" in exc_info.value.hint
+    for name in ("configuration_deepseek.py", "modeling_deepseek.py"):
+        (tmp_path / name).write_text("")
     check_target_code(cpu_cfg(trust_remote_code=True), REMOTE, tmp_path)  # allowed: no error
     # a model type transformers builds itself needs no trust, auto_map or not
     check_target_code(cpu_cfg(), dict(REMOTE, model_type="deepseek_v3"), tmp_path)

@@ -70,16 +70,25 @@ TINY = {
     "gemma3": _gemma3,
 }
 MOE = ["qwen3_moe", "qwen3_5_moe_text", "qwen3_5_moe", "gpt_oss", "deepseek_v3", "glm4_moe"]
+# The dense classes (build() makes them too; the tests above iterate TINY alone)
+DENSE = {
+    "qwen3": lambda: tf.Qwen3Config(**SMALL, intermediate_size=128),
+    "llama": lambda: tf.LlamaConfig(**SMALL, intermediate_size=128),
+    "mistral": lambda: tf.MistralConfig(**SMALL, intermediate_size=128),
+    "qwen3_5_text": lambda: tf.Qwen3_5TextConfig(**SMALL, **GDN, intermediate_size=128),
+    "gemma3_text": lambda: tf.Gemma3TextConfig(**SMALL, intermediate_size=128, sliding_window=8),
+}
+CLASSES = {**DENSE, **TINY}
 
 
 def build(name: str, seed: int = 0) -> torch.nn.Module:
-    """A seeded random model of ``TINY[name]`` as AutoModelForCausalLM builds it, in eval mode.
+    """A seeded random model of ``CLASSES[name]`` as AutoModelForCausalLM builds it, in eval mode.
     Router weights get a real spread (transformers zero-initialises some), so tokens route to
     different experts as they would in a trained model."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(TINY[name]()).eval()
+    model = AutoModelForCausalLM.from_config(CLASSES[name]()).eval()
     with torch.no_grad():
         for pname, p in model.named_parameters():
             if p.abs().sum() == 0 and p.dim() >= 2:  # zero-initialised routers, sinks, ...

@@ -183,6 +183,36 @@ def test_remote_code_runs_when_the_config_trusts_it(remote_code_target):
     assert target.features(_ids(5), layer_ids=[1, 2]).shape == (2, 11, 64)
 
 
+@pytest.mark.parametrize("lacks", ["configuration_tiny_remote.py", "modeling_tiny_remote.py"])
+def test_trusted_code_the_folder_lacks_is_named_in_each_verbs_words(remote_code_target, lacks):
+    """Issue 59: transformers said "Checkout 'https://huggingface.co/<folder>/tree/main'" and the
+    hint told eval's user to set target.path in config.yaml, a file eval never reads."""
+    from dflash_core.models.target.config import CONFIG_WORDS, FLAG_WORDS
+
+    (remote_code_target / lacks).unlink()
+    with pytest.raises(TargetLoadError) as exc_info:
+        load_target(remote_code_target, trust_remote_code=True)
+    exc = exc_info.value
+    assert "lacks the Python files its config.json's auto_map names" in str(exc)
+    assert lacks in str(exc) and "huggingface.co" not in str(exc)
+    assert exc.hint == exc.hint_in(CONFIG_WORDS)  # a run's and check's: its config key
+    assert lacks in exc.hint and "set target.path in config.yaml to" in exc.hint
+    flags = exc.hint_in(FLAG_WORDS)  # eval's and the data verbs': the flag
+    assert "pass --target" in flags and "config.yaml" not in flags and "target.path" not in flags
+
+
+def test_data_inspect_names_the_code_its_target_lacks_and_its_flag(remote_code_target):
+    from dflash_core.data.shards import DataError
+    from dflash_tui.verbs.data import _load_target
+
+    (remote_code_target / "modeling_tiny_remote.py").unlink()
+    with pytest.raises(DataError) as exc_info:
+        _load_target(str(remote_code_target), trust_remote_code=True)
+    assert "modeling_tiny_remote.py" in str(exc_info.value)
+    assert "huggingface.co" not in str(exc_info.value)
+    assert "pass --target" in exc_info.value.hint and "config.yaml" not in exc_info.value.hint
+
+
 def test_a_known_model_type_with_an_auto_map_is_built_by_transformers(saved, tmp_path):
     """DeepSeek-V3's release ships an auto_map although transformers builds deepseek_v3 itself:
     no remote code runs and nothing is refused."""
