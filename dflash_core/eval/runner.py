@@ -313,7 +313,8 @@ class Evaluation:
         gens = ([prompt_generator(o.seed, i, self.device) for i in indices]
                 if o.temperature > 0 else None)
         backend = _Timed(self._backend(d), self.device)
-        settings = DecodeSettings(new_tokens, o.temperature, self.stop)
+        # greedy: every round counted as vLLM's counters count it too (served_acceptance)
+        settings = DecodeSettings(new_tokens, o.temperature, self.stop, count_whole=True)
         _sync(self.device)
         t0 = time.perf_counter()
         rows = decode_rows(backend, d.drafter, prompts, settings, gens)
@@ -379,6 +380,9 @@ class Evaluation:
         line = {"kind": "prompt", "index": i, "id": p.prompts[i].id, "batch": batch,
                 "prompt_tokens": len(self.rendered[p.name].ids[i]), "tokens": r.tokens,
                 "acceptance": r.acceptance, "proposed": r.proposed}
+        if d.spec is not None and r.served_acceptance:  # vLLM's count (acceptance.VllmCounts)
+            line["served_acceptance"] = r.served_acceptance
+            line["served_drafts"] = family(d.spec.objective).drafts_per_round(d.spec.block_size)
         if d.spec is not None and self.opts.temperature == 0:
             ref = self.decoders[0].files[p.name].prompts[i]["tokens"]
             at = first_difference(ref, r.tokens)
