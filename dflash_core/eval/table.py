@@ -59,6 +59,8 @@ def served_rows(labels: list[str], served: dict) -> list[list[str]]:
     return [
         ["vLLM: tau (its counters)", "-"] + [
             cell(x, lambda v: f"{v.counts.mean_acceptance_length:.2f}") for x in labels],
+        ["vLLM: steps = our rounds", "-"] + [
+            cell(x, lambda v: f"{v.steps_equal}/{v.prompts} prompts") for x in labels],
         ["vLLM: drafts / accepted", "-"] + [
             cell(x, lambda v: f"{v.counts.drafts} / {v.counts.accepted}") for x in labels],
         ["vLLM: per position", "-"] + [
