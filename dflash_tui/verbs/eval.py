@@ -11,8 +11,10 @@ buckets of the target's window; --long-prompts reads a set long: whole conversat
 answer's first half joining the prompt). Greedy decoding is checked lossless: each drafter's
 tokens must equal the target's own, or the prompt and the first differing position are named.
 Results go to --out (results.json, and one JSONL file per set and decoder); run again, the same
-command continues where it stopped. Exit 0 done, 1 the lossless check failed, 2 bad input,
-130 interrupted. docs/eval.md says what each figure means.
+command continues where it stopped. With --engine vllm, vLLM's offline engine decodes the same
+prompts too (plain, and each drafter as its speculative model): its counters, speed and lossless
+check beside ours (its log in OUT/vllm/). Exit 0 done, 1 the lossless check failed (ours or
+vLLM's) or vLLM failed, 2 bad input, 130 interrupted. docs/eval.md says what each figure means.
 
 examples:
   dflash-tui eval --target /models/Qwen3-8B --drafter runs/q8b/checkpoints/step-4000 \\
