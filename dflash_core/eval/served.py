@@ -115,6 +115,7 @@ class ServedSet:
     vs_ours: list[dict] = field(default_factory=list)  # prompts that differ from our plain
     steps_equal: int = 0  # prompts whose vLLM steps equal our rounds counted whole
     greedy: bool = True
+    plain_tokens_per_s: float = 0.0  # vLLM's plain decoding of the set, for the table
 
     def lossless_cell(self) -> str:
         if not self.greedy:
@@ -269,7 +270,7 @@ class Judge:
                     speedup=rate / p_rate if p_rate > 0 else None,
                     vs_vllm_plain=_differences(ids, toks, v_plain) if greedy else [],
                     vs_ours=_differences(ids, toks, our_plain) if greedy else [],
-                    steps_equal=equal, greedy=greedy)
+                    steps_equal=equal, greedy=greedy, plain_tokens_per_s=p_rate)
         return rep
 
 

@@ -66,9 +66,10 @@ def served_rows(labels: list[str], served: dict) -> list[list[str]]:
         ["vLLM: per position", "-"] + [
             cell(x, lambda v: " ".join(f"{r:.2f}" for r in v.counts.per_position))
             for x in labels],
-        ["vLLM: tokens/s", "-"] + [cell(x, lambda v: f"{v.tokens_per_s:.1f}") for x in labels],
-        ["vLLM: speedup", "-"] + [cell(x, lambda v: f"{v.speedup:.2f}x" if v.speedup else "-")
-                                  for x in labels],
+        ["vLLM: tokens/s", f"{next(iter(served.values())).plain_tokens_per_s:.1f}"] + [
+            cell(x, lambda v: f"{v.tokens_per_s:.1f}") for x in labels],
+        ["vLLM: speedup", "1.00x"] + [cell(x, lambda v: f"{v.speedup:.2f}x" if v.speedup
+                                           else "-") for x in labels],
         ["vLLM: lossless", "-"] + [cell(x, lambda v: v.lossless_cell()) for x in labels],
     ]
 

@@ -130,6 +130,22 @@ def test_eval_also_counts_its_rounds_as_vllm_s_counters_do(served, tmp_path):
     table = set_table(s.name, s.prompts, s.plain, s.drafters, report.per_round, True)
     (row,) = [x for x in table.splitlines() if x.startswith("tau, vLLM's count")]
     assert row.split()[-1] == f"{want.mean_acceptance_length:.2f}"
+    assert not any(x.startswith("vLLM:") for x in table.splitlines())
+    # with --engine vllm's figures (served.ServedSet) the vLLM rows follow, its plain beside
+    from dflash_core.eval.served import ServedSet
+
+    v = ServedSet(counts=VllmCounts(5, 15, 6, [3, 2, 1]), prompts=2, tokens=16, seconds=0.5,
+                  tokens_per_s=28.0, speedup=1.4, steps_equal=1, plain_tokens_per_s=20.0,
+                  vs_ours=[{"index": 1, "id": "line 2", "position": 3}])
+    table = set_table(s.name, s.prompts, s.plain, s.drafters, report.per_round, True,
+                      served={label: v})
+    rows = {x.split("  ")[0]: x.split() for x in table.splitlines() if x.startswith("vLLM:")}
+    assert rows["vLLM: tau (its counters)"][-1] == "2.20"  # 1 + 6 / 5
+    assert rows["vLLM: steps = our rounds"][-2:] == ["1/2", "prompts"]
+    assert rows["vLLM: per position"][-3:] == ["0.60", "0.40", "0.20"]
+    assert rows["vLLM: tokens/s"][-2:] == ["20.0", "28.0"]
+    assert rows["vLLM: speedup"][-2:] == ["1.00x", "1.40x"]
+    assert " ".join(rows["vLLM: lossless"][-5:]) == "exact; 1 differ from ours"
 
 
 def test_a_dtype_the_device_cannot_run_or_an_unknown_name_is_one_line(served, tmp_path,
