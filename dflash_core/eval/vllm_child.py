@@ -55,17 +55,19 @@ def _counters(llm) -> dict:
 
 
 def _runner(llm) -> str:
-    """Which model runner vLLM chose, in words (its platform and engine generation)."""
+    """Which model runner vLLM chose, in words: its platform and, as its config decides it
+    (``use_v2_model_runner``: V2 where Triton is and the features allow), V1 or V2."""
     try:
         from vllm.platforms import current_platform
 
         platform = str(getattr(current_platform, "device_type", "") or "?")
     except Exception:  # noqa: BLE001 - said as unknown, never a failure of the decoding
         platform = "?"
-    import os
-
-    v2 = os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "") in ("1", "true", "True")
-    return f"{platform}, {'V2' if v2 else 'V1'} model runner"
+    try:
+        v2 = bool(llm.llm_engine.vllm_config.use_v2_model_runner)
+        return f"{platform}, {'V2' if v2 else 'V1'} model runner"
+    except Exception:  # noqa: BLE001 - an engine without the property: the platform alone
+        return f"{platform}, model runner not said"
 
 
 def run(job: dict) -> dict:
