@@ -453,11 +453,14 @@ class VllmCounts:
     accepted_per_position: list[int]  # vllm:spec_decode_num_accepted_tokens_per_pos
 
     @classmethod
-    def of_rounds(cls, accepted: Sequence[int], per_round: int) -> "VllmCounts":
+    def of_rounds(cls, accepted: Sequence[int], per_round: int,
+                  proposed: Sequence[int] | None = None) -> "VllmCounts":
         """From each verification round's drafts accepted, counted whole, every round having
-        drafted ``per_round`` (spec_decode.RowOutput.served_acceptance)."""
+        drafted ``per_round`` (spec_decode.RowOutput.served_acceptance), or ``proposed[j]`` in
+        round j where given (fewer at the end of the target's window, as vLLM trims them)."""
         per_pos = [sum(1 for a in accepted if a >= k) for k in range(1, per_round + 1)]
-        return cls(len(accepted), len(accepted) * per_round, sum(accepted), per_pos)
+        drafted = sum(proposed) if proposed is not None else len(accepted) * per_round
+        return cls(len(accepted), drafted, sum(accepted), per_pos)
 
     @property
     def mean_acceptance_length(self) -> float:

@@ -10,7 +10,8 @@ lossless check's reference); ``<out>/<set>/drafter-<label>.jsonl`` one drafter's
 - per prompt: ``{"kind": "prompt", "index", "id", "batch", "prompt_tokens", "tokens",
   "acceptance", "proposed"}`` (and ``"lossless"`` when the greedy check found a difference; a
   drafter's greedy line also ``"served_acceptance"``, its rounds counted as vLLM's counters count
-  them, each of ``"served_drafts"`` drafts: summary.vllm_count);
+  them, each of ``"served_drafts"`` drafts (``"served_proposed"`` per round where the target's
+  window left fewer): summary.vllm_count);
 - per batch, after its prompts: ``{"kind": "batch", "batch", "prompts", "seconds",
   "prefill_seconds"}``.
 

@@ -257,6 +257,7 @@ class Evaluation:
         from dflash_core.models.target.shape import text_config
 
         limit = getattr(text_config(self.target_config), "max_position_embeddings", None)
+        self.positions = limit
         self.buckets = Buckets.of(limit)  # acceptance by context length, by the target's window
         for p in self.sets:
             past = longest_past(p, self.rendered[p.name], self.opts.max_new_tokens, limit)
@@ -328,7 +329,8 @@ class Evaluation:
                 if o.temperature > 0 else None)
         backend = _Timed(self._backend(d), self.device)
         # greedy: every round counted as vLLM's counters count it too (served_acceptance)
-        settings = DecodeSettings(new_tokens, o.temperature, self.stop, count_whole=True)
+        settings = DecodeSettings(new_tokens, o.temperature, self.stop, count_whole=True,
+                                  positions=self.positions)
         _sync(self.device)
         t0 = time.perf_counter()
         rows = decode_rows(backend, d.drafter, prompts, settings, gens)
@@ -398,7 +400,10 @@ class Evaluation:
                 "acceptance": r.acceptance, "proposed": r.proposed}
         if d.spec is not None and r.served_acceptance:  # vLLM's count (acceptance.VllmCounts)
             line["served_acceptance"] = r.served_acceptance
-            line["served_drafts"] = family(d.spec.objective).drafts_per_round(d.spec.block_size)
+            k = family(d.spec.objective).drafts_per_round(d.spec.block_size)
+            line["served_drafts"] = k
+            if any(n != k for n in r.served_proposed):  # fewer at the end of the window
+                line["served_proposed"] = r.served_proposed
         if d.spec is not None and self.opts.temperature == 0:
             ref = self.decoders[0].files[p.name].prompts[i]["tokens"]
             at = first_difference(ref, r.tokens)

@@ -43,6 +43,9 @@ class DecodeSettings:
     # drafts the target accepts are counted whole, past a stop token or the limit. The tokens
     # kept are the same: only the drafts within the limit are taken.
     count_whole: bool = False
+    # the target's positions (max_position_embeddings; None: not known): counting whole never
+    # drafts past them (vLLM trims its drafts at max_model_len alike)
+    positions: int | None = None
 
 
 @dataclass
@@ -60,6 +63,7 @@ class RowOutput:
     # DecodeSettings.count_whole: per round, the drafts accepted counted as vLLM counts them (of
     # the full count drafted, past the limit and a stop token); every round drafted the full count
     served_acceptance: list[int] = field(default_factory=list)
+    served_proposed: list[int] = field(default_factory=list)  # the drafts of each such round
 
 
 def stop_set(eos_token_id) -> frozenset[int]:
@@ -154,7 +158,8 @@ def decode_rows(backend, drafter, prompts: list[list[int]], settings: DecodeSett
         # never draft past the limit: the target's own token fills the last place
         want = {i: min(per_round, limit - len(out[i].tokens) - 1) for i in active}
         # drafted: the full count when counting whole (vLLM drafts it up to the last round)
-        ask = {i: per_round if whole else want[i] for i in active}
+        ask = {i: max(want[i], min(per_round, (settings.positions or 1 << 62) - len(ids[i])))
+               if whole else want[i] for i in active}
         drafts: dict[int, list[int]] = {i: [] for i in active}
         full: dict[int, list[int]] = {i: [] for i in active}
         q: dict[int, torch.Tensor | None] = {i: None for i in active}
@@ -183,6 +188,7 @@ def decode_rows(backend, drafter, prompts: list[list[int]], settings: DecodeSett
                 nxt = preds[accepted]
                 if whole:
                     out[i].served_acceptance.append(greedy_accept(full[i], preds))
+                    out[i].served_proposed.append(len(full[i]))
             new = until_stop(d[:accepted] + [nxt], stop)
             out[i].positions.append(S[i] + 1)
             ids[i].extend(new)

@@ -68,7 +68,8 @@ def vllm_count(rows: list[dict]) -> VllmCounts | None:
         return None
     total = VllmCounts(0, 0, 0, [])
     for r in rows:
-        total = total + VllmCounts.of_rounds(r["served_acceptance"], int(r["served_drafts"]))
+        total = total + VllmCounts.of_rounds(r["served_acceptance"], int(r["served_drafts"]),
+                                             r.get("served_proposed"))
     return total
 
 

@@ -238,3 +238,22 @@ def test_counting_whole_rounds_keeps_the_tokens_and_counts_as_vllm_does(demo, dr
                                                     len(r.acceptance) * per_round)
     ours = (sum(r.acceptance) + len(r.acceptance)) / len(r.acceptance)
     assert ours < counts.mean_acceptance_length  # ours stops at the cut
+
+
+def test_counting_whole_never_drafts_past_the_target_s_window(demo, drafters):
+    """Near the end of the window the last rounds draft what still fits (vLLM trims its drafts
+    at max_model_len alike), never fewer than the limit needs; the tokens are the same."""
+    d = drafters["dflash"]
+    per_round = d.block_size - 1
+    p = PROMPTS[0]
+    window = len(p) + NEW + 1  # one position past the new tokens: the last rounds are trimmed
+    rows = decode_rows(FullBatch(demo, DEMO_LAYERS), d, [p],
+                       DecodeSettings(NEW, count_whole=True, positions=window))
+    r = rows[0]
+    plain = decode_rows(FullBatch(demo, DEMO_LAYERS), d, [p], DecodeSettings(NEW))[0]
+    assert r.tokens == plain.tokens and r.acceptance == plain.acceptance
+    assert len(r.served_proposed) == len(r.acceptance)
+    for pos, n, prop in zip(r.positions, r.served_proposed, r.proposed):
+        # a round at position pos feeds its last token and n drafts: positions pos-1 .. pos+n-1
+        assert pos + n <= window and prop <= n <= per_round
+    assert r.served_proposed[0] == per_round and r.served_proposed[-1] < per_round
