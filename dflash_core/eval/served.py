@@ -19,6 +19,8 @@ B-1, DSpark B: from the family, never from the user). Each decoding runs in a ch
 - vLLM's tokens per second (new tokens after the first over ``generate``'s wall time, the prefill
   included) and its speedup over its plain decoding.
 
+``check --engine vllm`` uses the same child for the check's prompts (``check_decoding``).
+
 What vLLM cannot serve on this machine is refused before anything loads, in one line: a family
 without a vLLM method, DSpark on the CPU (vLLM's V1 model runner has no DSpark, its V2 runner needs
 Triton, which the CPU build lacks).
