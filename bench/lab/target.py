@@ -27,6 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from dflash_core.models.target.servable import add_architecture, name_architecture
 from bench.lab.corpus import Corpus
 from bench.lab.errors import LabError
 from bench.lab.scales import TARGET_FIELDS, TOKEN_FIELDS, Scale
@@ -232,6 +233,7 @@ def build_target(root: Path, folder: Path, scale: Scale, corpus: Corpus, seed: i
             probe_ids = tk.encode(PROBE_TEXT).ids
             probe = model(input_ids=torch.tensor([probe_ids])).logits[0, -1, :16]
     folder.mkdir(parents=True, exist_ok=True)
+    name_architecture(model.config, model)  # a server's model class (servable.py)
     with quiet_hf():  # not save_pretrained: it writes nothing off rank 0 under torch.distributed
         model.config.save_pretrained(folder)
         model.generation_config.save_pretrained(folder)
@@ -275,6 +277,9 @@ def ensure_target(root: Path, scale: Scale, corpus: Corpus, seed: int, device: s
                            f"this command's is {key}: another scale, seed, recipe or installed "
                            "package versions)",
                            hint=f"pass another --dir, or remove {folder} to build anew")
+        if add_architecture(folder, "Qwen3ForCausalLM"):  # built before its config named it
+            log(f"target: {folder / 'config.json'} names its architecture now (Qwen3ForCausalLM), "
+                "so a server loads it as the causal LM")
         log(f"target: cached at {folder} (held-out loss {record.get('heldout_loss')})")
         return folder, record
 

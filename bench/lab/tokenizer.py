@@ -54,7 +54,8 @@ def fast_tokenizer(tk):
     """The transformers tokenizer around ``tk``, with the chat template."""
     from transformers import PreTrainedTokenizerFast
 
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token=EOS, pad_token=EOS)
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token=EOS, pad_token=EOS,
+                                  mask_token=MASK)
     tok.chat_template = CHAT_TEMPLATE
     return tok
 

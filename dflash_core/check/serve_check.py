@@ -49,6 +49,9 @@ class CheckOptions:
     reference: bool = True  # also decode with the reference implementation when importable
     # the dtype the drafter decodes in (eval/drafter_dtype.py); None: the served one, drafter.dtype
     drafter_dtype: str | None = None
+    # "vllm": the prompts decoded by vLLM too, the memorised drafter as its speculative model
+    # (eval/served.py); its tau and tokens beside ours, in the evidence and check.json
+    engine: str = "ours"
 
 
 @dataclass
@@ -79,6 +82,8 @@ class Prepared:
     drafter_devices: list[torch.device]
     started: float
     drafter_dtype: str = "float32"  # what decoding casts the memorised drafter to
+    target_path: Path | None = None  # the target's folder (check --engine vllm serves it)
+    target_dtype: str = "float32"
 
 
 def run_check(cfg: Config, opts: CheckOptions | None = None,
@@ -99,6 +104,14 @@ def prepare(cfg: Config, opts: CheckOptions, say: Callable[[str], None]) -> Prep
     run_dir = cfg.run_dir
     say("preflight: devices, target, data")
     tdev, ddev = preflight.resolve_devices(cfg)
+    if opts.engine == "vllm":  # vLLM missing, or a drafter it cannot serve here: one line
+        from types import SimpleNamespace
+
+        from dflash_core.eval import served
+
+        served.check_available()
+        served.check_servable([SimpleNamespace(objective=str(cfg.drafter.objective),
+                                               label="of the check")], tdev[0])
     drafter_dtype = check_dtype(opts.drafter_dtype or cfg.drafter.dtype, ddev[0])
     run_dir.mkdir(parents=True, exist_ok=True)
     progress = preflight.demo_log_progress(lambda e: say(e.message), lambda: None)
@@ -126,7 +139,7 @@ def prepare(cfg: Config, opts: CheckOptions, say: Callable[[str], None]) -> Prep
     folder = run_dir / CHECK_FOLDER
     folder.mkdir(parents=True, exist_ok=True)
     return Prepared(cfg, folder, target, target_fn, samples, layer_ids, mask_id, ddev, t0,
-                    drafter_dtype)
+                    drafter_dtype, Path(target_path), dtype)
 
 
 def train(prep: Prepared, opts: CheckOptions, say: Callable[[str], None]):
@@ -186,6 +199,19 @@ def judge(prep: Prepared, mem, opts: CheckOptions, say: Callable[[str], None]) -
             ref_note = "used"
             say(f"  {ref.name}: exact tau {ref.tau:.2f} of {ref.ceiling:.2f}")
 
+    vllm = None
+    if opts.engine == "vllm":
+        from dflash_core.eval import served
+
+        vllm = served.check_decoding(
+            prep.target_path, target.model.config, ckpt, drafter.objective, drafter.block_size,
+            [list(x.prompt) for x in samples], [list(x.response) for x in samples],
+            prep.target_dtype, target.device, prep.folder / "vllm", lambda m: say(f"  {m}"))
+        say(f"  vLLM ({vllm['version']}, {vllm['runner']}, {vllm['dtype']}): tau {vllm['tau']:.2f}"
+            f" by its counters; its tokens "
+            + ("are the target's greedy text" if not vllm["differs_from_the_target_here"] else
+               f"differ from the target's greedy text here on "
+               f"{len(vllm['differs_from_the_target_here'])} of {len(samples)} prompts"))
     say("diagnose: probes of the trained drafter")
     s0 = samples[0]
     probes = probe(drafter, mem.batch.input_ids, mem.context, len(s0.prompt), len(s0.input_ids))
@@ -201,9 +227,15 @@ def judge(prep: Prepared, mem, opts: CheckOptions, say: Callable[[str], None]) -
                        trained_mask_id=drafter.mask_token_id, reference_mask_id=ref_mask,
                        target_layers=target.num_layers)
     evidence = evidence_lines(ours, ref, mem.tau_tf, mem.tau_ceiling, probes)
+    if vllm is not None:
+        evidence.append(f"served by vLLM ({vllm['version']}): tau {vllm['tau']:.2f} by its "
+                        f"counters against {ours.tau:.2f} here; its tokens "
+                        + ("the target's greedy text" if not vllm["differs_from_the_target_here"]
+                           else "part from the target's greedy text here on "
+                           f"{len(vllm['differs_from_the_target_here'])} prompts"))
     result = CheckResult(verdict, prep.folder, evidence, ref_note,
                          time.monotonic() - prep.started, dtype)
-    _write_record(prep.folder / "check.json", result, mem, ours, ref)
+    _write_record(prep.folder / "check.json", result, mem, ours, ref, vllm)
     return result
 
 
@@ -218,7 +250,7 @@ def _finite(x: float):
     return x if isinstance(x, (int, float)) and math.isfinite(x) else None
 
 
-def _write_record(path: Path, result: CheckResult, mem, ours, ref) -> None:
+def _write_record(path: Path, result: CheckResult, mem, ours, ref, vllm=None) -> None:
     """check.json: the verdict and its numbers, for a later look (written whole, then renamed)."""
     def dec_record(d):
         if d is None:
@@ -237,6 +269,7 @@ def _write_record(path: Path, result: CheckResult, mem, ours, ref) -> None:
                      "share": mem.terms.share, "keys": mem.terms.keys, "why": mem.terms.why},
         "ours": dec_record(ours), "reference": dec_record(ref), "reference_note": result.reference,
         "seconds": round(result.seconds, 1),
+        "vllm": vllm,  # check --engine vllm (eval/served.check_decoding); None without it
     }
     tmp = path.with_suffix(".tmp")
     tmp.write_text(strict_json.dumps(record, indent=2), encoding="utf-8")

@@ -73,14 +73,22 @@ def _tokenizer_json() -> str:
     return tk.to_str()
 
 
-def byte_tokenizer():
+def byte_tokenizer(mask_token: bool = False):
     """A ``PreTrainedTokenizerFast``: ids 0..255 = the bytes of UTF-8 text, 256 = <|endoftext|>,
-    257 = <|MASK|>; ``CHAT_TEMPLATE`` set."""
+    257 = <|MASK|>; ``CHAT_TEMPLATE`` set. ``mask_token``: <|MASK|> named the mask token too (what
+    a saved folder says of it; the ids are the same either way)."""
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
+    named = {"mask_token": SPECIAL_TOKENS[MASK_ID]} if mask_token else {}
     tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(_tokenizer_json()),
                                   eos_token=SPECIAL_TOKENS[EOS_ID],
-                                  pad_token=SPECIAL_TOKENS[EOS_ID])
+                                  pad_token=SPECIAL_TOKENS[EOS_ID], **named)
     tok.chat_template = CHAT_TEMPLATE
     return tok
+
+
+def save_byte_tokenizer(folder) -> None:
+    """Save the byte tokenizer (its end and mask tokens, the chat template) into a model folder,
+    so that ``AutoTokenizer.from_pretrained(folder)`` loads it offline and a server takes text."""
+    byte_tokenizer(mask_token=True).save_pretrained(str(folder))

@@ -1,5 +1,6 @@
 """``builtin:tiny``: the byte-level Qwen3 trained on the spot (about 2 minutes on one core), saved
-as an ordinary HF folder with ``dflash_demo.json``."""
+as an ordinary HF folder that a server loads as it is (config.json naming its architecture, the
+byte tokenizer with its chat template: models/target/servable.py) with ``dflash_demo.json``."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from dflash_core.data.byte_vocab import EOS_ID, MASK_ID, VOCAB_SIZE, encode
+from dflash_core.data.byte_vocab import EOS_ID, MASK_ID, VOCAB_SIZE, encode, save_byte_tokenizer
 import dflash_core.demo.recipe as recipe
 from dflash_core.demo.corpus import corpus_digest, split_corpus
 from dflash_core.demo.recipe import (
@@ -21,6 +22,7 @@ from dflash_core.demo.recipe import (
     TRAIN_WARMUP,
 )
 from dflash_core.demo.torch_env import quiet_hf, torch_threads
+from dflash_core.models.target.servable import name_architecture
 from dflash_core.persist.build_cache import Progress, report
 
 
@@ -75,8 +77,10 @@ def build_tiny_target(folder: str | Path, progress: Progress | None = None, seed
     folder.mkdir(parents=True, exist_ok=True)
     # Not model.save_pretrained: once torch.distributed is set up (several nodes) it writes
     # nothing on a rank other than 0, and the node that holds the build lock may be any rank.
+    name_architecture(model.config, model)  # a server's model class (servable.py)
     with quiet_hf():
         model.config.save_pretrained(folder)
+        save_byte_tokenizer(folder)
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight")  # the embedding's own tensor; loading ties it back

@@ -22,7 +22,8 @@ THINKING = ("on", "off")
 
 def tokenizer_spec(target_folder: Path, tokenizer: str | None) -> str:
     """What to load the tokenizer from: ``tokenizer`` when given, the demo's built-in byte
-    tokenizer for the demo target (its folder holds no tokenizer), else the target's folder."""
+    tokenizer for a demo target built before its folder held one (recipe tiny-v1), else the
+    target's folder (the demo's now saves the same tokenizer there)."""
     if tokenizer:
         return tokenizer
     from dflash_core.demo import META_NAME

@@ -27,6 +27,7 @@ class EvalReport:
     sets: list[SetReport] = field(default_factory=list)
     # label -> the device time to it (a run's checkpoint); None: not known (a downloaded one)
     hours: dict = field(default_factory=dict)
+    served: object = None  # served.ServedReport of --engine vllm; None: this engine alone
 
     @property
     def mismatches(self) -> list[tuple[str, str, dict]]:
@@ -59,4 +60,6 @@ def report_json(rep: EvalReport, ev) -> dict:
         "sets": {s.name: {"prompts": s.prompts, "file": str(p.path), "plain": s.plain.as_dict(),
                           "drafters": {k: v.as_dict() for k, v in s.drafters.items()}}
                  for s, p in zip(rep.sets, ev.sets)},
+        # --engine vllm: vLLM's version, runner and dtype, and its decodings (served.py)
+        "served": rep.served.record() if rep.served is not None else None,
     }

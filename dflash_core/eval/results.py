@@ -8,7 +8,10 @@ lossless check's reference); ``<out>/<set>/drafter-<label>.jsonl`` one drafter's
   new-token limit, batch size, cache, dtype, device). A file is continued only under the same
   settings; otherwise the run is refused, naming what changed.
 - per prompt: ``{"kind": "prompt", "index", "id", "batch", "prompt_tokens", "tokens",
-  "acceptance", "proposed"}`` (and ``"lossless"`` when the greedy check found a difference);
+  "acceptance", "proposed"}`` (and ``"lossless"`` when the greedy check found a difference; a
+  drafter's greedy line also ``"served_acceptance"``, its rounds counted as vLLM's counters count
+  them, each of ``"served_drafts"`` drafts (``"served_proposed"`` per round where the target's
+  window left fewer): summary.vllm_count);
 - per batch, after its prompts: ``{"kind": "batch", "batch", "prompts", "seconds",
   "prefill_seconds"}``.
 

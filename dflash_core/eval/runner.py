@@ -21,6 +21,7 @@ import torch
 
 import dflash_core.eval.drafters as dk
 import dflash_core.eval.results as rs
+import dflash_core.eval.served as served
 from dflash_core.eval.drafter_dtype import check_dtype, served_dtype_of
 from dflash_core.eval.errors import EvalInputError
 from dflash_core.eval.report import EvalReport, SetReport, report_json  # noqa: F401
@@ -68,6 +69,10 @@ class EvalOptions:
     trust_remote_code: bool = False  # a target or tokenizer of its folder's own code may run
     # NAME=FILE.jsonl of long-prompt sets (prompt_sets.py: whole conversations, an answer's start)
     long_prompts: list[str] = field(default_factory=list)
+    # "ours" (this engine alone) or "vllm": vLLM's offline engine decodes the same prompts too,
+    # the drafter as its speculative model (served.py); its figures beside ours
+    engine: str = "ours"
+    verbose: bool = False  # engine vllm: its log on the terminal (else in OUT/vllm/)
 
 
 def resolve_device(spec: str) -> torch.device:
@@ -169,6 +174,10 @@ class Evaluation:
         if not opts.prompts and not opts.long_prompts:
             raise EvalInputError("no --prompts set", hint="pass --prompts NAME=FILE.jsonl (or "
                                  "--long-prompts NAME=FILE.jsonl)")
+        if opts.engine not in served.ENGINES:
+            raise EvalInputError(f"--engine {opts.engine!r}: use ours or vllm")
+        if opts.engine == "vllm":
+            served.check_available()
         self.device = resolve_device(opts.device)
         self.dtype = _dtype(opts.dtype, self.device)
         self.sets = self._sets()
@@ -183,8 +192,12 @@ class Evaluation:
         dk.distinct_files(self.specs)
         for s in self.specs:  # a run's checkpoint against its checksums: a flipped bit is named
             dk.check_intact(s)
-        self.drafter_dtypes = {s.label: check_dtype(opts.drafter_dtype or served_dtype_of(s.path),
-                                                    self.device) for s in self.specs}
+        if opts.engine == "vllm":  # vLLM runs the drafter in the target's dtype: so do we
+            served.check_servable(self.specs, self.device)
+        self.drafter_dtypes = {s.label: check_dtype(
+            opts.drafter_dtype or (self.dtype if opts.engine == "vllm"
+                                   else served_dtype_of(s.path)), self.device)
+            for s in self.specs}
         self.tokenizer = load_chat_tokenizer(tokenizer_spec(self.folder, opts.tokenizer),
                                              opts.chat_template, opts.trust_remote_code)
         kwargs = template_kwargs(self.tokenizer, opts.thinking,
@@ -208,6 +221,7 @@ class Evaluation:
                 d.files[p.name] = rs.open_results(*self._where(d, p))
         self.target = None
         self.warm = False
+        self.served: served.ServedReport | None = None
 
     # -- checks before any weight is read -------------------------------------------------
     def _sets(self) -> list[PromptSet]:
@@ -242,6 +256,7 @@ class Evaluation:
         from dflash_core.models.target.shape import text_config
 
         limit = getattr(text_config(self.target_config), "max_position_embeddings", None)
+        self.positions = limit
         self.buckets = Buckets.of(limit)  # acceptance by context length, by the target's window
         for p in self.sets:
             past = longest_past(p, self.rendered[p.name], self.opts.max_new_tokens, limit)
@@ -312,7 +327,9 @@ class Evaluation:
         gens = ([prompt_generator(o.seed, i, self.device) for i in indices]
                 if o.temperature > 0 else None)
         backend = _Timed(self._backend(d), self.device)
-        settings = DecodeSettings(new_tokens, o.temperature, self.stop)
+        # greedy: every round counted as vLLM's counters count it too (served_acceptance)
+        settings = DecodeSettings(new_tokens, o.temperature, self.stop, count_whole=True,
+                                  positions=self.positions)
         _sync(self.device)
         t0 = time.perf_counter()
         rows = decode_rows(backend, d.drafter, prompts, settings, gens)
@@ -332,6 +349,8 @@ class Evaluation:
         t0 = time.monotonic()
         for p in self.sets:
             self._run_set(p, t0)
+        if self.opts.engine == "vllm":
+            self.served = served.Judge(self, self.opts.verbose).run()
         return self.report()
 
     def _run_set(self, p: PromptSet, t0: float) -> None:
@@ -378,6 +397,12 @@ class Evaluation:
         line = {"kind": "prompt", "index": i, "id": p.prompts[i].id, "batch": batch,
                 "prompt_tokens": len(self.rendered[p.name].ids[i]), "tokens": r.tokens,
                 "acceptance": r.acceptance, "proposed": r.proposed}
+        if d.spec is not None and r.served_acceptance:  # vLLM's count (acceptance.VllmCounts)
+            line["served_acceptance"] = r.served_acceptance
+            k = family(d.spec.objective).drafts_per_round(d.spec.block_size)
+            line["served_drafts"] = k
+            if any(n != k for n in r.served_proposed):  # fewer at the end of the window
+                line["served_proposed"] = r.served_proposed
         if d.spec is not None and self.opts.temperature == 0:
             ref = self.decoders[0].files[p.name].prompts[i]["tokens"]
             at = first_difference(ref, r.tokens)
@@ -402,7 +427,8 @@ class Evaluation:
     def report(self) -> EvalReport:
         rep = EvalReport(self.out, self.settings, [s.label for s in self.specs],
                          {s.label: family(s.objective).drafts_per_round(s.block_size)
-                          for s in self.specs}, hours={s.label: s.hours for s in self.specs})
+                          for s in self.specs}, hours={s.label: s.hours for s in self.specs},
+                         served=self.served)
         for p in self.sets:
             indices = list(range(len(p.prompts)))
             plain = summarise(self.decoders[0].files[p.name], indices, self.buckets)

@@ -38,6 +38,14 @@ class DecodeSettings:
     stop_ids: frozenset = frozenset()
     # None: the drafter's; a smaller one drafts fewer tokens per round; 1: plain decoding
     block_size: int | None = None
+    # Greedy: also count every round as vLLM's counters do (RowOutput.served_acceptance): each
+    # round drafts the family's full count, the last one too (past the new-token limit), and its
+    # drafts the target accepts are counted whole, past a stop token or the limit. The tokens
+    # kept are the same: only the drafts within the limit are taken.
+    count_whole: bool = False
+    # the target's positions (max_position_embeddings; None: not known): counting whole never
+    # drafts past them (vLLM trims its drafts at max_model_len alike)
+    positions: int | None = None
 
 
 @dataclass
@@ -52,6 +60,10 @@ class RowOutput:
     # per round, its position: the tokens before its drafts, the prompt's and those generated so
     # far (context_buckets.py counts acceptance by it)
     positions: list[int] = field(default_factory=list)
+    # DecodeSettings.count_whole: per round, the drafts accepted counted as vLLM counts them (of
+    # the full count drafted, past the limit and a stop token); every round drafted the full count
+    served_acceptance: list[int] = field(default_factory=list)
+    served_proposed: list[int] = field(default_factory=list)  # the drafts of each such round
 
 
 def stop_set(eos_token_id) -> frozenset[int]:
@@ -126,6 +138,7 @@ def decode_rows(backend, drafter, prompts: list[list[int]], settings: DecodeSett
         raise ValueError("sampling needs one generator per prompt")
     per_round = drafts_per_round(drafter, block_size_of(drafter, settings.block_size))
     with_conf = per_round > 0 and records_confidence(drafter)
+    whole = settings.count_whole and T == 0 and per_round > 0
     gens = gens or [None] * len(prompts)
     ids = [list(p) for p in prompts]
     out = [RowOutput() for _ in prompts]
@@ -144,21 +157,27 @@ def decode_rows(backend, drafter, prompts: list[list[int]], settings: DecodeSett
         S = {i: len(ids[i]) - 1 for i in active}  # position of the last token
         # never draft past the limit: the target's own token fills the last place
         want = {i: min(per_round, limit - len(out[i].tokens) - 1) for i in active}
+        # drafted: the full count when counting whole (vLLM drafts it up to the last round)
+        ask = {i: max(want[i], min(per_round, (settings.positions or 1 << 62) - len(ids[i])))
+               if whole else want[i] for i in active}
         drafts: dict[int, list[int]] = {i: [] for i in active}
+        full: dict[int, list[int]] = {i: [] for i in active}
         q: dict[int, torch.Tensor | None] = {i: None for i in active}
         conf: dict[int, list[float]] = {i: [] for i in active}
-        drafting = [i for i in active if want[i] > 0]
+        drafting = [i for i in active if ask[i] > 0]
         if drafting:
             lengths = [S[i] for i in drafting]
             ctx = backend.context(drafting, lengths).to(_device(drafter))
             toks, qs, confs = _draft(drafter, ctx, lengths, [ids[i][-1] for i in drafting],
-                                     [want[i] for i in drafting], T,
+                                     [ask[i] for i in drafting], T,
                                      [gens[i] for i in drafting])
             for j, i in enumerate(drafting):
-                drafts[i], q[i] = toks[j], qs[j]
+                full[i] = toks[j]
+                drafts[i], q[i] = toks[j][:max(0, want[i])], qs[j]
                 if with_conf and confs is not None:
-                    conf[i] = confs[j]
-        logits = backend.verify(active, [[ids[i][-1]] + drafts[i] for i in active])
+                    conf[i] = confs[j][:max(0, want[i])]
+        logits = backend.verify(active, [[ids[i][-1]] + (full[i] if whole else drafts[i])
+                                         for i in active])
         for i, lg in zip(active, logits):
             d = drafts[i]
             if T > 0:
@@ -167,6 +186,9 @@ def decode_rows(backend, drafter, prompts: list[list[int]], settings: DecodeSett
                 preds = lg.argmax(-1).tolist()
                 accepted = greedy_accept(d, preds)
                 nxt = preds[accepted]
+                if whole:
+                    out[i].served_acceptance.append(greedy_accept(full[i], preds))
+                    out[i].served_proposed.append(len(full[i]))
             new = until_stop(d[:accepted] + [nxt], stop)
             out[i].positions.append(S[i] + 1)
             ids[i].extend(new)

@@ -17,6 +17,9 @@ decoding, and the lossless check.
 - **context**: tau per bucket of the rounds' positions (context_buckets.py: the prompt's tokens and
   those generated before the round), from each prompt's length and acceptance per round.
 - **lossless**: greedy only; every prompt's speculative tokens equal to plain decoding's.
+- **vllm_count**: greedy only; the same rounds counted as vLLM's counters count them
+  (acceptance.VllmCounts: every round drafted the full count and its accepted drafts counted
+  whole, the last round's too); None when a prompt's line predates it.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dflash_core.eval.results import ResultsFile
-from dflash_core.acceptance import histogram, pooled_tau, serving_counts
+from dflash_core.acceptance import VllmCounts, histogram, pooled_tau, serving_counts
 from dflash_core.context_buckets import Buckets, by_context, round_positions
 
 
@@ -49,11 +52,25 @@ class Summary:
     draft_acceptance_rate: float = 0.0
     # tau per bucket of context length (context_buckets.py's record)
     context: list[dict] = field(default_factory=list)
+    vllm_count: VllmCounts | None = None  # the rounds counted as vLLM counts them (greedy)
 
     def as_dict(self) -> dict:
         d = dict(self.__dict__)
         d["accepted_at"] = {str(k): v for k, v in self.accepted_at.items()}
+        d["vllm_count"] = self.vllm_count.record() if self.vllm_count else None
         return d
+
+
+def vllm_count(rows: list[dict]) -> VllmCounts | None:
+    """The prompts' rounds counted as vLLM's counters count them; None unless every prompt's
+    line has them (a drafter's greedy line written since they are recorded)."""
+    if not rows or not all("served_acceptance" in r for r in rows):
+        return None
+    total = VllmCounts(0, 0, 0, [])
+    for r in rows:
+        total = total + VllmCounts.of_rounds(r["served_acceptance"], int(r["served_drafts"]),
+                                             r.get("served_proposed"))
+    return total
 
 
 def summarise(res: ResultsFile, indices: list[int] | None = None,
@@ -90,7 +107,7 @@ def summarise(res: ResultsFile, indices: list[int] | None = None,
         context=by_context(buckets or Buckets.of(None),
                            ((round_positions(int(r["prompt_tokens"]), r["acceptance"]),
                              r["acceptance"]) for r in rows)),
-        tokens_per_s=decoded / seconds if seconds > 0 else 0.0,
+        tokens_per_s=decoded / seconds if seconds > 0 else 0.0, vllm_count=vllm_count(rows),
         mismatches=[{"index": int(r["index"]), "id": r["id"], **r["lossless"]}
                     for r in rows if r.get("lossless")])
 

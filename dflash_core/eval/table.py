@@ -50,10 +50,36 @@ def context_rows(drafters: dict[str, Summary]) -> list[list[str]]:
     return rows
 
 
+def served_rows(labels: list[str], served: dict) -> list[list[str]]:
+    """The rows of ``eval --engine vllm`` (served.ServedSet per label): vLLM's own counters and
+    wall time beside ours, and its lossless check; none without it."""
+    if not served:
+        return []
+    cell = lambda x, f: f(served[x]) if x in served else "-"  # noqa: E731
+    return [
+        ["vLLM: tau (its counters)", "-"] + [
+            cell(x, lambda v: f"{v.counts.mean_acceptance_length:.2f}") for x in labels],
+        ["vLLM: steps = our rounds", "-"] + [
+            cell(x, lambda v: f"{v.steps_equal}/{v.prompts} prompts") for x in labels],
+        ["vLLM: drafts / accepted", "-"] + [
+            cell(x, lambda v: f"{v.counts.drafts} / {v.counts.accepted}") for x in labels],
+        ["vLLM: per position", "-"] + [
+            cell(x, lambda v: " ".join(f"{r:.2f}" for r in v.counts.per_position))
+            for x in labels],
+        ["vLLM: tokens/s", f"{next(iter(served.values())).plain_tokens_per_s:.1f}"] + [
+            cell(x, lambda v: f"{v.tokens_per_s:.1f}") for x in labels],
+        ["vLLM: speedup", "1.00x"] + [cell(x, lambda v: f"{v.speedup:.2f}x" if v.speedup
+                                           else "-") for x in labels],
+        ["vLLM: lossless", "-"] + [cell(x, lambda v: v.lossless_cell()) for x in labels],
+    ]
+
+
 def set_table(name: str, prompts: int, plain: Summary, drafters: dict[str, Summary],
-              per_round: dict[str, int], greedy: bool, hours: dict | None = None) -> str:
+              per_round: dict[str, int], greedy: bool, hours: dict | None = None,
+              served: dict | None = None) -> str:
     """``hours``: each drafter's device time (observe/device_hours.Figure, None when not
-    known): the rows "GPU-hours" and "cost", "-" where not known."""
+    known): the rows "GPU-hours" and "cost", "-" where not known. ``served``: label ->
+    served.ServedSet (``eval --engine vllm``): the vLLM rows."""
     labels = list(drafters)
     ks = _ks(max(per_round.values(), default=0))
     head = ["", "plain"] + labels
@@ -73,6 +99,12 @@ def set_table(name: str, prompts: int, plain: Summary, drafters: dict[str, Summa
         ["draft acceptance rate", "-"] + [_pct(drafters[x].draft_acceptance_rate)
                                           for x in labels],
     ]
+    if any(drafters[x].vllm_count for x in labels):
+        # the same rounds counted as vLLM's counters count them (docs/eval.md, The figures)
+        rows.append(["tau, vLLM's count", "-"] + [
+            f"{drafters[x].vllm_count.mean_acceptance_length:.2f}" if drafters[x].vllm_count
+            else "-" for x in labels])
+    rows += served_rows(labels, served or {})
     rows += [
         ["rounds", str(plain.rounds)] + [str(drafters[x].rounds) for x in labels],
         ["new tokens", str(plain.tokens)] + [str(drafters[x].tokens) for x in labels],

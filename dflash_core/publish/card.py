@@ -25,7 +25,7 @@ def front_matter(f: Facts) -> str:
     tags = [f.objective, *(["dflash"] if f.objective != "dflash" else []),
             "speculative-decoding", "draft-model"]
     lines = ["---", "library_name: transformers", "pipeline_tag: text-generation"]
-    if f.target:
+    if f.target and not f.target.startswith("/"):  # a hub id; a folder here names no model
         lines.append(f"base_model: {_yaml(f.target)}")
     lines.append("tags:")
     lines += [f"- {t}" for t in tags]

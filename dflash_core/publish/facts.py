@@ -121,6 +121,29 @@ def _data(run_cfg: dict, state: dict | None) -> tuple[dict, str]:
     return out, ", ".join(where)
 
 
+def served_target(run_dir: Path | None, path) -> tuple[str | None, str]:
+    """The target a server loads, and where that came from: the run's ``target.path`` as a
+    folder's absolute path when it is one here; the demo's ``builtin:tiny`` as the copy the run
+    made of it (``RUN/target``), the folder a server can load; else the path as written (a hub
+    id, or a folder on another machine). (None, "") when the run recorded none."""
+    if not path:
+        return None, ""
+    path = str(path)
+    if path == "builtin:tiny":
+        if run_dir is not None and (run_dir / "target" / "config.json").is_file():
+            return (str((run_dir / "target").resolve()),
+                    "the run's config.yaml target.path (builtin:tiny: the run's copy of it)")
+        return None, ("the run's config.yaml names builtin:tiny, and the run folder holds no "
+                      "copy of it (target/) to name")
+    folder = Path(path).expanduser()
+    if not folder.is_absolute() and run_dir is not None and not folder.exists():
+        folder = run_dir / folder
+    if (folder / "config.json").is_file():
+        return str(folder.resolve()), "the run's config.yaml target.path"
+    return path, "the run's config.yaml target.path (not a folder here: a hub id, or a path on " \
+                 "another machine)"
+
+
 def _title(fam) -> str:
     """The family's name as people write it: "DFlash" of "a DFlash drafter"."""
     words = fam.title.split()
@@ -147,11 +170,12 @@ def gather(src: Source) -> Facts:
     run_cfg = _run_config(src.run_dir)
     target = (run_cfg.get("target") or {}).get("path") if isinstance(run_cfg.get("target"),
                                                                      dict) else None
+    target, target_from = served_target(src.run_dir, target)
     step = step_of(src.folder, state)
     data, data_from = _data(run_cfg, state)
     sources = {
         "objective, block size, layer ids, mask token id": "config.json",
-        "target": "the run's config.yaml target.path" if target else "",
+        "target": target_from,
         "steps": "training_state.json step" if state and "step" in state
         else "the folder's name",
         "data": data_from,

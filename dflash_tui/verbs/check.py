@@ -48,6 +48,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drafter-dtype", default=None, metavar="DTYPE",
                         help="the dtype the memorised drafter decodes in: bfloat16, float16 or "
                              "float32 (default: drafter.dtype, the served one)")
+    parser.add_argument("--engine", choices=("ours", "vllm"), default=d.engine,
+                        help="vllm: vLLM decodes the prompts too, the memorised drafter as its "
+                             "speculative model; its tau and tokens in the evidence (needs the "
+                             "[vllm] extra; docs/check.md)")
     parser.add_argument("--set", type=setting, action="append", default=[], dest="overrides",
                         metavar="SECTION.KEY=VALUE",
                         help="override one config key, as for run (e.g. --set optim.name=muon)")
@@ -89,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
     from dflash_core.check.serve_check import CheckOptions, run_check
     from dflash_core.data import DataError
     from dflash_core.eval.errors import EvalInputError
+    from dflash_core.eval.served import EngineFailed
     from dflash_core.models.target.config import TargetLoadError
 
     t0 = time.monotonic()
@@ -100,7 +105,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         result = run_check(cfg, CheckOptions(args.samples, args.response_tokens, args.max_steps,
                                              reference=not args.no_reference,
-                                             drafter_dtype=args.drafter_dtype), say)
+                                             drafter_dtype=args.drafter_dtype,
+                                             engine=args.engine), say)
+    except EngineFailed as exc:
+        print(f"error: {exc}\nhint: its log is {exc.log}", file=sys.stderr)
+        return 1
     except (ConfigError, DataError, TargetLoadError, EvalInputError) as exc:
         kind = "config error" if isinstance(exc, ConfigError) else "error"
         print(f"{kind}: {exc}" + (f"\nhint: {exc.hint}" if getattr(exc, "hint", "") else ""),

@@ -11,8 +11,10 @@ buckets of the target's window; --long-prompts reads a set long: whole conversat
 answer's first half joining the prompt). Greedy decoding is checked lossless: each drafter's
 tokens must equal the target's own, or the prompt and the first differing position are named.
 Results go to --out (results.json, and one JSONL file per set and decoder); run again, the same
-command continues where it stopped. Exit 0 done, 1 the lossless check failed, 2 bad input,
-130 interrupted. docs/eval.md says what each figure means.
+command continues where it stopped. With --engine vllm, vLLM's offline engine decodes the same
+prompts too (plain, and each drafter as its speculative model): its counters, speed and lossless
+check beside ours (its log in OUT/vllm/). Exit 0 done, 1 the lossless check failed (ours or
+vLLM's) or vLLM failed, 2 bad input, 130 interrupted. docs/eval.md says what each figure means.
 
 examples:
   dflash-tui eval --target /models/Qwen3-8B --drafter runs/q8b/checkpoints/step-4000 \\
@@ -84,6 +86,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="run the Python files of the target's (and tokenizer's) folder when the "
                         "model exists only as such (auto_map, as Kimi-K2's); only for folders "
                         "you trust")
+    p.add_argument("--engine", choices=("ours", "vllm"), default=d.engine,
+                   help="vllm: vLLM's offline engine decodes the same prompts too, each drafter "
+                        "as its speculative model; its counters, speed and lossless check "
+                        "beside ours (needs the [vllm] extra; docs/eval.md, \"vLLM as the "
+                        "judge\")")
+    p.add_argument("--verbose", action="store_true",
+                   help="with --engine vllm: vLLM's own log on the terminal (else in OUT/vllm/)")
     p.add_argument("--tokenizer", default=None,
                    help="the tokenizer's folder (default: the target's own)")
     p.add_argument("--chat-template", default=None, metavar="FILE",
@@ -101,11 +110,13 @@ def _options(args):
         batch=args.batch, cache=args.cache, limit=args.limit, out=args.out,
         device=args.device, dtype=args.dtype, drafter_dtype=args.drafter_dtype,
         gpu_hour_price=args.gpu_hour_price,
-        currency=args.currency, trust_remote_code=args.trust_remote_code)
+        currency=args.currency, trust_remote_code=args.trust_remote_code,
+        engine=args.engine, verbose=args.verbose)
 
 
 def run(args: argparse.Namespace) -> int:
     from dflash_core.eval import EvalInputError, Evaluation, set_table
+    from dflash_core.eval.served import EngineFailed
 
     t0 = time.monotonic()
 
@@ -119,6 +130,10 @@ def run(args: argparse.Namespace) -> int:
     except EvalInputError as exc:
         print(f"error: {exc}" + (f"\nhint: {exc.hint}" if exc.hint else ""), file=sys.stderr)
         return 2
+    except EngineFailed as exc:
+        print(f"error: {exc}\nhint: its log is {exc.log}; our own results are kept in "
+              f"{args.out} (run the same command again to continue)", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"interrupted: every whole batch is kept in {args.out}; run the same command "
               "again to continue", file=sys.stderr)
@@ -128,10 +143,19 @@ def run(args: argparse.Namespace) -> int:
     print(f"{args.target}: {mode}, thinking {args.thinking or 'as the template has it'}, "
           f"{args.max_new_tokens} new tokens at most, batch {args.batch}"
           + (", cached" if args.cache else ""))
+    served = report.served
+    if served is not None:
+        e = served.engine
+        print(f"vLLM: {e['version']}, {e['runner']}, {e['dtype']}")
     for s in report.sets:
         print()
         print(set_table(s.name, s.prompts, s.plain, s.drafters, report.per_round, greedy,
-                        report.hours))
+                        report.hours, served.sets.get(s.name) if served else None))
+        if served is not None and served.plain[s.name]["differs_from_our_plain"]:
+            ds = served.plain[s.name]["differs_from_our_plain"]
+            print(f"vLLM's plain decoding differs from ours on {len(ds)} of {s.prompts} prompts "
+                  f"(first: {ds[0]['id']} at new token {ds[0]['position']}): another kernel's "
+                  "float rounding, not a drafter's doing")
     costs = [(label, h) for label, h in report.hours.items() if h is not None]
     if costs:  # each run checkpoint's device time in full: its roles, what it was counted from
         from dflash_core.observe.device_hours import figure_text
@@ -160,4 +184,9 @@ def run(args: argparse.Namespace) -> int:
               f"{m['position']}, its top two logits {m['target_gap']:g} apart): two correct "
               f"computations in {report.settings['dtype']} may order them either way; not a "
               "failure", file=sys.stderr)
-    return 1 if bad else 0
+    vbad = served.failures if served is not None else []
+    for name, label, m in vbad:
+        print(f"lossless check failed in vLLM: set {name}, drafter {label}: prompt {m['id']} "
+              f"(index {m['index']}) leaves vLLM's plain greedy output at new token "
+              f"{m['position']}", file=sys.stderr)
+    return 1 if bad or vbad else 0

@@ -57,6 +57,28 @@ def test_the_target_is_a_transformers_folder_the_same_for_a_seed_and_cached(fake
     assert json.loads((folder / META_NAME).read_text())["steps"] == 6
 
 
+def test_the_target_is_a_folder_a_server_loads_and_an_older_one_gains_its_architecture(
+        fake_site, tmp_path):
+    from transformers import AutoTokenizer
+
+    from dflash_core.models.target.servable import serving_gaps
+
+    folder, _ = ensure_target(tmp_path / "a", MICRO, _corpus(), 3, "cpu", lambda line: None)
+    config = folder / "config.json"
+    assert json.loads(config.read_text())["architectures"] == ["Qwen3ForCausalLM"]
+    assert serving_gaps(folder) == []
+    tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    assert tok.mask_token == "<|MASK|>" and tok.mask_token_id == len(tok) - 1
+    # a folder built before its config named the architecture: the next call names it
+    old = json.loads(config.read_text())
+    del old["architectures"]
+    config.write_text(json.dumps(old))
+    lines = []
+    ensure_target(tmp_path / "a", MICRO, _corpus(), 3, "cpu", lines.append)
+    assert json.loads(config.read_text())["architectures"] == ["Qwen3ForCausalLM"]
+    assert any("names its architecture now" in line for line in lines)
+
+
 def test_batched_generation_with_left_padding_equals_each_prompt_alone(fake_site, tmp_path):
     from transformers import AutoModelForCausalLM
 

@@ -1,6 +1,7 @@
 """The embedded demo: its target is a real (if tiny) language model, its data is that model's own
 greedy output, and a 2-layer drafter learns it quickly enough for a CPU demo."""
 
+import json
 import math
 import time
 
@@ -53,6 +54,50 @@ def test_target_is_an_ordinary_hf_folder(demo_target):
     assert target.num_layers == demo.TINY_ARCH["num_hidden_layers"]
     # below the last layer, which serving reads before the final norm and training after it
     assert max(demo.DEMO_LAYER_IDS) < target.num_layers - 1
+
+
+def test_target_is_a_folder_a_server_loads_as_it_is(demo_target):
+    """config.json names the causal LM (else vLLM starts Qwen3Model, a pooling runner), and the
+    byte tokenizer is saved beside the weights: AutoTokenizer loads it offline with its end and
+    mask tokens and the demo's chat template, giving the built-in tokenizer's ids."""
+    from transformers import AutoTokenizer
+
+    from dflash_core.data.byte_vocab import byte_tokenizer
+    from dflash_core.data.chat_render import fingerprints
+    from dflash_core.models.target.servable import serving_gaps
+
+    assert json.loads((demo_target / "config.json").read_text())["architectures"] == [
+        "Qwen3ForCausalLM"]
+    assert serving_gaps(demo_target) == []
+    tok = AutoTokenizer.from_pretrained(str(demo_target), local_files_only=True)
+    assert (tok.eos_token_id, tok.pad_token_id, tok.mask_token_id) == (demo.EOS_ID, demo.EOS_ID,
+                                                                       demo.MASK_ID)
+    assert len(tok) == demo.VOCAB_SIZE
+    builtin = byte_tokenizer()
+    chat = [{"role": "user", "content": "The value of é"}, {"role": "assistant", "content": "x"}]
+    for render in (lambda t: t.apply_chat_template(chat, tokenize=False),
+                   lambda t: t.apply_chat_template(chat[:1], add_generation_prompt=True,
+                                                   tokenize=False)):
+        text = render(tok)
+        assert text == render(builtin)
+        assert tok(text, add_special_tokens=False)["input_ids"] == builtin(
+            text, add_special_tokens=False)["input_ids"]
+    assert tok.decode([72, 105, demo.EOS_ID]) == "Hi<|endoftext|>"
+    # the data's and eval's fingerprints: data made with builtin:tiny matches the folder's
+    assert fingerprints(tok) == fingerprints(builtin)
+
+
+def test_a_folder_without_architectures_or_tokenizer_is_said_not_servable(tmp_path):
+    from dflash_core.models.target.servable import add_architecture, serving_gaps
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    gaps = serving_gaps(tmp_path)
+    assert len(gaps) == 2 and "architectures" in gaps[0] and "tokenizer" in gaps[1]
+    assert add_architecture(tmp_path, "Qwen3ForCausalLM")
+    assert not add_architecture(tmp_path, "Other")  # one already named is kept
+    assert json.loads((tmp_path / "config.json").read_text())["architectures"] == [
+        "Qwen3ForCausalLM"]
+    assert serving_gaps(tmp_path) == [gaps[1]]
 
 
 def test_target_writes_text_not_noise(demo_target):

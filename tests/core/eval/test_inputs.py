@@ -82,9 +82,16 @@ def test_a_template_without_the_switch_is_refused(thinking):
     assert "leave --thinking out" in exc.value.hint
 
 
-def test_the_demo_target_renders_with_the_byte_tokenizer(demo_target):
-    assert tokenizer_spec(demo_target, None) == "builtin:tiny"
+def test_the_demo_target_renders_with_the_byte_tokenizer(demo_target, tmp_path):
+    # its folder holds the byte tokenizer (a server's too): read from there
+    assert tokenizer_spec(demo_target, None) == str(demo_target)
     assert tokenizer_spec(demo_target, "/x") == "/x"
+    # one built before it did (recipe tiny-v1: no tokenizer beside the weights): the built-in
+    import shutil
+
+    old = shutil.copytree(demo_target, tmp_path / "old", ignore=shutil.ignore_patterns(
+        "tokenizer*", "chat_template*"))
+    assert tokenizer_spec(old, None) == "builtin:tiny"
 
 
 DEMO = TargetShape(hidden_size=128, vocab_size=258, num_layers=4)

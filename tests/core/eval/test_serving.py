@@ -101,6 +101,53 @@ def test_eval_decodes_the_drafter_in_its_served_dtype_and_float32_by_name(
         _run(served, tmp_path / "a", drafter_dtype="float32")
 
 
+def test_eval_also_counts_its_rounds_as_vllm_s_counters_do(served, tmp_path):
+    """Each drafter's greedy line keeps its rounds counted whole (served_acceptance, every
+    round of served_drafts drafts); results.json's vllm_count sums them as vLLM's four counters,
+    and the table says its tau beside ours. 8 new tokens: every prompt's last round is cut."""
+    from dflash_core.acceptance import VllmCounts
+
+    report = _run(served, tmp_path).run()
+    res = json.loads((tmp_path / "results.json").read_text())
+    (label,) = res["drafters"]
+    lines = [json.loads(x) for x in (tmp_path / "p" / f"drafter-{label}.jsonl").read_text()
+             .splitlines()]
+    rows = [x for x in lines if x["kind"] == "prompt"]
+    assert len(rows) == 2 and all(x["served_drafts"] == 3 for x in rows)
+    want = VllmCounts(0, 0, 0, [])
+    for x in rows:
+        assert len(x["served_acceptance"]) == len(x["acceptance"])
+        assert all(a <= w <= 3 for a, w in zip(x["acceptance"], x["served_acceptance"]))
+        want = want + VllmCounts.of_rounds(x["served_acceptance"], 3)
+    got = res["sets"]["p"]["drafters"][label]["vllm_count"]
+    assert VllmCounts.from_record(got) == want
+    assert got["drafts"] == sum(len(x["acceptance"]) for x in rows)
+    assert got["draft_tokens"] == 3 * got["drafts"]
+    assert got["mean_acceptance_length"] == pytest.approx(1 + want.accepted / want.drafts)
+    assert got["accepted"] >= sum(sum(x["acceptance"]) for x in rows)
+    assert res["sets"]["p"]["plain"]["vllm_count"] is None
+    s = report.sets[0]
+    table = set_table(s.name, s.prompts, s.plain, s.drafters, report.per_round, True)
+    (row,) = [x for x in table.splitlines() if x.startswith("tau, vLLM's count")]
+    assert row.split()[-1] == f"{want.mean_acceptance_length:.2f}"
+    assert not any(x.startswith("vLLM:") for x in table.splitlines())
+    # with --engine vllm's figures (served.ServedSet) the vLLM rows follow, its plain beside
+    from dflash_core.eval.served import ServedSet
+
+    v = ServedSet(counts=VllmCounts(5, 15, 6, [3, 2, 1]), prompts=2, tokens=16, seconds=0.5,
+                  tokens_per_s=28.0, speedup=1.4, steps_equal=1, plain_tokens_per_s=20.0,
+                  vs_ours=[{"index": 1, "id": "line 2", "position": 3}])
+    table = set_table(s.name, s.prompts, s.plain, s.drafters, report.per_round, True,
+                      served={label: v})
+    rows = {x.split("  ")[0]: x.split() for x in table.splitlines() if x.startswith("vLLM:")}
+    assert rows["vLLM: tau (its counters)"][-1] == "2.20"  # 1 + 6 / 5
+    assert rows["vLLM: steps = our rounds"][-2:] == ["1/2", "prompts"]
+    assert rows["vLLM: per position"][-3:] == ["0.60", "0.40", "0.20"]
+    assert rows["vLLM: tokens/s"][-2:] == ["20.0", "28.0"]
+    assert rows["vLLM: speedup"][-2:] == ["1.00x", "1.40x"]
+    assert " ".join(rows["vLLM: lossless"][-5:]) == "exact; 1 differ from ours"
+
+
 def test_a_dtype_the_device_cannot_run_or_an_unknown_name_is_one_line(served, tmp_path,
                                                                       monkeypatch):
     with pytest.raises(EvalInputError, match="--drafter-dtype 'int8': use bfloat16"):

@@ -194,3 +194,66 @@ def test_each_round_records_its_position_and_the_buckets_count_them(demo, drafte
     for x, r in zip(recs, rows):
         assert x["accepted"] == sum(r.acceptance)
         assert x["tau"] == pytest.approx(len(r.tokens[1:]) / len(r.acceptance))
+
+
+def test_counting_whole_rounds_keeps_the_tokens_and_counts_as_vllm_does(demo, drafters,
+                                                                         monkeypatch):
+    """count_whole: every round drafts the full count, the last one too, and the drafts the
+    target accepts are counted whole (vLLM's counters); the tokens kept and our own count are
+    those of decoding without it."""
+    from dflash_core.acceptance import VllmCounts
+
+    d = drafters["dflash"]
+    per_round = d.block_size - 1
+    cut = decode_rows(FullBatch(demo, DEMO_LAYERS), d, PROMPTS, DecodeSettings(NEW))
+    whole = decode_rows(FullBatch(demo, DEMO_LAYERS), d, PROMPTS,
+                        DecodeSettings(NEW, count_whole=True))
+    for a, b in zip(cut, whole):
+        assert (a.tokens, a.acceptance, a.proposed) == (b.tokens, b.acceptance, b.proposed)
+        assert a.served_acceptance == [] and len(b.served_acceptance) == len(b.acceptance)
+        for acc, prop, served in zip(b.acceptance, b.proposed, b.served_acceptance):
+            assert acc <= served <= per_round
+            if acc < prop:  # a draft rejected among those kept (no stop ids here): the same
+                assert served == acc
+    # a proposer that drafts the target's own continuation: every round accepts all it drafted,
+    # counted whole; the last round, cut by the limit, accepts fewer in our count
+    truth = _truth(demo, DEMO_LAYERS, PROMPTS, NEW + per_round)
+
+    def perfect(drafter, context, lengths, last, temperature=0.0, gens=None):
+        rows = [(truth[(S, t)] + [0] * per_round)[:per_round] for S, t in zip(lengths, last)]
+        return drafting.Proposal(torch.tensor(rows), None)
+
+    monkeypatch.setattr(spec_decode, "propose", perfect)
+    rows = decode_rows(FullBatch(demo, DEMO_LAYERS), d, PROMPTS[:1],
+                       DecodeSettings(NEW, count_whole=True))
+    r = rows[0]
+    assert len(r.tokens) == NEW and (NEW - 1) % (per_round + 1) != 0  # the limit cuts a round
+    assert r.served_acceptance == [per_round] * len(r.acceptance)
+    assert r.acceptance[:-1] == [per_round] * (len(r.acceptance) - 1)
+    assert r.acceptance[-1] == (NEW - 1) % (per_round + 1) - 1 < per_round
+    counts = VllmCounts.of_rounds(r.served_acceptance, per_round)
+    assert counts.mean_acceptance_length == 1 + per_round
+    assert counts.per_position == [1.0] * per_round
+    assert (counts.drafts, counts.draft_tokens) == (len(r.acceptance),
+                                                    len(r.acceptance) * per_round)
+    ours = (sum(r.acceptance) + len(r.acceptance)) / len(r.acceptance)
+    assert ours < counts.mean_acceptance_length  # ours stops at the cut
+
+
+def test_counting_whole_never_drafts_past_the_target_s_window(demo, drafters):
+    """Near the end of the window the last rounds draft what still fits (vLLM trims its drafts
+    at max_model_len alike), never fewer than the limit needs; the tokens are the same."""
+    d = drafters["dflash"]
+    per_round = d.block_size - 1
+    p = PROMPTS[0]
+    window = len(p) + NEW + 1  # one position past the new tokens: the last rounds are trimmed
+    rows = decode_rows(FullBatch(demo, DEMO_LAYERS), d, [p],
+                       DecodeSettings(NEW, count_whole=True, positions=window))
+    r = rows[0]
+    plain = decode_rows(FullBatch(demo, DEMO_LAYERS), d, [p], DecodeSettings(NEW))[0]
+    assert r.tokens == plain.tokens and r.acceptance == plain.acceptance
+    assert len(r.served_proposed) == len(r.acceptance)
+    for pos, n, prop in zip(r.positions, r.served_proposed, r.proposed):
+        # a round at position pos feeds its last token and n drafts: positions pos-1 .. pos+n-1
+        assert pos + n <= window and prop <= n <= per_round
+    assert r.served_proposed[0] == per_round and r.served_proposed[-1] < per_round

@@ -157,3 +157,41 @@ def test_a_dflash2_checkpoint_gets_b_minus_1_and_vllms_dflash_method(tmp_path):
     spec = {"method": "dflash", "model": str(out), "num_speculative_tokens": DFLASH_B - 1}
     assert f"--speculative-config '{json.dumps(spec)}'" in body
     assert f"`num_speculative_tokens` must be {DFLASH_B - 1} (B - 1)" in body
+
+
+def _set_target(run: Path, path: str) -> None:
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    cfg["target"]["path"] = path
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+
+
+def test_the_demo_s_card_names_the_run_s_target_folder_never_builtin_tiny(tmp_path):
+    """builtin:tiny is no path a server loads: the card names the run's copy of the demo target
+    (RUN/target, the folder vLLM serves), absolute; no base_model (a hub id field)."""
+    run = make_run(tmp_path, "dflash", steps=(3,), best=3)
+    _set_target(run, "builtin:tiny")
+    (run / "target").mkdir()
+    (run / "target" / "config.json").write_text("{}")
+    out = tmp_path / "out"
+    done = publish(run, out)
+    front, body = _card(out)
+    folder = str((run / "target").resolve())
+    assert done.facts.target == folder and "builtin:tiny" not in body.split("## Serving")[1]
+    assert f"vllm serve {folder} \\" in body and f"--model-path {folder} \\" in body
+    assert "builtin:tiny: the run's copy of it" in body and "base_model" not in front
+
+
+def test_a_local_target_is_named_by_its_absolute_folder_and_a_missing_copy_is_not_invented(
+        tmp_path, monkeypatch):
+    run = make_run(tmp_path, "dflash", steps=(3,), best=3)
+    (tmp_path / "models" / "q").mkdir(parents=True)
+    (tmp_path / "models" / "q" / "config.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    _set_target(run, "models/q")
+    publish(run, tmp_path / "out")
+    _, body = _card(tmp_path / "out")
+    assert f"vllm serve {(tmp_path / 'models' / 'q').resolve()} \\" in body
+    _set_target(run, "builtin:tiny")  # and no run/target: the card says so, names no folder
+    publish(run, tmp_path / "out2")
+    _, body = _card(tmp_path / "out2")
+    assert "vllm serve TARGET \\" in body and "holds no copy of it" in body

@@ -63,3 +63,22 @@ def test_check_with_a_drafter_dtype_it_cannot_run_is_one_line(tmp_path, capsys):
     assert code == 2
     assert err.splitlines()[0] == "error: --drafter-dtype 'int8': use bfloat16, float16, float32"
     assert not (tmp_path / "demo").exists()
+
+
+def test_check_engine_vllm_without_vllm_or_with_dspark_on_the_cpu_is_one_line(
+        tmp_path, capsys, monkeypatch):
+    """Refused at preflight, before the target loads or anything trains: exit 2, one line."""
+    import dflash_core.eval.served as served
+
+    args = ["check", "--demo", "--device", "cpu", "--output-dir", str(tmp_path),
+            "--no-reference", "--engine", "vllm"]
+    monkeypatch.setattr(served, "vllm_installed", lambda: False)
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and err[0].startswith("error: --engine vllm: vLLM is not installed")
+    assert "dflash-tui[vllm]" in err[1]
+    monkeypatch.setattr(served, "vllm_installed", lambda: True)
+    assert main(args + ["--set", "drafter.objective=dspark"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and "vLLM cannot serve the DSpark drafter" in err[0]
+    assert not (tmp_path / "demo" / "check" / "check.json").exists()

