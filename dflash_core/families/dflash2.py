@@ -24,8 +24,9 @@ SELECTOR_RANK = 256
 SELECTOR_TOP_K = 16
 SELECTOR_ALPHA = 1.0
 # What the selector term does with a label outside the draft's top-K: "drop" the position
-# (SpecForge, NeMo Automodel) or "inject" it as the K-th candidate (speculators). The default
-# is measured on the demo (bench/BENCHMARKS.md, "DFlash2's selector labels").
+# (SpecForge, NeMo Automodel) or "inject" it as the K-th candidate (speculators). drop is the
+# default: measured on the demo, a tie at K 16 and drop ahead on every seed at K 2
+# (bench/BENCHMARKS.md, "DFlash2 against DFlash and DSpark on the demo").
 SELECTOR_MISSING = ("drop", "inject")
 SELECTOR_MISSING_DEFAULT = "drop"
 # The loss chunk holds its float32 logits, their softmax in backward and the bf16 logits and
