@@ -117,6 +117,12 @@ class DFlash2Family(Family):
             selector_alpha=float(getattr(d, "selector_alpha", SELECTOR_ALPHA)),
             selector_missing=str(getattr(d, "selector_missing", SELECTOR_MISSING_DEFAULT)))
 
+    def fused_loss_bytes(self, d, chunk_rows: int, rows: int, hidden: int, vocab: int,
+                         head_bytes: int) -> int:
+        """DFlash2 never runs the fused loss (its selector needs every row's top-K): with
+        drafter.fused_loss auto on CUDA its loss chunk is still the torch path's."""
+        return chunk_rows * vocab * self.loss_bytes_per_logit
+
     def refusals(self, d) -> list[Problem]:
         out = []
         if getattr(d, "loss", "dflash") == "dpace":

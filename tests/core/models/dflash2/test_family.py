@@ -46,3 +46,9 @@ def test_recipe_says_the_objective():
     text = recipe_text(config_from_dict({"drafter": {"objective": "dflash2"}}).to_dict())
     assert text.startswith("objective dflash2 (B 8, conv 2 taps x groups of 16, selector rank "
                            "256 top-16, loss DFlash + 1.0 x selector CE")
+
+
+def test_the_plan_counts_the_torch_loss_chunk_even_where_the_fused_loss_would_run():
+    cfg = config_from_dict({"drafter": {"objective": "dflash2"}})
+    assert DFLASH2.fused_loss_bytes(cfg.drafter, 4096, 65536, 5120, 248320, 2) == \
+        4096 * 248320 * DFLASH2.loss_bytes_per_logit
