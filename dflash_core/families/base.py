@@ -32,6 +32,8 @@ class Family:
     defaults: dict = {}
     # Bytes per logit of one live loss chunk (the memory plan).
     loss_bytes_per_logit = 8
+    # Whether its loss has the fused path (models/fused_loss) that drafter.fused_loss selects.
+    has_fused_loss = True
 
     def owns(self, config: dict) -> bool:
         """Whether a drafter config.json was written by this family."""

@@ -104,6 +104,7 @@ class DFlash2Family(Family):
     architecture = ARCHITECTURE
     defaults = {"block_size": BLOCK_SIZE}
     loss_bytes_per_logit = LOSS_BYTES_PER_LOGIT
+    has_fused_loss = False  # its selector needs every row's top-K over the vocabulary
 
     def settings(self, d) -> DFlash2Settings:
         """drafter.block_size and the conv and selector keys. Not checked here

@@ -52,3 +52,10 @@ def test_the_plan_counts_the_torch_loss_chunk_even_where_the_fused_loss_would_ru
     cfg = config_from_dict({"drafter": {"objective": "dflash2"}})
     assert DFLASH2.fused_loss_bytes(cfg.drafter, 4096, 65536, 5120, 248320, 2) == \
         4096 * 248320 * DFLASH2.loss_bytes_per_logit
+
+
+def test_the_log_says_its_loss_is_torchs():
+    from dflash_core.planning.drafter_checks import fused_loss_line
+
+    line = fused_loss_line(config_from_dict({"drafter": {"objective": "dflash2"}}))
+    assert line.startswith("drafter loss: torch") and "dflash2 has no fused loss" in line
