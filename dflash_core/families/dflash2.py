@@ -105,6 +105,10 @@ class DFlash2Family(Family):
     defaults = {"block_size": BLOCK_SIZE}
     loss_bytes_per_logit = LOSS_BYTES_PER_LOGIT
     has_fused_loss = False  # its selector needs every row's top-K over the vocabulary
+    # The four convolutions of a layer keep float32 copies of their inputs, shifted taps and
+    # products for backward: 9.3 float32 H-vectors per block token per layer beyond DFlash's
+    # (unique storages saved by autograd, measured on the CPU at T 2, G 16), 19 2-byte units.
+    layer_saved_h = 19
 
     def settings(self, d) -> DFlash2Settings:
         """drafter.block_size and the conv and selector keys. Not checked here
