@@ -81,6 +81,8 @@ def probe(drafter, input_ids: torch.Tensor, features: torch.Tensor, prompt_len: 
                 # the Markov inputs of training: the anchor, then the tokens after it
                 prev = ids[0, (a + torch.arange(B, device=dev)).clamp(max=length - 1)]
                 p_full, p_cut = (_markov_preds(drafter, h, prev) for h in (full, cut))
+            elif hasattr(drafter, "block_choice"):  # DFlash2: its selector's walk
+                p_full, p_cut = (drafter.block_choice(h, int(ids[0, a])) for h in (full, cut))
             else:
                 head = drafter.lm_head.weight
                 p_full = (full[0, 1:].to(head.dtype) @ head.T).argmax(-1)

@@ -153,8 +153,10 @@ class DrafterConfig:
     selector_missing: Literal["drop", "inject"] = key(dflash2.SELECTOR_MISSING_DEFAULT,
         """dflash2: a label outside the draft's top-K in the selector term: "drop" = the slot
         gives no selector loss (SpecForge, NeMo Automodel); "inject" = the label replaces the
-        K-th candidate (speculators). The default is measured on the demo (bench/BENCHMARKS.md,
-        "DFlash2's selector labels").""")
+        K-th candidate (speculators). drop is the default: on the demo the two tie at K 16
+        (5.19 against 5.20, 3 seeds: 99% of the labels are among the candidates) and drop was
+        ahead on every seed at K 2 (+0.34, inside the seed spread; bench/BENCHMARKS.md, "DFlash2
+        against DFlash and DSpark on the demo").""")
     micro_block_tokens: int = key(65536, """Block tokens (sequences x anchors x block) per drafter
         forward; a batch with more is split into sequence groups, a sequence with more into
         passes of fewer anchors, gradients accumulated: bounds activation memory.""", gt=0)

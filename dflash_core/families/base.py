@@ -46,6 +46,11 @@ class Family:
     defaults: dict = {}
     # Bytes per logit of one live loss chunk (the memory plan).
     loss_bytes_per_logit = 8
+    # Whether its loss has the fused path (models/fused_loss) that drafter.fused_loss selects.
+    has_fused_loss = True
+    # What its layer saves for backward beyond DFlash's, per block token per layer, in 2-byte
+    # units of the width H (planning/drafter_memory.py's DRAFTER_SAVED_* count DFlash's).
+    layer_saved_h = 0
 
     def owns(self, config: dict) -> bool:
         """Whether a drafter config.json was written by this family."""

@@ -24,8 +24,9 @@ SELECTOR_RANK = 256
 SELECTOR_TOP_K = 16
 SELECTOR_ALPHA = 1.0
 # What the selector term does with a label outside the draft's top-K: "drop" the position
-# (SpecForge, NeMo Automodel) or "inject" it as the K-th candidate (speculators). The default
-# is measured on the demo (bench/BENCHMARKS.md, "DFlash2's selector labels").
+# (SpecForge, NeMo Automodel) or "inject" it as the K-th candidate (speculators). drop is the
+# default: measured on the demo, a tie at K 16 and drop ahead on every seed at K 2
+# (bench/BENCHMARKS.md, "DFlash2 against DFlash and DSpark on the demo").
 SELECTOR_MISSING = ("drop", "inject")
 SELECTOR_MISSING_DEFAULT = "drop"
 # The loss chunk holds its float32 logits, their softmax in backward and the bf16 logits and
@@ -103,6 +104,11 @@ class DFlash2Family(Family):
     architecture = ARCHITECTURE
     defaults = {"block_size": BLOCK_SIZE}
     loss_bytes_per_logit = LOSS_BYTES_PER_LOGIT
+    has_fused_loss = False  # its selector needs every row's top-K over the vocabulary
+    # The four convolutions of a layer keep float32 copies of their inputs, shifted taps and
+    # products for backward: 9.3 float32 H-vectors per block token per layer beyond DFlash's
+    # (unique storages saved by autograd, measured on the CPU at T 2, G 16), 19 2-byte units.
+    layer_saved_h = 19
 
     def settings(self, d) -> DFlash2Settings:
         """drafter.block_size and the conv and selector keys. Not checked here
@@ -115,6 +121,12 @@ class DFlash2Family(Family):
             selector_top_k=int(getattr(d, "selector_top_k", SELECTOR_TOP_K)),
             selector_alpha=float(getattr(d, "selector_alpha", SELECTOR_ALPHA)),
             selector_missing=str(getattr(d, "selector_missing", SELECTOR_MISSING_DEFAULT)))
+
+    def fused_loss_bytes(self, d, chunk_rows: int, rows: int, hidden: int, vocab: int,
+                         head_bytes: int) -> int:
+        """DFlash2 never runs the fused loss (its selector needs every row's top-K): with
+        drafter.fused_loss auto on CUDA its loss chunk is still the torch path's."""
+        return chunk_rows * vocab * self.loss_bytes_per_logit
 
     def refusals(self, d) -> list[Problem]:
         out = []

@@ -40,6 +40,9 @@ def check_fused_loss(cfg: Config, drafter_devices) -> None:
 def fused_loss_line(cfg: Config) -> str:
     """The loss a CUDA drafter runs, in one line for the log: fused or torch, and why."""
     mode = cfg.drafter.fused_loss
+    if not family_of(cfg).has_fused_loss:
+        return (f"drafter loss: torch (chunked, logits recomputed in backward; drafter.objective "
+                f"{cfg.drafter.objective} has no fused loss)")
     if fused_loss.fused(mode, "cuda"):
         return (f"drafter loss: fused (Triton kernels beside the lm_head's matmuls; "
                 f"drafter.fused_loss {mode})")

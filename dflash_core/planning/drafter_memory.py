@@ -188,8 +188,9 @@ def phase_components(cfg: Config, s: ModelShape, recompute: bool,
     p = drafter_pass(cfg)
     Q, C, L = p.block_tokens, p.context_tokens, d.num_layers
     q, kv, H = ds.heads * ds.head_dim, ds.kv_heads * ds.head_dim, ds.hidden
-    layer = (DRAFTER_SAVED_H * H + DRAFTER_SAVED_Q * q + DRAFTER_SAVED_KV * kv
-             + DRAFTER_SAVED_I * ds.intermediate)
+    family = family_of(cfg)
+    layer = ((DRAFTER_SAVED_H + family.layer_saved_h) * H + DRAFTER_SAVED_Q * q
+             + DRAFTER_SAVED_KV * kv + DRAFTER_SAVED_I * ds.intermediate)
     once = BLOCK_FINAL_H * H + ROPE_HEAD_DIM * ds.head_dim
     u = UNIT_BYTES
     if recompute:
@@ -203,7 +204,6 @@ def phase_components(cfg: Config, s: ModelShape, recompute: bool,
         saved = Q * (L * layer + once) * u
         block = dict.fromkeys(PHASES, saved)
         context = dict.fromkeys(PHASES, C * L * CONTEXT_LAYER_KV * kv * u)
-    family = family_of(cfg)
     if on_cuda and fused_loss.planned(d.fused_loss):
         # The fused loss: its chunk's logits in the lm_head's (the target's) dtype and the
         # rows' gradients held from forward to backward (at most a block token each).

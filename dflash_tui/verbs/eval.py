@@ -3,7 +3,7 @@
 Each prompt set is a JSONL file (OpenAI "messages", a plain "prompt", or "turns"; a user brings
 GSM8K, MT-Bench, ...), rendered with the target's chat template (first turn, generation prompt;
 --thinking sets the template's enable_thinking switch). Every drafter (this engine's checkpoints,
-DFlash or DSpark, or published drafters in the public DFlash / DSpark folder formats) decodes
+DFlash, DSpark or DFlash2, or published drafters in those public folder formats) decodes
 each prompt, greedy or at a temperature (speculative sampling's acceptance rule, seeded), and the
 target alone decodes it too in the same run: per set, tau, accepted@k, rounds, tokens/s and the
 speedup over plain decoding, in one table, and tau by context length (the rounds' positions in
@@ -42,7 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the target's model folder (or builtin:tiny, the demo's)")
     p.add_argument("--drafter", action="append", required=True, metavar="CKPT",
                    help="a checkpoint folder (RUN/checkpoints/step-N), a run folder (its newest "
-                        "checkpoint) or a DFlash / DSpark model folder; again to compare")
+                        "checkpoint) or a DFlash / DSpark / DFlash2 model folder; again to "
+                        "compare")
     p.add_argument("--prompts", action="append", default=[], metavar="NAME=FILE",
                    help="a prompt set: JSONL with \"messages\", \"prompt\" or \"turns\" a line; "
                         "again for more sets")

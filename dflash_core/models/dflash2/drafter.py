@@ -162,13 +162,26 @@ class DFlash2Drafter(DFlashDrafter):
             toks = torch.stack([torch.multinomial(probs[i], 1, generator=g)[:, 0]
                                 for i, g in enumerate(gens)])
             return Proposal(toks, probs)
-        U, C = candidates(u, self.selector_top_k)
-        gate = self.candidate_selector.gate(hidden)
-        anchor = torch.tensor(last, device=u.device, dtype=torch.long)
-        toks, q = walk(self.candidate_selector, U, C, gate, anchor, temperature, gens)
+        toks, q, C = self._walk(hidden, u, torch.tensor(last, device=u.device, dtype=torch.long),
+                                temperature, gens)
         if q is None:
             return Proposal(toks, None)
         return Proposal(toks, torch.zeros_like(u).scatter_(-1, C, q))
+
+    def _walk(self, hidden, u, anchor, temperature=0.0, gens=None):
+        U, C = candidates(u, self.selector_top_k)
+        toks, q = walk(self.candidate_selector, U, C, self.candidate_selector.gate(hidden),
+                       anchor, temperature, gens)
+        return toks, q, C
+
+    @torch.no_grad()
+    def block_choice(self, hidden: torch.Tensor, anchor_token: int) -> torch.Tensor:
+        """The drafts a round takes from one block's states [1, B, H] (the training forward's):
+        the selector's walk over slots 1..B-1 from ``anchor_token`` (check's probes compare it
+        with ``draft``)."""
+        h = hidden[:, 1:]
+        anchor = torch.tensor([int(anchor_token)], device=h.device)
+        return self._walk(h, self.unary_logits(h), anchor)[0][0]
 
     @torch.no_grad()
     def draft(self, context: torch.Tensor, last_token: int, num_tokens: int | None = None):

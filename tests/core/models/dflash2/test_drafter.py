@@ -106,3 +106,14 @@ def test_settings_that_cannot_work_are_named():
     assert DFlash2Settings(selector_top_k=400).problems(vocab_size=300)[0].startswith(
         "drafter.selector_top_k 400")
     assert SETTINGS.problems(V, H) == []
+
+
+def test_block_choice_is_what_a_round_drafts():
+    """check's probes compare the training forward's choice with draft(): both are the walk."""
+    m = dflash2(seed=6, std=0.3)
+    m.attach_target_head(*head())
+    ctx = torch.randn(1, 10, FEATS)
+    with torch.no_grad():
+        states = block_states(m, ctx, [10], [17])
+    assert torch.equal(m.block_choice(states, 17), m.draft(ctx, 17))
+    assert not torch.equal(m.block_choice(states, 17), m.block_choice(states, 18))

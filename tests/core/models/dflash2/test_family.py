@@ -46,3 +46,34 @@ def test_recipe_says_the_objective():
     text = recipe_text(config_from_dict({"drafter": {"objective": "dflash2"}}).to_dict())
     assert text.startswith("objective dflash2 (B 8, conv 2 taps x groups of 16, selector rank "
                            "256 top-16, loss DFlash + 1.0 x selector CE")
+
+
+def test_the_plan_counts_the_torch_loss_chunk_even_where_the_fused_loss_would_run():
+    cfg = config_from_dict({"drafter": {"objective": "dflash2"}})
+    assert DFLASH2.fused_loss_bytes(cfg.drafter, 4096, 65536, 5120, 248320, 2) == \
+        4096 * 248320 * DFLASH2.loss_bytes_per_logit
+
+
+def test_the_log_says_its_loss_is_torchs():
+    from dflash_core.planning.drafter_checks import fused_loss_line
+
+    line = fused_loss_line(config_from_dict({"drafter": {"objective": "dflash2"}}))
+    assert line.startswith("drafter loss: torch") and "dflash2 has no fused loss" in line
+
+
+def test_the_plan_holds_more_per_layer_for_the_convolutions():
+    from dflash_core.planning.drafter_memory import (
+        UNIT_BYTES, drafter_pass, model_shape, phase_components,
+    )
+
+    hf = {"model_type": "qwen3", "hidden_size": 256, "intermediate_size": 512, "vocab_size": 1000,
+          "num_hidden_layers": 8, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "head_dim": 64}
+    s = model_shape(hf)
+    base = {"data": {"max_length": 512}, "target": {"layer_ids": [1, 3, 5]}}
+    flash = config_from_dict({**base, "drafter": {"objective": "dflash", "block_size": 8}})
+    two = config_from_dict({**base, "drafter": {"objective": "dflash2", "block_size": 8}})
+    a = phase_components(flash, s, recompute=False)["forward"]["block activations"]
+    b = phase_components(two, s, recompute=False)["forward"]["block activations"]
+    Q, L = drafter_pass(two).block_tokens, two.drafter.num_layers
+    assert b - a == Q * L * DFLASH2.layer_saved_h * 256 * UNIT_BYTES > 0
