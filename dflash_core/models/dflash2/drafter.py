@@ -108,6 +108,15 @@ class DFlash2Drafter(DFlashDrafter):
             block_size=int(cfg.dflash_config["block_size"])))
 
     @classmethod
+    def load(cls, folder: str | Path, device="cpu") -> "DFlash2Drafter":
+        folder = Path(folder)
+        model = cls(cls.config_from_dict(json.loads((folder / "config.json").read_text())))
+        state = load_file(str(folder / "model.safetensors"), device=str(device))
+        d2format.check_tensor_names(state)
+        model.load_state_dict(state)
+        return model.to(device)
+
+    @classmethod
     def start_from(cls, folder: str | Path, settings: DFlash2Settings | None = None,
                    device="cpu") -> "DFlash2Drafter":
         """A DFlash2 drafter whose backbone is a DFlash folder's (drafter.init_from): the

@@ -78,9 +78,25 @@ def check_serve_dict(d: dict) -> dict:
     if other:
         raise NotDFlash2(f"drafter layers of type {', '.join(other)}: this engine's DFlash2 "
                          "layers attend to the whole context (full_attention)")
+    top_k, vocab = dc.get("selector_top_k"), d.get("vocab_size")
+    if isinstance(top_k, int) and isinstance(vocab, int) and not 1 <= top_k <= vocab:
+        raise NotDFlash2(f"dflash_config.selector_top_k {top_k}: the selector picks among the "
+                         f"top-K of the {vocab} tokens, so K must be 1..{vocab}")
     draft_vocab = d.get("draft_vocab_size")
     if draft_vocab is not None and "vocab_size" in d:
         refused = full_vocabulary_refusal(draft_vocab, d["vocab_size"])
         if refused:
             raise NotDFlash2(refused)
     return dc
+
+
+def check_tensor_names(names) -> None:
+    """The selector's codebooks are plain tensors, named without ``.weight`` as vLLM reads them:
+    a folder that names them otherwise (written by another tool from an nn.Embedding) would not
+    serve, so it is refused in one line naming the tensors."""
+    wrong = sorted(n for n in names if n.endswith("_codebook.weight"))
+    if wrong:
+        raise NotDFlash2(f"model.safetensors names the selector's codebooks {wrong}: vLLM reads "
+                         "them without '.weight' (candidate_selector.predecessor_codebook, "
+                         "candidate_selector.successor_codebook); rename those tensors, or "
+                         "publish the folder again from its checkpoint")

@@ -201,3 +201,43 @@ def test_what_this_engine_cannot_load_is_refused_in_one_line(saved, change, says
     with pytest.raises(NotDFlash2) as exc:
         DFlash2Drafter.config_from_dict(cfg)
     assert says in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_codebooks_under_weight_names_and_a_top_k_beyond_the_vocabulary_are_named(saved, tmp_path):
+    """Robustness round six: a folder whose codebooks carry '.weight' (as an nn.Embedding's would)
+    or whose selector_top_k exceeds its vocabulary is refused in one line naming it."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from dflash_core.models.dflash2.format import NotDFlash2
+
+    _, folder = saved
+    renamed = tmp_path / "renamed"
+    shutil.copytree(folder, renamed)
+    state = load_file(str(renamed / "model.safetensors"))
+    save_file({(k + ".weight" if k.endswith("_codebook") else k): v for k, v in state.items()},
+              str(renamed / "model.safetensors"))
+    with pytest.raises(NotDFlash2) as exc:
+        DFlash2Drafter.load(renamed)
+    assert "candidate_selector.predecessor_codebook.weight" in str(exc.value)
+    assert "\n" not in str(exc.value)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["dflash_config"]["selector_top_k"] = cfg["vocab_size"] + 1
+    with pytest.raises(NotDFlash2, match="selector_top_k .*K must be 1.."):
+        DFlash2Drafter.config_from_dict(cfg)
+
+
+def test_a_dflash2_folder_where_another_family_is_expected_and_init_from_dspark(saved, tmp_path):
+    """A DFlash2 folder given to a DFlash run is named as DFlash2; drafter.init_from a DSpark
+    folder in a DFlash2 run is refused naming it (its backbone is not DFlash's)."""
+    _, folder = saved
+    with pytest.raises(ObjectiveMismatch, match="holds a DFlash2 drafter, but drafter.objective "
+                                                "is dflash"):
+        load_drafter(folder, "dflash")
+    dspark = tmp_path / "dspark"
+    (dspark).mkdir()
+    (dspark / "config.json").write_text(json.dumps({"architectures": ["Qwen3DSparkModel"]}))
+    with pytest.raises(ObjectiveMismatch, match="holds a DSpark drafter, but "
+                                                "drafter.objective is dflash2"):
+        load_drafter(dspark, "dflash2")
