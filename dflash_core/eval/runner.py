@@ -397,7 +397,7 @@ class Evaluation:
         line = {"kind": "prompt", "index": i, "id": p.prompts[i].id, "batch": batch,
                 "prompt_tokens": len(self.rendered[p.name].ids[i]), "tokens": r.tokens,
                 "acceptance": r.acceptance, "proposed": r.proposed}
-        if d.spec is not None and r.served_acceptance:  # vLLM's count (acceptance.VllmCounts)
+        if d.spec is not None and r.served_acceptance:  # vLLM's count (served_counts.VllmCounts)
             line["served_acceptance"] = r.served_acceptance
             k = family(d.spec.objective).drafts_per_round(d.spec.block_size)
             line["served_drafts"] = k

@@ -11,7 +11,7 @@ B-1, DSpark B: from the family, never from the user). Each decoding runs in a ch
 
 - vLLM's own counters (drafts, draft tokens, accepted, accepted per position: its
   ``spec_decode`` counters over that set's ``generate``) beside our count of the same rounds the
-  way vLLM counts them (acceptance.VllmCounts); per prompt, whether vLLM's steps (its
+  way vLLM counts them (served_counts.VllmCounts); per prompt, whether vLLM's steps (its
   per-request accepted and drafted counts) equal our rounds counted whole;
 - the lossless check of vLLM's speculative output against vLLM's plain decoding (a failure: exit
   1) and against ours; where vLLM's plain decoding differs from ours (another kernel: said, not a
@@ -37,7 +37,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dflash_core.acceptance import VllmCounts
+from dflash_core.served_counts import VllmCounts
 from dflash_core.eval.errors import EvalInputError
 from dflash_core.eval.summary import first_difference
 from dflash_core.families.registry import family

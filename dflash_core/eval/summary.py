@@ -18,7 +18,7 @@ decoding, and the lossless check.
   those generated before the round), from each prompt's length and acceptance per round.
 - **lossless**: greedy only; every prompt's speculative tokens equal to plain decoding's.
 - **vllm_count**: greedy only; the same rounds counted as vLLM's counters count them
-  (acceptance.VllmCounts: every round drafted the full count and its accepted drafts counted
+  (served_counts.VllmCounts: every round drafted the full count and its accepted drafts counted
   whole, the last round's too); None when a prompt's line predates it.
 """
 
@@ -27,7 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dflash_core.eval.results import ResultsFile
-from dflash_core.acceptance import VllmCounts, histogram, pooled_tau, serving_counts
+from dflash_core.acceptance import histogram, pooled_tau, serving_counts
+from dflash_core.served_counts import VllmCounts
 from dflash_core.context_buckets import Buckets, by_context, round_positions
 
 

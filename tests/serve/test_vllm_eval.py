@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from dflash_core.acceptance import VllmCounts
+from dflash_core.served_counts import VllmCounts
 from dflash_tui.cli import main
 from tests.core.eval.conftest import demo_hf_config  # noqa: F401  (a fixture)
 from tests.serve.conftest import NEW_TOKENS, PROMPTS

@@ -105,7 +105,7 @@ def test_eval_also_counts_its_rounds_as_vllm_s_counters_do(served, tmp_path):
     """Each drafter's greedy line keeps its rounds counted whole (served_acceptance, every
     round of served_drafts drafts); results.json's vllm_count sums them as vLLM's four counters,
     and the table says its tau beside ours. 8 new tokens: every prompt's last round is cut."""
-    from dflash_core.acceptance import VllmCounts
+    from dflash_core.served_counts import VllmCounts
 
     report = _run(served, tmp_path).run()
     res = json.loads((tmp_path / "results.json").read_text())

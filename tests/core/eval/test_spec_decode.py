@@ -201,7 +201,7 @@ def test_counting_whole_rounds_keeps_the_tokens_and_counts_as_vllm_does(demo, dr
     """count_whole: every round drafts the full count, the last one too, and the drafts the
     target accepts are counted whole (vLLM's counters); the tokens kept and our own count are
     those of decoding without it."""
-    from dflash_core.acceptance import VllmCounts
+    from dflash_core.served_counts import VllmCounts
 
     d = drafters["dflash"]
     per_round = d.block_size - 1
