@@ -164,6 +164,18 @@ def _fingerprint(folder: Path, config_text: str) -> str:
     return h.hexdigest()[:16]
 
 
+
+def _config_of(cls, d: dict, where: str, not_family: type[Exception]):
+    """A family's drafter config from a folder's config.json: the family's own refusal
+    (``not_family``) or a field transformers' config refuses, each one EvalInputError line."""
+    try:
+        return cls.config_from_dict(d)
+    except not_family as exc:
+        raise EvalInputError(f"{where}: {exc}") from exc
+    except (ValueError, TypeError) as exc:
+        raise EvalInputError(f"{where}: config.json cannot be a drafter's config "
+                             f"({type(exc).__name__}: {exc})", hint=HINT) from exc
+
 def read_drafter(given: str) -> DrafterSpec:
     """The drafter folder's kind and config (no weights read)."""
     folder, run = resolve_folder(given)
@@ -188,25 +200,13 @@ def read_drafter(given: str) -> DrafterSpec:
         from dflash_core.models.dspark.format import NotDSpark
 
         check_fields(d, "dspark", where)
-        try:
-            cfg, objective = DSparkDrafter.config_from_dict(d), "dspark"
-        except NotDSpark as exc:
-            raise EvalInputError(f"{where}: {exc}") from exc
-        except (ValueError, TypeError) as exc:  # a field transformers' config refuses
-            raise EvalInputError(f"{where}: config.json cannot be a drafter's config "
-                                 f"({type(exc).__name__}: {exc})", hint=HINT) from exc
+        cfg, objective = _config_of(DSparkDrafter, d, where, NotDSpark), "dspark"
     elif arch == [DFLASH2_ARCHITECTURE]:
         from dflash_core.models.dflash2.format import NotDFlash2
 
         dc = d.get("dflash_config")
         check_fields({**d, **(dc if isinstance(dc, dict) else {})}, "dflash2", where)
-        try:
-            cfg, objective = DFlash2Drafter.config_from_dict(d), "dflash2"
-        except NotDFlash2 as exc:
-            raise EvalInputError(f"{where}: {exc}") from exc
-        except (ValueError, TypeError) as exc:  # a field transformers' config refuses
-            raise EvalInputError(f"{where}: config.json cannot be a drafter's config "
-                                 f"({type(exc).__name__}: {exc})", hint=HINT) from exc
+        cfg, objective = _config_of(DFlash2Drafter, d, where, NotDFlash2), "dflash2"
     elif arch == [DFLASH_ARCHITECTURE] or (not arch and "dflash_config" in d):
         cfg, objective = _dflash_config(d, where), "dflash"
     else:
