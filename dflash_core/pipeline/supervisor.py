@@ -151,7 +151,7 @@ class Supervisor:
                 on_depth=DepthReporter(prefetch_queue(rank), publish), beat=run.heartbeats.beat))
         if any(d.type == "cuda" for d in run.target_devices):
             serialize_triton_autotuning()  # targets' (and the evaluation's) FLA kernels
-        for rank, stage in enumerate(self._group_stages(groups)):
+        for stage in self._group_stages(groups):
             run.targets.append(stage)
             self.run.start_worker(stage.name, "target", stage.label, stage.run)
         for rank, dev in enumerate([] if groups else run.target_devices):

@@ -11,9 +11,10 @@ features ``seq``, ("stop",). Rank -> engine (its reply queue): ("progress", fiel
 ("features", seq, tensor), ("done",), ("error", kind, message, traceback, hint).
 
 Sharded mode: every rank its own batches, in lockstep, since FSDP gathers each layer from every
-rank: each tick the ranks agree (one all-reduce on a gloo group) whether any has a batch and how
-many row groups a forward takes; a rank with none left runs a one-row dummy forward per group
-while the others finish. Shared mode: every rank gets the same batch; rank 0 sends the features.
+rank: each tick the ranks agree (one all-reduce on a gloo group) whether any has a batch; a rank
+with none left runs a one-row dummy forward while the others finish. (No row groups: an
+out-of-memory error inside a rank ends the run, since the others would be left inside a
+collective.) Shared mode: every rank gets the same batch; rank 0 sends the features.
 
 A rank never outlives the engine: the kernel kills it when the engine dies (PR_SET_PDEATHSIG on
 Linux), and a watcher thread ends it if its parent changes.
@@ -135,7 +136,6 @@ class Rank:
     def __init__(self, args: RankArgs, requests, replies):
         self.args, self.requests, self.replies = args, requests, replies
         self.held: dict[int, object] = {}  # features sent, kept until acknowledged
-        self.splits = 1
         self.ended = False  # this rank's batch stream is over
 
     def run(self) -> None:
@@ -260,25 +260,18 @@ class Rank:
 
         while True:
             msg = self._next()
-            have = torch.tensor([1 if msg is not None else 0, self.splits])
+            have = torch.tensor([1 if msg is not None else 0])
             dist.all_reduce(have, op=dist.ReduceOp.MAX, group=self.control)
             if int(have[0]) == 0:
                 return  # every rank's stream is over
-            splits = int(have[1])
-            if msg is None:
+            if msg is None:  # the others still have batches: one forward in step with theirs
                 dummy = torch.zeros(1, DUMMY_TOKENS, dtype=torch.long)
-                for _ in range(splits):
-                    self._forward(dummy, torch.ones_like(dummy))
+                self._forward(dummy, torch.ones_like(dummy))
                 continue
             _, seq, ids, mask = msg
-            parts = [self._forward(i, m) if len(i) else None
-                     for i, m in zip(ids.tensor_split(splits), mask.tensor_split(splits))]
-            for i, p in enumerate(parts):  # a group with no rows still takes its turn
-                if p is None:
-                    dummy = torch.zeros(1, DUMMY_TOKENS, dtype=torch.long)
-                    self._forward(dummy, torch.ones_like(dummy))
+            feats = self._forward(ids, mask)
             self._drain_acks()
-            self._send(seq, torch.cat([p for p in parts if p is not None]))
+            self._send(seq, feats)
 
     def _shared_loop(self) -> None:
         while True:
