@@ -52,6 +52,9 @@ class CheckOptions:
     # "vllm": the prompts decoded by vLLM too, the memorised drafter as its speculative model
     # (eval/served.py); its tau and tokens beside ours, in the evidence and check.json
     engine: str = "ours"
+    # with engine vllm: its memory, as eval's --vllm-memory (served.parse_memory); None: what
+    # is free when it starts (at most 0.9 of the card), 1 GiB of KV cache on the CPU
+    vllm_memory: str | None = None
 
 
 @dataclass
@@ -112,6 +115,11 @@ def prepare(cfg: Config, opts: CheckOptions, say: Callable[[str], None]) -> Prep
         served.check_available()
         served.check_servable([SimpleNamespace(objective=str(cfg.drafter.objective),
                                                label="of the check")], tdev[0])
+        served.parse_memory(opts.vllm_memory)
+    elif opts.vllm_memory is not None:
+        from dflash_core.eval.errors import EvalInputError
+
+        raise EvalInputError("--vllm-memory is vLLM's memory: it needs --engine vllm")
     drafter_dtype = check_dtype(opts.drafter_dtype or cfg.drafter.dtype, ddev[0])
     run_dir.mkdir(parents=True, exist_ok=True)
     progress = preflight.demo_log_progress(lambda e: say(e.message), lambda: None)
@@ -199,19 +207,6 @@ def judge(prep: Prepared, mem, opts: CheckOptions, say: Callable[[str], None]) -
             ref_note = "used"
             say(f"  {ref.name}: exact tau {ref.tau:.2f} of {ref.ceiling:.2f}")
 
-    vllm = None
-    if opts.engine == "vllm":
-        from dflash_core.eval import served
-
-        vllm = served.check_decoding(
-            prep.target_path, target.model.config, ckpt, drafter.objective, drafter.block_size,
-            [list(x.prompt) for x in samples], [list(x.response) for x in samples],
-            prep.target_dtype, target.device, prep.folder / "vllm", lambda m: say(f"  {m}"))
-        say(f"  vLLM ({vllm['version']}, {vllm['runner']}, {vllm['dtype']}): tau {vllm['tau']:.2f}"
-            f" by its counters; its tokens "
-            + ("are the target's greedy text" if not vllm["differs_from_the_target_here"] else
-               f"differ from the target's greedy text here on "
-               f"{len(vllm['differs_from_the_target_here'])} of {len(samples)} prompts"))
     say("diagnose: probes of the trained drafter")
     s0 = samples[0]
     probes = probe(drafter, mem.batch.input_ids, mem.context, len(s0.prompt), len(s0.input_ids))
@@ -226,6 +221,25 @@ def judge(prep: Prepared, mem, opts: CheckOptions, say: Callable[[str], None]) -
                        ceiling_tf=mem.tau_ceiling, probes=probes, steps=mem.steps,
                        trained_mask_id=drafter.mask_token_id, reference_mask_id=ref_mask,
                        target_layers=target.num_layers)
+    vllm = None
+    if opts.engine == "vllm":
+        from dflash_core.eval import served
+
+        # the probes are done: the target's memory back to the driver before vLLM measures its
+        # share of the card
+        config, device = target.model.config, target.device
+        target = None
+        release(prep)
+        vllm = served.check_decoding(
+            prep.target_path, config, ckpt, drafter.objective, drafter.block_size,
+            [list(x.prompt) for x in samples], [list(x.response) for x in samples],
+            prep.target_dtype, device, prep.folder / "vllm", lambda m: say(f"  {m}"),
+            served.parse_memory(opts.vllm_memory))
+        say(f"  vLLM ({vllm['version']}, {vllm['runner']}, {vllm['dtype']}): tau {vllm['tau']:.2f}"
+            f" by its counters; its tokens "
+            + ("are the target's greedy text" if not vllm["differs_from_the_target_here"] else
+               f"differ from the target's greedy text here on "
+               f"{len(vllm['differs_from_the_target_here'])} of {len(samples)} prompts"))
     evidence = evidence_lines(ours, ref, mem.tau_tf, mem.tau_ceiling, probes)
     if vllm is not None:
         evidence.append(f"served by vLLM ({vllm['version']}): tau {vllm['tau']:.2f} by its "

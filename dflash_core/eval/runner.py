@@ -73,6 +73,9 @@ class EvalOptions:
     # the drafter as its speculative model (served.py); its figures beside ours
     engine: str = "ours"
     verbose: bool = False  # engine vllm: its log on the terminal (else in OUT/vllm/)
+    # engine vllm: its memory, a share of the GPU ("0.8", its gpu_memory_utilization) or a KV
+    # cache size ("4GiB"); None: what is free when it starts (at most 0.9), 1 GiB on the CPU
+    vllm_memory: str | None = None
 
 
 def resolve_device(spec: str) -> torch.device:
@@ -178,6 +181,9 @@ class Evaluation:
             raise EvalInputError(f"--engine {opts.engine!r}: use ours or vllm")
         if opts.engine == "vllm":
             served.check_available()
+        elif opts.vllm_memory is not None:
+            raise EvalInputError("--vllm-memory is vLLM's memory: it needs --engine vllm")
+        self.vllm_memory = served.parse_memory(opts.vllm_memory)
         self.device = resolve_device(opts.device)
         self.dtype = _dtype(opts.dtype, self.device)
         self.sets = self._sets()
@@ -350,8 +356,23 @@ class Evaluation:
         for p in self.sets:
             self._run_set(p, t0)
         if self.opts.engine == "vllm":
-            self.served = served.Judge(self, self.opts.verbose).run()
+            self.release()  # vLLM's share of the card is measured with ours given back
+            memory = served.vllm_memory(self.device, self.vllm_memory, self.say)
+            self.served = served.Judge(self, self.opts.verbose, memory).run()
         return self.report()
+
+    def release(self) -> None:
+        """Drop the target and the drafters (their GPU memory back to the driver): a later
+        ``run`` loads them again."""
+        self.target = None
+        for d in self.decoders[1:]:
+            d.drafter = None
+        self.warm = False
+        if self.device.type == "cuda":
+            import gc
+
+            gc.collect()
+            torch.cuda.empty_cache()
 
     def _run_set(self, p: PromptSet, t0: float) -> None:
         ids = self.rendered[p.name].ids

