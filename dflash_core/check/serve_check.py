@@ -106,6 +106,10 @@ def prepare(cfg: Config, opts: CheckOptions, say: Callable[[str], None]) -> Prep
     t0 = time.monotonic()
     run_dir = cfg.run_dir
     say("preflight: devices, target, data")
+    if cfg.target.gpus_per_copy > 1:  # the check's few samples run on one device
+        say(f"warning: target.gpus_per_copy {cfg.target.gpus_per_copy} is the run's: check loads "
+            "the target whole on one device (a target that needs a group will not fit; check "
+            "a smaller model of its family, or rely on the run's preflight and first steps)")
     tdev, ddev = preflight.resolve_devices(cfg)
     if opts.engine == "vllm":  # vLLM missing, or a drafter it cannot serve here: one line
         from types import SimpleNamespace

@@ -56,7 +56,8 @@ def classify(exc: BaseException, *, role: str, device: str, phase: str) -> tuple
         return "io", "check the path, permissions and free disk space named in the message"
     text = str(exc)
     if "CUDA" in text or "cuda" in type(exc).__module__ or "NCCL" in text:
-        return "cuda", "a CUDA error usually leaves the device unusable: restart the run (r)"
+        return "cuda", ("a CUDA error usually leaves the device unusable: restart the run (r on "
+                        "the dashboard, --resume headless)")
     return "internal", "a bug in dflash: the traceback says where"
 
 

@@ -44,6 +44,14 @@ class GroupStage(TargetStage):
         return self.name if rank == self.ranks[0] else f"{self.name}.r{rank}"
 
     def run(self) -> str:
+        try:
+            return self._run()
+        except GroupRankFailed:
+            if self.group.first_failure():
+                raise
+            raise Stopped() from None  # the copy's other stream said it already
+
+    def _run(self) -> str:
         use_device(self.device)
         if self.device.type == "cuda":
             torch.cuda.set_stream(torch.cuda.Stream(self.device))

@@ -6,6 +6,7 @@ sinks, the devices, what preflight prepared, the checkpoint to resume."""
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Callable
@@ -123,6 +124,14 @@ class SetUp:
             records.mkdir(parents=True, exist_ok=True)
             if not self.resume and self.lead:  # a resume keeps it until its checkpoint fits
                 save_config(cfg, run_dir / "config.yaml")
+            elif self.resume:  # a folder there but read-only: said now as a new run's would be
+                for folder in {run_dir, records} if self.lead else {records}:
+                    probe = folder / f".write-probe-{os.getpid()}"
+                    try:
+                        probe.write_bytes(b"")
+                        probe.unlink()
+                    except OSError as exc:  # the folder's fault, not the probe file's name
+                        raise OSError(exc.errno, exc.strerror) from None
         except OSError as exc:
             raise ConfigError("run.output_dir", f"cannot write run folder {run_dir}: {exc}",
                               hint="set run.output_dir to a writable folder") from exc

@@ -35,6 +35,9 @@ INIT_TIMEOUT_S = 120.0  # the group forms within this, or the rank that is missi
 STOP_GRACE_S = 3.0  # a rank asked to stop ends within this, else it is terminated, then killed
 
 
+RESUME = "--resume (r on the dashboard) continues from the last checkpoint"
+
+
 class GroupRankFailed(RuntimeError):
     """A rank of a target group failed or died; names the rank and its GPU."""
 
@@ -42,7 +45,19 @@ class GroupRankFailed(RuntimeError):
         super().__init__(message)
         self.error_kind = kind
         self.hint = hint or ("the rank's log in the run folder has its whole output; "
-                             "restart the run (r) once the cause is fixed")
+                             f"{RESUME} once the cause is fixed")
+
+
+def _death(code: int, cuda: bool) -> tuple[str, str]:
+    """(error_kind, hint) of a rank that ended with exit code ``code`` unasked. SIGKILL is
+    most often the kernel's out-of-memory killer: memory, not a bug (no traceback to show:
+    the process had no chance to write one)."""
+    if code == -signal.SIGKILL:
+        return "oom", ("SIGKILL: on Linux most often the kernel's out-of-memory killer (dmesg "
+                       f"says; the host's memory, not the GPU's), or a kill -9; {RESUME}")
+    if cuda and code < 0:
+        return "cuda", ""
+    return "internal", ""
 
 
 class RankTraceback(Exception):
@@ -75,6 +90,33 @@ class TargetHeads:
         self.runs_here = False  # no forward of the target runs in this process
 
 
+STORE_PREFIX = ".target-group-"
+
+
+def remove_stale_stores(run_dir: Path) -> list[Path]:
+    """Remove the rendezvous files (``STORE_PREFIX``-G-PID-NS) of engines no longer alive:
+    a clean end removes its own, an engine killed (SIGKILL) cannot. Returns those removed."""
+    removed = []
+    for path in run_dir.glob(f"{STORE_PREFIX}*"):
+        parts = path.name[len(STORE_PREFIX):].split("-")
+        if len(parts) != 3 or not parts[1].isdigit():
+            continue
+        pid = int(parts[1])
+        try:
+            os.kill(pid, 0)
+            continue  # alive (or another's process of that number): left alone
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        try:
+            path.unlink()
+            removed.append(path)
+        except OSError:
+            pass
+    return removed
+
+
 class TargetGroup:
     """The k rank processes of one copy of the target."""
 
@@ -92,9 +134,18 @@ class TargetGroup:
         self.requests: list = []
         self.replies: list = []
         self.closing = False
+        self.failed = False  # a stream reported the group's failure: the others just stop
+        self._failed_lock = threading.Lock()
         self.heads: TargetHeads | None = None
         self.heads_ready = threading.Event()
-        self.store_path = self.run_dir / f".target-group-{index}-{os.getpid()}-{time.time_ns()}"
+        self.store_path = self.run_dir / f"{STORE_PREFIX}{index}-{os.getpid()}-{time.time_ns()}"
+
+    def first_failure(self) -> bool:
+        """True for the first stream to report this group's failure: one rank's death fails
+        every stream of the copy, and one error says it."""
+        with self._failed_lock:
+            first, self.failed = not self.failed, True
+            return first
 
     def gpu_label(self, rank: int) -> str:
         d = self.devices[rank]
@@ -111,6 +162,7 @@ class TargetGroup:
         """Spawn the ranks (from the run's supervisor thread, which outlives them)."""
         ctx = torch.multiprocessing.get_context("spawn")
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        remove_stale_stores(self.run_dir)
         for rank, dev in enumerate(self.devices):
             args = RankArgs(
                 rank=rank, world=self.split.k, gpu=dev.index if dev.type == "cuda" else None,
@@ -140,10 +192,10 @@ class TargetGroup:
             return None
         for rank, p in enumerate(self.procs):
             if p.exitcode is not None and rank != besides:
+                kind, hint = _death(p.exitcode, self.devices[0].type == "cuda")
                 return GroupRankFailed(
                     f"target group {self.index} rank {rank} ({self.gpu_label(rank)}, pid "
-                    f"{p.pid}) {_exit_text(p.exitcode)}", kind="cuda" if self.devices[0].type
-                    == "cuda" and p.exitcode < 0 else "internal")
+                    f"{p.pid}) {_exit_text(p.exitcode)}", kind=kind, hint=hint)
         return None
 
     def rank_error(self, rank: int, msg: tuple) -> GroupRankFailed:

@@ -117,7 +117,7 @@ class GroupFormError(RuntimeError):
     def __init__(self, message: str):
         super().__init__(message)
         self.hint = ("a rank could not start (its log in the run folder says why: a GPU it "
-                     "cannot bind, memory); restart the run (r) once the cause is fixed")
+                     "cannot bind, memory); --resume (r on the dashboard) once the cause is fixed")
 
 
 def form(store, rank: int, world: int, timeout_s: float) -> None:

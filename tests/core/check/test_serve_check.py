@@ -170,3 +170,25 @@ def test_the_drafter_decodes_in_its_served_dtype(healthy, monkeypatch):
                    replace(FAST, reference=False), lambda m: None)
     assert result.drafter_dtype == "bfloat16" and torch.bfloat16 in seen
     assert all(p.dtype == torch.float32 for p in mem.drafter.parameters())
+
+
+def test_a_config_with_a_target_group_says_the_check_loads_the_target_whole(tmp_path):
+    """check runs its few samples on one device: a run's target.gpus_per_copy is said not to
+    apply, instead of being passed over in silence."""
+    cfg = _cfg(tmp_path, "group")
+    cfg.layout.targets = [0, 1]
+    cfg.target.gpus_per_copy = 2
+    lines: list[str] = []
+
+    class Enough(Exception):
+        pass
+
+    def say(line: str) -> None:  # what follows the warning is the check's usual work
+        lines.append(line)
+        if "gpus_per_copy" in line:
+            raise Enough
+
+    with pytest.raises(Enough):
+        prepare(cfg, FAST, say)
+    said = [x for x in lines if "target.gpus_per_copy 2" in x]
+    assert len(said) == 1 and said[0].startswith("warning: ") and "whole on one device" in said[0]

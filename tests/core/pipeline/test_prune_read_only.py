@@ -43,3 +43,28 @@ def test_resume_goes_on_past_a_read_only_checkpoint_to_prune(tmp_path, assets, r
     assert sorted(p.name for p in root.iterdir()) == ["step-2", "step-8"]  # none hidden
     assert [checkpoint_step(p) for p in list_checkpoints(cfg.run_dir)] == [2, 8]  # step-2 whole
     assert ckpt.load_checkpoint(root / "step-8").step == 8
+
+
+def test_resume_of_a_read_only_run_folder_is_one_config_line(tmp_path, assets, read_only):
+    """Not an [io] PermissionError naming a temporary file: the key and its fix, exit 2 (as a
+    new run's unwritable folder), before the target loads."""
+    from dflash_core.observe.events import Error
+    from dflash_core.pipeline.headless import run_exit_code
+
+    first = Engine(_cfg(tmp_path, assets, 2, keep=0))
+    assert run_to_end(first, timeout=120).of(RunEnded)[0].status == "finished"
+    first.shutdown()
+    cfg = _cfg(tmp_path, assets, 4, keep=0)
+    before = sorted(p.name for p in cfg.run_dir.iterdir())
+    read_only(cfg.run_dir)
+    resumed = Engine(cfg, resume=True)
+    rec = run_to_end(resumed, timeout=120)
+    resumed.shutdown()
+    end = rec.of(RunEnded)[0]
+    (err,) = [e for e in rec.of(Error) if e.fatal]
+    assert err.error_kind == "config" and err.message.endswith(
+        f"run.output_dir: cannot write run folder {cfg.run_dir}: [Errno 1] Operation not "
+        "permitted"), err.message
+    assert "writable" in err.hint
+    assert end.status == "failed" and run_exit_code(resumed) == 2
+    assert sorted(p.name for p in cfg.run_dir.iterdir()) == before  # nothing left in it

@@ -90,6 +90,11 @@ def test_a_killed_rank_fails_the_run_naming_it_and_a_resume_trains_on(assets, tm
     rc, out, err = run.finish(60)
     assert rc == 1, out + err
     assert re.search(r"target group 0 rank 1 \(cpu:0\.1, pid \d+\) killed by SIGKILL", out), out
+    # said once (both streams of the copy see it), as memory (the kernel's OOM killer), not a
+    # bug: no traceback on the console, the headless way to go on in the hint
+    said = [x for x in out.splitlines() if "killed by SIGKILL" in x and "ERROR" in x]
+    assert len(said) == 1 and "[oom]" in said[0], out
+    assert "Traceback" not in out and "out-of-memory killer" in out and "--resume" in out
     for pid in pids:  # no rank outlives the run
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie"
     saved = sorted(int(p.name.split("-")[1]) for p in (cfg.run_dir / "checkpoints").glob("step-*"))

@@ -76,3 +76,22 @@ def test_a_hung_rank_is_a_stall_and_an_abort_still_ends_every_rank(assets, tmp_p
     assert ended.status == "aborted" and took < 20, took
     for pid in pids:
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie"
+
+
+def test_the_rendezvous_files_of_engines_no_longer_alive_are_removed(tmp_path):
+    """An engine killed (SIGKILL) cannot remove its group's rendezvous file; the next group
+    started in that run folder does, and leaves a live engine's alone."""
+    import subprocess
+    import sys
+
+    from dflash_core.target_group.group import STORE_PREFIX, remove_stale_stores
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    dead = tmp_path / f"{STORE_PREFIX}0-{int(gone.stdout)}-123"
+    alive = tmp_path / f"{STORE_PREFIX}0-{os.getpid()}-456"
+    other = tmp_path / f"{STORE_PREFIX}notes"
+    for p in (dead, alive, other):
+        p.write_text("x")
+    assert remove_stale_stores(tmp_path) == [dead]
+    assert not dead.exists() and alive.exists() and other.exists()
