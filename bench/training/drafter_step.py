@@ -1,6 +1,8 @@
 """Figure 2: drafter optimizer steps through the engine's trainer (block-sparse FlexAttention,
-chunked loss), 8B- and 27B-shaped, 3072-token samples, 512 anchors; DFlash (block 16) or DSpark
-(block 7, Markov rank 256, loss chunk 1024: the config's DSpark defaults).
+chunked loss), 8B- and 27B-shaped, 3072-token samples, 512 anchors; DFlash (block 16), DSpark
+(block 7, Markov rank 256, loss chunk 1024: the config's DSpark defaults) or DFlash2 (block 8,
+loss chunk 4096, convolutions of 2 taps x groups of 16, selector rank 256 over the top 16: the
+config's DFlash2 defaults).
 
     python bench/training/drafter_step.py [--samples 8] [--steps 6]
     # config.yaml's drafter (8 layers, one sequence per micro-group, loss chunk 4096), 27B shape:
@@ -12,23 +14,37 @@ chunked loss), 8B- and 27B-shaped, 3072-token samples, 512 anchors; DFlash (bloc
     # DSpark next to DFlash: step time, samples/s, MFU, peak memory against the plan
     python bench/training/drafter_step.py --shapes 8B --objective dflash
     python bench/training/drafter_step.py --shapes 8B --objective dspark [--markov-rank 256]
+    python bench/training/drafter_step.py --shapes 8B --objective dflash2 [--selector-top-k 16] \\
+        [--selector-rank 256] [--conv-kernel-size 2] [--conv-group-size 16]
     # the loss alone, forward + backward of one micro-group (DSpark's CE+TV+confidence with its
     # recompute, and DFlash's chunked CE over the same rows: what the TV term costs)
     python bench/training/drafter_step.py --shapes 8B --objective dspark --time-loss
     python bench/training/drafter_step.py --shapes 8B --objective dflash --time-loss
+    # DFlash2's CE + selector term against DFlash's chunked CE over the same rows (both torch)
+    python bench/training/drafter_step.py --shapes 8B --objective dflash2 --time-loss
     # the fused loss (drafter.fused_loss; auto = fused on CUDA with Triton) against the torch one
     python bench/training/drafter_step.py --shapes 8B --objective dspark --time-loss --fused-loss on
     python bench/training/drafter_step.py --shapes 8B --objective dspark --time-loss --fused-loss off
     # a CPU smoke run of this script (tiny shape; no MFU nor peak memory there)
     python bench/training/drafter_step.py --device cpu --shapes tiny --objective dspark --seq-len 96 \\
         --anchors 8 --samples 2 --steps 1 --warmup 1
+    python bench/training/drafter_step.py --device cpu --shapes tiny --objective dflash2 --seq-len 96 \\
+        --anchors 8 --samples 2 --steps 1 --warmup 1
 
 MFU counts model FLOPs, forward x 3 for everything that backpropagates (the frozen lm_head too, as
 this figure always has). DSpark's count adds its loss's extra matmuls: the lm_head over the
 target's last hidden state at the block positions (forward only: it takes no gradient), the Markov
-head's W2 (x 3) and the confidence head, and every slot predicts (DFlash: B-1 of B). Recompute in
-backward (either loss's chunks, DSpark's target distribution) and the softmax / TV passes are
-not counted. The fused loss (--fused-loss) recomputes nothing: its FLOPs are the same matmuls.
+head's W2 (x 3) and the confidence head, and every slot predicts (DFlash: B-1 of B). DFlash2's
+count (B-1 of B slots predict, as DFlash's) adds, all x 3 (everything of it backpropagates): per
+block token and layer its two kernel projections y -> Delta (2 x 2 H 2TM, M = H/G groups) and
+its four convolutions (each tap: beta x and Delta x, their sum, the running sum: (4 min(T, B) - 1)
+H); per labelled slot its selector (the gate W_h h, 2 H r; A[a] x gate, r; the pair term, 2 r K
+over the K candidates' codebook rows, or 2 r V where the loss takes the product over the whole
+vocabulary, K r > V; U + pair, K). Its top-K choice carries no gradient and is a selection, not
+arithmetic: not counted. Recompute in backward (every loss's chunks, DSpark's target
+distribution) and the softmax / TV / softcap / logsumexp passes are not counted. The fused loss
+(--fused-loss) recomputes nothing: its FLOPs are the same matmuls; DFlash2 has none (its
+selector needs every row's top-K over the vocabulary): it runs the torch loss under auto.
 """
 
 from __future__ import annotations
@@ -48,6 +64,7 @@ from common import (FIXTURES, H200_BF16_PEAK, decoder_flops_per_token, env_line,
                     use_transformers_norm)
 from dflash_core.config import ConfigError, config_from_dict
 from dflash_core.data import Batch
+from dflash_core.families import dflash2 as d2
 from dflash_core.families.registry import settings as family_settings
 from dflash_core.models import registry as drafter_kinds
 from dflash_core.models.dspark import loss as dspark_loss
@@ -71,9 +88,23 @@ SHAPES = {
              "tie_word_embeddings": False},
 }
 LAYER_IDS = [1, 2, 3, 4, 5]  # k = 5 target layers, the config's default count
+
+
+def config_defaults(objective: str) -> tuple[int, int]:
+    """(drafter.block_size, drafter.loss_chunk) of a config that sets only the objective."""
+    d = config_from_dict({"drafter": {"objective": objective}}).drafter
+    return d.block_size, d.loss_chunk
+
+
 # Per objective: (block size, loss chunk) when not given. DFlash keeps this figure's 16 and 8192;
-# DSpark takes the config's DSpark defaults (drafter.block_size 7, drafter.loss_chunk 1024).
-OBJECTIVE_DEFAULTS = {"dflash": (16, 8192), "dspark": (7, DSPARK_LOSS_CHUNK)}
+# DSpark takes the config's DSpark defaults (drafter.block_size 7, drafter.loss_chunk 1024),
+# DFlash2 the config's DFlash2 defaults (its family's block 8; the key's own loss chunk, 4096).
+OBJECTIVE_DEFAULTS = {"dflash": (16, 8192), "dspark": (7, DSPARK_LOSS_CHUNK),
+                      "dflash2": config_defaults("dflash2")}
+# DFlash2's keys this script sets, each by its flag (--conv-kernel-size, ...), with their
+# defaults; selector_alpha and selector_missing keep the config's (neither changes the work).
+DFLASH2_KEYS = {"conv_kernel_size": d2.CONV_KERNEL_SIZE, "conv_group_size": d2.CONV_GROUP_SIZE,
+                "selector_rank": d2.SELECTOR_RANK, "selector_top_k": d2.SELECTOR_TOP_K}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -84,17 +115,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--shapes", default="8B,27B",
                     help=f"comma list of {', '.join(SHAPES)}; one per call keeps each under a "
                          "limit")
-    ap.add_argument("--objective", choices=("dflash", "dspark"), default="dflash",
+    ap.add_argument("--objective", choices=tuple(OBJECTIVE_DEFAULTS), default="dflash",
                     help="drafter.objective")
     ap.add_argument("--markov-rank", type=int, default=None,
                     help=f"drafter.markov_rank (dspark only; default {DSPARK_MARKOV_RANK})")
+    for key, default in DFLASH2_KEYS.items():
+        ap.add_argument(f"--{key.replace('_', '-')}", type=int, default=None,
+                        help=f"drafter.{key} (dflash2 only; default {default})")
     ap.add_argument("--block-size", type=int, default=None,
-                    help="drafter.block_size (default: dflash 16, dspark 7)")
+                    help="drafter.block_size (default: dflash 16, dspark 7, dflash2 "
+                         f"{OBJECTIVE_DEFAULTS['dflash2'][0]})")
     ap.add_argument("--micro", type=int, default=16384,
                     help="drafter.micro_block_tokens: block tokens live at once (memory)")
     ap.add_argument("--layers", type=int, default=5, help="drafter.num_layers")
     ap.add_argument("--loss-chunk", type=int, default=None,
-                    help="drafter.loss_chunk (default: dflash 8192, dspark 1024)")
+                    help="drafter.loss_chunk (default: dflash 8192, dspark 1024, dflash2 "
+                         f"{OBJECTIVE_DEFAULTS['dflash2'][1]})")
     ap.add_argument("--loss", choices=("dflash", "dpace"), default="dflash", help="drafter.loss")
     ap.add_argument("--optim", choices=("adamw", "muon"), default="adamw", help="optim.name")
     ap.add_argument("--seq-len", type=int, default=3072, help="tokens per sample")
@@ -109,7 +145,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "(off), or fused where CUDA and Triton are (auto)")
     ap.add_argument("--time-loss", action="store_true",
                     help="time the loss alone instead (forward + backward of one micro-group; "
-                         "dspark: also DFlash's chunked CE over the same rows)")
+                         "dspark, dflash2: also DFlash's chunked CE over the same rows)")
     ap.add_argument("--stacks-after", type=float, default=240,
                     help="print every thread's stack if a step takes longer than this (s)")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
@@ -138,6 +174,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error("--batches and --time-loss each replace the steps: give one of them")
     if args.markov_rank is not None and args.objective != "dspark":
         ap.error("--markov-rank is DSpark's: add --objective dspark")
+    for key, default in DFLASH2_KEYS.items():
+        if getattr(args, key) is not None and args.objective != "dflash2":
+            ap.error(f"--{key.replace('_', '-')} is DFlash2's: add --objective dflash2")
+        if getattr(args, key) is None:
+            setattr(args, key, default)
     block, chunk = OBJECTIVE_DEFAULTS[args.objective]
     args.block_size = block if args.block_size is None else args.block_size
     args.loss_chunk = chunk if args.loss_chunk is None else args.loss_chunk
@@ -149,7 +190,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(f"{exc} ({exc.hint})" if exc.hint else str(exc))
     settings = family_settings(cfg)
     for shape in args.shapes:
-        bad = settings.problems(model_shape(SHAPES[shape]).vocab) if settings else []
+        ms = model_shape(SHAPES[shape])
+        if settings is None:
+            bad = []
+        elif args.objective == "dflash2":  # its groups must divide the width (the target's)
+            bad = settings.problems(ms.vocab, ms.hidden)
+        else:
+            bad = settings.problems(ms.vocab)
         if bad:
             ap.error(f"{shape}: {bad[0]}")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -170,6 +217,8 @@ def run_config(args, token_budget: int):
                "fused_loss": args.fused_loss}
     if args.objective == "dspark":
         drafter["markov_rank"] = args.markov_rank
+    if args.objective == "dflash2":
+        drafter.update({key: getattr(args, key) for key in DFLASH2_KEYS})
     return config_from_dict({
         "drafter": drafter, "optim": {"name": args.optim},
         "data": {"token_budget": max(token_budget, args.seq_len), "max_length": args.seq_len},
@@ -177,9 +226,11 @@ def run_config(args, token_budget: int):
 
 
 def step_flops(dc, n, S, A, B, vocab, k=5, objective="dflash", rank=0,
-               confidence=True) -> dict[str, float]:
+               confidence=True, settings=None) -> dict[str, float]:
     """Model FLOPs of one step by part (forward x 3 for what backpropagates), counting only
-    unmasked attention. DSpark: every slot predicts, plus its loss's extra matmuls."""
+    unmasked attention. DSpark: every slot predicts, plus its loss's extra matmuls. DFlash2
+    (``settings``: its DFlash2Settings, default the family's at B): DFlash's parts, plus its
+    convolutions and its selector (the module docstring says what each counts)."""
     H = dc.hidden_size
     hd, heads, kvh = dc.head_dim, dc.num_attention_heads, dc.num_key_value_heads
     T = A * B
@@ -196,6 +247,20 @@ def step_flops(dc, n, S, A, B, vocab, k=5, objective="dflash", rank=0,
         parts["markov head"] = 3 * n * 2 * rows * rank * vocab  # W2: r -> V (W1 is a lookup)
         if confidence:
             parts["confidence head"] = 3 * n * 2 * rows * (H + rank)
+    if objective == "dflash2":
+        s = settings or d2.DFlash2Settings(block_size=B)
+        taps, M = s.conv_kernel_size, H // s.conv_group_size
+        r, K = s.selector_rank, s.selector_top_k
+        # per block token and layer (models/dflash2/conv.py): two projections y -> Delta
+        # [2TM] (attention's, MLP's), four convolutions (each side of each sublayer), each
+        # of min(T, B) taps: beta x, Delta x, their sum and, after the first, the running sum
+        conv = 2 * (2 * H * 2 * taps * M) + 4 * (4 * min(taps, B) - 1) * H
+        parts["convolutions"] = 3 * n * dc.num_hidden_layers * T * conv
+        # per labelled slot (models/dflash2/loss.py): gate 2Hr, A[prev] x gate r, the pair
+        # term over the K candidates (or, where K r exceeds the vocabulary, the loss's one
+        # product over it: 2rV), U + pair K
+        pair = 2 * r * (vocab if K * r > vocab else K)
+        parts["selector"] = 3 * n * rows * (2 * H * r + r + pair + K)
     return parts
 
 
@@ -271,7 +336,9 @@ def loss_passes(rep, batch, feats):
     backward the step makes on the drafter's final states of that group (computed once here),
     ``rows`` the labelled slots it projects. DSpark's also against DFlash's chunked CE over the
     same rows, same chunk: the difference is what TV, the Markov head and the confidence term
-    cost. Gradients land in the replica's buffer (zero it after)."""
+    cost. DFlash2's (its step loss: CE + selector) against the same CE, both torch (DFlash2 has
+    no fused loss): the difference is what the selector costs. Gradients land in the replica's
+    buffer (zero it after)."""
     d, dev, dcfg = rep.drafter, rep.device, rep.dcfg
     g = min(len(batch), obj.sequences_per_group(rep.micro_block_tokens,
                                                 batch.anchors.shape[1] * d.block_size))
@@ -280,13 +347,13 @@ def loss_passes(rep, batch, feats):
     f = feats[:g]
     H = d.config.hidden_size
     labels_host = batch.labels[:g]
-    if rep.settings is not None:
+    if d.family.last_hidden:
         f, last = f[..., :-H], f[..., -H:]
     with torch.no_grad(), torch.autocast(dev.type, dtype=torch.bfloat16, enabled=rep.autocast):
         hidden = d(f, d.embed_tokens(ids).float(), pos, a)
     hidden = hidden.detach().requires_grad_()
     chunk = dcfg.loss_chunk
-    fused = fused_loss.fused(dcfg.fused_loss, dev.type)
+    fused = loss_fused(rep)
 
     def pass_of(loss_fn):
         def run():
@@ -301,6 +368,17 @@ def loss_passes(rep, batch, feats):
         return g, {"DFlash chunked CE": (pass_of(lambda: obj.chunked_loss(
             hidden, labels, d.lm_head.weight, rep.loss.gamma, chunk, rows=picked, fused=fused)),
             len(picked.rows))}
+    if d.objective == "dflash2":  # the step's own loss, as the replica calls it
+        t = rep.loss.targets(d, f, labels_host, batch.input_ids[:g], batch.anchors[:g])[1]
+        labels = t.labels.to(dev)
+        n_rows = len(t.picked.rows)
+        return g, {
+            "DFlash2 CE+selector": (pass_of(lambda: rep.loss(d, hidden, pos, labels, t)),
+                                    n_rows),
+            "DFlash chunked CE, same rows": (pass_of(lambda: obj.chunked_loss(
+                hidden, labels, d.lm_head.weight, rep.loss.gamma, chunk, rows=t.picked,
+                fused=fused)), n_rows),
+        }
     dsp = rep.settings
     labels_host, prev = dspark_loss.dspark_targets(
         labels_host, dspark_loss.anchor_tokens(batch.input_ids[:g], batch.anchors[:g]))
@@ -317,6 +395,13 @@ def loss_passes(rep, batch, feats):
     }
 
 
+def loss_fused(rep) -> bool:
+    """Whether the replica's loss runs fused: drafter.fused_loss on its device, and a family
+    that has the fused loss (DFlash2 runs the torch loss under auto)."""
+    return (rep.drafter.family.has_fused_loss
+            and fused_loss.fused(rep.dcfg.fused_loss, rep.device.type))
+
+
 def time_loss(rep, batch, feats, args, shape: str, planned_chunk: int) -> None:
     """The loss alone: mean forward + backward of one micro-group over --steps passes (after
     --warmup), per labelled row and per anchor, its peak memory over what was live before it
@@ -326,7 +411,7 @@ def time_loss(rep, batch, feats, args, shape: str, planned_chunk: int) -> None:
     g, passes = loss_passes(rep, batch, feats)
     groups = -(-len(batch) // g)
     anchors = g * batch.anchors.shape[1]
-    path = "fused" if fused_loss.fused(rep.dcfg.fused_loss, dev.type) else "torch"
+    path = "fused" if loss_fused(rep) else "torch"
     print(f"| {shape} loss (one micro-group) | rows | chunk | ms / pass | us / row | us / anchor "
           f"| peak over live | plan's loss chunk | a step's loss ({groups} groups) | loss |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -350,9 +435,10 @@ def time_loss(rep, batch, feats, args, shape: str, planned_chunk: int) -> None:
               f"{dt / max(rows, 1) * 1e6:.2f} | {dt / anchors * 1e6:.2f} | {peak} | "
               f"{size(planned_chunk)} | {dt * groups:.3f} s | {path} |", flush=True)
     if len(per_pass) == 2:
-        dsp, ce = per_pass.values()
-        print(f"  {shape}: DSpark's loss costs {dsp / ce:.2f}x DFlash's chunked CE over the same "
-              f"rows: +{(dsp - ce) * groups:.3f} s per step of {len(batch)} samples", flush=True)
+        name = next(iter(per_pass)).split()[0]  # DSpark, DFlash2
+        own, ce = per_pass.values()
+        print(f"  {shape}: {name}'s loss costs {own / ce:.2f}x DFlash's chunked CE over the same "
+              f"rows: +{(own - ce) * groups:.3f} s per step of {len(batch)} samples", flush=True)
 
 
 def main(argv=None) -> None:
@@ -368,7 +454,7 @@ def main(argv=None) -> None:
                                                    device)
         print(f"  GPU capped at {args.gpu_memory_gib:g} GiB of {total / 2**30:.1f}", flush=True)
     S, A, B, k = args.seq_len, args.anchors, args.block_size, len(LAYER_IDS)
-    dspark = args.objective == "dspark"
+    dspark, dflash2 = args.objective == "dspark", args.objective == "dflash2"
     for shape in args.shapes:
         hf = SHAPES[shape]
         tc = hf_config(hf)
@@ -428,13 +514,16 @@ def main(argv=None) -> None:
         timed = times[args.warmup:]
         dt = sum(timed) / len(timed)
         parts = step_flops(dc, args.samples, S, A, B, tc.vocab_size, k, args.objective,
-                           args.markov_rank, settings is not None and settings.confidence_head)
+                           args.markov_rank, dspark and settings.confidence_head,
+                           settings if dflash2 else None)
         fl = sum(parts.values())
         n_params = sum(p.numel() for p in rep.params())
         what = (f"dspark (B {B}, Markov rank {args.markov_rank}), {args.optim}" if dspark
+                else f"dflash2 (B {B}, conv {args.conv_kernel_size} taps x groups of "
+                     f"{args.conv_group_size}, selector rank {args.selector_rank} top-"
+                     f"{args.selector_top_k}), {args.optim}" if dflash2
                 else f"dflash (B {B}), loss {args.loss}, {args.optim}")
-        what += (", fused loss" if fused_loss.fused(args.fused_loss, device.type)
-                 else ", torch loss")
+        what += ", fused loss" if loss_fused(rep) else ", torch loss"
         trainable = (f"{n_params / 1e9:.2f}B" if n_params >= 1e8 else f"{n_params / 1e6:.2f}M")
         mfu = f"{fl / dt / H200_BF16_PEAK:.2f}" if cuda else "- (CPU)"
         peak = size(torch.cuda.max_memory_allocated()) if cuda else "- (CPU)"
@@ -449,7 +538,9 @@ def main(argv=None) -> None:
         print(f"  {shape} FLOPs per step {fl / 1e12:.3g} TFLOP ({counted}; forward x 3 of what "
               "backpropagates" + ("; DSpark's loss adds the target lm_head at the block "
                                   "positions, forward only, and the Markov and confidence heads"
-                                  if dspark else "")
+                                  if dspark else "; DFlash2 adds its convolutions' projections "
+                                  "and taps, and its selector's gate and pair scores"
+                                  if dflash2 else "")
               + "; recompute in backward not counted)", flush=True)
         del rep, drafter, embed, head, feats
         if cuda:
