@@ -54,13 +54,16 @@ def write_checksums(tmp: Path, sums: dict[str, dict]) -> None:
                                  "files": {n: sums[n] for n in sorted(sums)}}, 1)
 
 
-def check_safetensors(path: Path) -> None:
-    """A safetensors file whose size is what its header says (a truncated one is damaged)."""
+def check_safetensors(path: Path) -> dict:
+    """A safetensors file whose size is what its header says (a truncated one is damaged);
+    returns its tensors' entries (name -> dtype, shape, data_offsets), read from the header."""
     n, meta = safetensors_io.read_header(path)
-    end = max((v["data_offsets"][1] for k, v in meta.items() if k != "__metadata__"), default=0)
+    tensors = {k: v for k, v in meta.items() if k != "__metadata__"}
+    end = max((v["data_offsets"][1] for v in tensors.values()), default=0)
     size = path.stat().st_size
     if size != 8 + n + end:
         raise ValueError(f"truncated: {size} bytes, its header says {8 + n + end}")
+    return tensors
 
 
 def crc32_of(path: Path, progress: Callable[[int], None] | None = None) -> int:

@@ -177,7 +177,8 @@ def _config_of(cls, d: dict, where: str, not_family: type[Exception]):
                              f"({type(exc).__name__}: {exc})", hint=HINT) from exc
 
 def read_drafter(given: str) -> DrafterSpec:
-    """The drafter folder's kind and config (no weights read)."""
+    """The drafter folder's kind and config, its model.safetensors judged by its header (no
+    weights read)."""
     folder, run = resolve_folder(given)
     where = f"--drafter {given}"
     try:
@@ -214,9 +215,66 @@ def read_drafter(given: str) -> DrafterSpec:
                              f"{DFLASH_ARCHITECTURE}, {DSPARK_ARCHITECTURE}, "
                              f"{DFLASH2_ARCHITECTURE}",
                              hint="pass a DFlash, DSpark or DFlash2 drafter folder")
+    _check_weights(folder, objective, cfg, given)
     return DrafterSpec(folder, given, _label(folder, run), objective, cfg,
                        _fingerprint(folder, text), run,
                        run_hours(folder, run) if run is not None else None)
+
+
+_DAMAGED = "the file is damaged or incomplete: copy it again"
+
+
+def _misfit(given: str, what: str) -> EvalInputError:
+    return EvalInputError(f"--drafter {given}: model.safetensors does not fit its config.json "
+                          f"({what})", hint="the folder's weights and config.json belong to "
+                                            "different drafters")
+
+
+def _check_names(objective: str, names, where: str) -> None:
+    """The family's own rule on its tensor names (DFlash2: codebooks without '.weight')."""
+    from dflash_core.models.registry import drafter_class
+
+    try:
+        drafter_class(objective).check_names(names)
+    except ValueError as exc:
+        raise EvalInputError(f"{where}: {exc}", hint="publish the drafter again from its "
+                             "checkpoint (dflash-tui publish), or rename those tensors") from exc
+
+
+def _check_weights(folder: Path, objective: str, config, given: str) -> None:
+    """model.safetensors judged from its header alone, before the target loads and before any
+    results file is written: as long as its header says, the family's tensor names, and each
+    tensor the drafter's config.json needs there in its shape (what load_weights would find)."""
+    from dflash_core.checkpoint.checksums import check_safetensors
+    from dflash_core.models.registry import drafter_class
+
+    where = f"--drafter {given}"
+    try:
+        header = check_safetensors(folder / "model.safetensors")
+    except OSError as exc:
+        raise EvalInputError(f"{where}: cannot read {folder / 'model.safetensors'} "
+                             f"({exc.strerror or exc})") from exc
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
+        raise EvalInputError(f"{where}: model.safetensors cannot be read ({exc})",
+                             hint=_DAMAGED) from exc
+    _check_names(objective, header, where)
+    with torch.device("meta"):  # the drafter's tensor shapes without allocating them
+        want = {k: list(v.shape) for k, v in drafter_class(objective)(config).state_dict().items()}
+    have = {k: list(v.get("shape") or []) if isinstance(v, dict) else None
+            for k, v in header.items() if k not in _FROZEN}
+    missing, unexpected = [k for k in want if k not in have], [k for k in have if k not in want]
+    if missing or unexpected:
+        raise _misfit(given, _keys_text(missing, unexpected))
+    other = [k for k in want if have[k] != want[k]]
+    if other:
+        k = other[0]
+        raise _misfit(given, f"{k} is {have[k]} there, {want[k]} by config.json"
+                      + (f"; {len(other) - 1} more" if len(other) > 1 else ""))
+
+
+def _keys_text(missing: list[str], unexpected: list[str]) -> str:
+    what = [f"missing {', '.join(missing[:4])}"] if missing else []
+    return "; ".join(what + ([f"unexpected {', '.join(unexpected[:4])}"] if unexpected else []))
 
 
 def run_hours(folder: Path, run: Path) -> Figure | None:
@@ -310,26 +368,17 @@ def load_weights(spec: DrafterSpec, target_model, device,
         state = load_file(str(spec.path / "model.safetensors"), device="cpu")
     except (SafetensorError, OSError) as exc:
         raise EvalInputError(f"--drafter {spec.given}: model.safetensors cannot be read "
-                             f"({type(exc).__name__}: {exc})",
-                             hint="the file is damaged or incomplete: copy it again") from exc
+                             f"({type(exc).__name__}: {exc})", hint=_DAMAGED) from exc
+    # read_drafter judged the header; the file may have changed since
+    _check_names(spec.objective, state, f"--drafter {spec.given}")
     for k in _FROZEN:
         state.pop(k, None)
     try:
         result = drafter.load_state_dict(state, strict=False)
     except RuntimeError as exc:  # a tensor of another shape than config.json says
-        first = str(exc).splitlines()[-1].strip()
-        raise EvalInputError(f"--drafter {spec.given}: model.safetensors does not fit its "
-                             f"config.json ({first})",
-                             hint="the folder's weights and config.json belong to different "
-                                  "drafters") from exc
+        raise _misfit(spec.given, str(exc).splitlines()[-1].strip()) from exc
     if result.missing_keys or result.unexpected_keys:
-        what = [f"missing {', '.join(result.missing_keys[:4])}"] if result.missing_keys else []
-        what += ([f"unexpected {', '.join(result.unexpected_keys[:4])}"]
-                 if result.unexpected_keys else [])
-        raise EvalInputError(f"--drafter {spec.given}: model.safetensors does not fit its "
-                             f"config.json ({'; '.join(what)})",
-                             hint="the folder's weights and config.json belong to different "
-                                  "drafters")
+        raise _misfit(spec.given, _keys_text(result.missing_keys, result.unexpected_keys))
     from dflash_core.eval.drafter_dtype import cast_parameters
 
     drafter = cast_parameters(drafter, dtype).to(device).eval()

@@ -6,7 +6,8 @@ lossless check's reference); ``<out>/<set>/drafter-<label>.jsonl`` one drafter's
 - first, the header: ``{"kind": "header", "format": 1, "settings": {...}}``, what the results
   depend on (target, tokenizer and template, prompt file, drafter, thinking, temperature, seed,
   new-token limit, batch size, cache, dtype, device). A file is continued only under the same
-  settings; otherwise the run is refused, naming what changed.
+  settings; otherwise the run is refused, naming what changed (a file with no batch measured
+  yet is started again: nothing in it would be lost).
 - per prompt: ``{"kind": "prompt", "index", "id", "batch", "prompt_tokens", "tokens",
   "acceptance", "proposed"}`` (and ``"lossless"`` when the greedy check found a difference; a
   drafter's greedy line also ``"served_acceptance"``, its rounds counted as vLLM's counters count
@@ -118,9 +119,24 @@ def _differences(old: dict, new: dict) -> list[str]:
     return [f"{k} {old.get(k)!r} -> {new.get(k)!r}" for k in keys if old.get(k) != new.get(k)]
 
 
+def _holds_results(path: Path) -> bool:
+    """Whether the file holds a whole batch after its header: one that holds none (a run that
+    stopped before its first batch was measured) loses nothing when it is started again."""
+    with open(path, "rb") as fh:
+        fh.readline()
+        for raw_line in fh:
+            try:
+                if json.loads(raw_line).get("kind") == "batch":
+                    return True
+            except (ValueError, AttributeError):
+                continue  # a torn line: cut off when the file is opened
+    return False
+
+
 def check_header(path: Path, settings: dict) -> None:
-    """Refuse (EvalInputError) a results file at ``path`` written under other settings; nothing
-    is written (every file is checked before any is started)."""
+    """Refuse (EvalInputError) a results file at ``path`` written under other settings, unless
+    no prompt's results are in it yet (it is started again); nothing is written (every file is
+    checked before any is started)."""
     settings = json.loads(json.dumps(settings))
     if not path.is_file() or path.stat().st_size == 0:
         return
@@ -132,7 +148,8 @@ def check_header(path: Path, settings: dict) -> None:
     except (ValueError, AssertionError, AttributeError) as exc:
         raise EvalInputError(f"{path} is not a results file of this evaluation (no header)",
                              hint="pass another --out, or move the file away") from exc
-    if header.get("format") != FORMAT or header.get("settings") != settings:
+    if (header.get("format") != FORMAT or header.get("settings") != settings) \
+            and _holds_results(path):
         diff = _differences(header.get("settings") or {}, settings)
         raise EvalInputError(f"{path} holds results of other settings ("
                              + "; ".join(diff[:3]) + ("; ..." if len(diff) > 3 else "") + ")",
@@ -143,10 +160,14 @@ def check_header(path: Path, settings: dict) -> None:
 def open_results(path: Path, settings: dict, about: dict | None = None) -> ResultsFile:
     """The results file at ``path``: continued when it exists with the same settings (a torn
     last batch cut off), else started with a header (``about``: what is said, not compared,
-    such as where the files were). Raises EvalInputError when it holds results of other
-    settings."""
+    such as where the files were), as is one that holds no batch yet. Raises EvalInputError
+    when it holds results of other settings."""
     settings = json.loads(json.dumps(settings))  # as it reads back (tuples as lists)
-    if not path.is_file() or path.stat().st_size == 0:
+    fresh = not path.is_file() or path.stat().st_size == 0
+    if not fresh:
+        check_header(path, settings)  # not ours, or other settings' results: refused
+        fresh = not _holds_results(path)
+    if fresh:
         header = {"kind": "header", "format": FORMAT, "settings": settings,
                   "about": about or {}}
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -159,7 +180,6 @@ def open_results(path: Path, settings: dict, about: dict | None = None) -> Resul
         finally:
             tmp.unlink(missing_ok=True)
         return ResultsFile(path, settings)
-    check_header(path, settings)
     raw = path.read_bytes()
     lines = raw.split(b"\n")
     res = ResultsFile(path, settings)

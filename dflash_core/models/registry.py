@@ -17,8 +17,9 @@ DRAFTERS: dict[str, type[DFlashDrafter]] = {c.family.name: c for c in (DFlashDra
                                                                    DFlash2Drafter)}
 assert tuple(DRAFTERS) == OBJECTIVES, "every family registers one drafter class"
 
-__all__ = ["DRAFTERS", "OBJECTIVES", "ObjectiveMismatch", "drafter_class", "drafter_from_config",
-           "expected_config", "load_drafter", "new_drafter", "new_config", "objective_of"]
+__all__ = ["DRAFTERS", "OBJECTIVES", "ObjectiveMismatch", "check_folder", "drafter_class",
+           "drafter_from_config", "expected_config", "init_from_refusal", "load_drafter",
+           "new_drafter", "new_config", "objective_of"]
 
 
 class ObjectiveMismatch(ValueError):
@@ -96,6 +97,47 @@ def load_drafter(folder: str | Path, objective: str, settings=None):
         return drafter_class(objective).start_from(folder, settings)
     cls = _check_found(config, objective, str(folder))
     return cls.load(folder)
+
+
+def check_folder(folder: str | Path, objective: str, settings=None) -> None:
+    """What load_drafter refuses of ``folder``, found from its config.json and model.safetensors'
+    header alone (no weight read; preflight): ObjectiveMismatch, a family's own refusal of its
+    config or tensor names, or a file that cannot be read (each a ValueError or OSError)."""
+    from dflash_core.checkpoint.checksums import check_safetensors
+
+    folder = Path(folder)
+    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    if _starts_from(config, objective):
+        drafter_class(objective).start_config(config, settings)
+        cls = drafter_class(objective_of(config))  # the folder's tensors are its own family's
+    else:
+        cls = _check_found(config, objective, str(folder))
+        cls.config_from_dict(config)
+    try:  # a truncated file is named here, not when the weights are read after the target
+        names = check_safetensors(folder / "model.safetensors")
+    except (KeyError, TypeError, AttributeError, ValueError) as exc:
+        raise ValueError(f"model.safetensors cannot be read ({exc})") from exc
+    cls.check_names(names)
+
+
+def init_from_refusal(folder, objective: str, exc: Exception):
+    """The ConfigError naming drafter.init_from for a folder check_folder or load_drafter
+    refused, with a fix suited to starting from a folder (not resuming one)."""
+    from dflash_core.config import ConfigError
+
+    if isinstance(exc, ObjectiveMismatch):
+        starts = getattr(drafter_class(objective), "starts_from", ())
+        other = "".join(f" or of {FAMILIES[f].title} (the family {objective} starts from)"
+                        for f in starts)
+        return ConfigError("drafter.init_from", f"{folder} holds {FAMILIES[exc.found].title}, "
+                           f"but drafter.objective is {objective}",
+                           hint=f"point drafter.init_from at the folder of "
+                                f"{FAMILIES[objective].title}{other}, or set drafter.objective: "
+                                f"{exc.found} to train from this one")
+    why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+    return ConfigError("drafter.init_from", f"{folder}: {why}",
+                       hint="point drafter.init_from at a drafter folder this engine can load "
+                            "(e.g. runs/NAME/checkpoints/step-N), or leave it empty")
 
 
 def start_config(config: dict, objective: str, settings=None) -> dict:

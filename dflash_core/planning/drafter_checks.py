@@ -1,10 +1,10 @@
 """Preflight's checks of the drafter's settings against the target, before any weight loads.
 
 Head counts the drafter cannot be built with, a drafter.init_from that is not an intact
-checkpoint, the drafter family's settings against the target's vocabulary, and a fused loss the
-drafter devices cannot run. Apart from target_checks.py, which reads the target folder and calls
-these with its config.json: they judge drafter.* keys, each refusal a ConfigError naming the
-key.
+checkpoint or not one the run's family can load, the drafter family's settings against the
+target's vocabulary, and a fused loss the drafter devices cannot run. Apart from
+target_checks.py, which reads the target folder and calls these with its config.json: they judge
+drafter.* keys, each refusal a ConfigError naming the key.
 """
 
 from __future__ import annotations
@@ -82,6 +82,21 @@ def check_drafter_heads(cfg: Config, hf_config: dict) -> None:
                                    "step, or a backup)")
     if d.init_from:
         _check_init_rope(Path(d.init_from).expanduser() / "config.json")
+        _check_init_family(cfg)
+
+
+def _check_init_family(cfg: Config) -> None:
+    """drafter.init_from judged as the loader will judge it after the target loads: its family
+    against drafter.objective (or one that family starts from), the family's own checks of its
+    config.json and tensor names, model.safetensors' header whole. One ConfigError naming the
+    key."""
+    from dflash_core.models.registry import check_folder, init_from_refusal
+
+    folder = Path(cfg.drafter.init_from).expanduser()
+    try:
+        check_folder(folder, cfg.drafter.objective, family_of(cfg).settings(cfg.drafter))
+    except (ValueError, TypeError, KeyError, OSError) as exc:
+        raise init_from_refusal(cfg.drafter.init_from, cfg.drafter.objective, exc) from exc
 
 
 def _check_init_rope(path: Path) -> None:

@@ -290,3 +290,94 @@ def test_numbers_of_the_data_verbs_are_checked_where_parsed(tmp_path, capsys, ar
     err = capsys.readouterr().err
     assert e.value.code == 2 and words in err and "Traceback" not in err
     assert list(tmp_path.iterdir()) == []
+
+
+def _init_folder(tmp_path: Path, target: Path, case: str) -> Path:
+    """A drafter.init_from folder for the tiny target: DFlash2 with its codebooks under
+    '.weight' names or a selector_top_k above the vocabulary, or a DSpark / sound DFlash2
+    drafter (for a run of another family)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig
+
+    from dflash_core.families.dflash2 import DFlash2Settings
+    from dflash_core.families.dspark import DSparkSettings
+    from dflash_core.models.registry import new_drafter
+    from tests.core.engine_fixtures import VOCAB
+
+    family = "dspark" if case == "dspark" else "dflash2"
+    m = new_drafter(family, AutoConfig.from_pretrained(target), num_layers=1,
+                    target_layer_ids=[1, 3], block_size=4, mask_token_id=VOCAB - 1,
+                    settings=(DFlash2Settings(block_size=4, selector_rank=8, selector_top_k=4)
+                              if family == "dflash2" else
+                              DSparkSettings(block_size=4, markov_rank=16)))
+    folder = tmp_path / case
+    if family == "dspark":  # its served folder holds copies of the target's embedding and head
+        import torch
+
+        V, H = m.config.vocab_size, m.config.hidden_size
+        m.attach_target_head(torch.nn.Embedding(V, H), torch.nn.Linear(H, V, bias=False))
+    m.save(folder)
+    if case == "weight names":
+        state = load_file(str(folder / "model.safetensors"))
+        save_file({(k + ".weight" if k.endswith("_codebook") else k): v
+                   for k, v in state.items()}, str(folder / "model.safetensors"))
+    if case == "top_k":
+        d = json.loads((folder / "config.json").read_text())
+        d["dflash_config"]["selector_top_k"] = VOCAB + 43
+        (folder / "config.json").write_text(json.dumps(d))
+    return folder
+
+
+# case (the folder _init_folder makes) -> (drafter.objective, words of the error line, its hint)
+INIT_FROM = {
+    "weight names": ("dflash2", ["drafter.init_from: ", "model.safetensors names the selector's "
+                                 "codebooks ['candidate_selector.predecessor_codebook.weight'"],
+                     "point drafter.init_from at a drafter folder this engine can load"),
+    "top_k": ("dflash2", ["drafter.init_from: ", "dflash_config.selector_top_k 171: the "
+                          "selector picks among the top-K of the 128 tokens"],
+              "point drafter.init_from at a drafter folder this engine can load"),
+    "dspark": ("dflash2", ["drafter.init_from: ", "holds a DSpark drafter, but drafter.objective "
+                           "is dflash2"],
+               "point drafter.init_from at the folder of a DFlash2 drafter or of a DFlash drafter "
+               "(the family dflash2 starts from), or set drafter.objective: dspark to train "
+               "from this one"),
+    "dflash2": ("dflash", ["holds a DFlash2 drafter, but drafter.objective is "
+                                           "dflash"],
+                                "point drafter.init_from at the folder of a DFlash drafter, or "
+                                "set drafter.objective: dflash2 to train from this one"),
+}
+
+
+@pytest.mark.parametrize("argv, case", [(["--headless", "--config"], c) for c in INIT_FROM]
+                         + [(["check", "--config"], "weight names")])
+def test_an_init_from_folder_the_loader_would_refuse_is_refused_at_preflight(
+        tmp_path, capsys, monkeypatch, argv, case):
+    """drafter.init_from judged at preflight as the loader judges it (its family against
+    drafter.objective, DFlash2's config and tensor names): a [config] line naming the key, a hint
+    to start from another folder, exit 2, before the target loads (was: "[internal] ... a bug in
+    dflash" or a traceback after the target loaded; the family mismatch with resume wording)."""
+    import dflash_core.models.target.load as target_module
+    from tests.core.engine_fixtures import make_config, make_data, make_target, write_config
+
+    objective, words, hint = INIT_FROM[case]
+    target = make_target(tmp_path / "target")
+    folder = _init_folder(tmp_path, target, case)
+    monkeypatch.setattr(target_module, "load_target",
+                        lambda *a, **k: pytest.fail("the target was loaded"))
+    cfg = make_config(tmp_path, target, make_data(tmp_path / "data"), data__eval_prompts=0,
+                      drafter__objective=objective, drafter__init_from=str(folder),
+                      **({"drafter__selector_rank": 8, "drafter__selector_top_k": 4}
+                         if objective == "dflash2" else {}))
+    code = main([*argv, str(write_config(tmp_path / "c.yaml", cfg))])
+    out, err = capsys.readouterr()
+    assert code == 2, out + err
+    text = out + err
+    assert "Traceback" not in text and "bug in dflash" not in text and "[internal]" not in text
+    (line,) = [x for x in text.splitlines() if "drafter.init_from: " in x or "holds a" in x]
+    assert line.startswith("ERROR [config] engine (preflight)" if argv[0] == "--headless"
+                           else "config error: drafter.init_from: "), line
+    for w in words:
+        assert w in line, line
+    assert f"hint: {hint}" in text, text

@@ -381,6 +381,12 @@ class DFlashDrafter(nn.Module):
         return cfg
 
     @classmethod
+    def check_names(cls, names) -> None:
+        """A family's own rule on its folder's tensor names, beyond fitting its modules (a
+        ValueError naming the tensors); DFlash has none. Called with the safetensors header's
+        names, so a folder is judged before any weight is read."""
+
+    @classmethod
     def load(cls, folder: str | Path, device="cpu") -> "DFlashDrafter":
         folder = Path(folder)
         cfg = cls.config_from_dict(json.loads((folder / "config.json").read_text()))

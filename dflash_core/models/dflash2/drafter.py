@@ -108,11 +108,15 @@ class DFlash2Drafter(DFlashDrafter):
             block_size=int(cfg.dflash_config["block_size"])))
 
     @classmethod
+    def check_names(cls, names) -> None:
+        d2format.check_tensor_names(names)
+
+    @classmethod
     def load(cls, folder: str | Path, device="cpu") -> "DFlash2Drafter":
         folder = Path(folder)
         model = cls(cls.config_from_dict(json.loads((folder / "config.json").read_text())))
         state = load_file(str(folder / "model.safetensors"), device=str(device))
-        d2format.check_tensor_names(state)
+        cls.check_names(state)
         model.load_state_dict(state)
         return model.to(device)
 

@@ -24,7 +24,9 @@ from dflash_core.models import objective as obj
 from dflash_core.models.training.optimizers import set_lr
 from dflash_core.config import DrafterConfig, OptimConfig
 from dflash_core.models.dflash.drafter import DFlashDrafter
-from dflash_core.models.registry import drafter_from_config, load_drafter, new_drafter
+from dflash_core.models.registry import (
+    drafter_from_config, init_from_refusal, load_drafter, new_drafter,
+)
 from dflash_core.models.training.replica import STATS, DrafterReplica, Micro
 
 
@@ -152,7 +154,8 @@ def build_replicas(dcfg: DrafterConfig, optim: OptimConfig, target,
     fresh drafter's init). ``target``: a loaded TargetModel; ``resume``: a checkpoint's
     ResumeState or None; ``objective``: the family to train (default dcfg.objective);
     ``settings``: its settings from the config (families.registry.settings; None: the family's
-    defaults). A checkpoint or folder of another objective raises registry.ObjectiveMismatch."""
+    defaults). A checkpoint of another objective raises registry.ObjectiveMismatch; a
+    drafter.init_from folder the loader refuses, a ConfigError naming that key."""
     objective = objective or dcfg.objective
     if resume is not None:
         drafter = drafter_from_config(resume.drafter_config, objective)
@@ -161,7 +164,10 @@ def build_replicas(dcfg: DrafterConfig, optim: OptimConfig, target,
         drafter.load_state_dict({k: v for k, v in resume.drafter_state.items()
                                  if k not in drafter.frozen_keys})
     elif dcfg.init_from:
-        drafter = load_drafter(dcfg.init_from, objective, settings)
+        try:  # preflight checked the folder: one changed since is still the config's to fix
+            drafter = load_drafter(dcfg.init_from, objective, settings)
+        except (ValueError, OSError) as exc:
+            raise init_from_refusal(dcfg.init_from, objective, exc) from exc
     else:
         d = dcfg
         torch.manual_seed(seed)

@@ -211,6 +211,28 @@ def test_a_results_file_of_something_else_is_refused(tmp_path):
         open_results(tmp_path / "x.jsonl", {})
 
 
+def test_a_header_without_results_is_started_again_under_new_settings(tmp_path):
+    """A run refused after its files were opened leaves headers only; the drafter repaired (its
+    fingerprint changed), the same command goes on: nothing in such a file would be lost. One
+    with a measured batch is still refused, and a file not ours is never replaced."""
+    from dflash_core.eval.results import Batch, check_header
+
+    path = tmp_path / "x.jsonl"
+    open_results(path, {"fingerprint": "a"})
+    with open(path, "a") as fh:  # a batch torn before its closing line: no results either
+        fh.write('{"kind": "prompt", "index": 0, "tokens": [1]}\n')
+    check_header(path, {"fingerprint": "b"})
+    f = open_results(path, {"fingerprint": "b"})
+    assert json.loads(path.read_text().splitlines()[0])["settings"] == {"fingerprint": "b"}
+    assert len(path.read_text().splitlines()) == 1 and not f.prompts
+    f.append([{"kind": "prompt", "index": 0, "tokens": [1, 2]}], Batch(0, [0], 0.1, 0.0))
+    with pytest.raises(EvalInputError, match="holds results of other settings"):
+        open_results(path, {"fingerprint": "c"})
+    (tmp_path / "y.jsonl").write_text('{"kind": "note"}\n')
+    with pytest.raises(EvalInputError, match="not a results file"):
+        open_results(tmp_path / "y.jsonl", {})
+
+
 def test_a_batch_is_held_as_it_reads_back(tmp_path):
     """The times are written rounded: a table made as the batch ends and one made from the file
     later must agree to the last digit (tokens/s sat on a rounding edge once: 407.8 vs 407.9)."""

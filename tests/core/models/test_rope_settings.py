@@ -197,4 +197,7 @@ def test_preflight_refuses_an_init_from_folder_whose_two_spellings_differ(tmp_pa
         check_drafter_heads(cfg, {"num_attention_heads": 2})
     assert e.value.key == "drafter.init_from"
     (folder / "config.json").write_text(json.dumps({"rope_theta": 5e5, "rope_scaling": YARN}))
-    check_drafter_heads(cfg, {"num_attention_heads": 2})  # one spelling: nothing to refuse
+    # one spelling: nothing to refuse in its rotary settings; the stub is refused next, as the
+    # loader would refuse it (no drafter's architectures)
+    with pytest.raises(ConfigError, match="not a drafter this engine trains"):
+        check_drafter_heads(cfg, {"num_attention_heads": 2})

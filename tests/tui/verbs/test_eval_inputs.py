@@ -114,6 +114,17 @@ CASES = {
     "a damaged run checkpoint": (
         lambda e, t: ([_checkpoint(e, t, flip=True).parent.parent], None, None),
         ["checkpoints/step-2 is damaged: model.safetensors does not match its checksum"]),
+    "a DFlash2 folder naming its codebooks '.weight'": (
+        lambda e, t: ([_dflash2(e, t, weight_names=True)], None, None),
+        ["model.safetensors names the selector's codebooks ['candidate_selector."
+         "predecessor_codebook.weight', 'candidate_selector.successor_codebook.weight']: vLLM "
+         "reads them without '.weight'"]),
+    "a published folder's model.safetensors truncated": (
+        lambda e, t: ([_truncated(_drafter(e, t))], None, None),
+        ["model.safetensors cannot be read (truncated: "]),
+    "weights of another shape than config.json says": (
+        lambda e, t: ([_drafter(e, t, intermediate_size=24)], None, None),
+        ["model.safetensors does not fit its config.json (layers.0.mlp.gate_proj.weight is"]),
     "--out below a file": (
         lambda e, t: (None, None, _file(t / "f") / "out"), ["f is a file, not a folder"]),
     "--out a file": (lambda e, t: (None, None, _file(t / "f")), ["f is a file, not a folder"]),
@@ -139,6 +150,35 @@ def _dspark(demo_eval, tmp_path, **fields):
     folder = save_dspark(tmp_path / "dsp", AutoConfig.from_pretrained(demo_eval["target"]), 0)
     d = json.loads((folder / "config.json").read_text()) | fields
     (folder / "config.json").write_text(json.dumps(d))
+    return folder
+
+
+def _dflash2(demo_eval, tmp_path, weight_names=False):
+    """A DFlash2 folder for the demo target; ``weight_names``: its codebooks saved as an
+    nn.Embedding's would be (``...codebook.weight``), as another tool may write them."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig
+
+    from dflash_core.families.dflash2 import DFlash2Settings
+    from dflash_core.models.registry import new_drafter
+    from tests.core.eval.conftest import DEMO_LAYERS, MASK_ID
+
+    m = new_drafter("dflash2", AutoConfig.from_pretrained(demo_eval["target"]), num_layers=1,
+                    target_layer_ids=list(DEMO_LAYERS), block_size=4, mask_token_id=MASK_ID,
+                    settings=DFlash2Settings(block_size=4, selector_rank=8, selector_top_k=4))
+    folder = tmp_path / "d2"
+    m.save(folder)
+    if weight_names:
+        state = load_file(str(folder / "model.safetensors"))
+        save_file({(k + ".weight" if k.endswith("_codebook") else k): v
+                   for k, v in state.items()}, str(folder / "model.safetensors"))
+    return folder
+
+
+def _truncated(folder: Path) -> Path:
+    """``folder`` with the last kilobyte of its model.safetensors gone (a copy cut short)."""
+    path = folder / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:-1024])
     return folder
 
 

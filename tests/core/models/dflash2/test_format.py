@@ -241,3 +241,45 @@ def test_a_dflash2_folder_where_another_family_is_expected_and_init_from_dspark(
     with pytest.raises(ObjectiveMismatch, match="holds a DSpark drafter, but "
                                                 "drafter.objective is dflash2"):
         load_drafter(dspark, "dflash2")
+
+
+def test_an_init_from_refused_when_the_drafter_is_built_is_the_configs_fault(saved, tmp_path):
+    """A drafter.init_from folder that passed preflight and changed since is refused when the
+    drafter is built as a ConfigError naming the key (a [config] line, exit 2), with advice for
+    starting from a folder, not resuming one (was: NotDFlash2, "[internal] ... a bug in
+    dflash"). Preflight's own check (registry.check_folder) reads the header only."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from dflash_core.config import ConfigError, DrafterConfig, OptimConfig
+    from dflash_core.models.registry import check_folder
+    from dflash_core.models.training.trainer import build_replicas
+
+    _, folder = saved
+    renamed = tmp_path / "renamed"
+    shutil.copytree(folder, renamed)
+    state = load_file(str(renamed / "model.safetensors"))
+    save_file({(k + ".weight" if k.endswith("_codebook") else k): v for k, v in state.items()},
+              str(renamed / "model.safetensors"))
+    with pytest.raises(ValueError, match="names the selector's codebooks"):
+        check_folder(renamed, "dflash2")
+    dspark = tmp_path / "dspark"
+    dspark.mkdir()
+    (dspark / "config.json").write_text(json.dumps({"architectures": ["Qwen3DSparkModel"]}))
+
+    def build(init_from, objective="dflash2"):
+        with pytest.raises(ConfigError) as exc:  # refused before the target is touched
+            build_replicas(DrafterConfig(objective=objective, init_from=str(init_from)),
+                           OptimConfig(), None, [torch.device("cpu")], seed=0,
+                           layer_ids=LAYER_IDS, mask_id=V - 1)
+        assert exc.value.key == "drafter.init_from" and exc.value.error_kind == "config"
+        return exc.value
+
+    assert "names the selector's codebooks" in build(renamed).message
+    err = build(dspark)
+    assert err.message == f"{dspark} holds a DSpark drafter, but drafter.objective is dflash2"
+    assert err.hint.endswith("or set drafter.objective: dspark to train from this one")
+    err = build(folder, "dflash")
+    assert err.hint == ("point drafter.init_from at the folder of a DFlash drafter, or set "
+                        "drafter.objective: dflash2 to train from this one")
