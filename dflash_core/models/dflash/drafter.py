@@ -219,10 +219,6 @@ class DFlashDrafter(nn.Module):
         return self.family.label_width(self)
 
     @property
-    def drafts_per_round(self) -> int:
-        return self.family.drafts_per_round(self.block_size)
-
-    @property
     def feature_vectors(self) -> int:
         """H-vectors per token it takes from the target (its layers', then the family's)."""
         return self.family.feature_vectors(len(self.target_layer_ids))
