@@ -137,8 +137,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else list(argv))
     try:
+        # a verb's parser may import torch and transformers (seconds): a Ctrl+C then is as
+        # clean as one later
+        args = parse_args(sys.argv[1:] if argv is None else list(argv))
         return args.verb_module.run(args)
     except KeyboardInterrupt:  # Ctrl+C before a screen or a run takes it (a wait for node 0)
         print("interrupted", file=sys.stderr)

@@ -183,6 +183,8 @@ class Evaluation:
             served.check_available()
         elif opts.vllm_memory is not None:
             raise EvalInputError("--vllm-memory is vLLM's memory: it needs --engine vllm")
+        elif opts.verbose:  # harmless, but a user expecting more output is told why not
+            say("note: --verbose shows vLLM's own log; without --engine vllm there is none")
         self.vllm_memory = served.parse_memory(opts.vllm_memory)
         self.device = resolve_device(opts.device)
         self.dtype = _dtype(opts.dtype, self.device)
@@ -219,6 +221,8 @@ class Evaluation:
         # every file checked before any is started: a refusal leaves the folder as it was
         rs.check_out(self.out, RESULTS, [self._where(d, p)[0] for d in self.decoders
                                          for p in self.sets])
+        if opts.engine == "vllm":
+            served.check_folder(self.out / served.FOLDER, f"--out {self.out}")
         for d in self.decoders:
             for p in self.sets:
                 rs.check_header(*self._where(d, p)[:2])

@@ -166,6 +166,17 @@ def vllm_memory(device, asked: VllmMemory | None, say) -> VllmMemory:
     return VllmMemory(share=share)
 
 
+def check_folder(folder: Path, named: str) -> None:
+    """The folder vLLM's jobs, results and logs go to: refused in one line (exit 2) before
+    anything loads where it is a file, or there but not writable."""
+    if folder.exists() and not folder.is_dir():
+        raise EvalInputError(f"{named}: {folder} is a file, not a folder: vLLM's decodings go "
+                             "there", hint="move that file away, or pass another --out")
+    if folder.is_dir() and not os.access(folder, os.W_OK | os.X_OK):
+        raise EvalInputError(f"{named}: cannot write in {folder} (permission denied): vLLM's "
+                             "decodings go there", hint="make it writable, or pass another --out")
+
+
 def speculative_config(spec) -> dict:
     """vLLM's speculative_config for drafter ``spec``: its family's method and draft count."""
     return {"method": METHODS[spec.objective], "model": str(Path(spec.path).resolve()),
@@ -360,8 +371,9 @@ def job_key(job: dict) -> str:
     return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def failure_context(name: str, device, memory: VllmMemory, speculative: dict | None):
-    return served_failure.Context(name, device.type, memory.said, speculative)
+def failure_context(name: str, device, memory: VllmMemory, speculative: dict | None,
+                    shorter: str = "--max-new-tokens"):
+    return served_failure.Context(name, device.type, memory.said, speculative, shorter)
 
 
 def run_child(job: dict, name: str, folder: Path, verbose: bool, say,
@@ -379,9 +391,14 @@ def run_child(job: dict, name: str, folder: Path, verbose: bool, say,
             return old
     except (OSError, ValueError):
         pass
-    folder.mkdir(parents=True, exist_ok=True)
     job_path = folder / f"{name}.job.json"
-    job_path.write_text(json.dumps(job), encoding="utf-8")
+    try:  # checked before anything loaded; a folder changed since is said the same way
+        folder.mkdir(parents=True, exist_ok=True)
+        job_path.write_text(json.dumps(job), encoding="utf-8")
+    except OSError as exc:
+        raise EvalInputError(f"cannot write in {folder} ({exc.strerror or exc}): vLLM's "
+                             "decodings go there", hint="make it writable, or pass another "
+                                                       "--out") from exc
     log_path = folder / f"{name}.log"
     say(f"vLLM {name}: decoding {sum(len(s['prompts']) for s in job['sets'])} prompts"
         + ("" if verbose else f" (its log: {log_path})"))
@@ -390,18 +407,26 @@ def run_child(job: dict, name: str, folder: Path, verbose: bool, say,
     cmd = [sys.executable, "-m", "dflash_core.eval.vllm_child", str(job_path), str(result_path)]
     env = dict(os.environ, VLLM_CONFIGURE_LOGGING="1")
     with open(log_path, "wb") as log:
-        if verbose:  # on the terminal and in the log (the failure is read from it)
-            with subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, env=env) as child:
+        # a session of its own: vLLM's engine processes are its children, and a Ctrl-C here
+        # (or a failure) must end them all, not leave them running under init
+        child = subprocess.Popen(cmd, stdin=subprocess.DEVNULL,
+                                 stdout=subprocess.PIPE if verbose else log,
+                                 stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            if verbose:  # on the terminal and in the log (the failure is read from it)
                 for chunk in iter(child.stdout.readline, b""):
                     log.write(chunk)
                     sys.stderr.buffer.write(chunk)
                     sys.stderr.flush()
-                rc = child.wait()
-        else:
-            rc = subprocess.call(cmd, stdin=subprocess.DEVNULL, stdout=log,
-                                 stderr=subprocess.STDOUT, env=env)
+            rc = child.wait()
+        except BaseException:
+            end_session(child)
+            raise
+        finally:
+            if child.stdout is not None:
+                child.stdout.close()
     if rc != 0:
+        end_session(child)  # an engine process its failure left behind
         try:
             text = log_path.read_text(encoding="utf-8", errors="replace")
         except OSError:
@@ -435,7 +460,8 @@ def check_decoding(target: Path, target_config, drafter: Path, objective: str, b
            "drafter_fingerprint": _saved_at(Path(drafter) / "model.safetensors"),
            **memory.job()}
     res = run_child(job, "check-drafter", folder, False, say,
-                    failure_context("check-drafter", device, memory, job["speculative_config"]))
+                    failure_context("check-drafter", device, memory, job["speculative_config"],
+                                    shorter="--response-tokens"))
     out = res["sets"]["check"]
     counts = VllmCounts.from_record(out["counters"])
     differ = _differences([str(i) for i in range(len(prompts))],
@@ -443,6 +469,35 @@ def check_decoding(target: Path, target_config, drafter: Path, objective: str, b
     return {"version": res["version"], "runner": res["runner"], "dtype": res["dtype"],
             "tau": counts.mean_acceptance_length, "counts": counts.record(),
             "differs_from_the_target_here": differ}
+
+
+SESSION_GRACE_S = 5.0  # vLLM's processes asked to end (SIGTERM) get this, then SIGKILL
+
+
+def end_session(child: subprocess.Popen) -> None:
+    """End every process of ``child``'s session (it and vLLM's engine processes): SIGTERM,
+    then SIGKILL to what is left after SESSION_GRACE_S."""
+    import signal
+    import time
+
+    def signal_all(sig) -> bool:
+        try:
+            os.killpg(child.pid, sig)
+            return True
+        except (ProcessLookupError, PermissionError):
+            return False  # none left
+
+    if not signal_all(signal.SIGTERM):
+        child.poll()
+        return
+    deadline = time.monotonic() + SESSION_GRACE_S
+    while time.monotonic() < deadline:
+        child.poll()  # reaps the child itself; the group lives while any member does
+        if not signal_all(0):
+            return
+        time.sleep(0.05)
+    signal_all(signal.SIGKILL)
+    child.wait()
 
 
 def _saved_at(path: Path) -> str:

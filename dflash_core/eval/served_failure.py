@@ -45,12 +45,14 @@ class Failure:
 @dataclass(frozen=True)
 class Context:
     """What was asked of vLLM, to word the fix: the decoding's name, the device kind ("cpu" /
-    "cuda"), its memory setting as passed (served.VllmMemory.said) and the speculative config."""
+    "cuda"), its memory setting as passed (served.VllmMemory.said), the speculative config, and
+    the verb's flag that shortens what a request holds (eval's new tokens, check's responses)."""
 
     name: str
     device: str
     memory: str
     speculative: dict | None
+    shorter: str = "--max-new-tokens"
 
 
 def failure_path(result_path: Path) -> Path:
@@ -122,8 +124,7 @@ def _memory(text: str, ctx: Context) -> Failure | None:
                 f"{float(m.group(3)):g} GiB is left" if m else "no memory is left for it")
         fix = (f"raise --vllm-memory (now {ctx.memory}) if the card has room, or evaluate on a "
                "card with more memory" if gpu else
-               f"raise --vllm-memory (its KV cache, now {ctx.memory}), or shorten "
-               "--max-new-tokens")
+               f"raise --vllm-memory (its KV cache, now {ctx.memory}), or lower {ctx.shorter}")
         return Failure(f"vLLM has no room for its KV cache ({what}, --vllm-memory {ctx.memory})",
                        fix, True)
     m = re.search(r"(?:CUDA out of memory|OutOfMemoryError)[^\n]*", text)

@@ -132,11 +132,13 @@ class SetUp:
                         probe.unlink()
                     except OSError as exc:  # the folder's fault, not the probe file's name
                         raise OSError(exc.errno, exc.strerror) from None
+            # its records (events.jsonl, train.log) opened for appending: a file there that
+            # refuses it (read-only, another user's) is said as the folder's
+            run.sinks = RunSinks(self.bus, cfg, records, run.early or [])
         except OSError as exc:
             raise ConfigError("run.output_dir", f"cannot write run folder {run_dir}: {exc}",
                               hint="set run.output_dir to a writable folder") from exc
-        early, run.early = run.early or [], None
-        run.sinks = RunSinks(self.bus, cfg, records, early)
+        run.early = None
         if self.lead:  # with the records open: the refusal is in events.jsonl and train.log too
             check_checkpoints_writable(run_dir)
 

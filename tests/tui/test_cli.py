@@ -345,3 +345,17 @@ def test_a_start_reads_the_config_file_once_with_its_sets_and_a_restart_again(tm
     again = engine._read_config()  # a restart reads the file again, with the same sets
     assert len(reads) == 2 and (again.run.max_steps, again.optim.name) == (3, "muon")
     assert again is not cfg
+
+
+def test_ctrl_c_while_a_verbs_parser_imports_is_interrupted_not_a_traceback(monkeypatch,
+                                                                            capsys):
+    """eval's and check's parsers import torch and transformers (seconds): a Ctrl+C then."""
+    import dflash_tui.cli as cli
+
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "parse_args", interrupted)
+    assert cli.main(["eval", "--target", "x"]) == 130
+    err = capsys.readouterr().err
+    assert err.strip() == "interrupted" and "Traceback" not in err

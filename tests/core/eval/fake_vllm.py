@@ -2,7 +2,8 @@
 ``--engine vllm`` that the real one cannot be made to show on this machine (another version's
 speculative config, a GPU without room, a CUDA out-of-memory error, the kernel's OOM killer).
 It takes the arguments eval/vllm_child.py passes and decodes every prompt into ``max_tokens``
-zeros; ``FAKE_VLLM_FAIL`` picks how its ``LLM`` fails instead (the messages are vLLM 0.32's,
+zeros; ``FAKE_VLLM_FAIL`` picks how its ``LLM`` fails instead (``orphan-*``: after starting an
+engine process of its own, its pid in ``FAKE_VLLM_PIDFILE``) (the messages are vLLM 0.32's,
 printed to the log as its engine process prints them), ``FAKE_VLLM_METHODS`` the speculative
 methods its config allows (comma-separated; default vLLM's dflash and dspark among others).
 The real vLLM's failures are tried in tests/serve (make test-serve)."""
@@ -60,6 +61,14 @@ class LLM:
                             "'per_request_spec_decode_metrics'")
         elif fail == "other":
             raise RuntimeError("something else broke in the engine")
+        elif fail.startswith("orphan"):  # an engine process of its own, as vLLM starts one
+            import subprocess
+            import time
+            engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+            with open(os.environ["FAKE_VLLM_PIDFILE"], "w") as f:
+                f.write(str(engine.pid))
+            if fail == "orphan-hang":
+                time.sleep(120)
         if fail:
             raise RuntimeError("Engine core initialization failed. See root cause above. "
                                "Failed core proc(s): {'EngineCore': 1}")

@@ -14,6 +14,7 @@ import torch
 from dflash_core.eval import served, served_failure
 from dflash_core.eval.errors import EvalInputError
 from dflash_tui.cli import main
+from tests.core.checkpoint.read_only import read_only  # noqa: F401 - a fixture
 from tests.core.eval.fake_vllm import write_fake_vllm
 
 DFLASH = {"method": "dflash", "model": "/d", "num_speculative_tokens": 7}
@@ -51,7 +52,11 @@ def test_no_room_for_the_kv_cache_says_how_much_one_request_needs():
                                  ctx("cpu", "0.001GiB"))
     assert cpu.line == ("vLLM has no room for its KV cache (no memory is left for it, "
                         "--vllm-memory 0.001GiB)")
-    assert "--max-new-tokens" in cpu.hint
+    assert "lower --max-new-tokens" in cpu.hint
+    check = served_failure.explain(1, "No available memory for the cache blocks", None,
+                                   served_failure.Context("check-drafter", "cpu", "1GiB", None,
+                                                          "--response-tokens"))
+    assert "lower --response-tokens" in check.hint  # check's own flag, not eval's
 
 
 def test_a_cuda_out_of_memory_error_in_vllm_is_named_with_its_share():
@@ -234,3 +239,87 @@ def test_vllm_memory_without_the_vllm_engine_is_refused(demo_eval, tmp_path, cap
                "--device", "cpu", "--out", str(tmp_path / "o"), "--vllm-memory", "0.5"])
     assert rc == 2
     assert "--vllm-memory is vLLM's memory: it needs --engine vllm" in capsys.readouterr().err
+
+
+def _running(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _gone(pid: int, within_s: float = 10.0) -> bool:
+    import time
+
+    deadline = time.monotonic() + within_s
+    while _running(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not _running(pid)
+
+
+def test_a_failed_decoding_leaves_no_vllm_engine_process_behind(fake_vllm, tmp_path,
+                                                               monkeypatch):
+    monkeypatch.setenv("FAKE_VLLM_FAIL", "orphan-fail")
+    monkeypatch.setenv("FAKE_VLLM_PIDFILE", str(tmp_path / "engine.pid"))
+    with pytest.raises(served.EngineFailed):
+        served.run_child(_job(), "plain", tmp_path / "v", False, lambda m: None, ctx(spec=None))
+    assert _gone(int((tmp_path / "engine.pid").read_text()))
+
+
+def test_an_interrupt_ends_vllms_engine_processes_too(fake_vllm, tmp_path, monkeypatch):
+    """Ctrl-C while vLLM decodes: the evaluation stops (its results kept, said by the verb) and
+    no vLLM process is left running under init."""
+    import os
+    import signal
+    import threading
+    import time
+
+    pidfile = tmp_path / "engine.pid"
+    monkeypatch.setenv("FAKE_VLLM_FAIL", "orphan-hang")
+    monkeypatch.setenv("FAKE_VLLM_PIDFILE", str(pidfile))
+
+    def interrupt():
+        deadline = time.monotonic() + 60
+        while not pidfile.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=interrupt, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        served.run_child(_job(), "plain", tmp_path / "v", False, lambda m: None, ctx(spec=None))
+    assert _gone(int(pidfile.read_text()))
+
+
+@pytest.mark.parametrize("kind, fragment", [
+    ("file", "is a file, not a folder: vLLM's decodings go there"),
+    ("read-only", "cannot write in"),
+])
+def test_an_out_whose_vllm_folder_cannot_take_its_decodings_is_refused_before_loading(
+        fake_vllm, demo_eval, tmp_path, capsys, read_only, kind, fragment):
+    out = tmp_path / "out"
+    out.mkdir()
+    if kind == "file":
+        (out / "vllm").write_text("x")
+    else:
+        (out / "vllm").mkdir()
+        read_only(out / "vllm")
+    rc = main(["eval", "--target", str(demo_eval["target"]), "--drafter",
+               str(demo_eval["drafters"][0]), "--prompts", f"plain={demo_eval['sets']['plain']}",
+               "--device", "cpu", "--max-new-tokens", "4", "--limit", "1", "--out", str(out),
+               "--engine", "vllm"])
+    err = capsys.readouterr().err
+    assert rc == 2 and fragment in err and "Traceback" not in err, err
+    assert not (out / "plain").exists()  # refused before our own decoding
+
+
+def test_verbose_without_the_vllm_engine_is_said_to_show_nothing(demo_eval, tmp_path, capsys):
+    rc = main(["eval", "--target", str(demo_eval["target"]), "--drafter",
+               str(demo_eval["drafters"][0]), "--prompts", f"plain={demo_eval['sets']['plain']}",
+               "--device", "cpu", "--max-new-tokens", "4", "--limit", "1",
+               "--out", str(tmp_path / "o"), "--verbose"])
+    assert rc == 0
+    assert "note: --verbose shows vLLM's own log; without --engine vllm there is none" in \
+        capsys.readouterr().err
