@@ -52,7 +52,7 @@ class CheckOptions:
     # "vllm": the prompts decoded by vLLM too, the memorised drafter as its speculative model
     # (eval/served.py); its tau and tokens beside ours, in the evidence and check.json
     engine: str = "ours"
-    # with engine vllm: its memory, as eval's --vllm-memory (served.parse_memory); None: what
+    # with engine vllm: its memory, as eval's --vllm-memory (served_memory.parse_memory); None: what
     # is free when it starts (at most 0.9 of the card), 1 GiB of KV cache on the CPU
     vllm_memory: str | None = None
 
@@ -114,12 +114,12 @@ def prepare(cfg: Config, opts: CheckOptions, say: Callable[[str], None]) -> Prep
     if opts.engine == "vllm":  # vLLM missing, or a drafter it cannot serve here: one line
         from types import SimpleNamespace
 
-        from dflash_core.eval import served
+        from dflash_core.eval import served, served_memory
 
         served.check_available()
         served.check_servable([SimpleNamespace(objective=str(cfg.drafter.objective),
                                                label="of the check")], tdev[0])
-        served.parse_memory(opts.vllm_memory)
+        served_memory.parse_memory(opts.vllm_memory)
     elif opts.vllm_memory is not None:
         from dflash_core.eval.errors import EvalInputError
 
@@ -227,7 +227,7 @@ def judge(prep: Prepared, mem, opts: CheckOptions, say: Callable[[str], None]) -
                        target_layers=target.num_layers)
     vllm = None
     if opts.engine == "vllm":
-        from dflash_core.eval import served
+        from dflash_core.eval import served, served_memory
 
         # the probes are done: the target's memory back to the driver before vLLM measures its
         # share of the card
@@ -238,7 +238,7 @@ def judge(prep: Prepared, mem, opts: CheckOptions, say: Callable[[str], None]) -
             prep.target_path, config, ckpt, drafter.objective, drafter.block_size,
             [list(x.prompt) for x in samples], [list(x.response) for x in samples],
             prep.target_dtype, device, prep.folder / "vllm", lambda m: say(f"  {m}"),
-            served.parse_memory(opts.vllm_memory))
+            served_memory.parse_memory(opts.vllm_memory))
         say(f"  vLLM ({vllm['version']}, {vllm['runner']}, {vllm['dtype']}): tau {vllm['tau']:.2f}"
             f" by its counters; its tokens "
             + ("are the target's greedy text" if not vllm["differs_from_the_target_here"] else

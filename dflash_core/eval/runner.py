@@ -22,6 +22,7 @@ import torch
 import dflash_core.eval.drafters as dk
 import dflash_core.eval.results as rs
 import dflash_core.eval.served as served
+import dflash_core.eval.served_memory as served_memory
 from dflash_core.eval.drafter_dtype import check_dtype, served_dtype_of
 from dflash_core.eval.errors import EvalInputError
 from dflash_core.eval.report import EvalReport, SetReport, report_json  # noqa: F401
@@ -185,7 +186,7 @@ class Evaluation:
             raise EvalInputError("--vllm-memory is vLLM's memory: it needs --engine vllm")
         elif opts.verbose:  # harmless, but a user expecting more output is told why not
             say("note: --verbose shows vLLM's own log; without --engine vllm there is none")
-        self.vllm_memory = served.parse_memory(opts.vllm_memory)
+        self.vllm_memory = served_memory.parse_memory(opts.vllm_memory)
         self.device = resolve_device(opts.device)
         self.dtype = _dtype(opts.dtype, self.device)
         self.sets = self._sets()
@@ -361,7 +362,7 @@ class Evaluation:
             self._run_set(p, t0)
         if self.opts.engine == "vllm":
             self.release()  # vLLM's share of the card is measured with ours given back
-            memory = served.vllm_memory(self.device, self.vllm_memory, self.say)
+            memory = served_memory.vllm_memory(self.device, self.vllm_memory, self.say)
             self.served = served.Judge(self, self.opts.verbose, memory).run()
         return self.report()
 

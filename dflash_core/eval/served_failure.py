@@ -45,7 +45,7 @@ class Failure:
 @dataclass(frozen=True)
 class Context:
     """What was asked of vLLM, to word the fix: the decoding's name, the device kind ("cpu" /
-    "cuda"), its memory setting as passed (served.VllmMemory.said), the speculative config, and
+    "cuda"), its memory setting as passed (served_memory.VllmMemory.said), the speculative config, and
     the verb's flag that shortens what a request holds (eval's new tokens, check's responses)."""
 
     name: str

@@ -132,7 +132,7 @@ def run(job: dict) -> dict:
     kwargs = dict(model=job["target"], dtype=job["dtype"], seed=job["seed"],
                   max_model_len=job["max_model_len"], disable_log_stats=False,
                   enforce_eager=True, trust_remote_code=job.get("trust_remote_code", False))
-    # its memory (served.VllmMemory): a KV cache size (the CPU's default: else vLLM reserves
+    # its memory (served_memory.VllmMemory): a KV cache size (the CPU's default: else vLLM reserves
     # 92% of the machine) or its share of the GPU
     if job.get("kv_cache_memory_bytes"):
         kwargs["kv_cache_memory_bytes"] = int(job["kv_cache_memory_bytes"])

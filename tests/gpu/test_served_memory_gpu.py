@@ -1,11 +1,11 @@
-"""vLLM's share of a real card under --engine vllm (eval/served.vllm_memory): what is free less a
-margin, measured after this engine gives its own memory back; what another holder keeps is not
-asked for. No vLLM needed (the share is decided before vLLM starts)."""
+"""vLLM's share of a real card under --engine vllm (eval/served_memory.vllm_memory): what is
+free less a margin, measured after this engine gives its own memory back; what another holder
+keeps is not asked for. No vLLM needed (the share is decided before vLLM starts)."""
 
 import pytest
 import torch
 
-from dflash_core.eval import served
+from dflash_core.eval import served_memory
 from dflash_core.eval.errors import EvalInputError
 
 
@@ -14,16 +14,16 @@ def test_the_share_follows_what_is_free_and_our_memory_given_back_counts():
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(dev)
     said: list[str] = []
-    before = served.vllm_memory(dev, None, said.append).share
-    assert 0 < before <= served.GPU_SHARE_MAX
+    before = served_memory.vllm_memory(dev, None, said.append).share
+    assert 0 < before <= served_memory.GPU_SHARE_MAX
     assert before * total <= free - (1 << 30) + total * 0.01  # within the floor's hundredth
     # a holder of a third of the card (as our own target would be, until released)
     held = torch.empty(int(total / 3), dtype=torch.uint8, device=dev)
-    during = served.vllm_memory(dev, None, said.append).share
+    during = served_memory.vllm_memory(dev, None, said.append).share
     assert during <= before - 0.3
     del held
     torch.cuda.empty_cache()  # what Evaluation.release does before vLLM starts
-    assert served.vllm_memory(dev, None, said.append).share == pytest.approx(before, abs=0.02)
+    assert served_memory.vllm_memory(dev, None, said.append).share == pytest.approx(before, abs=0.02)
     assert said[-1].startswith("vLLM gets ") and "--vllm-memory sets it" in said[-1]
 
 
@@ -34,7 +34,7 @@ def test_a_card_held_almost_whole_by_another_is_refused_before_vllm_starts():
     held = torch.empty(max(0, free - (1 << 30)), dtype=torch.uint8, device=dev)
     try:
         with pytest.raises(EvalInputError) as err:
-            served.vllm_memory(dev, None, lambda m: None)
+            served_memory.vllm_memory(dev, None, lambda m: None)
         assert "too little for vLLM" in str(err.value) and "nvidia-smi" in err.value.hint
     finally:
         del held

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from dflash_core.eval import served, served_failure
+from dflash_core.eval import served, served_failure, served_memory
 from dflash_core.eval.errors import EvalInputError
 from dflash_tui.cli import main
 from tests.core.checkpoint.read_only import read_only  # noqa: F401 - a fixture
@@ -95,39 +95,39 @@ def test_a_child_killed_by_the_kernel_is_named_a_fault_and_the_rest_keeps_its_la
 # -- --vllm-memory, and the share vLLM gets by default ------------------------------------------
 
 @pytest.mark.parametrize("text, want", [
-    ("0.8", served.VllmMemory(share=0.8)), ("1", served.VllmMemory(share=1.0)),
-    ("4GiB", served.VllmMemory(kv_bytes=4 << 30)), ("512MiB", served.VllmMemory(kv_bytes=512 << 20)),
-    ("2 GB", served.VllmMemory(kv_bytes=2 * 10 ** 9)), (None, None),
+    ("0.8", served_memory.VllmMemory(share=0.8)), ("1", served_memory.VllmMemory(share=1.0)),
+    ("4GiB", served_memory.VllmMemory(kv_bytes=4 << 30)), ("512MiB", served_memory.VllmMemory(kv_bytes=512 << 20)),
+    ("2 GB", served_memory.VllmMemory(kv_bytes=2 * 10 ** 9)), (None, None),
 ])
 def test_vllm_memory_is_a_share_or_a_size(text, want):
-    assert served.parse_memory(text) == want
+    assert served_memory.parse_memory(text) == want
 
 
 @pytest.mark.parametrize("text", ["0", "1.5", "-1", "much", "4TiB", "GiB"])
 def test_a_vllm_memory_that_is_neither_is_one_line(text):
     with pytest.raises(EvalInputError) as err:
-        served.parse_memory(text)
+        served_memory.parse_memory(text)
     assert "give vLLM's share of the GPU (0 < F <= 1" in str(err.value)
 
 
 def test_by_default_the_cpu_gets_a_1_gib_kv_cache_and_a_gpu_what_is_free(monkeypatch):
     said = []
-    assert served.vllm_memory(torch.device("cpu"), None, said.append) == \
-        served.VllmMemory(kv_bytes=1 << 30)
+    assert served_memory.vllm_memory(torch.device("cpu"), None, said.append) == \
+        served_memory.VllmMemory(kv_bytes=1 << 30)
     gib = 1 << 30
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (int(40.6 * gib), 95 * gib))
     # (40.6 - 1) / 95 = 0.4168: floored
-    assert served.vllm_memory(torch.device("cuda", 0), None, said.append) == \
-        served.VllmMemory(share=0.41)
+    assert served_memory.vllm_memory(torch.device("cuda", 0), None, said.append) == \
+        served_memory.VllmMemory(share=0.41)
     assert "vLLM gets 0.41 of cuda:0" in said[-1]
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (90 * gib, 95 * gib))
-    assert served.vllm_memory(torch.device("cuda", 0), None, said.append).share == 0.9
+    assert served_memory.vllm_memory(torch.device("cuda", 0), None, said.append).share == 0.9
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (gib, 95 * gib))
     with pytest.raises(EvalInputError) as err:
-        served.vllm_memory(torch.device("cuda", 0), None, said.append)
+        served_memory.vllm_memory(torch.device("cuda", 0), None, said.append)
     assert "1.0 of 95.0 GiB of cuda:0 are free" in str(err.value)
-    asked = served.VllmMemory(share=0.5)
-    assert served.vllm_memory(torch.device("cuda", 0), asked, said.append) is asked
+    asked = served_memory.VllmMemory(share=0.5)
+    assert served_memory.vllm_memory(torch.device("cuda", 0), asked, said.append) is asked
 
 
 def test_vllms_model_length_is_what_the_prompts_need_not_the_targets_window():
@@ -135,10 +135,10 @@ def test_vllms_model_length_is_what_the_prompts_need_not_the_targets_window():
 
     long = Qwen3Config(max_position_embeddings=262144)
     # a 256K request's KV cache can outgrow a card; a multiple of vLLM's KV block (1024 covers
-    # its block sizes) or its DFlash drafts go wrong (served.model_len)
-    assert served.model_len(long, 700) == 1024 and served.model_len(long, 1023) == 1024
-    assert served.model_len(long, 1024) == 2048
-    assert served.model_len(Qwen3Config(max_position_embeddings=512), 700) == 512
+    # its block sizes) or its DFlash drafts go wrong (served_memory.model_len)
+    assert served_memory.model_len(long, 700) == 1024 and served_memory.model_len(long, 1023) == 1024
+    assert served_memory.model_len(long, 1024) == 2048
+    assert served_memory.model_len(Qwen3Config(max_position_embeddings=512), 700) == 512
 
 
 # -- the child and the verb, with a stand-in vLLM ------------------------------------------------
