@@ -106,12 +106,14 @@ def run(args: argparse.Namespace) -> int:
         s = int(time.monotonic() - t0)
         print(f"[{s // 60}:{s % 60:02d}] {message}", flush=True)
 
+    from dflash_tui.verbs._signals import as_interrupt
+
     try:
-        result = run_check(cfg, CheckOptions(args.samples, args.response_tokens, args.max_steps,
-                                             reference=not args.no_reference,
-                                             drafter_dtype=args.drafter_dtype,
-                                             engine=args.engine,
-                                             vllm_memory=args.vllm_memory), say)
+        with as_interrupt():  # SIGTERM, a hang-up: as Ctrl-C (vLLM's processes ended)
+            result = run_check(cfg, CheckOptions(
+                args.samples, args.response_tokens, args.max_steps,
+                reference=not args.no_reference, drafter_dtype=args.drafter_dtype,
+                engine=args.engine, vllm_memory=args.vllm_memory), say)
     except EngineFailed as exc:
         print(f"error: {exc}\nhint: {exc.hint + '; ' if exc.hint else ''}vLLM's log is "
               f"{exc.log}", file=sys.stderr)

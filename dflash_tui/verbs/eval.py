@@ -129,10 +129,13 @@ def run(args: argparse.Namespace) -> int:
     def say(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
+    from dflash_tui.verbs._signals import as_interrupt
+
     try:
-        ev = Evaluation(_options(args), say)
-        ev.load()
-        report = ev.run()
+        with as_interrupt():  # SIGTERM, a hang-up: as Ctrl-C (results kept, vLLM ended)
+            ev = Evaluation(_options(args), say)
+            ev.load()
+            report = ev.run()
     except EvalInputError as exc:
         print(f"error: {exc}" + (f"\nhint: {exc.hint}" if exc.hint else ""), file=sys.stderr)
         return 2

@@ -323,3 +323,33 @@ def test_verbose_without_the_vllm_engine_is_said_to_show_nothing(demo_eval, tmp_
     assert rc == 0
     assert "note: --verbose shows vLLM's own log; without --engine vllm there is none" in \
         capsys.readouterr().err
+
+
+def test_sigterm_while_vllm_decodes_ends_eval_as_ctrl_c_does_and_vllm_with_it(
+        fake_vllm, demo_eval, tmp_path):
+    """Python's default for SIGTERM (and a hang-up) is to die on the spot, vLLM's session left
+    running: eval takes it as Ctrl-C (verbs/_signals.py)."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    pidfile = tmp_path / "engine.pid"
+    env = dict(os.environ, FAKE_VLLM_FAIL="orphan-hang", FAKE_VLLM_PIDFILE=str(pidfile),
+               OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dflash_tui.cli", "eval", "--target", str(demo_eval["target"]),
+         "--drafter", str(demo_eval["drafters"][0]), "--prompts",
+         f"plain={demo_eval['sets']['plain']}", "--device", "cpu", "--max-new-tokens", "4",
+         "--limit", "1", "--out", str(tmp_path / "out"), "--engine", "vllm"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not pidfile.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert pidfile.exists(), proc.communicate()
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "interrupted: every whole batch is kept" in err and "Traceback" not in err
+    assert _gone(int(pidfile.read_text()))
