@@ -19,8 +19,8 @@ One module a job:
 - spec_decode.py: THE decoding loop (speculative, or plain without a drafter);
 - results.py: results files per (set, decoder), continued when run again;
 - summary.py: tau, accepted@k, tokens/s, speedup, the lossless check;
-- table.py: the side-by-side table; runner.py: one evaluation from options to report;
-  report.py: what it found, set by set, and its results.json;
+- table.py: the side-by-side table; options.py: what an evaluation is asked; runner.py: one
+  evaluation from options to report; report.py: what it found, set by set, and its results.json;
 - run_sets.py: a training run's own evaluation on named sets (eval.prompt_sets).
 """
 
@@ -28,7 +28,7 @@ import importlib
 
 # Loaded on first use, so that a reader of one module here (the run's evaluation reads
 # evaluate.py) does not load the verb's runner with it.
-_EXPORTS = {"EvalInputError": "errors", "EvalOptions": "runner", "EvalReport": "report",
+_EXPORTS = {"EvalInputError": "errors", "EvalOptions": "options", "EvalReport": "report",
             "Evaluation": "runner", "run_eval": "runner", "set_table": "table"}
 
 __all__ = sorted(_EXPORTS)

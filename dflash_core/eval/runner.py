@@ -11,7 +11,6 @@ A run stopped anywhere continues from its last whole batch.
 
 from __future__ import annotations
 
-import hashlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +24,9 @@ import dflash_core.eval.served as served
 import dflash_core.eval.served_memory as served_memory
 from dflash_core.eval.drafter_dtype import check_dtype, served_dtype_of
 from dflash_core.eval.errors import EvalInputError
+from dflash_core.eval.options import (
+    EvalOptions, resolve_device, resolve_dtype, target_folder, target_id,
+)
 from dflash_core.eval.report import EvalReport, SetReport, report_json  # noqa: F401
 from dflash_core.eval.prompt_sets import PromptSet, load_prompt_set, parse_spec
 from dflash_core.eval.rendering import (
@@ -43,84 +45,6 @@ RESULTS = "results.json"
 # near tie: two correct computations of the same logits (another batch, another kernel) may
 # order them either way in this dtype. float32 keeps ~7 digits through the layers; bf16 ~2-3.
 NEAR_TIE = {"float32": 1e-5, "float16": 2.0 ** -9, "bfloat16": 2.0 ** -6}
-
-
-@dataclass
-class EvalOptions:
-    target: str
-    drafters: list[str]
-    prompts: list[str]  # NAME=FILE.jsonl
-    tokenizer: str | None = None  # default: the target's folder
-    chat_template: str | None = None  # a jinja file replacing the tokenizer's
-    thinking: str | None = None  # "on" | "off" | None (the template's default)
-    temperature: float = 0.0  # 0: greedy, with the lossless check
-    seed: int = 0
-    max_new_tokens: int = 256
-    batch: int = 8  # prompts decoded together
-    cache: bool = False  # the target's cache, one prompt at a time (eval.cache's path)
-    limit: int = 0  # the first N prompts of each set (0: all)
-    out: str = "eval-results"
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on the CPU
-    drafter_dtype: str | None = None  # None: each drafter's served dtype (drafter_dtype.py)
-    # Prices every run checkpoint's GPU-hours (comparing drafters at one price, today's);
-    # 0: each at the price its run recorded, else its run folder's cost.gpu_hour_price.
-    gpu_hour_price: float = 0.0
-    currency: str = ""  # with gpu_hour_price ("": the one the run recorded)
-    trust_remote_code: bool = False  # a target or tokenizer of its folder's own code may run
-    # NAME=FILE.jsonl of long-prompt sets (prompt_sets.py: whole conversations, an answer's start)
-    long_prompts: list[str] = field(default_factory=list)
-    # "ours" (this engine alone) or "vllm": vLLM's offline engine decodes the same prompts too,
-    # the drafter as its speculative model (served.py); its figures beside ours
-    engine: str = "ours"
-    verbose: bool = False  # engine vllm: its log on the terminal (else in OUT/vllm/)
-    # engine vllm: its memory, a share of the GPU ("0.8", its gpu_memory_utilization) or a KV
-    # cache size ("4GiB"); None: what is free when it starts (at most 0.9), 1 GiB on the CPU
-    vllm_memory: str | None = None
-
-
-def resolve_device(spec: str) -> torch.device:
-    if spec == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(spec)
-    except RuntimeError as exc:
-        raise EvalInputError(f"--device {spec!r}: not a device",
-                             hint="use auto, cpu, cuda or cuda:N") from exc
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise EvalInputError(f"--device {spec}: no CUDA GPU is visible",
-                             hint="use --device cpu (or auto)")
-    if dev.type not in ("cpu", "cuda"):
-        raise EvalInputError(f"--device {spec}: use auto, cpu, cuda or cuda:N")
-    return dev
-
-
-def _dtype(spec: str, device: torch.device) -> str:
-    if spec == "auto":
-        return "bfloat16" if device.type == "cuda" else "float32"
-    if spec not in ("bfloat16", "float16", "float32"):
-        raise EvalInputError(f"--dtype {spec!r}: use auto, bfloat16, float16 or float32")
-    return spec
-
-
-def _target_folder(spec: str) -> Path:
-    if spec == "builtin:tiny":
-        from dflash_core.demo import ensure_tiny_target
-
-        return ensure_tiny_target()
-    folder = Path(spec).expanduser()
-    if not (folder / "config.json").is_file():
-        raise EvalInputError(f"--target {spec}: no config.json there",
-                             hint="pass the target's model folder (or builtin:tiny)")
-    return folder
-
-
-def _target_id(folder: Path) -> str:
-    """The target by its config.json and its weight files' names and sizes."""
-    h = hashlib.sha256((folder / "config.json").read_bytes())
-    for f in sorted(folder.glob("*.safetensors")):
-        h.update(f"{f.name}:{f.stat().st_size}".encode())
-    return h.hexdigest()[:16]
 
 
 def _device_name(device: torch.device) -> str:
@@ -188,9 +112,9 @@ class Evaluation:
             say("note: --verbose shows vLLM's own log; without --engine vllm there is none")
         self.vllm_memory = served_memory.parse_memory(opts.vllm_memory)
         self.device = resolve_device(opts.device)
-        self.dtype = _dtype(opts.dtype, self.device)
+        self.dtype = resolve_dtype(opts.dtype, self.device)
         self.sets = self._sets()
-        self.folder = _target_folder(opts.target)
+        self.folder = target_folder(opts.target)
         self.target_config = self._target_config()
         self.shape = dk.TargetShape.of(self.target_config)
         self.specs = [dk.priced(dk.read_drafter(g), opts.gpu_hour_price, opts.currency)
@@ -279,7 +203,7 @@ class Evaluation:
         from dflash_core.data.chat_render import fingerprints
 
         o = self.opts
-        return {"target": _target_id(self.folder), "tokenizer": fingerprints(self.tokenizer),
+        return {"target": target_id(self.folder), "tokenizer": fingerprints(self.tokenizer),
                 "thinking": o.thinking or "template default", "temperature": o.temperature,
                 "seed": o.seed if o.temperature > 0 else None,
                 "max_new_tokens": o.max_new_tokens, "batch": o.batch, "cache": o.cache,
