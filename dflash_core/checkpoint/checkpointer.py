@@ -46,6 +46,17 @@ def checkpoint_bytes(drafter, served_dtype: torch.dtype, optimizer: str) -> int:
                                             frozen)
 
 
+def probe_writable(folder: Path) -> None:
+    """Write and remove an empty file in ``folder``: an OSError (the folder's errno and words,
+    not the probe file's name) where it cannot take one."""
+    probe = folder / f".write-probe-{os.getpid()}"
+    try:
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise OSError(exc.errno, exc.strerror) from None
+
+
 def check_checkpoints_writable(run_dir: Path) -> None:
     """A checkpoints folder that is there but cannot take a checkpoint (a file of that name, a
     folder without write permission) is found now, not at the first save after an hour of
@@ -56,9 +67,7 @@ def check_checkpoints_writable(run_dir: Path) -> None:
     try:
         if not folder.is_dir():
             raise NotADirectoryError(f"{folder} is a file, not a folder")
-        probe = folder / f".write-probe-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
+        probe_writable(folder)
     except OSError as exc:
         raise ConfigError("run.output_dir", f"cannot write checkpoints to {folder}: {exc}",
                           hint=f"make {folder} a folder you can write (move a file of that name "

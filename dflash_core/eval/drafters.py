@@ -148,9 +148,12 @@ def _dflash_config(d: dict, where: str):
                              f"({type(exc).__name__}: {exc})", hint=HINT) from exc
 
 
-def _fingerprint(folder: Path, config_text: str) -> str:
-    """The config's text, and the weights by their recorded checksum (this engine's checkpoints)
-    or their size and modification time: a changed drafter is not continued as the old one."""
+def fingerprint(folder: Path, config_text: str | None = None) -> str:
+    """The config's text (read from the folder unless given), and the weights by their recorded
+    checksum (this engine's checkpoints) or their size and modification time: a changed drafter
+    is not continued as the old one."""
+    if config_text is None:
+        config_text = (folder / "config.json").read_text(encoding="utf-8")
     from dflash_core.checkpoint.layout import CHECKSUMS
 
     h = hashlib.sha256(config_text.encode())
@@ -217,7 +220,7 @@ def read_drafter(given: str) -> DrafterSpec:
                              hint="pass a DFlash, DSpark or DFlash2 drafter folder")
     _check_weights(folder, objective, cfg, given)
     return DrafterSpec(folder, given, _label(folder, run), objective, cfg,
-                       _fingerprint(folder, text), run,
+                       fingerprint(folder, text), run,
                        run_hours(folder, run) if run is not None else None)
 
 

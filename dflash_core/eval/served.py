@@ -41,7 +41,7 @@ from pathlib import Path
 from dflash_core.served_counts import VllmCounts
 from dflash_core.eval import served_failure
 from dflash_core.eval.errors import EvalInputError
-from dflash_core.eval.served_memory import CPU_KV_CACHE_BYTES, VllmMemory, model_len, vllm_memory
+from dflash_core.eval.served_memory import VllmMemory, model_len, vllm_memory
 from dflash_core.eval.summary import first_difference
 from dflash_core.families.registry import family
 
@@ -190,10 +190,9 @@ def _differences(ids: list, a: list[list[int]], b: list[list[int]]) -> list[dict
 class Judge:
     """vLLM's decodings of an evaluation (runner.Evaluation ``ev``, its own decoding done)."""
 
-    def __init__(self, ev, verbose: bool = False, memory: VllmMemory | None = None):
-        self.ev, self.verbose = ev, verbose
+    def __init__(self, ev, verbose: bool, memory: VllmMemory):
+        self.ev, self.verbose, self.memory = ev, verbose, memory
         self.folder = ev.out / FOLDER
-        self.memory = memory or VllmMemory(kv_bytes=CPU_KV_CACHE_BYTES)
         o = ev.opts
         longest = max(len(x) for r in ev.rendered.values() for x in r.ids)
         per_round = max([family(s.objective).drafts_per_round(s.block_size)
@@ -218,9 +217,10 @@ class Judge:
     def decode(self, name: str, spec) -> dict:
         """vLLM's decoding ``name`` ("plain" or a drafter's file name), run in a child process,
         or the result of an earlier run of the same job (the same folder continues)."""
-        return run_child(self._job(spec), name, self.folder, self.verbose, self.ev.say,
-                         failure_context(name, self.ev.device, self.memory, spec and
-                                         speculative_config(spec)))
+        job = self._job(spec)
+        return run_child(job, name, self.folder, self.verbose, self.ev.say,
+                         failure_context(name, self.ev.device, self.memory,
+                                         job.get("speculative_config")))
 
     def run(self) -> ServedReport:
         ev = self.ev
@@ -351,6 +351,8 @@ def check_decoding(target: Path, target_config, drafter: Path, objective: str, b
     here (``responses``). Returns check.json's ``vllm`` record."""
     from types import SimpleNamespace
 
+    from dflash_core.eval.drafters import fingerprint
+
     spec = SimpleNamespace(objective=objective, path=drafter, block_size=block_size)
     new = max(len(r) for r in responses)
     memory = vllm_memory(device, memory, say)
@@ -363,7 +365,7 @@ def check_decoding(target: Path, target_config, drafter: Path, objective: str, b
            "speculative_config": speculative_config(spec),
            "sets": [{"name": "check", "prompts": prompts, "indices": list(range(len(prompts)))}],
            # each check trains its drafter anew into the same folder: not continued across
-           "drafter_fingerprint": _saved_at(Path(drafter) / "model.safetensors"),
+           "drafter_fingerprint": fingerprint(Path(drafter)),
            **memory.job()}
     res = run_child(job, "check-drafter", folder, False, say,
                     failure_context("check-drafter", device, memory, job["speculative_config"],
@@ -404,11 +406,6 @@ def end_session(child: subprocess.Popen) -> None:
         time.sleep(0.05)
     signal_all(signal.SIGKILL)
     child.wait()
-
-
-def _saved_at(path: Path) -> str:
-    st = path.stat()
-    return f"{st.st_size}:{st.st_mtime_ns}"
 
 
 class EngineFailed(RuntimeError):

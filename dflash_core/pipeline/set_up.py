@@ -6,7 +6,6 @@ sinks, the devices, what preflight prepared, the checkpoint to resume."""
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 from typing import Callable
@@ -30,7 +29,7 @@ from dflash_core.checkpoint.resume import (
     load_for_resume,
 )
 from dflash_core.persist.run_folder import refuse_if_used
-from dflash_core.checkpoint.checkpointer import check_checkpoints_writable
+from dflash_core.checkpoint.checkpointer import check_checkpoints_writable, probe_writable
 from dflash_core.pipeline.hours_meter import HoursMeter
 from dflash_core.pipeline.run import Run
 from dflash_core.pipeline.workers import Stopped
@@ -126,12 +125,7 @@ class SetUp:
                 save_config(cfg, run_dir / "config.yaml")
             elif self.resume:  # a folder there but read-only: said now as a new run's would be
                 for folder in {run_dir, records} if self.lead else {records}:
-                    probe = folder / f".write-probe-{os.getpid()}"
-                    try:
-                        probe.write_bytes(b"")
-                        probe.unlink()
-                    except OSError as exc:  # the folder's fault, not the probe file's name
-                        raise OSError(exc.errno, exc.strerror) from None
+                    probe_writable(folder)
             # its records (events.jsonl, train.log) opened for appending: a file there that
             # refuses it (read-only, another user's) is said as the folder's
             run.sinks = RunSinks(self.bus, cfg, records, run.early or [])

@@ -27,15 +27,12 @@ import torch
 from torch import nn
 
 from dflash_core.observe.events import Log
-from dflash_core.target_group.rank import POLL_S, RankArgs, main as rank_main
+from dflash_core.target_group.rank import POLL_S, RESUME, RankArgs, main as rank_main
 from dflash_core.target_group.split import GroupSplit
 
 RING = 2  # features a rank keeps sent and unacknowledged (the engine acks after its copy)
 INIT_TIMEOUT_S = 120.0  # the group forms within this, or the rank that is missing is named
 STOP_GRACE_S = 3.0  # a rank asked to stop ends within this, else it is terminated, then killed
-
-
-RESUME = "--resume (r on the dashboard) continues from the last checkpoint"
 
 
 class GroupRankFailed(RuntimeError):

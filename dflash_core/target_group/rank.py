@@ -111,13 +111,16 @@ class _Stopped(Exception):
     pass
 
 
+RESUME = "--resume (r on the dashboard) continues from the last checkpoint"
+
+
 class GroupFormError(RuntimeError):
     error_kind = "cuda"
 
     def __init__(self, message: str):
         super().__init__(message)
         self.hint = ("a rank could not start (its log in the run folder says why: a GPU it "
-                     "cannot bind, memory); --resume (r on the dashboard) once the cause is fixed")
+                     f"cannot bind, memory); {RESUME} once the cause is fixed")
 
 
 def form(store, rank: int, world: int, timeout_s: float) -> None:

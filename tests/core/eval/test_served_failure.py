@@ -96,7 +96,8 @@ def test_a_child_killed_by_the_kernel_is_named_a_fault_and_the_rest_keeps_its_la
 
 @pytest.mark.parametrize("text, want", [
     ("0.8", served_memory.VllmMemory(share=0.8)), ("1", served_memory.VllmMemory(share=1.0)),
-    ("4GiB", served_memory.VllmMemory(kv_bytes=4 << 30)), ("512MiB", served_memory.VllmMemory(kv_bytes=512 << 20)),
+    ("4GiB", served_memory.VllmMemory(kv_bytes=4 << 30)),
+    ("512MiB", served_memory.VllmMemory(kv_bytes=512 << 20)),
     ("2 GB", served_memory.VllmMemory(kv_bytes=2 * 10 ** 9)), (None, None),
 ])
 def test_vllm_memory_is_a_share_or_a_size(text, want):
@@ -136,7 +137,8 @@ def test_vllms_model_length_is_what_the_prompts_need_not_the_targets_window():
     long = Qwen3Config(max_position_embeddings=262144)
     # a 256K request's KV cache can outgrow a card; a multiple of vLLM's KV block (1024 covers
     # its block sizes) or its DFlash drafts go wrong (served_memory.model_len)
-    assert served_memory.model_len(long, 700) == 1024 and served_memory.model_len(long, 1023) == 1024
+    assert served_memory.model_len(long, 700) == 1024
+    assert served_memory.model_len(long, 1023) == 1024
     assert served_memory.model_len(long, 1024) == 2048
     assert served_memory.model_len(Qwen3Config(max_position_embeddings=512), 700) == 512
 
