@@ -17,10 +17,10 @@ import torch
 
 from dflash_core.models.target.config import load_target_config
 from dflash_core.observe.events import (
-    WORKER_LOADING, WORKER_WARMUP, LoadProgress, WorkerStatus,
+    WORKER_FAILED, WORKER_LOADING, WORKER_WARMUP, LoadProgress, WorkerStatus,
 )
 from dflash_core.pipeline.target_stage import TargetStage
-from dflash_core.pipeline.workers import POLL_S, Stopped, use_device
+from dflash_core.pipeline.workers import POLL_S, Stopped, UpstreamFailed, use_device
 from dflash_core.target_group.group import GroupRankFailed, TargetGroup, TargetHeads
 
 
@@ -37,6 +37,8 @@ class GroupStage(TargetStage):
                          trust_remote_code=group.trust_remote_code)
         self.group, self.ranks = group, ranks
         self.seq = 0
+        for r in ranks:
+            group.rows[r] = (self.row_name(r), group.label(r))
 
     def row_name(self, rank: int) -> str:
         """The screen's row of a rank: this stream's name, or a sub-row for the other ranks of
@@ -46,10 +48,16 @@ class GroupStage(TargetStage):
     def run(self) -> str:
         try:
             return self._run()
-        except GroupRankFailed:
-            if self.group.first_failure():
+        except GroupRankFailed as exc:
+            if not self.group.first_failure():
+                raise Stopped() from None  # the copy's other stream said it already
+            row, device = self.group.rows.get(exc.rank, (self.name, ""))
+            if row == self.name:
                 raise
-            raise Stopped() from None  # the copy's other stream said it already
+            # another stream's rank died: the error and the failed row are that rank's
+            self.publish(WorkerStatus(worker=row, role="target", device=device,
+                                      status=WORKER_FAILED, detail=str(exc)[:200]))
+            raise UpstreamFailed(row, "target", exc, device=device) from None
 
     def _run(self) -> str:
         use_device(self.device)
@@ -97,7 +105,7 @@ class GroupStage(TargetStage):
                     continue
                 if msg[0] == "error":
                     raise self.group.rank_error(r, msg)
-            raise dead
+            raise self.group.dead_rank() or dead  # the one killed, if it has been seen since
 
     def _send(self, rank: int, msg: tuple) -> None:
         try:

@@ -145,8 +145,8 @@ class Run:
             stopped = True
         except UpstreamFailed as up:
             stopped, detail = True, f"{up.source} failed"  # the Error names the one that did
-            self.fail(error_event(up.cause, source=up.source, role=up.role, device=device,
-                                  phase=self.lifecycle.state))
+            self.fail(error_event(up.cause, source=up.source, role=up.role,
+                                  device=up.device or device, phase=self.lifecycle.state))
         except BaseException as exc:  # noqa: BLE001 - every failure must surface
             stopped = isinstance(exc, LoadAborted) and self.stop.is_set()
             if not stopped:

@@ -16,9 +16,10 @@ class UpstreamFailed(Exception):
     """A stage saw the failure of the stage that feeds it (a target, of its loader thread):
     the error is reported under the upstream stage's name, not the one that noticed it."""
 
-    def __init__(self, source: str, role: str, cause: BaseException):
+    def __init__(self, source: str, role: str, cause: BaseException, device: str | None = None):
         super().__init__(f"{source} failed: {cause}")
         self.source, self.role, self.cause = source, role, cause
+        self.device = device  # the failed stage's device, where it differs from the noticer's
 
 
 def use_device(dev: torch.device) -> None:

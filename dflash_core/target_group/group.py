@@ -29,6 +29,7 @@ from torch import nn
 from dflash_core.observe.events import Log
 from dflash_core.target_group.rank import POLL_S, RESUME, RankArgs, main as rank_main
 from dflash_core.target_group.split import GroupSplit
+from dflash_core.target_group.tracker import ensure_resource_tracker
 
 RING = 2  # features a rank keeps sent and unacknowledged (the engine acks after its copy)
 INIT_TIMEOUT_S = 120.0  # the group forms within this, or the rank that is missing is named
@@ -38,8 +39,10 @@ STOP_GRACE_S = 3.0  # a rank asked to stop ends within this, else it is terminat
 class GroupRankFailed(RuntimeError):
     """A rank of a target group failed or died; names the rank and its GPU."""
 
-    def __init__(self, message: str, kind: str = "internal", hint: str = ""):
+    def __init__(self, message: str, kind: str = "internal", hint: str = "",
+                 rank: int | None = None):
         super().__init__(message)
+        self.rank = rank  # the rank that failed or died (None: the group as a whole)
         self.error_kind = kind
         self.hint = hint or ("the rank's log in the run folder has its whole output; "
                              f"{RESUME} once the cause is fixed")
@@ -135,6 +138,7 @@ class TargetGroup:
         self._failed_lock = threading.Lock()
         self.heads: TargetHeads | None = None
         self.heads_ready = threading.Event()
+        self.rows: dict[int, tuple[str, str]] = {}  # rank -> (the screen's row, its device)
         self.store_path = self.run_dir / f"{STORE_PREFIX}{index}-{os.getpid()}-{time.time_ns()}"
 
     def first_failure(self) -> bool:
@@ -158,6 +162,7 @@ class TargetGroup:
     def start(self) -> None:
         """Spawn the ranks (from the run's supervisor thread, which outlives them)."""
         ctx = torch.multiprocessing.get_context("spawn")
+        ensure_resource_tracker()  # before the first queue: under the dashboard stderr has no fd
         self.run_dir.mkdir(parents=True, exist_ok=True)
         remove_stale_stores(self.run_dir)
         for rank, dev in enumerate(self.devices):
@@ -187,13 +192,17 @@ class TargetGroup:
         closed."""
         if self.closing:
             return None
-        for rank, p in enumerate(self.procs):
-            if p.exitcode is not None and rank != besides:
-                kind, hint = _death(p.exitcode, self.devices[0].type == "cuda")
-                return GroupRankFailed(
-                    f"target group {self.index} rank {rank} ({self.gpu_label(rank)}, pid "
-                    f"{p.pid}) {_exit_text(p.exitcode)}", kind=kind, hint=hint)
-        return None
+        ended = [(rank, p) for rank, p in enumerate(self.procs)
+                 if p.exitcode is not None and rank != besides]
+        if not ended:
+            return None
+        # One rank's death makes the others fail in their collectives and exit 1 (their error
+        # sent): a rank killed by a signal is the cause, whichever rank number ended first.
+        rank, p = min(ended, key=lambda rp: (rp[1].exitcode >= 0, rp[0]))
+        kind, hint = _death(p.exitcode, self.devices[0].type == "cuda")
+        return GroupRankFailed(
+            f"target group {self.index} rank {rank} ({self.gpu_label(rank)}, pid "
+            f"{p.pid}) {_exit_text(p.exitcode)}", kind=kind, hint=hint, rank=rank)
 
     def rank_error(self, rank: int, msg: tuple) -> GroupRankFailed:
         _, kind, message, tb, hint = msg
@@ -206,7 +215,7 @@ class TargetGroup:
             dead.__cause__ = RankTraceback(tb)
             return dead
         err = GroupRankFailed(f"target group {self.index} rank {rank} ({self.gpu_label(rank)}) "
-                              f"failed: {message}", kind=kind, hint=hint)
+                              f"failed: {message}", kind=kind, hint=hint, rank=rank)
         err.__cause__ = RankTraceback(tb)
         return err
 

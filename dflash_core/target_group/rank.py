@@ -33,6 +33,7 @@ import traceback
 from dataclasses import dataclass
 
 POLL_S = 0.25
+EXIT_FLUSH_S = 1.0  # at most this long for the last messages to reach the engine's pipe
 DUMMY_TOKENS = 8  # the dummy forward's length: any shape keeps FSDP's gathers in step
 
 
@@ -87,10 +88,22 @@ def _to_log(path: str) -> None:
     sys.stderr = os.fdopen(2, "w", buffering=1)
 
 
+def _thread_lock_for_progress_bars() -> None:
+    """tqdm (transformers' loading bars) takes a multiprocessing lock by default: a semaphore
+    the rank's fast exit would leave to the resource tracker, which then warns of it on the
+    terminal the dashboard draws on. A rank is one process: a thread lock does."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return
+    tqdm.set_lock(threading.RLock())
+
+
 def main(args: RankArgs, requests, replies) -> None:
     """The rank process's entry point."""
     _die_with_parent(args.parent_pid)
     _to_log(args.log_path)
+    _thread_lock_for_progress_bars()
     import faulthandler
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung rank's stack, on request
     try:
@@ -103,8 +116,24 @@ def main(args: RankArgs, requests, replies) -> None:
         replies.put(("error", kind, f"{type(exc).__name__}: {exc}", traceback.format_exc(),
                      getattr(exc, "hint", "")))
         print(traceback.format_exc(), flush=True)
-        time.sleep(0.5)  # the queue's feeder thread sends the message before the exit
-        os._exit(1)
+        _exit(replies, 1)
+    _exit(replies, 0)
+
+
+def _exit(replies, code: int) -> None:
+    """End the process once what it sent has reached the pipe, without the interpreter's
+    teardown: that teardown (torch's and gloo's threads) takes seconds, past the engine's grace
+    time, and a rank has nothing else to keep."""
+    replies.close()
+    flushed = threading.Thread(target=replies.join_thread, daemon=True)
+    flushed.start()
+    flushed.join(EXIT_FLUSH_S)  # the engine may no longer read: a full pipe never holds us
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 class _Stopped(Exception):

@@ -13,7 +13,9 @@ import torch
 
 from dflash_core.observe.events import RunEnded, Stall
 from dflash_core.pipeline.engine import Engine
+from dflash_core.target_group.group import STOP_GRACE_S, TargetGroup
 from dflash_core.target_group.rank import GroupFormError, form
+from dflash_core.target_group.split import GroupSplit
 
 from ..engine_fixtures import Recorder, assets, make_config  # noqa: F401 - assets: a fixture
 from .group_harness import reply, start_group, wait_loaded
@@ -95,3 +97,50 @@ def test_the_rendezvous_files_of_engines_no_longer_alive_are_removed(tmp_path):
         p.write_text("x")
     assert remove_stale_stores(tmp_path) == [dead]
     assert not dead.exists() and alive.exists() and other.exists()
+
+
+@pytest.mark.parametrize("when", [pytest.param("loaded", marks=pytest.mark.slow), "mid-stream",
+                                  pytest.param("stream over", marks=pytest.mark.slow)])
+def test_ranks_asked_to_stop_end_at_once_and_nothing_is_forced(assets, tmp_path, when):
+    """A clean stop or restart must not need the terminate/kill fallback (it warned on every
+    stop while the ranks' interpreter teardown took seconds), nor leave the ranks' semaphores
+    to the resource tracker."""
+    target, _ = assets
+    group = start_group(target, "sharded", False, tmp_path)
+    wait_loaded(group)
+    if when != "loaded":
+        ids = torch.randint(0, 100, (2, 16))
+        for r in range(2):
+            group.requests[r].put(("batch", 0, ids, torch.ones_like(ids)))
+        for r in range(2):
+            reply(group, r, ("features",))
+    if when == "stream over":
+        for r in range(2):
+            group.requests[r].put(("end",))
+        for r in range(2):
+            reply(group, r, ("done",))
+    t0 = time.monotonic()
+    forced = group.shutdown()
+    took = time.monotonic() - t0
+    assert forced == [] and [p.exitcode for p in group.procs] == [0, 0]
+    assert took < STOP_GRACE_S / 2, took
+    logs = [group.log_path(r).read_text() for r in range(2)]
+    assert not any("leaked semaphore" in text or "Traceback" in text for text in logs), logs
+
+
+def test_the_rank_killed_by_a_signal_is_named_before_those_that_then_failed(tmp_path):
+    """Its peers fail in their collectives and exit 1, perhaps first: the killed one is the
+    cause, and the error carries its rank (the screen's row is that rank's)."""
+    from types import SimpleNamespace
+
+    group = TargetGroup(0, [torch.device("cpu")] * 3, GroupSplit(3, "sharded", True),
+                        target_path=tmp_path, dtype="float32", attn_implementation="sdpa",
+                        layer_ids=[1], last_hidden=False, trust_remote_code=False,
+                        distributed={}, run_dir=tmp_path, publish=lambda e: None)
+    group.procs = [SimpleNamespace(exitcode=1, pid=11), SimpleNamespace(exitcode=None, pid=12),
+                   SimpleNamespace(exitcode=-signal.SIGKILL, pid=13)]
+    dead = group.dead_rank()
+    assert dead.rank == 2 and "rank 2 (cpu:0.2, pid 13) killed by SIGKILL" in str(dead)
+    assert dead.error_kind == "oom"
+    group.procs[2].exitcode = None
+    assert group.dead_rank().rank == 0 and "exited with code 1" in str(group.dead_rank())
