@@ -68,6 +68,7 @@ async def drawn(pilot, app, events) -> None:
     while app.state.now < events[-1].ts or len(app.buffer) or app._pending:
         await pilot.pause(0.05)
     await pilot.pause(0.3)
+    assert app._broken == set()  # a panel that failed to draw shows no numbers to check
 
 
 @pytest.mark.parametrize("name", SCENARIOS)
@@ -87,6 +88,7 @@ async def test_no_number_is_cut_at_80x24_and_above(name):
                     bad = cut_numbers(content_rows(app, widget), outside)
                     if bad:
                         cut[f"{size[0]}x{size[1]} {panel}"] = bad
+        assert app._broken == set()
         assert not cut, cut
 
 

@@ -286,9 +286,15 @@ def split_target_loading(cpu: bool = False) -> list[ev.Event]:
     else:
         labels, drafters = rank_labels(["cuda:0", "cuda:1"]), ["cuda:2", "cuda:3"]
         targets = ["cuda:0", "cuda:1"]
-    out = start(targets=targets, drafters=drafters)
-    if cpu:  # no GPU: no memory plan rows
-        out = [e for e in out if not isinstance(e, ev.MemoryPlan)]
+    out = [e for e in start(targets=targets, drafters=drafters)
+           if not isinstance(e, ev.MemoryPlan)]
+    if not cpu:  # a rank's share of a 61 GiB target, and the drafters, on 80 GB cards
+        out.append(ev.MemoryPlan(rows=[
+            {"device": d, "role": role, "components": {}, "total": int(total * GIB),
+             "free": int(79 * GIB), "fits": True}
+            for d, role, total in [("cuda:0", "target", 33.5), ("cuda:1", "target", 33.5),
+                                   ("cuda:2", "drafter", 76.0), ("cuda:3", "drafter", 76.0)]],
+            ts=T0 + 1))
     for rank, label in enumerate(labels):
         worker = f"target-{rank}"
         out.append(ev.WorkerStatus(worker=worker, role="target", device=label,
@@ -326,7 +332,8 @@ def split_target(steps: int = 40, cpu: bool = False) -> list[ev.Event]:
         out.append(ev.WorkerStatus(worker=f"target-{rank}", role="target", device=label,
                                    status=ev.WORKER_WARMUP, detail="first forward", ts=T0 + 80))
     out.append(ev.StateChanged(state="warmup", previous="loading", ts=T0 + 80))
-    out.append(plan(total=1200, targets=2, drafters=len(drafters), epoch_steps=400, ts=T0 + 81))
+    out.append(plan(total=1200, targets=2, drafters=len(drafters), epoch_steps=1200,
+                     ts=T0 + 81))
     out.append(ev.StateChanged(state="training", previous="warmup", ts=T0 + 95))
     t = 95.0
     for s in range(1, steps + 1):
