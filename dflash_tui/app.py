@@ -97,6 +97,10 @@ class DFlashApp(App[None]):
                     yield panel()
         yield Footer()
 
+    def notify(self, message: str, *, markup: bool = False, **kwargs) -> None:
+        """A notice, shown as written: its text may name a path or a worker (literal.py)."""
+        super().notify(message, markup=markup, **kwargs)
+
     def get_driver_class(self):
         driver = super().get_driver_class()
         try:

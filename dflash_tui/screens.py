@@ -10,6 +10,8 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Button, Static
 
+from .literal import literal
+
 KEYS = [
     ("r", "restart: abort, free memory, re-read config.yaml, resume from the latest checkpoint"),
     ("a", "abort: stop every worker (a checkpoint is written first when training)"),
@@ -38,7 +40,7 @@ class ConfirmScreen(ModalScreen[bool]):
 
     def compose(self) -> ComposeResult:
         with Vertical(id="dialog"):
-            yield Static(self.question, id="question")
+            yield Static(literal(self.question), id="question")
             with Horizontal(id="buttons"):
                 yield Button("Yes (y)", variant="error", id="yes")
                 yield Button("No (n)", variant="primary", id="no")

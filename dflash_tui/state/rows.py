@@ -1,5 +1,5 @@
 """The rows the dashboard's panels draw, as plain records: a GPU, a target worker, a queue, an
-error, a log line; and which GPU row a device label names.
+error, a log line; which GPU row a device label names, and which rank of a split target.
 
 DashboardState (dashboard.py) keeps them up to date from events and the widgets draw them. They are
 apart from the fold because they are data without its rules: a widget's test builds a row
@@ -8,6 +8,7 @@ without folding a run.
 
 from __future__ import annotations
 
+import re
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -87,6 +88,42 @@ class LogLine:
     level: str  # debug | info | warning | error
     source: str
     text: str
+
+
+# A rank of a target split over several GPUs: "cuda:0 copy 0 rank 0/2" (the device column the
+# engine writes, TargetGroup.label in dflash_core/target_group/group.py).
+_RANK_LABEL = re.compile(r"^(?P<device>\S+) copy (?P<copy>\d+) rank (?P<rank>\d+)/(?P<ranks>\d+)$")
+
+
+@dataclass(frozen=True)
+class RankLabel:
+    device: str  # cuda:0, or cpu:0.1 (copy 0's rank 1 on the CPU)
+    copy: int
+    rank: int
+    ranks: int
+
+    @property
+    def words(self) -> list[str]:
+        """How a panel says it, fullest first, each shorter: the rank always stays."""
+        rank = f"rank {self.rank}/{self.ranks}"
+        return [f"{self.device} copy {self.copy} {rank}", f"copy {self.copy} {rank}", rank]
+
+
+def rank_label(label: str) -> RankLabel | None:
+    """The rank a device label names; None for a whole target's ("cuda:3", "cpu:0")."""
+    m = _RANK_LABEL.match(str(label))
+    if m is None:
+        return None
+    return RankLabel(m["device"], int(m["copy"]), int(m["rank"]), int(m["ranks"]))
+
+
+def device_words(label: str) -> list[str]:
+    """A device label as a panel may say it, fullest first, down to what must stay: a rank's
+    number, or nothing for a whole target's device (the GPUs panel names it)."""
+    rank = rank_label(label)
+    if rank is not None:
+        return rank.words
+    return [label, ""] if label else [""]
 
 
 def device_index(label: str) -> int | None:

@@ -10,6 +10,7 @@ from textual.containers import Vertical, VerticalScroll
 from textual.widgets import DataTable, Static
 
 from .. import fmt
+from ..literal import literal
 from ..state.dashboard import DashboardState
 from ..state.rows import ErrorEntry
 
@@ -62,9 +63,10 @@ class ErrorsPanel(Vertical):
         table = self.table
         for i, entry in enumerate(state.errors[self._shown:], start=self._shown):
             e = entry.event
-            table.add_row(Text(e.error_kind, style="bold red"), e.source,
-                          "previous run" if entry.previous else e.phase, fmt.short_message(e.message),
-                          key=str(i))
+            # Text, not str: a str cell is read as markup (literal.py)
+            table.add_row(literal(e.error_kind, "bold red"), literal(e.source),
+                          literal("previous run" if entry.previous else e.phase),
+                          literal(fmt.short_message(e.message)), key=str(i))
         added = len(state.errors) > self._shown
         self._shown = len(state.errors)
         self.border_title = f"Errors ({state.error_count})" if state.error_count else "Errors"

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 from rich.text import Text
 
+from dflash_core.observe import events as ev
+
 from .. import fmt
 from ..state.dashboard import DashboardState
-from ..state.rows import GpuRow
-from .panel import Panel, bar, fit, line, note
+from ..state.rows import GpuRow, device_words
+from .panel import Panel, bar, fit, line, note, pack_best, tail
 
 MIN_BAR = 8
 ROLE_SHORT = {"target": "target", "drafter": "drafter", "target+drafter": "tgt+dft", "": "-"}
@@ -81,6 +83,15 @@ def gpu_lines(rows: list[GpuRow], width: int, height: int) -> list[Text]:
     return out
 
 
+def worker_line(w: ev.WorkerStatus, width: int) -> Text:
+    """A CPU run's worker: name, device (a split target's rank: its rank stays when the rest
+    gives way), status, then its detail as room allows."""
+    # the device in a column of its own where it is short ("cpu", "cpu:0")
+    heads = [Text.assemble((f"{w.worker:<10}", "bold"), (f" {words:<5}" if words else "", "cyan"))
+             for words in device_words(w.device)]
+    return tail(pack_best(heads, [(0, Text(w.status))], width), w.detail, width)
+
+
 def host_line(s: DashboardState, width: int) -> Text:
     h = s.host
     if h is None:
@@ -108,9 +119,7 @@ class GpusPanel(Panel):
         lines = gpu_lines(rows, width, height)
         if not lines and s.cpu_only and s.workers:
             self.border_title = "Workers (CPU)"
-            lines = [line([(f"{w.worker:<10} ", "bold"), (f"{w.device:<6} ", "cyan"), w.status,
-                           (f"  {w.detail}" if w.detail else "", "dim")], width)
-                     for w in s.workers.values()]
+            lines = [worker_line(w, width) for w in s.workers.values()]
         else:
             self.border_title = self.TITLE
         lines.append(host_line(s, width))

@@ -1,5 +1,5 @@
 """Several nodes (torchrun): one line per node from the summaries the nodes exchange at each
-step boundary: step, this node's samples/s, its queues, its GPU memory, how it ended or its last
+step boundary: step, this node's samples/s, how it ended, its queues, host and GPU memory, its last
 error. Hidden on one node."""
 
 from __future__ import annotations
@@ -10,27 +10,33 @@ from dflash_core.observe import events as ev
 
 from .. import fmt
 from ..state.dashboard import DashboardState
-from .panel import Panel, line
+from .panel import Panel, line, pack_first
 
 
 def node_lines(n: ev.NodeStatus, lead_step: int, width: int) -> Text:
-    """Two lines: the node's progress and queues, then its host, memory and state."""
-    queues = " ".join([f"hs {n.hs_depth}/{n.hs_capacity}"] +
-                      [f"pf {d}/{c}" for d, c in n.prefetch])
-    first = line([(f"node {n.node} ", "bold"), f"step {n.step}  ",
-                  f"{fmt.rate(n.samples_per_s)} samples/s  ", (queues, "dim")], width)
-    second: list = ["  ", (n.host, "dim")]
-    if n.gpu_mem:
-        second.append(f"  mem {fmt.gib(sum(n.gpu_mem))}")
-    if n.allreduce_s:
-        second.append(f"  all-reduce {n.allreduce_s:.2f} s")
+    """Two lines: the node's progress and how it ended (or how far behind it is), its queues,
+    host, memory and all-reduce as room allows (whole fields, the least useful left out
+    first); then its last error, cut to the width."""
+    fields = [(0, Text(f"node {n.node}", style="bold")), (0, Text(f"step {n.step}")),
+              (1, Text(f"{fmt.rate(n.samples_per_s)} samples/s"))]
     if n.ending:
-        second.append((f"  {n.ending}", "bold red" if n.ending == "failed" else "bold yellow"))
-    elif n.error:
-        second.append((f"  {fmt.short_message(n.error)}", "red"))
+        fields.append((0, Text(n.ending, style="bold red" if n.ending == "failed"
+                               else "bold yellow")))
     elif n.step < lead_step - 1:
-        second.append((f"  {lead_step - n.step} steps behind", "yellow"))
-    return Text("\n").join([first, line(second, width)])
+        fields.append((0, Text(f"{lead_step - n.step} steps behind", style="yellow")))
+    fields.append((1, Text(f"hs {n.hs_depth}/{n.hs_capacity}", style="dim")))
+    if n.prefetch:
+        fields.append((3, Text("pf " + " ".join(f"{d}/{c}" for d, c in n.prefetch),
+                               style="dim")))
+    fields.append((2, Text(n.host, style="dim")))
+    if n.gpu_mem:
+        fields.append((2, Text(f"mem {fmt.gib(sum(n.gpu_mem))}")))
+    if n.allreduce_s:
+        fields.append((3, Text(f"all-reduce {n.allreduce_s:.2f} s")))
+    out = [pack_first(fields, width, 2, indent="  ")]
+    if n.error and not n.ending:
+        out.append(line([("  ", ""), (fmt.short_message(n.error), "red")], width))
+    return Text("\n").join(out)
 
 
 class NodesPanel(Panel):

@@ -3,12 +3,14 @@ line naming the bottleneck: which side of the HS queue waits on the other."""
 
 from __future__ import annotations
 
+import re
+
 from rich.text import Text
 
 from .. import fmt
 from ..state.dashboard import DashboardState
 from ..state.rows import QueueRow
-from .panel import Panel, line, note
+from .panel import Panel, line, note, wrapped
 
 
 def queue_line(q: QueueRow, width: int) -> Text:
@@ -23,6 +25,19 @@ def bottleneck_style(text: str) -> str:
     return "bold green" if text == "balanced" else "bold yellow"
 
 
+def verdict(neck: str, width: int) -> list[Text]:
+    """The bottleneck line in the words that fit: whole, without "of the time", without whose
+    share each is (the verdict names the sides); still too long, wrapped at a space, so its
+    shares are never cut."""
+    style = bottleneck_style(neck)
+    short = re.sub(r"\b(targets|drafter) (?=blocked|starved|waited)", "",
+                   neck.replace(" of the time", ""))
+    for form in (neck, neck.replace(" of the time", ""), short):
+        if len(form) <= width:
+            return [Text(form, style=style)]
+    return wrapped(short, width, 2, style=style)
+
+
 class QueuesPanel(Panel):
     PANEL_ID = "queues"
     TITLE = "Queues"
@@ -33,12 +48,9 @@ class QueuesPanel(Panel):
         if why and not s.queues:
             return note(f"no queues: {why}", width)
         neck = s.bottleneck()
-        if len(neck) > width:
-            neck = neck.replace(" of the time", "")
         # The verdict first: on a small screen the queue rows may need scrolling, it must not.
         yet = "in this run" if s.ended else "yet"
-        lines = [line([(neck, bottleneck_style(neck))] if neck
-                      else [(f"flow: no step {yet}", "dim")], width)]
+        lines = verdict(neck, width) if neck else [Text(f"flow: no step {yet}", style="dim")]
         lines += [queue_line(q, width) for q in s.queues.values()] or [
             Text(f"no queues {yet}", style="dim")]
         return Text("\n").join(lines)

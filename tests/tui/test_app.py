@@ -51,8 +51,8 @@ async def test_panels_follow_the_event_stream():
         p = panels(app)
         assert "LOADING" in p["header"].text and "step 0/6000" in p["header"].text
         assert "wandb runs/qwen36-dflash/wandb/offline-run-1" in p["header"].text
-        assert "target-0 cuda:0 warming up" in p["targets"].text
-        assert "42.1/54.0G 9/12 shards 61s" in p["targets"].text  # target-1 loading
+        assert "target-0 cuda:0  warming up" in p["targets"].text
+        assert "42.1/54.0G  61s  9/12 shards" in p["targets"].text  # target-1 loading
         assert " 0 target " in p["gpus"].text and "20.0/139.8G" in p["gpus"].text
         assert "plan 71.0G" in p["gpus"].text and "host RAM 180.0/2015.0G" in p["gpus"].text
         assert "no step yet" in p["training"].text
@@ -66,14 +66,14 @@ async def test_panels_follow_the_event_stream():
         await settle(pilot)
         p = panels(app)
         assert "TRAINING" in p["header"].text and "ETA 3:18:00" in p["header"].text
-        assert "target-0 cuda:0 31.0k tok/s  blocked 71%  starved 1%" in p["targets"].text
+        assert "target-0 cuda:0  31.0k tok/s  blocked 71%  starved 1%" in p["targets"].text
         assert "all targets 210.7k tok/s" in p["targets"].text
         publish(failed[len(training):])
         await settle(pilot)
         p = panels(app)
         assert "FAILED" in p["header"].text and "errors 1" in p["header"].text
-        assert "target-0 cuda:0 stopped  last 31.0k tok/s, 120 batches" in p["targets"].text
-        assert "target-3 cuda:3 FAILED\n  [oom] CUDA out of memory" in p["targets"].text
+        assert "target-0 cuda:0  stopped  last 31.0k tok/s  120 batches" in p["targets"].text
+        assert "target-3 cuda:3  FAILED\n  [oom] CUDA out of memory" in p["targets"].text
         assert "74.0/139.8G  97% 72°C torch 70.0G plan 71.0G" in p["gpus"].text
         queues = p["queues"].text.splitlines()
         assert queues[0] == "drafter-bound: targets blocked 71% of the time"
@@ -353,7 +353,7 @@ async def test_training_panel_shows_exact_tau_its_gap_and_acceptance_by_position
         await settle(pilot)
         text = app.query_one("#training").text
         assert "tau exact" in text and "2.87" in text and "accepted@k 83% 50%" in text
-        assert "tf target 2.95 gap +0.08" in text  # the mismatch gap sits by what it compares
+        assert "tf target 2.95  gap +0.08" in text  # the mismatch gap sits by what it compares
         assert "best step 20 τ 2.87" in app.query_one("#header").text
 
 
@@ -440,7 +440,9 @@ async def test_after_an_evaluation_the_training_panel_keeps_its_plot_in_view(siz
         text = training.text + "\n" + str(training.query_one(".caption").content)
         assert "39.012" in text and "1.106" in text  # the loss range, both ends
         accepted = next(x for x in text.split("\n") if "accepted@k" in x)
-        assert accepted.startswith("accepted@k 94% 84% 70%") and "…" in accepted
+        # whole positions, as many as fit, and how many more there are: no number cut
+        assert accepted.startswith("accepted@k 94% 84% 70%") and accepted.endswith(" more)")
+        assert "…" not in accepted
         width = training.scrollable_content_region.width
         assert all(len(x) <= width for x in text.split("\n"))
 

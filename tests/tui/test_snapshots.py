@@ -1,5 +1,6 @@
-"""Reviewed pictures of the main states at 80x24 (tmux over SSH) and 160x48. Each replays a fixed
-event list with fixed timestamps; the dashboard's clock is event time, so elapsed/ETA are stable.
+"""Reviewed pictures of the main states at 80x24 (tmux over SSH) and 160x48, a split target's at
+80x24, 120x40 and 200x50. Each replays a fixed event list with fixed timestamps; the
+dashboard's clock is event time, so elapsed/ETA are stable.
 Regenerate with `pytest tests/tui/test_snapshots.py --snapshot-update` and look at the SVGs."""
 
 from __future__ import annotations
@@ -89,3 +90,25 @@ def test_snapshot_help_at_80x24(snap_compare):
         await pilot.pause(0.3)
 
     assert snap_compare(app, terminal_size=(80, 24), run_before=with_help)
+
+
+# A target split over two ranks (target.gpus_per_copy 2): each rank a row of the targets panel,
+# named by its rank; at 80x24 each row takes two lines so its numbers stay whole, at 120x40 and
+# 200x50 one. The CPU demo's split (workers panel) as a new user first sees it.
+SPLIT_SIZES = {"80x24": (80, 24), "120x40": (120, 40), "200x50": (200, 50)}
+
+
+@pytest.mark.parametrize("size", SPLIT_SIZES)
+def test_snapshot_split_target(snap_compare, size):
+    app, until_shown = replayed(sc.split_target())
+    assert snap_compare(app, terminal_size=SPLIT_SIZES[size], run_before=until_shown)
+
+
+def test_snapshot_split_target_loading(snap_compare):
+    app, until_shown = replayed(sc.split_target_loading())
+    assert snap_compare(app, terminal_size=(80, 24), run_before=until_shown)
+
+
+def test_snapshot_split_target_on_the_cpu_finished(snap_compare):
+    app, until_shown = replayed(sc.split_target_finished(cpu=True))
+    assert snap_compare(app, terminal_size=(80, 24), run_before=until_shown)

@@ -259,3 +259,121 @@ def fold(events: list[ev.Event]) -> DashboardState:
     s = DashboardState()
     s.apply_all(events)
     return s
+
+
+def rank_labels(devices: list[str], copy: int = 0) -> list[str]:
+    """The device column of each rank of a target group over ``devices``, as the engine writes
+    it (TargetGroup.label: 'cuda:0 copy 0 rank 0/2')."""
+    import torch
+    from types import SimpleNamespace
+
+    from dflash_core.target_group.group import TargetGroup
+    from dflash_core.target_group.split import SHARDED, GroupSplit
+
+    group = SimpleNamespace(index=copy, devices=[torch.device(d) for d in devices],
+                            split=GroupSplit(len(devices), SHARDED, False))
+    group.gpu_label = lambda rank: TargetGroup.gpu_label(group, rank)
+    return [TargetGroup.label(group, r) for r in range(len(devices))]
+
+
+def split_target_loading(cpu: bool = False) -> list[ev.Event]:
+    """A target split over two ranks (target.gpus_per_copy 2, sharded: each rank its own batch
+    stream, so its own row) loading its shards; the drafters on GPUs 2 and 3. ``cpu``: the
+    demo's layout on the CPU (layout.targets [0, 1]), ranks 'cpu:0.0' and 'cpu:0.1'."""
+    if cpu:
+        labels, drafters = rank_labels(["cpu", "cpu"]), ["cpu:0"]
+        targets = ["cpu:0", "cpu:1"]
+    else:
+        labels, drafters = rank_labels(["cuda:0", "cuda:1"]), ["cuda:2", "cuda:3"]
+        targets = ["cuda:0", "cuda:1"]
+    out = [e for e in start(targets=targets, drafters=drafters)
+           if not isinstance(e, ev.MemoryPlan)]
+    if not cpu:  # a rank's share of a 61 GiB target, and the drafters, on 80 GB cards
+        out.append(ev.MemoryPlan(rows=[
+            {"device": d, "role": role, "components": {}, "total": int(total * GIB),
+             "free": int(79 * GIB), "fits": True}
+            for d, role, total in [("cuda:0", "target", 33.5), ("cuda:1", "target", 33.5),
+                                   ("cuda:2", "drafter", 76.0), ("cuda:3", "drafter", 76.0)]],
+            ts=T0 + 1))
+    for rank, label in enumerate(labels):
+        worker = f"target-{rank}"
+        out.append(ev.WorkerStatus(worker=worker, role="target", device=label,
+                                   status=ev.WORKER_LOADING, ts=T0 + 3))
+        out.append(ev.LoadProgress(worker=worker, device=label,
+                                   bytes_loaded=int((17.5 - 6 * rank) * GIB),
+                                   bytes_total=int(30.5 * GIB), shards_loaded=9 - 3 * rank,
+                                   shards_total=16, seconds=41.0 + rank, ts=T0 + 44))
+    for i, d in enumerate(drafters):
+        out.append(ev.WorkerStatus(worker=f"drafter-{i}", role="drafter", device=d,
+                                   status=ev.WORKER_WARMUP, detail="waiting for the targets",
+                                   ts=T0 + 3))
+    if not cpu:
+        out += [ev.GpuSample(index=i, name="NVIDIA H100 80GB HBM3", mem_used=int(used * GIB),
+                             mem_total=int(79.6 * GIB), util=util, temperature=38.0 + i,
+                             torch_allocated=int(max(0.0, used - 0.6) * GIB), ts=T0 + 44)
+                for i, (used, util) in enumerate([(18.1, 4.0), (12.0, 3.0), (2.1, 0.0),
+                                                  (2.1, 0.0)])]
+    out.append(ev.HostSample(ram_used=61 * GIB, ram_total=1007 * GIB, cpu_percent=23.0,
+                             process_rss=9 * GIB, ts=T0 + 44))
+    return out
+
+
+def split_target(steps: int = 40, cpu: bool = False) -> list[ev.Event]:
+    """split_target_loading's run training: both ranks stream features (the drafters wait a
+    little on them), the two drafters near their limit."""
+    out = split_target_loading(cpu)
+    labels = [e.device for e in out if isinstance(e, ev.WorkerStatus) and e.role == "target"]
+    drafters = [e.device for e in out if isinstance(e, ev.WorkerStatus) and e.role == "drafter"]
+    for rank, label in enumerate(labels):
+        out.append(ev.LoadProgress(worker=f"target-{rank}", device=label,
+                                   bytes_loaded=int(30.5 * GIB), bytes_total=int(30.5 * GIB),
+                                   shards_loaded=16, shards_total=16, seconds=78.0, done=True,
+                                   memory_after=int(30.9 * GIB), ts=T0 + 80))
+        out.append(ev.WorkerStatus(worker=f"target-{rank}", role="target", device=label,
+                                   status=ev.WORKER_WARMUP, detail="first forward", ts=T0 + 80))
+    out.append(ev.StateChanged(state="warmup", previous="loading", ts=T0 + 80))
+    out.append(plan(total=1200, targets=2, drafters=len(drafters), epoch_steps=1200,
+                     ts=T0 + 81))
+    out.append(ev.StateChanged(state="training", previous="warmup", ts=T0 + 95))
+    t = 95.0
+    for s in range(1, steps + 1):
+        t += 1.5
+        for q in range(2):
+            out.append(ev.QueueDepth(name=ev.prefetch_queue(q), depth=(s + q) % 5, capacity=4,
+                                     ts=T0 + t))
+        out.append(ev.QueueDepth(name=ev.HS_QUEUE, depth=s % 3, capacity=8, ts=T0 + t))
+        out.append(ev.StepMetrics(step=s, epoch=0, loss=4.0 * math.exp(-s / 15) + 1.6,
+                                  lr=3e-4, grad_norm=0.62, tokens_per_s=18_400,
+                                  samples_per_s=24.95, tau_tf=2.1 + s / 50,
+                                  drafter_wait_frac=0.31, target_blocked_frac=0.04,
+                                  padding_frac=0.03, samples=32, ts=T0 + t))
+    for rank, label in enumerate(labels):
+        out.append(ev.TargetMetrics(worker=f"target-{rank}", device=label, batches=161 + rank,
+                                    tokens_per_s=9_300 - 150 * rank, blocked_frac=0.04,
+                                    starved_frac=0.27 + 0.02 * rank, ts=T0 + t))
+    for i, d in enumerate(drafters):
+        out.append(ev.DrafterMetrics(worker=f"drafter-{i}", device=d, steps=steps,
+                                     waiting_frac=0.31, compute_frac=0.63, barrier_frac=0.05,
+                                     step_frac=0.01, ts=T0 + t))
+    if not cpu:
+        out += [ev.GpuSample(index=i, name="NVIDIA H100 80GB HBM3", mem_used=int(used * GIB),
+                             mem_total=int(79.6 * GIB), util=util, temperature=52.0 + i,
+                             torch_allocated=int((used - 1.1) * GIB), ts=T0 + t)
+                for i, (used, util) in enumerate([(44.2, 71.0), (41.9, 69.0), (73.8, 96.0),
+                                                  (74.6, 97.0)])]
+    out.append(ev.HostSample(ram_used=64 * GIB, ram_total=1007 * GIB, cpu_percent=31.0,
+                             process_rss=10 * GIB, ts=T0 + t))
+    return out
+
+
+def split_target_finished(cpu: bool = False) -> list[ev.Event]:
+    """split_target's run at its last step: each worker's last word, then the end."""
+    out = split_target(cpu=cpu)
+    t = out[-1].ts + 2
+    labels = {e.worker: e.device for e in out if isinstance(e, ev.WorkerStatus)}
+    out += [ev.WorkerStatus(worker=w, role=w.split("-")[0], device=d, status=ev.WORKER_STOPPED,
+                            ts=t) for w, d in labels.items()]
+    return out + [
+        ev.StateChanged(state="finished", previous="training", ts=t + 1),
+        ev.RunEnded(status="finished", step=40, seconds=t + 1 - T0, ts=t + 1),
+    ]
