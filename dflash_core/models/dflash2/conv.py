@@ -53,14 +53,18 @@ def accumulate_in(dtype: torch.dtype | None):
         _ACCUMULATE = before
 
 
-def compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype the convolution computes in for an input x."""
-    if _ACCUMULATE is not None:
-        return _ACCUMULATE
+def model_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the layer computes in at an input x: autocast's, else x's."""
     dev = x.device.type
     if torch.is_autocast_enabled(dev):
         return torch.get_autocast_dtype(dev)
     return x.dtype
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the convolution computes in at an input x (accumulate_in's, else the
+    model's)."""
+    return _ACCUMULATE if _ACCUMULATE is not None else model_dtype(x)
 
 
 def conv_values(x: torch.Tensor, delta: torch.Tensor, beta: torch.Tensor,
@@ -163,23 +167,24 @@ class BlockConv(nn.Module):
         self.kernel_projection = KernelProjection(2 * self.taps * self.groups, hidden)
 
     def prepare(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(y in the conv's dtype, Delta [n, L, 2, T, M] in it) of the sublayer input y: one
+        """(y in the model's dtype, Delta [n, L, 2, T, M] in it) of the sublayer input y: one
         cast, shared by the projection and the side-0 convolution (one saved copy)."""
-        low = y.to(compute_dtype(y))
+        low = y.to(model_dtype(y))
         delta = self.kernel_projection(low).to(low.dtype)
         return low, delta.view(*y.shape[:-1], 2, self.taps, self.groups)
 
     def coefficients(self, y: torch.Tensor) -> torch.Tensor:
-        """Delta of the sublayer input y [n, L, H]: [n, L, 2, T, M] in the conv's dtype."""
+        """Delta of the sublayer input y [n, L, H]: [n, L, 2, T, M] in the model's dtype."""
         return self.prepare(y)[1]
 
     def forward(self, x: torch.Tensor, delta: torch.Tensor, side: int,
                 block_size: int) -> torch.Tensor:
         """Conv_side of x [n, L, H] (L = A*B: A blocks of ``block_size`` positions each) with
-        ``delta`` from ``prepare``; computed and returned in the conv's dtype."""
+        ``delta`` from ``prepare``; computed in the conv's dtype, returned in the model's."""
         dt = compute_dtype(x)
-        return _Conv.apply(x.to(dt), delta[..., side, :, :].to(dt), self.base_kernel[side],
-                           int(block_size))
+        out = _Conv.apply(x.to(dt), delta[..., side, :, :].to(dt), self.base_kernel[side],
+                          int(block_size))
+        return out.to(model_dtype(x))
 
 
 class DFlash2Layer(DrafterLayer):
