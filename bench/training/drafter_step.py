@@ -20,8 +20,10 @@ config's DFlash2 defaults).
     # recompute, and DFlash's chunked CE over the same rows: what the TV term costs)
     python bench/training/drafter_step.py --shapes 8B --objective dspark --time-loss
     python bench/training/drafter_step.py --shapes 8B --objective dflash --time-loss
-    # DFlash2's CE + selector term against DFlash's chunked CE over the same rows (both torch)
+    # DFlash2's CE + selector term against DFlash's chunked CE over the same rows; with the
+    # fused loss (auto on CUDA), DFlash2's torch loss beside them
     python bench/training/drafter_step.py --shapes 8B --objective dflash2 --time-loss
+    python bench/training/drafter_step.py --shapes 8B --objective dflash2 --time-loss --fused-loss off
     # the fused loss (drafter.fused_loss; auto = fused on CUDA with Triton) against the torch one
     python bench/training/drafter_step.py --shapes 8B --objective dspark --time-loss --fused-loss on
     python bench/training/drafter_step.py --shapes 8B --objective dspark --time-loss --fused-loss off
@@ -37,14 +39,14 @@ target's last hidden state at the block positions (forward only: it takes no gra
 head's W2 (x 3) and the confidence head, and every slot predicts (DFlash: B-1 of B). DFlash2's
 count (B-1 of B slots predict, as DFlash's) adds, all x 3 (everything of it backpropagates): per
 block token and layer its two kernel projections y -> Delta (2 x 2 H 2TM, M = H/G groups) and
-its four convolutions (each tap: beta x and Delta x, their sum, the running sum: (4 min(T, B) - 1)
-H); per labelled slot its selector (the gate W_h h, 2 H r; A[a] x gate, r; the pair term, 2 r K
+per block its four convolutions (each tap t over the B - t positions it reaches: beta + Delta, its
+product with x, after the first the running sum, H each); per labelled slot its selector (the gate W_h h, 2 H r; A[a] x gate, r; the pair term, 2 r K
 over the K candidates' codebook rows, or 2 r V where the loss takes the product over the whole
 vocabulary, K r > V; U + pair, K). Its top-K choice carries no gradient and is a selection, not
 arithmetic: not counted. Recompute in backward (every loss's chunks, DSpark's target
-distribution) and the softmax / TV / softcap / logsumexp passes are not counted. The fused loss
-(--fused-loss) recomputes nothing: its FLOPs are the same matmuls; DFlash2 has none (its
-selector needs every row's top-K over the vocabulary): it runs the torch loss under auto.
+distribution, DFlash2's convolution coefficients) and the softmax / TV / softcap / logsumexp
+passes are not counted. The fused loss (--fused-loss) recomputes nothing: its FLOPs are the same
+matmuls (DFlash2's too: its candidates are the top-K of the chunk's logits buffer).
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ from dflash_core.data import Batch
 from dflash_core.families import dflash2 as d2
 from dflash_core.families.registry import settings as family_settings
 from dflash_core.models import registry as drafter_kinds
+from dflash_core.models.dflash2.loss import dflash2_loss
 from dflash_core.models.dspark import loss as dspark_loss
 from dflash_core.models.fused_loss import select as fused_loss
 from dflash_core.models import objective as obj
@@ -252,10 +255,13 @@ def step_flops(dc, n, S, A, B, vocab, k=5, objective="dflash", rank=0,
         taps, M = s.conv_kernel_size, H // s.conv_group_size
         r, K = s.selector_rank, s.selector_top_k
         # per block token and layer (models/dflash2/conv.py): two projections y -> Delta
-        # [2TM] (attention's, MLP's), four convolutions (each side of each sublayer), each
-        # of min(T, B) taps: beta x, Delta x, their sum and, after the first, the running sum
-        conv = 2 * (2 * H * 2 * taps * M) + 4 * (4 * min(taps, B) - 1) * H
-        parts["convolutions"] = 3 * n * dc.num_hidden_layers * T * conv
+        # [2TM] (attention's, MLP's); per block, four convolutions (each side of each
+        # sublayer), each tap t < min(T, B) over the B - t positions it reaches: beta + Delta,
+        # its product with x and, after the first tap, the running sum
+        reach = [B - t for t in range(min(taps, B))]
+        per_block = 4 * H * (2 * sum(reach) + sum(reach[1:]))
+        parts["convolutions"] = 3 * n * dc.num_hidden_layers * (
+            T * 2 * (2 * H * 2 * taps * M) + A * per_block)
         # per labelled slot (models/dflash2/loss.py): gate 2Hr, A[prev] x gate r, the pair
         # term over the K candidates (or, where K r exceeds the vocabulary, the loss's one
         # product over it: 2rV), U + pair K
@@ -336,8 +342,9 @@ def loss_passes(rep, batch, feats):
     backward the step makes on the drafter's final states of that group (computed once here),
     ``rows`` the labelled slots it projects. DSpark's also against DFlash's chunked CE over the
     same rows, same chunk: the difference is what TV, the Markov head and the confidence term
-    cost. DFlash2's (its step loss: CE + selector) against the same CE, both torch (DFlash2 has
-    no fused loss): the difference is what the selector costs. Gradients land in the replica's
+    cost. DFlash2's (its step loss: CE + selector) against the same CE: the difference is what
+    the selector costs; where the step's loss is fused, DFlash2's torch loss too (what the fused
+    loss saves). Gradients land in the replica's
     buffer (zero it after)."""
     d, dev, dcfg = rep.drafter, rep.device, rep.dcfg
     g = min(len(batch), obj.sequences_per_group(rep.micro_block_tokens,
@@ -372,13 +379,20 @@ def loss_passes(rep, batch, feats):
         t = rep.loss.targets(d, f, labels_host, batch.input_ids[:g], batch.anchors[:g])[1]
         labels = t.labels.to(dev)
         n_rows = len(t.picked.rows)
-        return g, {
+        out = {
             "DFlash2 CE+selector": (pass_of(lambda: rep.loss(d, hidden, pos, labels, t)),
                                     n_rows),
             "DFlash chunked CE, same rows": (pass_of(lambda: obj.chunked_loss(
                 hidden, labels, d.lm_head.weight, rep.loss.gamma, chunk, rows=t.picked,
                 fused=fused)), n_rows),
         }
+        if fused:
+            (prev,) = t.extra
+            s = rep.loss.settings
+            out["DFlash2 CE+selector, torch"] = (pass_of(lambda: dflash2_loss(
+                hidden, labels, prev.to(dev), d, gamma=rep.loss.gamma, alpha=s.selector_alpha,
+                inject=s.selector_missing == "inject", chunk=chunk, rows=t.picked)), n_rows)
+        return g, out
     dsp = rep.settings
     labels_host, prev = dspark_loss.dspark_targets(
         labels_host, dspark_loss.anchor_tokens(batch.input_ids[:g], batch.anchors[:g]))
@@ -397,7 +411,7 @@ def loss_passes(rep, batch, feats):
 
 def loss_fused(rep) -> bool:
     """Whether the replica's loss runs fused: drafter.fused_loss on its device, and a family
-    that has the fused loss (DFlash2 runs the torch loss under auto)."""
+    that has the fused loss (all three have)."""
     return (rep.drafter.family.has_fused_loss
             and fused_loss.fused(rep.dcfg.fused_loss, rep.device.type))
 
@@ -434,11 +448,15 @@ def time_loss(rep, batch, feats, args, shape: str, planned_chunk: int) -> None:
         print(f"| {name} | {rows} | {args.loss_chunk} | {dt * 1e3:.2f} | "
               f"{dt / max(rows, 1) * 1e6:.2f} | {dt / anchors * 1e6:.2f} | {peak} | "
               f"{size(planned_chunk)} | {dt * groups:.3f} s | {path} |", flush=True)
-    if len(per_pass) == 2:
+    if len(per_pass) >= 2:
         name = next(iter(per_pass)).split()[0]  # DSpark, DFlash2
-        own, ce = per_pass.values()
+        own, ce = list(per_pass.values())[:2]
         print(f"  {shape}: {name}'s loss costs {own / ce:.2f}x DFlash's chunked CE over the same "
               f"rows: +{(own - ce) * groups:.3f} s per step of {len(batch)} samples", flush=True)
+    if len(per_pass) == 3:  # DFlash2's fused loss against its torch loss
+        torch_pass = list(per_pass.values())[2]
+        print(f"  {shape}: DFlash2's fused loss takes {own / torch_pass:.2f}x its torch loss: "
+              f"{(torch_pass - own) * groups:.3f} s less per step", flush=True)
 
 
 def main(argv=None) -> None:

@@ -121,8 +121,9 @@ class DrafterConfig:
     fused_loss: Literal["auto", "on", "off"] = key("auto", """The loss as one streaming pass
         per row on the GPU (models/fused_loss: Triton kernels beside the lm_head's matmuls; the
         gradient made in the forward pass, nothing rows x vocabulary kept, no logits
-        recomputed), for DFlash's cross-entropy (either drafter.loss) and DSpark's CE + TV +
-        confidence. The same loss as the torch path, which stays the CPU's and the reference
+        recomputed), for DFlash's cross-entropy (either drafter.loss), DSpark's CE + TV +
+        confidence and DFlash2's CE + selector CE (its candidates the top-K of the chunk's
+        logits). The same loss as the torch path, which stays the CPU's and the reference
         (they agree to float32 noise). auto = fused where the drafters run on CUDA and Triton is
         installed (it ships with torch's CUDA wheels), torch elsewhere; on = fused, refused at
         preflight where it cannot run; off = torch. Its loss chunk holds one logits buffer in

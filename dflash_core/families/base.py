@@ -48,9 +48,6 @@ class Family:
     loss_bytes_per_logit = 8
     # Whether its loss has the fused path (models/fused_loss) that drafter.fused_loss selects.
     has_fused_loss = True
-    # What its layer saves for backward beyond DFlash's, per block token per layer, in 2-byte
-    # units of the width H (planning/drafter_memory.py's DRAFTER_SAVED_* count DFlash's).
-    layer_saved_h = 0
 
     def owns(self, config: dict) -> bool:
         """Whether a drafter config.json was written by this family."""
@@ -86,6 +83,12 @@ class Family:
         lm_head's dtype (``head_bytes`` each; the kernel writes their gradient over them) and,
         from forward to backward, the gradient of each of the micro-group's ``rows`` rows."""
         return chunk_rows * vocab * head_bytes + rows * hidden * head_bytes
+
+    def layer_saved_h(self, d) -> float:
+        """What its layer saves for backward beyond DFlash's, per block token per layer, in
+        2-byte units of the width H (planning/drafter_memory.py's DRAFTER_SAVED_* count
+        DFlash's)."""
+        return 0.0
 
     def head_params(self, d, hidden: int, vocab: int) -> int:
         """Trainable parameters the family adds to the shared backbone."""

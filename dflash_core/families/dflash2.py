@@ -29,8 +29,8 @@ SELECTOR_ALPHA = 1.0
 # (bench/BENCHMARKS.md, "DFlash2 against DFlash and DSpark on the demo").
 SELECTOR_MISSING = ("drop", "inject")
 SELECTOR_MISSING_DEFAULT = "drop"
-# The loss chunk holds its float32 logits, their softmax in backward and the bf16 logits and
-# gradient (the selector's K columns are small beside them).
+# The torch loss's chunk holds its float32 logits, their softmax in backward and the bf16 logits
+# and gradient (the selector's K columns are small beside them).
 LOSS_BYTES_PER_LOGIT = 12
 
 
@@ -104,11 +104,16 @@ class DFlash2Family(Family):
     architecture = ARCHITECTURE
     defaults = {"block_size": BLOCK_SIZE}
     loss_bytes_per_logit = LOSS_BYTES_PER_LOGIT
-    has_fused_loss = False  # its selector needs every row's top-K over the vocabulary
-    # The four convolutions of a layer keep float32 copies of their inputs, shifted taps and
-    # products for backward: 9.3 float32 H-vectors per block token per layer beyond DFlash's
-    # (unique storages saved by autograd, measured on the CPU at T 2, G 16), 19 2-byte units.
-    layer_saved_h = 19
+
+    def layer_saved_h(self, d) -> float:
+        """Beyond DFlash's layer, in 2-byte H units per block token, under bf16 autocast
+        (models/dflash2/conv.py): the convolutions save each sublayer's normed input (cast once)
+        and each sublayer's output, 4 in all; the side-0 outputs are what the projections save
+        (one for q/k/v, one for gate/up) in place of DFlash's five casts of the normed inputs,
+        3 fewer; and both sublayers' coefficients Delta, 2 x 2TM = 4T/G. 1.5 at T 2, G 16, as
+        measured on the CPU (tests/core/models/dflash2/test_conv.py)."""
+        s = self.settings(d)
+        return 1.0 + 4.0 * s.conv_kernel_size / max(1, s.conv_group_size)
 
     def settings(self, d) -> DFlash2Settings:
         """drafter.block_size and the conv and selector keys. Not checked here
@@ -124,9 +129,16 @@ class DFlash2Family(Family):
 
     def fused_loss_bytes(self, d, chunk_rows: int, rows: int, hidden: int, vocab: int,
                          head_bytes: int) -> int:
-        """DFlash2 never runs the fused loss (its selector needs every row's top-K): with
-        drafter.fused_loss auto on CUDA its loss chunk is still the torch path's."""
-        return chunk_rows * vocab * self.loss_bytes_per_logit
+        """models/fused_loss/selector_rows.py at its peak: one chunk's logits in the lm_head's
+        dtype (the gradient written over them), per chunk row the K candidates' successor rows
+        and their products with the gate (float32, 2 x K x r) and three H-wide rows (the
+        gradient back through the head in its dtype, then float32, and the gate's share), and
+        from forward to backward the rows' float32 gradients of their states and both
+        codebooks' dense float32 gradients (2 x V x r)."""
+        s = self.settings(d)
+        K, r = s.selector_top_k, s.selector_rank
+        return (chunk_rows * (vocab * head_bytes + 8 * K * r + (head_bytes + 8) * hidden)
+                + rows * hidden * 4 + 2 * vocab * r * 4 + r * hidden * 4)
 
     def refusals(self, d) -> list[Problem]:
         out = []
@@ -136,12 +148,6 @@ class DFlash2Family(Family):
                 "selector term is weighted by DFlash's fixed slot weights; D-PACE's, made from "
                 "the step's own cross-entropies, are not defined for it)",
                 "set drafter.loss: dflash, or drafter.objective: dflash"))
-        if getattr(d, "fused_loss", "auto") == "on":
-            out.append(Problem(
-                "drafter.fused_loss", "on does not combine with drafter.objective dflash2: its "
-                "selector needs each row's top-K over the whole vocabulary, which the fused "
-                "kernels never hold", "set drafter.fused_loss: auto (the torch path for "
-                "dflash2) or off"))
         return out
 
     def problems(self, d, vocab: int | None = None) -> list[Problem]:

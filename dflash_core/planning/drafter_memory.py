@@ -189,8 +189,8 @@ def phase_components(cfg: Config, s: ModelShape, recompute: bool,
     Q, C, L = p.block_tokens, p.context_tokens, d.num_layers
     q, kv, H = ds.heads * ds.head_dim, ds.kv_heads * ds.head_dim, ds.hidden
     family = family_of(cfg)
-    layer = ((DRAFTER_SAVED_H + family.layer_saved_h) * H + DRAFTER_SAVED_Q * q
-             + DRAFTER_SAVED_KV * kv + DRAFTER_SAVED_I * ds.intermediate)
+    layer = math.ceil((DRAFTER_SAVED_H + family.layer_saved_h(d)) * H + DRAFTER_SAVED_Q * q
+                      + DRAFTER_SAVED_KV * kv + DRAFTER_SAVED_I * ds.intermediate)
     once = BLOCK_FINAL_H * H + ROPE_HEAD_DIM * ds.head_dim
     u = UNIT_BYTES
     if recompute:

@@ -1,12 +1,14 @@
 """drafter.fused_loss on the GPU (models/fused_loss): the fused kernels agree with the torch path,
 their reference, on the loss, its terms, teacher-forced tau and every gradient, for DFlash's CE
-(fixed slot weights and D-PACE's) and DSpark's CE + TV + confidence, over ragged rows, masked
+(fixed slot weights and D-PACE's), DSpark's CE + TV + confidence and DFlash2's CE + selector CE
+(both label choices, with and without the multiplier and softcap), over ragged rows, masked
 positions, chunk edges and vocabularies that are and are not a multiple of the kernels' block; in
 bf16 (the engine's lm_head; relative 1e-3) and float32 (1e-5). At the 8B shape the fused loss holds
 no more than the memory plan says and less than the torch loss, and runs faster; and the engine
 trains with it, its first step's loss that of the torch loss.
 
     pytest -q -s tests/gpu/test_fused_loss_gpu.py     # -s prints the 8B shape's times and peaks
+    pytest -q -s tests/gpu/test_fused_loss_gpu.py -k dflash2     # DFlash2's alone
 """
 
 import math
@@ -199,6 +201,113 @@ def test_dspark_fused_loss_agrees_with_the_torch_path(monkeypatch, dtype, vocab,
 
 
 # ------------------------------------------------------------------------------------------------
+# DFlash2: CE + the selector's K-way CE
+# ------------------------------------------------------------------------------------------------
+
+class Selector:
+    """What dflash2_loss reads of a drafter: the frozen lm_head, the selector (float32, as the
+    replica trains it) and its constants."""
+
+    def __init__(self, W, V, R, K, seed, multiplier=1.0, softcap=0.0):
+        from dflash_core.models.dflash2.selector import CandidateSelector
+
+        torch.manual_seed(seed)
+        width = W.shape[1]
+        self.lm_head = torch.nn.Linear(width, V, bias=False)
+        self.lm_head.weight = torch.nn.Parameter(W, requires_grad=False)
+        self.candidate_selector = CandidateSelector(width, V, R).to(DEV)
+        with torch.no_grad():  # away from the start (the successor codebook's zero)
+            for p in self.params():
+                p.normal_(0, 0.5)
+        self.selector_top_k, self.output_multiplier, self.softcap = K, multiplier, softcap
+
+    def params(self):
+        c = self.candidate_selector
+        return [c.hidden_projection.weight, c.predecessor_codebook, c.successor_codebook]
+
+
+def dflash2_pair(hidden, labels, prev, W, V, R, K, chunk, inject, unary_map=(1.0, 0.0)):
+    from dflash_core.models.dflash2.loss import dflash2_loss
+
+    out = []
+    for fused in (False, True):
+        drafter = Selector(W, V, R, K, seed=5, multiplier=unary_map[0], softcap=unary_map[1])
+        h = hidden.clone().requires_grad_()
+        lo = dflash2_loss(h, labels, prev, drafter, gamma=4.0, alpha=0.7, inject=inject,
+                          chunk=chunk, fused=fused)
+        (lo.loss * lo.weight_sum).backward()
+        out.append((lo, [h.grad] + [p.grad for p in drafter.params()]))
+    return out
+
+
+def dflash2_inputs(V, dtype, seed, B=6):
+    from dflash_core.models.dflash2.loss import predecessors
+
+    ids, mask, anchors, g = ragged(V, B, seed)
+    labels = obj.block_labels(ids, mask, anchors, B)
+    prev = predecessors(ids, anchors, B)
+    hidden = torch.randn(3, anchors.shape[1] * B, H, generator=g)
+    W = torch.randn(V, H, generator=g) * 0.3
+    # every third labelled slot's label made one of its row's top-5 logits: the label is among
+    # the candidates there and not elsewhere, both branches of the selector term run
+    with torch.no_grad():
+        top = (hidden.to(dtype).float() @ W.to(dtype).float().t()).topk(5).indices[..., 4]
+    flat, src = labels.view(-1), top.reshape(-1)
+    rows = torch.nonzero(flat != obj.IGNORE).squeeze(1)[::3]
+    flat[rows] = src[rows]
+    N = int((labels != obj.IGNORE).sum())
+    return hidden.to(DEV), labels.to(DEV), prev.to(DEV), W.to(DEV, dtype), N
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", VOCABS)
+@pytest.mark.parametrize("inject", [False, True], ids=["drop", "inject"])
+@pytest.mark.parametrize("unary_map", [(1.0, 0.0), (0.5, 3.0)], ids=["plain", "softcap"])
+def test_dflash2_fused_loss_agrees_with_the_torch_path(monkeypatch, dtype, vocab, inject,
+                                                       unary_map):
+    """The candidates are the top-K of the same logits in both paths (the same GEMM into a
+    buffer of the same rows), so the agreement is the rounding's, as DFlash's and DSpark's."""
+    V, R, K = vocab_block(monkeypatch, vocab), 16, 8
+    hidden, labels, prev, W, N = dflash2_inputs(V, dtype, seed=V + 2)
+    tol = TOL[dtype]
+    for chunk in (1, 7, N - 1, N, 4096):
+        (ref, g_ref), (got, g_got) = dflash2_pair(hidden, labels, prev, W, V, R, K, chunk, inject,
+                                                  unary_map)
+        assert rel(got.loss, ref.loss) <= tol, (chunk, float(got.loss), float(ref.loss))
+        assert rel(got.terms, ref.terms) <= tol, (chunk, got.terms, ref.terms)
+        assert got.weight_sum == ref.weight_sum and got.blocks == ref.blocks
+        assert torch.equal(got.tau_sum, ref.tau_sum)
+        assert torch.equal(got.unary_tau_sum, ref.unary_tau_sum)
+        for name, a, b in zip(["hidden", "gate", "predecessor", "successor"], g_got, g_ref):
+            assert b.abs().sum() > 0, name
+            assert rel(a, b) <= tol, (chunk, name, rel(a, b))
+    assert 0 < float(ref.terms[2]) < ref.weight_sum  # labels in and out of the candidates
+
+
+def test_the_dflash2_row_kernel_is_its_torch_twin(monkeypatch):
+    """The Triton kernel against selector_rows.unary_rows_torch (the CPU's), directly: CE,
+    logsumexp, argmax and the written gradient, with a partial block and the softcap."""
+    from dflash_core.models.fused_loss import selector_rows as sr
+
+    monkeypatch.setattr(triton_kernels, "MAX_BLOCK", 256)
+    g = torch.Generator().manual_seed(11)
+    for V, softcap in ((1000, 0.0), (1000, 2.5), (5003, 30.0)):
+        z = (torch.randn(9, V, generator=g) * 4).to(DEV)
+        labels = torch.randint(0, V, (9,), generator=g).to(DEV)
+        coef = torch.rand(9, generator=g).to(DEV)
+        outs = []
+        for fn in (triton_kernels.unary_rows, sr.unary_rows_torch):
+            buf = z.clone()
+            ce, lse = (torch.empty(9, device=DEV) for _ in range(2))
+            preds = torch.empty(9, dtype=torch.long, device=DEV)
+            fn(buf, labels, coef, ce, preds, lse, 0.8, softcap, True)
+            outs.append((buf, ce, lse, preds))
+        (b1, c1, l1, p1), (b2, c2, l2, p2) = outs
+        assert rel(c1, c2) <= 1e-6 and rel(l1, l2) <= 1e-6 and torch.equal(p1, p2)
+        assert rel(b1, b2) <= 1e-5, (V, softcap, rel(b1, b2))
+
+
+# ------------------------------------------------------------------------------------------------
 # The 8B shape: memory against the plan and the torch loss, time against the torch loss
 # ------------------------------------------------------------------------------------------------
 
@@ -278,6 +387,64 @@ def test_at_the_8b_shape_the_fused_loss_holds_what_the_plan_says_and_is_faster(o
     assert t_fused < t_torch
 
 
+def test_at_the_8b_shape_the_dflash2_fused_loss_holds_what_the_plan_says_and_is_faster():
+    """One micro-group of the bench's DFlash2 step (4 sequences x 512 anchors of B 8, drafter
+    .micro_block_tokens 16384) at Qwen3-8B's width and vocabulary, the config's chunk 4096,
+    rank 256, K 16, the lm_head in bf16."""
+    from dflash_core.config import config_from_dict
+    from dflash_core.models.dflash2.loss import dflash2_loss, predecessors
+
+    V, Hb, R, K, B, chunk = 151936, 4096, 256, 16, 8, 4096
+    g = torch.Generator().manual_seed(0)
+    n, L, A = 4, 3072, 512
+    anchors = torch.stack([torch.sort(torch.randperm(L - B - 1, generator=g)[:A] + 1).values
+                           for _ in range(n)])
+    ids = torch.randint(0, V, (n, L), generator=g)
+    labels = obj.block_labels(ids, torch.ones(n, L, dtype=torch.long), anchors, B)
+    rows = obj.label_rows(labels, 4.0)
+    prev = predecessors(ids, anchors, B).to(DEV)
+    labels = labels.to(DEV)
+    W = (torch.randn(V, Hb, generator=g) * 0.02).to(DEV, torch.bfloat16)
+    hidden = torch.randn(n, A * B, Hb, generator=g).to(DEV)
+    N = int(rows.rows.numel())
+    results, grads = {}, {}
+    for fused in (False, True):
+        drafter = Selector(W, V, R, K, seed=1)
+        with torch.no_grad():
+            for p in drafter.params():
+                p.mul_(0.05)  # realistic scales: the pair term beside the unary logits
+        h = hidden.clone().requires_grad_()
+
+        def run():
+            h.grad = None
+            for p in drafter.params():
+                p.grad = None
+            lo = dflash2_loss(h, labels, prev, drafter, gamma=4.0, alpha=1.0, inject=False,
+                              chunk=chunk, rows=rows, fused=fused)
+            (lo.loss * lo.weight_sum).backward()
+            results[fused] = lo.loss.detach()
+
+        results[(fused, "time")] = measure(run)
+        grads[fused] = [h.grad.clone()] + [p.grad.clone() for p in drafter.params()]
+        del drafter, h
+    (t_torch, peak_torch), (t_fused, peak_fused) = results[(False, "time")], results[(True, "time")]
+    d = config_from_dict({"drafter": {"objective": "dflash2"}}).drafter
+    plan = family("dflash2").fused_loss_bytes(d, min(chunk, A * B * n), A * B * n, Hb, V, 2)
+    # Beside what the plan counts: the rows' states gathered (float32) and the gradient of
+    # hidden (float32) with its scatter, which the torch path makes too.
+    extra = N * Hb * 4 + 2 * n * A * B * Hb * 4 + (64 << 20)
+    print(f"\ndflash2 8B shape, {N} rows, chunk {chunk}: torch {t_torch * 1e3:.1f} ms peak "
+          f"{peak_torch / 2**30:.2f} GiB; fused {t_fused * 1e3:.1f} ms peak "
+          f"{peak_fused / 2**30:.2f} GiB; plan's fused term {plan / 2**30:.2f} GiB")
+    assert rel(results[True], results[False]) <= 1e-3
+    for name, a, b in zip(["hidden", "gate", "predecessor", "successor"], grads[True],
+                          grads[False]):
+        assert rel(a, b) <= 1e-3, (name, rel(a, b))
+    assert peak_fused <= plan + extra, (peak_fused, plan)
+    assert peak_fused < 0.5 * peak_torch
+    assert t_fused < t_torch
+
+
 # ------------------------------------------------------------------------------------------------
 # The engine trains with it
 # ------------------------------------------------------------------------------------------------
@@ -298,10 +465,10 @@ def engine_steps(tmp_path: Path, objective: str, mode: str) -> list[StepMetrics]
     return run.of(StepMetrics)
 
 
-@pytest.mark.parametrize("objective", ["dflash", "dspark"])
+@pytest.mark.parametrize("objective", ["dflash", "dspark", "dflash2"])
 def test_the_engine_trains_with_the_fused_loss(tmp_path: Path, monkeypatch, objective):
     calls = []
-    for name in ("ce_rows", "spark_rows"):
+    for name in ("ce_rows", "spark_rows", "unary_rows"):
         real = getattr(triton_kernels, name)
 
         def counted(*a, _real=real, _name=name, **k):
@@ -310,7 +477,7 @@ def test_the_engine_trains_with_the_fused_loss(tmp_path: Path, monkeypatch, obje
 
         monkeypatch.setattr(triton_kernels, name, counted)
     fused = engine_steps(tmp_path, objective, "on")
-    kernel = "spark_rows" if objective == "dspark" else "ce_rows"
+    kernel = {"dspark": "spark_rows", "dflash2": "unary_rows"}.get(objective, "ce_rows")
     assert calls and {n for n, _ in calls} == {kernel}, calls[:4]
     ran = len(calls)
     plain = engine_steps(tmp_path, objective, "off")
@@ -321,6 +488,7 @@ def test_the_engine_trains_with_the_fused_loss(tmp_path: Path, monkeypatch, obje
     # the first step trains the same batch from the same weights: the same loss
     assert fused[0].loss == pytest.approx(plain[0].loss, rel=1e-3)
     assert fused[0].tau_tf == pytest.approx(plain[0].tau_tf, rel=1e-3)
-    if objective == "dspark":
-        for name in ("loss_ce", "loss_tv", "loss_conf"):
-            assert getattr(fused[0], name) == pytest.approx(getattr(plain[0], name), rel=1e-3)
+    terms = {"dspark": ("loss_ce", "loss_tv", "loss_conf"),
+             "dflash2": ("loss_ce", "loss_sel", "loss_hit")}.get(objective, ())
+    for name in terms:
+        assert getattr(fused[0], name) == pytest.approx(getattr(plain[0], name), rel=1e-3)

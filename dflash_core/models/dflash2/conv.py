@@ -10,7 +10,18 @@ side*T*M + tap*M + group), and
 
 with p the position inside the block: the coefficient comes from the output row, the taps look
 back only, and never past the block's anchor (each block is zero-padded on its own). Both sides'
-Delta come from the sublayer's input. It is accumulated in float32, as vLLM does.
+Delta come from the sublayer's input.
+
+Numerics: vLLM runs the convolution in the model's dtype, op by op (the coefficient beta + Delta
+rounded, each tap's product rounded, the running sum rounded after each tap), and so does this
+one: in autocast's dtype under autocast (bf16 on the GPU, the served dtype), else in the input's.
+``accumulate_in(torch.float32)`` computes it in float32 instead, the earlier numerics, for
+measuring what the served rounding costs (bench/eval/dflash2_conv_precision.py).
+
+Memory: one autograd node per convolution that keeps only its input (in the conv's dtype) and
+Delta; backward rebuilds the coefficients. The normalised input is cast once and shared by the
+projection and the convolution, and the convolution's output (already in the compute dtype) is
+what the sublayer's projections save: no float32 copies of the block per tap.
 
 Identity initialisation (beta[:, 0] = 1, the other taps and W zero) makes the layer DFlash's
 exactly: a fresh DFlash2 drafter computes what a DFlash drafter with the same weights does.
@@ -18,11 +29,112 @@ exactly: a fresh DFlash2 drafter computes what a DFlash drafter with the same we
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from dflash_core.models.dflash.drafter import DrafterLayer
+
+# The convolution's arithmetic dtype when set (accumulate_in); None: the model's (vLLM's).
+_ACCUMULATE: torch.dtype | None = None
+
+
+@contextlib.contextmanager
+def accumulate_in(dtype: torch.dtype | None):
+    """Every convolution computes in ``dtype`` while inside (None: the model's dtype, the
+    default). A measuring switch for one process (bench), not a training setting."""
+    global _ACCUMULATE
+    before, _ACCUMULATE = _ACCUMULATE, dtype
+    try:
+        yield
+    finally:
+        _ACCUMULATE = before
+
+
+def model_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the layer computes in at an input x: autocast's, else x's."""
+    dev = x.device.type
+    if torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return x.dtype
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the convolution computes in at an input x (accumulate_in's, else the
+    model's)."""
+    return _ACCUMULATE if _ACCUMULATE is not None else model_dtype(x)
+
+
+def conv_values(x: torch.Tensor, delta: torch.Tensor, beta: torch.Tensor,
+                block: int) -> torch.Tensor:
+    """Conv(x) in x's dtype, op by op as vLLM rounds it: x [n, L, H], delta [n, L, T, M] and
+    beta [T, H] in that dtype, L a whole number of blocks."""
+    n, L, H = x.shape
+    T, M = delta.shape[-2:]
+    G, A = H // M, L // block
+    xb = x.view(n, A, block, M, G)
+    d = delta.reshape(n, A, block, T, M, 1)
+    bt = beta.view(T, M, G)
+    out = (bt[0] + d[:, :, :, 0]) * xb
+    for t in range(1, min(T, block)):
+        # x[p - t] inside the block (p >= t): the rows of the block before p, never the last one's
+        out[:, :, t:] += (bt[t] + d[:, :, t:, t]) * xb[:, :, : block - t]
+    return out.view(n, L, H)
+
+
+def conv_grads(g: torch.Tensor, x: torch.Tensor, delta: torch.Tensor, beta: torch.Tensor,
+               block: int, need: tuple[bool, bool, bool]):
+    """(dx, dDelta, dbeta) of conv_values at the output gradient g (x's dtype): dx in x's dtype,
+    each tap's products rounded as autograd of conv_values would; dDelta and dbeta summed in
+    float32 (dDelta then in delta's dtype, dbeta float32)."""
+    n, L, H = x.shape
+    T, M = delta.shape[-2:]
+    G, A = H // M, L // block
+    taps = min(T, block)
+    xb, gb = x.view(n, A, block, M, G), g.reshape(n, A, block, M, G)
+    d = delta.reshape(n, A, block, T, M, 1)
+    bt = beta.view(T, M, G)
+    dx = dd = db = None
+    if need[0]:
+        dx = (bt[0] + d[:, :, :, 0]) * gb
+        for t in range(1, taps):  # output row p reads row p - t: its gradient goes back there
+            dx[:, :, : block - t] += (bt[t] + d[:, :, t:, t]) * gb[:, :, t:]
+        dx = dx.view(n, L, H)
+    if need[1] or need[2]:
+        f32 = torch.float32
+        dd = torch.zeros(n, A, block, T, M, dtype=f32, device=x.device) if need[1] else None
+        db = torch.zeros(T, M, G, dtype=f32, device=x.device) if need[2] else None
+        for t in range(taps):
+            prod = gb[:, :, t:] * xb[:, :, : block - t]  # [n, A, B - t, M, G]
+            if dd is not None:
+                dd[:, :, t:, t] = prod.sum(-1, dtype=f32)
+            if db is not None:
+                db[t] = prod.sum((0, 1, 2), dtype=f32)
+        if dd is not None:
+            dd = dd.view(n, L, T, M).to(delta.dtype)
+        if db is not None:
+            db = db.view(T, H)
+    return dx, dd, db
+
+
+class _Conv(torch.autograd.Function):
+    """conv_values with a backward that keeps x and Delta only (beta is a parameter)."""
+
+    @staticmethod
+    def forward(ctx, x, delta, beta, block):
+        low = beta.to(x.dtype)
+        ctx.save_for_backward(x, delta, low)
+        ctx.block, ctx.beta_dtype = block, beta.dtype
+        return conv_values(x, delta, low, block)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, delta, low = ctx.saved_tensors
+        need = ctx.needs_input_grad[:3]
+        dx, dd, db = conv_grads(g.to(x.dtype), x, delta, low, ctx.block, need)
+        return dx, dd, None if db is None else db.to(ctx.beta_dtype), None
 
 
 class KernelProjection(nn.Module):
@@ -54,28 +166,25 @@ class BlockConv(nn.Module):
         self.base_kernel = nn.Parameter(base)
         self.kernel_projection = KernelProjection(2 * self.taps * self.groups, hidden)
 
+    def prepare(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(y in the model's dtype, Delta [n, L, 2, T, M] in it) of the sublayer input y: one
+        cast, shared by the projection and the side-0 convolution (one saved copy)."""
+        low = y.to(model_dtype(y))
+        delta = self.kernel_projection(low).to(low.dtype)
+        return low, delta.view(*y.shape[:-1], 2, self.taps, self.groups)
+
     def coefficients(self, y: torch.Tensor) -> torch.Tensor:
-        """Delta of the sublayer input y [n, L, H]: float32 [n, L, 2, T, M]."""
-        return self.kernel_projection(y).float().view(*y.shape[:-1], 2, self.taps, self.groups)
+        """Delta of the sublayer input y [n, L, H]: [n, L, 2, T, M] in the model's dtype."""
+        return self.prepare(y)[1]
 
     def forward(self, x: torch.Tensor, delta: torch.Tensor, side: int,
                 block_size: int) -> torch.Tensor:
         """Conv_side of x [n, L, H] (L = A*B: A blocks of ``block_size`` positions each) with
-        ``delta`` from ``coefficients``; float32 inside, x's dtype out."""
-        n, L, H = x.shape
-        B = int(block_size)
-        A = L // B
-        G, M = self.group, self.groups
-        xf = x.float().view(n, A, B, H)
-        d = delta[..., side, :, :].reshape(n, A, B, self.taps, M)
-        beta = self.base_kernel[side].float()
-        out = None
-        for t in range(min(self.taps, B)):
-            # x[p - t] inside the block, zero for p < t: shift along the block axis only
-            xs = xf if t == 0 else F.pad(xf[:, :, : B - t], (0, 0, t, 0))
-            term = beta[t] * xs + (d[..., t, :, None] * xs.view(n, A, B, M, G)).view(n, A, B, H)
-            out = term if out is None else out + term
-        return out.view(n, L, H).to(x.dtype)
+        ``delta`` from ``prepare``; computed in the conv's dtype, returned in the model's."""
+        dt = compute_dtype(x)
+        out = _Conv.apply(x.to(dt), delta[..., side, :, :].to(dt), self.base_kernel[side],
+                          int(block_size))
+        return out.to(model_dtype(x))
 
 
 class DFlash2Layer(DrafterLayer):
@@ -91,13 +200,11 @@ class DFlash2Layer(DrafterLayer):
         self.mlp_conv = BlockConv(H, T, G)
 
     def forward(self, x, ctx, rope_blk, rope_ctx, anchors, block_size, impl, block_mask=None):
-        y = self.input_layernorm(x)
         conv = self.attention_conv
-        delta = conv.coefficients(y)
+        y, delta = conv.prepare(self.input_layernorm(x))
         o = self.self_attn(conv(y, delta, 0, block_size), ctx, rope_blk, rope_ctx, anchors,
                            block_size, impl, block_mask)
         x = x + conv(o, delta, 1, block_size)
-        z = self.post_attention_layernorm(x)
         conv = self.mlp_conv
-        delta = conv.coefficients(z)
+        z, delta = conv.prepare(self.post_attention_layernorm(x))
         return x + conv(self.mlp(conv(z, delta, 0, block_size)), delta, 1, block_size)

@@ -5,7 +5,8 @@ Per labelled slot k of a block at anchor s (label y = the data's token at s+k):
 
     u      = softcap(m * lm_head(h))                 (float32)
     CE     = logsumexp(u) - u[y]                     the base term (DFlash's, on u)
-    C      = TopK(u, K) (no gradient through the choice), U = u[C]
+    C      = TopK(z, K) (no gradient through the choice; z the logits in the lm_head's dtype,
+             as vLLM takes them: u's top-K, ties aside), U = u[C]
     S(b)   = U(b) + <A[a] * W_h h, B[b]>             a = the token at s+k-1: teacher-forced
     SEL    = logsumexp_C S - S(y)                    when y is in C (selector_missing "drop":
                                                      otherwise no term), or with y put in
@@ -14,7 +15,9 @@ Per labelled slot k of a block at anchor s (label y = the data's token at s+k):
 
 The slots' teacher-forced predictions are the selector's choice argmax_b S(b): the step's tau is
 the selector's, the path decoding takes. Memory as DFlash's: ``loss_chunk`` rows at a time, each
-chunk's logits recomputed in backward.
+chunk's logits recomputed in backward. With ``fused`` (drafter.fused_loss) the same sums come from
+models/fused_loss/selector_rows.py (the gradients made in the forward pass, nothing recomputed);
+this torch path is its reference.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from dflash_core.config import ConfigError, DrafterConfig, default_gamma
 from dflash_core.families.dflash2 import DFLASH2, DFlash2Settings
 from dflash_core.models import objective as obj
 from dflash_core.models.dflash2.selector import unary
+from dflash_core.models.fused_loss import select as fused_loss
 from dflash_core.models.objective import IGNORE, LabelRows
 
 TERMS = ("ce", "sel", "hit")  # sums of w*CE, w*SEL, w*[label among the K candidates]
@@ -51,7 +55,9 @@ def _rows(h, lm_w, gate_w, pred_cb, succ_cb, labels, prev, k, multiplier, softca
     lse = torch.logsumexp(u, -1)
     ce = lse - u.gather(1, labels[:, None]).squeeze(1)
     uarg = u.argmax(-1)
-    cand = u.detach().topk(k, dim=-1).indices  # the choice of candidates is not trained
+    # The candidates are not trained; taken from the logits in the head's dtype, as vLLM takes
+    # them (u is increasing in z: the same set, ties aside) and as the fused loss does.
+    cand = z.detach().topk(k, dim=-1).indices
     hit = (cand == labels[:, None]).any(1)
     if inject:
         cand[:, -1] = torch.where(hit, cand[:, -1], labels)
@@ -88,9 +94,11 @@ class DFlash2LossOut:
 
 def dflash2_loss(hidden: torch.Tensor, labels: torch.Tensor, prev: torch.Tensor, drafter, *,
                  gamma: float, alpha: float, inject: bool, chunk: int = 4096,
-                 rows: LabelRows | None = None) -> DFlash2LossOut:
+                 rows: LabelRows | None = None, fused: bool = False) -> DFlash2LossOut:
     """hidden: [n, A*B, H] drafter final states; labels, prev: [n, A, B] (DFlash's labels and
-    ``predecessors``) on hidden's device; rows: obj.label_rows() made on the host."""
+    ``predecessors``) on hidden's device; rows: obj.label_rows() made on the host. ``fused``:
+    the rows by models/fused_loss/selector_rows.py (the Triton row kernel on CUDA, its torch
+    twin elsewhere; drafter.fused_loss), this path being its reference."""
     n, A, B = labels.shape
     if rows is None:
         rows = obj.label_rows(labels, gamma)
@@ -102,6 +110,9 @@ def dflash2_loss(hidden: torch.Tensor, labels: torch.Tensor, prev: torch.Tensor,
     params = (drafter.lm_head.weight, sel_mod.hidden_projection.weight,
               sel_mod.predecessor_codebook, sel_mod.successor_codebook)
     fixed = (drafter.selector_top_k, drafter.output_multiplier, drafter.softcap, inject)
+    if fused:
+        return _fused_loss(h, flat_labels, flat_prev, params, fixed, rows, alpha, chunk,
+                           labels.shape)
     parts = []
     upreds = torch.full_like(flat_labels, IGNORE)
     spreds = torch.full_like(flat_labels, IGNORE)
@@ -122,6 +133,28 @@ def dflash2_loss(hidden: torch.Tensor, labels: torch.Tensor, prev: torch.Tensor,
                           rows.blocks, sums.detach(), obj.tau_sum(upreds.view(n, A, B), labels))
 
 
+def _fused_loss(h, flat_labels, flat_prev, params, fixed, rows: LabelRows, alpha: float,
+                chunk: int, shape) -> DFlash2LossOut:
+    """dflash2_loss by the fused rows: the same rows, weights and sums."""
+    from dflash_core.models.fused_loss.selector_rows import selector_rows
+
+    n, A, B = shape
+    r = rows.rows
+    k, multiplier, softcap, inject = fixed
+    w = rows.weights.to(torch.float32)
+    out = selector_rows(h.index_select(0, r), *params, flat_labels.index_select(0, r),
+                        flat_prev.index_select(0, r), w, alpha * w, k=k, multiplier=multiplier,
+                        softcap=softcap, inject=inject, chunk=chunk)
+    sums = torch.stack([w @ out.ce, w @ out.sel, w @ out.hit]) if len(r) else w.new_zeros(3)
+    upreds = torch.full_like(flat_labels, IGNORE)
+    spreds = torch.full_like(flat_labels, IGNORE)
+    upreds[r], spreds[r] = out.unary_preds, out.choice
+    labels = flat_labels.view(n, A, B)
+    return DFlash2LossOut(out.loss / max(rows.weight_sum, 1e-12), rows.weight_sum,
+                          obj.tau_sum(spreds.view(n, A, B), labels), rows.blocks, sums.detach(),
+                          obj.tau_sum(upreds.view(n, A, B), labels))
+
+
 class DFlash2StepLoss:
     """The step loss a replica runs on each micro-group (DFlashStepLoss's interface)."""
 
@@ -135,6 +168,7 @@ class DFlash2StepLoss:
             selector_missing=str(dcfg.selector_missing))).check()
         self.gamma = dcfg.gamma or default_gamma(drafter.block_size)
         self.chunk = dcfg.loss_chunk
+        self.fused_mode = dcfg.fused_loss  # resolved per device: the drafter's is known later
 
     def check_features(self, drafter, features: torch.Tensor) -> None:
         """DFlash2 takes the k layer features as they come (as DFlash)."""
@@ -150,4 +184,5 @@ class DFlash2StepLoss:
         return dflash2_loss(hidden, labels, prev.to(hidden.device, non_blocking=True), drafter,
                             gamma=self.gamma, alpha=s.selector_alpha,
                             inject=s.selector_missing == "inject", chunk=self.chunk,
-                            rows=t.picked)
+                            rows=t.picked,
+                            fused=fused_loss.fused(self.fused_mode, hidden.device.type))

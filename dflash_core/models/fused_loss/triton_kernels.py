@@ -9,7 +9,8 @@ Triton is imported by ``kernels()`` on first use, never when this module is impo
 asks for the kernels only on a CUDA drafter with Triton installed (select.py), and a CPU machine
 without Triton imports this module cleanly.
 
-Both kernels compute the quantities of the torch path (models/objective.py, models/dspark/loss.py):
+The kernels compute the quantities of the torch path (models/objective.py, models/dspark/loss.py,
+models/dflash2/loss.py: unary_rows reads the logits through DFlash2's multiplier and softcap):
 float32 arithmetic on the logits as stored (bf16 rounded by the GEMM, as the torch path's
 ``F.linear(...).float()``), CE = logsumexp(z) - z[label], the argmax the first index of the
 largest logit, and DSpark's z = z_lm + z_markov summed in float32.
@@ -151,7 +152,66 @@ def kernels() -> SimpleNamespace:
                 g = p * ((sign - ps) * b + a) - tl.where(idx == label, a, 0.0)
                 tl.store(zt_ptr + off + idx, g.to(zt_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=inside)
 
-    return SimpleNamespace(ce_rows=ce_rows, spark_rows=spark_rows)
+    @triton.jit
+    def unary_rows(z_ptr, stride, labels_ptr, coef_ptr, ce_ptr, arg_ptr, lse_ptr, V, mult, cap,
+                   BLOCK: tl.constexpr, SOFTCAP: tl.constexpr, WRITE_GRAD: tl.constexpr):
+        """DFlash2's ce_rows: per row, on the unary logits u = softcap(mult * z) (SOFTCAP:
+        cap * tanh(mult * z / cap), else mult * z), the CE, the argmax and logsumexp(u); with
+        WRITE_GRAD z becomes coef * (softmax(u) - onehot(label)) * du/dz. tanh from exp (the
+        stable form: the sign times (1 - e) / (1 + e), e = exp(-2|v|))."""
+        row = tl.program_id(0)
+        base = z_ptr + row.to(tl.int64) * stride
+        offs = tl.arange(0, BLOCK)
+        m = -float("inf")
+        s = 0.0
+        best = -float("inf")
+        best_i = 0
+        for start in range(0, V, BLOCK):
+            idx = start + offs
+            inside = idx < V
+            u = tl.load(base + idx, mask=inside, other=0.0).to(tl.float32) * mult
+            if SOFTCAP:
+                v = u / cap
+                e = tl.exp(-2.0 * tl.abs(v))
+                t = (1.0 - e) / (1.0 + e)
+                u = cap * tl.where(v < 0, -t, t)
+            u = tl.where(inside, u, -float("inf"))
+            bm = tl.max(u, 0)
+            bi = tl.argmax(u, 0)
+            best_i = tl.where(bm > best, start + bi, best_i)
+            best = tl.maximum(best, bm)
+            m_new = tl.maximum(m, bm)
+            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(u - m_new), 0)
+            m = m_new
+        lse = m + tl.log(s)
+        label = tl.load(labels_ptr + row)
+        ul = tl.load(base + label).to(tl.float32) * mult
+        if SOFTCAP:
+            v = ul / cap
+            e = tl.exp(-2.0 * tl.abs(v))
+            t = (1.0 - e) / (1.0 + e)
+            ul = cap * tl.where(v < 0, -t, t)
+        tl.store(ce_ptr + row, lse - ul)
+        tl.store(arg_ptr + row, best_i.to(tl.int64))
+        tl.store(lse_ptr + row, lse)
+        if WRITE_GRAD:
+            a = tl.load(coef_ptr + row)
+            for start in range(0, V, BLOCK):
+                idx = start + offs
+                inside = idx < V
+                u = tl.load(base + idx, mask=inside, other=0.0).to(tl.float32) * mult
+                slope = mult
+                if SOFTCAP:
+                    v = u / cap
+                    e = tl.exp(-2.0 * tl.abs(v))
+                    t = (1.0 - e) / (1.0 + e)
+                    t = tl.where(v < 0, -t, t)
+                    u = cap * t
+                    slope = mult * (1.0 - t * t)
+                g = a * (tl.exp(u - lse) - tl.where(idx == label, 1.0, 0.0)) * slope
+                tl.store(base + idx, g.to(z_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=inside)
+
+    return SimpleNamespace(ce_rows=ce_rows, spark_rows=spark_rows, unary_rows=unary_rows)
 
 
 def on_device(t: torch.Tensor):
@@ -190,3 +250,20 @@ def spark_rows(zl: torch.Tensor, zm: torch.Tensor, zt: torch.Tensor, labels: tor
     with on_device(zl):
         k.spark_rows[(m,)](zl, zm, zt, zl.stride(0), labels, a, b, ce, l1, preds, V,
                            BLOCK=block_for(V), WRITE_GRAD=write_grad, num_warps=NUM_WARPS)
+
+
+def unary_rows(z: torch.Tensor, labels: torch.Tensor, coef: torch.Tensor | None,
+               ce: torch.Tensor, preds: torch.Tensor, lse: torch.Tensor, multiplier: float,
+               softcap: float, write_grad: bool) -> None:
+    """DFlash2's rows: fill ce, lse [m] (float32) and preds [m] from the logits z [m, V] read as
+    unary logits u = softcap(multiplier * z) (softcap <= 0: none); with ``write_grad``
+    overwrite z with coef[:, None] * (softmax(u) - onehot(labels)) * du/dz."""
+    m, V = z.shape
+    if m == 0:
+        return
+    k = kernels()
+    coef = ce if coef is None else coef
+    with on_device(z):
+        k.unary_rows[(m,)](z, z.stride(0), labels, coef, ce, preds, lse, V, float(multiplier),
+                           float(softcap) if softcap > 0 else 1.0, BLOCK=block_for(V),
+                           SOFTCAP=softcap > 0, WRITE_GRAD=write_grad, num_warps=NUM_WARPS)

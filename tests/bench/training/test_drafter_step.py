@@ -65,7 +65,7 @@ def test_dflash2_takes_the_configs_dflash2_defaults_and_passes_its_keys_to_the_e
     (["--objective", "dflash2", "--markov-rank", "64"], "--markov-rank is DSpark's"),
     (["--objective", "dflash2", "--loss", "dpace"], "drafter.loss: dpace does not combine"),
     (["--objective", "dflash2", "--fused-loss", "on"],
-     "drafter.fused_loss: on does not combine with drafter.objective dflash2"),
+     "--fused-loss on: on needs the drafters on CUDA GPUs"),
     (["--objective", "dflash2", "--conv-group-size", "48"], "must divide the drafter's width 64"),
     (["--objective", "dflash2", "--selector-top-k", "1000"], "exceeds the target's vocabulary"),
 ])
@@ -114,18 +114,21 @@ def test_dflash2s_flop_count_adds_its_convolutions_and_selector_by_hand():
     assert set(d2) == {"drafter", "lm_head", "convolutions", "selector"}
     assert (d2["drafter"], d2["lm_head"]) == (dflash["drafter"], dflash["lm_head"])  # B-1 of B
     # per block token and layer: 2 projections 64 -> 2*3*4 = 24 (M = 64/16 = 4 groups), 2*64*24
-    # each; 4 convolutions of 3 taps, 4*3 - 1 = 11 products and sums per channel, 11*64 each
-    per_token = 2 * 2 * 64 * 24 + 4 * 11 * 64  # 6144 + 2816
-    assert d2["convolutions"] == 3 * n * 2 * (A * B) * per_token == 3 * 2 * 2 * 32 * 8960
+    # each; per block, 4 convolutions of 3 taps over 8, 7, 6 positions: 2 (beta + Delta, the
+    # product) x 21 + the running sums 7 + 6 = 55 per channel, 55*64 each
+    per_token, per_block = 2 * 2 * 64 * 24, 4 * 55 * 64  # 6144, 14080
+    assert d2["convolutions"] == 3 * n * 2 * (A * B * per_token + A * per_block)
+    assert d2["convolutions"] == 3 * 2 * 2 * (32 * 6144 + 4 * 14080)
     # per labelled slot (28 of the 32: B-1 of B): gate 2*64*8, A[a] x gate 8, the pair term over
     # K 4 candidates 2*8*4 (K r = 32 below V), U + pair 4
     assert d2["selector"] == 3 * n * 28 * (1024 + 8 + 64 + 4)
     # K r above the vocabulary: the loss takes the product over all V codebook rows, 2*r*V
     small = step_flops(dc, n, S, A, B, 16, objective="dflash2", settings=s)
     assert small["selector"] == 3 * n * 28 * (1024 + 8 + 2 * 8 * 16 + 4)
-    # a block shorter than the kernel: the taps stop at the block (B 2: 4*2 - 1 = 7)
+    # a block shorter than the kernel: the taps stop at the block (B 2: 2 taps over 2 and 1
+    # positions: 2 x 3 + 1 = 7 per channel)
     short = step_flops(dc, n, S, A, 2, V, objective="dflash2", settings=s)
-    assert short["convolutions"] == 3 * n * 2 * (A * 2) * (2 * 2 * 64 * 24 + 4 * 7 * 64)
+    assert short["convolutions"] == 3 * n * 2 * (A * 2 * 2 * 2 * 64 * 24 + A * 4 * 7 * 64)
     # no settings: the family's defaults (T 2, G 16, r 256, K 16) at B
     assert step_flops(dc, n, S, A, B, V, objective="dflash2") == step_flops(
         dc, n, S, A, B, V, objective="dflash2", settings=DFlash2Settings(block_size=B))
@@ -167,14 +170,16 @@ def test_dflash2s_flop_count_is_what_its_model_code_computes():
                          num_key_value_heads=2, num_hidden_layers=L, intermediate_size=128)
     T = A * B
     taps = s.conv_kernel_size
-    elementwise = 4 * (4 * taps - 1) * H  # per block token and layer, counted below
+    reach = [B - t for t in range(taps)]  # per block, the positions each tap reaches
+    elementwise = 4 * H * (2 * sum(reach) + sum(reach[1:]))  # per block and layer, counted below
 
     class Products(TorchDispatchMode):  # the products and sums a convolution computes
         count = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
-            if func.overloadpacket in (torch.ops.aten.mul, torch.ops.aten.add):
+            if func.overloadpacket in (torch.ops.aten.mul, torch.ops.aten.add,
+                                       torch.ops.aten.add_):
                 Products.count += out.numel()
             return out
 
@@ -182,10 +187,10 @@ def test_dflash2s_flop_count_is_what_its_model_code_computes():
     delta = conv.coefficients(x)
     with torch.no_grad(), Products():
         conv(x, delta, 0, B)
-    assert Products.count * 4 == n * T * elementwise  # four convolutions a layer
+    assert Products.count * 4 == n * A * elementwise  # four convolutions a layer
     parts = step_flops(dc, n, S, A, B, V, objective="dflash2", settings=s)
     assert parts["convolutions"] / 3 == forward["dflash2"] - forward["dflash"] + (
-        n * L * T * elementwise)
+        n * L * A * elementwise)
     d, hidden = drafters["dflash2"]
     labels = block_labels(ids, torch.ones_like(ids), anchors, B)
     prev, picked = predecessors(ids, anchors, B), label_rows(labels, 4.0)

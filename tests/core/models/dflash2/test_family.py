@@ -1,6 +1,6 @@
 """The DFlash2 family as the config and the plans see it: its defaults, the keys that never
 combine with it, its parameters in the memory plan (the codebooks 2 x V x r: 127M at the 27B
-shape), the recipe line."""
+shape), its fused loss's and its layers' terms in the plan, the recipe line."""
 
 import pytest
 
@@ -22,7 +22,6 @@ def test_defaults_are_the_public_trainers_and_an_objective_set_later_gets_them()
 
 @pytest.mark.parametrize("over, key, says", [
     ({"loss": "dpace"}, "drafter.loss", "dpace does not combine with drafter.objective dflash2"),
-    ({"fused_loss": "on"}, "drafter.fused_loss", "top-K over the whole vocabulary"),
     ({"selector_missing": "keep"}, "drafter.selector_missing", "keep"),
 ])
 def test_what_never_combines_is_refused_naming_the_key(over, key, says):
@@ -48,17 +47,24 @@ def test_recipe_says_the_objective():
                            "256 top-16, loss DFlash + 1.0 x selector CE")
 
 
-def test_the_plan_counts_the_torch_loss_chunk_even_where_the_fused_loss_would_run():
-    cfg = config_from_dict({"drafter": {"objective": "dflash2"}})
-    assert DFLASH2.fused_loss_bytes(cfg.drafter, 4096, 65536, 5120, 248320, 2) == \
-        4096 * 248320 * DFLASH2.loss_bytes_per_logit
+def test_fused_loss_on_is_accepted_and_the_plan_counts_the_fused_rows():
+    cfg = config_from_dict({"drafter": {"objective": "dflash2", "fused_loss": "on"}})
+    assert DFLASH2.refusals(cfg.drafter) == []
+    V, Hd, chunk, rows = 248320, 5120, 4096, 65536
+    fused = DFLASH2.fused_loss_bytes(cfg.drafter, chunk, rows, Hd, V, 2)
+    logits = chunk * V * 2  # the one bf16 buffer
+    grads = rows * Hd * 4 + 2 * V * 256 * 4  # the rows' states, both codebooks (float32)
+    assert logits + grads < fused < logits + grads + chunk * 128 * 1024  # + small per-row parts
+    assert fused < 0.5 * chunk * V * DFLASH2.loss_bytes_per_logit  # the torch path's chunk
 
 
-def test_the_log_says_its_loss_is_torchs():
+def test_the_log_says_a_cuda_drafter_runs_the_fused_loss(monkeypatch):
+    from dflash_core.models.fused_loss import select
     from dflash_core.planning.drafter_checks import fused_loss_line
 
+    monkeypatch.setattr(select, "triton_installed", lambda: True)
     line = fused_loss_line(config_from_dict({"drafter": {"objective": "dflash2"}}))
-    assert line.startswith("drafter loss: torch") and "dflash2 has no fused loss" in line
+    assert line.startswith("drafter loss: fused") and "auto" in line
 
 
 def test_the_plan_holds_more_per_layer_for_the_convolutions():
@@ -76,4 +82,5 @@ def test_the_plan_holds_more_per_layer_for_the_convolutions():
     a = phase_components(flash, s, recompute=False)["forward"]["block activations"]
     b = phase_components(two, s, recompute=False)["forward"]["block activations"]
     Q, L = drafter_pass(two).block_tokens, two.drafter.num_layers
-    assert b - a == Q * L * DFLASH2.layer_saved_h * 256 * UNIT_BYTES > 0
+    assert b - a == Q * L * DFLASH2.layer_saved_h(two.drafter) * 256 * UNIT_BYTES > 0
+    assert DFLASH2.layer_saved_h(two.drafter) == 1.5  # T 2, G 16

@@ -1,4 +1,4 @@
-"""drafter.fused_loss off CUDA (models/fused_loss/select.py): auto runs the torch loss of either
+"""drafter.fused_loss off CUDA (models/fused_loss/select.py): auto runs the torch loss of every
 family, on is refused in one line naming the key (by the step loss and by preflight, before the
 target loads), and YAML's unquoted on / off are the modes. The fused kernels themselves are
 tests/gpu/test_fused_loss_gpu.py's."""
@@ -166,3 +166,30 @@ def test_the_log_says_which_loss_a_cuda_drafter_runs(monkeypatch):
     assert line("off", True) == ("drafter loss: torch (chunked, logits recomputed in backward; "
                                  "drafter.fused_loss off)")
     assert line("auto", False).endswith("drafter.fused_loss auto, Triton is not installed)")
+
+
+def test_the_dflash2_step_loss_on_the_cpu_is_the_torch_loss(monkeypatch):
+    from dflash_core.models.dflash2 import loss as d2loss
+    from dflash_core.models.dflash2.loss import DFlash2StepLoss
+    from tests.core.models.dflash2.tiny import B as B2, dflash2, head
+
+    def fused_path(*a, **k):
+        raise AssertionError("the fused loss ran on the CPU")
+
+    monkeypatch.setattr(d2loss, "_fused_loss", fused_path)
+    drafter = dflash2(std=0.3)
+    drafter.attach_target_head(*head())
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, 299, (2, 30), generator=g)
+    anchors = torch.tensor([[4, 9, 20], [2, 17, -1]])
+    labels = obj.block_labels(ids, torch.ones_like(ids), anchors, B2)
+    hidden = torch.randn(2, 3 * B2, drafter.config.hidden_size, generator=g)
+    keys = {"objective": "dflash2", "block_size": B2, "selector_rank": 8, "selector_top_k": 5}
+    step = DFlash2StepLoss(drafter, dcfg(**keys, fused_loss="auto"))
+    _, t = step.targets(drafter, None, labels, ids, anchors)
+    got = step(drafter, hidden, None, labels, t)
+    assert float(got.loss) > 0
+    on = DFlash2StepLoss(drafter, dcfg(**keys, fused_loss="on"))  # accepted by the config ...
+    with pytest.raises(ConfigError) as e:  # ... and refused where it cannot run
+        on(drafter, hidden, None, labels, t)
+    one_line(e.value)
