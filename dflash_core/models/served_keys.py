@@ -90,7 +90,8 @@ def _flag(where: dict, key: str, shown: str):
     v = where.get(key)
     if v is None or isinstance(v, bool):
         return v
-    raise _refuse(shown, v, "must be true or false")
+    raise _refuse(shown, v, "must be true or false: this engine reads no other value (vLLM "
+                            "would take any string as true)")
 
 
 def _ids(value, key: str, offset: int) -> list[int]:
@@ -209,7 +210,8 @@ def _anchor(d: dict, dc: dict, family: str) -> None:
     elif _flag(dc, "sample_from_anchor", "dflash_config.sample_from_anchor"):
         raise _refuse("dflash_config.sample_from_anchor", True, "the anchor is the bonus token "
                       f"of a {'DFlash2' if family == 'dflash2' else 'DFlash'} block, never a "
-                      "prediction (vLLM refuses it too)")
+                      "prediction: this engine drafts from the mask slots (false; vLLM refuses "
+                      "true too)")
 
 
 def read(d: dict, family: str) -> tuple[dict, ServedKeys]:
