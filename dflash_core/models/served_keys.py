@@ -70,7 +70,7 @@ class ServedKeys:
     """What a folder's config.json says beyond its shape, as vLLM reads it."""
 
     causal: bool  # the block's positions attend only to themselves and those before
-    target_layer_ids: list[int]  # this engine's numbering (layer i's output)
+    target_layer_ids: list[int] | None  # this engine's numbering (layer i's output); None: none
     layer_ids_from: str  # the key they were read from
 
 
@@ -156,7 +156,7 @@ def _attention(d: dict, dc: dict) -> None:
                                                              "drafter attention has none (false)")
 
 
-def _layer_ids(d: dict, dc: dict) -> tuple[list[int], str]:
+def _layer_ids(d: dict, dc: dict) -> tuple[list[int] | None, str]:
     """vLLM's lookup of the target layers a drafter reads, in this engine's numbering."""
     eagle = d.get("eagle_aux_hidden_state_layer_ids")
     if eagle:
@@ -165,8 +165,7 @@ def _layer_ids(d: dict, dc: dict) -> tuple[list[int], str]:
     for key, where in (("target_layer_ids", dc), ("dspark_target_layer_ids", d)):
         if where.get(key):
             return _ids(where[key], key, 0), key
-    raise ServedKeyRefused("config.json names no target layers (dflash_config.target_layer_ids, "
-                           "target_layer_ids or eagle_aux_hidden_state_layer_ids)")
+    return None, ""  # none named: the callers that need them refuse (eval's check_fields)
 
 
 def _logits(d: dict, family: str) -> None:
@@ -230,11 +229,12 @@ def read(d: dict, family: str) -> tuple[dict, ServedKeys]:
     else:
         ids, where = _layer_ids(d, dc)
     rest = {k: v for k, v in d.items() if k not in JUDGED}
+    named = {"target_layer_ids": ids} if ids is not None else {}
     if family == "dspark":
-        rest["target_layer_ids"] = ids
+        rest |= named
     else:  # the drafter's dflash_config: the ids decoded and the block's causality
         rest["dflash_config"] = {**{k: v for k, v in dc.items() if k not in _DC_JUDGED},
-                                 "target_layer_ids": ids, "causal": causal}
+                                 **named, "causal": causal}
     return rest, ServedKeys(causal, ids, where)
 
 
