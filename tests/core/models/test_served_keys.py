@@ -158,14 +158,14 @@ def test_a_window_size_without_a_sliding_layer_changes_nothing():
     assert sk.read(d, "dflash")[1].causal is False
 
 
-def test_dflash2_refuses_through_its_own_error(tmp_path):
+def test_dflash2_refuses_through_its_own_error():
     d = dflash2(seed=0).interchange_config()
     d["is_neox_style"] = False
     with pytest.raises(NotDFlash2, match="is_neox_style false"):
         DFlash2Drafter.config_from_dict(d)
 
 
-def test_what_the_writers_state_is_what_a_reader_needs(tmp_path):
+def test_what_the_writers_state_is_what_a_reader_needs():
     for family, top, inner in (("dflash", {"is_causal", "is_neox_style"},
                                 {"causal", "use_swa", "attention_sink_bias"}),
                                ("dspark", {"is_causal", "is_neox_style", "sample_from_anchor",
