@@ -7,12 +7,16 @@ checkpoint), or a model folder (``config.json`` + ``model.safetensors``). The ki
 
 - ``DFlashDraftModel``: this engine writes ``block_size``, ``mask_token_id`` and
   ``target_layer_ids`` under ``dflash_config``; the public reference's released folders keep
-  ``block_size`` (and may keep the others) at the top level. Both are read; the drafter's layers
-  must be full attention (a sliding-window drafter is another model).
+  ``block_size`` (and may keep the others) at the top level. Both are read.
 - ``Qwen3DSparkModel``: the served DSpark folder (models/dspark/format.py), its frozen embedding and
   lm_head copies left unread (the target's own are borrowed).
 - ``DFlash2DraftModel``: the served DFlash2 folder (models/dflash2/format.py); decoded along its
   selector's walk. Its vocabulary must be the target's (it always is checked below).
+
+Every family's folder is read as vLLM reads it (models/served_keys.py): a key that changes what
+vLLM computes is honoured (``is_causal: true``: the block attends causally) or refused in one
+line naming it (a sliding window, attention sinks, interleaved rotary pairs, ...), never
+decoded another way than it is served.
 
 Every drafter is checked against the target before anything is decoded: its hidden size and
 vocabulary must be the target's, the target depth it was trained for (``num_target_layers``) the
@@ -38,11 +42,14 @@ from dflash_core.models.dspark.drafter import ARCHITECTURE as DSPARK_ARCHITECTUR
 from dflash_core.models.dflash2.drafter import ARCHITECTURE as DFLASH2_ARCHITECTURE
 from dflash_core.models.dflash2.drafter import DFlash2Drafter
 from dflash_core.models.dspark.drafter import DSparkDrafter
+from dflash_core.models.served_keys import ServedKeyRefused
 from dflash_core.models.target.shape import text_config
 from dflash_core.observe.device_hours import Figure
 from dflash_core.persist.hours_ledger import read_checkpoint_figure
 
 _DFLASH_KEYS = ("block_size", "mask_token_id", "target_layer_ids")
+SERVED_HINT = ("this engine decodes a drafter as vLLM serves it, and cannot compute that one: "
+               "evaluate it with vLLM, or a drafter trained without it")
 _FROZEN = ("embed_tokens.weight", "lm_head.weight")  # served copies of the target's own
 
 
@@ -129,20 +136,13 @@ def _dflash_config(d: dict, where: str):
                              hint="a DFlash drafter folder names its block size, mask token and "
                                   "target layers (dflash_config)")
     check_fields({**d, **dc}, "dflash", where)
-    kinds = d.get("layer_types") or []
-    if not isinstance(kinds, list):
-        raise EvalInputError(f"{where}: config.json's layer_types is {kinds!r}: a list of the "
-                             "layers' attention kinds expected", hint=HINT)
-    other = sorted({str(k) for k in kinds if k != "full_attention"})
-    if other:
-        raise EvalInputError(f"{where}: drafter layers of type {', '.join(other)}: this engine "
-                             "decodes DFlash drafters with full-attention layers only")
+    # the top-level keys moved into dflash_config (served_keys.read takes them from there too)
     rest = {k: v for k, v in d.items() if k not in _DFLASH_KEYS + ("auto_map",)}
-    rest["dflash_config"] = {"block_size": int(dc["block_size"]),
-                             "mask_token_id": int(dc["mask_token_id"]),
-                             "target_layer_ids": [int(i) for i in dc["target_layer_ids"]]}
+    rest["dflash_config"] = dc
     try:
         return DFlashDrafter.config_from_dict(rest)
+    except ServedKeyRefused as exc:
+        raise EvalInputError(f"{where}: {exc}", hint=SERVED_HINT) from exc
     except (ValueError, TypeError) as exc:  # a field transformers' config refuses
         raise EvalInputError(f"{where}: config.json cannot be a drafter's config "
                              f"({type(exc).__name__}: {exc})", hint=HINT) from exc
@@ -173,7 +173,7 @@ def _config_of(cls, d: dict, where: str, not_family: type[Exception]):
     (``not_family``) or a field transformers' config refuses, each one EvalInputError line."""
     try:
         return cls.config_from_dict(d)
-    except not_family as exc:
+    except (not_family, ServedKeyRefused) as exc:
         raise EvalInputError(f"{where}: {exc}") from exc
     except (ValueError, TypeError) as exc:
         raise EvalInputError(f"{where}: config.json cannot be a drafter's config "
@@ -218,6 +218,12 @@ def read_drafter(given: str) -> DrafterSpec:
                              f"{DFLASH_ARCHITECTURE}, {DSPARK_ARCHITECTURE}, "
                              f"{DFLASH2_ARCHITECTURE}",
                              hint="pass a DFlash, DSpark or DFlash2 drafter folder")
+    try:
+        from dflash_core.models.registry import drafter_class
+
+        drafter_class(objective).check_folder_files(folder)
+    except ServedKeyRefused as exc:
+        raise EvalInputError(f"{where}: {exc}", hint=SERVED_HINT) from exc
     _check_weights(folder, objective, cfg, given)
     return DrafterSpec(folder, given, _label(folder, run), objective, cfg,
                        fingerprint(folder, text), run,

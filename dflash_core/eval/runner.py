@@ -6,6 +6,9 @@ config.json, the lengths against the target's positions, and the results files (
 under the same settings). Then, per set, the prompts are sorted by length and cut into batches;
 each batch is decoded by the target alone (plain) and by each drafter in turn, so the baseline
 and the drafters are timed side by side on the same prompts, and appended to its results file.
+A DFlash2 drafter decodes the batch a second time, untimed, with each slot's unary argmax in
+place of its selector's walk (``unary_acceptance``: the run's evaluation's ``tau unary
+argmax``, what the selector gains is the difference).
 A run stopped anywhere continues from its last whole batch.
 """
 
@@ -328,9 +331,11 @@ class Evaluation:
                 todo = [i for i in batch if not f.done(i)]
                 if not todo:
                     continue
-                rows, secs, prefill = self._decode(d, [list(ids[i]) for i in todo], todo,
-                                                   self.opts.max_new_tokens)
-                lines = [self._line(p, d, i, f.next_batch, r) for i, r in zip(todo, rows)]
+                prompts = [list(ids[i]) for i in todo]
+                rows, secs, prefill = self._decode(d, prompts, todo, self.opts.max_new_tokens)
+                unary = self._unary_rows(d, prompts, todo)
+                lines = [self._line(p, d, i, f.next_batch, r, u)
+                         for i, r, u in zip(todo, rows, unary)]
                 f.append(lines, rs.Batch(f.next_batch, todo, secs, prefill))
                 toks = sum(len(r.tokens) for r in rows) - len(rows)
                 rate = toks / max(secs - prefill, 1e-9)
@@ -343,10 +348,22 @@ class Evaluation:
             self.say(f"[{s // 60}:{s % 60:02d}] {p.name}: {done}/{len(ids)} prompts; "
                      + "; ".join(parts))
 
-    def _line(self, p: PromptSet, d: _Decoder, i: int, batch: int, r) -> dict:
+    def _unary_rows(self, d: _Decoder, prompts: list[list[int]], indices: list[int]) -> list:
+        """Each prompt decoded again with the drafter's unary argmax in place of its own path
+        (a drafter with ``unary_path``: DFlash2's selector), untimed; None each for the
+        others."""
+        path = getattr(d.drafter, "unary_path", None) if d.spec is not None else None
+        if path is None:
+            return [None] * len(prompts)
+        with path():
+            return self._decode(d, prompts, indices, self.opts.max_new_tokens)[0]
+
+    def _line(self, p: PromptSet, d: _Decoder, i: int, batch: int, r, unary=None) -> dict:
         line = {"kind": "prompt", "index": i, "id": p.prompts[i].id, "batch": batch,
                 "prompt_tokens": len(self.rendered[p.name].ids[i]), "tokens": r.tokens,
                 "acceptance": r.acceptance, "proposed": r.proposed}
+        if unary is not None:  # DFlash2: the same prompt with each slot's unary argmax
+            line["unary_acceptance"] = unary.acceptance
         if d.spec is not None and r.served_acceptance:  # vLLM's count (served_counts.VllmCounts)
             line["served_acceptance"] = r.served_acceptance
             k = family(d.spec.objective).drafts_per_round(d.spec.block_size)

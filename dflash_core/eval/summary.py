@@ -17,6 +17,10 @@ decoding, and the lossless check.
 - **context**: tau per bucket of the rounds' positions (context_buckets.py: the prompt's tokens and
   those generated before the round), from each prompt's length and acceptance per round.
 - **lossless**: greedy only; every prompt's speculative tokens equal to plain decoding's.
+- **tau_unary**: a DFlash2 drafter's tau with each slot's unary argmax in place of its
+  selector's walk (the same prompts decoded again; the run's evaluation's ``tau unary argmax``):
+  tau minus it is what the selector gains. None for the other families, and when a prompt's
+  line predates it.
 - **vllm_count**: greedy only; the same rounds counted as vLLM's counters count them
   (served_counts.VllmCounts: every round drafted the full count and its accepted drafts counted
   whole, the last round's too); None when a prompt's line predates it.
@@ -54,6 +58,7 @@ class Summary:
     # tau per bucket of context length (context_buckets.py's record)
     context: list[dict] = field(default_factory=list)
     vllm_count: VllmCounts | None = None  # the rounds counted as vLLM counts them (greedy)
+    tau_unary: float | None = None  # DFlash2: with each slot's unary argmax (see the module)
 
     def as_dict(self) -> dict:
         d = dict(self.__dict__)
@@ -72,6 +77,14 @@ def vllm_count(rows: list[dict]) -> VllmCounts | None:
         total = total + VllmCounts.of_rounds(r["served_acceptance"], int(r["served_drafts"]),
                                              r.get("served_proposed"))
     return total
+
+
+def unary_tau(rows: list[dict]) -> float | None:
+    """Pooled tau of the prompts' unary-argmax decodings (DFlash2's ``unary_acceptance``); None
+    unless every prompt's line has one."""
+    if not rows or not all("unary_acceptance" in r for r in rows):
+        return None
+    return pooled_tau(histogram([a for r in rows for a in r["unary_acceptance"]]))
 
 
 def summarise(res: ResultsFile, indices: list[int] | None = None,
@@ -109,6 +122,7 @@ def summarise(res: ResultsFile, indices: list[int] | None = None,
                            ((round_positions(int(r["prompt_tokens"]), r["acceptance"]),
                              r["acceptance"]) for r in rows)),
         tokens_per_s=decoded / seconds if seconds > 0 else 0.0, vllm_count=vllm_count(rows),
+        tau_unary=unary_tau(rows),
         mismatches=[{"index": int(r["index"]), "id": r["id"], **r["lossless"]}
                     for r in rows if r.get("lossless")])
 

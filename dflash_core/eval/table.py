@@ -83,10 +83,14 @@ def set_table(name: str, prompts: int, plain: Summary, drafters: dict[str, Summa
     labels = list(drafters)
     ks = _ks(max(per_round.values(), default=0))
     head = ["", "plain"] + labels
-    rows = [
-        ["tau"] + [f"{plain.tau:.2f}"] + [f"{drafters[x].tau:.2f}" for x in labels],
-        ["tau per prompt"] + ["-"] + [f"{drafters[x].tau_per_prompt:.2f}" for x in labels],
-    ]
+    rows = [["tau"] + [f"{plain.tau:.2f}"] + [f"{drafters[x].tau:.2f}" for x in labels]]
+    if any(drafters[x].tau_unary is not None for x in labels):
+        # DFlash2: with each slot's unary argmax in place of the selector (the run's row too)
+        rows.append(["tau unary argmax", "-"] + [
+            f"{drafters[x].tau_unary:.2f}" if drafters[x].tau_unary is not None else "-"
+            for x in labels])
+    rows.append(["tau per prompt"] + ["-"] + [f"{drafters[x].tau_per_prompt:.2f}"
+                                              for x in labels])
     rows += context_rows(drafters)
     for k in ks:
         rows.append([f"accepted@{k}", "-"] + [

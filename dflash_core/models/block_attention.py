@@ -2,7 +2,9 @@
 
 Queries are A blocks of B tokens each; keys are the S context tokens followed by the same A*B block
 tokens. Block a sees context positions < anchor_a and the B tokens of its own block (bidirectional),
-nothing else. Never a dense S x S copy per block:
+nothing else; with ``causal``, a block position sees its block's positions up to its own only (the
+context as before: what vLLM computes for a drafter whose config.json says ``is_causal: true``).
+Never a dense S x S copy per block:
 - ``flex``: FlexAttention with a block-sparse mask (GPU; the kernel is compiled once per process,
   the tile map is computed from the anchors);
 - ``chunked``: SDPA over groups of blocks, each group's keys cut to the context it can see, so memory
@@ -28,7 +30,7 @@ def _expand_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
 
 
 def chunked_block_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, block_size, scale,
-                            chunk_elems: int = CHUNK_ELEMS):
+                            chunk_elems: int = CHUNK_ELEMS, causal: bool = False):
     """q, k_blk, v_blk: [n, h(kv), A*B, d]; k_ctx, v_ctx: [n, hkv, S, d]; anchors: [n, A] (-1 =
     padding block, which then sees only itself)."""
     n, h, Q, d = q.shape
@@ -57,8 +59,12 @@ def chunked_block_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, block_size, 
             anc_t = torch.tensor(anc[a0:a1], device=q.device).clamp(min=0)
             row_anchor = anc_t.repeat_interleave(B)[:, None]  # [g*B, 1]
             ctx_pos = torch.arange(ctx_end, device=q.device)[None, :]
-            row_blk = torch.arange(g * B, device=q.device) // B
-            mask = torch.cat([ctx_pos < row_anchor, row_blk[:, None] == row_blk[None, :]], dim=1)
+            rows_at = torch.arange(g * B, device=q.device)
+            row_blk = rows_at // B
+            own = row_blk[:, None] == row_blk[None, :]
+            if causal:  # same block, and not after the row's own position
+                own &= rows_at[None, :] <= rows_at[:, None]
+            mask = torch.cat([ctx_pos < row_anchor, own], dim=1)
             out[b, :, rows] = F.scaled_dot_product_attention(
                 q[b, :, rows], _expand_kv(keys[None], rep)[0], _expand_kv(vals[None], rep)[0],
                 attn_mask=mask, scale=scale,
@@ -108,7 +114,8 @@ def raise_recompile_limit() -> None:
 SPARSE_TILE = 128
 
 
-def _visible_per_tile(anchors: torch.Tensor, ctx_len: int, block_size: int, tile: int):
+def _visible_per_tile(anchors: torch.Tensor, ctx_len: int, block_size: int, tile: int,
+                      causal: bool = False):
     """For each sample, query row and key tile: how many of the tile's keys the row sees."""
     n, A = anchors.shape
     Q, S, B = A * block_size, ctx_len, block_size
@@ -119,13 +126,15 @@ def _visible_per_tile(anchors: torch.Tensor, ctx_len: int, block_size: int, tile
     c0 = torch.arange(0, KV, tile, device=dev)
     c1 = (c0 + tile).clamp(max=KV)
     in_ctx = (torch.minimum(ctx_end[..., None], c1) - c0).clamp(min=0)  # [n, Q, T]
-    own = S + blk * B  # row's own block: keys [own, own + B)
-    in_own = (torch.minimum(own[:, None] + B, c1) - torch.maximum(own[:, None], c0)).clamp(min=0)
+    own = S + blk * B  # row's own block: keys [own, own + B) (causal: up to the row itself)
+    own_end = own + (torch.arange(Q, device=dev) % B + 1 if causal else B)
+    in_own = (torch.minimum(own_end[:, None], c1) - torch.maximum(own[:, None], c0)).clamp(min=0)
     return in_ctx + in_own, c1 - c0
 
 
-def make_block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int):
-    """The block-sparse mask of one forward; built once and shared by every drafter layer.
+def make_block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int, causal: bool = False):
+    """The block-sparse mask of one forward; built once and shared by every drafter layer
+    (``causal``: a block position sees its block up to itself).
 
     The tile map is computed directly from the anchors (a few small tensor ops) instead of by
     ``create_block_mask``, whose compiled form took ~215 s to build on first use on an H200 (the
@@ -136,7 +145,7 @@ def make_block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int):
     n, A = anchors.shape
     Q, S, B = A * block_size, ctx_len, block_size
     tile = SPARSE_TILE
-    vis, width = _visible_per_tile(anchors, S, B, tile)  # [n, Q, T], [T]
+    vis, width = _visible_per_tile(anchors, S, B, tile, causal)  # [n, Q, T], [T]
     qt = -(-Q // tile)
     pad = qt * tile - Q
     # Rows past Q do not exist: they count as seeing nothing, so such a tile is never "full"
@@ -157,6 +166,8 @@ def make_block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int):
         in_ctx = kv_idx < S
         sees_ctx = in_ctx & (kv_idx < anchor)
         sees_own = (~in_ctx) & (((kv_idx - S) // B) == blk)
+        if causal:
+            sees_own = sees_own & (kv_idx - S <= q_idx)
         return sees_ctx | sees_own
 
     kv_num, kv_idx = as_blocks(partial)
@@ -166,11 +177,12 @@ def make_block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int):
 
 
 def flex_block_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, block_size, scale,
-                         compile: bool = True, block_mask=None):
+                         compile: bool = True, block_mask=None, causal: bool = False):
+    """``block_mask``: make_block_mask's for these anchors (its ``causal`` then rules)."""
     from torch.nn.attention.flex_attention import flex_attention
 
     if block_mask is None:
-        block_mask = make_block_mask(anchors.to(q.device), k_ctx.shape[2], block_size)
+        block_mask = make_block_mask(anchors.to(q.device), k_ctx.shape[2], block_size, causal)
     keys = torch.cat([k_ctx, k_blk], dim=2)
     vals = torch.cat([v_ctx, v_blk], dim=2)
     fn = compiled_flex() if compile else flex_attention
@@ -197,8 +209,9 @@ def resolve_impl(impl: str, device: torch.device, head_dim: int | None = None) -
 
 
 def block_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, block_size, scale, impl="auto",
-                    block_mask=None):
+                    block_mask=None, causal: bool = False):
     if resolve_impl(impl, q.device, q.shape[-1]) == "flex":
         return flex_block_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, block_size, scale,
-                                    compile=q.is_cuda, block_mask=block_mask)
-    return chunked_block_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, block_size, scale)
+                                    compile=q.is_cuda, block_mask=block_mask, causal=causal)
+    return chunked_block_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, block_size, scale,
+                                   causal=causal)

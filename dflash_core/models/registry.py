@@ -118,6 +118,7 @@ def check_folder(folder: str | Path, objective: str, settings=None) -> None:
     except (KeyError, TypeError, AttributeError, ValueError) as exc:
         raise ValueError(f"model.safetensors cannot be read ({exc})") from exc
     cls.check_names(names)
+    cls.check_folder_files(folder)
 
 
 def init_from_refusal(folder, objective: str, exc: Exception):

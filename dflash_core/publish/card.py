@@ -9,7 +9,7 @@ from pathlib import Path
 
 from dflash_core.observe.device_hours import figure_text
 from dflash_core.publish.facts import Facts
-from dflash_core.publish.serving import command_lines
+from dflash_core.publish.serving import SGLANG_NO_DFLASH2, command_lines
 
 CARD = "README.md"
 # The card's last line begins so: a folder whose card has it was written by publish, and only
@@ -88,9 +88,42 @@ def _taus(f: Facts) -> list[str]:
     return out
 
 
-def render(f: Facts, out: Path, checkpoint: Path, how: str) -> str:
+def _layout_rows(f: Facts) -> list[str]:
+    """How a server must read the block: its attention, and DSpark's slots (engines read the
+    anchor-first and the 1+N layouts differently, silently)."""
+    rows = [_row("attention in a block", "causal (a position sees the block up to itself)"
+                 if f.causal else "bidirectional", "config.json `is_causal`")]
+    if f.objective == "dspark":
+        rows.append(_row("slot layout", "anchor-first: B slots, slot j drafts the token at "
+                         "anchor + j + 1", "config.json `sample_from_anchor: true` "
+                         "(`dspark_bonus_anchor: false`)"))
+    return rows
+
+
+def _serving_notes(f: Facts) -> list[str]:
+    """What a server needs that its defaults could get wrong."""
+    if f.objective == "dflash2":  # what config.json cannot tell a server
+        return [f"DFlash2: `num_speculative_tokens` must be {f.drafts_per_round} (B - 1): vLLM "
+                "does not read the block size from `config.json`, and another count silently "
+                "changes the convolution's window. vLLM serves DFlash2 from version 0.32 on a "
+                "GPU: the `DFlash2DraftModel` architecture selects its convolutions and "
+                "candidate selector, which run on vLLM's V2 GPU model runner only (its V1 "
+                "runner and its CPU build refuse DFlash2 folders). The drafter needs the "
+                "target's full vocabulary.", ""]
+    if f.objective == "dspark":
+        return ["DSpark's slots are anchor-first: the anchor slot predicts the first draft, B "
+                "slots give B drafts. `config.json` says so in both keys servers read "
+                "(`sample_from_anchor: true`, `dspark_bonus_anchor: false`). A server that "
+                "reads a DSpark folder as the 1+N layout (the anchor an input only, slot j "
+                "drafting anchor + j, as speculators writes them) drafts every slot one "
+                "position off without an error: check that yours reads those keys.", ""]
+    return []
+
+
+def render(f: Facts, out: Path, checkpoint: Path, how: str, added: dict | None = None) -> str:
     """The card for facts ``f`` of ``checkpoint``, published to ``out`` (``how``: how the
-    checkpoint was chosen, in words)."""
+    checkpoint was chosen, in words; ``added``: the serving keys publish stated in config.json
+    that the checkpoint's left out, an older checkpoint's)."""
     target = f.target or "TARGET"
     src = f.sources
     layers = f"{f.layer_ids}" + (f" of the target's {f.num_target_layers} layers (0-based)"
@@ -113,6 +146,7 @@ def render(f: Facts, out: Path, checkpoint: Path, how: str) -> str:
              _row("drafts per round", drafts, f"the {f.title} family"),
              _row("target layer ids", layers, "config.json " + key.format("target_layer_ids")),
              _row("mask token id", f.mask_token_id, "config.json " + key.format("mask_token_id")),
+             *_layout_rows(f),
              _row("drafter layers", f.drafter_layers, "config.json `num_hidden_layers`"),
              _row("steps trained", f.step if f.step is not None else "not recorded",
                   src["steps"]),
@@ -128,18 +162,22 @@ def render(f: Facts, out: Path, checkpoint: Path, how: str) -> str:
              f"(B = {f.block_size}), other options vary between versions of those stacks, whose "
              "documentation is the reference.", ""]
     serve = command_lines(f.objective, target, str(out), f.block_size, f.drafts_per_round)
-    if f.objective == "dflash2":  # what a server needs that config.json cannot tell it
-        lines += [f"DFlash2: `num_speculative_tokens` must be {f.drafts_per_round} (B - 1): vLLM "
-                  "does not read the block size from `config.json`, and another count silently "
-                  "changes the convolution's window. vLLM runs the candidate selector on its V2 "
-                  "GPU model runner only (its V1 runner refuses DFlash2 folders). The drafter "
-                  "needs the target's full vocabulary.", ""]
-    lines += ["vLLM:", "", "```sh", serve.vllm, "```", "", "SGLang:", "", "```sh",
-              serve.sglang, "```", "",
-              "## Provenance", "",
-              f"Published by `dflash-tui publish` from `{checkpoint}`, {how}. `config.json` and "
-              "`model.safetensors` are byte-identical copies of that checkpoint's files, checked "
-              "against its `checksums.json` before and after the copy.", "",
+    lines += _serving_notes(f)
+    lines += ["vLLM:", "", "```sh", serve.vllm, "```", ""]
+    lines += (["SGLang:", "", "```sh", serve.sglang, "```", ""] if serve.sglang is not None
+              else [SGLANG_NO_DFLASH2, ""])
+    if added:
+        copied = (f"`model.safetensors` is a byte-identical copy of that checkpoint's file, "
+                  "checked against its `checksums.json` before and after the copy; "
+                  "`config.json` is the checkpoint's with the keys a server reads that it left "
+                  "unstated added, as this engine computes them ("
+                  + ", ".join(f"`{k}: {json.dumps(v)}`" for k, v in added.items()) + ").")
+    else:
+        copied = ("`config.json` and `model.safetensors` are byte-identical copies of that "
+                  "checkpoint's files, checked against its `checksums.json` before and after the "
+                  "copy.")
+    lines += ["## Provenance", "",
+              f"Published by `dflash-tui publish` from `{checkpoint}`, {how}. {copied}", "",
               f"{MARK}: this folder is replaced only by `dflash-tui publish --overwrite` -->", ""]
     return "\n".join(lines)
 

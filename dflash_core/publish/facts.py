@@ -45,6 +45,7 @@ class Facts:
     best: dict | None = None  # checkpoints/best when it names this checkpoint
     hours: Figure | None = None
     sources: dict = field(default_factory=dict)  # fact -> the file it came from
+    causal: bool = False  # the block attends causally (config.json is_causal, as vLLM reads it)
 
 
 def _read_json(path: Path) -> dict | None:
@@ -166,6 +167,12 @@ def gather(src: Source) -> Facts:
     if not isinstance(b, int):
         raise PublishError(f"{src.folder / 'config.json'} records no block size",
                            "pass a checkpoint written by dflash-tui")
+    from dflash_core.models.served_keys import ServedKeyRefused, read
+
+    try:  # as a server reads it (models/served_keys.py); this engine's checkpoints always pass
+        served = read(config, fam.name)[1]
+    except ServedKeyRefused as exc:
+        raise PublishError(f"{src.folder}: {exc}", "publish a checkpoint this engine trained")
     state = _read_json(state_json(src.folder))
     run_cfg = _run_config(src.run_dir)
     target = (run_cfg.get("target") or {}).get("path") if isinstance(run_cfg.get("target"),
@@ -193,4 +200,4 @@ def gather(src: Source) -> Facts:
         num_target_layers=config.get("num_target_layers"),
         drafter_layers=config.get("num_hidden_layers"),
         target=str(target) if target else None, step=step, data=data, taus=taus,
-        best=src.best, hours=hours, sources=sources)
+        best=src.best, hours=hours, sources=sources, causal=served.causal)

@@ -1,10 +1,15 @@
 """The published folder: config.json and model.safetensors copied byte for byte, README.md the
-card. It is written into a hidden sibling and renamed into place, so an interrupted publish
-leaves no half folder under the name; a folder there already is replaced only when publish
-wrote it (its card's mark) and ``overwrite`` is given, and never when it holds other files."""
+card. An older checkpoint whose config.json leaves out a key a server reads (models/
+served_keys.stated: ``is_causal``, DSpark's ``sample_from_anchor``, ...) is published with that
+key added, as this engine computes it, so no reader falls back on a default of its own; the
+card names what was added. It is written into a hidden sibling and renamed into place, so an
+interrupted publish leaves no half folder under the name; a folder there already is replaced
+only when publish wrote it (its card's mark) and ``overwrite`` is given, and never when it holds
+other files."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from dataclasses import dataclass
@@ -95,6 +100,21 @@ def _sums(folder: Path) -> dict:
         return {}  # none (a folder written before checksums): the source's own CRC is compared
 
 
+def completed_config(folder: Path, objective: str) -> tuple[str | None, dict]:
+    """(config.json's text with the serving keys it leaves unstated added, those keys); (None,
+    {}) when it states them all (this engine's checkpoints since they are written)."""
+    from dflash_core.models.served_keys import unstated
+
+    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    added = unstated(config, objective)
+    if not added:
+        return None, {}
+    for key, value in added.items():
+        where, _, name = key.rpartition(".")
+        (config.setdefault(where, {}) if where else config)[name or key] = value
+    return json.dumps(config, indent=2), added
+
+
 def publish(path: str | os.PathLike, out: str | os.PathLike, *, overwrite: bool = False,
             note: Callable[[str], None] = lambda s: None) -> Published:
     """Publish the checkpoint ``path`` names (a run folder or a step folder) into ``out``.
@@ -114,9 +134,17 @@ def publish(path: str | os.PathLike, out: str | os.PathLike, *, overwrite: bool 
     stage.mkdir()
     try:
         sums = _sums(src.folder)
+        config_text, added = completed_config(src.folder, f.objective)
         for name in SERVED_FILES:
-            _copy(src.folder / name, stage / name, sums.get(name))
-        (stage / card.CARD).write_text(card.render(f, out, src.folder, src.how),
+            if name == "config.json" and config_text is not None:
+                (stage / name).write_text(config_text, encoding="utf-8")
+            else:
+                _copy(src.folder / name, stage / name, sums.get(name))
+        if added:
+            listed = ", ".join(f"{k} {json.dumps(v)}" for k, v in added.items())
+            note(f"config.json: the checkpoint leaves out keys a server reads; stated as this "
+                 f"engine computes them: {listed}")
+        (stage / card.CARD).write_text(card.render(f, out, src.folder, src.how, added),
                                        encoding="utf-8")
         ours = check_out(out, overwrite)  # again: a folder may have appeared meanwhile
         if ours:

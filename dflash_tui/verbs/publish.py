@@ -7,9 +7,10 @@ examples:
         that step, replacing what an earlier publish wrote there
 
 The folder holds config.json and model.safetensors (byte-identical copies, checked against the
-checkpoint's checksums.json) and README.md: the target, objective, block size, layer ids, data,
-steps, exact tau per prompt set from the run's evaluations, GPU-hours, and the vLLM and SGLang
-command lines. A damaged checkpoint, one without served weights, and an --out that publish did
+checkpoint's checksums.json; an older checkpoint's config.json gets the serving keys it left
+unstated) and README.md: the target, objective, block size, layer ids, the block's attention
+and DSpark's slot layout, data, steps, exact tau per prompt set from the run's evaluations,
+GPU-hours, and the vLLM and SGLang command lines (no SGLang one for DFlash2). A damaged checkpoint, one without served weights, and an --out that publish did
 not write (a file, or a folder of other entries) are refused; nothing is overwritten.
 """
 

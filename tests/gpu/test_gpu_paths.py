@@ -25,12 +25,15 @@ def drafter_on_gpu(tmp_path: Path, n_batches: int):
     return (cfg, gpu, *drafter_setup(cfg, target, data, n_batches, gpu, "bfloat16"))
 
 
-def test_compiled_flex_equals_dense_on_gpu():
+@pytest.mark.parametrize("causal", [False, True])
+def test_compiled_flex_equals_dense_on_gpu(causal):
+    """``causal``: a folder's is_causal: true (models/served_keys.py) through the compiled kernel,
+    whose tile map then has partial tiles inside the blocks."""
     args = [a.cuda() if torch.is_tensor(a) else a for a in inputs(S=700, A=40, B=16, d=64, seed=4)]
-    want = dense(*args)
-    got = flex_block_attention(*args, compile=True)
+    want = dense(*args, causal=causal)
+    got = flex_block_attention(*args, compile=True, causal=causal)
     assert torch.allclose(got, want, atol=2e-5)
-    assert torch.allclose(chunked_block_attention(*args), want, atol=2e-5)
+    assert torch.allclose(chunked_block_attention(*args, causal=causal), want, atol=2e-5)
 
 
 def test_engine_trains_on_one_gpu_and_frees_memory(tmp_path: Path, monkeypatch):

@@ -3,8 +3,9 @@
 A stack of Qwen3-style decoder layers without embedding or lm_head (both borrowed from the frozen
 target). The k target features of each context token go through ``fc`` and ``hidden_norm``; in every
 layer, the block tokens' queries attend to keys/values projected (with the same weights) from the
-context and from the block itself. Blocks are bidirectional inside and see only context before their
-anchor (block_attention.py).
+context and from the block itself. Blocks are bidirectional inside (causal when the config says so:
+``dflash_config.causal``, read from a folder's ``is_causal``, models/served_keys.py) and see only
+context before their anchor (block_attention.py).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 )
 
 from dflash_core.models.block_attention import block_attention, make_block_mask, resolve_impl
+from dflash_core.models import served_keys as serving
 from dflash_core.models.rope_settings import config_kwargs, config_rope, drafter_rope, served_keys
 from dflash_core.models.target.shape import drafter_intermediate, text_config
 from dflash_core.families.dflash import ARCHITECTURE, DFLASH
@@ -51,6 +53,12 @@ class RMSNorm(nn.Module):
                           self.variance_epsilon).to(out)
 
 
+def block_is_causal(config) -> bool:
+    """Whether a drafter of ``config`` attends causally inside its block (its dflash_config's
+    ``causal``; absent: bidirectional, as this engine trains)."""
+    return bool((getattr(config, "dflash_config", None) or {}).get("causal", False))
+
+
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # x: [n, h, T, d]; cos/sin: [n, T, d]
     return x * cos[:, None] + rotate_half(x) * sin[:, None]
@@ -70,6 +78,8 @@ class DrafterAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.scale = self.head_dim ** -0.5
+        # a block position attends only to itself and those before it (served_keys.py)
+        self.causal = block_is_causal(config)
 
     def _heads(self, x: torch.Tensor, n_heads: int) -> torch.Tensor:
         n, T, _ = x.shape
@@ -93,7 +103,7 @@ class DrafterAttention(nn.Module):
             dt = torch.get_autocast_dtype(dev)
             q, k_blk, k_ctx, v_blk, v_ctx = (t.to(dt) for t in (q, k_blk, k_ctx, v_blk, v_ctx))
         out = block_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, block_size, self.scale, impl,
-                              block_mask)
+                              block_mask, causal=self.causal)
         n, _, T, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(n, T, -1))
 
@@ -163,6 +173,19 @@ def build_drafter_config(target_config, *, num_layers: int, target_layer_ids: li
     return cfg
 
 
+def qwen3_config_of(d: dict) -> Qwen3Config:
+    """The Qwen3 config of a config.json already judged (served_keys.read's): its dflash_config
+    and num_target_layers as attributes."""
+    d = config_kwargs(d)
+    extra = {k: d.pop(k) for k in ("dflash_config", "num_target_layers") if k in d}
+    cfg = Qwen3Config(**{k: v for k, v in d.items()
+                         if k not in ("model_type", "transformers_version")})
+    cfg.dflash_config = extra["dflash_config"]
+    cfg.num_target_layers = extra.get("num_target_layers", 0)
+    cfg.architectures = [ARCHITECTURE]
+    return cfg
+
+
 class DFlashDrafter(nn.Module):
     """The trainable part of DFlash. ``embed_tokens`` / ``lm_head`` are attached from the target
     with ``attach_target_head`` and are never trained or saved.
@@ -193,6 +216,7 @@ class DFlashDrafter(nn.Module):
         self.target_layer_ids = list(dc["target_layer_ids"])
         self.block_size = int(dc["block_size"])
         self.mask_token_id = int(dc["mask_token_id"])
+        self.causal = block_is_causal(config)
         H = config.hidden_size
         self.layers = nn.ModuleList(self.layer_class(config)
                                     for _ in range(config.num_hidden_layers))
@@ -256,10 +280,13 @@ class DFlashDrafter(nn.Module):
     @classmethod
     def serve_config_of(cls, config: Qwen3Config) -> dict:
         """The config.json a drafter of ``config`` writes (interchange_config's): the rotary
-        settings in both spellings serving stacks read (rope_settings.served_keys)."""
+        settings in both spellings serving stacks read (rope_settings.served_keys), and every
+        key that changes what a server computes, stated (served_keys.stated)."""
         out = config.to_dict()
+        top, inner = serving.stated(cls.family.name, block_is_causal(config))
+        out.update(top)
         out["architectures"] = [ARCHITECTURE]
-        out["dflash_config"] = dict(config.dflash_config)
+        out["dflash_config"] = {**dict(config.dflash_config), **inner}
         out["num_target_layers"] = config.num_target_layers
         out.update(served_keys(config_rope(config)))
         return out
@@ -301,7 +328,7 @@ class DFlashDrafter(nn.Module):
         x = block_embeds
         rope_ctx, rope_blk = self._rotations(ctx, x, context_positions, block_positions)
         impl = resolve_impl(self.attn_impl, x.device, self.config.head_dim)
-        mask = (make_block_mask(anchors.to(x.device), S, self.block_size)
+        mask = (make_block_mask(anchors.to(x.device), S, self.block_size, causal=self.causal)
                 if impl == "flex" else None)  # one mask for all layers
         if autocast:  # one low-precision copy of the context for every layer (_SharedCast)
             low = ctx.detach().to(torch.get_autocast_dtype(dev))
@@ -366,15 +393,16 @@ class DFlashDrafter(nn.Module):
 
     @classmethod
     def config_from_dict(cls, d: dict) -> Qwen3Config:
-        """The drafter's config from its config.json; raises rope_settings.RopeConflict when
-        its two spellings of the rotary settings differ."""
-        d = config_kwargs(d)
-        extra = {k: d.pop(k) for k in ("dflash_config", "num_target_layers") if k in d}
-        cfg = Qwen3Config(**{k: v for k, v in d.items() if k not in ("model_type", "transformers_version")})
-        cfg.dflash_config = extra["dflash_config"]
-        cfg.num_target_layers = extra.get("num_target_layers", 0)
-        cfg.architectures = [ARCHITECTURE]
-        return cfg
+        """The drafter's config from its config.json, read as vLLM reads it
+        (served_keys.read: its block's causality honoured, what this engine cannot compute
+        refused as ServedKeyRefused); raises rope_settings.RopeConflict when its two spellings
+        of the rotary settings differ."""
+        return qwen3_config_of(serving.read(d, "dflash")[0])
+
+    @classmethod
+    def check_folder_files(cls, folder: str | Path) -> None:
+        """What a folder holds beside its two files that a server reads (ServedKeyRefused)."""
+        serving.check_files(Path(folder), cls.family.name)
 
     @classmethod
     def check_names(cls, names) -> None:

@@ -19,7 +19,8 @@ from transformers import Qwen3Config
 
 from dflash_core.families.dflash import ARCHITECTURE as DFLASH_ARCHITECTURE
 from dflash_core.families.dflash2 import ARCHITECTURE, DFLASH2, DFlash2Settings
-from dflash_core.models.dflash.drafter import DFlashDrafter, build_drafter_config
+from dflash_core.models import served_keys as serving
+from dflash_core.models.dflash.drafter import DFlashDrafter, build_drafter_config, qwen3_config_of
 from dflash_core.models.dflash2 import format as d2format
 from dflash_core.models.dflash2.conv import DFlash2Layer
 from dflash_core.models.dflash2.loss import DFlash2StepLoss, dflash2_loss, predecessors
@@ -91,11 +92,16 @@ class DFlash2Drafter(DFlashDrafter):
 
     @classmethod
     def config_from_dict(cls, d: dict) -> Qwen3Config:
-        """The drafter's config from a served config.json; NotDFlash2 (a ValueError) naming
-        what this engine cannot load."""
+        """The drafter's config from a served config.json, read as vLLM reads it (its block's
+        causality honoured: served_keys.read); NotDFlash2 (a ValueError) naming what this
+        engine cannot load."""
         d2format.check_serve_dict(d)
-        rest = {k: v for k, v in d.items() if k not in ("is_causal", "draft_vocab_size")}
-        cfg = DFlashDrafter.config_from_dict(rest)
+        try:
+            rest, _ = serving.read(d, DFLASH2.name)
+        except serving.ServedKeyRefused as exc:
+            raise d2format.NotDFlash2(str(exc)) from exc
+        rest.pop("draft_vocab_size", None)  # the target's (check_serve_dict): nothing to map
+        cfg = qwen3_config_of(rest)
         cfg.architectures = [ARCHITECTURE]
         return cfg
 

@@ -7,10 +7,11 @@ A folder with ``config.json`` and ``model.safetensors``:
   ``num_target_layers``, ``num_hidden_layers``, ``block_size``, ``mask_token_id``,
   ``target_layer_ids``, ``num_anchors``, ``tie_word_embeddings: false``, ``layer_types``,
   ``markov_rank``, ``markov_head_type: "vanilla"``, ``enable_confidence_head``,
-  ``confidence_head_with_markov``, and ``dspark_bonus_anchor: false`` (anchor-as-first, which is
-  also what a server assumes when the key is absent; written so no loader has to guess); the
-  target's rotary settings as ``rope_parameters`` and as ``rope_theta`` + ``rope_scaling``
-  (models/rope_settings.py).
+  ``confidence_head_with_markov``; the slot layout, anchor-first, stated both ways servers read
+  it: ``sample_from_anchor: true`` (vLLM's and SGLang's key; a 1+N, speculators-style folder
+  says false) and ``dspark_bonus_anchor: false`` (the older key); the other serving keys of
+  models/served_keys.py (``is_causal: false``, ...); the target's rotary settings as
+  ``rope_parameters`` and as ``rope_theta`` + ``rope_scaling`` (models/rope_settings.py).
 - model.safetensors: DFlash's keys (``layers.*``, ``norm``, ``fc``, ``hidden_norm``), the heads
   (``markov_head.markov_w1.weight`` [V, r], ``markov_head.markov_w2.weight`` [V, r],
   ``confidence_head.proj.weight`` [1, H+r], ``confidence_head.proj.bias`` [1]) and copies of the
@@ -32,9 +33,11 @@ from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config
 
 from dflash_core.families.dspark import ARCHITECTURE
+from dflash_core.models import served_keys as serving
 from dflash_core.models.rope_settings import config_kwargs, config_rope, served_keys
 
 # The served format's names (what vLLM and SGLang look for; ARCHITECTURE is the family's).
+ARCHITECTURE_FAMILY = "dspark"  # served_keys' name of this family
 MARKOV_HEAD_TYPE = "vanilla"  # the only type this engine trains (the reference's default)
 
 FROZEN_KEYS = ("embed_tokens.weight", "lm_head.weight")
@@ -70,15 +73,17 @@ def serve_config_of(cfg: Qwen3Config) -> dict:
         "markov_head_type": MARKOV_HEAD_TYPE,
         "enable_confidence_head": bool(cfg.enable_confidence_head),
         "confidence_head_with_markov": True,
-        "dspark_bonus_anchor": False,
     })
+    # the slot layout (anchor-first) and the other keys a server reads, stated
+    d.update(serving.stated(ARCHITECTURE_FAMILY, bool(dc.get("causal", False)))[0])
     d.update(served_keys(config_rope(cfg)))  # both spellings servers read (rope_settings.py)
     return d
 
 
 def config_from_serve_dict(d: dict) -> Qwen3Config:
-    """The drafter's config from a served config.json (this engine's or the reference's).
-    Raises NotDSpark, naming the key, for anything else."""
+    """The drafter's config from a served config.json (this engine's or the reference's), read
+    as vLLM reads it (served_keys.read: the slot layout, the block's causality, the feature
+    layers). Raises NotDSpark, naming the key, for anything else."""
     arch = d.get("architectures")
     if arch != [ARCHITECTURE]:
         raise NotDSpark(f"config.json has architectures {arch}, not [{ARCHITECTURE!r}]: not a "
@@ -95,15 +100,17 @@ def config_from_serve_dict(d: dict) -> Qwen3Config:
     if d.get("enable_confidence_head") and not d.get("confidence_head_with_markov", True):
         raise NotDSpark("confidence_head_with_markov false: this engine's confidence head reads "
                         "[h ; W1[prev]] (true)")
-    if d.get("dspark_bonus_anchor"):
-        raise NotDSpark("dspark_bonus_anchor true: a 1+N block with a separate bonus slot; this "
-                        "engine trains anchor-as-first blocks only")
-    rest = {k: v for k, v in config_kwargs(d).items() if k not in _DROPPED}
+    try:
+        judged, keys = serving.read(d, ARCHITECTURE_FAMILY)
+    except serving.ServedKeyRefused as exc:
+        raise NotDSpark(str(exc)) from exc
+    rest = {k: v for k, v in config_kwargs(judged).items()
+            if k not in _DROPPED and k != "dflash_config"}
     cfg = Qwen3Config(**rest)
     cfg.architectures = [ARCHITECTURE]
-    cfg.dflash_config = {"target_layer_ids": [int(i) for i in d["target_layer_ids"]],
+    cfg.dflash_config = {"target_layer_ids": keys.target_layer_ids,
                          "block_size": int(d["block_size"]),
-                         "mask_token_id": int(d["mask_token_id"])}
+                         "mask_token_id": int(d["mask_token_id"]), "causal": keys.causal}
     cfg.num_target_layers = int(d.get("num_target_layers", 0))
     cfg.markov_rank = int(d["markov_rank"])
     cfg.markov_head_type = MARKOV_HEAD_TYPE

@@ -8,7 +8,9 @@ import torch
 from dflash_core.models.block_attention import chunked_block_attention, flex_block_attention, make_block_mask
 
 
-def dense(q, k_ctx, v_ctx, k_blk, v_blk, anchors, B, scale):
+def dense(q, k_ctx, v_ctx, k_blk, v_blk, anchors, B, scale, causal=False):
+    """Attention under the whole mask, written out (``causal``: a block position sees its block's
+    positions up to its own, as vLLM's causal drafter attention does)."""
     n, h, Q, d = q.shape
     S = k_ctx.shape[2]
     rep = h // k_ctx.shape[1]
@@ -20,6 +22,9 @@ def dense(q, k_ctx, v_ctx, k_blk, v_blk, anchors, B, scale):
         anc = anchors[b][blk]
         mask[b, 0, :, :S] = torch.arange(S, device=q.device)[None] < anc[:, None]
         mask[b, 0, :, S:] = blk[:, None] == blk[None]
+        if causal:
+            rows = torch.arange(Q, device=q.device)
+            mask[b, 0, :, S:] &= rows[None] <= rows[:, None]
     s = (q @ k.transpose(-1, -2)) * scale
     s = s.masked_fill(~mask, -math.inf)
     return s.softmax(-1) @ v
@@ -34,22 +39,35 @@ def inputs(n=2, h=4, hkv=2, S=23, A=5, B=4, d=8, seed=0):
             r(n, hkv, A * B, d), anchors, B, d ** -0.5)
 
 
+@pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("chunk_elems", [1, 64, 1 << 22])
-def test_chunked_equals_dense(chunk_elems):
+def test_chunked_equals_dense(chunk_elems, causal):
     args = inputs()
-    want = dense(*args)
-    got = chunked_block_attention(*args, chunk_elems=chunk_elems)
+    want = dense(*args, causal=causal)
+    got = chunked_block_attention(*args, chunk_elems=chunk_elems, causal=causal)
     assert torch.allclose(got, want, atol=1e-5)
 
 
-def test_flex_equals_dense():
+@pytest.mark.parametrize("causal", [False, True])
+def test_flex_equals_dense(causal):
     args = inputs(seed=1)
-    want = dense(*args)
-    got = flex_block_attention(*args, compile=False)
+    want = dense(*args, causal=causal)
+    got = flex_block_attention(*args, compile=False, causal=causal)
     assert torch.allclose(got, want, atol=1e-5)
 
 
-def reference_block_mask(anchors, S, B):
+def test_causal_and_bidirectional_blocks_differ_only_after_the_first_position():
+    """The two masks agree on a block's last position (it sees its whole block either way) and
+    nowhere else in general: the flag is no no-op."""
+    args = inputs(seed=2)
+    B = args[6]
+    both = dense(*args), chunked_block_attention(*args, causal=True)
+    last = torch.arange(args[0].shape[2]) % B == B - 1
+    assert torch.allclose(both[0][:, :, last], both[1][:, :, last], atol=1e-5)
+    assert not torch.allclose(both[0][:, :, ~last], both[1][:, :, ~last], atol=1e-3)
+
+
+def reference_block_mask(anchors, S, B, causal=False):
     """The same mask through create_block_mask (eager: it evaluates every query/key pair)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
@@ -59,21 +77,25 @@ def reference_block_mask(anchors, S, B):
     def mask_mod(b, hh, q_idx, kv_idx):
         blk = q_idx // B
         in_ctx = kv_idx < S
-        return (in_ctx & (kv_idx < anchors[b, blk])) | (~in_ctx & (((kv_idx - S) // B) == blk))
+        own = ~in_ctx & (((kv_idx - S) // B) == blk)
+        if causal:
+            own = own & (kv_idx - S <= q_idx)
+        return (in_ctx & (kv_idx < anchors[b, blk])) | own
 
     return create_block_mask(mask_mod, B=n, H=None, Q_LEN=Q, KV_LEN=S + Q, device="cpu",
                              _compile=False)
 
 
+@pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("S,A,B", [(700, 40, 16), (256, 64, 16), (300, 13, 5), (1000, 8, 32),
                                    (128, 8, 16)])
-def test_block_mask_tiles_equal_create_block_mask(S, A, B):
+def test_block_mask_tiles_equal_create_block_mask(S, A, B, causal):
     g = torch.Generator().manual_seed(S + A)
     anchors = torch.stack([torch.sort(torch.randperm(S, generator=g)[:A]).values for _ in range(3)])
     anchors[2, -3:] = -1  # padding blocks
     anchors[1, : A // 2] = 0  # blocks that see no context
-    got = make_block_mask(anchors, S, B)
-    want = reference_block_mask(anchors, S, B)
+    got = make_block_mask(anchors, S, B, causal=causal)
+    want = reference_block_mask(anchors, S, B, causal=causal)
     assert torch.equal(got.kv_num_blocks, want.kv_num_blocks)
     assert torch.equal(got.full_kv_num_blocks, want.full_kv_num_blocks)
     # Same tiles listed (order within a row is free), and the same element mask.

@@ -72,6 +72,13 @@ def test_a_dspark_step_folder_gets_dspark_s_serving_lines(tmp_path):
     assert f"--speculative-config '{json.dumps(spec)}'" in body
     assert "--speculative-algorithm DSPARK" in body
     assert "| gsm8k | 1.8000 | 5 |" in body and done.facts.step == 3
+    # the slot layout, stated in config.json in the keys servers read, and on the card
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["sample_from_anchor"] is True and cfg["dspark_bonus_anchor"] is False
+    assert ("| slot layout | anchor-first: B slots, slot j drafts the token at anchor + j + 1 | "
+            "config.json `sample_from_anchor: true` (`dspark_bonus_anchor: false`) |") in body
+    assert "1+N layout" in body
+    assert "| attention in a block | bidirectional | config.json `is_causal` |" in body
 
 
 def test_a_run_without_best_publishes_its_latest_checkpoint(tmp_path):
@@ -157,6 +164,10 @@ def test_a_dflash2_checkpoint_gets_b_minus_1_and_vllms_dflash_method(tmp_path):
     spec = {"method": "dflash", "model": str(out), "num_speculative_tokens": DFLASH_B - 1}
     assert f"--speculative-config '{json.dumps(spec)}'" in body
     assert f"`num_speculative_tokens` must be {DFLASH_B - 1} (B - 1)" in body
+    assert "vLLM serves DFlash2 from version 0.32 on a GPU" in body
+    # SGLang's DFlash model has no convolutions nor selector: no command that would not serve it
+    assert "sglang.launch_server" not in body and "--speculative-draft-model-path" not in body
+    assert "SGLang: no command is given" in body and "no candidate selector" in body
 
 
 def _set_target(run: Path, path: str) -> None:
@@ -195,3 +206,33 @@ def test_a_local_target_is_named_by_its_absolute_folder_and_a_missing_copy_is_no
     publish(run, tmp_path / "out2")
     _, body = _card(tmp_path / "out2")
     assert "vllm serve TARGET \\" in body and "holds no copy of it" in body
+
+
+def test_an_older_checkpoint_gets_the_serving_keys_it_left_unstated(tmp_path):
+    """A checkpoint written before config.json stated is_causal (and the rest) is published
+    with them added as this engine computes them: no server guesses. The weights stay
+    byte-identical; the card says what was added."""
+    from dflash_core.checkpoint.checksums import crc32_of, file_sum
+
+    run = make_run(tmp_path, "dspark", steps=(3,), best=None)
+    step = run / "checkpoints" / "step-3"
+    cfg = json.loads((step / "config.json").read_text())
+    for k in ("is_causal", "is_neox_style", "sample_from_anchor"):
+        del cfg[k]
+    (step / "config.json").write_text(json.dumps(cfg))
+    sums = json.loads((step / "checksums.json").read_text())
+    path = step / "config.json"
+    sums["files"]["config.json"] = file_sum(path.stat().st_size, crc32_of(path))
+    (step / "checksums.json").write_text(json.dumps(sums))
+    said = []
+    out = tmp_path / "old-out"
+    publish(step, out, note=said.append)
+    got = json.loads((out / "config.json").read_text())
+    assert {k: got[k] for k in ("is_causal", "is_neox_style", "sample_from_anchor")} == {
+        "is_causal": False, "is_neox_style": True, "sample_from_anchor": True}
+    assert {k: v for k, v in got.items() if k not in
+            ("is_causal", "is_neox_style", "sample_from_anchor")} == cfg
+    assert (out / "model.safetensors").read_bytes() == (step / "model.safetensors").read_bytes()
+    _, body = _card(out)
+    assert "`sample_from_anchor: true`" in body and "left unstated added" in body
+    assert any("leaves out keys a server reads" in m for m in said)

@@ -57,7 +57,11 @@ def test_checkpoint_is_the_interchange_format(tmp_path):
     cfg = json.loads((tmp_path / "config.json").read_text())
     assert cfg["architectures"] == ["DFlashDraftModel"]
     assert cfg["num_target_layers"] == 8
-    assert cfg["dflash_config"] == {"target_layer_ids": [1, 3, 5], "block_size": 8, "mask_token_id": 299}
+    # the keys that change what vLLM computes, stated (models/served_keys.py)
+    assert cfg["dflash_config"] == {"target_layer_ids": [1, 3, 5], "block_size": 8,
+                                    "mask_token_id": 299, "causal": False, "use_swa": False,
+                                    "attention_sink_bias": False}
+    assert cfg["is_causal"] is False and cfg["is_neox_style"] is True
     keys = set(load_file(str(tmp_path / "model.safetensors")))
     assert keys == EXPECTED_KEYS  # no embedding, no lm_head, no rotary buffers
 

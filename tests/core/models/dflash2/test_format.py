@@ -58,9 +58,12 @@ def test_config_json_is_what_vllm_reads(saved):
     assert cfg["architectures"] == ["DFlash2DraftModel"] and cfg["model_type"] == "qwen3"
     assert cfg["is_causal"] is False and cfg["tie_word_embeddings"] is False
     assert cfg["vocab_size"] == V and cfg["num_hidden_layers"] == L
+    # the serving keys stated as this engine computes them (models/served_keys.py)
+    assert cfg["is_neox_style"] is True
     assert cfg["dflash_config"] == {
         "target_layer_ids": LAYER_IDS, "block_size": B, "mask_token_id": V - 1,
-        "conv_kernel_size": T, "conv_group_size": G, "selector_rank": R, "selector_top_k": K}
+        "conv_kernel_size": T, "conv_group_size": G, "selector_rank": R, "selector_top_k": K,
+        "causal": False, "use_swa": False, "attention_sink_bias": False}
     assert objective_of(cfg) == "dflash2"
 
 

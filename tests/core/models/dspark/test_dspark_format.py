@@ -53,6 +53,8 @@ def test_config_and_weights_are_the_served_format(tmp_path):
             "tie_word_embeddings": False, "layer_types": ["full_attention"] * 2,
             "markov_rank": R, "markov_head_type": "vanilla", "enable_confidence_head": True,
             "confidence_head_with_markov": True, "dspark_bonus_anchor": False,
+            # anchor-first, in the key vLLM and SGLang read (and the serving keys stated)
+            "sample_from_anchor": True, "is_causal": False, "is_neox_style": True,
             "vocab_size": V, "hidden_size": H}
     assert {k: cfg[k] for k in want} == want
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
@@ -162,7 +164,14 @@ def test_load_round_trip_and_objective_checks(tmp_path):
 @pytest.mark.parametrize("change,message", [
     ({"architectures": ["DFlashDraftModel"]}, "not a DSpark drafter"),
     ({"markov_head_type": "gated"}, "markov_head_type 'gated'"),
-    ({"dspark_bonus_anchor": True}, "anchor-as-first"),
+    ({"dspark_bonus_anchor": True}, "this engine's DSpark is anchor-first"),
+    # the 1+N (speculators-style) layout in vLLM's and SGLang's key
+    ({"sample_from_anchor": False}, "sample_from_anchor false: a 1[+]N block"),
+    ({"dspark_draft_topk": 8}, "dspark_draft_topk 8: vLLM applies the Markov head"),
+    ({"logit_scale": 2.0}, "logit_scale 2.0"),
+    ({"is_neox_style": False}, "is_neox_style false: interleaved"),
+    ({"layer_types": ["sliding_attention"] * 2}, "sliding_attention"),
+    ({"add_swa_attention_sink_bias": True}, "add_swa_attention_sink_bias true"),
 ])
 def test_configs_this_engine_cannot_serve_are_named(change, message):
     cfg = make().interchange_config()
