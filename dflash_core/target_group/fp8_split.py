@@ -33,7 +33,6 @@ SPLITS_OUT = {"colwise": 1, "colwise_gather_output": 1, "colwise_rep": 1, "unit_
               "packed_colwise": 2}
 SPLITS_IN = {"rowwise": 1, "rowwise_split_input": 1, "rowwise_rep": 1, "unit_rowwise": 1,
              "packed_rowwise": 2}
-LARGEST_SUGGESTED = 16  # sizes tried for the hint: 2 .. this
 
 
 @dataclass(frozen=True)
@@ -120,7 +119,7 @@ def tensor_parallel_splits(hf_config: dict, distributed: dict) -> list[SplitDim]
 def check_fp8_tensor_parallel(k: int, hf_config: dict, distributed: dict,
                               sizes_ok: Callable[[int], bool] = lambda n: True) -> None:
     """Refuse a tensor-parallel split of an FP8 block-wise target that cuts a block (ConfigError
-    naming the layer, the dimension, the block and k, and a size that would not). ``sizes_ok``:
+    naming the layer, the dimension, the block and k, and a smaller size that would not). ``sizes_ok``:
     whether another size passes the other checks of a split (heads, experts), for the hint."""
     block = fp8_block(hf_config)
     if block is None or k == 1:
@@ -137,13 +136,12 @@ def check_fp8_tensor_parallel(k: int, hf_config: dict, distributed: dict,
     if not bad:
         return
     first = bad[0]
-    b = block[0] if first.dim == "output" else block[1]
     width = (f"{first.width} {first.dim} columns" if first.dim == "input"
              else f"{first.width} output rows")
     packed = f" ({first.parts} packed parts)" if first.parts > 1 else ""
-    others = f" (and {len(bad) - 1} more layers)" if len(bad) > 1 else ""
-    fine = [n for n in range(2, LARGEST_SUGGESTED + 1)
-            if n != k and not cuts(n) and sizes_ok(n)]
+    others = (f" (and {len(bad) - 1} more layer{'s' if len(bad) > 2 else ''})"
+              if len(bad) > 1 else "")
+    fine = [n for n in range(2, k) if not cuts(n) and sizes_ok(n)]  # smaller copies
     size_hint = (f", or target.gpus_per_copy: {max(fine)} (every split a whole number of "
                  "blocks)" if fine else "")
     raise ConfigError("target.gpus_per_copy", (

@@ -27,7 +27,6 @@ from torch import nn
 from dflash_core.models.target import fp8 as fp8_weights
 
 PROBE_SIDE = 2  # the probe layer's blocks per side
-GROUP_MATMUL = "the engine's FP8 matmul (each weight dequantized as it is used)"
 
 
 def dequantized_fp8_linear(input: torch.Tensor, weight: torch.Tensor,
@@ -123,4 +122,4 @@ def settle_matmul(model: nn.Module, choice: str, dtype: torch.dtype,
            else f"transformers' FP8 kernels do not run here ({fails})")
     if left:
         return why, f"{len(left)} FP8 tensors such as {left[0]}"
-    return f"{GROUP_MATMUL}: {why}" if fails else GROUP_MATMUL
+    return f"{fp8_weights.ENGINE_MATMUL}: {why}" if fails else fp8_weights.ENGINE_MATMUL

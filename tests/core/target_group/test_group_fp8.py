@@ -63,7 +63,7 @@ def test_fp8_group_features_equal_one_process(folders, tmp_path, monkeypatch, na
         if kept:
             assert note.kept and note.line.startswith(
                 "target: FP8 block-wise weights stay FP8 on the group's 2 ranks")
-            assert "run by the engine's FP8 matmul (each weight dequantized as it is used): " \
+            assert "run by the engine's FP8 linear (each weight dequantized as it is used): " \
                    "transformers' FP8 kernels do not run here" in note.line, note.line
             # the ranks hold float8 weights (a byte a value) and their scales, not float32 ones
             # (FP8 dequantized, the two would hold more than the copy's plain bytes)
