@@ -11,10 +11,13 @@ import torch
 from dflash_core.models.target.config import default_layer_ids
 from dflash_core.models.target.fp8 import checkpoint_bytes
 from dflash_core.models.target.load import load_target
+from dflash_core.observe.events import Log
 from dflash_core.target_group import group as group_mod
 
+from ..engine_fixtures import assets, make_config  # noqa: F401
 from .fp8_targets import SMALL, VOCAB, rank_main_keeping_fp8, write_fp8
 from .group_harness import reply, start_group
+from .test_engine_group import losses
 
 TOL = 1e-5
 LAYERS = SMALL["num_hidden_layers"]
@@ -92,3 +95,22 @@ def test_fp8_group_features_equal_one_process(folders, tmp_path, monkeypatch, na
     finally:
         forced = group.shutdown()
     assert forced == [] and all(p.exitcode == 0 for p in group.procs)
+
+
+@pytest.mark.slow
+def test_a_run_of_an_fp8_group_trains_as_one_process_of_the_same_checkpoint(
+        folders, assets, tmp_path, monkeypatch):  # noqa: F811
+    """The engine with one 2-rank sharded group keeping a Qwen3-MoE FP8 checkpoint FP8 trains to
+    the losses of one process holding it dequantized; the run's log says once how rank 0 holds
+    the weights."""
+    _, data = assets
+    folder = folders["qwen3_moe"]
+    one, _ = losses(make_config(tmp_path / "one", folder, data, data__eval_prompts=0,
+                                target__layer_ids=[1, 2]))
+    monkeypatch.setattr(group_mod, "rank_main", rank_main_keeping_fp8)
+    got, rec = losses(make_config(tmp_path / "group", folder, data, data__eval_prompts=0,
+                                  target__layer_ids=[1, 2], layout__targets=[0, 1],
+                                  target__gpus_per_copy=2))
+    assert len(got) == 6 and got == pytest.approx(one, rel=1e-5)
+    said = [e.message for e in rec.of(Log) if "stay FP8 on the group's 2 ranks" in e.message]
+    assert len(said) == 1 and "the engine's FP8 linear" in said[0]
