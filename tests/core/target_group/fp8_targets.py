@@ -17,7 +17,7 @@ import torch
 import transformers as tf
 from safetensors.torch import save_file
 
-from dflash_core.models.target.fp8 import quantize_blockwise
+from dflash_core.models.target.fp8 import dequantize_blockwise, quantize_blockwise
 
 from ..models.target.fp8_twin import BLOCK, FP8_CONFIG
 
@@ -44,18 +44,24 @@ def _quantized(name: str, p: torch.Tensor) -> bool:
     return p.dim() == 2 and ".layers." in name and name.endswith(("proj.weight", "_mqa.weight"))
 
 
-def write_fp8(folder: Path, name: str, seed: int = 0, std: float = 0.05) -> Path:
-    """An FP8 block-wise checkpoint of a random ``CONFIGS[name]`` model in ``folder``."""
+def write_fp8(folder: Path, name: str, seed: int = 0, std: float = 0.05, *, config=None,
+              twin: Path | None = None) -> Path:
+    """An FP8 block-wise checkpoint of a random ``CONFIGS[name]`` model (or ``config``, a
+    transformers config) in ``folder``; with ``twin``, its bf16 twin there too (the weights the
+    FP8 ones stand for, in the same layout, no quantization_config)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    config = CONFIGS[name]()
+    config = config if config is not None else CONFIGS[name]()
     config.initializer_range = std
     model = AutoModelForCausalLM.from_config(config)
     tensors: dict[str, torch.Tensor] = {}
+    plain: dict[str, torch.Tensor] = {}
 
     def put(key: str, w: torch.Tensor) -> None:
-        tensors[key + ".weight"], tensors[key + ".weight_scale_inv"] = quantize_blockwise(w, BLOCK)
+        q, scale = quantize_blockwise(w, BLOCK)
+        tensors[key + ".weight"], tensors[key + ".weight_scale_inv"] = q, scale
+        plain[key + ".weight"] = dequantize_blockwise(q, scale, BLOCK, torch.bfloat16)
 
     with torch.no_grad():
         for pname, p in model.state_dict().items():
@@ -71,13 +77,17 @@ def write_fp8(folder: Path, name: str, seed: int = 0, std: float = 0.05) -> Path
             elif _quantized(pname, p):
                 put(base, p)
             elif p.abs().sum() == 0 and p.dim() >= 2:  # a zero-initialised router: a real spread
-                tensors[pname] = torch.randn_like(p).mul_(0.5).to(torch.bfloat16)
+                tensors[pname] = plain[pname] = torch.randn_like(p).mul_(0.5).to(torch.bfloat16)
             else:
-                tensors[pname] = p.to(torch.bfloat16)
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    hf = config.to_dict() | {"torch_dtype": "bfloat16", "quantization_config": FP8_CONFIG}
-    (folder / "config.json").write_text(json.dumps(hf))
+                tensors[pname] = plain[pname] = p.to(torch.bfloat16)
+    hf = config.to_dict() | {"torch_dtype": "bfloat16"}
+    for path, weights, quant in ((folder, tensors, FP8_CONFIG), (twin, plain, None)):
+        if path is None:
+            continue
+        path.mkdir(parents=True, exist_ok=True)
+        save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+        (path / "config.json").write_text(json.dumps(
+            hf | ({"quantization_config": quant} if quant else {})))
     return folder
 
 
