@@ -119,8 +119,9 @@ def tensor_parallel_splits(hf_config: dict, distributed: dict) -> list[SplitDim]
 def check_fp8_tensor_parallel(k: int, hf_config: dict, distributed: dict,
                               sizes_ok: Callable[[int], bool] = lambda n: True) -> None:
     """Refuse a tensor-parallel split of an FP8 block-wise target that cuts a block (ConfigError
-    naming the layer, the dimension, the block and k, and a smaller size that would not). ``sizes_ok``:
-    whether another size passes the other checks of a split (heads, experts), for the hint."""
+    naming the layer, the dimension, the block and k, and a smaller size that would not).
+    ``sizes_ok``: whether another size passes the other checks of a split (heads, experts), for
+    the hint."""
     block = fp8_block(hf_config)
     if block is None or k == 1:
         return

@@ -53,7 +53,8 @@ def test_kept_fp8_layers_on_the_dequantizing_matmul_give_the_twins_features(
                        twin.features(x, layer_ids=[0, 1, LAYERS - 1]))
 
 
-def test_routed_fp8_experts_run_on_it_one_expert_at_a_time(tmp_path, h200, dequantizing):  # noqa: F811
+def test_routed_fp8_experts_run_on_it_one_expert_at_a_time(tmp_path, h200,  # noqa: F811
+                                                        dequantizing):
     ref = fp8_checkpoint(tmp_path)
     target = load_target(tmp_path, fp8_matmul="transformers")
     experts = [m for m in target.model.modules() if isinstance(m, dequantizing.FP8Experts)]
