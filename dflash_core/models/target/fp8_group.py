@@ -72,19 +72,18 @@ def _agreed(fails: str | None, device: torch.device) -> str | None:
 
 def left_over(model: nn.Module) -> list[str]:
     """FP8 tensors of the loaded model that dequantized_fp8_linear does not multiply (grouped
-    linears, which have kernels of their own only); [] when it runs them all."""
-    from transformers.integrations.finegrained_fp8 import FP8Experts, FP8GroupedLinear, FP8Linear
+    linears, which have kernels of their own only); [] when it runs them all. An FP8 embedding
+    rescales the rows it looks up itself."""
+    from transformers.integrations.finegrained_fp8 import (
+        FP8Embedding, FP8Experts, FP8GroupedLinear, FP8Linear,
+    )
 
-    left = []
-    for mname, m in model.named_modules():
-        if isinstance(m, (FP8Linear, FP8Experts)) and not isinstance(m, FP8GroupedLinear):
-            continue
-        if isinstance(m, fp8_weights.BlockFP8Linear):
-            continue
-        for pname, p in m.named_parameters(recurse=False):
-            if p.dtype in fp8_weights.FP8_DTYPES and type(m).__name__ != "FP8Embedding":
-                left.append(f"{mname}.{pname}" if mname else pname)
-    return left
+    runs = (FP8Linear, FP8Experts, FP8Embedding, fp8_weights.BlockFP8Linear)
+    return [f"{mname}.{pname}" if mname else pname
+            for mname, m in model.named_modules()
+            if not isinstance(m, runs) or isinstance(m, FP8GroupedLinear)
+            for pname, p in m.named_parameters(recurse=False)
+            if p.dtype in fp8_weights.FP8_DTYPES]
 
 
 def use_dequantized_matmul(model: nn.Module) -> list[str]:
