@@ -71,6 +71,7 @@ class GroupStage(TargetStage):
                 msg = self._reply(r)
                 if msg is not None and msg[0] == "loaded":
                     waiting.discard(r)
+                    self._say_quantized(msg[3] if len(msg) > 3 else None)
         while not self.group.heads_ready.is_set():  # rank 0's stream receives them
             self._check_group()
             self.heartbeats.beat("waiting for rank 0's embedding and lm_head")

@@ -93,6 +93,7 @@ def check_group(cfg: Config, hf_config: dict, publish: Callable[[Event], None]) 
     refused before any weight is read; the split said once."""
     from dflash_core.models.target.shape import model_shape
     from dflash_core.planning.weight_bytes import quant_method
+    from dflash_core.target_group.fp8_split import check_fp8_split
     from dflash_core.target_group.split import (
         check_split, check_transformers, copies, split_of,
     )
@@ -102,8 +103,9 @@ def check_group(cfg: Config, hf_config: dict, publish: Callable[[Event], None]) 
         return
     shape = model_shape(hf_config)
     moe = shape.experts > 0
-    check_split(split, shape, quantized=quant_method(hf_config) is not None)
+    check_split(split, shape, quant=quant_method(hf_config))
     check_transformers(split, moe, shape.model_type)
+    check_fp8_split(split, shape, hf_config)
     groups = copies(cfg.layout.targets, split.k)
     publish(Log(level="info", source="preflight", message=(
         f"target groups: {len(groups)} cop{'y' if len(groups) == 1 else 'ies'} of the target, "

@@ -51,7 +51,10 @@ def quantized_weights(cfg: Config, hf_config: dict,
     stored = target_weight_bytes(hf_config, dtype, quantized=True)
     label = {"fp8": "FP8 block-wise", "mxfp4": "MXFP4"}[method]
     if method == "fp8":  # the loader's own rule (models/target/fp8.py)
-        why = fp8_dequantize_reason(tdev, model_shape(hf_config).experts > 0)
+        # in a target group the engine's FP8 matmul runs routed experts too
+        # (models/target/fp8_group.py): they need transformers' kernels only in one process
+        why = fp8_dequantize_reason(tdev, model_shape(hf_config).experts > 0
+                                    and cfg.target.gpus_per_copy == 1)
         run_by = f", run by {expected_matmul()}"
     else:
         why, run_by = _quantized_cannot_run(method, tdev), ""

@@ -153,7 +153,8 @@ def target_components(cfg: Config, s: ModelShape, hf_config: dict, on_cuda: bool
            else weights),
         # FP8 weights kept FP8: one of them dequantized while its layer runs
         "FP8 weight dequantized": fp8_dequantized_weight_bytes(
-            hf_config, target_dtype(cfg, on_cuda)) if quantized else 0,
+            hf_config, target_dtype(cfg, on_cuda), experts=cfg.target.gpus_per_copy > 1)
+        if quantized else 0,
         "residual stream": RESIDUAL_LIVE * t * s.hidden * b,
         "layer transient": _target_layer_transient(
             s, t, b, run_types, cfg.target.attn_implementation, cfg.data.max_length,

@@ -80,16 +80,19 @@ def _fp8_bytes(led: Ledger, group: str, hf_config: dict) -> int:
     return total
 
 
-def fp8_dequantized_weight_bytes(hf_config: dict, dtype: Any) -> int:
+def fp8_dequantized_weight_bytes(hf_config: dict, dtype: Any, experts: bool = False) -> int:
     """What a forward holds beside FP8 weights kept FP8: the engine's FP8 linear
     (models/target/fp8.BlockFP8Linear) dequantizes one weight at a time, a float32 and a
-    ``dtype`` copy of it; the largest dense FP8 matrix counts (routed experts never run there).
-    transformers' kernels quantize the activations instead, a byte per input value, less than the
-    layer's own activations. 0 for a checkpoint that is not FP8."""
+    ``dtype`` copy of it; the largest dense FP8 matrix counts, and with ``experts`` (a target
+    group's ranks, models/target/fp8_group.py, which run one routed expert at a time) the largest
+    expert matrix too; one process never runs routed experts there. Whole matrices: an upper
+    bound for a tensor-parallel rank, which dequantizes its slice. transformers' kernels quantize
+    the activations instead, a byte per input value, less than the layer's own activations. 0
+    for a checkpoint that is not FP8."""
     if quant_method(hf_config) != "fp8":
         return 0
     led = param_ledger(hf_config)
-    largest = max((rows * cols for group in FP8_GROUPS if group != "experts"
+    largest = max((rows * cols for group in FP8_GROUPS if experts or group != "experts"
                    for rows, cols, _ in led.matrices[group]), default=0)
     return largest * (FP32_BYTES + dtype_bytes(dtype))
 

@@ -2,6 +2,7 @@
 (docs/targets.md, "Targets larger than one GPU").
 
 split.py: how a copy is split (the config's words to transformers' ``DistributedConfig``) and
-what preflight refuses; rank.py: the rank processes; group.py: the engine's side, one worker per
+what preflight refuses; fp8_split.py: the tensor-parallel split of an FP8 block-wise target, which
+must cut no block; rank.py: the rank processes; group.py: the engine's side, one worker per
 batch stream as a one-GPU target stage is; heads.py: the embedding and lm_head the drafter
 borrows, read from the checkpoint without loading the model."""

@@ -7,7 +7,8 @@ and sends them back.
 Messages, engine -> rank (its request queue): ("batch", seq, input_ids, attention_mask),
 ("end",) when its batch stream is over, ("ack", seq) once the engine holds its own copy of
 features ``seq``, ("stop",). Rank -> engine (its reply queue): ("progress", fields),
-("loaded", bytes, seconds), ("heads", config, embedding, lm_head) from rank 0,
+("loaded", bytes, seconds, note) (note: how rank 0 holds a quantized checkpoint's weights, a
+models/target/fp8.QuantizedNote, else None), ("heads", config, embedding, lm_head) from rank 0,
 ("features", seq, tensor), ("done",), ("error", kind, message, traceback, hint).
 
 Sharded mode: every rank its own batches, in lockstep, since FSDP gathers each layer from every
@@ -214,7 +215,8 @@ class Rank:
             with torch.no_grad():
                 self.model.model(input_ids=dummy, use_cache=False)
         self._send_heads()
-        self.replies.put(("loaded", self.model.memory_bytes(), time.monotonic() - t0))
+        self.replies.put(("loaded", self.model.memory_bytes(), time.monotonic() - t0,
+                          self.model.quantized if a.rank == 0 else None))
         self.device = device
         if a.mode == "sharded":
             self._sharded_loop()

@@ -63,15 +63,18 @@ def copies(devices: list, k: int) -> list[list]:
     return [devices[i:i + k] for i in range(0, len(devices), k)]
 
 
-def check_split(split: GroupSplit, shape: ModelShape, *, quantized: bool) -> None:
-    """What transformers cannot split this way, or would split uselessly: one ConfigError each."""
+def check_split(split: GroupSplit, shape: ModelShape, *, quant: str | None = None) -> None:
+    """What transformers cannot split this way, or would split uselessly: one ConfigError each.
+    ``quant``: the checkpoint's quant_method (None for plain weights); FP8 block-wise splits are
+    checked further by fp8_split.check_fp8_split."""
     if split.k == 1:
         return
     k, moe = split.k, shape.experts > 0
-    if quantized:
+    if quant and quant != "fp8":
         raise ConfigError("target.gpus_per_copy", (
-            "a quantized (FP8 / MXFP4) target in a group of several GPUs is not supported yet"),
-            hint="set target.gpus_per_copy: 1, or point target.path at a bf16 copy of the model")
+            f"a target quantized with {quant} in a group of several GPUs is not supported (FP8 "
+            "block-wise ones are)"), hint="set target.gpus_per_copy: 1, or point target.path "
+                                          "at a bf16 or FP8 block-wise copy of the model")
     if split.mode == SHARED and moe and not split.expert_parallel:
         raise ConfigError("target.expert_parallel", (
             f"tensor parallel alone leaves all {shape.experts} experts of this mixture-of-experts "

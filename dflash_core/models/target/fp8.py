@@ -13,8 +13,9 @@ Hopper), which quantize the activations to FP8 as well. Where those kernels cann
 forward. Then each of them is swapped for ``BlockFP8Linear``: the weight stays FP8 in memory and
 is dequantized to the activations' dtype as it is used, one layer's weight at a time, with the
 same float32 product transformers' own dequantization computes (so the features are those of the
-dequantized model). Routed experts in FP8 have no such fallback: without the kernels the target is
-dequantized as it loads, said in one line with the memory that costs.
+dequantized model). Routed experts in FP8 have no such fallback in one process: without the kernels
+the target is dequantized as it loads, said in one line with the memory that costs. A target
+group's ranks have one (fp8_group.py).
 
 The planning side (planning/quantized_check.py) asks ``fp8_dequantize_reason`` too, so the memory
 plan counts what the loader will hold.

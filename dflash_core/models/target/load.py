@@ -182,17 +182,23 @@ def load_target(
 
     why_dequantized = None
     if fp8 is not None:
-        why_dequantized = fp8_weights.fp8_dequantize_reason([device],
-                                                            model_shape(raw).experts > 0)
+        # a group's ranks run FP8 routed experts without transformers' kernels too (fp8_group)
+        why_dequantized = fp8_weights.fp8_dequantize_reason(
+            [device], model_shape(raw).experts > 0 and not distributed)
         if why_dequantized:
             note(_dequantized_note(files, dtype, why_dequantized), kept=False, planned=True)
             fp8_weights.dequantize_as_loaded(config)
     model = _build(folder, config, device, dtype, attn_implementation, trust_remote_code, stop,
                    distributed)
     if fp8 is not None and not why_dequantized:
-        matmul = _settle_fp8_matmul(model, fp8_matmul, dtype)
+        if distributed:
+            from dflash_core.models.target import fp8_group
+            matmul = fp8_group.settle_matmul(model, fp8_matmul, dtype, device)
+        else:
+            matmul = _settle_fp8_matmul(model, fp8_matmul, dtype)
         if isinstance(matmul, str):
-            note(_kept_note(files, device, dtype, matmul), kept=True, planned=False)
+            note(_kept_note(files, device, dtype, matmul, distributed), kept=True,
+                 planned=False)
         else:  # FP8 routed experts nothing here runs: load again, dequantized
             del model
             if device.type == "cuda":
@@ -202,7 +208,7 @@ def load_target(
                  kept=False, planned=False)
             fp8_weights.dequantize_as_loaded(config)
             model = _build(folder, config, device, dtype, attn_implementation,
-                           trust_remote_code, stop)
+                           trust_remote_code, stop, distributed)
 
     target = TargetModel(model)
     target.quantized = notes[-1] if notes else None
@@ -277,9 +283,15 @@ def _dequantized_note(files: list[Path], dtype: torch.dtype, why: str) -> str:
             f"({why}): {size_text(plain)} instead of {size_text(stored)} kept FP8")
 
 
-def _kept_note(files: list[Path], device: torch.device, dtype: torch.dtype, matmul: str) -> str:
+def _kept_note(files: list[Path], device: torch.device, dtype: torch.dtype, matmul: str,
+               distributed: dict | None = None) -> str:
     stored, plain = fp8_weights.checkpoint_bytes(files, dtype)
-    return (f"target: FP8 block-wise weights stay FP8 on {device}: {size_text(stored)} "
+    where = str(device)
+    if distributed:  # a rank of a target group: the copy's bytes, split over its ranks
+        import torch.distributed as dist
+        ranks = dist.get_world_size() if dist.is_initialized() else 1
+        where = f"the group's {ranks} ranks"
+    return (f"target: FP8 block-wise weights stay FP8 on {where}: {size_text(stored)} "
             f"({size_text(plain)} in {_dtype_name(dtype)}), run by {matmul}")
 
 

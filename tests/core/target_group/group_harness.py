@@ -12,13 +12,13 @@ from dflash_core.target_group.split import GroupSplit
 
 
 def start_group(folder, mode: str, moe: bool, tmp, *, k: int = 2, layer_ids=(1, 2),
-                last_hidden: bool = False, devices=None) -> TargetGroup:
+                last_hidden: bool = False, devices=None, dtype: str = "float32") -> TargetGroup:
     """A group of ``k`` ranks (on ``devices``, default the CPU) split as ``mode``; k = 1 is one
     rank holding the whole target (the CUDA hand-off and the process life on one GPU)."""
     split = GroupSplit(k, mode, expert_parallel=True)
     distributed = split.distributed(moe) if k > 1 else {}
     group = TargetGroup(0, devices or [torch.device("cpu")] * k, split, target_path=folder,
-                        dtype="float32", attn_implementation="sdpa", layer_ids=list(layer_ids),
+                        dtype=dtype, attn_implementation="sdpa", layer_ids=list(layer_ids),
                         last_hidden=last_hidden, trust_remote_code=False,
                         distributed=distributed, run_dir=tmp, publish=lambda e: None)
     group.start()

@@ -62,19 +62,21 @@ def test_one_gpu_per_copy_is_the_default_and_needs_nothing():
 ])
 def test_splits_transformers_cannot_make_are_refused(split, name, key, fragment):
     with pytest.raises(ConfigError) as err:
-        check_split(split, shape(name), quantized=False)
+        check_split(split, shape(name), quant=None)
     assert err.value.key == key and fragment in err.value.message and err.value.hint
     assert "\n" not in str(err.value)
 
 
-def test_a_quantized_target_in_a_group_is_refused():
-    with pytest.raises(ConfigError, match="quantized"):
-        check_split(GroupSplit(2, SHARDED, True), shape("qwen3_moe"), quantized=True)
+def test_a_quantized_target_other_than_fp8_in_a_group_is_refused():
+    with pytest.raises(ConfigError) as err:
+        check_split(GroupSplit(2, SHARDED, True), shape("gpt_oss"), quant="mxfp4")
+    assert "quantized with mxfp4" in err.value.message and "FP8 block-wise" in err.value.hint
+    check_split(GroupSplit(2, SHARDED, True), shape("qwen3_moe"), quant="fp8")
 
 
 def test_splits_that_divide_pass():
-    check_split(GroupSplit(2, SHARDED, True), shape("qwen3_moe"), quantized=False)
-    check_split(GroupSplit(2, SHARED, True), shape("deepseek_v3"), quantized=False)
+    check_split(GroupSplit(2, SHARDED, True), shape("qwen3_moe"), quant=None)
+    check_split(GroupSplit(2, SHARED, True), shape("deepseek_v3"), quant=None)
     check_transformers(GroupSplit(2, SHARED, True), True, "qwen3_moe")
 
 
