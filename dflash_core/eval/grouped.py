@@ -27,6 +27,7 @@ _FLAGS = [
     (r"target\.expert_parallel: false", "--expert-parallel off"),
     (r"target\.expert_parallel", "--expert-parallel"),
     (r"point target\.path at", "pass --target"),
+    (r"(--[\w-]+) to a divisor", r"\1 a divisor"),
     (r"\bset --", "pass --"),
     (r"\bor --", "or pass --"),
 ]
