@@ -45,10 +45,11 @@ class GroupPlan:
 
     split: GroupSplit
     devices: list[torch.device]
+    moe: bool  # a mixture-of-experts target (experts split by expert parallel)
 
-    def describe(self, moe: bool) -> str:
+    def describe(self) -> str:
         return (f"a target group of {self.split.k} ranks on "
-                f"{', '.join(str(d) for d in self.devices)}, {self.split.describe(moe)}")
+                f"{', '.join(str(d) for d in self.devices)}, {self.split.describe(self.moe)}")
 
 
 def parse_gpus(spec: str) -> list[int]:
@@ -63,10 +64,21 @@ def parse_gpus(spec: str) -> list[int]:
     return gpus
 
 
+def check_engine(k: int, engine: str) -> None:
+    """vLLM serves the target on one GPU here: refused with a group (before vLLM is looked
+    for)."""
+    if k > 1 and engine != "ours":
+        raise EvalInputError(f"--engine {engine} with --gpus-per-copy {k}: vLLM is run on one "
+                             "GPU here", hint="leave --engine out (ours decodes through the "
+                                              "target group), or pass --gpus-per-copy 1")
+
+
 def plan_group(k: int, gpus: str, parallel: str, expert_parallel: bool, device: torch.device,
-               folder: Path, engine: str) -> GroupPlan | None:
+               folder: Path) -> GroupPlan | None:
     """The group ``--gpus-per-copy k`` asks for (None: k = 1, the target whole on --device),
     or one EvalInputError naming the flag to change."""
+    if k < 1:
+        raise EvalInputError(f"--gpus-per-copy {k}: must be >= 1")
     if k == 1:
         if gpus:
             raise EvalInputError("--target-gpus names the GPUs of a target group: it needs "
@@ -76,10 +88,6 @@ def plan_group(k: int, gpus: str, parallel: str, expert_parallel: bool, device: 
         return None
     if parallel not in (SHARDED, SHARED):
         raise EvalInputError(f"--parallel {parallel!r}: use sharded or shared")
-    if engine != "ours":
-        raise EvalInputError(f"--engine {engine} with --gpus-per-copy {k}: vLLM is run on one "
-                             "GPU here", hint="leave --engine out (ours decodes through the "
-                                              "target group), or pass --gpus-per-copy 1")
     if device.type == "cpu":
         if gpus:
             raise EvalInputError("--target-gpus names GPUs: on the CPU a group's ranks are "
@@ -98,12 +106,12 @@ def plan_group(k: int, gpus: str, parallel: str, expert_parallel: bool, device: 
                                  f"{n}", hint=f"use GPU indices 0..{n - 1} in --target-gpus")
         devices = [torch.device("cuda", i) for i in ids]
     split = GroupSplit(k, parallel, expert_parallel)
-    check(split, folder)
-    return GroupPlan(split, devices)
+    return GroupPlan(split, devices, check(split, folder))
 
 
-def check(split: GroupSplit, folder: Path) -> None:
-    """What transformers cannot split this way (target_group/split.py): one line."""
+def check(split: GroupSplit, folder: Path) -> bool:
+    """What transformers cannot split this way (target_group/split.py): one line. Returns
+    whether the target is a mixture of experts."""
     from dflash_core.models.target.shape import model_shape
     from dflash_core.planning.weight_bytes import quant_method
     from dflash_core.target_group.split import check_split, check_transformers
@@ -116,6 +124,7 @@ def check(split: GroupSplit, folder: Path) -> None:
     except ConfigError as exc:
         raise EvalInputError(f"{in_flags(exc.key)} {_value(split, exc.key)}: "
                              f"{in_flags(exc.message)}", hint=in_flags(exc.hint)) from exc
+    return shape.experts > 0
 
 
 def _value(split: GroupSplit, key: str) -> str:

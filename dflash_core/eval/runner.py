@@ -106,6 +106,7 @@ class Evaluation:
                                  "--long-prompts NAME=FILE.jsonl)")
         if opts.engine not in served.ENGINES:
             raise EvalInputError(f"--engine {opts.engine!r}: use ours or vllm")
+        grouped.check_engine(opts.gpus_per_copy, opts.engine)
         if opts.engine == "vllm":
             served.check_available()
         elif opts.vllm_memory is not None:
@@ -119,8 +120,7 @@ class Evaluation:
         self.folder = target_folder(opts.target)
         self.target_config = self._target_config()
         self.group = grouped.plan_group(opts.gpus_per_copy, opts.target_gpus, opts.parallel,
-                                        opts.expert_parallel, self.device, self.folder,
-                                        opts.engine)
+                                        opts.expert_parallel, self.device, self.folder)
         self.shape = dk.TargetShape.of(self.target_config)
         self.specs = [dk.priced(dk.read_drafter(g), opts.gpu_hour_price, opts.currency)
                       for g in opts.drafters]
@@ -216,7 +216,7 @@ class Evaluation:
                 "dtype": self.dtype, "device": _device_name(self.device),
                 "stop_ids": sorted(self.stop),
                 # only when grouped: the results files of a whole target continue as they were
-                **({"target_group": self.group.split.describe(self.shape.experts > 0)}
+                **({"target_group": self.group.split.describe(self.group.moe)}
                    if self.group is not None else {})}
 
     def _where(self, d: _Decoder, p: PromptSet) -> tuple[Path, dict, dict]:
@@ -273,7 +273,7 @@ class Evaluation:
 
         g = self.group
         self.say(f"loading the target {self.folder} as "
-                 f"{g.describe(self.shape.experts > 0)} ({self.dtype}); the drafters on "
+                 f"{g.describe()} ({self.dtype}); the drafters on "
                  f"{self.device}")
         self.session = GroupSession(
             self.folder, g.devices, g.split, dtype=self.dtype, attn_implementation="sdpa",
