@@ -49,7 +49,9 @@ class GroupSession:
             0, devices, split, target_path=target_path, dtype=dtype,
             attn_implementation=attn_implementation, layer_ids=list(layer_ids),
             last_hidden=False, trust_remote_code=trust_remote_code,
-            distributed=split.distributed(moe_of(target_path)), run_dir=folder,
+            # one rank holds the whole target (the CUDA hand-off alone): no split to ask for
+            distributed=split.distributed(moe_of(target_path)) if split.k > 1 else {},
+            run_dir=folder,
             publish=lambda ev: say(getattr(ev, "message", str(ev))))
         self.target: GroupTarget | None = None
 
