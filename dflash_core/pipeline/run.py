@@ -260,7 +260,7 @@ class Run:
         except GroupClosed:
             raise Stopped() from None
         except GroupRankFailed:
-            if group.first_failure():  # else a batch stream of the copy has said it
+            if group is None or group.first_failure():  # else a stream of the copy said it
                 raise
             raise Stopped() from None
         if tau is not None:

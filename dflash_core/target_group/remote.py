@@ -31,7 +31,7 @@ from types import SimpleNamespace
 
 import torch
 
-from dflash_core.target_group.group import GroupRankFailed, TargetGroup, TargetHeads
+from dflash_core.target_group.group import TargetGroup, TargetHeads
 from dflash_core.target_group.rank import POLL_S
 
 
