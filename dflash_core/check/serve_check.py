@@ -1,7 +1,8 @@
 """The train-to-serve check, phase by phase (docs/check.md).
 
 1. preflight: devices of the config's layout, the target, its layer ids and mask id, the data;
-2. load the target on the first target GPU;
+2. load the target on the first target GPU, or with target.gpus_per_copy > 1 as the run's first
+   target group (its ranks on the first copy's GPUs; every forward below runs in them);
 3. samples: the first prompts of the data, each with the target's own greedy response;
 4. memorise: train the configured drafter on them (the engine's step) to near-full teacher-forced
    blocks, or the step cap;
@@ -77,7 +78,7 @@ class Prepared:
 
     cfg: Config
     folder: Path
-    target: object  # target.TargetModel, on the first target device
+    target: object  # target.TargetModel on the first target device, or a group's GroupTarget
     target_fn: Callable
     samples: list
     layer_ids: list[int]
@@ -87,6 +88,7 @@ class Prepared:
     drafter_dtype: str = "float32"  # what decoding casts the memorised drafter to
     target_path: Path | None = None  # the target's folder (check --engine vllm serves it)
     target_dtype: str = "float32"
+    session: object = None  # target_group/session.GroupSession of a target group, else None
 
 
 def run_check(cfg: Config, opts: CheckOptions | None = None,
@@ -106,11 +108,15 @@ def prepare(cfg: Config, opts: CheckOptions, say: Callable[[str], None]) -> Prep
     t0 = time.monotonic()
     run_dir = cfg.run_dir
     say("preflight: devices, target, data")
-    if cfg.target.gpus_per_copy > 1:  # the check's few samples run on one device
-        say(f"warning: target.gpus_per_copy {cfg.target.gpus_per_copy} is the run's: check loads "
-            "the target whole on one device (a target that needs a group will not fit; check "
-            "a smaller model of its family, or rely on the run's preflight and first steps)")
     tdev, ddev = preflight.resolve_devices(cfg)
+    grouped = cfg.target.gpus_per_copy > 1
+    if opts.engine == "vllm" and grouped:
+        from dflash_core.eval.errors import EvalInputError
+
+        raise EvalInputError(
+            f"--engine vllm with target.gpus_per_copy {cfg.target.gpus_per_copy}: the check "
+            "serves the target through vLLM on one GPU", hint="leave --engine out (the check "
+            "decodes through the target group), or check with target.gpus_per_copy: 1")
     if opts.engine == "vllm":  # vLLM missing, or a drafter it cannot serve here: one line
         from types import SimpleNamespace
 
@@ -128,8 +134,10 @@ def prepare(cfg: Config, opts: CheckOptions, say: Callable[[str], None]) -> Prep
     run_dir.mkdir(parents=True, exist_ok=True)
     progress = preflight.demo_log_progress(lambda e: say(e.message), lambda: None)
     # preflight's warnings too (the last layer as a feature, an attention replaced), as a run says
-    target_path, _, layer_ids, mask_id = target_checks.resolve_target(
+    target_path, hf_config, layer_ids, mask_id = target_checks.resolve_target(
         cfg, run_dir, progress, say=lambda m: say(f"  warning: {m}"))
+    if grouped:  # what transformers cannot split: refused before any weight is read
+        preflight.check_group(cfg, hf_config, lambda e: say(e.message))
     from dflash_core.data import ShardedDataset
 
     data_path = data_checks.resolve_data(cfg, target_path, progress)
@@ -137,21 +145,59 @@ def prepare(cfg: Config, opts: CheckOptions, say: Callable[[str], None]) -> Prep
     dataset = ShardedDataset.open(data_path)
     prompts = pick_prompts(dataset, opts.samples, cfg.data.max_length - opts.response_tokens)
 
-    say(f"loading the target {target_path} on {tdev[0]}")
     dtype = cfg.target.dtype if tdev[0].type == "cuda" else "float32"
-    target = load_target(target_path, device=tdev[0], dtype=dtype,
-                         attn_implementation=cfg.target.attn_implementation,
-                         trust_remote_code=cfg.target.trust_remote_code, say=say)
+    folder = run_dir / CHECK_FOLDER
+    folder.mkdir(parents=True, exist_ok=True)
+    session = None
+    if grouped:
+        target, session = _group_target(cfg, target_path, tdev, ddev[0], dtype, layer_ids,
+                                        folder, say)
+    else:
+        say(f"loading the target {target_path} on {tdev[0]}")
+        target = load_target(target_path, device=tdev[0], dtype=dtype,
+                             attn_implementation=cfg.target.attn_implementation,
+                             trust_remote_code=cfg.target.trust_remote_code, say=say)
+    try:
+        return _samples(cfg, opts, target, session, prompts, layer_ids, mask_id, ddev, t0,
+                        drafter_dtype, target_path, dtype, folder, say)
+    except BaseException:
+        if session is not None:
+            session.close()
+        raise
+
+
+def _group_target(cfg: Config, target_path: Path, tdev, device, dtype: str, layer_ids,
+                  folder: Path, say):
+    """The run's first target group (its first copy's GPUs), its answers on ``device`` (the
+    first drafter's): (GroupTarget, its session)."""
+    from dflash_core.target_group.session import GroupSession
+    from dflash_core.target_group.split import copies, split_of
+
+    split = split_of(cfg.target)
+    devices = copies(tdev, split.k)[0]
+    say(f"loading the target {target_path} as a target group of {split.k} ranks on "
+        f"{', '.join(str(d) for d in devices)}")
+    session = GroupSession(target_path, devices, split, dtype=dtype,
+                           attn_implementation=cfg.target.attn_implementation,
+                           layer_ids=layer_ids, trust_remote_code=cfg.target.trust_remote_code,
+                           folder=folder, say=say)
+    try:
+        return session.open(device), session
+    except BaseException:
+        session.close()
+        raise
+
+
+def _samples(cfg, opts, target, session, prompts, layer_ids, mask_id, ddev, t0, drafter_dtype,
+             target_path, dtype, folder, say) -> Prepared:
     target_fn = target_fn_for(target, layer_ids)
 
     say(f"samples: the target writes {opts.response_tokens} tokens after each of "
         f"{len(prompts)} prompts (data samples {[i for i, _ in prompts]})")
     samples = write_responses(target_fn, prompts, opts.response_tokens, eos_token_id=None,
                               device=target.device)
-    folder = run_dir / CHECK_FOLDER
-    folder.mkdir(parents=True, exist_ok=True)
     return Prepared(cfg, folder, target, target_fn, samples, layer_ids, mask_id, ddev, t0,
-                    drafter_dtype, Path(target_path), dtype)
+                    drafter_dtype, Path(target_path), dtype, session)
 
 
 def train(prep: Prepared, opts: CheckOptions, say: Callable[[str], None]):
@@ -188,6 +234,10 @@ def judge(prep: Prepared, mem, opts: CheckOptions, say: Callable[[str], None]) -
     if opts.reference and dsp:
         ref_note = (f"not used: {dec.REFERENCE} decodes DFlash drafters, not DSpark's (the "
                     "DSpark probes judge its chain drafting)")
+        say(f"  reference implementation {ref_note}")
+    elif opts.reference and prep.session is not None:
+        ref_note = ("not used: the target runs in a target group's processes, and the reference "
+                    "decodes with the whole model in its own")
         say(f"  reference implementation {ref_note}")
     elif opts.reference and drafter.objective != "dflash":
         # DFlash2: the reference would read the folder as DFlash's, without its convolutions
@@ -258,8 +308,12 @@ def judge(prep: Prepared, mem, opts: CheckOptions, say: Callable[[str], None]) -
 
 
 def release(prep: Prepared) -> None:
-    """Drop the target (GPU memory back to the driver's cache)."""
+    """Drop the target (GPU memory back to the driver's cache; a target group's ranks
+    ended)."""
     prep.target = prep.target_fn = None
+    if prep.session is not None:
+        prep.session.close()
+        prep.session = None
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 

@@ -45,6 +45,13 @@ class EvalOptions:
     # engine vllm: its memory, a share of the GPU ("0.8", its gpu_memory_utilization) or a KV
     # cache size ("4GiB"); None: what is free when it starts (at most 0.9), 1 GiB on the CPU
     vllm_memory: str | None = None
+    # The target as a target group (grouped.py; a run's target.gpus_per_copy, target.parallel,
+    # target.expert_parallel): 1 = whole on --device; K = its ranks on --target-gpus (default
+    # GPUs 0..K-1; on the CPU K processes), the drafters on --device
+    gpus_per_copy: int = 1
+    target_gpus: str = ""  # "0,1,2,3"
+    parallel: str = "sharded"
+    expert_parallel: bool = True
 
 
 def resolve_device(spec: str) -> torch.device:

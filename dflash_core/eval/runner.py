@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 
 import dflash_core.eval.drafters as dk
+import dflash_core.eval.grouped as grouped
 import dflash_core.eval.results as rs
 import dflash_core.eval.served as served
 import dflash_core.eval.served_memory as served_memory
@@ -44,6 +45,7 @@ from dflash_core.context_buckets import Buckets
 from dflash_core.families.registry import family
 
 RESULTS = "results.json"
+GROUP_LOGS = ".target-group"  # under --out: a target group's rank logs (grouped.py)
 # A greedy mismatch where the target's top two logits lie within this share of the top one is a
 # near tie: two correct computations of the same logits (another batch, another kernel) may
 # order them either way in this dtype. float32 keeps ~7 digits through the layers; bf16 ~2-3.
@@ -107,6 +109,7 @@ class Evaluation:
                                  "--long-prompts NAME=FILE.jsonl)")
         if opts.engine not in served.ENGINES:
             raise EvalInputError(f"--engine {opts.engine!r}: use ours or vllm")
+        grouped.check_engine(opts.gpus_per_copy, opts.engine)
         if opts.engine == "vllm":
             served.check_available()
         elif opts.vllm_memory is not None:
@@ -119,6 +122,8 @@ class Evaluation:
         self.sets = self._sets()
         self.folder = target_folder(opts.target)
         self.target_config = self._target_config()
+        self.group = grouped.plan_group(opts.gpus_per_copy, opts.target_gpus, opts.parallel,
+                                        opts.expert_parallel, self.device, self.folder)
         self.shape = dk.TargetShape.of(self.target_config)
         self.specs = [dk.priced(dk.read_drafter(g), opts.gpu_hour_price, opts.currency)
                       for g in opts.drafters]
@@ -158,6 +163,7 @@ class Evaluation:
             for p in self.sets:
                 d.files[p.name] = rs.open_results(*self._where(d, p))
         self.target = None
+        self.session = None  # a target group's (grouped.py), while its ranks are up
         self.warm = False
         self.served: served.ServedReport | None = None
 
@@ -211,7 +217,10 @@ class Evaluation:
                 "seed": o.seed if o.temperature > 0 else None,
                 "max_new_tokens": o.max_new_tokens, "batch": o.batch, "cache": o.cache,
                 "dtype": self.dtype, "device": _device_name(self.device),
-                "stop_ids": sorted(self.stop)}
+                "stop_ids": sorted(self.stop),
+                # only when grouped: the results files of a whole target continue as they were
+                **({"target_group": self.group.split.describe(self.group.moe)}
+                   if self.group is not None else {})}
 
     def _where(self, d: _Decoder, p: PromptSet) -> tuple[Path, dict, dict]:
         """(results file, settings compared, what is only said) of decoder ``d`` on set ``p``."""
@@ -234,16 +243,20 @@ class Evaluation:
         from dflash_core.models.target.load import load_target
 
         t0 = time.monotonic()
-        self.say(f"loading the target {self.folder} on {self.device} ({self.dtype})")
-        from dflash_core.demo import quiet_hf
+        if self.group is not None:
+            self._load_group()
+        else:
+            self.say(f"loading the target {self.folder} on {self.device} ({self.dtype})")
+            from dflash_core.demo import quiet_hf
 
-        try:
-            with quiet_hf():  # our own line says what loads; no bar behind the progress lines
-                self.target = load_target(self.folder, device=self.device, dtype=self.dtype,
-                                          trust_remote_code=self.opts.trust_remote_code,
-                                          say=self.say)
-        except TargetLoadError as exc:
-            raise EvalInputError(str(exc), hint=exc.hint_in(FLAG_WORDS)) from exc
+            try:
+                with quiet_hf():  # our own line says what loads; no bar behind the progress
+                    self.target = load_target(self.folder, device=self.device,
+                                              dtype=self.dtype,
+                                              trust_remote_code=self.opts.trust_remote_code,
+                                              say=self.say)
+            except TargetLoadError as exc:
+                raise EvalInputError(str(exc), hint=exc.hint_in(FLAG_WORDS)) from exc
         for d in self.decoders[1:]:
             d.drafter = dk.load_weights(d.spec, self.target, self.device,
                                         self.drafter_dtypes[d.label])
@@ -255,6 +268,26 @@ class Evaluation:
                  + ", ".join(f"{s.label} ({s.objective}, block {s.block_size}, "
                              f"{self.drafter_dtypes[s.label]})"
                              for s in self.specs))
+
+    def _load_group(self) -> None:
+        """The target over its group's ranks (grouped.py), its embedding and lm_head here on
+        --device for the drafters; a rank that fails is named (GroupRankFailed)."""
+        from dflash_core.target_group.session import GroupSession
+
+        g = self.group
+        self.say(f"loading the target {self.folder} as "
+                 f"{g.describe()} ({self.dtype}); the drafters on "
+                 f"{self.device}")
+        self.session = GroupSession(
+            self.folder, g.devices, g.split, dtype=self.dtype, attn_implementation="sdpa",
+            layer_ids=[self.shape.num_layers - 1], trust_remote_code=self.opts.trust_remote_code,
+            folder=self.out / GROUP_LOGS, say=self.say)
+        try:
+            self.target = self.session.open(self.device, heads_device=self.device)
+        except BaseException:
+            self.session.close()
+            self.session = None
+            raise
 
     def _backend(self, d: _Decoder):
         return rows_backend(self.target, d.layer_ids, self.opts.cache, self.exact_head)
@@ -294,9 +327,12 @@ class Evaluation:
         return self.report()
 
     def release(self) -> None:
-        """Drop the target and the drafters (their GPU memory back to the driver): a later
-        ``run`` loads them again."""
+        """Drop the target and the drafters (their GPU memory back to the driver; a target
+        group's ranks ended): a later ``run`` loads them again."""
         self.target = None
+        if self.session is not None:
+            self.session.close()
+            self.session = None
         for d in self.decoders[1:]:
             d.drafter = None
         self.warm = False
@@ -414,4 +450,8 @@ class Evaluation:
 
 def run_eval(opts: EvalOptions, say: Callable[[str], None] = print) -> EvalReport:
     """Prepare (every check), load, decode what is not done yet, and summarise."""
-    return Evaluation(opts, say).run()
+    ev = Evaluation(opts, say)
+    try:
+        return ev.run()
+    finally:
+        ev.release()

@@ -21,6 +21,10 @@ ones, right-padded with an attention mask (the valid positions get what the prom
 state there times its lm_head, which is what the model's own head computes for the targets this
 engine serves; ``head_is_lm_head`` checks that on the loaded target first, and a target whose
 head does more (a soft cap, a scale) gets its whole logits instead.
+
+A target whose layers run in a target group (target_group/remote.GroupTarget) brings its own
+backends, the same rules with the forwards in its ranks: ``rows_backend``, ``ModelTarget`` and
+``head_is_lm_head`` ask it for them.
 """
 
 from __future__ import annotations
@@ -144,6 +148,9 @@ def _pad(seqs: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor | No
 def head_is_lm_head(target, probe: list[int], layer_ids: list[int]) -> bool:
     """Whether the model's logits are its lm_head of the post-norm last hidden state (no soft
     cap, no scale after it), on one probe sequence."""
+    own = getattr(target, "head_is_lm_head", None)  # a target group's: asked of its ranks
+    if own is not None:
+        return own(probe, layer_ids)
     ids = torch.tensor([probe], dtype=torch.long, device=target.device)
     logits, _ = target.logits_and_features(ids, layer_ids)
     feats = target.features(ids, layer_ids=layer_ids, with_last_hidden=True)
@@ -245,6 +252,9 @@ class CachedRows(Rows):
 def rows_backend(target, layer_ids: list[int], cache: bool, exact_head: bool = True):
     """The target's side of ``spec_decode.decode_rows``: the target's cache per row (``cache``:
     eval.cache, ``--cache``), else one full forward per round for all rows."""
+    own = getattr(target, "rows_backend", None)  # a target group's (its forwards in its ranks)
+    if own is not None:
+        return own(layer_ids, cache, exact_head)
     return CachedRows(target, layer_ids) if cache else FullBatch(target, layer_ids, exact_head)
 
 
@@ -271,7 +281,11 @@ class ModelTarget:
         return self.model.logits_and_features(input_ids, self.layer_ids)
 
     def decoding(self) -> Decoding | None:
-        """A new prompt's state with the cache; None: decoding's full forwards."""
+        """A new prompt's state with the cache; None: decoding's full forwards. A target group's
+        own either way (its forwards return the fed positions' logits only)."""
+        own = getattr(self.model, "decoding", None)
+        if own is not None:
+            return own(self.layer_ids, self.cache)
         return CachedDecoding(self.model, self.layer_ids) if self.cache else None
 
 

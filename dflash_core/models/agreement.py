@@ -106,7 +106,8 @@ def sample_positions(loss_masks: list[torch.Tensor], max_positions: int, seed: i
 
 @torch.no_grad()
 def label_agreement(target_model, input_ids, loss_mask, max_positions: int = DEFAULT_POSITIONS,
-                    chunk: int = DEFAULT_CHUNK, seed: int = 0) -> tuple[int, int]:
+                    chunk: int = DEFAULT_CHUNK, seed: int = 0, greedy=greedy_at
+                    ) -> tuple[int, int]:
     """(agree, total): of ``total`` sampled trained positions, how many labels equal the target's
     greedy next token.
 
@@ -114,7 +115,13 @@ def label_agreement(target_model, input_ids, loss_mask, max_positions: int = DEF
     one sequence [T], a right-padded batch [b, T] (padding must have loss_mask 0), or a list of
     sequences of different lengths. Each row with a sampled position runs once through the
     target, cut after its last sampled position; only the sampled rows meet the lm_head.
+    ``greedy``: ``greedy_at``, or a target group rank's argmax through the lm_head module (its
+    weight split between the ranks). A target whose layers run in a target group
+    (target_group/remote.GroupTarget) answers itself, from its ranks.
     """
+    own = getattr(target_model, "label_agreement", None)
+    if own is not None:
+        return own(input_ids, loss_mask, max_positions, chunk, seed)
     decoder, head = _parts(target_model)
     ids_rows, mask_rows = _as_rows(input_ids, "input_ids"), _as_rows(loss_mask, "loss_mask")
     if len(ids_rows) != len(mask_rows) or any(len(a) != len(b)
@@ -127,7 +134,7 @@ def label_agreement(target_model, input_ids, loss_mask, max_positions: int = DEF
         ts = torch.tensor([t for rr, t in picked if rr == r], dtype=torch.long)
         ids = ids_rows[r][: int(ts.max())].to(dev)  # the last label needs hidden states up to t-1
         hidden = decoder(input_ids=ids[None], use_cache=False).last_hidden_state[0]
-        pred = greedy_at(hidden[(ts - 1).to(dev)], head, chunk).cpu()
+        pred = greedy(hidden[(ts - 1).to(dev)], head, chunk).cpu()
         agree += int((pred == ids_rows[r][ts]).sum())
     return agree, len(picked)
 

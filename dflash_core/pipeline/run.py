@@ -40,6 +40,8 @@ from dflash_core.pipeline.target_stage import TargetStage
 from dflash_core.pipeline.workers import Stopped, UpstreamFailed
 from dflash_core.planning.layout_advice import LayoutAdvisor
 from dflash_core.planning.preflight import Prepared
+from dflash_core.target_group.group import GroupRankFailed
+from dflash_core.target_group.remote import GroupClosed
 
 
 @dataclass
@@ -91,7 +93,7 @@ class Run:
     peer_failed: bool = False
     resume_t0: float | None = None  # when --resume began reading, until the first step
     _data_id: dict | None = None
-    _said_no_eval: bool = False  # a target group's run: said once that it does not evaluate
+    _group_eval: Any = None  # the first target group as the evaluation's target (evaluate)
     _ledger_failed: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -243,23 +245,36 @@ class Run:
 
     def evaluate(self) -> None:
         """An evaluation (evaluation.py) with the first target and the first replica; a better
-        exact tau than any before marks its checkpoint as checkpoints/best."""
+        exact tau than any before marks its checkpoint as checkpoints/best. A target group's
+        target is decoded through its ranks (target_group/remote.GroupTarget)."""
         target = self.targets[0].model if self.targets else None
         if (not self.writes_records or not self.replicas or target is None
                 or self.evaluator is None):
             return
+        group = None
         if not getattr(target, "runs_here", True):  # a target group: its layers are elsewhere
-            if not self._said_no_eval:
-                self._said_no_eval = True
-                self.publish(Log(level="warning", source="engine", message=(
-                    "no evaluation in the run: the target runs in a target group's processes, "
-                    "and the run's decoding needs it whole in this one; evaluate the "
-                    "checkpoints with `dflash-tui eval` on a machine where the target fits")))
-            return
+            target, group = self._group_target(), self.groups[0]
         self.publish_hours("eval")  # the report's tau against GPU-hours takes this figure
-        tau = self.evaluator.evaluate(self.step, self.replicas[0].drafter, target)
+        try:
+            tau = self.evaluator.evaluate(self.step, self.replicas[0].drafter, target)
+        except GroupClosed:
+            raise Stopped() from None
+        except GroupRankFailed:
+            if group is None or group.first_failure():  # else a stream of the copy said it
+                raise
+            raise Stopped() from None
         if tau is not None:
             self.checkpointer.keep_best(self.step, tau)
+
+    def _group_target(self):
+        """The first target group as the evaluation's target: its verify forwards in its
+        ranks, their answers on the first replica's device."""
+        if self._group_eval is None:
+            from dflash_core.target_group.remote import GroupTarget
+
+            group = self.groups[0]
+            self._group_eval = GroupTarget(group, group.heads, self.replicas[0].device)
+        return self._group_eval
 
     # -- what a checkpoint holds of the run ------------------------------------------------------
     def data_identity(self) -> dict:
@@ -301,6 +316,7 @@ class Run:
         for stage in self.targets:
             stage.model = None
         self.targets = []
+        self._group_eval = None
         self.replicas = []
         self.checkpointer = self.evaluator = None  # they hold the replicas and the data too
         self.prefetchers = []

@@ -319,7 +319,6 @@ class Supervisor:
         run.early = None
         run.stop.set()
         stuck = self._join_workers()
-        self._end_groups()
         failed = run.failure is not None
         status = "failed" if failed else ("finished" if run.finished and not run.abort_requested
                                           else "aborted")
@@ -355,6 +354,8 @@ class Supervisor:
             run.fail(error_event(exc, source="engine", role="engine", device="",
                                  phase="teardown"))
             status = "failed"
+        # the ranks of target groups end after the final evaluation, which decodes through them
+        self._end_groups()
         if run.advisor is not None:
             self.bus.untap(run.advisor)
         # Free the run's memory before anything else can start.

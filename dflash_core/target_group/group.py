@@ -139,6 +139,7 @@ class TargetGroup:
         self.heads: TargetHeads | None = None
         self.heads_ready = threading.Event()
         self.rows: dict[int, tuple[str, str]] = {}  # rank -> (the screen's row, its device)
+        self.verified = None  # the verify queue: rank 0's answers, any rank's failure (remote.py)
         self.store_path = self.run_dir / f"{STORE_PREFIX}{index}-{os.getpid()}-{time.time_ns()}"
 
     def first_failure(self) -> bool:
@@ -165,6 +166,7 @@ class TargetGroup:
         ensure_resource_tracker()  # before the first queue: under the dashboard stderr has no fd
         self.run_dir.mkdir(parents=True, exist_ok=True)
         remove_stale_stores(self.run_dir)
+        self.verified = ctx.Queue()
         for rank, dev in enumerate(self.devices):
             args = RankArgs(
                 rank=rank, world=self.split.k, gpu=dev.index if dev.type == "cuda" else None,
@@ -175,7 +177,7 @@ class TargetGroup:
                 mode=self.split.mode, distributed=self.distributed, parent_pid=os.getpid(),
                 log_path=str(self.log_path(rank)), ring=RING)
             req, rep = ctx.Queue(), ctx.Queue()
-            proc = ctx.Process(target=rank_main, args=(args, req, rep),
+            proc = ctx.Process(target=rank_main, args=(args, req, rep, self.verified),
                                name=f"target-group-{self.index}-rank-{rank}", daemon=True)
             proc.start()
             self.procs.append(proc)

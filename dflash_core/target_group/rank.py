@@ -10,12 +10,20 @@ features ``seq``, ("stop",). Rank -> engine (its reply queue): ("progress", fiel
 ("loaded", bytes, seconds, note) (note: how rank 0 holds a quantized checkpoint's weights, a
 models/target/fp8.QuantizedNote, else None), ("heads", config, embedding, lm_head) from rank 0,
 ("features", seq, tensor), ("done",), ("error", kind, message, traceback, hint).
+Verify requests, ("verify", vseq, op, args), come on the same request queue at any time, during
+the batch streams or after them; they are answered on the group's verify queue (verify.py).
 
 Sharded mode: every rank its own batches, in lockstep, since FSDP gathers each layer from every
 rank: each tick the ranks agree (one all-reduce on a gloo group) whether any has a batch; a rank
 with none left runs a one-row dummy forward while the others finish. (No row groups: an
 out-of-memory error inside a rank ends the run, since the others would be left inside a
 collective.) Shared mode: every rank gets the same batch; rank 0 sends the features.
+
+In either mode a tick first agrees whether any rank holds a verify request; if one does, every
+rank takes its own copy of it (the engine sends each request to every rank) and they run it
+together before any batch: a rank never waits for anything but its next request outside that
+agreement (a batch is taken only once the ring has room for its features), so a verify is served
+whether the engine is reading features or busy evaluating.
 
 A rank never outlives the engine: the kernel kills it when the engine dies (PR_SET_PDEATHSIG on
 Linux), and a watcher thread ends it if its parent changes.
@@ -31,6 +39,7 @@ import sys
 import threading
 import time
 import traceback
+from collections import deque
 from dataclasses import dataclass
 
 POLL_S = 0.25
@@ -100,35 +109,43 @@ def _thread_lock_for_progress_bars() -> None:
     tqdm.set_lock(threading.RLock())
 
 
-def main(args: RankArgs, requests, replies) -> None:
-    """The rank process's entry point."""
+def main(args: RankArgs, requests, replies, verified=None) -> None:
+    """The rank process's entry point; ``verified``: the group's verify queue (verify.py)."""
     _die_with_parent(args.parent_pid)
     _to_log(args.log_path)
     _thread_lock_for_progress_bars()
     import faulthandler
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung rank's stack, on request
     try:
-        Rank(args, requests, replies).run()
+        Rank(args, requests, replies, verified).run()
     except _Stopped:
         pass
     except BaseException as exc:  # noqa: BLE001: every failure goes to the engine, then exit 1
         kind = getattr(exc, "error_kind", None) or ("oom" if "OutOfMemoryError" in
                                                     type(exc).__name__ else "internal")
-        replies.put(("error", kind, f"{type(exc).__name__}: {exc}", traceback.format_exc(),
-                     getattr(exc, "hint", "")))
+        error = ("error", kind, f"{type(exc).__name__}: {exc}", traceback.format_exc(),
+                 getattr(exc, "hint", ""))
+        replies.put(error)
+        if verified is not None:  # the engine may be waiting on a verify reply, not on this
+            verified.put(("rank-error", args.rank, error))
         print(traceback.format_exc(), flush=True)
-        _exit(replies, 1)
-    _exit(replies, 0)
+        _exit((replies, verified), 1)
+    _exit((replies, verified), 0)
 
 
-def _exit(replies, code: int) -> None:
-    """End the process once what it sent has reached the pipe, without the interpreter's
+def _exit(queues, code: int) -> None:
+    """End the process once what it sent has reached the pipes, without the interpreter's
     teardown: that teardown (torch's and gloo's threads) takes seconds, past the engine's grace
     time, and a rank has nothing else to keep."""
-    replies.close()
-    flushed = threading.Thread(target=replies.join_thread, daemon=True)
-    flushed.start()
-    flushed.join(EXIT_FLUSH_S)  # the engine may no longer read: a full pipe never holds us
+    flushers = []
+    for q in queues:
+        if q is not None:
+            q.close()
+            flushers.append(threading.Thread(target=q.join_thread, daemon=True))
+            flushers[-1].start()
+    deadline = time.monotonic() + EXIT_FLUSH_S  # the engine may no longer read: a full pipe
+    for t in flushers:                          # never holds us
+        t.join(max(0.0, deadline - time.monotonic()))
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -165,11 +182,19 @@ def form(store, rank: int, world: int, timeout_s: float) -> None:
         time.sleep(0.05)
 
 
+VERIFY = "verify"  # _next's answer while a verify request is pending
+
+
 class Rank:
-    def __init__(self, args: RankArgs, requests, replies):
+    def __init__(self, args: RankArgs, requests, replies, verified=None):
         self.args, self.requests, self.replies = args, requests, replies
+        self.verified = verified
         self.held: dict[int, object] = {}  # features sent, kept until acknowledged
         self.ended = False  # this rank's batch stream is over
+        self.stash: deque = deque()  # batches (and the stream's end) taken, not yet run
+        self.verifies: deque = deque()  # verify requests taken, not yet run
+        self.verifier = None  # verify.Verifier, once the model is loaded
+        self.answer = None  # the last verify reply: kept until the engine asks again
 
     def run(self) -> None:
         import torch
@@ -215,6 +240,8 @@ class Rank:
             with torch.no_grad():
                 self.model.model(input_ids=dummy, use_cache=False)
         self._send_heads()
+        from dflash_core.target_group.verify import Verifier
+        self.verifier = Verifier(self.model)
         self.replies.put(("loaded", self.model.memory_bytes(), time.monotonic() - t0,
                           self.model.quantized if a.rank == 0 else None))
         self.device = device
@@ -237,44 +264,78 @@ class Rank:
             self.replies.put(("heads", self.model.model.config.to_dict(), embed, head))
 
     # -- requests ------------------------------------------------------------------------------
+    def _take(self, msg) -> None:
+        """A request taken off the queue: acks and stop at once, the rest kept in order."""
+        kind = msg[0]
+        if kind == "ack":
+            self.held.pop(msg[1], None)
+        elif kind == "stop":
+            raise _Stopped()
+        elif kind == VERIFY:
+            self.verifies.append(msg)
+        else:  # a batch, or the stream's end
+            self.stash.append(msg)
+
     def _next(self):
-        """The next batch request, or None once this rank's stream is over (from then on at
-        once: the other ranks may still have batches); acks in between."""
+        """The next batch request once the ring has room for its features, None once this
+        rank's stream is over (from then on at once: the other ranks may still have batches),
+        or VERIFY while a verify request is pending; acks in between."""
         while True:
+            if self.verifies:
+                return VERIFY
+            if self.stash and self.stash[0][0] == "end":
+                self.stash.popleft()
+                self.ended = True
+            if self.stash and len(self.held) < self.args.ring:
+                return self.stash.popleft()
             try:
-                msg = self.requests.get(timeout=0 if self.ended else POLL_S)
+                msg = self.requests.get(timeout=0 if self.ended and not self.stash else POLL_S)
             except queue.Empty:
-                if self.ended:
+                if self.ended and not self.stash:
                     return None
                 continue
-            if msg[0] == "ack":
-                self.held.pop(msg[1], None)
-            elif msg[0] == "stop":
-                raise _Stopped()
-            elif msg[0] == "end":
-                self.ended = True
-                return None
-            else:
-                return msg
+            self._take(msg)
 
     def _wait_stop(self) -> None:
+        """After the streams: verify requests until stop."""
         while True:
-            msg = self.requests.get()
-            if msg[0] == "stop":
-                return
-            if msg[0] == "ack":
-                self.held.pop(msg[1], None)
+            if self.verifies:
+                self._verify()
+                continue
+            self._take(self.requests.get())
 
-    def _drain_acks(self) -> None:
-        """Before the next forward: at most ``ring`` features held, the oldest acknowledged."""
-        while len(self.held) >= self.args.ring:
-            msg = self.requests.get()
-            if msg[0] == "ack":
-                self.held.pop(msg[1], None)
-            elif msg[0] == "stop":
-                raise _Stopped()
-            else:  # a batch sent ahead: keep it for _next
-                raise RuntimeError(f"rank {self.args.rank}: request {msg[0]} before its ack")
+    def _verify(self) -> None:
+        """Run the next verify request with the other ranks (each has its own copy of it; one
+        not taken yet is waited for); rank 0 answers. The last answer is kept until the next
+        request: the engine copies it first (CUDA IPC needs the sender's tensor alive)."""
+        import torch
+
+        while not self.verifies:
+            self._take(self.requests.get())
+        _, vseq, op, args = self.verifies.popleft()
+        result = self.verifier.run(op, args)
+        if self.args.rank != 0:
+            return
+        from dflash_core.target_group.verify import NO_REPLY
+        if result is NO_REPLY:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
+        self.answer = result
+        self.verified.put(("verified", vseq, result))
+
+    def _agree(self, msg):
+        """This tick's agreement: (any rank has a batch, any has a verify pending); a batch
+        taken before a verify goes back to wait for the next tick."""
+        import torch
+        import torch.distributed as dist
+
+        verify = msg is VERIFY
+        flags = torch.tensor([int(msg is not None and not verify), int(verify)])
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.control)
+        if flags[1] and msg is not None and not verify:
+            self.stash.appendleft(msg)
+        return bool(flags[0]), bool(flags[1])
 
     # -- forwards ------------------------------------------------------------------------------
     def _forward(self, ids, mask):
@@ -290,30 +351,35 @@ class Rank:
 
     def _sharded_loop(self) -> None:
         import torch
-        import torch.distributed as dist
 
         while True:
             msg = self._next()
-            have = torch.tensor([1 if msg is not None else 0])
-            dist.all_reduce(have, op=dist.ReduceOp.MAX, group=self.control)
-            if int(have[0]) == 0:
+            batches, verify = self._agree(msg)
+            if verify:
+                self._verify()
+                continue
+            if not batches:
                 return  # every rank's stream is over
             if msg is None:  # the others still have batches: one forward in step with theirs
                 dummy = torch.zeros(1, DUMMY_TOKENS, dtype=torch.long)
                 self._forward(dummy, torch.ones_like(dummy))
                 continue
             _, seq, ids, mask = msg
-            feats = self._forward(ids, mask)
-            self._drain_acks()
-            self._send(seq, feats)
+            self._send(seq, self._forward(ids, mask))
 
     def _shared_loop(self) -> None:
         while True:
             msg = self._next()
+            batches, verify = self._agree(msg)
+            if verify:
+                self._verify()
+                continue
             if msg is None:
+                if batches:  # every rank gets the same stream: one without a batch is a bug
+                    raise RuntimeError(f"rank {self.args.rank}: the stream ended here while "
+                                       "another rank of the copy has a batch")
                 return
             _, seq, ids, mask = msg
             feats = self._forward(ids, mask)
             if self.args.rank == 0:
-                self._drain_acks()
                 self._send(seq, feats)

@@ -99,6 +99,8 @@ def run(args: argparse.Namespace) -> int:
     from dflash_core.eval.errors import EvalInputError
     from dflash_core.eval.served import EngineFailed
     from dflash_core.models.target.config import TargetLoadError
+    from dflash_core.target_group.group import GroupRankFailed
+    from dflash_core.target_group.session import verb_hint
 
     t0 = time.monotonic()
 
@@ -118,6 +120,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}\nhint: {exc.hint + '; ' if exc.hint else ''}vLLM's log is "
               f"{exc.log}", file=sys.stderr)
         return 2 if exc.input else 1
+    except GroupRankFailed as exc:  # as a run names it: the rank, its GPU, the kind
+        print(f"error [{exc.error_kind}]: {exc}\nhint: {verb_hint(exc)}", file=sys.stderr)
+        return 1
     except (ConfigError, DataError, TargetLoadError, EvalInputError) as exc:
         kind = "config error" if isinstance(exc, ConfigError) else "error"
         print(f"{kind}: {exc}" + (f"\nhint: {exc.hint}" if getattr(exc, "hint", "") else ""),

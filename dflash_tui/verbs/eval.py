@@ -22,6 +22,8 @@ examples:
       --prompts mt-bench=mt_bench.jsonl --thinking off --max-new-tokens 512
   dflash-tui eval --target builtin:tiny --drafter runs/demo --prompts demo=prompts.jsonl \\
       --device cpu
+  dflash-tui eval --target /models/Qwen3-235B-A22B --gpus-per-copy 4 --target-gpus 0,1,2,3 \\
+      --device cuda:4 --drafter runs/q235/checkpoints/step-8000 --prompts gsm8k=gsm8k.jsonl
 """
 
 from __future__ import annotations
@@ -99,6 +101,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --engine vllm: vLLM's memory, its share of the GPU (0 < F <= 1, "
                         "its gpu_memory_utilization) or a KV cache size (4GiB); default what is "
                         "free when it starts, at most 0.9 (the CPU: a 1 GiB KV cache)")
+    p.add_argument("--gpus-per-copy", type=whole_number(1), default=d.gpus_per_copy,
+                   metavar="K", help="load the target as a target group of K GPUs, as a run's "
+                   "target.gpus_per_copy (docs/targets.md, \"Targets larger than one GPU\"); "
+                   "the drafters stay on --device (default 1: the target whole on --device)")
+    p.add_argument("--target-gpus", default=d.target_gpus, metavar="LIST",
+                   help="with --gpus-per-copy K: the group's K GPUs, e.g. 0,1,2,3 (default the "
+                        "first K; on the CPU K processes)")
+    p.add_argument("--parallel", choices=("sharded", "shared"), default=d.parallel,
+                   help="with --gpus-per-copy: how the copy is split, as target.parallel "
+                        f"(default {d.parallel})")
+    p.add_argument("--expert-parallel", choices=("on", "off"), default="on",
+                   help="with --gpus-per-copy: a mixture-of-experts target's experts split "
+                        "between the GPUs, as target.expert_parallel (default on)")
     p.add_argument("--tokenizer", default=None,
                    help="the tokenizer's folder (default: the target's own)")
     p.add_argument("--chat-template", default=None, metavar="FILE",
@@ -117,12 +132,16 @@ def _options(args):
         device=args.device, dtype=args.dtype, drafter_dtype=args.drafter_dtype,
         gpu_hour_price=args.gpu_hour_price,
         currency=args.currency, trust_remote_code=args.trust_remote_code,
-        engine=args.engine, verbose=args.verbose, vllm_memory=args.vllm_memory)
+        engine=args.engine, verbose=args.verbose, vllm_memory=args.vllm_memory,
+        gpus_per_copy=args.gpus_per_copy, target_gpus=args.target_gpus,
+        parallel=args.parallel, expert_parallel=args.expert_parallel == "on")
 
 
 def run(args: argparse.Namespace) -> int:
     from dflash_core.eval import EvalInputError, Evaluation, set_table
     from dflash_core.eval.served import EngineFailed
+    from dflash_core.target_group.group import GroupRankFailed
+    from dflash_core.target_group.session import verb_hint
 
     t0 = time.monotonic()
 
@@ -131,11 +150,16 @@ def run(args: argparse.Namespace) -> int:
 
     from dflash_tui.verbs._signals import as_interrupt
 
+    ev = None
     try:
         with as_interrupt():  # SIGTERM, a hang-up: as Ctrl-C (results kept, vLLM ended)
             ev = Evaluation(_options(args), say)
             ev.load()
             report = ev.run()
+    except GroupRankFailed as exc:  # as a run names it: the rank, its GPU, the kind
+        print(f"error [{exc.error_kind}]: {exc}\nhint: {verb_hint(exc)}; every whole batch is "
+              f"kept in {args.out}", file=sys.stderr)
+        return 1
     except EvalInputError as exc:
         print(f"error: {exc}" + (f"\nhint: {exc.hint}" if exc.hint else ""), file=sys.stderr)
         return 2
@@ -148,6 +172,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"interrupted: every whole batch is kept in {args.out}; run the same command "
               "again to continue", file=sys.stderr)
         return 130
+    finally:
+        if ev is not None:  # a target group's ranks end here, whichever way it went
+            ev.release()
     greedy = args.temperature == 0
     mode = "greedy" if greedy else f"temperature {args.temperature:g}, seed {args.seed}"
     print(f"{args.target}: {mode}, thinking {args.thinking or 'as the template has it'}, "

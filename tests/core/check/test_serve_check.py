@@ -172,9 +172,9 @@ def test_the_drafter_decodes_in_its_served_dtype(healthy, monkeypatch):
     assert all(p.dtype == torch.float32 for p in mem.drafter.parameters())
 
 
-def test_a_config_with_a_target_group_says_the_check_loads_the_target_whole(tmp_path):
-    """check runs its few samples on one device: a run's target.gpus_per_copy is said not to
-    apply, instead of being passed over in silence."""
+def test_a_config_with_a_target_group_loads_it_as_a_group(tmp_path):
+    """check loads a run's target group as the run does (test_check_group.py decodes through
+    it): said before the ranks start, the first copy's devices named."""
     cfg = _cfg(tmp_path, "group")
     cfg.layout.targets = [0, 1]
     cfg.target.gpus_per_copy = 2
@@ -183,12 +183,12 @@ def test_a_config_with_a_target_group_says_the_check_loads_the_target_whole(tmp_
     class Enough(Exception):
         pass
 
-    def say(line: str) -> None:  # what follows the warning is the check's usual work
+    def say(line: str) -> None:  # what follows is the group's start and the check's usual work
         lines.append(line)
-        if "gpus_per_copy" in line:
+        if "as a target group" in line:
             raise Enough
 
     with pytest.raises(Enough):
         prepare(cfg, FAST, say)
-    said = [x for x in lines if "target.gpus_per_copy 2" in x]
-    assert len(said) == 1 and said[0].startswith("warning: ") and "whole on one device" in said[0]
+    assert lines[-1].endswith("as a target group of 2 ranks on cpu, cpu"), lines
+    assert not [x for x in lines if "whole on one device" in x]
