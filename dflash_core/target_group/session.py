@@ -82,7 +82,7 @@ class GroupSession:
                              f"{f['bytes_total'] / 2 ** 30:.1f} GiB read")
         for req in g.requests:
             req.put(("end",))
-        gib = sum(b for b, _ in loaded.values()) / 2 ** 30
+        gib = sum(m[0] for m in loaded.values()) / 2 ** 30
         self.say(f"target group: {g.split.k} ranks loaded in {time.monotonic() - t0:.0f} s "
                  f"({gib:.1f} GiB of the target's weights over them; logs "
                  f"{g.log_path(0).name} ...)")

@@ -91,7 +91,7 @@ def write_fp8(folder: Path, name: str, seed: int = 0, std: float = 0.05, *, conf
     return folder
 
 
-def rank_main_keeping_fp8(args, requests, replies) -> None:
+def rank_main_keeping_fp8(args, requests, replies, verified=None) -> None:
     """A rank (target_group/rank.main) on the CPU that keeps the FP8 weights FP8, as on an H200:
     transformers' FP8 quantizer is told of a GPU of compute capability 9.0 while it checks its
     environment (only then: the rest of the load stays on the CPU), and the loader that the
@@ -115,4 +115,4 @@ def rank_main_keeping_fp8(args, requests, replies) -> None:
 
     quantizer.FineGrainedFP8HfQuantizer.validate_environment = as_on_an_h200
     fp8.fp8_dequantize_reason = lambda devices, routed_experts: None
-    main(args, requests, replies)
+    main(args, requests, replies, verified)
