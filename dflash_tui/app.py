@@ -394,7 +394,23 @@ def run_app(controller: Controller, run_dir: Path | str | None = None, *,
             code = code or 1
     if app.owns_run and code == 0:  # what happened to the run, as headless says it
         code = owned_exit_code(controller)
+    if app.owns_run:  # the screen has gone: what became of the run stays in the scrollback
+        say_how_it_ended(app, controller)
     return code
+
+
+def say_how_it_ended(app: DFlashApp, controller: Controller) -> None:
+    from .exit_summary import exit_summary
+
+    try:
+        state = controller.final_status or controller.state
+        failure = controller.failure
+    except Exception:  # a controller that cannot answer now: say what the screen last knew
+        state, failure = app.state.state, None
+    text = exit_summary(state, app.state.current_step, failure,
+                        app.state.run_dir or app.run_dir)
+    if text:
+        print(text, flush=True)
 
 
 def owned_exit_code(controller: Controller) -> int:
