@@ -24,11 +24,15 @@ $(VENV)/.installed: pyproject.toml
 		$(PY) -m pip uninstall -q -y triton 2>/dev/null || true; fi
 	touch $@
 
+# An abort (a, q on a live run, Ctrl+C) exits 130 by design (README, exit codes): a normal end
+# of a demo for make, not "make: *** Error 130". A failure (1) or bad input (2) still fails.
+ABORT_OK = || { rc=$$?; [ $$rc -eq 130 ] || exit $$rc; }
+
 demo: install
-	$(VENV)/bin/dflash-tui demo
+	$(VENV)/bin/dflash-tui demo $(ABORT_OK)
 
 headless-demo: install
-	$(VENV)/bin/dflash-tui demo --headless
+	$(VENV)/bin/dflash-tui demo --headless $(ABORT_OK)
 
 # The long trainings (marked slow; each has a fast path in `make test`) run on their own; the
 # tests that need vLLM (marked serve) run in `make test-serve`.

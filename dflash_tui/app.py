@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shlex
 import signal
 import time
 from pathlib import Path
@@ -43,7 +44,20 @@ REFRESH_HZ = 5
 # the GIL.
 SAMPLED_PERIOD_S = 0.8  # + one drain tick (0.2 s): samples reach the screen within 1 s
 QUIET_STATES = ("idle",) + ev.TERMINAL_STATES  # quitting in these needs no confirmation
-READ_ONLY_MESSAGE = "read-only view: start serve with --control to allow abort/restart"
+# A read-only view says how to get one that acts: the command for a terminal (attach), the flag
+# for a browser (serve starts each tab's attach; its user types no command).
+READ_ONLY_SERVED = "read-only view: start serve with --control to allow abort/restart"
+
+
+def read_only_message(run_dir: Path | str | None, served: bool = False) -> str:
+    """What a read-only view answers to a or r: the command that allows them."""
+    if served:
+        return READ_ONLY_SERVED
+    run = shlex.quote(str(run_dir)) if run_dir is not None else "RUN_DIR"
+    return f"read-only view: dflash-tui attach {run} --control allows abort/restart"
+
+
+LOGGED_COMMANDS = ("abort", "restart")  # what changes the run: in its records when asked here
 ACTIONS = ("restart", "abort", "quit", "focus_errors", "focus_log", "help", "stacks")
 
 
@@ -234,6 +248,12 @@ class DFlashApp(App[None]):
             if name == "start":
                 self.controller.start()
             else:
+                if self.owns_run and name in LOGGED_COMMANDS:
+                    # In the run's records (events.jsonl, train.log), as the inbox logs one
+                    # from an attached dashboard: a run that ended by hand says so.
+                    self.controller.bus.publish(ev.Log(
+                        level="info", source="dashboard",
+                        message=f"{name} requested from the dashboard"))
                 dispatch(self.controller, name)
         except Exception as exc:
             self.call_from_thread(self._report, exc, name)
@@ -247,7 +267,13 @@ class DFlashApp(App[None]):
 
     def _refused(self) -> bool:
         if self.read_only:
-            self.notify(READ_ONLY_MESSAGE, severity="warning", timeout=6)
+            from .browser.lifeline import served
+
+            # The run folder a view follows: its controller's (attach passes no run_dir).
+            run_dir = getattr(self.controller, "run_dir", None)
+            if not isinstance(run_dir, (str, Path)):  # an engine's is a method
+                run_dir = self.run_dir
+            self.notify(read_only_message(run_dir, served()), severity="warning", timeout=6)
         return self.read_only
 
     def action_restart(self) -> None:
@@ -368,7 +394,23 @@ def run_app(controller: Controller, run_dir: Path | str | None = None, *,
             code = code or 1
     if app.owns_run and code == 0:  # what happened to the run, as headless says it
         code = owned_exit_code(controller)
+    if app.owns_run:  # the screen has gone: what became of the run stays in the scrollback
+        say_how_it_ended(app, controller)
     return code
+
+
+def say_how_it_ended(app: DFlashApp, controller: Controller) -> None:
+    from .exit_summary import exit_summary
+
+    try:
+        state = controller.final_status or controller.state
+        failure = controller.failure
+    except Exception:  # a controller that cannot answer now: say what the screen last knew
+        state, failure = app.state.state, None
+    text = exit_summary(state, app.state.current_step, failure,
+                        app.state.run_dir or app.run_dir)
+    if text:
+        print(text, flush=True)
 
 
 def owned_exit_code(controller: Controller) -> int:

@@ -77,3 +77,12 @@ def short_message(message: str) -> str:
     already says: "torch.OutOfMemoryError: CUDA out of memory" -> "CUDA out of memory"."""
     first = message.splitlines()[0] if message else ""
     return _EXC_PREFIX.sub("", first, count=1)
+
+
+def building(b) -> str:
+    """'building demo target 40% (step 240/600, loss 2.10)': the builder's words without the
+    name they repeat."""
+    detail = b.message
+    if detail.startswith(b.what):
+        detail = detail[len(b.what):].strip(" :,")
+    return f"building {b.what} {b.fraction:.0%}" + (f" ({detail})" if detail else "")

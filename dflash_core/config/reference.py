@@ -69,16 +69,41 @@ def first_sentence(doc: str) -> str:
     return doc if end is None else doc[: end.start() + 1]
 
 
-def keys_help(width: int = 100) -> str:
+def keys_help(width: int = 100, values: dict[str, str] | None = None, whose: str = "") -> str:
     """The keys ``--set SECTION.KEY=VALUE`` takes, one paragraph each: the default, what the
-    value may be and the first sentence of its doc (docs/config.md has it whole)."""
-    lines = ["config keys (--set SECTION.KEY=VALUE; docs/config.md says more of each):"]
+    value may be and the first sentence of its doc (docs/config.md has it whole). ``values``:
+    the text to show for each key instead of its default, ``whose`` naming them (the demo's
+    config, which is not config.yaml's defaults)."""
+    shown = f" {whose}" if whose else ""
+    lines = textwrap.wrap(f"config keys{shown} (--set SECTION.KEY=VALUE; docs/config.md says "
+                          "more of each):", width, subsequent_indent="  ")
     for spec in config_keys():
-        text = (f"{spec.path}={default_text(spec.default)}  [{allowed(spec)}]  "
-                f"{first_sentence(spec.doc)}")
+        value = (values or {}).get(spec.path)
+        text = (f"{spec.path}={default_text(spec.default) if value is None else value}  "
+                f"[{allowed(spec)}]  {first_sentence(spec.doc)}")
         lines += textwrap.wrap(text, width, initial_indent="  ", subsequent_indent="      ",
                                break_on_hyphens=False)
     return "\n".join(lines) + "\n"
+
+
+def value_of(cfg: Any, path: str) -> Any:
+    """The value of ``path`` ("optim.lr") in a loaded config."""
+    for name in path.split("."):
+        cfg = getattr(cfg, name)
+    return cfg
+
+
+def values_text(cfg: Any) -> dict[str, str]:
+    """Every key's value in ``cfg``, spelt as config.yaml would (for keys_help)."""
+    out = {}
+    for spec in config_keys():
+        value = value_of(cfg, spec.path)
+        if dataclasses.is_dataclass(value):
+            value = dataclasses.asdict(value)
+        elif isinstance(value, list):
+            value = [dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for v in value]
+        out[spec.path] = default_text(value)
+    return out
 
 
 def keys_markdown() -> str:

@@ -280,6 +280,25 @@ class CheckpointProgress(Event):
 
 
 @dataclass(frozen=True)
+class BuildProgress(Event):
+    """Something the run builds before it can load (the demo's target, trained on the spot in
+    about two minutes on first use, and its data; planning/preflight.py publishes these): how
+    far, with the builder's own words ("demo target step 120/600, loss 2.10"). Done at 1.0. At
+    most one per whole percent; train.log has a Log line every 10% instead."""
+
+    what: str  # "demo target", "demo data"
+    fraction: float  # in [0, 1]
+    message: str = ""
+    kind: ClassVar[str] = "BuildProgress"
+    sets_state: ClassVar[bool] = False  # each replaces the last
+    in_text_log: ClassVar[bool] = False
+
+    @property
+    def done(self) -> bool:
+        return self.fraction >= 1.0
+
+
+@dataclass(frozen=True)
 class Log(Event):
     level: str  # debug | info | warning | error
     source: str
@@ -403,6 +422,7 @@ EVENT_TYPES: dict[str, type[Event]] = {
         RunStarted, StateChanged, WorkerStatus, LoadProgress, GpuSample, HostSample, QueueDepth,
         TargetMetrics, DrafterMetrics, StepMetrics, EvalResult, MemoryPlan, Checkpoint, Log, Error,
         SinkStatus, CheckpointProgress, RunEnded, Stall, NodeStatus, TrainingPlan, DeviceHours,
+        BuildProgress,
     )
 }
 

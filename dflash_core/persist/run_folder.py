@@ -112,3 +112,15 @@ def fresh_name(output_dir: str | Path, name: str) -> str:
     while earlier_run(Path(output_dir) / f"{name}-{n}"):
         n += 1
     return f"{name}-{n}"
+
+
+RUN_CONFIG = "config.yaml"  # the config a run uses, its --set applied, in its run folder
+
+
+def resume_command(run_folder: str | Path) -> str:
+    """The command that continues the run in ``run_folder`` from its latest checkpoint: its own
+    config.yaml, which holds every --set it was started with (a demo's too), so nothing else
+    needs repeating."""
+    import shlex
+
+    return f"dflash-tui run --config {shlex.quote(str(Path(run_folder) / RUN_CONFIG))} --resume"

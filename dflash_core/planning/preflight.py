@@ -28,7 +28,7 @@ from dflash_core.data import BatchStream, ShardedDataset, split_eval
 from dflash_core.data.provenance import of_manifest
 from dflash_core.models.training.optimizers import muon_class
 from dflash_core.models.training.trainer import epoch_steps_for, total_steps_for
-from dflash_core.observe.events import Event, Log
+from dflash_core.observe.events import BuildProgress, Event, Log
 from dflash_core.observe.sinks.wandb_sink import validate_wandb_settings
 from dflash_core.persist.build_cache import Progress
 from dflash_core.planning.capacity_checks import check_checkpoint_disk, check_memory
@@ -171,12 +171,18 @@ def prepare(cfg: Config, run_dir: Path, tdev: list[torch.device], ddev: list[tor
 
 
 def demo_log_progress(publish: Callable[[Event], None], stop_check: Callable[[], None]):
-    """Progress callbacks for building the demo assets: a Log line every 10%."""
+    """Progress callbacks for building the demo assets: a BuildProgress at each new whole
+    percent (the dashboard shows it where the targets will be), a Log line every 10%."""
     def for_what(what: str) -> Progress:
         last = [-1.0]
+        shown = [-1]
 
         def report(fraction: float, message: str = "") -> None:
             stop_check()
+            percent = int(100 * fraction)
+            if percent > shown[0] or fraction >= 1.0:
+                shown[0] = percent
+                publish(BuildProgress(what=what, fraction=fraction, message=message))
             if fraction - last[0] >= 0.1 or fraction >= 1.0:
                 last[0] = fraction
                 publish(Log(level="info", source="demo",

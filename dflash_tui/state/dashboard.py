@@ -91,6 +91,7 @@ class DashboardState(EventFold, DashboardViews):
         self.end_step: int | None = None
         self.ended_in = ""  # the state a run that ended was in when it ended (preflight, ...)
         self.checkpoint_writing: ev.CheckpointProgress | None = None  # written in the background
+        self.building: ev.BuildProgress | None = None  # the demo's target or data, being made
         self.allocator = ""  # CUDA allocator settings of the run ("" on CPU)
         self.stalls: dict[str, ev.Stall] = {}  # workers stalled now (cleared by progress)
         # (step, exact tau, teacher-forced tau of the step then) of every evaluation
@@ -176,6 +177,8 @@ class DashboardState(EventFold, DashboardViews):
     def _on_StateChanged(self, e: ev.StateChanged) -> set[str]:
         self.state, self.reason = e.state, e.reason
         changed = {"header", "log", "targets"}
+        if e.state != "preflight":  # preflight builds; a build cut short ends with it
+            self.building = None
         if e.state in ev.TERMINAL_STATES:
             self.end_ts = e.ts
             self.ended_in = e.previous
@@ -347,6 +350,10 @@ class DashboardState(EventFold, DashboardViews):
     def _on_DeviceHours(self, e: ev.DeviceHours) -> set[str]:
         self.hours = e
         return {"header"}
+
+    def _on_BuildProgress(self, e: ev.BuildProgress) -> set[str]:
+        self.building = None if e.done else e
+        return {"header", "targets"}
 
     def _on_CheckpointProgress(self, e: ev.CheckpointProgress) -> set[str]:
         self.checkpoint_writing = e

@@ -23,12 +23,30 @@ from .run import add_run_options, check_resume, own
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_run_options(p)
+    p.epilog = demo_keys_help()  # the demo's own values, not config.yaml's defaults
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto (default) uses the GPUs when CUDA sees any")
     p.add_argument("--output-dir", type=str, default=None, metavar="DIR",
                    help="where the run folder goes (default runs)")
     # Kept for old scripts (`--demo --new-run`): a new demo run takes a fresh folder anyway.
     p.add_argument("--new-run", action="store_true", help=argparse.SUPPRESS)
+
+
+def demo_keys_help() -> str:
+    """The keys --set takes, at the demo's values; the layout's as --device and the GPUs
+    make them (no CUDA query here: --help must not touch a GPU)."""
+    from dflash_core.config.reference import default_text, keys_help, values_text
+    from dflash_core.demo import demo_config
+    from dflash_core.demo.run_config import demo_layout
+
+    values = values_text(demo_config(device="cpu", gpus=0))
+    cpu, one, two = demo_layout("cpu", 0), demo_layout("cuda", 1), demo_layout("cuda", 2)
+    for key, here in cpu.items():
+        on_gpus = (default_text(one[key]) if one[key] == two[key]
+                   else f"{default_text(one[key])}, 2+ GPUs {default_text(two[key])}")
+        if (one[key], two[key]) != (here, here):
+            values[f"layout.{key}"] = f"{default_text(here)} (with GPUs: {on_gpus})"
+    return keys_help(values=values, whose="at the demo's values, on the CPU")
 
 
 def make_engine(args: argparse.Namespace):

@@ -129,6 +129,8 @@ def second_line(s: DashboardState, width: int) -> list[tuple[int, Text]]:
         out.append((0, Text("stalled: " + ", ".join(
             f"{w} {fmt.duration(s.now - e.ts + e.seconds)}" for w, e in s.stalls.items()),
             style="bold yellow")))
+    if s.building is not None:  # minutes on a demo's first use: progress, not a hang
+        out.append((0, Text(fmt.building(s.building), style="bold cyan")))
     w = s.checkpoint_writing
     if w is not None:  # the background write of a checkpoint: progress, not a stall
         rate = w.bytes_written / w.seconds if w.seconds > 0 else 0.0
@@ -153,3 +155,4 @@ def second_line(s: DashboardState, width: int) -> list[tuple[int, Text]]:
     if s.allocator:  # which CUDA allocator settings the run's numbers come from
         out.append((5, field("alloc", s.allocator, "dim")))
     return out
+

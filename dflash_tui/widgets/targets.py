@@ -110,6 +110,11 @@ class TargetsPanel(Panel):
 
     def draw(self, s: DashboardState, width: int) -> Text:
         rows = list(s.targets.values())
+        if not rows and s.building is not None:  # the target itself being made (the demo's)
+            filled, empty = fmt.bar(s.building.fraction, min(40, max(8, width - 2)))
+            return Text.assemble(note(fmt.building(s.building), width, "bold cyan"), "\n",
+                                 (filled, "cyan"), (empty, "dim"), "\n",
+                                 note("made once, then reused from the build cache", width))
         if not rows:
             why = s.ended_before("loading")
             return note(f"no target loaded: {why}" if why else "no target worker in this run"

@@ -145,6 +145,29 @@ async def test_abort_and_restart_ask_first():
         assert app.is_running
 
 
+@pytest.mark.parametrize("owns_run", [True, False])
+async def test_a_restart_or_abort_asked_here_is_in_the_runs_records(owns_run):
+    """The run's records (events.jsonl, train.log: sinks on the bus) say who restarted it; an
+    attached dashboard leaves that to the owner's inbox ("... by an attached dashboard")."""
+    ctl = ReplayController(sc.training(steps=5))
+    published: list[ev.Event] = []
+    ctl.bus.tap(published.append)
+    app = DFlashApp(ctl, owns_run=owns_run)
+    async with app.run_test(size=BIG) as pilot:
+        await settle(pilot)
+        await confirm(pilot, "r", "y")
+        await confirm(pilot, "a", "y")
+        assert ctl.calls == ["start", "restart", "abort"]
+        logged = [e.message for e in published if isinstance(e, ev.Log) and e.source == "dashboard"]
+        shown = [line.text for line in app.state.log]
+    if owns_run:
+        assert logged == ["restart requested from the dashboard",
+                          "abort requested from the dashboard"]
+        assert any("restart requested from the dashboard" in t for t in shown)
+    else:
+        assert logged == []
+
+
 async def test_failing_command_is_an_error_not_a_crash():
     class Broken(ReplayController):
         def abort(self):

@@ -94,10 +94,30 @@ def test_the_help_of_set_lists_every_config_key_with_its_default_and_range(verb,
     with pytest.raises(SystemExit):
         main([verb, "--help"])
     out = capsys.readouterr().out
-    assert "config keys (--set SECTION.KEY=VALUE" in out
+    assert "(--set SECTION.KEY=VALUE; docs/config.md says" in out
     for spec in config_keys():
         assert f"  {spec.path}=" in out, spec.path
-    assert "  optim.lr=0.0006  [in (0, 1]]  AdamW's peak learning rate" in out
+    assert max(len(line) for line in out.splitlines()) <= 100
+    if verb == "run":
+        assert "config keys (--set SECTION.KEY=VALUE" in out
+        assert "  optim.lr=0.0006  [in (0, 1]]  AdamW's peak learning rate" in out
+
+
+def test_the_demo_help_shows_the_demos_own_values_not_config_yamls(capsys):
+    """What `dflash-tui demo` runs with, not the schema's defaults (run.name=dflash,
+    target.dtype=bfloat16, optim.lr=0.0006 are config.yaml's)."""
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    out = capsys.readouterr().out
+    assert "config keys at the demo's values, on the CPU (--set" in out
+    for line in ("  run.name=demo  ", "  run.output_dir=runs  ", "  run.max_steps=0  ",
+                 "  run.log_every_s=2.0  ", "  target.path=builtin:tiny  ",
+                 "  target.dtype=float32  ", "  drafter.objective=dflash  ",
+                 "  drafter.num_layers=2  ", "  optim.lr=0.006  ", "  optim.epochs=8  ",
+                 "  checkpoint.every=200  ", "  layout.device=cpu (with GPUs: cuda)  ",
+                 "  layout.targets=[0]  ", "  layout.drafters=[0] (with GPUs: [0], 2+ GPUs [1])  "):
+        assert line in out, line
+    assert "run.name=dflash" not in out and "optim.lr=0.0006" not in out
 
 
 @pytest.mark.parametrize("verb", ["attach", "serve"])

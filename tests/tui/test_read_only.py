@@ -6,7 +6,7 @@ from textual.screen import ModalScreen
 
 import tui_scenarios as sc
 from dflash_core.pipeline.inbox import command_dir
-from dflash_tui.app import READ_ONLY_MESSAGE, DFlashApp
+from dflash_tui.app import READ_ONLY_SERVED, DFlashApp, read_only_message
 from dflash_tui.sources.follow import FollowController
 
 
@@ -26,7 +26,11 @@ async def test_a_read_only_view_refuses_abort_and_restart_and_still_detaches(tmp
             assert not isinstance(app.screen, ModalScreen)  # no "are you sure?": refused
         await app.run_action("abort")  # the command palette's way in is refused too
         await pilot.pause(0.2)
-        assert [n.message for n in app._notifications] == [READ_ONLY_MESSAGE] * 3
+        said = [n.message for n in app._notifications]
+        # A terminal's view names the command that acts, for this run folder: not serve's flag.
+        assert said == [f"read-only view: dflash-tui attach {tmp_path} --control allows "
+                        "abort/restart"] * 3
+        assert "serve" not in said[0]
         await pilot.press("q")
         await pilot.pause(0.5)
         assert not app.is_running
@@ -39,3 +43,12 @@ def test_read_only_goes_with_attach(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["--demo", "--read-only"])
     assert exc.value.code == 2 and "--read-only goes with --attach" in capsys.readouterr().err
+
+
+def test_the_read_only_message_names_attach_control_or_serve_where_served():
+    assert read_only_message("runs/my run") == (
+        "read-only view: dflash-tui attach 'runs/my run' --control allows abort/restart")
+    assert read_only_message(None).startswith("read-only view: dflash-tui attach RUN_DIR --control")
+    # A browser tab (serve started its attach): its user passes no command, serve takes the flag.
+    assert read_only_message("runs/demo", served=True) == READ_ONLY_SERVED
+    assert "serve with --control" in READ_ONLY_SERVED
