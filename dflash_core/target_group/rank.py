@@ -1,6 +1,7 @@
 """One rank of a target group: a process of its own, started by the engine (group.py) with
 ``torch.multiprocessing`` (spawn). It joins its group's own process world (a FileStore in the
-run's folder: no port to find, none that two runs could both take), loads its share of the target
+run's folder, not a fixed port two runs could both take; its collectives still use TCP, on the
+loopback only, on ports the kernel picks), loads its share of the target
 through transformers' DistributedConfig, then turns the batches the engine sends into features
 and sends them back.
 
