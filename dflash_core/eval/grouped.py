@@ -114,12 +114,16 @@ def check(split: GroupSplit, folder: Path) -> bool:
     whether the target is a mixture of experts."""
     from dflash_core.models.target.shape import model_shape
     from dflash_core.planning.weight_bytes import quant_method
+    from dflash_core.target_group.fp8_split import check_fp8_split
     from dflash_core.target_group.split import check_split, check_transformers
 
     raw = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     shape = model_shape(raw)
     try:
-        check_split(split, shape, quantized=quant_method(raw) is not None)
+        quant = quant_method(raw)
+        check_split(split, shape, quant=quant)
+        if quant == "fp8":
+            check_fp8_split(split, shape, raw)
         check_transformers(split, shape.experts > 0, shape.model_type)
     except ConfigError as exc:
         raise EvalInputError(f"{in_flags(exc.key)} {_value(split, exc.key)}: "
