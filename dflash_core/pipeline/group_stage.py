@@ -124,6 +124,13 @@ class GroupStage(TargetStage):
             # no beat: a rank that hangs (no progress, no exit) must show as this worker's stall,
             # as a one-GPU target's hung forward does
             return None
+        except (OSError, EOFError, ValueError):
+            # the rank ended while handing over a tensor (or the queue was closed): the teardown
+            # ended the group, or the rank died
+            time.sleep(POLL_S)
+            self._check_group()
+            raise GroupRankFailed(f"target group {self.group.index} rank {rank}: its reply "
+                                  "queue broke while the rank was alive") from None
         kind = msg[0]
         if kind == "error":
             raise self.group.rank_error(rank, msg)

@@ -292,6 +292,14 @@ class Supervisor:
                 break
             if waited >= JOIN_TIMEOUT_S and not warned:
                 warned = True
+                # A stream can wait inside a queue's get for a rank that hangs (a CPU tensor
+                # comes as a file descriptor its sender must hand over, with no timeout):
+                # ending the ranks breaks that wait, and they end with the run anyway.
+                if run.groups:
+                    self._end_groups()
+                    alive = [t for t in alive if t.is_alive()]
+                    if not alive:
+                        break
                 self.bus.publish(Log(level="warning", source="engine", message=(
                     f"waiting for {[t.name for t in alive]} to finish their current GPU call "
                     f"(up to {GIVE_UP_S:.0f} s)")))

@@ -3,6 +3,7 @@ nothing listening beyond the loopback; a group that does not form names how many
 rank that hangs is its worker's stall and an abort still ends the run and every rank."""
 
 import os
+import queue
 import signal
 import threading
 import time
@@ -76,6 +77,61 @@ def test_a_hung_rank_is_a_stall_and_an_abort_still_ends_every_rank(assets, tmp_p
     took = time.monotonic() - t0
     engine.shutdown()
     assert ended.status == "aborted" and took < 20, took
+    for pid in pids:
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie"
+
+
+class _HandOverHang:
+    """A reply queue whose next get waits as a CPU tensor's fd handover from a stopped rank does:
+    no timeout honoured, broken only when the rank ends (then: connection reset)."""
+
+    def __init__(self, q, pid: int):
+        self.q, self.pid = q, pid
+        self.waiting = threading.Event()
+
+    def _alive(self) -> bool:
+        try:
+            return psutil.Process(self.pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    def get(self, timeout=None):
+        self.waiting.set()
+        while self._alive():
+            time.sleep(0.05)
+        raise ConnectionResetError(104, "Connection reset by peer")
+
+    def get_nowait(self):
+        raise queue.Empty
+
+    def __getattr__(self, name):
+        return getattr(self.q, name)
+
+
+@pytest.mark.slow
+def test_an_abort_ends_a_stream_stuck_in_a_handover_from_a_hung_rank(assets, tmp_path):
+    """SIGSTOP between a rank's put and its fd handover leaves the stream in a get that
+    ignores its timeout (CI saw the abort wait the full give-up time): the teardown ends the
+    ranks, which breaks the wait, instead of waiting on the stream first."""
+    target, data = assets
+    cfg = make_config(tmp_path, target, data, data__eval_prompts=0, run__max_steps=0,
+                      optim__epochs=200, checkpoint__every=0, **GROUP)
+    engine = Engine(cfg)
+    rec = Recorder(engine.bus)
+    engine.start()
+    rec.wait_for(lambda e: getattr(e, "state", "") == "training", 120)
+    group = engine._run.groups[0]
+    pids = [p.pid for p in group.procs]
+    hang = _HandOverHang(group.replies[1], pids[1])
+    group.replies[1] = hang
+    assert hang.waiting.wait(30)
+    t0 = time.monotonic()
+    threading.Thread(target=engine.abort, daemon=True).start()
+    ended = rec.wait_for(lambda e: isinstance(e, RunEnded), 60)
+    took = time.monotonic() - t0
+    engine.shutdown()
+    assert ended.status == "aborted" and took < 20, took
+    assert not [e for e in rec.events if getattr(e, "fatal", False)]
     for pid in pids:
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie"
 
