@@ -105,6 +105,11 @@ class GroupSession:
             msg = g.replies[rank].get(timeout=POLL_S / max(1, g.split.k))
         except queue.Empty:
             return None
+        except (OSError, EOFError, ValueError):
+            # the rank ended while handing over a tensor (its fd): name it as a death
+            time.sleep(POLL_S)
+            raise g.dead_rank() or GroupRankFailed(f"target group rank {rank}: its reply queue "
+                                                   "broke while the rank was alive") from None
         if msg[0] == "error":
             raise g.rank_error(rank, msg)
         return msg
