@@ -56,6 +56,18 @@ def test_a_group_that_does_not_form_names_how_many_ranks_came(tmp_path):
     assert time.monotonic() - t0 < 5 and err.value.hint
 
 
+def _abort_ends_every_rank(engine, rec, pids) -> None:
+    """An abort ends the run (aborted, within 20 s) and every rank's process."""
+    t0 = time.monotonic()
+    threading.Thread(target=engine.abort, daemon=True).start()
+    ended = rec.wait_for(lambda e: isinstance(e, RunEnded), 60)
+    took = time.monotonic() - t0
+    engine.shutdown()
+    assert ended.status == "aborted" and took < 20, took
+    for pid in pids:
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie"
+
+
 @pytest.mark.slow
 def test_a_hung_rank_is_a_stall_and_an_abort_still_ends_every_rank(assets, tmp_path):
     target, data = assets
@@ -71,14 +83,7 @@ def test_a_hung_rank_is_a_stall_and_an_abort_still_ends_every_rank(assets, tmp_p
     os.kill(pids[1], signal.SIGSTOP)  # no progress, no exit
     stall = rec.wait_for(lambda e: isinstance(e, Stall) and not e.cleared, 60)
     assert stall.worker.startswith("target-")
-    t0 = time.monotonic()
-    threading.Thread(target=engine.abort, daemon=True).start()
-    ended = rec.wait_for(lambda e: isinstance(e, RunEnded), 60)
-    took = time.monotonic() - t0
-    engine.shutdown()
-    assert ended.status == "aborted" and took < 20, took
-    for pid in pids:
-        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie"
+    _abort_ends_every_rank(engine, rec, pids)
 
 
 class _HandOverHang:
@@ -125,15 +130,8 @@ def test_an_abort_ends_a_stream_stuck_in_a_handover_from_a_hung_rank(assets, tmp
     hang = _HandOverHang(group.replies[1], pids[1])
     group.replies[1] = hang
     assert hang.waiting.wait(30)
-    t0 = time.monotonic()
-    threading.Thread(target=engine.abort, daemon=True).start()
-    ended = rec.wait_for(lambda e: isinstance(e, RunEnded), 60)
-    took = time.monotonic() - t0
-    engine.shutdown()
-    assert ended.status == "aborted" and took < 20, took
+    _abort_ends_every_rank(engine, rec, pids)
     assert not [e for e in rec.events if getattr(e, "fatal", False)]
-    for pid in pids:
-        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie"
 
 
 def test_the_rendezvous_files_of_engines_no_longer_alive_are_removed(tmp_path):
