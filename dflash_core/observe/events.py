@@ -4,7 +4,8 @@ Each one serialises to a single JSON line (``to_json``) and comes back with ``fr
 ``events.jsonl`` replays into any subscriber (the dashboard, tests, a post-mortem). The bus that
 carries them is ``dflash_core.observe.bus``; the file they are written to and read back from is
 ``dflash_core.observe.event_log``'s. The base class is ``event_base.Event``; the periodic
-samples (GPU, host, queue depths) are ``sample_events``'; this module is the whole vocabulary.
+samples (GPU, host, queue depths) are ``sample_events``', the progress of loads, background
+checkpoints and builds ``progress_events``'; this module names the whole vocabulary.
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from dflash_core.observe.event_base import Event
+from dflash_core.observe.progress_events import (  # noqa: F401 - part of the vocabulary
+    BuildProgress, CheckpointProgress, LoadProgress,
+)
 from dflash_core.observe.sample_events import (  # noqa: F401 - part of the vocabulary
     HS_QUEUE, GpuSample, HostSample, QueueDepth, prefetch_queue, prefetch_rank,
 )
@@ -123,23 +127,6 @@ class WorkerStatus(Event):
     status: str
     detail: str = ""
     kind: ClassVar[str] = "WorkerStatus"
-
-
-@dataclass(frozen=True)
-class LoadProgress(Event):
-    """A load's progress: a target's weights (models/target/load.load_target reports these
-    fields but the worker and device), or a checkpoint a resume reads (worker "checkpoint")."""
-
-    worker: str
-    device: str
-    bytes_loaded: int
-    bytes_total: int
-    shards_loaded: int
-    shards_total: int
-    seconds: float
-    done: bool = False
-    memory_after: int = 0  # bytes allocated on the device once loaded (0 until done)
-    kind: ClassVar[str] = "LoadProgress"
 
 
 @dataclass(frozen=True)
@@ -263,39 +250,6 @@ class Checkpoint(Event):
     blocked_s: float = 0.0  # training stopped for this; ``seconds`` is staging to durable
     kind: ClassVar[str] = "Checkpoint"
     keep_when_behind: ClassVar[bool] = True
-
-
-@dataclass(frozen=True)
-class CheckpointProgress(Event):
-    """A checkpoint being written in the background (about once a second): it is progress,
-    not a stall. Ends with its Checkpoint event (or an Error)."""
-
-    step: int
-    bytes_written: int
-    bytes_total: int
-    seconds: float  # since it was staged
-    reason: str = "periodic"
-    kind: ClassVar[str] = "CheckpointProgress"
-    sets_state: ClassVar[bool] = False
-
-
-@dataclass(frozen=True)
-class BuildProgress(Event):
-    """Something the run builds before it can load (the demo's target, trained on the spot in
-    about two minutes on first use, and its data; planning/preflight.py publishes these): how
-    far, with the builder's own words ("demo target step 120/600, loss 2.10"). Done at 1.0. At
-    most one per whole percent; train.log has a Log line every 10% instead."""
-
-    what: str  # "demo target", "demo data"
-    fraction: float  # in [0, 1]
-    message: str = ""
-    kind: ClassVar[str] = "BuildProgress"
-    sets_state: ClassVar[bool] = False  # each replaces the last
-    in_text_log: ClassVar[bool] = False
-
-    @property
-    def done(self) -> bool:
-        return self.fraction >= 1.0
 
 
 @dataclass(frozen=True)
