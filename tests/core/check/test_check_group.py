@@ -79,6 +79,7 @@ def _check_cli(path, *more) -> subprocess.Popen:
                             text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
+@pytest.mark.slow  # fast path: test_eval_group.py's killed rank (the same group session)
 def test_a_rank_killed_during_the_check_is_named_and_no_rank_is_left(tmp_path):
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(_grouped(_config(tmp_path))))

@@ -115,6 +115,7 @@ def losses(events) -> list[tuple[int, float, int]]:
 # Two nodes train as one
 # --------------------------------------------------------------------------------------------
 
+@pytest.mark.slow  # fast path: test_demo_nodes.py, two nodes training in one folder
 def test_two_nodes_under_torchrun_match_one_node_with_the_same_global_batch(tmp_path, assets):
     """2 nodes x 1 drafter against 1 node x 2 drafters: the same batches meet in each step (node
     k takes global batches k, k+2, ...; one node's two drafters take consecutive ones)."""

@@ -77,6 +77,7 @@ def rank_pids(run: Headless) -> list[int]:
     return [int(p) for p in re.search(r"pids \[([\d, ]+)\]", line).group(1).split(", ")]
 
 
+@pytest.mark.slow  # fast path: test_eval_group.py's killed rank, test_group_faults.py's naming
 def test_a_killed_rank_fails_the_run_naming_it_and_a_resume_trains_on(assets, tmp_path):
     target, data = assets
     cfg = make_config(tmp_path, target, data, data__eval_prompts=0, run__max_steps=0,
