@@ -115,6 +115,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--steps", type=int, default=6, help="timed steps (or loss passes)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (compiling)")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="after the timed steps, one more under torch.profiler: its N kernels "
+                         "of most device time (where the step goes)")
     ap.add_argument("--shapes", default="8B,27B",
                     help=f"comma list of {', '.join(SHAPES)}; one per call keeps each under a "
                          "limit")
@@ -560,9 +563,26 @@ def main(argv=None) -> None:
                                   "and taps, and its selector's gate and pair scores"
                                   if dflash2 else "")
               + "; recompute in backward not counted)", flush=True)
+        if args.profile:
+            profile_step(rep, batch, feats, device, args.profile, args.steps + args.warmup)
         del rep, drafter, embed, head, feats
         if cuda:
             torch.cuda.empty_cache()
+
+
+def profile_step(rep, batch, feats, device, top: int, step: int) -> None:
+    """One more step (accumulate, then reduce and the optimizer) under torch.profiler: the
+    ``top`` kernels by device time (self), and their share of the step's."""
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sync(device)
+    with profile(activities=acts) as prof:
+        rep.accumulate(batch, feats, seed=0)
+        reduce_and_step([rep], step, 1000)
+        sync(device)
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=top, max_name_column_width=70),
+          flush=True)
 
 
 if __name__ == "__main__":

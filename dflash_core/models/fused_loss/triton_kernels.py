@@ -187,10 +187,12 @@ def kernels() -> SimpleNamespace:
         label = tl.load(labels_ptr + row)
         ul = tl.load(base + label).to(tl.float32) * mult
         if SOFTCAP:
-            v = ul / cap
-            e = tl.exp(-2.0 * tl.abs(v))
-            t = (1.0 - e) / (1.0 + e)
-            ul = cap * tl.where(v < 0, -t, t)
+            # Scalars of their own names: Triton refuses a name that is a scalar here and a
+            # block in the gradient loop below (a loop-carried type change).
+            vl = ul / cap
+            el = tl.exp(-2.0 * tl.abs(vl))
+            th = (1.0 - el) / (1.0 + el)
+            ul = cap * tl.where(vl < 0, -th, th)
         tl.store(ce_ptr + row, lse - ul)
         tl.store(arg_ptr + row, best_i.to(tl.int64))
         tl.store(lse_ptr + row, lse)
