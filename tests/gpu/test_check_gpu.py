@@ -34,8 +34,9 @@ def test_check_passes_on_the_gpus(tmp_path, demo_data):
 def test_check_finds_a_leak_in_the_gpu_block_mask(tmp_path, demo_data, monkeypatch):
     make = block_attention.make_block_mask
 
-    def sees_its_anchor(anchors, ctx_len, block_size):
-        return make(torch.where(anchors >= 0, anchors + 1, anchors), ctx_len, block_size)
+    def sees_its_anchor(anchors, ctx_len, block_size, causal=False):
+        return make(torch.where(anchors >= 0, anchors + 1, anchors), ctx_len, block_size,
+                    causal=causal)
 
     # drafter.py holds its own name for the mask builder.
     from dflash_core.models.dflash import drafter

@@ -18,6 +18,11 @@ one: in autocast's dtype under autocast (bf16 on the GPU, the served dtype), els
 ``accumulate_in(torch.float32)`` computes it in float32 instead, the earlier numerics, for
 measuring what the served rounding costs (bench/eval/dflash2_conv_precision.py).
 
+Speed: on CUDA both passes run compiled (torch.compile, Inductor told to keep every eager
+rounding: ``emulate_precision_casts``), each one fused kernel instead of a dozen elementwise
+passes over the block: the same values bit for bit (forward and dx; Delta's and beta's float32
+sums in another order). On the CPU, and wherever compiling fails (said once), eager.
+
 Memory: one autograd node per convolution that keeps only its input (in the conv's dtype) and
 Delta; backward rebuilds the coefficients. The normalised input is cast once and shared by the
 projection and the convolution, and the convolution's output (already in the compute dtype) is
@@ -30,11 +35,14 @@ exactly: a fresh DFlash2 drafter computes what a DFlash drafter with the same we
 from __future__ import annotations
 
 import contextlib
+import threading
+import warnings
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash_core.models.compile_guard import SerialCompiled, is_compile_failure
 from dflash_core.models.dflash.drafter import DrafterLayer
 
 # The convolution's arithmetic dtype when set (accumulate_in); None: the model's (vLLM's).
@@ -119,6 +127,38 @@ def conv_grads(g: torch.Tensor, x: torch.Tensor, delta: torch.Tensor, beta: torc
     return dx, dd, db
 
 
+_fused_lock = threading.Lock()
+_fused: dict[str, SerialCompiled] = {}
+_fused_failed = False
+
+
+def fused(name: str, fn):
+    """``fn`` compiled once per process (lengths dynamic; Inductor keeps eager's roundings)."""
+    with _fused_lock:
+        if name not in _fused:
+            _fused[name] = SerialCompiled(fn, dynamic=True,
+                                          options={"emulate_precision_casts": True})
+        return _fused[name]
+
+
+def run_pass(name: str, fn, x: torch.Tensor, *args):
+    """``fn(x, *args)``, compiled where x is on CUDA; eager on the CPU, or for the rest of the
+    process once compiling has failed (a warning names the cause: the arithmetic is the same,
+    only slower)."""
+    global _fused_failed
+    if not x.is_cuda or _fused_failed:
+        return fn(x, *args)
+    try:
+        return fused(name, fn)(x, *args)
+    except Exception as exc:
+        if not is_compile_failure(exc):
+            raise
+        _fused_failed = True
+        warnings.warn(f"DFlash2's convolution runs eagerly (slower, same values): compiling it "
+                      f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+        return fn(x, *args)
+
+
 class _Conv(torch.autograd.Function):
     """conv_values with a backward that keeps x and Delta only (beta is a parameter)."""
 
@@ -127,13 +167,14 @@ class _Conv(torch.autograd.Function):
         low = beta.to(x.dtype)
         ctx.save_for_backward(x, delta, low)
         ctx.block, ctx.beta_dtype = block, beta.dtype
-        return conv_values(x, delta, low, block)
+        return run_pass("values", conv_values, x, delta, low, block)
 
     @staticmethod
     def backward(ctx, g):
         x, delta, low = ctx.saved_tensors
         need = ctx.needs_input_grad[:3]
-        dx, dd, db = conv_grads(g.to(x.dtype), x, delta, low, ctx.block, need)
+        dx, dd, db = run_pass("grads", conv_grads, g.to(x.dtype), x, delta, low, ctx.block,
+                              need)
         return dx, dd, None if db is None else db.to(ctx.beta_dtype), None
 
 

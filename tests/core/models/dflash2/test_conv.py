@@ -3,6 +3,8 @@ across a block, and the formula of the format (coefficient from the output row, 
 side*T*M + tap*M + group), checked against a loop written from it; in bf16 rounded op by op as
 the served convolution is, in float32 on request, and its node's gradients."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -218,3 +220,53 @@ def test_the_layer_saves_what_the_memory_plan_counts():
     with conv_module.accumulate_in(torch.float32):  # the measure can fail: float32 saves more
         wide = (slope(dflash2(layers=layers)) - slope(dflash(layers=layers))) / (layers * TH * 2)
     assert wide > extra + 3
+
+
+@pytest.mark.slow  # ~45 s of Inductor compiling on 2 cores; tests/gpu/test_dflash2_conv_gpu.py
+# runs the same compiled passes on CUDA, and every CPU test above runs the eager ones
+def test_the_compiled_passes_compute_the_eager_values():
+    """The passes CUDA runs compiled (Inductor keeping eager's roundings), here compiled for the
+    CPU: the forward and dx equal bit for bit in bf16; Delta's and beta's float32 sums agree to
+    float32's rounding (another summation order)."""
+    B, A, n = 4, 3, 2
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(n, A * B, H, generator=g).to(torch.bfloat16)
+    delta = (torch.randn(n, A * B, T, M, generator=g) * 0.3).to(torch.bfloat16)
+    beta = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    up = torch.randn(n, A * B, H, generator=g).to(torch.bfloat16)
+    values = conv_module.fused("values", conv_module.conv_values)
+    grads = conv_module.fused("grads", conv_module.conv_grads)
+    assert torch.equal(values(x, delta, beta, B), conv_module.conv_values(x, delta, beta, B))
+    need = (True, True, True)
+    got = grads(up, x, delta, beta, B, need)
+    want = conv_module.conv_grads(up, x, delta, beta, B, need)
+    assert torch.equal(got[0], want[0])
+    for a, b in zip(got[1:], want[1:]):
+        assert a.dtype == b.dtype
+        assert (a.float() - b.float()).abs().max() <= 1e-5 * b.float().abs().max() + 1e-2 * (
+            b.dtype == torch.bfloat16)
+
+
+def test_a_failed_compile_runs_the_eager_pass_and_says_so(monkeypatch):
+    """Compiling can fail on a node (an old Triton, a missing compiler): the convolution then
+    runs eagerly for the rest of the process, with one warning naming the cause."""
+    from torch._inductor.exc import InductorError
+
+    class Broken:
+        def __call__(self, *a):
+            raise InductorError(RuntimeError("no C compiler"), None)
+
+    monkeypatch.setattr(conv_module, "_fused_failed", False)
+    monkeypatch.setattr(conv_module, "fused", lambda name, fn: Broken())
+    x = SimpleNamespace(is_cuda=True)  # all run_pass reads of its input
+    calls = []
+
+    def eager(a, b):
+        calls.append(b)
+        return b
+
+    with pytest.warns(UserWarning, match="runs eagerly.*no C compiler"):
+        assert conv_module.run_pass("values", eager, x, 7) == 7
+    assert conv_module._fused_failed
+    assert conv_module.run_pass("values", eager, x, 8) == 8  # no second try, no second warning
+    assert calls == [7, 8]
