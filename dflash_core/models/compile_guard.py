@@ -47,13 +47,15 @@ class SerialCompiled:
 
 
 def is_compile_failure(exc: BaseException) -> bool:
-    """Whether ``exc`` (or an exception it was raised from) is torch.compile failing to build a
-    kernel (inductor's lowering or codegen, dynamo's backend), as opposed to the computation."""
+    """Whether ``exc`` (or an exception it was raised from) is a kernel failing to build
+    (torch.compile's inductor lowering or codegen, dynamo's backend; Triton's compiler, or its
+    runtime refusing the built kernel), as opposed to the computation."""
     seen: set[int] = set()
     e: BaseException | None = exc
     while e is not None and id(e) not in seen:
         seen.add(id(e))
-        if type(e).__module__.startswith(("torch._inductor", "torch._dynamo")):
+        if type(e).__module__.startswith(("torch._inductor", "torch._dynamo", "triton.compiler",
+                                          "triton.runtime")):
             return True
         e = e.__cause__ or e.__context__
     return False

@@ -18,10 +18,10 @@ one: in autocast's dtype under autocast (bf16 on the GPU, the served dtype), els
 ``accumulate_in(torch.float32)`` computes it in float32 instead, the earlier numerics, for
 measuring what the served rounding costs (bench/eval/dflash2_conv_precision.py).
 
-Speed: on CUDA both passes run compiled (torch.compile, Inductor told to keep every eager
-rounding: ``emulate_precision_casts``), each one fused kernel instead of a dozen elementwise
-passes over the block: the same values bit for bit (forward and dx; Delta's and beta's float32
-sums in another order). On the CPU, and wherever compiling fails (said once), eager.
+Speed: on CUDA with Triton both passes run as conv_triton's kernels, one each instead of a
+dozen elementwise passes over the block, rounding as these eager ones do (the forward and dx
+bit for bit; Delta's and beta's float32 sums in another order). On the CPU, and after a kernel
+has failed to build (said once), the eager passes below.
 
 Memory: one autograd node per convolution that keeps only its input (in the conv's dtype) and
 Delta; backward rebuilds the coefficients. The normalised input is cast once and shared by the
@@ -35,15 +35,16 @@ exactly: a fresh DFlash2 drafter computes what a DFlash drafter with the same we
 from __future__ import annotations
 
 import contextlib
-import threading
 import warnings
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_core.models.compile_guard import SerialCompiled, is_compile_failure
+from dflash_core.models.compile_guard import is_compile_failure
 from dflash_core.models.dflash.drafter import DrafterLayer
+from dflash_core.models.dflash2 import conv_triton
+from dflash_core.models.fused_loss.select import triton_installed
 
 # The convolution's arithmetic dtype when set (accumulate_in); None: the model's (vLLM's).
 _ACCUMULATE: torch.dtype | None = None
@@ -127,36 +128,33 @@ def conv_grads(g: torch.Tensor, x: torch.Tensor, delta: torch.Tensor, beta: torc
     return dx, dd, db
 
 
-_fused_lock = threading.Lock()
-_fused: dict[str, SerialCompiled] = {}
-_fused_failed = False
+_kernels_failed = False
 
 
-def fused(name: str, fn):
-    """``fn`` compiled once per process (lengths dynamic; Inductor keeps eager's roundings)."""
-    with _fused_lock:
-        if name not in _fused:
-            _fused[name] = SerialCompiled(fn, dynamic=True,
-                                          options={"emulate_precision_casts": True})
-        return _fused[name]
+def use_kernels(x: torch.Tensor, group: int) -> bool:
+    """Whether the convolution of x runs as conv_triton's kernels: on CUDA with Triton, in bf16
+    or float32 with a power-of-two group size, until a kernel has once failed to build in this
+    process."""
+    return (x.is_cuda and not _kernels_failed and conv_triton.supported(group, x.dtype)
+            and triton_installed())
 
 
-def run_pass(name: str, fn, x: torch.Tensor, *args):
-    """``fn(x, *args)``, compiled where x is on CUDA; eager on the CPU, or for the rest of the
-    process once compiling has failed (a warning names the cause: the arithmetic is the same,
-    only slower)."""
-    global _fused_failed
-    if not x.is_cuda or _fused_failed:
-        return fn(x, *args)
-    try:
-        return fused(name, fn)(x, *args)
-    except Exception as exc:
-        if not is_compile_failure(exc):
-            raise
-        _fused_failed = True
-        warnings.warn(f"DFlash2's convolution runs eagerly (slower, same values): compiling it "
-                      f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
-        return fn(x, *args)
+def run_pass(name: str, eager, fused, x: torch.Tensor, group: int, *args):
+    """``fused(*args)`` where use_kernels says so, else ``eager(*args)``. A kernel that fails to
+    build (an old Triton, no compiler) leaves the process on the eager pass, with one warning
+    naming the cause: the same arithmetic, only slower."""
+    global _kernels_failed
+    if use_kernels(x, group):
+        try:
+            return fused(*args)
+        except Exception as exc:
+            if not is_compile_failure(exc):
+                raise
+            _kernels_failed = True
+            warnings.warn(f"DFlash2's convolution runs eagerly (slower, same values): its "
+                          f"Triton {name} kernel failed to build: {type(exc).__name__}: "
+                          f"{str(exc).splitlines()[0][:200] if str(exc) else ''}")
+    return eager(*args)
 
 
 class _Conv(torch.autograd.Function):
@@ -167,14 +165,18 @@ class _Conv(torch.autograd.Function):
         low = beta.to(x.dtype)
         ctx.save_for_backward(x, delta, low)
         ctx.block, ctx.beta_dtype = block, beta.dtype
-        return run_pass("values", conv_values, x, delta, low, block)
+        group = x.shape[-1] // delta.shape[-1]
+        return run_pass("forward", conv_values, conv_triton.conv_values, x, group, x, delta,
+                        low, block)
 
     @staticmethod
     def backward(ctx, g):
         x, delta, low = ctx.saved_tensors
         need = ctx.needs_input_grad[:3]
-        dx, dd, db = run_pass("grads", conv_grads, g.to(x.dtype), x, delta, low, ctx.block,
-                              need)
+        g = g.to(x.dtype)
+        group = x.shape[-1] // delta.shape[-1]
+        dx, dd, db = run_pass("backward", conv_grads, conv_triton.conv_grads, x, group,
+                              g, x, delta, low, ctx.block, need)
         return dx, dd, None if db is None else db.to(ctx.beta_dtype), None
 
 

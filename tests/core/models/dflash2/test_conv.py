@@ -222,51 +222,49 @@ def test_the_layer_saves_what_the_memory_plan_counts():
     assert wide > extra + 3
 
 
-@pytest.mark.slow  # ~45 s of Inductor compiling on 2 cores; tests/gpu/test_dflash2_conv_gpu.py
-# runs the same compiled passes on CUDA, and every CPU test above runs the eager ones
-def test_the_compiled_passes_compute_the_eager_values():
-    """The passes CUDA runs compiled (Inductor keeping eager's roundings), here compiled for the
-    CPU: the forward and dx equal bit for bit in bf16; Delta's and beta's float32 sums agree to
-    float32's rounding (another summation order)."""
-    B, A, n = 4, 3, 2
-    g = torch.Generator().manual_seed(8)
-    x = torch.randn(n, A * B, H, generator=g).to(torch.bfloat16)
-    delta = (torch.randn(n, A * B, T, M, generator=g) * 0.3).to(torch.bfloat16)
-    beta = torch.randn(T, H, generator=g).to(torch.bfloat16)
-    up = torch.randn(n, A * B, H, generator=g).to(torch.bfloat16)
-    values = conv_module.fused("values", conv_module.conv_values)
-    grads = conv_module.fused("grads", conv_module.conv_grads)
-    assert torch.equal(values(x, delta, beta, B), conv_module.conv_values(x, delta, beta, B))
-    need = (True, True, True)
-    got = grads(up, x, delta, beta, B, need)
-    want = conv_module.conv_grads(up, x, delta, beta, B, need)
-    assert torch.equal(got[0], want[0])
-    for a, b in zip(got[1:], want[1:]):
-        assert a.dtype == b.dtype
-        assert (a.float() - b.float()).abs().max() <= 1e-5 * b.float().abs().max() + 1e-2 * (
-            b.dtype == torch.bfloat16)
+class CompilationError(Exception):
+    """Stands for Triton's compiler error (what is_compile_failure knows it by: its module)."""
 
 
-def test_a_failed_compile_runs_the_eager_pass_and_says_so(monkeypatch):
-    """Compiling can fail on a node (an old Triton, a missing compiler): the convolution then
-    runs eagerly for the rest of the process, with one warning naming the cause."""
-    from torch._inductor.exc import InductorError
+CompilationError.__module__ = "triton.compiler.errors"
 
-    class Broken:
-        def __call__(self, *a):
-            raise InductorError(RuntimeError("no C compiler"), None)
 
-    monkeypatch.setattr(conv_module, "_fused_failed", False)
-    monkeypatch.setattr(conv_module, "fused", lambda name, fn: Broken())
-    x = SimpleNamespace(is_cuda=True)  # all run_pass reads of its input
-    calls = []
+def test_a_kernel_that_fails_to_build_leaves_the_eager_pass_and_says_so(monkeypatch):
+    """A Triton kernel can fail to build on a node (an old Triton, no compiler): the
+    convolution then runs its eager pass for the rest of the process, with one warning naming
+    the cause; an error of the computation itself still raises."""
+    monkeypatch.setattr(conv_module, "_kernels_failed", False)
+    monkeypatch.setattr(conv_module, "triton_installed", lambda: True)
+    x = SimpleNamespace(is_cuda=True, dtype=torch.bfloat16)  # all run_pass reads of its input
+    eager_calls, fused_calls = [], []
 
-    def eager(a, b):
-        calls.append(b)
-        return b
+    def eager(v):
+        eager_calls.append(v)
+        return v
 
-    with pytest.warns(UserWarning, match="runs eagerly.*no C compiler"):
-        assert conv_module.run_pass("values", eager, x, 7) == 7
-    assert conv_module._fused_failed
-    assert conv_module.run_pass("values", eager, x, 8) == 8  # no second try, no second warning
-    assert calls == [7, 8]
+    def broken(v):
+        fused_calls.append(v)
+        raise CompilationError("at 3:4: ptxas is too old")
+
+    def wrong(v):
+        raise ValueError("shapes do not match")
+
+    with pytest.raises(ValueError, match="shapes do not match"):
+        conv_module.run_pass("forward", eager, wrong, x, 16, 1)
+    assert not conv_module._kernels_failed and eager_calls == []
+    with pytest.warns(UserWarning, match="runs eagerly.*forward kernel.*ptxas is too old"):
+        assert conv_module.run_pass("forward", eager, broken, x, 16, 2) == 2
+    assert conv_module._kernels_failed
+    assert conv_module.run_pass("backward", eager, broken, x, 16, 3) == 3  # no second try
+    assert fused_calls == [2] and eager_calls == [2, 3]
+
+
+def test_the_kernels_take_what_they_were_written_for():
+    """conv_triton's kernels: bf16 and float32, power-of-two groups; everything else, and every
+    CPU tensor, takes the eager passes."""
+    from dflash_core.models.dflash2 import conv_triton
+
+    assert conv_triton.supported(16, torch.bfloat16) and conv_triton.supported(1, torch.float32)
+    assert not conv_triton.supported(24, torch.bfloat16)
+    assert not conv_triton.supported(16, torch.float16)
+    assert not conv_module.use_kernels(torch.zeros(1, 2, H, dtype=torch.bfloat16), G)
