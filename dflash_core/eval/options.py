@@ -1,6 +1,6 @@
-"""What an evaluation is asked (``EvalOptions``: the eval verb's flags) and their first
-resolution, before anything loads: the device, the dtype, the target's folder and its identity
-(runner.Evaluation checks the rest)."""
+"""What an evaluation is asked (``EvalOptions``: the eval verb's flags), the checks of their
+values alone, and their first resolution, before anything loads: the device, the dtype, the
+target's folder and its identity (runner.Evaluation checks the rest)."""
 
 from __future__ import annotations
 
@@ -53,6 +53,22 @@ class EvalOptions:
     parallel: str = "sharded"
     expert_parallel: bool = True
 
+
+
+def check_values(opts: EvalOptions) -> None:
+    """Refuse a value no evaluation can run with, in the flag's words."""
+    if opts.max_new_tokens < 1:
+        raise EvalInputError(f"--max-new-tokens {opts.max_new_tokens}: must be >= 1")
+    if opts.batch < 1:
+        raise EvalInputError(f"--batch {opts.batch}: must be >= 1")
+    if not opts.temperature >= 0:
+        raise EvalInputError(f"--temperature {opts.temperature}: must be >= 0")
+    if not opts.drafters:
+        raise EvalInputError("no --drafter to evaluate", hint="pass --drafter CHECKPOINT "
+                             "(twice to compare two)")
+    if not opts.prompts and not opts.long_prompts:
+        raise EvalInputError("no --prompts set", hint="pass --prompts NAME=FILE.jsonl (or "
+                             "--long-prompts NAME=FILE.jsonl)")
 
 def resolve_device(spec: str) -> torch.device:
     if spec == "auto":

@@ -184,3 +184,24 @@ def load_prompt_set(name: str, path: str | Path, limit: int = 0, long: bool = Fa
         raise EvalInputError(f"prompt set {name}: {path} holds no prompts",
                              hint=f"write {SHAPES}")
     return PromptSet(name, path, hashlib.sha256(raw).hexdigest()[:16], tuple(prompts), long)
+
+
+def load_sets(prompts: list[str], long_prompts: list[str], limit: int = 0,
+              reserved: str = "") -> list[PromptSet]:
+    """The sets of --prompts and --long-prompts (NAME=FILE each), loaded. Each name gets a
+    folder of its own: two names equal but for case are refused (a case-blind disk would merge
+    them), and so is ``reserved`` (a file the results folder already holds)."""
+    sets, seen = [], set()
+    specs = [(spec, False) for spec in prompts] + [(spec, True) for spec in long_prompts]
+    for spec, long in specs:
+        name, path = parse_spec(spec)
+        if name.casefold() in seen:
+            raise EvalInputError(f"--prompts: two sets named {name}" + (
+                "" if name in {n for n, _, _ in sets} else " (told apart only by case)"),
+                                 hint="give each set its own NAME=FILE")
+        if reserved and name.casefold() == reserved:
+            raise EvalInputError(f"--prompts {spec!r}: the set name {name} is the summary's "
+                                 "file name", hint="name the set otherwise (NAME=FILE)")
+        seen.add(name.casefold())
+        sets.append((name, path, long))
+    return [load_prompt_set(name, path, limit, long) for name, path, long in sets]

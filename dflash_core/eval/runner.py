@@ -29,10 +29,10 @@ import dflash_core.eval.served_memory as served_memory
 from dflash_core.eval.drafter_dtype import check_dtype, served_dtype_of
 from dflash_core.eval.errors import EvalInputError
 from dflash_core.eval.options import (
-    EvalOptions, resolve_device, resolve_dtype, target_folder, target_id,
+    EvalOptions, check_values, resolve_device, resolve_dtype, target_folder, target_id,
 )
 from dflash_core.eval.report import EvalReport, SetReport, report_json  # noqa: F401
-from dflash_core.eval.prompt_sets import PromptSet, load_prompt_set, parse_spec
+from dflash_core.eval.prompt_sets import PromptSet, load_sets
 from dflash_core.eval.rendering import (
     generation_config, load_chat_tokenizer, longest_past, render_set, stop_ids, template_kwargs,
     tokenizer_spec,
@@ -95,18 +95,7 @@ class Evaluation:
 
     def __init__(self, opts: EvalOptions, say: Callable[[str], None] = print):
         self.opts, self.say = opts, say
-        if opts.max_new_tokens < 1:
-            raise EvalInputError(f"--max-new-tokens {opts.max_new_tokens}: must be >= 1")
-        if opts.batch < 1:
-            raise EvalInputError(f"--batch {opts.batch}: must be >= 1")
-        if not opts.temperature >= 0:
-            raise EvalInputError(f"--temperature {opts.temperature}: must be >= 0")
-        if not opts.drafters:
-            raise EvalInputError("no --drafter to evaluate", hint="pass --drafter CHECKPOINT "
-                                 "(twice to compare two)")
-        if not opts.prompts and not opts.long_prompts:
-            raise EvalInputError("no --prompts set", hint="pass --prompts NAME=FILE.jsonl (or "
-                                 "--long-prompts NAME=FILE.jsonl)")
+        check_values(opts)
         if opts.engine not in served.ENGINES:
             raise EvalInputError(f"--engine {opts.engine!r}: use ours or vllm")
         grouped.check_engine(opts.gpus_per_copy, opts.engine)
@@ -119,7 +108,7 @@ class Evaluation:
         self.vllm_memory = served_memory.parse_memory(opts.vllm_memory)
         self.device = resolve_device(opts.device)
         self.dtype = resolve_dtype(opts.dtype, self.device)
-        self.sets = self._sets()
+        self.sets = load_sets(opts.prompts, opts.long_prompts, opts.limit, reserved=RESULTS)
         self.folder = target_folder(opts.target)
         self.target_config = self._target_config()
         self.group = grouped.plan_group(opts.gpus_per_copy, opts.target_gpus, opts.parallel,
@@ -168,23 +157,6 @@ class Evaluation:
         self.served: served.ServedReport | None = None
 
     # -- checks before any weight is read -------------------------------------------------
-    def _sets(self) -> list[PromptSet]:
-        sets, seen = [], set()
-        specs = ([(spec, False) for spec in self.opts.prompts]
-                 + [(spec, True) for spec in self.opts.long_prompts])
-        for spec, long in specs:
-            name, path = parse_spec(spec)
-            if name.casefold() in seen:  # one folder each, on a case-blind disk too
-                raise EvalInputError(f"--prompts: two sets named {name}" + (
-                    "" if name in {n for n, _, _ in sets} else " (told apart only by case)"),
-                                     hint="give each set its own NAME=FILE")
-            if name.casefold() == RESULTS:
-                raise EvalInputError(f"--prompts {spec!r}: the set name {name} is the summary's "
-                                     "file name", hint="name the set otherwise (NAME=FILE)")
-            seen.add(name.casefold())
-            sets.append((name, path, long))
-        return [load_prompt_set(name, path, self.opts.limit, long) for name, path, long in sets]
-
     def _target_config(self):
         from dflash_core.models.target.config import (
             FLAG_WORDS, TargetLoadError, load_target_config,
