@@ -39,9 +39,13 @@ headless-demo: install
 # One intra-op thread per test process: the tests' models are tiny and most runs have a target
 # and a drafter thread of their own, so a second intra-op thread only spins at its barriers on a
 # 2-core machine (408 tests of core/models, pipeline/test_engine and tui/test_app: 214 s with
-# the default, 116 s with one thread; the whole make test 1060 s, 1868 passed).
+# the default, 116 s with one thread). Two test processes (pytest-xdist), whole files each: one
+# process kept ~1.1 of the 2 cores busy, many tests wait on children and clocks (the whole make
+# test on a fresh cache, 2 cores: 1120 s in one process, 820 s in two). TEST_WORKERS=0: one.
+TEST_WORKERS ?= 2
 test: install
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not slow and not serve"
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not slow and not serve" \
+		$(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
 
 test-slow: install
 	$(PY) -m pytest -q -m "slow and not serve"
