@@ -54,7 +54,6 @@ class EvalOptions:
     expert_parallel: bool = True
 
 
-
 def check_values(opts: EvalOptions) -> None:
     """Refuse a value no evaluation can run with, in the flag's words."""
     if opts.max_new_tokens < 1:
@@ -69,6 +68,7 @@ def check_values(opts: EvalOptions) -> None:
     if not opts.prompts and not opts.long_prompts:
         raise EvalInputError("no --prompts set", hint="pass --prompts NAME=FILE.jsonl (or "
                              "--long-prompts NAME=FILE.jsonl)")
+
 
 def resolve_device(spec: str) -> torch.device:
     if spec == "auto":
